@@ -1,0 +1,132 @@
+"""``data:`` URL parsing and strict base64 decoding with the size checked before any work.
+
+Inline media arrives as base64 text, often tens of MB. Three rules keep that cheap and safe:
+
+- The header (``data:image/png;base64,``) is parsed from the first bytes only; the payload is never
+  scanned by Python code.
+- The decoded size is known from the encoded length, so an oversized item is refused (413) before a
+  single byte is decoded or allocated.
+- Decoding is strict (``validate=True``): the lenient default silently drops junk characters, so a
+  mangled payload would decode into a different file instead of being refused.
+"""
+
+from __future__ import annotations
+
+import binascii
+import re
+from dataclasses import dataclass
+
+import pybase64
+
+from .base import MediaError
+
+# "data:" + a MIME type with parameters fits easily; a longer header is not a media data URL.
+_HEADER_LIMIT = 256
+_BASE64_MARK = b";base64"
+_NOT_BASE64 = re.compile(rb"[^A-Za-z0-9+/=]")
+
+
+@dataclass(frozen=True, slots=True)
+class DataUrl:
+    """The parsed header of a base64 ``data:`` URL."""
+
+    mime: str  # lowercased, "" when absent ("data:;base64,...")
+    params: str  # raw text between the MIME type and ";base64", e.g. ";charset=utf-8"; usually ""
+    payload_offset: int  # index in the input where the base64 payload starts (after the comma)
+
+
+def parse_data_url(value: bytes | memoryview) -> DataUrl | None:
+    """Parse the header of ``value``; None when it is not a ``data:`` URL (e.g. an http URL).
+
+    Only the first 256 bytes are read. A ``data:`` URL that is not base64 or has no comma there is
+    refused with ``invalid_data_uri``.
+    """
+    head = bytes(value[:_HEADER_LIMIT])
+    if head[:5].lower() != b"data:":
+        return None
+    comma = head.find(b",")
+    if comma < 0:
+        raise MediaError(
+            "invalid_data_uri",
+            f"data: URL has no ',' within its first {_HEADER_LIMIT} bytes; "
+            "expected data:<mime>;base64,<payload>",
+        )
+    meta = head[5:comma]
+    if not meta.lower().endswith(_BASE64_MARK):
+        raise MediaError(
+            "invalid_data_uri",
+            "data: URL is not base64-encoded; expected data:<mime>;base64,<payload>",
+        )
+    meta = meta[: -len(_BASE64_MARK)]
+    try:
+        text = meta.decode("ascii")
+    except UnicodeDecodeError:
+        raise MediaError(
+            "invalid_data_uri", "data: URL header contains non-ASCII bytes before the comma"
+        ) from None
+    mime, sep, params = text.partition(";")
+    return DataUrl(mime=mime.strip().lower(), params=sep + params, payload_offset=comma + 1)
+
+
+def decoded_size(encoded_len: int) -> int:
+    """Upper bound of the decoded size of ``encoded_len`` base64 characters (exact up to padding)."""
+    return encoded_len * 3 // 4
+
+
+def decode_base64(payload: bytes | memoryview | str, *, max_bytes: int) -> bytes:
+    """Decode ``payload`` strictly, refusing it first if it would decode to more than ``max_bytes``.
+
+    A bytes-like buffer is handed to pybase64 as is (no copy); a str (already JSON-decoded text) is
+    encoded once. Errors say what is wrong and where, so the client can fix its encoder (line breaks,
+    URL-safe alphabet, missing padding...).
+    """
+    if isinstance(payload, str):  # any non-ASCII character is then reported as invalid base64 below
+        payload = payload.encode("utf-8", "surrogatepass")
+    length = len(payload)
+    if length == 0:
+        raise MediaError("invalid_base64", "base64 payload is empty")
+    size = decoded_size(length) - _padding(payload)
+    if size > max_bytes:
+        raise MediaError(
+            "media_too_large",
+            f"media item decodes to {size} bytes ({size / 2**20:.1f} MiB), over the limit of "
+            f"{max_bytes} bytes ({max_bytes / 2**20:g} MiB, MMGATE_MAX_MEDIA_ITEM_MB)",
+            status=413,
+        )
+    try:
+        return pybase64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        # binascii.Error for bad input; ValueError is what the stdlib decoder raises for some of it.
+        raise MediaError("invalid_base64", _describe_bad_base64(payload)) from None
+
+
+def encode_base64(data: bytes) -> bytes:
+    """Standard base64 (with padding) of ``data``."""
+    return pybase64.b64encode(data)
+
+
+def _padding(payload: bytes | memoryview) -> int:
+    """Number of trailing '=' (0-2), which the length alone does not account for."""
+    tail = bytes(payload[-2:])
+    return len(tail) - len(tail.rstrip(b"="))
+
+
+def _describe_bad_base64(payload: bytes | memoryview) -> str:
+    """Why strict decoding failed: the first stray byte, or a length/padding problem."""
+    bad = _NOT_BASE64.search(payload)
+    if bad is not None:
+        char = bad.group()
+        hint = ""
+        if char in b"\r\n \t":
+            hint = " (line breaks and spaces are not allowed)"
+        elif char in b"-_":
+            hint = " (URL-safe base64 is not accepted; use the standard + and / alphabet)"
+        elif char == b"\\":
+            hint = " (an escape sequence inside the base64 text)"
+        elif char[0] >= 0x80:
+            hint = " (non-ASCII)"
+        return f"invalid base64: byte {char!r} at offset {bad.start()} is not in the base64 alphabet{hint}"
+    return (
+        f"invalid base64: {len(payload)} characters with wrong length or padding "
+        "(the length must be a multiple of 4, '=' only at the end)"
+    )

@@ -1,0 +1,303 @@
+"""Validate, and when asked downscale, client images with Pillow; runs in decode-pool threads.
+
+Why it looks like this:
+
+Security
+  - Allowlist: only JPEG, PNG, WEBP, GIF and BMP are ever parsed. The format is sniffed from the magic
+    bytes and Pillow is opened with ``formats=`` that single format, so no other plugin sees the bytes.
+    Pillow's CVEs cluster in formats a vision model never needs (TIFF, PSD, EPS, J2K, FITS, ICNS...).
+  - Bomb guard: width x height comes from the header and is checked against the policy before a single
+    pixel is decoded; so is the frame count. Pillow's own guard only *warns* between 89 and 179 MP and
+    is process-global, so it is switched off once at import and replaced by this exact per-policy
+    check (no racy per-call mutation of Pillow or ``warnings`` state from several threads).
+  - Truncated or corrupt files are refused (``LOAD_TRUNCATED_IMAGES`` stays off).
+
+Speed
+  - An image that needs no change is never re-encoded: the caller forwards the original bytes.
+  - JPEG draft mode: libjpeg decodes at 1/2, 1/4 or 1/8 scale (DCT scaling), the smallest that still
+    covers the target, so a 12 MP photo bound for 1 MP is decoded as 3 MP and resized from there.
+  - Pillow keeps a few freed memory blocks instead of handing them back to the OS after every image:
+    fresh pages are expensive on these VMs (see ``_BLOCKS_MAX``).
+  - The resize runs before the EXIF rotation and the alpha handling, on the fewest pixels possible.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from io import BytesIO
+
+# Importing the five plugins registers exactly them, up front: Image.open never runs Pillow's lazy
+# init() (which would import every plugin) from a worker thread.
+from PIL import (
+    BmpImagePlugin,  # noqa: F401
+    ExifTags,
+    GifImagePlugin,
+    Image,
+    JpegImagePlugin,  # noqa: F401
+    PngImagePlugin,  # noqa: F401
+    UnidentifiedImageError,
+    WebPImagePlugin,  # noqa: F401
+)
+
+from .base import Checkpoint, ImagePolicy, MediaError, Processed, no_checkpoint
+
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
+MIME_BY_FORMAT = {
+    "JPEG": "image/jpeg",
+    "PNG": "image/png",
+    "WEBP": "image/webp",
+    "GIF": "image/gif",
+    "BMP": "image/bmp",
+}
+
+# Freed Pillow blocks (16 MiB each) kept for reuse. A 12 MP RGB image spans 3 blocks; 16 covers two
+# workers' decode + resize buffers and caps what is kept at 256 MiB. In bench/image_pipeline.py 0 was
+# slower on PNG (fresh pages) and 64 or 256 gained nothing measurable over 16. PILLOW_BLOCKS_MAX, when
+# set, is applied by Pillow itself at import and wins.
+_BLOCKS_MAX = 16
+if "PILLOW_BLOCKS_MAX" not in os.environ:
+    Image.core.set_blocks_max(_BLOCKS_MAX)  # type: ignore[attr-defined]
+
+# Our header check (exact, per policy, with a message naming the setting) replaces Pillow's global
+# guard. Set once here, at import: never per call, never from a worker thread.
+Image.MAX_IMAGE_PIXELS = None
+
+# After a draft decode BICUBIC costs ~2/3 of LANCZOS and beats the naive full-resolution BICUBIC
+# pipeline's quality; BILINEAR/HAMMING are cheaper but alias visibly (bench/image_pipeline.py).
+_RESAMPLE = Image.Resampling.BICUBIC
+# resize() first box-reduces by a whole factor while >= 1.5x the target remains: for PNG/WEBP/GIF/BMP
+# (no draft decode) this halves the resize time of a 12 MP -> 1 MP image, within 1 dB PSNR of the JPEG
+# draft path; it does nothing after a draft decode (less than 2x left there).
+_REDUCING_GAP = 1.5
+_PNG_COMPRESS_LEVEL = 1  # fast: the output is consumed once, by the backend, on the same network
+
+# EXIF orientation -> the transpose that makes the image upright (the table of ImageOps.exif_transpose).
+_UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+_SWAPS_SIDES = frozenset((5, 6, 7, 8))
+
+# Magic bytes of common formats we refuse, only to name them in the error message.
+_REFUSED_SIGNATURES = (
+    (0, b"II*\x00", "TIFF"),
+    (0, b"MM\x00*", "TIFF"),
+    (0, b"8BPS", "PSD"),
+    (0, b"\x00\x00\x01\x00", "ICO"),
+    (0, b"%PDF", "PDF"),
+    (4, b"ftyp", "HEIF/AVIF"),
+    (0, b"<", "SVG/XML"),
+)
+
+
+def process_image(
+    data: bytes, policy: ImagePolicy, checkpoint: Checkpoint = no_checkpoint
+) -> Processed | None:
+    """Validate ``data``; downscale and re-encode it only when the policy's resize limits require it.
+
+    Returns None when the image is valid and needs no change: the caller forwards the original string
+    byte for byte (MIME and EXIF included), whatever ``policy.output_format`` says. Otherwise returns
+    the re-encoded file: upright (EXIF orientation applied), metadata stripped, in the policy's format.
+
+    ``validate="full"`` decodes the pixels (catches truncation); with a resize, the (draft) decode
+    done for the resize is that validation. Animated images (GIF, WEBP, APNG) are checked from their
+    headers and, for ``full``, their first frame is decoded; forwarded untouched when no resize is
+    needed, and when one is, the output is the first frame as a still image (resizing every frame
+    would multiply the work by the frame count for backends that mostly read frame 0 anyway).
+
+    Raises MediaError for bad images and Cancelled (from ``checkpoint``, called between steps).
+    Thread-safe: no shared state is touched after import.
+    """
+    checkpoint()
+    fmt = _sniff(data)
+    with _decode_errors(fmt):
+        img = Image.open(BytesIO(data), formats=(fmt,))
+    try:
+        width, height = img.size
+        if width * height > policy.max_pixels:
+            raise MediaError(
+                "image_too_large",
+                f"image is {width}x{height} = {width * height} pixels, over the limit of "
+                f"{policy.max_pixels} (MMGATE_MAX_IMAGE_PIXELS); downscale it before sending",
+            )
+        with _decode_errors(fmt):
+            frames = _count_frames(img, policy.max_frames)
+        if frames > policy.max_frames:
+            raise MediaError(
+                "too_many_frames",
+                f"image has more than {policy.max_frames} frames; "
+                "send a still image or a shorter animation",
+            )
+        checkpoint()
+        target = _fit(width, height, policy)
+        if target is None:
+            if policy.validate == "full":
+                with _decode_errors(fmt):
+                    img.load()
+            return None
+        with _decode_errors(fmt):
+            draft = img.draft(None, target)  # JPEG only, else a no-op
+            img.load()
+        checkpoint()
+        orientation = _orientation(img)
+        small = _to_working_mode(img).resize(
+            target, _RESAMPLE, box=draft[1] if draft else None, reducing_gap=_REDUCING_GAP
+        )
+    finally:
+        img.close()  # frees the decoded pixels now, not when the garbage collector gets to them
+    checkpoint()
+    if orientation in _UPRIGHT:
+        small = small.transpose(_UPRIGHT[orientation])
+    if orientation in _SWAPS_SIDES:
+        width, height = height, width
+    out, mime = _encode(small, policy)
+    return Processed(
+        data=out,
+        mime=mime,
+        width=small.width,
+        height=small.height,
+        source_width=width,
+        source_height=height,
+    )
+
+
+def _sniff(data: bytes) -> str:
+    """The allowed format ``data`` claims by its magic bytes; unsupported_media_type otherwise."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "JPEG"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "PNG"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "GIF"
+    if data[:2] == b"BM":
+        return "BMP"
+    looks_like = next(
+        (name for at, magic, name in _REFUSED_SIGNATURES if data[at : at + len(magic)] == magic),
+        None,
+    )
+    found = f" (looks like {looks_like})" if looks_like else ""
+    raise MediaError(
+        "unsupported_media_type",
+        f"not an accepted image format{found}; send {', '.join(ALLOWED_FORMATS)}",
+    )
+
+
+@contextmanager
+def _decode_errors(fmt: str) -> Iterator[None]:
+    """Turn Pillow's many exception types for corrupt input into image_decode_failed."""
+    try:
+        yield
+    except MemoryError:
+        raise
+    except Image.DecompressionBombError as e:  # only if something re-enabled Pillow's global guard
+        raise MediaError("image_too_large", str(e)) from None
+    except UnidentifiedImageError:  # the plugin rejected a header that had the right magic bytes
+        raise MediaError(
+            "image_decode_failed", f"{fmt} header is corrupt or truncated"
+        ) from None
+    except Exception as e:  # OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError...
+        raise MediaError(
+            "image_decode_failed", f"{fmt} image could not be decoded: {e or type(e).__name__}"
+        ) from None
+
+
+def _count_frames(img: Image.Image, limit: int) -> int:
+    """The frame count from headers only, or ``limit + 1`` as soon as it is known to exceed ``limit``.
+
+    APNG, WEBP and MPO store their count. A GIF does not: Pillow's ``n_frames`` walks every frame
+    header, and a 32 MiB GIF of empty frames holds over a million (seconds of GIL-holding Python no
+    checkpoint can stop). So a GIF is walked here exactly as ``n_frames`` does it (``_seek(n, False)``:
+    headers, no pixels), stopping one frame past the limit, then rewound to frame 0.
+    """
+    if not isinstance(img, GifImagePlugin.GifImageFile):
+        return getattr(img, "n_frames", 1)
+    count = 1
+    try:
+        while count <= limit:
+            img._seek(count, False)
+            count += 1
+    except EOFError:
+        pass
+    img.seek(0)
+    return count
+
+
+def _fit(width: int, height: int, policy: ImagePolicy) -> tuple[int, int] | None:
+    """The largest size with the same aspect ratio within the resize limits; None if it fits already.
+
+    Both limits (pixel count, longest side) are the same for either orientation, so the header size
+    decides even when EXIF will rotate the image.
+    """
+    max_pixels, max_side = policy.resize_max_pixels, policy.resize_max_side
+    scale = 1.0
+    if max_pixels and width * height > max_pixels:
+        scale = math.sqrt(max_pixels / (width * height))
+    if max_side and max(width, height) > max_side:
+        scale = min(scale, max_side / max(width, height))
+    if scale >= 1.0:
+        return None
+    w, h = max(1, round(width * scale)), max(1, round(height * scale))
+    if max_pixels and w * h > max_pixels:  # rounding up, or the 1-pixel floor of a thin strip
+        if w >= h:
+            w = max(1, max_pixels // h)
+        else:
+            h = max(1, max_pixels // w)
+    return w, h
+
+
+def _orientation(img: Image.Image) -> int:
+    """EXIF (or XMP) orientation, 1 when absent or unreadable."""
+    try:
+        return int(img.getexif().get(ExifTags.Base.Orientation, 1))
+    except Exception:  # a malformed EXIF block: viewers ignore it too, and re-encoding strips it
+        return 1
+
+
+def _to_working_mode(img: Image.Image) -> Image.Image:
+    """RGB, RGBA, L or LA: what resize and every output encoder handle directly.
+
+    Palette images (with transparency: GIF index, PNG tRNS) become RGB(A); CMYK becomes RGB; 1-bit
+    becomes L; 16/32-bit grey (PNG I;16) is scaled, not clipped, to 8-bit L.
+    """
+    mode = img.mode
+    if mode.startswith("I") or mode == "F":
+        return img.point(lambda v: v / 256).convert("L")
+    grey = mode in ("1", "L", "LA")
+    if img.has_transparency_data:
+        target = "LA" if grey else "RGBA"
+    else:
+        target = "L" if grey else "RGB"
+    return img if mode == target else img.convert(target)
+
+
+def _encode(img: Image.Image, policy: ImagePolicy) -> tuple[bytes, str]:
+    """Encode ``img`` (RGB, RGBA, L or LA) as the policy says; returns the file bytes and MIME."""
+    if img.mode in ("RGBA", "LA") and img.getchannel("A").getextrema()[0] == 255:
+        img = img.convert(img.mode[:-1])  # an alpha channel that is fully opaque carries nothing
+    has_alpha = img.mode in ("RGBA", "LA")
+    fmt = policy.output_format
+    if fmt == "auto":
+        fmt = "png" if has_alpha else "jpeg"
+    if fmt == "jpeg" and has_alpha:
+        background = Image.new(img.mode[:-1], img.size, "white")
+        background.paste(img, mask=img.getchannel("A"))
+        img = background
+    img.info.clear()  # no EXIF, ICC, XMP, text chunks, dpi: metadata is stripped on re-encode
+    buf = BytesIO()
+    if fmt == "jpeg":
+        img.save(buf, "JPEG", quality=policy.jpeg_quality)
+    elif fmt == "png":
+        img.save(buf, "PNG", compress_level=_PNG_COMPRESS_LEVEL)
+    else:
+        img.save(buf, "WEBP", quality=policy.jpeg_quality)
+    return buf.getvalue(), MIME_BY_FORMAT[fmt.upper()]

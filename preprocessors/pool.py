@@ -1,0 +1,153 @@
+"""The bounded decode pool: media work off the event loop, with cancellation that really stops work.
+
+A Python thread cannot be killed. So a request's items form a ``Batch`` sharing one stop flag: items not yet
+started are dropped (``Future.cancel``), running items stop at their next ``checkpoint()``. ``Batch.stopped``
+completes only when no item of the batch is running any more; the caller keeps the request's admission
+slot until then, otherwise the real concurrency would silently exceed the limit (the flaw that made SGLang
+revert its timeout wrapper, PR #21651).
+
+Workers lower their own CPU priority (Linux, per thread): when decode threads saturate every core, the
+event loop thread still gets the CPU first, so health checks and text traffic stay fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Awaitable, Callable, Sequence, TypeVar
+
+from .base import Cancelled, Checkpoint
+
+T = TypeVar("T")
+Job = Callable[[Checkpoint], T]
+
+WORKER_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
+    except (AttributeError, OSError):  # pragma: no cover - not Linux, or not permitted
+        pass
+
+
+class DecodePool:
+    """``workers`` threads (0 = run inline on the calling thread: a benchmark baseline only).
+
+    ``queued`` (items waiting for a thread) and ``stuck`` (items still running for an abandoned request)
+    are read by the metrics at scrape time.
+    """
+
+    def __init__(self, workers: int, *, lower_priority: bool = True) -> None:
+        self.workers = workers
+        self._executor = (
+            ThreadPoolExecutor(workers, thread_name_prefix="mmgate-decode",
+                               initializer=_lower_priority if lower_priority else None)
+            if workers else None
+        )
+        self._lock = threading.Lock()
+        self.queued = 0
+        self.stuck = 0
+
+    def batch(self) -> "Batch":
+        return Batch(self)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class Batch:
+    """One request's media work: ``run()`` all items under one deadline; ``stopped()`` when really over."""
+
+    def __init__(self, pool: DecodePool) -> None:
+        self._pool = pool
+        self._stop = threading.Event()
+        self._futures: list[Future[object]] = []
+        self._running = 0  # guarded by pool._lock
+        self._idle: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def checkpoint(self) -> None:
+        """Called by work between steps (in a worker thread): raise once the request gave up."""
+        if self._stop.is_set():
+            raise Cancelled()
+
+    async def run(self, jobs: Sequence[Job[T]], timeout: float) -> list[T]:
+        """Run ``jobs`` (each gets this batch's checkpoint) and return their results in order.
+
+        Raises TimeoutError when ``timeout`` elapses, the first job's exception if one fails, and
+        CancelledError if the caller is cancelled; in every case the rest of the batch is stopped.
+        """
+        pool = self._pool
+        if pool._executor is None:
+            return [job(self.checkpoint) for job in jobs]  # inline baseline: blocks the loop by design
+        self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        with pool._lock:
+            pool.queued += len(jobs)
+        self._futures = [pool._executor.submit(self._call, job) for job in jobs]
+        try:
+            async with asyncio.timeout(timeout):
+                results = await asyncio.gather(*(asyncio.wrap_future(f) for f in self._futures))
+        except BaseException:
+            self.abandon()
+            raise
+        return list(results)  # type: ignore[arg-type]
+
+    def _call(self, job: Job[T]) -> T:
+        pool = self._pool
+        with pool._lock:
+            pool.queued -= 1
+            self._running += 1
+            if self._stop.is_set():  # started in the instant the batch was abandoned
+                pool.stuck += 1
+        assert self._loop is not None and self._idle is not None
+        self._loop.call_soon_threadsafe(self._idle.clear)
+        try:
+            self.checkpoint()
+            return job(self.checkpoint)
+        finally:
+            with pool._lock:
+                self._running -= 1
+                if self._stop.is_set():
+                    pool.stuck -= 1
+                idle = self._running == 0
+            if idle:
+                self._loop.call_soon_threadsafe(self._set_idle_if_still)
+
+    def _set_idle_if_still(self) -> None:
+        assert self._idle is not None
+        with self._pool._lock:
+            if self._running == 0:
+                self._idle.set()
+
+    def abandon(self) -> None:
+        """Stop the batch: drop items not started, make running ones stop at their next checkpoint."""
+        if self._stop.is_set():
+            return
+        pool = self._pool
+        with pool._lock:
+            self._stop.set()
+            pool.stuck += self._running
+        for future in self._futures:
+            if future.cancel():  # True only for an item that never started
+                with pool._lock:
+                    pool.queued -= 1
+
+    async def stopped(self) -> None:
+        """Wait until no item of this batch runs any more."""
+        if self._idle is not None:
+            with self._pool._lock:
+                if self._running == 0:
+                    return
+            await self._idle.wait()
+
+
+def run_soon(awaitable: Awaitable[object], then: Callable[[], None]) -> None:
+    """Call ``then`` once ``awaitable`` finished, without making anybody wait for it."""
+    task = asyncio.ensure_future(awaitable)
+    task.add_done_callback(lambda _task: then())

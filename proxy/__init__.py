@@ -1,0 +1,1 @@
+"""mmgate: the proxy server (aiohttp)."""

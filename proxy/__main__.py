@@ -1,0 +1,5 @@
+"""`python -m proxy` is `mmgate`."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,88 @@
+"""Admin endpoints under /mmgate/: liveness, readiness, Prometheus metrics, the dashboard and its JSON.
+
+Liveness is answered from the loop alone: it never waits on media work or the upstream, and stays 200
+while draining (the process is alive; Kubernetes must not restart it mid-drain). Readiness probes the
+upstream (cached about a second, so a probe storm never becomes an upstream storm) and fails while draining.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from .app import AppState
+
+READY_CACHE_SECONDS = 1.0
+READY_PROBE_TIMEOUT = 2.0
+DASHBOARD_DIR = Path(__file__).parent / "dashboard"
+
+
+
+def _state(request: web.Request) -> "AppState":
+    from .app import STATE
+
+    return request.app[STATE]
+
+
+async def health(request: web.Request) -> web.Response:
+    state = _state(request)
+    return web.json_response({"status": "ok", "draining": state.not_ready})
+
+
+async def probe_upstream(state: "AppState") -> tuple[bool, str]:
+    """Whether the upstream's health endpoint answers 2xx; reused for about a second."""
+    checked_at, ok, detail = state.ready_cache
+    now = time.monotonic()
+    if now - checked_at < READY_CACHE_SECONDS:
+        return ok, detail
+    assert state.session is not None
+    url = state.settings.upstream + state.settings.upstream_health_path
+    try:
+        async with state.session.get(url, timeout=aiohttp.ClientTimeout(total=READY_PROBE_TIMEOUT)) as response:
+            await response.read()
+            ok, detail = 200 <= response.status < 300, f"upstream health answered {response.status}"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        ok, detail = False, f"upstream health failed: {exc.__class__.__name__}"
+    state.ready_cache = (time.monotonic(), ok, detail)
+    return ok, detail
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = _state(request)
+    if state.not_ready:
+        return web.json_response({"ready": False, "reason": "draining"}, status=503)
+    ok, detail = await probe_upstream(state)
+    return web.json_response({"ready": ok, "reason": detail}, status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = _state(request).metrics.exposition()
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response
+
+
+async def stats(request: web.Request) -> web.Response:
+    """A small JSON view for the dashboard (the same numbers as /mmgate/metrics)."""
+    from .dashboard_stats import snapshot
+
+    return web.Response(body=orjson.dumps(snapshot(_state(request))), content_type="application/json")
+
+
+async def dashboard(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(DASHBOARD_DIR / "index.html")
+
+
+def add_admin_routes(app: web.Application) -> None:
+    app.router.add_get("/mmgate/health", health)
+    app.router.add_get("/mmgate/ready", ready)
+    app.router.add_get("/mmgate/metrics", metrics)
+    app.router.add_get("/mmgate/stats", stats)
+    app.router.add_get("/mmgate/dashboard", dashboard)

@@ -1,0 +1,152 @@
+"""Admission control for media requests: slots, a decoded-bytes budget, a bounded FIFO queue, deadlines.
+
+A request is admitted when a slot is free *and* its cost (decoded media bytes, known from the base64
+lengths before anything is decoded) fits the remaining byte budget. Waiting is strictly FIFO: the head of
+the queue holds the line even if a smaller request behind it would fit, so a big request is never starved.
+Refusals are immediate and honest: queue full → 429 ``queue_full``; waited too long → 429
+``queue_timeout``; a cost larger than the whole budget → 413 ``media_too_large`` (it could never fit);
+draining → 503. Every 429 carries ``Retry-After`` estimated from how long slots are held.
+
+A ``Lease`` is released exactly once whatever path the request takes; ``release()`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import ProxyError
+
+RETRY_AFTER_MIN, RETRY_AFTER_MAX = 1, 60
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    cost: int
+    future: asyncio.Future[None]
+
+
+@dataclass(eq=False)
+class Lease:
+    """One admitted request's slot and bytes. ``release()`` gives both back; calling it again does nothing."""
+
+    gate: "Gate"
+    cost: int
+    granted_at: float = field(default_factory=time.monotonic)
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.gate._give_back(self)
+
+
+class Gate:
+    """Slots + byte budget + bounded FIFO queue. All methods run on the event loop (no locks needed)."""
+
+    def __init__(
+        self,
+        limit: int,
+        byte_budget: int,
+        max_queue: int,
+        on_change: Callable[["Gate"], None] = lambda gate: None,
+    ) -> None:
+        self.limit = limit
+        self.byte_budget = byte_budget  # 0 = no byte budget
+        self.max_queue = max_queue
+        self.in_use = 0
+        self.bytes_in_use = 0
+        self.draining = False
+        self._waiters: deque[_Waiter] = deque()
+        self._on_change = on_change
+        self._hold_seconds = 1.0  # moving average of how long a lease is held; seeds Retry-After
+        on_change(self)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def _fits(self, cost: int) -> bool:
+        if self.in_use >= self.limit:
+            return False
+        return not self.byte_budget or self.bytes_in_use + cost <= self.byte_budget
+
+    def retry_after(self) -> int:
+        """Seconds until a new arrival could plausibly be admitted: queue ahead over slots, times hold time."""
+        rounds = (self.waiting + 1) / self.limit
+        return max(RETRY_AFTER_MIN, min(RETRY_AFTER_MAX, math.ceil(rounds * self._hold_seconds)))
+
+    def _reject(self, code: str, message: str) -> ProxyError:
+        return ProxyError(429, code, message, headers={"Retry-After": str(self.retry_after())})
+
+    async def acquire(self, cost: int, timeout: float) -> Lease:
+        """Wait (FIFO, at most ``timeout`` s) until a slot and ``cost`` bytes are free; return the Lease."""
+        if self.draining:
+            raise ProxyError(503, "draining", "mmgate is shutting down; retry on another replica",
+                             headers={"Retry-After": "1"})
+        if self.byte_budget and cost > self.byte_budget:
+            raise ProxyError(
+                413, "media_too_large",
+                f"the request's media decode to {cost} bytes, more than the whole in-flight budget of "
+                f"{self.byte_budget} bytes (MMGATE_MAX_INFLIGHT_MEDIA_MB): send smaller or fewer media",
+            )
+        if not self._waiters and self._fits(cost):
+            return self._grant(cost)
+        if len(self._waiters) >= self.max_queue:
+            raise self._reject("queue_full", f"{self.in_use} media requests running and {self.waiting} waiting; retry later")
+        waiter = _Waiter(cost, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        self._on_change(self)
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter.future
+        except BaseException as exc:
+            if waiter.future.done() and not waiter.future.cancelled():
+                # Granted in the same instant we timed out or were cancelled: hand the slot back.
+                self._give_back(Lease(self, cost))
+            else:
+                waiter.future.cancel()
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+                self._wake()  # the head may have been the one blocking smaller requests behind it
+            self._on_change(self)
+            if isinstance(exc, TimeoutError):
+                raise self._reject("queue_timeout", f"waited {timeout:g} s for admission; retry later") from None
+            raise
+        return Lease(self, cost)
+
+    def _grant(self, cost: int) -> Lease:
+        self.in_use += 1
+        self.bytes_in_use += cost
+        self._on_change(self)
+        return Lease(self, cost)
+
+    def _give_back(self, lease: Lease) -> None:
+        self.in_use -= 1
+        self.bytes_in_use -= lease.cost
+        held = time.monotonic() - lease.granted_at
+        self._hold_seconds = 0.8 * self._hold_seconds + 0.2 * held
+        self._wake()
+        self._on_change(self)
+
+    def _wake(self) -> None:
+        """Grant waiters strictly in order while the head fits."""
+        while self._waiters:
+            head = self._waiters[0]
+            if head.future.done():  # its task was cancelled or timed out: it no longer holds the line
+                self._waiters.popleft()
+                continue
+            if not self._fits(head.cost):
+                break
+            self._waiters.popleft()
+            self.in_use += 1
+            self.bytes_in_use += head.cost
+            head.future.set_result(None)
+
+    def start_draining(self) -> None:
+        """Refuse new arrivals; those already queued keep their place (they are in flight for the drain)."""
+        self.draining = True

@@ -1,0 +1,134 @@
+"""The composition root: ``build_app(settings)`` wires every part; tests use the very same factory.
+
+Resources live in ``cleanup_ctx`` (created on start-up, closed on shutdown, in reverse order): the upstream
+ClientSession, the decode pool, the event-loop lag watcher. Shared state is one ``AppState`` under a typed
+``web.AppKey``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from preprocessors.base import AudioPolicy, ImagePolicy
+from preprocessors.pool import DecodePool
+
+from .admin import add_admin_routes
+from .admission import Gate
+from .metrics import Metrics, watch_loop_lag
+from .pipeline import handle_request
+from .settings import Settings
+
+log = logging.getLogger("mmgate")
+
+
+@dataclass
+class AppState:
+    """Everything a request handler needs, built once per app."""
+
+    settings: Settings
+    metrics: Metrics
+    gate: Gate
+    image_policy: ImagePolicy
+    audio_policy: AudioPolicy
+    session: aiohttp.ClientSession | None = None
+    pool: DecodePool | None = None
+    not_ready: bool = False  # SIGTERM received: readiness fails, requests still served (drain grace)
+    refusing: bool = False  # drain proper: new requests get 503 draining
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")
+
+    def request_started(self) -> None:
+        self.in_flight += 1
+        self.idle.clear()
+
+    def request_finished(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+    def upstream_timeout(self) -> aiohttp.ClientTimeout:
+        s = self.settings
+        return aiohttp.ClientTimeout(total=None, sock_connect=s.upstream_connect_timeout,
+                                     sock_read=s.upstream_read_timeout)
+
+
+STATE = web.AppKey("mmgate_state", AppState)
+
+
+def build_state(settings: Settings) -> AppState:
+    metrics = Metrics()
+
+    def gate_changed(gate: Gate) -> None:
+        metrics.gate_in_use.set(gate.in_use)
+        metrics.gate_waiting.set(gate.waiting)
+        metrics.media_bytes_inflight.set(gate.bytes_in_use)
+
+    metrics.gate_limit.set(settings.max_mm_concurrency)
+    gate = Gate(settings.max_mm_concurrency, settings.max_inflight_media_bytes, settings.max_queue, gate_changed)
+    image_policy = ImagePolicy(
+        max_pixels=settings.max_image_pixels,
+        max_frames=settings.max_frames,
+        resize_max_pixels=settings.resize_max_pixels,
+        resize_max_side=settings.resize_max_side,
+        output_format=settings.image_format,  # type: ignore[arg-type]
+        jpeg_quality=settings.jpeg_quality,
+        validate=settings.validate,  # type: ignore[arg-type]
+    )
+    state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.max_audio_seconds))
+    state.idle.set()
+    return state
+
+
+async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    connector = aiohttp.TCPConnector(limit=state.settings.upstream_max_connections, limit_per_host=0,
+                                     enable_cleanup_closed=True)
+    state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+    yield
+    await state.session.close()
+
+
+async def _decode_pool(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    state.pool = DecodePool(state.settings.decode_workers)
+    metrics = state.metrics
+    metrics.pool_queue_depth.set_function(lambda: state.pool.queued if state.pool else 0)
+    metrics.pool_stuck_workers.set_function(lambda: state.pool.stuck if state.pool else 0)
+    yield
+    state.pool.shutdown()
+
+
+async def _loop_lag_watcher(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(watch_loop_lag(app[STATE].metrics))
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def build_app(settings: Settings, *, admin: bool | None = None, state: AppState | None = None) -> web.Application:
+    """The proxy application. ``admin`` serves /mmgate/* here too (default: unless MMGATE_ADMIN_PORT is set)."""
+    app = web.Application(client_max_size=settings.max_body_bytes, handler_args={"max_field_size": 65536})
+    app[STATE] = state or build_state(settings)
+    if state is None:
+        app.cleanup_ctx.extend([_upstream_session, _decode_pool, _loop_lag_watcher])
+    if admin if admin is not None else not settings.admin_port:
+        add_admin_routes(app)
+    app.router.add_route("*", "/{tail:.*}", handle_request)
+    return app
+
+
+def build_admin_app(state: AppState) -> web.Application:
+    """The admin-only app for MMGATE_ADMIN_PORT: /mmgate/* and nothing else, sharing the proxy's state."""
+    app = web.Application()
+    app[STATE] = state
+    add_admin_routes(app)
+    return app

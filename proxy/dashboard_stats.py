@@ -1,0 +1,183 @@
+"""The small JSON view behind /mmgate/stats: what the dashboard page polls every second or two.
+
+Counters and histogram buckets are *cumulative* (as in Prometheus): the page keeps the previous poll and
+computes rates and percentiles from the deltas, so this module stays stateless and a page opened late
+sees the same numbers as one opened at start-up. Everything is read from the app's own metric objects
+(the same numbers /mmgate/metrics exposes), plus the effective settings. It costs a few microseconds per
+metric family and one small /proc read: cheap enough to poll from several browser tabs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from .app import AppState
+
+SCHEMA_VERSION = 1
+_IMPORTED_AT = time.time()  # fallback "start time" when the process collector cannot read /proc
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _samples(metric: "MetricWrapperBase") -> Iterable[Any]:
+    for family in metric.collect():
+        yield from family.samples
+
+
+def _counter_by(metric: "MetricWrapperBase", *labels: str) -> dict[str, float]:
+    """``{label value(s) joined by '/': total}`` of a labelled counter (``*_total`` samples only)."""
+    out: dict[str, float] = {}
+    for s in _samples(metric):
+        if s.name.endswith("_total"):
+            key = "/".join(s.labels.get(label, "") for label in labels)
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def _counter_value(metric: "MetricWrapperBase") -> float:
+    return sum(s.value for s in _samples(metric) if s.name.endswith("_total"))
+
+
+def _gauge_value(metric: "MetricWrapperBase") -> float:
+    return sum(s.value for s in _samples(metric))
+
+
+def _histograms(metric: "MetricWrapperBase", group_by: str | None) -> tuple[list[float], dict[str, dict[str, Any]]]:
+    """Bucket upper bounds (without +Inf) and, per value of ``group_by`` (or "all"), cumulative counts.
+
+    ``counts`` has one more entry than ``le``: the last is the +Inf bucket (= count). Series with other
+    labels (route, kind...) are summed, which is valid for cumulative bucket counts.
+    """
+    bounds: list[float] = []
+    groups: dict[str, dict[str, Any]] = {}
+    for s in _samples(metric):
+        key = s.labels.get(group_by, "") if group_by else "all"
+        group = groups.setdefault(key, {"buckets": {}, "sum": 0.0, "count": 0.0})
+        if s.name.endswith("_bucket"):
+            le = float(s.labels["le"])
+            group["buckets"][le] = group["buckets"].get(le, 0.0) + s.value
+        elif s.name.endswith("_sum"):
+            group["sum"] += s.value
+        elif s.name.endswith("_count"):
+            group["count"] += s.value
+    for group in groups.values():
+        bounds = sorted(b for b in group["buckets"] if not math.isinf(b))
+        break
+    if not bounds:  # no observation yet: labelled histograms expose no series, read the configured bounds
+        bounds = [b for b in getattr(metric, "_upper_bounds", []) if not math.isinf(b)]
+    out: dict[str, dict[str, Any]] = {}
+    for key, group in groups.items():
+        buckets = group["buckets"]
+        out[key] = {
+            "counts": [buckets.get(b, 0.0) for b in bounds] + [buckets.get(math.inf, group["count"])],
+            "sum": group["sum"],
+            "count": group["count"],
+        }
+    return bounds, out
+
+
+def _rss_bytes() -> int | None:
+    """Resident memory from /proc/self/statm (what process_resident_memory_bytes reports), or None."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_start_time: float | None = None
+
+
+def _process_start_time(state: "AppState") -> float:
+    """Process start (from the process collector, read once: it never changes), else module import time."""
+    global _start_time
+    if _start_time is None:
+        _start_time = state.metrics.registry.get_sample_value("process_start_time_seconds") or _IMPORTED_AT
+    return _start_time
+
+
+def snapshot(state: "AppState") -> dict[str, Any]:
+    """Cumulative counters, histogram buckets, current gauges and effective limits, as one JSON-able dict."""
+    m = state.metrics
+    s = state.settings
+    now = time.time()
+
+    by_code = {code: v for code, v in _counter_by(m.requests, "code").items()}
+    by_class: dict[str, float] = {}
+    for code, value in by_code.items():
+        cls = (code[:1] + "xx") if code[:1].isdigit() else "other"
+        by_class[cls] = by_class.get(cls, 0.0) + value
+
+    req_le, req_all = _histograms(m.request_duration, None)
+    _, req_kind = _histograms(m.request_duration, "kind")
+    stage_le, stages = _histograms(m.stage_duration, "stage")
+    lag_le, lag = _histograms(m.event_loop_lag, None)
+
+    media_bytes = _counter_by(m.media_bytes, "direction")
+    bytes_in, bytes_out = media_bytes.get("in", 0.0), media_bytes.get("out", 0.0)
+    pool = state.pool
+
+    return {
+        "v": SCHEMA_VERSION,
+        "time": now,
+        "uptime_seconds": max(0.0, now - _process_start_time(state)),
+        "requests": {
+            "total": sum(by_code.values()),
+            "by_class": by_class,
+            "by_code": by_code,
+            "by_kind": _counter_by(m.requests, "kind"),
+            "by_route": _counter_by(m.requests, "route"),
+            "status_429": by_code.get("429", 0.0),
+        },
+        "rejected": _counter_by(m.rejected, "reason"),
+        "upstream_errors": _counter_by(m.upstream_errors, "kind"),
+        "latency": {
+            "request": {"le": req_le, "all": req_all.get("all"), "by_kind": req_kind},
+            "stages": {"le": stage_le, "by_stage": stages},
+        },
+        "event_loop_lag": {"le": lag_le, **(lag.get("all") or {"counts": [], "sum": 0.0, "count": 0.0})},
+        "gate": {
+            "in_use": _gauge_value(m.gate_in_use),
+            "limit": _gauge_value(m.gate_limit),
+            "waiting": _gauge_value(m.gate_waiting),
+            "max_queue": s.max_queue,
+        },
+        "media": {
+            "bytes_inflight": _gauge_value(m.media_bytes_inflight),
+            "bytes_inflight_limit": s.max_inflight_media_bytes,
+            "bytes_live": _gauge_value(m.media_bytes_live),
+            "bytes_in": bytes_in,
+            "bytes_out": bytes_out,
+            "bytes_saved": max(0.0, bytes_in - bytes_out),
+            "items": _counter_by(m.media_items, "type", "outcome"),
+        },
+        "pool": {
+            "workers": pool.workers if pool is not None else s.decode_workers,
+            "queue_depth": _gauge_value(m.pool_queue_depth),
+            "stuck_workers": _gauge_value(m.pool_stuck_workers),
+        },
+        "cache": {"hits": _counter_value(m.cache_hits), "misses": _counter_value(m.cache_misses)},
+        "process": {"rss_bytes": _rss_bytes(), "in_flight": state.in_flight, "draining": state.not_ready},
+        "limits": {
+            "max_mm_concurrency": s.max_mm_concurrency,
+            "max_queue": s.max_queue,
+            "queue_timeout": s.queue_timeout,
+            "max_inflight_media_mb": s.max_inflight_media_mb,
+            "decode_workers": s.decode_workers,
+            "max_body_mb": s.max_body_mb,
+            "max_media_item_mb": s.max_media_item_mb,
+            "resize_max_pixels": s.resize_max_pixels,
+            "resize_max_side": s.resize_max_side,
+            "image_format": s.image_format,
+            "preprocess_timeout": s.preprocess_timeout,
+            "request_timeout": s.request_timeout,
+            "upstream_read_timeout": s.upstream_read_timeout,
+            "release_at": s.release_at,
+            "cache_mb": s.cache_mb,
+        },
+    }

@@ -1,0 +1,111 @@
+"""Prometheus metrics (one registry per app), the event-loop lag monitor and the Server-Timing header.
+
+Names follow DESIGN.md and Prometheus conventions: base units (seconds, bytes), ``_total`` counters,
+label values from fixed sets only (never a path, a request id or a client value).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Iterable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+# Sub-millisecond resolution where waits are usually short (queue, loop lag, parse) ...
+FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# ... and minutes for whole requests (non-streaming generations are long).
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+
+STAGES = ("read", "parse", "queue", "preprocess", "splice", "upstream", "total")
+
+
+class Metrics:
+    """Every mmgate metric, registered in its own registry so several apps (tests) never collide."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "mmgate_requests", "Requests answered, by route, kind (text|media) and status code",
+            ["route", "kind", "code"], registry=r,
+        )
+        self.request_duration = Histogram(
+            "mmgate_request_duration_seconds", "Time from arrival to the last response byte",
+            ["route", "kind"], buckets=REQUEST_BUCKETS, registry=r,
+        )
+        self.stage_duration = Histogram(
+            "mmgate_stage_duration_seconds", "Time spent in each stage of a request",
+            ["stage"], buckets=FAST_BUCKETS, registry=r,
+        )
+        self.rejected = Counter("mmgate_rejected", "Requests refused by mmgate, by error code", ["reason"], registry=r)
+        self.upstream_errors = Counter(
+            "mmgate_upstream_errors", "Upstream failures: connect, timeout, reset", ["kind"], registry=r
+        )
+        self.gate_in_use = Gauge("mmgate_gate_in_use", "Media requests past admission", registry=r)
+        self.gate_waiting = Gauge("mmgate_gate_waiting", "Media requests waiting for admission", registry=r)
+        self.gate_limit = Gauge("mmgate_gate_limit", "MMGATE_MAX_MM_CONCURRENCY", registry=r)
+        self.media_bytes_inflight = Gauge(
+            "mmgate_media_bytes_inflight", "Decoded media bytes charged to the gate's byte budget", registry=r
+        )
+        self.media_bytes_live = Gauge(
+            "mmgate_media_bytes_live", "Media bytes this process holds for requests (0 after handoff)", registry=r
+        )
+        self.media_items = Counter(
+            "mmgate_media_items", "Media items seen, by type and outcome", ["type", "outcome"], registry=r
+        )
+        self.media_bytes = Counter(
+            "mmgate_media_bytes", "Decoded media bytes in (from clients) and out (to the upstream)",
+            ["direction"], registry=r,
+        )
+        self.pool_queue_depth = Gauge("mmgate_pool_queue_depth", "Media items waiting for a decode thread", registry=r)
+        self.pool_stuck_workers = Gauge(
+            "mmgate_pool_stuck_workers", "Decode threads still busy for a request that already ended", registry=r
+        )
+        self.event_loop_lag = Histogram(
+            "mmgate_event_loop_lag_seconds", "How late the event loop runs a timer (loop blocked)",
+            buckets=FAST_BUCKETS, registry=r,
+        )
+        self.cache_hits = Counter("mmgate_cache_hits", "Processed-media cache hits", registry=r)
+        self.cache_misses = Counter("mmgate_cache_misses", "Processed-media cache misses", registry=r)
+        ProcessCollector(registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def watch_loop_lag(metrics: Metrics, interval: float = 0.25) -> None:
+    """Sleep ``interval`` again and again; how late each wake-up comes is how long the loop was blocked."""
+    loop = asyncio.get_running_loop()
+    while True:
+        started = loop.time()
+        await asyncio.sleep(interval)
+        metrics.event_loop_lag.observe(max(0.0, loop.time() - started - interval))
+
+
+def server_timing(stages: Iterable[tuple[str, float]]) -> str:
+    """``Server-Timing`` value (W3C Server Timing): ``queue;dur=1.2, preprocess;dur=35.0`` in milliseconds."""
+    return ", ".join(f"{name};dur={seconds * 1000:.1f}" for name, seconds in stages)
+
+
+class Stopwatch:
+    """Stage timings of one request, for the histogram and Server-Timing."""
+
+    __slots__ = ("started", "stages")
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.stages: dict[str, float] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.stages[stage] = self.stages.get(stage, 0.0) + seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started

@@ -1,0 +1,413 @@
+"""One request, start to finish (DESIGN.md "One request"): read, sniff, locate, admit, preprocess, splice,
+forward, release, stream. Text-only bodies leave after the sniff, untouched, without a parse, the gate or
+the pool. Read ``handle_request`` top to bottom; the media steps are in ``prepare_media``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING
+
+import orjson
+from aiohttp import hdrs, web
+
+from preprocessors.audio import validate_audio
+from preprocessors.base import Checkpoint, MediaError
+from preprocessors.dataurl import decode_base64, decoded_size, encode_base64, parse_data_url
+from preprocessors.image import process_image
+from preprocessors.pool import run_soon
+
+from .admission import Lease
+from .dialects import MediaPart, Route, locate, route_for
+from .errors import Dialect, ProxyError, dialect_for_path
+from .metrics import Stopwatch, server_timing
+from .splice import Span, may_contain_media, skeletonize, splice, string_value
+from .upstream import UPSTREAM_ERROR_KIND, BrokenStream, ReleasePoints, forward, request_id_for, upstream_headers
+
+if TYPE_CHECKING:
+    from .app import AppState
+
+log = logging.getLogger("mmgate.access")
+
+CLIENT_CLOSED = 499  # nginx's convention for "client went away"; metrics label only
+
+
+@dataclass
+class Exchange:
+    """What mmgate knows about one request while it is in flight (and logs when it ends)."""
+
+    request_id: str
+    route: Route
+    dialect: Dialect
+    kind: str = "text"
+    status: int = 0
+    code: str = ""
+    watch: Stopwatch = field(default_factory=Stopwatch)
+    response: web.StreamResponse | None = None
+    lease: Lease | None = None
+    lease_owned_by_batch: bool = False
+    bytes_in: int = 0
+    media_in: int = 0
+    media_out: int = 0
+
+    upstream_started: float = 0.0
+
+    def timing_header(self) -> dict[str, str]:
+        stages = [(s, self.watch.stages[s]) for s in ("queue", "preprocess") if s in self.watch.stages]
+        stages.append(("upstream", time.perf_counter() - self.upstream_started))
+        return {"Server-Timing": server_timing(stages)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the request
+
+
+async def handle_request(request: web.Request) -> web.StreamResponse:
+    from .app import STATE
+
+    state: AppState = request.app[STATE]
+    settings = state.settings
+    ex = Exchange(
+        request_id=request_id_for(request.headers.get("X-Request-Id")),
+        route=route_for(request.method, request.path),
+        dialect=dialect_for_path(request.path),
+    )
+    state.request_started()
+    deadline = asyncio.timeout(None)
+    try:
+        if state.refusing:
+            raise ProxyError(503, "draining", "mmgate is shutting down; retry on another replica",
+                             headers={"Retry-After": "1"})
+        deadline = asyncio.timeout(_request_deadline(request, settings.request_timeout))
+        async with deadline:
+            return await _serve(request, state, ex)
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        return await _refuse(request, state, ex, ProxyError(504, "request_timeout", "the request deadline passed"))
+    except ProxyError as error:
+        return await _refuse(request, state, ex, error)
+    except BrokenStream as broken:
+        return await _refuse(request, state, ex, broken.error)
+    except (asyncio.CancelledError, ConnectionResetError):
+        ex.status, ex.code = CLIENT_CLOSED, "client_closed"
+        raise
+    finally:
+        if ex.lease is not None and not ex.lease_owned_by_batch:
+            ex.lease.release()
+        state.request_finished()
+        _record(state, ex, request)
+
+
+def _request_deadline(request: web.Request, configured: float) -> float | None:
+    """Seconds from now: MMGATE_REQUEST_TIMEOUT, lowered (never raised) by ``X-MMGate-Timeout``."""
+    limit = configured or None
+    raw = request.headers.get("X-MMGate-Timeout")
+    if raw is not None:
+        try:
+            asked = float(raw)
+        except ValueError:
+            asked = float("nan")
+        if not 0 < asked < float("inf"):
+            raise ProxyError(400, "invalid_timeout_header",
+                             f"X-MMGate-Timeout must be a positive number of seconds, got {raw[:32]!r}")
+        limit = asked if limit is None else min(limit, asked)
+    return None if limit is None else asyncio.get_running_loop().time() + limit
+
+
+async def _serve(request: web.Request, state: "AppState", ex: Exchange) -> web.StreamResponse:
+    settings = state.settings
+    path = request.path
+    if path.startswith("/mmgate/") or (settings.allow_paths and not path.startswith(settings.allow_paths)):
+        raise ProxyError(404, "path_not_allowed", f"{path} is not served by this proxy")
+    if request.headers.get(hdrs.UPGRADE, "").lower() == "websocket":
+        raise ProxyError(501, "websocket_not_supported", "WebSocket upgrades are not proxied")
+
+    started = time.perf_counter()
+    body = await read_body(request, settings.max_body_bytes, settings.body_read_timeout)
+    ex.watch.add("read", time.perf_counter() - started)
+    ex.bytes_in = len(body)
+
+    release = ReleasePoints()
+    is_stream = False
+    if ex.route != "other" and body:
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise ProxyError(415, "unsupported_content_encoding",
+                             f"Content-Encoding {encoding[:32]!r} is not accepted on a media route; send identity")
+        if may_contain_media(body):
+            body, is_stream = await prepare_media(state, ex, body)
+    if ex.lease is not None:
+        release_at = settings.release_at
+        if release_at == "auto":
+            release_at = "headers" if is_stream else "sent"
+        lease = ex.lease
+        if release_at == "sent":
+            release.on_sent = lease.release
+        elif release_at == "headers":
+            release.on_headers = lease.release
+
+    ex.upstream_started = time.perf_counter()
+    assert state.session is not None
+    try:
+        return await forward(
+            request,
+            state.session,
+            settings.upstream,
+            body,
+            upstream_headers(request, ex.request_id),
+            state.upstream_timeout(),
+            release,
+            partial(_response_headers, settings.server_timing, ex),
+            partial(setattr, ex, "response"),
+        )
+    except (ProxyError, BrokenStream) as exc:
+        error = exc if isinstance(exc, ProxyError) else exc.error
+        state.metrics.upstream_errors.labels(UPSTREAM_ERROR_KIND.get(error.code, "other")).inc()
+        raise
+    finally:
+        ex.watch.add("upstream", time.perf_counter() - ex.upstream_started)
+
+
+def _response_headers(server_timing: bool, ex: Exchange) -> dict[str, str]:
+    headers = {"X-Request-Id": ex.request_id}
+    if server_timing:
+        headers.update(ex.timing_header())
+    return headers
+
+
+async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
+    """The whole body, refusing more than ``limit`` bytes (413 up front from Content-Length, or as soon as a
+    chunked body crosses it) and more than ``timeout`` seconds (408: aiohttp has no body-read timeout)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise ProxyError(413, "body_too_large",
+                         f"the body is {request.content_length} bytes, over the limit of {limit} (MMGATE_MAX_BODY_MB)")
+    if not request.body_exists:
+        return b""
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise ProxyError(413, "body_too_large",
+                                     f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ProxyError(408, "body_read_timeout", f"the request body did not arrive within {timeout:g} s") from None
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    chunks.clear()
+    return body
+
+
+# ----------------------------------------------------------------------------------------------------------
+# media
+
+
+@dataclass(slots=True)
+class _Item:
+    """One inline media part, ready for a worker: where its string is, how big it decodes."""
+
+    part: MediaPart
+    payload_offset: int  # where the base64 starts inside the string value (after "data:...;base64,")
+    size: int  # decoded bytes, exact upper bound from the base64 length
+
+
+async def prepare_media(state: "AppState", ex: Exchange, body: bytes) -> tuple[bytes, bool]:
+    """Locate, admit, preprocess and splice. Returns the body to forward and whether the client streams."""
+    settings = state.settings
+    started = time.perf_counter()
+    skeleton = skeletonize(body)
+    parts = locate(ex.route, skeleton)
+    is_stream = isinstance(skeleton.doc, dict) and skeleton.doc.get("stream") is True
+    ex.watch.add("parse", time.perf_counter() - started)
+    if not parts:
+        return body, is_stream
+    ex.kind = "media"
+
+    if len(parts) > settings.max_media_per_request:
+        raise ProxyError(400, "too_many_media",
+                         f"the request has {len(parts)} media parts, over the limit of "
+                         f"{settings.max_media_per_request} (MMGATE_MAX_MEDIA_PER_REQUEST): send fewer",
+                         param=parts[settings.max_media_per_request].path)
+    items: list[_Item] = []
+    for part in parts:
+        if part.is_url:
+            if settings.media_urls == "reject":
+                raise ProxyError(400, "media_url_not_allowed",
+                                 "media URLs are not accepted here (MMGATE_MEDIA_URLS=reject): send the media inline "
+                                 "as base64", param=part.path)
+            state.metrics.media_items.labels(part.kind, "url").inc()
+            continue
+        items.append(_measure(body, part, settings.max_media_item_bytes))
+    cost = sum(item.size for item in items)
+
+    started = time.perf_counter()
+    ex.lease = await state.gate.acquire(cost, settings.queue_timeout)
+    ex.watch.add("queue", time.perf_counter() - started)
+
+    started = time.perf_counter()
+    assert state.pool is not None
+    batch = state.pool.batch()
+    jobs = [partial(_process_item, body, item, state) for item in items]
+    try:
+        tokens = await batch.run(jobs, settings.preprocess_timeout)
+    except BaseException as exc:
+        # The answer goes out now; the slot is given back only when the work has really stopped.
+        lease, ex.lease_owned_by_batch = ex.lease, True
+        run_soon(batch.stopped(), lease.release)
+        if isinstance(exc, TimeoutError):
+            _count_items(state, items, "timeout")
+            raise ProxyError(504, "preprocess_timeout",
+                             f"media preprocessing took longer than {settings.preprocess_timeout:g} s "
+                             "(MMGATE_PREPROCESS_TIMEOUT): send smaller media") from None
+        if isinstance(exc, _ItemFailed):
+            _count_items(state, items, "rejected")
+            raise ProxyError(exc.error.status, exc.error.code, exc.error.message, param=exc.path) from None
+        raise
+    finally:
+        ex.watch.add("preprocess", time.perf_counter() - started)
+
+    started = time.perf_counter()
+    replacements: list[tuple[Span, bytes]] = []
+    for item, token in zip(items, tokens):
+        ex.media_in += item.size
+        if token is None:
+            state.metrics.media_items.labels(item.part.kind, "unchanged").inc()
+            ex.media_out += item.size
+            continue
+        state.metrics.media_items.labels(item.part.kind, "rewritten").inc()
+        value, mime = token
+        ex.media_out += len(value) * 3 // 4
+        assert item.part.span is not None
+        replacements.append((item.part.span, value))
+        if item.part.mime_span is not None:
+            replacements.append((item.part.mime_span, b'"' + mime + b'"'))
+    del tokens
+    state.metrics.media_bytes.labels("in").inc(ex.media_in)
+    state.metrics.media_bytes.labels("out").inc(ex.media_out)
+    if replacements:
+        body = splice(body, replacements)
+        replacements.clear()
+    ex.watch.add("splice", time.perf_counter() - started)
+    return body, is_stream
+
+
+def _count_items(state: "AppState", items: list[_Item], outcome: str) -> None:
+    for item in items:
+        state.metrics.media_items.labels(item.part.kind, outcome).inc()
+
+
+def _measure(body: bytes, part: MediaPart, max_item: int) -> _Item:
+    """Decoded size from the base64 length alone (413 before any decode); parses only a data URI's head."""
+    if part.span is not None:
+        head = memoryview(body)[part.span.start + 1 : min(part.span.end - 1, part.span.start + 257)]
+        length = part.span.end - part.span.start - 2
+    else:
+        assert part.literal is not None
+        head = memoryview(part.literal.encode())[:256]
+        length = len(part.literal)
+    offset = 0
+    if part.encoding == "data_uri":
+        try:
+            data_url = parse_data_url(head)
+        except MediaError as error:
+            raise ProxyError(error.status, error.code, error.message, param=part.path) from None
+        if data_url is None:
+            raise ProxyError(400, "invalid_data_uri", "expected a data: URI or an http(s) URL", param=part.path)
+        offset = data_url.payload_offset
+    size = decoded_size(length - offset)
+    if size > max_item:
+        raise ProxyError(413, "media_too_large",
+                         f"this {part.kind} decodes to about {size} bytes, over the per-item limit of {max_item} "
+                         "(MMGATE_MAX_MEDIA_ITEM_MB): send a smaller file", param=part.path)
+    return _Item(part, offset, size)
+
+
+class _ItemFailed(Exception):
+    def __init__(self, path: str, error: MediaError) -> None:
+        super().__init__(error.message)
+        self.path = path
+        self.error = error
+
+
+def _process_item(body: bytes, item: _Item, state: "AppState", checkpoint: Checkpoint) -> tuple[bytes, bytes] | None:
+    """In a decode thread: base64 → bytes → validate → (resize → re-encode → base64 token). None = unchanged."""
+    part = item.part
+    try:
+        value = string_value(body, part.span) if part.span is not None else part.literal.encode()  # type: ignore[union-attr]
+        data = decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
+        del value
+        checkpoint()
+        if part.kind == "image":
+            processed = process_image(data, state.image_policy, checkpoint)
+            del data
+            if processed is None or part.span is None:
+                return None
+            mime = processed.mime.encode()
+            encoded = encode_base64(processed.data)
+            del processed
+            if part.encoding == "data_uri":
+                return b"".join((b'"data:', mime, b";base64,", encoded, b'"')), mime
+            return b"".join((b'"', encoded, b'"')), mime
+        if part.kind == "audio":
+            validate_audio(data, part.audio_format, state.audio_policy, checkpoint)
+        return None  # audio and video are validated / size-checked and forwarded unchanged
+    except MediaError as error:
+        raise _ItemFailed(part.path, error) from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# answers mmgate gives itself
+
+
+async def _refuse(request: web.Request, state: "AppState", ex: Exchange, error: ProxyError) -> web.StreamResponse:
+    """Answer ``error`` in the client's API shape, or end a response whose headers already went out."""
+    ex.status, ex.code = error.status, error.code
+    if error.code not in UPSTREAM_ERROR_KIND:  # upstream failures are counted as upstream_errors_total
+        state.metrics.rejected.labels(error.code).inc()
+    response = ex.response
+    if response is not None and response.prepared:
+        # Too late to change the status: an SSE stream gets one final error event, anything else is cut.
+        if response.content_type == "text/event-stream":
+            try:
+                await response.write(error.sse_event(ex.dialect))
+                await response.write_eof()
+            except ConnectionResetError:
+                pass
+        else:
+            response.force_close()
+            if request.transport is not None:
+                request.transport.close()
+        return response
+    answer = web.Response(status=error.status, body=error.body(ex.dialect), content_type="application/json")
+    answer.headers["X-Request-Id"] = ex.request_id
+    answer.headers.update(error.headers)
+    if error.status in (408, 413):
+        answer.force_close()  # the rest of the body may still be on its way: do not read it
+    return answer
+
+
+def _record(state: "AppState", ex: Exchange, request: web.Request) -> None:
+    status = ex.status or (ex.response.status if ex.response is not None else 0)
+    duration = ex.watch.elapsed()
+    m = state.metrics
+    m.requests.labels(ex.route, ex.kind, str(status)).inc()
+    m.request_duration.labels(ex.route, ex.kind).observe(duration)
+    for stage, seconds in ex.watch.stages.items():
+        m.stage_duration.labels(stage).observe(seconds)
+    m.stage_duration.labels("total").observe(duration)
+    if state.settings.access_log:
+        fields = {
+            "request_id": ex.request_id, "method": request.method, "path": request.path, "route": ex.route,
+            "kind": ex.kind, "status": status, "code": ex.code or None, "duration_ms": round(duration * 1000, 2),
+            "stages_ms": {k: round(v * 1000, 2) for k, v in ex.watch.stages.items()},
+            "bytes_in": ex.bytes_in, "media_in": ex.media_in, "media_out": ex.media_out,
+        }
+        log.info("%s %s %s %s %s %.1fms %s", ex.request_id, request.method, request.path, status, ex.kind,
+                 duration * 1000, ex.code or "-", extra={"fields": fields})

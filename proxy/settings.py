@@ -1,0 +1,273 @@
+"""One frozen Settings, built from ``MMGATE_*`` environment variables and CLI flags of the same names.
+
+Every variable of DESIGN.md's table is here, with its default, unit and what is allowed. A bad value raises
+``ConfigError`` whose text is the one line the CLI prints before exiting with status 2. The environment is
+injectable (``Settings.from_env(environ)``) so tests never touch ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping
+from urllib.parse import urlsplit
+
+MIB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A configuration value that mmgate refuses; ``str()`` is one line naming variable, value and rule."""
+
+
+def usable_cpus() -> int:
+    """CPUs this process may really use: affinity mask and cgroup v2 quota, not ``os.cpu_count()``."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        count = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            count = min(count, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, count)
+
+
+# --- parsers: each takes the raw string and returns the value or raises ValueError("what is allowed") ---
+
+
+def _int(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+        if value is None or value < lo or (hi is not None and value > hi):
+            raise ValueError(f"an integer {'>= ' + str(lo) if hi is None else f'from {lo} to {hi}'}")
+        return value
+
+    return parse
+
+
+def _seconds(allow_zero: bool) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not (value > 0 or (allow_zero and value == 0)) or value == float("inf"):
+            raise ValueError("a number of seconds " + (">= 0 (0 = off)" if allow_zero else "> 0"))
+        return value
+
+    return parse
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in allowed:
+            raise ValueError("one of " + ", ".join(allowed))
+        return value
+
+    return parse
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("on or off")
+
+
+def _upstream(raw: str) -> str:
+    parts = urlsplit(raw.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError("an http(s) base URL such as http://127.0.0.1:8000")
+    return raw.strip().rstrip("/")
+
+
+def _path(raw: str) -> str:
+    if not raw.startswith("/"):
+        raise ValueError("a path starting with /")
+    return raw
+
+
+def _prefixes(raw: str) -> tuple[str, ...]:
+    items = tuple(p.strip() for p in raw.split(",") if p.strip())
+    if any(not p.startswith("/") for p in items):
+        raise ValueError("comma-separated path prefixes, each starting with /")
+    return items
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Effective configuration. Field ``max_queue`` is ``MMGATE_MAX_QUEUE`` and ``--max-queue``."""
+
+    upstream: str = ""
+    upstream_health_path: str = "/health"
+    host: str = "0.0.0.0"
+    port: int = 8080
+    admin_port: int = 0
+    max_mm_concurrency: int = 4
+    max_queue: int = 64
+    queue_timeout: float = 30.0
+    max_inflight_media_mb: int = 1024
+    preprocess_timeout: float = 30.0
+    request_timeout: float = 0.0
+    body_read_timeout: float = 30.0
+    upstream_connect_timeout: float = 5.0
+    upstream_read_timeout: float = 600.0
+    upstream_max_connections: int = 1024
+    decode_workers: int = 0  # 0 until resolved: from_env fills in usable_cpus()
+    max_body_mb: int = 64
+    max_media_per_request: int = 16
+    max_media_item_mb: int = 32
+    max_image_pixels: int = 64_000_000
+    max_frames: int = 64
+    max_audio_seconds: float = 600.0
+    validate: str = "full"
+    resize_max_pixels: int = 0
+    resize_max_side: int = 0
+    image_format: str = "auto"
+    jpeg_quality: int = 90
+    release_at: str = "auto"
+    media_urls: str = "forward"
+    allow_paths: tuple[str, ...] = ()
+    cache_mb: int = 0
+    drain_grace: float = 5.0
+    drain_timeout: float = 30.0
+    server_timing: bool = True
+    access_log: bool = True
+    log_level: str = "info"
+    log_format: str = "text"
+
+    # ----- construction -----
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: str) -> "Settings":
+        """Read ``MMGATE_*`` from ``environ`` (default ``os.environ``); ``overrides`` (raw strings, CLI) win."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, (parse, _help) in _SPEC.items():
+            env_name = "MMGATE_" + name.upper()
+            raw = overrides.get(name)
+            if raw is None:
+                raw = environ.get(env_name)
+            if raw is None:
+                continue
+            try:
+                values[name] = parse(str(raw))
+            except ValueError as exc:
+                raise ConfigError(f"{env_name}={raw!r} is not allowed: expected {exc}") from None
+        if "decode_workers" not in values:
+            values["decode_workers"] = usable_cpus()
+        elif values["decode_workers"] == 0 and environ.get("MMGATE_BENCH_INLINE_DECODE") != "1":
+            raise ConfigError(
+                "MMGATE_DECODE_WORKERS='0' is not allowed: expected an integer from 1 to 256 "
+                "(0 = decode on the event loop exists only as a benchmark baseline)"
+            )
+        return cls(**values)
+
+    # ----- derived values -----
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.max_body_mb * MIB
+
+    @property
+    def max_media_item_bytes(self) -> int:
+        return self.max_media_item_mb * MIB
+
+    @property
+    def max_inflight_media_bytes(self) -> int:
+        return self.max_inflight_media_mb * MIB
+
+    def worst_case_memory_bytes(self) -> dict[str, int]:
+        """Upper bound of request payload memory the limits allow (README "Tuning").
+
+        queued:    every waiting request holds its raw body      = MAX_QUEUE × MAX_BODY_MB
+        admitted:  requests past the gate hold body + output     = MAX_MM_CONCURRENCY × 2 × MAX_BODY_MB
+        decoding:  decode workers each hold one decoded image    = DECODE_WORKERS × MAX_IMAGE_PIXELS × 4 B
+        """
+        queued = self.max_queue * self.max_body_bytes
+        admitted = self.max_mm_concurrency * 2 * self.max_body_bytes
+        decoding = self.decode_workers * self.max_image_pixels * 4
+        return {"queued": queued, "admitted": admitted, "decoding": decoding, "total": queued + admitted + decoding}
+
+    def describe(self) -> str:
+        """``--print-config``: every effective setting as ``MMGATE_X=value`` and the worst-case memory."""
+        lines = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                value = ",".join(value)
+            elif isinstance(value, bool):
+                value = "on" if value else "off"
+            lines.append(f"MMGATE_{f.name.upper()}={value}")
+        memory = self.worst_case_memory_bytes()
+        lines.append(
+            "# worst-case payload memory: {total:.0f} MiB = queued {queued:.0f} MiB + admitted {admitted:.0f} MiB"
+            " + decoding {decoding:.0f} MiB".format(**{k: v / MIB for k, v in memory.items()})
+        )
+        return "\n".join(lines)
+
+
+# name -> (parser, help). The order is the order of `mmgate --help` and `--print-config`.
+_SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
+    "upstream": (_upstream, "backend base URL, e.g. http://127.0.0.1:8000 (required)"),
+    "upstream_health_path": (_path, "path /mmgate/ready probes on the upstream [/health]"),
+    "host": (_text, "listen address [0.0.0.0]"),
+    "port": (_int(0, 65535), "listen port [8080]"),
+    "admin_port": (_int(0, 65535), "serve /mmgate/* only on this port (0 = same port) [0]"),
+    "max_mm_concurrency": (_int(1, 100_000), "media requests past admission at once [4]"),
+    "max_queue": (_int(0, 1_000_000), "media requests allowed to wait; beyond -> 429 queue_full [64]"),
+    "queue_timeout": (_seconds(False), "seconds a media request may wait -> 429 queue_timeout [30]"),
+    "max_inflight_media_mb": (_int(0), "decoded inline media MiB past admission (0 = off) [1024]"),
+    "preprocess_timeout": (_seconds(False), "seconds for one request's media work -> 504 [30]"),
+    "request_timeout": (_seconds(True), "end-to-end deadline in seconds (0 = off) [0]"),
+    "body_read_timeout": (_seconds(False), "seconds for the whole request body -> 408 [30]"),
+    "upstream_connect_timeout": (_seconds(False), "upstream connect timeout -> 502 [5]"),
+    "upstream_read_timeout": (_seconds(False), "longest upstream silence -> 504 [600]"),
+    "upstream_max_connections": (_int(1, 1_000_000), "upstream connection pool size [1024]"),
+    "decode_workers": (_int(0, 256), "decode threads [usable CPUs]"),
+    "max_body_mb": (_int(1, 4096), "request body limit in MiB -> 413 body_too_large [64]"),
+    "max_media_per_request": (_int(1, 10_000), "media parts per request -> 400 too_many_media [16]"),
+    "max_media_item_mb": (_int(1, 4096), "one decoded media item in MiB -> 413 media_too_large [32]"),
+    "max_image_pixels": (_int(1), "decompression-bomb guard, from the header -> 400 image_too_large [64000000]"),
+    "max_frames": (_int(1, 100_000), "frames of an animated image -> 400 too_many_frames [64]"),
+    "max_audio_seconds": (_seconds(False), "WAV duration limit -> 400 audio_invalid [600]"),
+    "validate": (_choice("full", "header"), "full = decode every image; header = header only [full]"),
+    "resize_max_pixels": (_int(0), "downscale to at most this many pixels (0 = never) [0]"),
+    "resize_max_side": (_int(0), "downscale so the longer side fits (0 = never) [0]"),
+    "image_format": (_choice("auto", "jpeg", "png", "webp"), "format of re-encoded images [auto]"),
+    "jpeg_quality": (_int(1, 100), "JPEG/WebP quality of re-encoded images [90]"),
+    "release_at": (_choice("auto", "sent", "headers", "complete"), "when the gate lease ends [auto]"),
+    "media_urls": (_choice("forward", "reject"), "media URLs: forward or reject (fetch: not implemented yet) [forward]"),
+    "allow_paths": (_prefixes, "comma-separated path prefixes forwarded; others -> 404 [all]"),
+    "cache_mb": (_int(0), "processed-media cache in MiB (0 = off) [0]"),
+    "drain_grace": (_seconds(True), "seconds to keep serving after SIGTERM while not ready [5]"),
+    "drain_timeout": (_seconds(True), "seconds to wait for in-flight requests when draining [30]"),
+    "server_timing": (_bool, "add the Server-Timing header [on]"),
+    "access_log": (_bool, "log one line per request [on]"),
+    "log_level": (_choice("debug", "info", "warning", "error"), "log level [info]"),
+    "log_format": (_choice("text", "json"), "text or json (one object per line) [text]"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--kebab-name`` flag per setting; values stay raw strings so one parser validates both sources."""
+    for name, (_parse, help_text) in _SPEC.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="V", help=help_text)
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, str]:
+    return {name: value for name in _SPEC if (value := getattr(args, name, None)) is not None}

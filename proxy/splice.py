@@ -1,0 +1,350 @@
+"""Raw-body surgery: find JSON string tokens, parse a small skeleton, splice new media in.
+
+A multimodal body is mostly a few huge base64 strings. Parsing it whole (orjson: ~1 ms per MB) and
+re-serialising it would cost GIL time and change bytes the client sent (DESIGN.md "Splice, never
+re-serialise"). Instead:
+
+1. ``skeletonize`` walks the string tokens with ``bytes.find`` (C speed; base64 holds neither ``"``
+   nor ``\\``, so a 20 MB body has only a few hundred tokens), replaces long, escaped or
+   media-looking string *values* by short placeholders, and parses the small remainder with orjson.
+2. ``dialects.locate`` walks that small document; a placeholder names the byte ``Span`` of its token.
+3. ``splice`` builds the outgoing body in one join: original bytes, with only the chosen tokens
+   replaced.
+
+This module knows JSON, not APIs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import secrets
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.errors import ProxyError
+
+# Step 3 "sniff" (DESIGN.md). Every media part dialects.locate() can find sits under a key or a
+# ``type`` value that contains "image", "audio" or "video" (compared case-sensitively, after JSON
+# unescaping). A JSON string can only hide those letters behind a ``\uXXXX`` escape, so the
+# case-sensitive words plus ``\u`` already make a miss impossible; ``data:`` and ``base64`` are
+# extra (false positives are cheap). The property is pinned by a hypothesis test.
+MARKERS: tuple[bytes, ...] = (b"data:", b"base64", b"image", b"audio", b"video", b"\\u")
+
+# Search order: the words that every media body must contain first, so a media body stops early.
+_SNIFF_ORDER: tuple[bytes, ...] = (b"image", b"audio", b"video", b"\\u", b"data:", b"base64")
+assert set(_SNIFF_ORDER) == set(MARKERS)
+
+# String values starting with one of these (ASCII case-insensitive) are always placeholdered,
+# whatever their length: media data (data: URI), the MIME beside Anthropic data, and web URLs
+# (MMGATE_MEDIA_URLS=fetch splices fetched media in their place).
+_MEDIA_PREFIXES: tuple[bytes, ...] = (b"data:", b"image/", b"audio/", b"video/", b"http:", b"https:")
+_KEY_TAIL = re.compile(rb"[ \t\r\n]*:")
+
+_QUOTE = 0x22
+_BACKSLASH = 0x5C
+_COLON = 0x3A
+_WHITESPACE = frozenset(b" \t\r\n")
+_SUFFIXES: tuple[bytes, ...] = tuple(b'%d"' % i for i in range(1024))  # placeholder endings, premade
+
+
+def may_contain_media(body: bytes) -> bool:
+    """Cheap pre-check: False means ``locate`` cannot find media here, so skip the JSON parse.
+
+    Word search in CPython runs at ~1 ns/byte (only one-byte ``find`` gets memchr speed), so all
+    markers are searched window by window: a media body, whose first key or type names the media
+    before its data, answers within the first window instead of after a full pass per marker.
+    """
+    size = len(body)
+    start = 0
+    window = 16 << 10
+    while start < size:
+        end = start + window
+        for marker in _SNIFF_ORDER:
+            if body.find(marker, start, end + len(marker) - 1) >= 0:
+                return True
+        start = end
+        window = min(window * 2, 1 << 20)
+    return False
+
+
+# Walking string tokens costs ~0.7 us each in Python; orjson parses ~1-3 ns per byte. Past about
+# 8 quotes (4 tokens) per KB a plain parse of the whole body is the cheaper way to find out.
+_TEXT_HEAVY_QUOTES_PER_KB = 8
+_SAMPLES = 33
+_SAMPLE_WINDOW = 1024
+
+
+def looks_text_heavy(body: bytes) -> bool:
+    """True when ``body`` looks like many small strings (a text chat) rather than a few huge ones.
+
+    The median quote count of evenly spread 1 KB windows: robust to the dense JSON head of a media
+    body. Only picks the faster of two correct paths (dialects.find_media), so a wrong guess costs
+    time, never correctness.
+    """
+    size = len(body)
+    if size <= _SAMPLES * _SAMPLE_WINDOW:
+        return body.count(b'"') * _SAMPLE_WINDOW > size * _TEXT_HEAVY_QUOTES_PER_KB
+    step = (size - _SAMPLE_WINDOW) // (_SAMPLES - 1)
+    counts = sorted(body.count(b'"', i * step, i * step + _SAMPLE_WINDOW) for i in range(_SAMPLES))
+    return counts[_SAMPLES // 2] > _TEXT_HEAVY_QUOTES_PER_KB
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One JSON string token in the raw body, quotes included: ``body[start:end]``."""
+
+    start: int  # index of the opening quote
+    end: int  # index just after the closing quote
+    escaped: bool  # the content holds a backslash: unescape it before use (see string_value)
+
+    @property
+    def raw_length(self) -> int:
+        """Bytes between the quotes (for unescaped base64, exactly the encoded length)."""
+        return self.end - self.start - 2
+
+
+def _invalid(message: str) -> ProxyError:
+    return ProxyError(400, "invalid_json", message)
+
+
+def _loads_str(token: bytes | memoryview) -> str:
+    """Unescape one JSON string token. orjson first; the stdlib also takes lone surrogates."""
+    try:
+        value = orjson.loads(token)
+    except orjson.JSONDecodeError:
+        try:
+            value = json.loads(bytes(token).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise _invalid(f"request body is not valid JSON: bad string ({exc})") from None
+    if not isinstance(value, str):  # cannot happen for a token found by skeletonize
+        raise _invalid("request body is not valid JSON: expected a string")
+    return value
+
+
+def string_value(body: bytes, span: Span) -> bytes | memoryview:
+    """The string's content without quotes, as UTF-8.
+
+    Unescaped (the normal case for base64): a zero-copy view into ``body``. Escaped (e.g. base64
+    written with ``\\/``): the correct slow path, a full unescape.
+    """
+    if not span.escaped:
+        return memoryview(body)[span.start + 1 : span.end - 1]
+    text = _loads_str(memoryview(body)[span.start : span.end])
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _invalid("request body is not valid JSON: string has an unpaired surrogate") from None
+
+
+class Skeleton:
+    """A parsed body whose long strings are placeholders that point back at their byte spans.
+
+    ``doc`` is the parsed document. Every string *value* (never a key) that is longer than the
+    threshold, holds a backslash escape, or starts with ``data:``, ``image/``, ``audio/``,
+    ``video/``, ``http:`` or ``https:`` (ASCII case-insensitive) appears in ``doc`` as a placeholder
+    ``"\\x00<nonce>:<i>"`` standing for ``spans[i]``. So a string left literal is spelled in the
+    body exactly as in ``doc``, and no data URI, media MIME or web URL is ever left without a span.
+    Read strings of ``doc`` through ``text()``. The nonce is random per call, so a client cannot
+    forge a placeholder. The skeleton holds ``body``: drop it once the body is spliced.
+    """
+
+    __slots__ = ("body", "doc", "_cuts", "_prefix", "_spans")
+
+    def __init__(self, body: bytes, doc: Any, cuts: list[tuple[int, int, bool]], prefix: str) -> None:
+        self.body = body
+        self.doc = doc
+        self._cuts = cuts  # (start, end, escaped) per placeholder: Span objects are made on demand
+        self._prefix = prefix
+        self._spans: list[Span] | None = None
+
+    @property
+    def spans(self) -> list[Span]:
+        """Every placeholdered token, in body order (index i is placeholder i)."""
+        if self._spans is None:
+            self._spans = [Span(*cut) for cut in self._cuts]
+        return self._spans
+
+    def span_of(self, value: object) -> Span | None:
+        """The Span behind ``value`` when it is one of this skeleton's placeholders."""
+        if isinstance(value, str) and value.startswith(self._prefix):
+            return Span(*self._cuts[int(value[len(self._prefix) :])])
+        return None
+
+    def text(self, value: object) -> str | None:
+        """``value`` as the client's string (a placeholder is unescaped from the body); None if no str.
+
+        Decodes the whole token: use it for URLs, MIME types and ``type`` values, not for media data.
+        """
+        if not isinstance(value, str):
+            return None
+        span = self.span_of(value)
+        if span is None:
+            return value
+        if span.escaped:
+            return _loads_str(memoryview(self.body)[span.start : span.end])
+        try:
+            return str(memoryview(self.body)[span.start + 1 : span.end - 1], "utf-8")
+        except UnicodeDecodeError:
+            raise _invalid("request body is not valid JSON: string is not UTF-8") from None
+
+    def head(self, value: object, n: int) -> str | None:
+        """The first ``n`` characters of ``value`` (cheap even for a 20 MB placeholder)."""
+        if not isinstance(value, str):
+            return None
+        span = self.span_of(value)
+        if span is None:
+            return value[:n]
+        content = memoryview(self.body)[span.start + 1 : span.end - 1]
+        if not span.escaped:
+            # 4 bytes per character at most; a character cut at the end only affects chars past n.
+            return str(content[: 4 * n], "utf-8", "replace")[:n]
+        # One character is at most 12 escaped bytes (a surrogate pair); back off from a cut that
+        # splits an escape or a UTF-8 sequence until the prefix parses.
+        chunk = bytes(content[: 12 * n + 12])
+        if len(chunk) == len(content):
+            return _loads_str(b'"' + chunk + b'"')[:n]
+        for cut in range(len(chunk), len(chunk) - 13, -1):
+            try:
+                return _loads_str(b'"' + chunk[:cut] + b'"')[:n]
+            except ProxyError:
+                continue
+        raise _invalid("request body is not valid JSON: bad string escape")
+
+    def resolve(self, value: Any = ...) -> Any:
+        """A deep copy of ``value`` (default: ``doc``) with every placeholder unescaped (tests, debugging)."""
+        if value is ...:
+            value = self.doc
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, list):
+            return [self.resolve(item) for item in value]
+        if isinstance(value, dict):
+            return {key: self.resolve(item) for key, item in value.items()}
+        return value
+
+
+def parse_plain(body: bytes) -> Skeleton:
+    """A Skeleton without placeholders (a plain parse): right for finding out *whether* a text-heavy
+    body has media; its parts carry no spans, so re-run ``skeletonize`` when there are some."""
+    return Skeleton(body, _parse(body), [], "\x00" + secrets.token_hex(8) + ":")
+
+
+def placeholder_span(skeleton: Skeleton, value: object) -> Span | None:
+    """Span if ``value`` is a placeholder of ``skeleton`` (same as ``skeleton.span_of``)."""
+    return skeleton.span_of(value)
+
+
+@functools.lru_cache(maxsize=8)
+def _skip_plain(long_string: int) -> Callable[[bytes, int], re.Match[bytes] | None]:
+    """A matcher for the run of bytes from ``pos`` that needs no placeholder: everything outside
+    strings, and every string of at most ``long_string`` bytes with no backslash and no media prefix.
+
+    The regex engine walks such runs at about orjson's speed per token where a Python loop costs
+    ~1 us, so a chat history or a body of many tiny strings stays cheap; it stops in front of the
+    next string that must be looked at (long, escaped or media-looking), whose end the caller finds
+    with memchr. The match never fails (it may be empty).
+    """
+    limit = min(long_string, 1 << 30)  # the regex engine's repeat bound; bodies are far smaller
+    return re.compile(
+        rb'(?:[^"\\]*+"(?!(?i:data:|image/|audio/|video/|https?:))[^"\\]{0,%d}+")*+[^"\\]*+' % limit
+    ).match
+
+
+def skeletonize(body: bytes, *, long_string: int = 64) -> Skeleton:
+    """Parse ``body`` with its long, escaped and media-looking string values replaced by placeholders.
+
+    Raises ProxyError(400, "invalid_json") for anything that is not JSON. The content of a
+    placeholdered string is not validated here (that is what makes it cheap): ``string_value`` /
+    ``Skeleton.text`` check it when it is used, and the media checks reject junk bytes anyway.
+    """
+    find = body.find
+    skip_plain = _skip_plain(long_string)
+    size = len(body)
+    nonce = secrets.token_hex(8)
+    head = b'"\\u0000' + nonce.encode("ascii") + b":"
+    cuts: list[tuple[int, int, bool]] = []
+    pieces: list[bytes | memoryview] = []
+    view = memoryview(body)
+    copied = 0  # body[:copied] is already in pieces
+    pos = 0
+
+    while True:
+        start = skip_plain(body, pos).end()  # type: ignore[union-attr]
+        if start >= size:
+            break
+        if body[start] != _QUOTE:
+            raise _invalid("request body is not valid JSON: backslash outside a string")
+        end = find(b'"', start + 1)
+        if end < 0:
+            raise _invalid("request body is not valid JSON: unterminated string")
+        escaped = find(b"\\", start + 1, end) >= 0
+        if escaped:
+            # The quote ends the string only after an even run of backslashes. body[start] is a
+            # quote, so the backwards walk stops there at the latest.
+            while True:
+                k = end - 1
+                while body[k] == _BACKSLASH:
+                    k -= 1
+                if not (end - 1 - k) & 1:
+                    break
+                end = find(b'"', end + 1)
+                if end < 0:
+                    raise _invalid("request body is not valid JSON: unterminated string")
+        pos = end + 1
+        length = end - start - 1
+        if escaped or length > long_string or body[start + 1 : start + 7].lower().startswith(_MEDIA_PREFIXES):
+            after = body[pos] if pos < size else 0
+            if after == _COLON or (after in _WHITESPACE and _KEY_TAIL.match(body, pos)):
+                continue  # keys stay literal so dialects can look them up
+            n = len(cuts)
+            pieces.append(view[copied:start])
+            pieces.append(head)
+            pieces.append(_SUFFIXES[n] if n < len(_SUFFIXES) else b'%d"' % n)
+            cuts.append((start, pos, escaped))
+            copied = pos
+
+    if cuts:
+        pieces.append(view[copied:])
+        skeleton_bytes = b"".join(pieces)
+    else:
+        skeleton_bytes = body
+    del pieces, view
+    return Skeleton(body, _parse(skeleton_bytes), cuts, "\x00" + nonce + ":")
+
+
+def _parse(data: bytes) -> Any:
+    """orjson; the stdlib as a fallback for JSON it refuses but Python backends accept (NaN, lone
+    surrogate escapes)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        reason = exc.msg
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise _invalid(f"request body is not valid JSON: {reason}") from None
+
+
+def splice(body: bytes, replacements: Iterable[tuple[Span, bytes]]) -> bytes:
+    """``body`` with each span's whole token replaced by the given bytes (a complete JSON string
+    token, quotes included); every other byte identical. One new bytes object, built in one join."""
+    ordered = sorted(replacements, key=lambda item: item[0].start)
+    view = memoryview(body)
+    parts: list[bytes | memoryview] = []
+    pos = 0
+    for span, token in ordered:
+        if span.start < pos or span.end > len(body) or span.end < span.start:
+            raise ValueError(f"overlapping or out-of-range span {span}")
+        parts.append(view[pos : span.start])
+        parts.append(token)
+        pos = span.end
+    parts.append(view[pos:])
+    try:
+        return b"".join(parts)
+    finally:
+        del parts, view

@@ -1,0 +1,204 @@
+"""Forwarding to the upstream: header hygiene, a body that lets go of itself, streaming back, release points.
+
+The request and response bodies are never buffered whole on the way back: each chunk the upstream sends
+is written to the client as it arrives (``iter_any``), so SSE tokens keep their timing. Header rules:
+
+* RFC 9110 §7.6.1: hop-by-hop fields (``Connection`` and every field it names, Keep-Alive,
+  Proxy-Connection, Proxy-Authenticate, Proxy-Authorization, TE, Trailer, Transfer-Encoding, Upgrade)
+  are removed in both directions; ``Host`` is set for the upstream by the client library.
+* RFC 7239's de facto predecessors: ``X-Forwarded-For`` gets the client address appended,
+  ``X-Forwarded-Proto`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import aiohttp
+from aiohttp import hdrs, web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.payload import Payload
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from .errors import ProxyError
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Connection", "Proxy-Authenticate", "Proxy-Authorization",
+        "TE", "Trailer", "Transfer-Encoding", "Upgrade",
+    )
+)
+# Fields mmgate itself owns on the way up: the body length is recomputed, the deadline header is ours.
+_NOT_FORWARDED = frozenset({"host", "content-length", "x-mmgate-timeout"})
+# Fields recomputed on the way back (aiohttp frames the body itself).
+_NOT_RETURNED = frozenset({"content-length"})
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def request_id_for(incoming: str | None) -> str:
+    """Keep a client's X-Request-Id when it is short and plain (log-safe), otherwise make one."""
+    if incoming and _REQUEST_ID.fullmatch(incoming):
+        return incoming
+    return uuid.uuid4().hex
+
+
+def without_hop_by_hop(headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """A copy of ``headers`` without hop-by-hop fields, the fields ``Connection`` names, and ``drop``."""
+    named = {token.strip().lower() for value in headers.getall(hdrs.CONNECTION, ()) for token in value.split(",")}
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in HOP_BY_HOP or lower in named or lower in drop:
+            continue
+        out.add(name, value)
+    return out
+
+
+def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
+    headers = without_hop_by_hop(request.headers, _NOT_FORWARDED)
+    peer = request.remote or ""
+    previous = request.headers.get("X-Forwarded-For")
+    headers["X-Forwarded-For"] = f"{previous}, {peer}" if previous else peer
+    headers["X-Forwarded-Proto"] = request.scheme
+    headers["X-Request-Id"] = request_id
+    return headers
+
+
+class OneShotBody(Payload):
+    """A request body that drops its buffer once written, then tells the caller.
+
+    aiohttp's ClientRequest keeps its body for the request's whole lifetime (for redirects and retries,
+    which a proxy never does): with a plain ``bytes`` body the media would stay alive until the response
+    stream ends, the exact leak of the lmdeploy reports. This payload lets go of the bytes as soon as the
+    transport has them and calls ``on_sent`` (the ``sent`` release point).
+    """
+
+    _autoclose = True
+
+    def __init__(self, body: bytes, on_sent: Callable[[], None] | None = None) -> None:
+        # aiohttp wants a Content-Type here; skip_auto_headers keeps it off the wire, so the client's own
+        # Content-Type (or none) is what the upstream sees.
+        super().__init__(None)
+        self._body: bytes | None = body
+        self._size = len(body)
+        self._on_sent = on_sent
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return (self._body or b"").decode(encoding, errors)
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: AbstractStreamWriter, content_length: int | None) -> None:
+        body, self._body = self._body, None
+        if body is None:
+            raise RuntimeError("OneShotBody written twice")
+        try:
+            await writer.write(body if content_length is None else body[:content_length])
+        finally:
+            del body
+        self._consumed = True
+        if self._on_sent is not None:
+            on_sent, self._on_sent = self._on_sent, None
+            on_sent()
+
+    def _close(self) -> None:
+        self._body = None
+        self._on_sent = None
+
+
+@dataclass(slots=True)
+class ReleasePoints:
+    """Callbacks fired at most once each as the exchange passes DESIGN.md's release points."""
+
+    on_sent: Callable[[], None] | None = None
+    on_headers: Callable[[], None] | None = None
+
+
+def _classify(exc: BaseException, *, headers_received: bool) -> ProxyError:
+    """Map a client-library failure to the error a client sees (before headers) and a metrics label."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError) or isinstance(exc, aiohttp.ClientConnectorError):
+        return ProxyError(502, "upstream_unavailable", f"cannot connect to the upstream: {exc.__class__.__name__}")
+    if isinstance(exc, (aiohttp.SocketTimeoutError, aiohttp.ServerTimeoutError, TimeoutError)):
+        where = "while streaming" if headers_received else "before answering"
+        return ProxyError(504, "upstream_timeout", f"the upstream sent nothing for too long {where}")
+    return ProxyError(502, "upstream_reset", f"the upstream connection failed: {exc.__class__.__name__}")
+
+
+UPSTREAM_ERROR_KIND = {"upstream_unavailable": "connect", "upstream_timeout": "timeout", "upstream_reset": "reset"}
+
+
+class BrokenStream(Exception):
+    """The upstream failed after the response headers went out; the response was ended as DESIGN.md says."""
+
+    def __init__(self, error: ProxyError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+async def forward(
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    base_url: str,
+    body: bytes,
+    headers: CIMultiDict[str],
+    timeout: aiohttp.ClientTimeout,
+    release: ReleasePoints,
+    extra_response_headers: Callable[[], dict[str, str]],
+    on_prepared: Callable[[web.StreamResponse], Any],
+) -> web.StreamResponse:
+    """Send ``body`` upstream and stream the answer back to ``request``'s client.
+
+    Raises ProxyError before the response started, BrokenStream after. ``on_prepared`` learns the prepared
+    response (so a deadline that fires later knows headers already went out).
+    """
+    url = URL(base_url + request.raw_path, encoded=True)  # path and query exactly as the client sent them
+    payload = OneShotBody(body, release.on_sent) if body else None
+    del body
+    try:
+        upstream = await session.request(
+            request.method,
+            url,
+            data=payload,
+            headers=headers,
+            timeout=timeout,
+            allow_redirects=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        )
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise _classify(exc, headers_received=False) from None
+    finally:
+        payload = None
+    if release.on_headers is not None:
+        release.on_headers()
+
+    try:
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        response.headers.extend(without_hop_by_hop(upstream.headers, _NOT_RETURNED))
+        response.headers.update(extra_response_headers())
+        length = upstream.headers.get(hdrs.CONTENT_LENGTH)
+        chunked = hdrs.TRANSFER_ENCODING in upstream.headers
+        if length is not None and not chunked and length.isdigit():
+            response.content_length = int(length)
+        elif request.method != "HEAD" and upstream.status not in (204, 304):
+            response.enable_chunked_encoding()
+        await response.prepare(request)
+        on_prepared(response)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise BrokenStream(_classify(exc, headers_received=True)) from None
+        await response.write_eof()
+        return response
+    finally:
+        # Whatever happened (done, client gone, deadline), the upstream request ends here: an unfinished body
+        # closes the connection, which is how the backend learns to stop generating.
+        upstream.close() if not upstream.content.is_eof() else upstream.release()

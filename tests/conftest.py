@@ -1,0 +1,122 @@
+"""Shared fixtures: a scriptable upstream and the real proxy, both real HTTP servers on 127.0.0.1.
+
+The upstream records what really crossed the wire (method, path, headers, raw body) and reports events
+(request arrived, handler cancelled because mmgate hung up) that tests await instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from proxy.app import STATE, AppState, build_app
+from proxy.settings import Settings
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    headers: dict[str, str]
+    raw_headers: list[tuple[str, str]]
+    body: bytes
+
+
+@dataclass
+class Upstream:
+    """A real aiohttp server whose behaviour a test scripts with ``route()``; default: echo a small JSON."""
+
+    server: TestServer | None = None
+    seen: list[Seen] = field(default_factory=list)
+    arrived: asyncio.Queue[Seen] = field(default_factory=asyncio.Queue)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)  # tests set it to let held handlers go on
+    handlers: dict[str, Handler] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.port}"
+
+    def route(self, path: str, handler: Handler) -> None:
+        self.handlers[path] = handler
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        seen = Seen(request.method, request.raw_path, dict(request.headers),
+                    [(k.decode(), v.decode()) for k, v in request.raw_headers], body)
+        self.seen.append(seen)
+        self.arrived.put_nowait(seen)
+        handler = self.handlers.get(request.path)
+        try:
+            if handler is not None:
+                return await handler(request)
+            return web.json_response({"ok": True, "path": request.path})
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+@pytest.fixture
+async def upstream() -> Any:
+    up = Upstream()
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_route("*", "/{tail:.*}", up._dispatch)
+    up.server = TestServer(app, host="127.0.0.1")
+    await up.server.start_server()
+    yield up
+    up.release.set()
+    await up.server.close()
+
+
+@dataclass
+class Proxy:
+    server: TestServer
+    app: web.Application
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+    @property
+    def state(self) -> AppState:
+        return self.app[STATE]
+
+
+StartProxy = Callable[..., Awaitable[Proxy]]
+
+
+@pytest.fixture
+async def start_proxy() -> Any:
+    """``await start_proxy(upstream_url, MMGATE_MAX_QUEUE="2", ...)``: the real app from build_app()."""
+    servers: list[TestServer] = []
+
+    async def start(upstream_url: str, **env: str) -> Proxy:
+        settings = Settings.from_env({"MMGATE_UPSTREAM": upstream_url, "MMGATE_ACCESS_LOG": "off", **env})
+        app = build_app(settings)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        servers.append(server)
+        return Proxy(server, app)
+
+    yield start
+    for server in servers:
+        await server.close()
+
+
+@pytest.fixture
+async def proxy(upstream: Upstream, start_proxy: StartProxy) -> Proxy:
+    return await start_proxy(upstream.url)
+
+
+def require_heavy() -> bool:
+    """CI sets MMGATE_REQUIRE_HEAVY=1: a missing heavy part (Chromium, vLLM) then fails instead of skipping."""
+    return os.environ.get("MMGATE_REQUIRE_HEAVY") == "1"

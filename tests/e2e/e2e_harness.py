@@ -1,0 +1,296 @@
+"""Process harness shared by the real-vLLM e2e tests and bench/real_vllm.py.
+
+Why a module of its own: the tests (conftest.py) and the benchmark must start vLLM and mmgate the same way, wait
+for them by polling their readiness endpoints (never by sleeping a fixed time), and tear them down by process
+group so no vLLM engine core survives a crashed run. No pytest import here.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+DEFAULT_DIR = Path(os.environ.get("MMGATE_E2E_DIR", str(REPO / ".e2e")))
+SERVED_MODEL = "tiny-vlm"
+VLLM_START_TIMEOUT = float(os.environ.get("MMGATE_E2E_VLLM_START_TIMEOUT", "420"))
+SETUP_TIMEOUT = float(os.environ.get("MMGATE_E2E_SETUP_TIMEOUT", "1200"))
+
+
+class HarnessError(RuntimeError):
+    """vLLM or mmgate could not be installed or started; the message says why (for skip/fail reasons)."""
+
+
+# ----------------------------------------------------------------------------------------------- small helpers
+
+
+def free_port() -> int:
+    """A free loopback port (the kernel picks it, so parallel sessions never collide on a fixed number)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only: ignore *_proxy env vars
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """GET returning (status, body) for any status; (0, b"") when nothing answers."""
+    try:
+        with _LOCAL.open(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (OSError, urllib.error.URLError):
+        return 0, b""
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_until_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float, log: Path, what: str) -> float:
+    """Poll ``url`` until it answers 200; fail fast when ``proc`` exits. Returns the seconds it took."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise HarnessError(f"{what} exited with status {proc.returncode} before {url} answered; log {log}:\n"
+                               + tail(log))
+        status, _ = http_get(url, timeout=2.0)
+        if status == 200:
+            return time.monotonic() - t0
+        time.sleep(0.25)  # polling interval of a readiness probe, not a synchronisation sleep
+    raise HarnessError(f"{what} did not answer 200 on {url} within {timeout:.0f} s; log {log}:\n" + tail(log))
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
+    """SIGTERM the whole process group (vLLM forks an engine core), then SIGKILL what is left after ``grace``."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:  # the leader may be gone while children linger: kill the group regardless
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text → {'name{labels}': value}; labels kept verbatim (sorted as the server printed them)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"^([^\s{]+(?:\{[^}]*\})?)\s+(\S+)", line)
+        if m:
+            try:
+                out[m.group(1)] = float(m.group(2))
+            except ValueError:
+                pass
+    return out
+
+
+def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of every series of ``name`` whose labels include ``labels`` (e.g. status="4xx")."""
+    total = 0.0
+    for key, value in metrics.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+    return total
+
+
+def rss_kib(pid: int) -> dict[str, int]:
+    """VmRSS / VmHWM (KiB) of ``pid`` from /proc; empty when the process is gone."""
+    out: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                k, v = line.split(":", 1)
+                out[k] = int(v.split()[0])
+    except OSError:
+        pass
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (vLLM's API server forks the engine core, which holds the model)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(d.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- images
+
+
+def photo_like(width: int, height: int, seed: int = 0) -> Image.Image:
+    """Synthetic photo-like RGB: smooth gradients + blobs + sensor noise (compresses like a photo, not a flat fill)."""
+    rng = np.random.default_rng(seed)
+    y = np.linspace(0.0, 1.0, height, dtype=np.float32)[:, None]
+    x = np.linspace(0.0, 1.0, width, dtype=np.float32)[None, :]
+    r = 255 * (0.5 + 0.5 * np.sin(6.0 * x + 3.0 * y))
+    g = 255 * (0.5 + 0.5 * np.cos(4.0 * y - 2.0 * x * y))
+    b = 255 * (x * 0.6 + y * 0.4)
+    img = np.stack([np.broadcast_to(c, (height, width)) for c in (r, g, b)], axis=-1)
+    img = img + rng.normal(0.0, 12.0, size=(height, width, 3)).astype(np.float32)
+    return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), "RGB")
+
+
+def encode(img: Image.Image, fmt: str) -> bytes:
+    """PNG (compress_level 1, as a camera app or screenshot tool would) or JPEG q90."""
+    buf = io.BytesIO()
+    if fmt == "png":
+        img.save(buf, "PNG", compress_level=1)
+    else:
+        img.save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime: str) -> str:
+    import base64
+
+    return f"data:{mime};base64," + base64.b64encode(data).decode("ascii")
+
+
+# ----------------------------------------------------------------------------------------------- setup + servers
+
+
+def run_setup(dir_: Path = DEFAULT_DIR, log: Path | None = None) -> float:
+    """Run setup_vllm.sh (idempotent). Returns seconds taken; raises HarnessError with the log tail on failure."""
+    try:
+        dir_.mkdir(parents=True, exist_ok=True)
+        log = log or dir_ / "setup.log"
+        f = open(log, "ab")
+    except OSError as e:
+        raise HarnessError(f"cannot use {dir_} for the vLLM install: {e}") from None
+    t0 = time.monotonic()
+    with f:
+        try:
+            rc = subprocess.run(["bash", str(HERE / "setup_vllm.sh"), str(dir_)], stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, timeout=SETUP_TIMEOUT).returncode
+        except subprocess.TimeoutExpired:
+            raise HarnessError(f"setup_vllm.sh took more than {SETUP_TIMEOUT:.0f} s; log {log}:\n" + tail(log))
+    if rc != 0:
+        raise HarnessError(f"setup_vllm.sh failed with status {rc}; log {log}:\n" + tail(log))
+    return time.monotonic() - t0
+
+
+@dataclass
+class Server:
+    """A started server: its base URL, process (group leader) and log file."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes] | None  # None: a server someone else started (MMGATE_E2E_VLLM_URL)
+    log: Path | None
+    start_seconds: float = 0.0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc)
+
+    def metrics(self, path: str) -> dict[str, float]:
+        status, body = http_get(self.url + path)
+        if status != 200:
+            raise HarnessError(f"{self.name} {path} answered {status}")
+        return parse_prometheus(body.decode())
+
+
+def start_vllm(dir_: Path = DEFAULT_DIR, port: int | None = None, log: Path | None = None,
+               extra_args: tuple[str, ...] = ()) -> Server:
+    """Start the real vLLM OpenAI server (CPU) on loopback serving the tiny Idefics3 as ``tiny-vlm``."""
+    python = dir_ / "venv" / "bin" / "python"
+    model = dir_ / "tiny-idefics3"
+    if not python.exists() or not (model / "config.json").exists():
+        raise HarnessError(f"vLLM is not set up in {dir_}: run tests/e2e/setup_vllm.sh {dir_}")
+    port = port or free_port()
+    log = log or dir_ / "logs" / f"vllm-{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMGATE_"))}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1",  # 1 GiB KV cache; the default takes far more
+               PYTHONUNBUFFERED="1")
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` console script fails with vllm-cpu
+           "--model", str(model), "--served-model-name", SERVED_MODEL,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "4096",
+           "--limit-mm-per-prompt", '{"image":1}',
+           # no caching across requests: every request pays the full image cost, as a fresh image would
+           "--mm-processor-cache-gb", "0", "--no-enable-prefix-caching", *extra_args]
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, cwd=str(dir_))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        took = wait_until_healthy(url + "/health", proc, VLLM_START_TIMEOUT, log, "vLLM")
+    except BaseException:
+        stop_group(proc)
+        raise
+    return Server("vllm", url, proc, log, took)
+
+
+def start_mmgate(upstream: str, *flags: str, log_dir: Path = DEFAULT_DIR / "logs", timeout: float = 60.0) -> Server:
+    """Start ``python -m proxy`` (this interpreter, the project's) on a free loopback port in front of ``upstream``."""
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"mmgate-{port}.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [sys.executable, "-m", "proxy", "--upstream", upstream, "--host", "127.0.0.1", "--port", str(port), *flags]
+    with open(log, "ab") as f:
+        f.write(("$ " + " ".join(cmd) + "\n").encode())
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, cwd=str(REPO))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        took = wait_until_healthy(url + "/mmgate/health", proc, timeout, log, "mmgate")
+    except BaseException:
+        stop_group(proc)
+        raise
+    return Server("mmgate", url, proc, log, took, {"flags": " ".join(flags)})

@@ -1,0 +1,173 @@
+"""The Gate on its own: FIFO, byte budget, bounded queue, refusals, and a state machine that looks for leaks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from proxy.admission import Gate, Lease
+from proxy.errors import ProxyError
+
+
+async def _queued(gate: Gate, count: int) -> None:
+    """Let waiter tasks run until ``count`` of them are queued (each needs one loop turn to enqueue)."""
+    while gate.waiting < count:
+        await asyncio.sleep(0)
+
+
+async def test_fifo_order_and_slots() -> None:
+    gate = Gate(limit=2, byte_budget=0, max_queue=10)
+    first, second = await gate.acquire(1, 5), await gate.acquire(1, 5)
+    order: list[int] = []
+
+    async def wait(i: int) -> Lease:
+        lease = await gate.acquire(1, 5)
+        order.append(i)
+        return lease
+
+    tasks = [asyncio.create_task(wait(i)) for i in range(4)]
+    await _queued(gate, 4)
+    assert gate.in_use == 2 and gate.waiting == 4
+    first.release()
+    second.release()
+    first.release()  # a second release changes nothing
+    leases = [await tasks[0], await tasks[1]]
+    assert order == [0, 1] and gate.in_use == 2 and gate.waiting == 2
+    for lease in leases:
+        lease.release()
+    for lease in [await tasks[2], await tasks[3]]:
+        lease.release()
+    assert order == [0, 1, 2, 3]
+    assert (gate.in_use, gate.waiting, gate.bytes_in_use) == (0, 0, 0)
+
+
+async def test_big_request_holds_the_line() -> None:
+    """Strict FIFO: a small request behind a big one waits even though it alone would fit."""
+    gate = Gate(limit=10, byte_budget=100, max_queue=10)
+    running = await gate.acquire(60, 5)
+    big = asyncio.create_task(gate.acquire(80, 5))
+    await _queued(gate, 1)
+    small = asyncio.create_task(gate.acquire(10, 5))
+    await _queued(gate, 2)
+    assert not big.done() and not small.done()
+    running.release()
+    assert (await big).cost == 80
+    assert (await small).cost == 10  # 80 + 10 fits the budget of 100: both admitted, in order
+    assert gate.bytes_in_use == 90
+
+
+async def test_queue_full_and_retry_after() -> None:
+    gate = Gate(limit=1, byte_budget=0, max_queue=1)
+    held = await gate.acquire(0, 5)
+    waiter = asyncio.create_task(gate.acquire(0, 5))
+    await _queued(gate, 1)
+    with pytest.raises(ProxyError) as caught:
+        await gate.acquire(0, 5)
+    assert (caught.value.status, caught.value.code) == (429, "queue_full")
+    assert 1 <= int(caught.value.headers["Retry-After"]) <= 60
+    held.release()
+    (await waiter).release()
+
+
+async def test_queue_timeout() -> None:
+    gate = Gate(limit=1, byte_budget=0, max_queue=5)
+    held = await gate.acquire(0, 5)
+    with pytest.raises(ProxyError) as caught:
+        await gate.acquire(0, 0.01)
+    assert (caught.value.status, caught.value.code) == (429, "queue_timeout")
+    assert gate.waiting == 0
+    held.release()
+
+
+async def test_cost_over_whole_budget_is_413_and_draining_503() -> None:
+    gate = Gate(limit=1, byte_budget=100, max_queue=5)
+    with pytest.raises(ProxyError) as caught:
+        await gate.acquire(101, 5)
+    assert (caught.value.status, caught.value.code) == (413, "media_too_large")
+    gate.start_draining()
+    with pytest.raises(ProxyError) as caught:
+        await gate.acquire(1, 5)
+    assert (caught.value.status, caught.value.code) == (503, "draining")
+
+
+async def test_cancelled_head_lets_the_next_in() -> None:
+    gate = Gate(limit=1, byte_budget=100, max_queue=5)
+    held = await gate.acquire(50, 5)
+    head = asyncio.create_task(gate.acquire(90, 5))  # blocks: 50 + 90 > 100
+    await _queued(gate, 1)
+    behind = asyncio.create_task(gate.acquire(0, 5))
+    await _queued(gate, 2)
+    head.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await head
+    assert gate.waiting == 1
+    held.release()
+    (await behind).release()
+    assert (gate.in_use, gate.bytes_in_use, gate.waiting) == (0, 0, 0)
+
+
+class GateMachine(RuleBasedStateMachine):
+    """Random acquire / cancel / timeout / release: limits hold and nothing leaks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.gate = Gate(limit=3, byte_budget=100, max_queue=4)
+        self.pending: list[asyncio.Task[Lease]] = []
+        self.leases: list[Lease] = []
+
+    def _turn(self) -> None:
+        for _ in range(3):
+            self.loop.run_until_complete(asyncio.sleep(0))
+        for task in [t for t in self.pending if t.done()]:
+            self.pending.remove(task)
+            if not task.cancelled() and task.exception() is None:
+                self.leases.append(task.result())
+
+    @rule(cost=st.integers(0, 120), timeout=st.sampled_from([0.0, 60.0]))
+    def acquire(self, cost: int, timeout: float) -> None:
+        self.pending.append(self.loop.create_task(self.gate.acquire(cost, timeout)))
+        self._turn()
+
+    @precondition(lambda self: self.pending)
+    @rule(index=st.integers(0, 100))
+    def cancel_waiter(self, index: int) -> None:
+        self.pending[index % len(self.pending)].cancel()
+        self._turn()
+
+    @precondition(lambda self: self.leases)
+    @rule(index=st.integers(0, 100), twice=st.booleans())
+    def release(self, index: int, twice: bool) -> None:
+        lease = self.leases.pop(index % len(self.leases))
+        lease.release()
+        if twice:
+            lease.release()
+        self._turn()
+
+    @invariant()
+    def within_limits(self) -> None:
+        gate = self.gate
+        assert 0 <= gate.in_use <= gate.limit
+        assert 0 <= gate.bytes_in_use <= gate.byte_budget
+        assert gate.waiting <= gate.max_queue
+        assert gate.in_use == len(self.leases) + sum(
+            1 for t in self.pending if t.done() and not t.cancelled() and t.exception() is None
+        )
+        assert gate.bytes_in_use == sum(lease.cost for lease in self.leases)
+
+    def teardown(self) -> None:
+        for task in self.pending:
+            task.cancel()
+        self._turn()
+        for lease in self.leases:
+            lease.release()
+        assert (self.gate.in_use, self.gate.bytes_in_use, self.gate.waiting) == (0, 0, 0)
+        self.loop.close()
+
+
+TestGateMachine = GateMachine.TestCase
+TestGateMachine.settings = hsettings(max_examples=150, stateful_step_count=40, deadline=None)
