@@ -116,7 +116,10 @@ async def _loop_lag_watcher(app: web.Application) -> AsyncIterator[None]:
 
 def build_app(settings: Settings, *, admin: bool | None = None, state: AppState | None = None) -> web.Application:
     """The proxy application. ``admin`` serves /mmgate/* here too (default: unless MMGATE_ADMIN_PORT is set)."""
-    app = web.Application(client_max_size=settings.max_body_bytes, handler_args={"max_field_size": 65536})
+    # auto_decompress off: a compressed request body is forwarded as the client sent it (Content-Encoding
+    # included), and refused on media routes where mmgate would have to look inside.
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          handler_args={"max_field_size": 65536, "auto_decompress": False})
     app[STATE] = state or build_state(settings)
     if state is None:
         app.cleanup_ctx.extend([_upstream_session, _decode_pool, _loop_lag_watcher])

@@ -22,10 +22,10 @@ from preprocessors.image import process_image
 from preprocessors.pool import run_soon
 
 from .admission import Lease
-from .dialects import MediaPart, Route, locate, route_for
+from .dialects import MediaPart, Route, find_media, route_for
 from .errors import Dialect, ProxyError, dialect_for_path
 from .metrics import Stopwatch, server_timing
-from .splice import Span, may_contain_media, skeletonize, splice, string_value
+from .splice import Span, may_contain_media, splice
 from .upstream import UPSTREAM_ERROR_KIND, BrokenStream, ReleasePoints, forward, request_id_for, upstream_headers
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
         if state.refusing:
             raise ProxyError(503, "draining", "mmgate is shutting down; retry on another replica",
                              headers={"Retry-After": "1"})
-        deadline = asyncio.timeout(_request_deadline(request, settings.request_timeout))
+        deadline = asyncio.timeout_at(_request_deadline(request, settings.request_timeout))
         async with deadline:
             return await _serve(request, state, ex)
     except TimeoutError:
@@ -127,6 +127,11 @@ async def _serve(request: web.Request, state: "AppState", ex: Exchange) -> web.S
     if request.headers.get(hdrs.UPGRADE, "").lower() == "websocket":
         raise ProxyError(501, "websocket_not_supported", "WebSocket upgrades are not proxied")
 
+    if ex.route != "other":
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+        if encoding not in ("", "identity"):  # compressed media could slip past every check
+            raise ProxyError(415, "unsupported_content_encoding",
+                             f"Content-Encoding {encoding[:32]!r} is not accepted on a media route; send identity")
     started = time.perf_counter()
     body = await read_body(request, settings.max_body_bytes, settings.body_read_timeout)
     ex.watch.add("read", time.perf_counter() - started)
@@ -134,13 +139,8 @@ async def _serve(request: web.Request, state: "AppState", ex: Exchange) -> web.S
 
     release = ReleasePoints()
     is_stream = False
-    if ex.route != "other" and body:
-        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
-        if encoding not in ("", "identity"):
-            raise ProxyError(415, "unsupported_content_encoding",
-                             f"Content-Encoding {encoding[:32]!r} is not accepted on a media route; send identity")
-        if may_contain_media(body):
-            body, is_stream = await prepare_media(state, ex, body)
+    if ex.route != "other" and may_contain_media(body):
+        body, is_stream = await prepare_media(state, ex, body)
     if ex.lease is not None:
         release_at = settings.release_at
         if release_at == "auto":
@@ -222,9 +222,9 @@ async def prepare_media(state: "AppState", ex: Exchange, body: bytes) -> tuple[b
     """Locate, admit, preprocess and splice. Returns the body to forward and whether the client streams."""
     settings = state.settings
     started = time.perf_counter()
-    skeleton = skeletonize(body)
-    parts = locate(ex.route, skeleton)
-    is_stream = isinstance(skeleton.doc, dict) and skeleton.doc.get("stream") is True
+    skeleton, parts = find_media(ex.route, body)
+    is_stream = skeleton is not None and isinstance(skeleton.doc, dict) and skeleton.doc.get("stream") is True
+    del skeleton  # it references the body; the spans in ``parts`` are all we keep
     ex.watch.add("parse", time.perf_counter() - started)
     if not parts:
         return body, is_stream
@@ -256,7 +256,7 @@ async def prepare_media(state: "AppState", ex: Exchange, body: bytes) -> tuple[b
     batch = state.pool.batch()
     jobs = [partial(_process_item, body, item, state) for item in items]
     try:
-        tokens = await batch.run(jobs, settings.preprocess_timeout)
+        outcomes = await batch.run(jobs, settings.preprocess_timeout)
     except BaseException as exc:
         # The answer goes out now; the slot is given back only when the work has really stopped.
         lease, ex.lease_owned_by_batch = ex.lease, True
@@ -275,20 +275,18 @@ async def prepare_media(state: "AppState", ex: Exchange, body: bytes) -> tuple[b
 
     started = time.perf_counter()
     replacements: list[tuple[Span, bytes]] = []
-    for item, token in zip(items, tokens):
-        ex.media_in += item.size
-        if token is None:
+    for item, outcome in zip(items, outcomes):
+        ex.media_in += outcome.size_in
+        ex.media_out += outcome.size_out
+        if outcome.token is None:
             state.metrics.media_items.labels(item.part.kind, "unchanged").inc()
-            ex.media_out += item.size
             continue
         state.metrics.media_items.labels(item.part.kind, "rewritten").inc()
-        value, mime = token
-        ex.media_out += len(value) * 3 // 4
         assert item.part.span is not None
-        replacements.append((item.part.span, value))
+        replacements.append((item.part.span, outcome.token))
         if item.part.mime_span is not None:
-            replacements.append((item.part.mime_span, b'"' + mime + b'"'))
-    del tokens
+            replacements.append((item.part.mime_span, b'"' + outcome.mime + b'"'))
+    del outcomes
     state.metrics.media_bytes.labels("in").inc(ex.media_in)
     state.metrics.media_bytes.labels("out").inc(ex.media_out)
     if replacements:
@@ -305,13 +303,13 @@ def _count_items(state: "AppState", items: list[_Item], outcome: str) -> None:
 
 def _measure(body: bytes, part: MediaPart, max_item: int) -> _Item:
     """Decoded size from the base64 length alone (413 before any decode); parses only a data URI's head."""
-    if part.span is not None:
-        head = memoryview(body)[part.span.start + 1 : min(part.span.end - 1, part.span.start + 257)]
-        length = part.span.end - part.span.start - 2
-    else:
-        assert part.literal is not None
-        head = memoryview(part.literal.encode())[:256]
-        length = len(part.literal)
+    span = part.span
+    if span is not None and not span.escaped:  # the common case: look at the head only, copy nothing
+        head: bytes | memoryview = memoryview(body)[span.start + 1 : min(span.end - 1, span.start + 257)]
+        length = span.end - span.start - 2
+    else:  # a short literal, or a string with JSON escapes (rare): unescape it first
+        value = part.data(body)
+        head, length = value[:256], len(value)
     offset = 0
     if part.encoding == "data_uri":
         try:
@@ -336,28 +334,41 @@ class _ItemFailed(Exception):
         self.error = error
 
 
-def _process_item(body: bytes, item: _Item, state: "AppState", checkpoint: Checkpoint) -> tuple[bytes, bytes] | None:
-    """In a decode thread: base64 → bytes → validate → (resize → re-encode → base64 token). None = unchanged."""
+@dataclass(slots=True)
+class _Outcome:
+    """What a worker made of one item: the new JSON string token (None = forward unchanged), its MIME,
+    and the decoded sizes in and out (for the media byte counters)."""
+
+    size_in: int
+    size_out: int
+    token: bytes | None = None
+    mime: bytes = b""
+
+
+def _process_item(body: bytes, item: _Item, state: "AppState", checkpoint: Checkpoint) -> _Outcome:
+    """In a decode thread: base64 → bytes → validate → (resize → re-encode → base64 token)."""
     part = item.part
     try:
-        value = string_value(body, part.span) if part.span is not None else part.literal.encode()  # type: ignore[union-attr]
+        value = part.data(body)
         data = decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
         del value
+        size = len(data)
         checkpoint()
         if part.kind == "image":
             processed = process_image(data, state.image_policy, checkpoint)
             del data
             if processed is None or part.span is None:
-                return None
+                return _Outcome(size, size)
             mime = processed.mime.encode()
+            out_size = len(processed.data)
             encoded = encode_base64(processed.data)
             del processed
             if part.encoding == "data_uri":
-                return b"".join((b'"data:', mime, b";base64,", encoded, b'"')), mime
-            return b"".join((b'"', encoded, b'"')), mime
+                return _Outcome(size, out_size, b"".join((b'"data:', mime, b";base64,", encoded, b'"')), mime)
+            return _Outcome(size, out_size, b"".join((b'"', encoded, b'"')), mime)
         if part.kind == "audio":
             validate_audio(data, part.audio_format, state.audio_policy, checkpoint)
-        return None  # audio and video are validated / size-checked and forwarded unchanged
+        return _Outcome(size, size)  # audio and video are validated / size-checked and forwarded unchanged
     except MediaError as error:
         raise _ItemFailed(part.path, error) from None
 

@@ -14,6 +14,7 @@ from typing import Any, Awaitable, Callable
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from multidict import CIMultiDict
 
 from proxy.app import STATE, AppState, build_app
 from proxy.settings import Settings
@@ -25,7 +26,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Seen:
     method: str
     path: str
-    headers: dict[str, str]
+    headers: CIMultiDict[str]
     raw_headers: list[tuple[str, str]]
     body: bytes
 
@@ -51,7 +52,7 @@ class Upstream:
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        seen = Seen(request.method, request.raw_path, dict(request.headers),
+        seen = Seen(request.method, request.raw_path, CIMultiDict(request.headers),
                     [(k.decode(), v.decode()) for k, v in request.raw_headers], body)
         self.seen.append(seen)
         self.arrived.put_nowait(seen)

@@ -8,6 +8,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from .conftest import Proxy, StartProxy, Upstream
 
@@ -17,7 +18,7 @@ async def test_text_body_forwarded_byte_for_byte(upstream: Upstream, proxy: Prox
     body = (b'{"model":"m","z":1,"messages":[{"role":"user","content":"hi \\/ there"}],'
             b'"seed":123456789012345678901234567890,"t":1e2,"dup":1,"dup":2}')
     async with aiohttp.ClientSession() as client:
-        async with client.post(proxy.url + "/v1/chat/completions?x=1&y=%2F", data=body,
+        async with client.post(URL(proxy.url + "/v1/chat/completions?x=1&y=%2F", encoded=True), data=body,
                                headers={"Content-Type": "application/json"}) as response:
             assert response.status == 200
             await response.read()

@@ -1,0 +1,483 @@
+"""Shared load-generation helpers for bench/loop_latency.py and bench/gate_sweep.py.
+
+What is here: a synthetic photo-like 12 MP JPEG (generated once, cached in the temp dir), prebuilt chat
+request bodies, starting/stopping the stub backend and mmgate as separate processes (optionally with the
+decode threads' lowered priority switched off, without editing the proxy), /proc readings (VmHWM, RSS,
+per-thread niceness), Prometheus text parsing, an aiohttp load client, and a tiny blocking HTTP prober.
+
+The prober runs in its own process: ``python bench/_load.py probe --url ... --seconds 10 --interval 0.01
+--out result.json``. It sends one GET every ``interval`` seconds (fixed schedule) over one keep-alive
+connection with blocking sockets (no event loop of its own to add noise) and records, per probe, the
+time from send to the last response byte, and how late it was sent relative to its schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+CACHE = Path(tempfile.gettempdir()) / "mmgate-bench"
+PHOTO_SIZE = (4000, 3000)  # 12 MP
+PHOTO_QUALITY = 85
+
+# Starts mmgate exactly like `python -m proxy`, after setting the decode workers' niceness (read by
+# preprocessors.pool._lower_priority at thread start) from MMGATE_BENCH_WORKER_NICENESS. With 0 the
+# workers keep the loop's priority. Nothing in proxy/ or preprocessors/ is edited.
+_LAUNCHER = (
+    "import os, sys\n"
+    "import preprocessors.pool as pool\n"
+    "pool.WORKER_NICENESS = int(os.environ['MMGATE_BENCH_WORKER_NICENESS'])\n"
+    "from proxy.cli import main\n"
+    "sys.argv[0] = 'mmgate'\n"
+    "main(sys.argv[1:])\n"
+)
+
+
+# --- media ---------------------------------------------------------------------------------------------
+
+def photo_jpeg() -> bytes:
+    """A 4000x3000 photo-like JPEG (smooth gradients + low-frequency blobs + sensor-like noise, q85, ~2.6 MB).
+
+    Deterministic (fixed seed); generated once and cached in the temp dir.
+    """
+    path = CACHE / f"photo_{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]}_q{PHOTO_QUALITY}.jpg"
+    if path.exists():
+        return path.read_bytes()
+    import numpy as np
+    from PIL import Image
+
+    w, h = PHOTO_SIZE
+    rng = np.random.default_rng(1234)
+    y = np.linspace(0, 1, h, dtype=np.float32)[:, None]
+    x = np.linspace(0, 1, w, dtype=np.float32)[None, :]
+    img = np.empty((h, w, 3), np.float32)
+    img[..., 0] = 200 * x + 40 * np.sin(6 * y)
+    img[..., 1] = 180 * y + 30 * np.cos(5 * x)
+    img[..., 2] = 120 + 80 * x * y
+    small = np.clip(rng.normal(0, 25, (30, 40, 3)) + 128, 0, 255).astype(np.uint8)
+    img += np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC), np.float32) - 128
+    img += rng.normal(0, 10, (h, w, 3)).astype(np.float32)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=PHOTO_QUALITY)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(buf.getvalue())
+    tmp.replace(path)
+    return buf.getvalue()
+
+
+def chat_body(image: bytes, mime: str = "image/jpeg", *, stream: bool = False, max_tokens: int | None = None) -> bytes:
+    """An OpenAI chat request with one inline data-URI image, as bytes (built once, sent many times)."""
+    import pybase64
+
+    uri = f"data:{mime};base64," + pybase64.b64encode(image).decode()
+    body: dict[str, Any] = {"model": "stub-vlm", "stream": stream, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Describe this image."},
+        {"type": "image_url", "image_url": {"url": uri}}]}]}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return json.dumps(body).encode()
+
+
+# --- processes -----------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered: {err}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} did not answer within {timeout} s")
+
+
+def start_stub(*args: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.stub_backend", "--host", "127.0.0.1", "--port", str(port),
+                             *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url + "/health", proc)
+    return proc, url
+
+
+def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
+                 worker_niceness: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """mmgate in its own process. ``worker_niceness`` set: started through the launcher above."""
+    port = free_port()
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")} | (env or {})
+    cmd = [sys.executable, "-m", "proxy"]
+    if worker_niceness is not None:
+        cmd = [sys.executable, "-c", _LAUNCHER]
+        full_env["MMGATE_BENCH_WORKER_NICENESS"] = str(worker_niceness)
+    cmd += ["--upstream", upstream, "--port", str(port), "--host", "127.0.0.1", "--access-log", "off",
+            "--drain-grace", "0", "--drain-timeout", "2", *flags]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url + "/mmgate/health", proc)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
+    """SIGTERM the one process we started, then SIGKILL it if it does not leave in time."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmHWM / VmRSS in bytes from /proc/PID/status."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def thread_niceness(pid: int) -> dict[str, list[int]]:
+    """Niceness of every thread of ``pid``, by thread name (comm), from /proc/PID/task/*/stat."""
+    out: dict[str, list[int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        nice = int(stat[stat.rindex(")") + 2:].split()[16])  # field 19 of stat
+        out.setdefault(comm, []).append(nice)
+    return out
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except OSError:
+        return "load average: " + ", ".join(map(str, loadavg()))
+
+
+# --- numbers -------------------------------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of ``values``; NaN when empty."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def parse_prom(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text exposition → {(name, sorted labels): value} (enough for our own metrics)."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, labels = head, ()
+        if "{" in head:
+            name, _, rest = head.partition("{")
+            pairs = []
+            for item in rest.rstrip("}").split('",'):
+                if "=" in item:
+                    k, _, v = item.partition("=")
+                    pairs.append((k.strip(), v.strip().strip('"')))
+            labels = tuple(sorted(pairs))
+        try:
+            out[(name, labels)] = float(value)
+        except ValueError:
+            pass
+    return out
+
+
+def histogram(prom: dict, name: str) -> dict[str, Any]:
+    """Buckets (le → cumulative count), count and sum of one label-less histogram."""
+    buckets = {}
+    for (n, labels), v in prom.items():
+        if n == name + "_bucket":
+            le = dict(labels)["le"]
+            buckets[math.inf if le == "+Inf" else float(le)] = v
+    return {"buckets": dict(sorted(buckets.items())), "count": prom.get((name + "_count", ()), 0.0),
+            "sum": prom.get((name + "_sum", ()), 0.0)}
+
+
+def histogram_diff(after: dict, before: dict) -> dict[str, Any]:
+    return {"buckets": {le: after["buckets"][le] - before["buckets"].get(le, 0.0) for le in after["buckets"]},
+            "count": after["count"] - before["count"], "sum": after["sum"] - before["sum"]}
+
+
+def histogram_quantile(h: dict, q: float) -> float:
+    """Upper bound of the bucket holding quantile ``q`` (0..1); the bucket edge, not an interpolation."""
+    total = h["count"]
+    if not total:
+        return math.nan
+    for le, cum in h["buckets"].items():
+        if cum >= q * total:
+            return le
+    return math.inf
+
+
+def histogram_max_bucket(h: dict) -> float:
+    """Upper edge of the highest non-empty bucket (an upper bound of the maximum)."""
+    prev, top = 0.0, math.nan
+    for le, cum in h["buckets"].items():
+        if cum > prev:
+            top = le
+        prev = cum
+    return top
+
+
+async def scrape(url: str) -> dict:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.get(url + "/mmgate/metrics") as r:
+        return parse_prom(await r.text())
+
+
+async def get_json(url: str, path: str, method: str = "GET") -> Any:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.request(method, url + path) as r:
+        return await r.json()
+
+
+# --- load client ---------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    status: int
+    latency: float  # seconds from send to the last response byte
+    started: float
+    ended: float
+    retry_after: str | None = None
+    error: str | None = None
+    server_timing: str | None = None
+
+
+@dataclass
+class LoadRun:
+    results: list[Result] = field(default_factory=list)
+    started: float = 0.0
+    ended: float = 0.0
+
+    def statuses(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.results:
+            key = str(r.status) if not r.error else f"error:{r.error}"
+            out[key] = out.get(key, 0) + 1
+        return dict(sorted(out.items()))
+
+    def ok(self) -> list[Result]:
+        return [r for r in self.results if r.status == 200 and not r.error]
+
+
+async def run_load(url: str, body: bytes, clients: int, *, requests_per_client: int | None = None,
+                   stop_event: asyncio.Event | None = None, path: str = "/v1/chat/completions",
+                   timeout: float = 600.0) -> LoadRun:
+    """``clients`` concurrent clients, each with its own keep-alive connection, each sending ``body`` again
+    and again: ``requests_per_client`` times, or until ``stop_event`` is set. A response is read to its
+    last byte (SSE included). A refused request (429) is recorded and the client moves on (no retry)."""
+    import aiohttp
+
+    run = LoadRun()
+    headers = {"Content-Type": "application/json"}
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        n = 0
+        while (requests_per_client is None or n < requests_per_client) and not (stop_event and stop_event.is_set()):
+            n += 1
+            t0 = time.perf_counter()
+            try:
+                async with session.post(url + path, data=body, headers=headers) as r:
+                    async for _ in r.content.iter_any():
+                        pass
+                    t1 = time.perf_counter()
+                    run.results.append(Result(r.status, t1 - t0, t0, t1, r.headers.get("Retry-After"),
+                                              server_timing=r.headers.get("Server-Timing")))
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                t1 = time.perf_counter()
+                run.results.append(Result(0, t1 - t0, t0, t1, error=type(exc).__name__))
+
+    timeouts = aiohttp.ClientTimeout(total=timeout)
+    sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1, force_close=False), timeout=timeouts,
+                                      auto_decompress=False) for _ in range(clients)]
+    try:
+        run.started = time.perf_counter()
+        await asyncio.gather(*(client(s) for s in sessions))
+        run.ended = time.perf_counter()
+    finally:
+        for s in sessions:
+            await s.close()
+    return run
+
+
+# --- prober (own process) ------------------------------------------------------------------------------
+
+def probe(host: str, port: int, path: str, seconds: float, interval: float) -> dict[str, Any]:
+    """GET ``path`` every ``interval`` s for ``seconds`` over one keep-alive connection (blocking sockets)."""
+    sock = socket.create_connection((host, port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    request = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    latencies: list[float] = []
+    lateness: list[float] = []
+    statuses: dict[int, int] = {}
+    buf = b""
+
+    def read_response() -> int:
+        nonlocal buf
+        while b"\r\n\r\n" not in buf:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed")
+            buf += chunk
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split()[1])
+        length = 0
+        for line in lines[1:]:
+            k, _, v = line.partition(b":")
+            if k.strip().lower() == b"content-length":
+                length = int(v)
+        while len(rest) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed")
+            rest += chunk
+        buf = rest[length:]
+        return status
+
+    start = time.perf_counter()
+    k = 0
+    while True:
+        scheduled = start + k * interval
+        now = time.perf_counter()
+        if scheduled - start >= seconds:
+            break
+        if scheduled > now:
+            time.sleep(scheduled - now)
+        t0 = time.perf_counter()
+        sock.sendall(request)
+        status = read_response()
+        t1 = time.perf_counter()
+        latencies.append(t1 - t0)
+        lateness.append(max(0.0, t0 - scheduled))
+        statuses[status] = statuses.get(status, 0) + 1
+        k += 1
+        # a probe that took longer than the interval: the next ones are sent at once (counted as late)
+    sock.close()
+    return {"latencies": latencies, "lateness": lateness, "statuses": statuses,
+            "elapsed": time.perf_counter() - start, "interval": interval}
+
+
+def start_prober(url: str, seconds: float, interval: float, path: str = "/mmgate/health") -> tuple[subprocess.Popen[bytes], Path]:
+    """The prober in its own process; read its result with ``prober_result``."""
+    host, port = url.removeprefix("http://").split(":")
+    out = Path(tempfile.mkstemp(prefix="mmgate-probe-", suffix=".json")[1])
+    proc = subprocess.Popen([sys.executable, __file__, "probe", "--host", host, "--port", port, "--path", path,
+                             "--seconds", str(seconds), "--interval", str(interval), "--out", str(out)], cwd=REPO)
+    return proc, out
+
+
+def prober_result(proc: subprocess.Popen[bytes], out: Path, timeout: float = 120.0) -> dict[str, Any]:
+    proc.wait(timeout)
+    if proc.returncode:
+        raise RuntimeError(f"prober exited with {proc.returncode}")
+    data = json.loads(out.read_text())
+    out.unlink(missing_ok=True)
+    return data
+
+
+def summarize_ms(values: list[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values]
+    return {"n": len(ms), "p50": round(percentile(ms, 50), 3), "p99": round(percentile(ms, 99), 3),
+            "max": round(max(ms), 3) if ms else math.nan,
+            "mean": round(statistics.fmean(ms), 3) if ms else math.nan}
+
+
+def serve_control(port: int) -> None:
+    """A minimal aiohttp app answering GET /health, doing nothing else: the control for the prober.
+
+    Probed at the same time as mmgate, it shows what the machine's CPU scheduling alone costs a process that
+    does no work at all (its own loop is always idle), so mmgate's numbers can be read against it.
+    """
+    from aiohttp import web
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def start_control() -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "control-server", "--port", str(port)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url + "/health", proc)
+    return proc, url
+
+
+def _main() -> None:
+    p = argparse.ArgumentParser(description="bench helpers")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pr = sub.add_parser("probe")
+    pr.add_argument("--host", required=True)
+    pr.add_argument("--port", type=int, required=True)
+    pr.add_argument("--path", default="/mmgate/health")
+    pr.add_argument("--seconds", type=float, default=10.0)
+    pr.add_argument("--interval", type=float, default=0.01)
+    pr.add_argument("--out", required=True)
+    sub.add_parser("photo")
+    cs = sub.add_parser("control-server")
+    cs.add_argument("--port", type=int, required=True)
+    args = p.parse_args()
+    if args.cmd == "control-server":
+        serve_control(args.port)
+    elif args.cmd == "probe":
+        Path(args.out).write_text(json.dumps(probe(args.host, args.port, args.path, args.seconds, args.interval)))
+    else:
+        data = photo_jpeg()
+        print(f"{len(data)} bytes")
+
+
+if __name__ == "__main__":
+    _main()

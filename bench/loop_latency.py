@@ -1,0 +1,251 @@
+#!/usr/bin/env python
+"""Event-loop responsiveness under multimodal load: /mmgate/health latency while 16 clients send 12 MP photos.
+
+Why (issue 3): vLLM #34789 reported /health P99 18.9 ms under multimodal load, because media decoding ran on
+(or starved) the server's event loop. mmgate decodes in a thread pool whose workers lower their own CPU
+priority; this measures what a liveness prober sees.
+
+Per scenario, fresh processes (stub backend, mmgate) so every process-lifetime counter is the scenario's own:
+  * a prober in its own process sends GET /mmgate/health every 10 ms over one keep-alive connection (blocking
+    sockets) for --seconds; latency = send → last response byte;
+  * 16 clients (this process, aiohttp, one keep-alive connection each) send the same synthetic photo-like
+    12 MP JPEG (4000x3000, q85, ~2.6 MB, 3.5 MB as base64) to /v1/chat/completions through mmgate to the stub
+    backend (default stub: 1 decode thread, no simulated encoder CPU), back to back, non-streaming;
+  * mmgate's own mmgate_event_loop_lag_seconds histogram (a 250 ms timer, so ~40 samples per 10 s; bucket
+    edges, not exact values) is read at the start and end of the probe window and diffed.
+
+Scenarios: idle; loaded with the pool (default workers = usable CPUs, workers at niceness 10); loaded with the
+pool but the workers left at niceness 0 (mmgate started through bench/_load.py's launcher, which sets
+preprocessors.pool.WORKER_NICENESS = 0 before main(); nothing in proxy/ is edited); loaded with
+MMGATE_DECODE_WORKERS=0 (decode on the loop, benchmark baseline, MMGATE_BENCH_INLINE_DECODE=1); and the same
+three loaded variants with --resize-max-pixels 1000000 (decode + resize + JPEG re-encode: heavier work).
+
+Everything (clients, prober, mmgate, stub) shares the machine's 2 cores, and the machine is shared with other
+jobs: `uptime` is recorded at start and end. Goal: p99 <= 5 ms with the pool.
+
+Usage: python bench/loop_latency.py [--seconds 10] [--clients 16] [--only NAME,...]
+Writes bench/results/loop_latency.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _load as L  # noqa: E402
+
+RESIZE = ("--resize-max-pixels", "1000000")
+INLINE_ENV = {"MMGATE_DECODE_WORKERS": "0", "MMGATE_BENCH_INLINE_DECODE": "1"}
+VLLM_ANCHOR_P99_MS = 18.9
+GOAL_P99_MS = 5.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    label: str
+    loaded: bool
+    flags: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    worker_niceness: int | None = None  # None: mmgate as shipped (workers at niceness 10)
+
+
+SCENARIOS = [
+    Scenario("idle", "idle (pool, no load)", False),
+    Scenario("pool", "loaded, pool (workers nice 10, default)", True),
+    Scenario("pool_nice0", "loaded, pool, workers nice 0", True, worker_niceness=0),
+    Scenario("inline", "loaded, inline decode on the loop", True, env=tuple(INLINE_ENV.items())),
+    Scenario("resize_pool", "loaded + resize 1 MP, pool (nice 10)", True, RESIZE),
+    Scenario("resize_pool_nice0", "loaded + resize 1 MP, pool, workers nice 0", True, RESIZE, worker_niceness=0),
+    Scenario("resize_inline", "loaded + resize 1 MP, inline decode", True, RESIZE, tuple(INLINE_ENV.items())),
+]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of the whole process (all threads), seconds."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, control_url: str) -> dict:
+    stub = gate = None
+    try:
+        stub, stub_url = L.start_stub()
+        gate, url = L.start_mmgate(stub_url, *sc.flags, env=dict(sc.env), worker_niceness=sc.worker_niceness)
+        warm = await L.run_load(url, body, 1, requests_per_client=2)  # starts the decode threads, warms caches
+        if warm.statuses() != {"200": 2}:
+            raise RuntimeError(f"{sc.name}: warm-up answered {warm.statuses()}")
+        nice = {k: sorted(set(v)) for k, v in L.thread_niceness(gate.pid).items()}
+        stop_load = asyncio.Event()
+        load_task = None
+        if sc.loaded:
+            load_task = asyncio.create_task(L.run_load(url, body, args.clients, stop_event=stop_load))
+            await asyncio.sleep(args.ramp)
+        before = L.histogram(await L.scrape(url), "mmgate_event_loop_lag_seconds")
+        load_before = L.loadavg()
+        cpu0, t0 = cpu_seconds(gate.pid), time.perf_counter()
+        prober, out = L.start_prober(url, args.seconds, args.interval)
+        ctl_prober, ctl_out = L.start_prober(control_url, args.seconds, args.interval, "/health")
+        probe = await asyncio.to_thread(L.prober_result, prober, out)
+        control = await asyncio.to_thread(L.prober_result, ctl_prober, ctl_out)
+        t1 = time.perf_counter()
+        cpu1 = cpu_seconds(gate.pid)
+        after_prom = await L.scrape(url)
+        lag = L.histogram_diff(L.histogram(after_prom, "mmgate_event_loop_lag_seconds"), before)
+        stop_load.set()
+        run = await load_task if load_task else None
+        status = L.proc_status(gate.pid)
+    finally:
+        L.stop(gate)
+        L.stop(stub)
+
+    in_window = [r for r in run.ok() if t0 <= r.ended <= t1] if run else []
+    lat = L.summarize_ms(probe["latencies"])
+    late = [x for x in probe["lateness"] if x > probe["interval"]]
+    return {
+        "name": sc.name, "label": sc.label, "loaded": sc.loaded, "flags": list(sc.flags), "env": dict(sc.env),
+        "worker_niceness_requested": sc.worker_niceness, "thread_niceness": nice,
+        "health": lat, "health_statuses": probe["statuses"], "control": L.summarize_ms(control["latencies"]), "probes_sent_late": len(late),
+        "probe_elapsed_s": round(probe["elapsed"], 2),
+        "lateness_ms": L.summarize_ms(probe["lateness"]),
+        "loop_lag": {"samples": int(lag["count"]),
+                     "mean_ms": round(lag["sum"] / lag["count"] * 1000, 3) if lag["count"] else math.nan,
+                     "p50_le_ms": L.histogram_quantile(lag, 0.5) * 1000,
+                     "p99_le_ms": L.histogram_quantile(lag, 0.99) * 1000,
+                     "max_le_ms": L.histogram_max_bucket(lag) * 1000,
+                     "buckets": {str(k): v for k, v in lag["buckets"].items()}},
+        "media_req_per_s": round(len(in_window) / (t1 - t0), 2),
+        "load_statuses": run.statuses() if run else {},
+        "load_latency_ms": L.summarize_ms([r.latency for r in run.ok()]) if run else {},
+        "mmgate_cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
+        "mmgate_vmhwm_mib": round(status.get("VmHWM", 0) / 2**20, 1),
+        "loadavg_during": [load_before, L.loadavg()],
+    }
+
+
+def fmt(x: float, nd: int = 2) -> str:
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return "inf" if x == math.inf else "-"
+    return f"{x:.{nd}f}"
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| scenario | health p50 ms | p99 ms | max ms | probes | control p50 / p99 / max ms | loop lag p50 / p99 / max (bucket <=, ms) "
+            "| media req/s | mmgate CPU % | thread niceness in mmgate |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        h, g, c = r["health"], r["loop_lag"], r["control"]
+        values = sorted({n for v in r["thread_niceness"].values() for n in v})
+        nice_s = ",".join(map(str, values))
+        lines.append(
+            f"| {r['label']} | {fmt(h['p50'])} | {fmt(h['p99'])} | {fmt(h['max'])} | {h['n']} "
+            f"| {fmt(c['p50'])} / {fmt(c['p99'])} / {fmt(c['max'])} "
+            f"| {fmt(g['p50_le_ms'], 1)} / {fmt(g['p99_le_ms'], 1)} / {fmt(g['max_le_ms'], 1)} "
+            f"| {fmt(r['media_req_per_s'])} | {fmt(r['mmgate_cpu_pct'], 0)} | {nice_s} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=10.0, help="probe window per scenario")
+    ap.add_argument("--interval", type=float, default=0.01, help="seconds between probes")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--ramp", type=float, default=2.0, help="seconds of load before the probe window")
+    ap.add_argument("--only", default="", help="comma-separated scenario names")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+
+    started = time.monotonic()
+    up_start = L.uptime()
+    print(f"start: {up_start}", flush=True)
+    image = L.photo_jpeg()
+    body = L.chat_body(image)
+    chosen = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
+    rows = []
+    control, control_url = L.start_control()
+    try:
+        for sc in chosen:
+            row = asyncio.run(run_scenario(sc, body, args, control_url))
+            rows.append(row)
+            h, c = row["health"], row["control"]
+            print(f"{sc.name:18s} p50 {h['p50']:7.2f} p99 {h['p99']:7.2f} max {h['max']:8.2f} ms  "
+                  f"(control p50 {c['p50']:.2f} p99 {c['p99']:.2f} max {c['max']:.2f})  "
+                  f"lag p99<= {row['loop_lag']['p99_le_ms']} ms  {row['media_req_per_s']} req/s  "
+                  f"mmgate CPU {row['mmgate_cpu_pct']}%  load {row['load_statuses']}  nice {row['thread_niceness']}",
+                  flush=True)
+    finally:
+        L.stop(control)
+    up_end = L.uptime()
+    print(f"end: {up_end}", flush=True)
+
+    import PIL
+    import aiohttp
+    from proxy.settings import usable_cpus
+
+    pool = next((r for r in rows if r["name"] == "pool"), None)
+    verdict = ""
+    if pool:
+        p99 = pool["health"]["p99"]
+        verdict = (f"**Loaded, pool: /mmgate/health p99 {p99:.2f} ms** (goal <= {GOAL_P99_MS:g} ms: "
+                   f"{'met' if p99 <= GOAL_P99_MS else 'NOT met'}; vLLM #34789 anchor: {VLLM_ANCHOR_P99_MS} ms).")
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "aiohttp": aiohttp.__version__, "pillow": PIL.__version__,
+        "usable_cpus": usable_cpus(), "uptime_start": up_start, "uptime_end": up_end,
+        "seconds": args.seconds, "interval": args.interval, "clients": args.clients, "ramp": args.ramp,
+        "image": {"format": "JPEG", "size": list(L.PHOTO_SIZE), "quality": L.PHOTO_QUALITY, "bytes": len(image),
+                  "body_bytes": len(body)},
+        "stub": "python -m proxy.stub_backend (defaults: 1 decode thread, no cpu-ms-per-mp, no hold, 16 tokens, "
+                "no delays)",
+        "mmgate": "python -m proxy --access-log off (+ scenario flags); gate defaults: --max-mm-concurrency 4, "
+                  "--max-queue 64; decode workers default = usable CPUs",
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    md = "\n".join([
+        "# Event-loop latency under multimodal load (/mmgate/health)",
+        "",
+        f"`python bench/loop_latency.py` -- {meta['date']}, Python {meta['python']}, aiohttp {meta['aiohttp']}, "
+        f"Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['wall_s']} s in all.",
+        f"Start: `{up_start}`  ",
+        f"End: `{up_end}`",
+        "",
+        verdict,
+        "",
+        f"Prober: own process, GET /mmgate/health every {args.interval * 1000:g} ms over one keep-alive "
+        f"connection for {args.seconds:g} s; latency = send → last byte. Load: {args.clients} clients "
+        f"back to back, each POSTing a {L.PHOTO_SIZE[0]}x{L.PHOTO_SIZE[1]} photo-like JPEG (q{L.PHOTO_QUALITY}, "
+        f"{len(image) / 1e6:.2f} MB, body {len(body) / 1e6:.2f} MB) to /v1/chat/completions, non-streaming, "
+        "through mmgate (gate defaults: 4 admitted, queue 64) to the stub backend (1 decode thread, no "
+        "simulated encoder CPU). Loop lag: mmgate's own mmgate_event_loop_lag_seconds histogram (250 ms "
+        "timer), diffed over the probe window; values are bucket upper edges. Fresh processes per scenario. "
+        "Clients, prober, mmgate and the stub all share the same 2 cores.",
+        "",
+        table(rows),
+        "",
+        "Worker niceness: `nice 0` scenarios start mmgate through bench/_load.py's launcher, which sets "
+        "`preprocessors.pool.WORKER_NICENESS = 0` before `proxy.cli.main()`; the column shows the niceness "
+        "read back from /proc/PID/task/*/stat for the mmgate-decode threads.",
+        "",
+    ])
+    print()
+    print(table(rows))
+    print(verdict)
+    if not args.no_write:
+        L.RESULTS.mkdir(parents=True, exist_ok=True)
+        (L.RESULTS / "loop_latency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+        (L.RESULTS / "loop_latency.md").write_text(md)
+
+
+if __name__ == "__main__":
+    main()

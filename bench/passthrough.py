@@ -1,0 +1,858 @@
+#!/usr/bin/env python
+"""Text passthrough cost: direct vs nginx vs a minimal aiohttp proxy vs mmgate, and SSE streams.
+
+What a text-only request pays for going through mmgate (DESIGN.md step 3: no media marker -> bytes forwarded
+untouched). Everything runs on loopback, in separate processes:
+
+  upstream  nginx (1 worker) answering every request with a fixed chat-completion JSON (`return 200 '...'`;
+            the request body is read and discarded). Chosen because it is the cheapest upstream there is
+            (~20-30 us CPU per request), so the proxy, not the upstream, is what the numbers show.
+  direct    wrk -> upstream
+  nginx     wrk -> nginx (1 worker, plain reverse proxy: proxy_http_version 1.1, upstream keepalive 128, the
+            request body buffered in memory like mmgate does: client_body_buffer_size 16m) -> upstream
+  minimal   wrk -> a ~30-line aiohttp proxy (read the body, one pooled ClientSession, stream the answer back
+            with iter_any; the anchor of DESIGN.md "Passthrough cost") -> upstream
+  mmgate    wrk -> `python -m proxy --access-log off` (defaults otherwise) -> upstream
+
+Proxy and upstream are pinned to CPU 0 and the load generator to CPU 1 (taskset), as in the anchor
+measurement (nginx 7.4k req/s at 52 us CPU/request, minimal aiohttp 3.0k req/s at 243 us; 1 KB, 32 conns).
+Cells: POST /v1/chat/completions with a 1 KB and a 4 MiB text-only chat body (no media marker: mmgate's fast
+path), 1 and 32 connections. wrk (`--latency`, 1 thread) gives req/s and the p50/p99 latency; the proxy's CPU
+per request is utime+stime from /proc/<pid>/stat before/after (nginx: master + workers), and the upstream's
+likewise. Targets take turns inside each cell after a 1 s warm-up run each.
+
+SSE: an asyncio upstream (raw Protocol, one event every --sse-delay s on an absolute schedule, --sse-tokens
+events per response, OpenAI chunk format) and an asyncio/aiohttp client process holding 64 concurrent
+streams (staggered, each starting a new request when one ends). tokens/s and the inter-token gap p99 seen by
+the client, direct vs mmgate (and the minimal proxy and nginx for reference), plus proxy CPU per token.
+
+Usage: python bench/passthrough.py [--duration 8] [--quick] [--no-profile]
+Writes bench/results/passthrough.md and .json; with profiling (default) also runs py-spy on mmgate under the
+1 KB / 32-connection load: bench/results/passthrough_profile.svg and a self-time summary in the .md.
+Needs wrk and nginx (installed with apt-get when missing) and py-spy (pip) for the profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+PROXY_CPU, LOAD_CPU = "0", "1"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+ANSWER = (b'{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,"model":"bench",'
+          b'"choices":[{"index":0,"message":{"role":"assistant","content":"Fixed answer from the bench upstream."},'
+          b'"finish_reason":"stop"}],"usage":{"prompt_tokens":256,"completion_tokens":8,"total_tokens":264}}')
+WORDS = ("lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor incididunt ut labore et "
+         "dolore magna aliqua enim ad minim veniam quis nostrud exercitation ullamco laboris nisi aliquip ex ea "
+         "commodo consequat").split()
+TARGETS = ("direct", "nginx", "minimal", "mmgate")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bodies
+
+
+def chat_body(size: int) -> bytes:
+    """A text-only chat request of exactly ``size`` bytes, ASCII, no media marker."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
+    doc = {"model": "bench", "max_tokens": 16, "messages": messages}
+    i = 0
+    while len(json.dumps(doc)) < size - 2100:
+        words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(280))
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": words})
+        i += 1
+    messages.append({"role": "user", "content": ""})
+    pad = size - len(json.dumps(doc))
+    messages[-1]["content"] = ("please answer briefly " * (pad // 22 + 1))[:pad]
+    raw = json.dumps(doc).encode()
+    assert len(raw) == size, (len(raw), size)
+    return raw
+
+
+# ----------------------------------------------------------------------------------------------------------
+# processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_ticks(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+class Procs:
+    """Every process this bench starts, stopped (by pid) at the end whatever happens."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, argv: list[str], cpu: str, **kw: Any) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(["taskset", "-c", cpu, *argv], **kw)
+        self.started.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.started):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.started):
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer 200 within {timeout} s")
+        time.sleep(0.1)
+
+
+def ensure_tools(need_pyspy: bool) -> None:
+    missing = [tool for tool in ("wrk", "nginx") if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists()]
+    if missing:
+        print(f"installing {' '.join(missing)} with apt-get ...", flush=True)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        if subprocess.run(["apt-get", "install", "-y", "nginx", "wrk"], env=env, capture_output=True).returncode:
+            subprocess.run(["apt-get", "update"], env=env, capture_output=True)
+            subprocess.run(["apt-get", "install", "-y", "nginx", "wrk"], env=env, check=True, capture_output=True)
+    if need_pyspy and not pyspy_path():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"], check=True)
+
+
+def pyspy_path() -> str | None:
+    local = Path(sys.executable).parent / "py-spy"
+    return str(local) if local.exists() else shutil.which("py-spy")
+
+
+def nginx_bin() -> str:
+    return shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+NGINX_COMMON = """
+worker_processes 1;
+daemon off;
+master_process on;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {prefix}/client_body;
+  proxy_temp_path {prefix}/proxy;
+  fastcgi_temp_path {prefix}/fastcgi;
+  uwsgi_temp_path {prefix}/uwsgi;
+  scgi_temp_path {prefix}/scgi;
+  keepalive_requests 1000000;
+  client_max_body_size 0;
+{body}
+}}
+"""
+
+NGINX_UPSTREAM = """
+  server {{
+    listen 127.0.0.1:{port} reuseport;
+    location / {{
+      default_type application/json;
+      return 200 '{answer}';
+    }}
+  }}
+"""
+
+NGINX_PROXY = """
+  upstream backend {{
+    server 127.0.0.1:{upstream};
+    keepalive 128;
+    keepalive_requests 1000000;
+  }}
+  server {{
+    listen 127.0.0.1:{port};
+    client_body_buffer_size 16m;
+    location / {{
+      proxy_pass http://backend;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }}
+  }}
+"""
+
+
+def start_nginx(procs: Procs, name: str, body: str, workdir: Path) -> subprocess.Popen[bytes]:
+    prefix = workdir / name
+    prefix.mkdir(mode=0o755)
+    (prefix / "nginx.conf").write_text(NGINX_COMMON.format(prefix=prefix, body=body))
+    return procs.start([nginx_bin(), "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(prefix / "nginx.conf")],
+                       PROXY_CPU, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the minimal aiohttp proxy (the anchor's baseline), the SSE upstream, the SSE client: roles of this script
+
+
+def run_minimal_proxy(upstream: str, port: int) -> None:
+    import aiohttp
+    from aiohttp import web
+
+    skip_up = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"}
+    skip_down = {"connection", "keep-alive", "transfer-encoding"}
+
+    async def session_ctx(app: web.Application):  # type: ignore[no-untyped-def]
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        yield
+        await app["session"].close()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in skip_up}
+        async with request.app["session"].request(request.method, upstream + request.raw_path, data=body,
+                                                  headers=headers, skip_auto_headers=("User-Agent", "Accept",
+                                                  "Accept-Encoding", "Content-Type")) as up:
+            response = web.StreamResponse(status=up.status, reason=up.reason,
+                                          headers={k: v for k, v in up.headers.items() if k.lower() not in skip_down})
+            await response.prepare(request)
+            async for chunk in up.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    app = web.Application(client_max_size=1 << 30)
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_route("*", "/{tail:.*}", handle)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def sse_event(n: int) -> bytes:
+    return (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
+            b'"choices":[{"index":0,"delta":{"content":" tok%d"},"finish_reason":null}]}\n\n' % n)
+
+
+def chunk(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+            b"X-Accel-Buffering: no\r\nTransfer-Encoding: chunked\r\n\r\n")
+SSE_DONE = chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+PLAIN_OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER)
+
+
+def run_sse_upstream(port: int, tokens: int, delay: float) -> None:
+    """HTTP/1.1 keep-alive server: POST streams ``tokens`` SSE events, one every ``delay`` s (absolute
+    schedule, so its own overhead does not stretch the stream); GET answers the fixed JSON."""
+    events = [chunk(sse_event(n)) for n in range(tokens)]
+
+    class Stream(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+            self.buf = b""
+            self.streaming = False
+            self.handle: asyncio.TimerHandle | None = None
+            self.loop = asyncio.get_running_loop()
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            self.next_request()
+
+        def next_request(self) -> None:
+            while not self.streaming:
+                end = self.buf.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                head = self.buf[:end].lower()
+                match = re.search(rb"\r\ncontent-length:\s*(\d+)", head)
+                length = int(match.group(1)) if match else 0
+                if b"transfer-encoding: chunked" in head:
+                    self.transport.write(b"HTTP/1.1 411 Length Required\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                    self.transport.close()
+                    return
+                if len(self.buf) < end + 4 + length:
+                    return
+                self.buf = self.buf[end + 4 + length :]
+                if head.startswith(b"post"):
+                    self.streaming = True
+                    self.transport.write(SSE_HEAD)
+                    self.start = self.loop.time()
+                    self.tick(0)
+                else:
+                    self.transport.write(PLAIN_OK)
+
+        def tick(self, n: int) -> None:
+            if self.transport.is_closing():
+                return
+            self.transport.write(events[n])
+            if n + 1 < tokens:
+                self.handle = self.loop.call_at(self.start + (n + 1) * delay, self.tick, n + 1)
+            else:
+                self.transport.write(SSE_DONE)
+                self.streaming = False
+                self.handle = None
+                self.next_request()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.handle is not None:
+                self.handle.cancel()
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Stream, "127.0.0.1", port, backlog=1024)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        async with server:
+            await stop.wait()
+
+    asyncio.run(main())
+
+
+def run_sse_client(url: str, streams: int, warmup: float, duration: float, period: float) -> None:
+    """``streams`` concurrent SSE requests, each restarting when it ends. Prints START when the measured window
+    opens, then one JSON line when it closes."""
+    import aiohttp
+
+    body = json.dumps({"model": "bench", "stream": True,
+                       "messages": [{"role": "user", "content": "Say something long."}]}).encode()
+    gaps: list[float] = []
+    ttft: list[float] = []
+    state = {"tokens": 0, "requests": 0, "errors": 0, "measuring": False}
+    pattern = b"data: {"
+
+    async def one_stream(session: aiohttp.ClientSession, index: int) -> None:
+        await asyncio.sleep(period * index / streams)  # staggered, like independent users
+        while True:
+            sent = time.perf_counter()
+            try:
+                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                    if resp.status != 200:
+                        state["errors"] += state["measuring"]
+                        await resp.read()
+                        continue
+                    last = None
+                    carry = b""
+                    async for data in resp.content.iter_any():
+                        now = time.perf_counter()
+                        data = carry + data
+                        count = data.count(pattern)
+                        carry = data[-(len(pattern) - 1) :]
+                        if not count:
+                            continue
+                        if state["measuring"]:
+                            state["tokens"] += count
+                            if last is None:
+                                ttft.append(now - sent)
+                            else:
+                                gaps.append(now - last)
+                            gaps.extend([0.0] * (count - 1))
+                        last = now
+                    state["requests"] += state["measuring"]
+            except aiohttp.ClientError:
+                state["errors"] += state["measuring"]
+
+    async def main() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            tasks = [asyncio.create_task(one_stream(session, i)) for i in range(streams)]
+            await asyncio.sleep(warmup)
+            state["measuring"] = True
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            print("START", flush=True)
+            await asyncio.sleep(duration)
+            state["measuring"] = False
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            gaps.sort()
+            ttft.sort()
+            print(json.dumps({
+                "tokens": state["tokens"], "seconds": wall, "tokens_per_s": state["tokens"] / wall,
+                "requests": state["requests"], "errors": state["errors"],
+                "gap_p50_ms": pct(gaps, 50) * 1e3, "gap_p99_ms": pct(gaps, 99) * 1e3, "gap_max_ms": (gaps[-1] if gaps else 0) * 1e3,
+                "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
+                "client_cpu_share": cpu / wall,
+            }), flush=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def pct(sorted_values: list[float], p: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * p / 100))]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# measuring
+
+
+WRK_LUA = """
+wrk.method = "POST"
+wrk.path = "/v1/chat/completions"
+wrk.headers["Content-Type"] = "application/json"
+local f = assert(io.open("{body}", "rb"))
+wrk.body = f:read("*a")
+f:close()
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('WRKJSON {{"requests":%d,"duration_us":%d,"bytes":%d,"p50_us":%d,"p90_us":%d,' ..
+    '"p99_us":%d,"max_us":%d,"mean_us":%.1f,"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d}}\\n',
+    summary.requests, summary.duration, summary.bytes, latency:percentile(50), latency:percentile(90),
+    latency:percentile(99), latency.max, latency.mean, e.connect, e.read, e.write, e.status, e.timeout))
+end
+"""
+
+
+def run_wrk(url: str, script: Path, conns: int, seconds: float) -> dict[str, Any]:
+    out = subprocess.run(
+        ["taskset", "-c", LOAD_CPU, "wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--latency", "--timeout", "20s",
+         "-s", str(script), url],
+        capture_output=True, text=True, timeout=seconds + 60,
+    )
+    line = next((l for l in out.stdout.splitlines() if l.startswith("WRKJSON ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk failed: {out.stdout}\n{out.stderr}")
+    return json.loads(line[len("WRKJSON "):])
+
+
+def measure_http(url: str, script: Path, conns: int, seconds: float, proxy_pids: list[int],
+                 upstream_pids: list[int]) -> dict[str, Any]:
+    run_wrk(url, script, conns, 1)  # warm-up: connections, pools, caches
+    p0, u0 = cpu_ticks(proxy_pids), cpu_ticks(upstream_pids)
+    w = run_wrk(url, script, conns, seconds)
+    p1, u1 = cpu_ticks(proxy_pids), cpu_ticks(upstream_pids)
+    requests = max(w["requests"], 1)
+    wall = w["duration_us"] / 1e6
+    errors = w["connect"] + w["read"] + w["write"] + w["status"] + w["timeout"]
+    return {
+        "requests": w["requests"], "rps": w["requests"] / wall,
+        "p50_ms": w["p50_us"] / 1e3, "p90_ms": w["p90_us"] / 1e3, "p99_ms": w["p99_us"] / 1e3,
+        "max_ms": w["max_us"] / 1e3, "errors": errors, "non_2xx": w["status"],
+        "proxy_cpu_us_per_req": (p1 - p0) / CLK_TCK / requests * 1e6 if proxy_pids else None,
+        "proxy_cpu_share": (p1 - p0) / CLK_TCK / wall if proxy_pids else None,
+        "upstream_cpu_us_per_req": (u1 - u0) / CLK_TCK / requests * 1e6,
+    }
+
+
+def measure_sse(procs: Procs, url: str, streams: int, warmup: float, seconds: float, period: float,
+                proxy_pids: list[int], upstream_pids: list[int]) -> dict[str, Any]:
+    client = procs.start([sys.executable, __file__, "--role", "sse-client", "--url", url, "--streams", str(streams),
+                          "--warmup", str(warmup), "--duration", str(seconds), "--period", str(period)],
+                         LOAD_CPU, stdout=subprocess.PIPE)
+    assert client.stdout is not None
+    line = client.stdout.readline()
+    if line.strip() != b"START":
+        raise RuntimeError(f"SSE client did not start: {line!r}")
+    p0, u0 = cpu_ticks(proxy_pids), cpu_ticks(upstream_pids)
+    line = client.stdout.readline()
+    p1, u1 = cpu_ticks(proxy_pids), cpu_ticks(upstream_pids)
+    client.wait(30)
+    result = json.loads(line)
+    tokens = max(result["tokens"], 1)
+    result["proxy_cpu_us_per_token"] = (p1 - p0) / CLK_TCK / tokens * 1e6 if proxy_pids else None
+    result["proxy_cpu_share"] = (p1 - p0) / CLK_TCK / result["seconds"] if proxy_pids else None
+    result["upstream_cpu_us_per_token"] = (u1 - u0) / CLK_TCK / tokens * 1e6
+    return result
+
+
+def check_answer(url: str, body: bytes) -> None:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=10) as r:
+        got = r.read()
+    if r.status != 200 or got != ANSWER:
+        raise RuntimeError(f"{url}: unexpected answer {r.status} {got[:200]!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# profile
+
+
+def profile_mmgate(url: str, script: Path, pid: int, seconds: float) -> dict[str, Any]:
+    """py-spy (non-blocking, Python frames) on mmgate under 1 KB / 32 connections: a flame graph and raw stacks."""
+    pyspy = pyspy_path()
+    assert pyspy is not None
+    svg = RESULTS / "passthrough_profile.svg"
+    raw = Path(tempfile.mkstemp(suffix=".txt")[1])
+    rate = 200
+    common = ["--pid", str(pid), "--duration", str(int(seconds)), "--nonblocking", "--rate", str(rate)]
+    load = subprocess.Popen(["taskset", "-c", LOAD_CPU, "wrk", "-t1", "-c32", f"-d{round(seconds) + 3}s", "-s", str(script), url],
+                            stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(1)
+        spies = [subprocess.Popen(["taskset", "-c", LOAD_CPU, pyspy, "record", *common, "-o", str(svg)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+                 subprocess.Popen(["taskset", "-c", LOAD_CPU, pyspy, "record", *common, "--format", "raw", "-o", str(raw)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        for spy in spies:
+            spy.wait(seconds + 30)
+    finally:
+        load.wait(seconds + 30)
+    summary = summarise_stacks(raw.read_text(), expected=rate * int(seconds))
+    raw.unlink()
+    return summary
+
+
+def frame_name(frame: str) -> str:
+    """'func (path/to/file.py:123)' -> 'func (pkg/file.py)' without the line number."""
+    match = re.match(r"(.*) \((.*?)(?::\d+)?\)$", frame)
+    if not match:
+        return frame
+    func, path = match.groups()
+    for marker in ("site-packages/", "lib/python3.11/", "/work/main/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            break
+    return f"{func} ({path})"
+
+
+def summarise_stacks(raw: str, expected: int) -> dict[str, Any]:
+    self_time: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    by_area: Counter[str] = Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = [frame_name(f) for f in stack.split(";")]
+        if frames and frames[0].startswith("process "):  # py-spy prefixes the process/thread when asked to
+            frames = frames[1:]
+        frames = [f for f in frames if not f.startswith("thread ")]
+        if not frames:
+            continue
+        total += n
+        self_time[frames[-1]] += n
+        for name in set(frames):
+            inclusive[name] += n
+        by_area[area_of(frames)] += n
+    def top(counter: Counter[str], k: int) -> list[dict[str, Any]]:
+        return [{"function": name, "samples": n, "percent": round(100 * n / max(total, 1), 1)}
+                for name, n in counter.most_common(k)]
+    return {"samples": total, "busy_share": round(total / max(expected, 1), 3), "self": top(self_time, 25),
+            "inclusive": top(inclusive, 40), "areas": top(by_area, 12)}
+
+
+def area_of(frames: list[str]) -> str:
+    """Which part of the stack the leaf time belongs to: the innermost mmgate frame, else the leaf's module."""
+    for frame in reversed(frames):
+        if "(proxy/" in frame:
+            return "mmgate " + frame
+    leaf = frames[-1]
+    module = leaf[leaf.find("(") + 1 : -1]
+    return module.split("/")[0] + "/" + module.split("/")[-1] if "/" in module else module
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the run
+
+
+def environment(load_before: tuple[float, ...]) -> dict[str, Any]:
+    import aiohttp
+
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.processor())
+    nginx_v = subprocess.run([nginx_bin(), "-v"], capture_output=True, text=True).stderr.strip()
+    wrk_v = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.splitlines()[0:1]
+    return {"python": platform.python_version(), "aiohttp": aiohttp.__version__, "nginx": nginx_v.split("/")[-1],
+            "wrk": (wrk_v[0].split()[1] if wrk_v else "?"), "cpu": cpu, "cpus": os.cpu_count(),
+            "kernel": platform.release(), "load_avg_before": [round(x, 2) for x in load_before]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per measured cell [8]")
+    parser.add_argument("--quick", action="store_true", help="3 s cells, no profile (a smoke run)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
+    parser.add_argument("--sse-streams", type=int, default=64)
+    parser.add_argument("--sse-tokens", type=int, default=100, help="events per streamed response [100]")
+    parser.add_argument("--sse-delay", type=float, default=0.01, help="seconds between events [0.01]")
+    parser.add_argument("--out", default=str(RESULTS / "passthrough"), help="output path without suffix")
+    # roles of this script's own subprocesses
+    parser.add_argument("--role", choices=("bench", "minimal-proxy", "sse-upstream", "sse-client"), default="bench",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--upstream", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--streams", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--period", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "minimal-proxy":
+        return run_minimal_proxy(args.upstream, args.port)
+    if args.role == "sse-upstream":
+        return run_sse_upstream(args.port, args.sse_tokens, args.sse_delay)
+    if args.role == "sse-client":
+        return run_sse_client(args.url, args.streams, args.warmup, args.duration, args.period)
+    if args.quick:
+        args.duration, args.no_profile = 3.0, True
+    bench(args)
+
+
+def bench(args: argparse.Namespace) -> None:
+    began = time.monotonic()
+    ensure_tools(need_pyspy=not args.no_profile)
+    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    env = environment(os.getloadavg())
+    env["uptime_before"] = uptime_before
+    print(f"# passthrough bench: {uptime_before}", flush=True)
+
+    sys.path.insert(0, str(REPO))
+    from proxy.splice import may_contain_media  # the bodies must take mmgate's text fast path
+
+    procs = Procs()
+    workdir = Path(tempfile.mkdtemp(prefix="mmgate-passthrough-"))
+    workdir.chmod(0o755)  # nginx workers run as nobody
+    cells: list[dict[str, Any]] = []
+    sse: list[dict[str, Any]] = []
+    profile: dict[str, Any] | None = None
+    try:
+        bodies = {"1 KB": chat_body(1024), "4 MB": chat_body(4 << 20)}
+        scripts = {}
+        for name, raw in bodies.items():
+            assert not may_contain_media(raw), f"the {name} body would leave mmgate's text fast path"
+            path = workdir / f"body-{len(raw)}.json"
+            path.write_bytes(raw)
+            scripts[name] = workdir / f"post-{len(raw)}.lua"
+            scripts[name].write_text(WRK_LUA.format(body=path))
+
+        # upstream and the three proxies, all on CPU 0
+        up_port, nginx_port, minimal_port, mmgate_port = (free_port() for _ in range(4))
+        upstream = start_nginx(procs, "upstream", NGINX_UPSTREAM.format(port=up_port, answer=ANSWER.decode()), workdir)
+        wait_http(f"http://127.0.0.1:{up_port}/", proc=upstream)
+        upstream_url = f"http://127.0.0.1:{up_port}"
+        nginx = start_nginx(procs, "proxy", NGINX_PROXY.format(port=nginx_port, upstream=up_port), workdir)
+        minimal = procs.start([sys.executable, __file__, "--role", "minimal-proxy", "--port", str(minimal_port),
+                               "--upstream", upstream_url], PROXY_CPU)
+        mmgate = procs.start([sys.executable, "-m", "proxy", "--upstream", upstream_url, "--port", str(mmgate_port),
+                              "--host", "127.0.0.1", "--access-log", "off"], PROXY_CPU, cwd=REPO,
+                             stderr=subprocess.DEVNULL)
+        wait_http(f"http://127.0.0.1:{nginx_port}/", proc=nginx)
+        wait_http(f"http://127.0.0.1:{minimal_port}/", proc=minimal)
+        wait_http(f"http://127.0.0.1:{mmgate_port}/mmgate/health", proc=mmgate)
+        upstream_pids = [upstream.pid, *children_of(upstream.pid)]
+        ports = {"direct": up_port, "nginx": nginx_port, "minimal": minimal_port, "mmgate": mmgate_port}
+        pids = {"direct": [], "nginx": [nginx.pid, *children_of(nginx.pid)], "minimal": [minimal.pid],
+                "mmgate": [mmgate.pid]}
+        for target, port in ports.items():
+            check_answer(f"http://127.0.0.1:{port}/v1/chat/completions", bodies["1 KB"])
+
+        for body_name in bodies:
+            for conns in (1, 32):
+                for target in TARGETS:
+                    url = f"http://127.0.0.1:{ports[target]}/v1/chat/completions"
+                    result = measure_http(url, scripts[body_name], conns, args.duration, pids[target], upstream_pids)
+                    cells.append({"body": body_name, "conns": conns, "target": target, **result})
+                    print(f"  {body_name:5} c={conns:<3} {target:8} {result['rps']:9.0f} req/s  p50 {result['p50_ms']:.2f} ms"
+                          f"  p99 {result['p99_ms']:.2f} ms  proxy CPU {fmt(result['proxy_cpu_us_per_req'])} us/req",
+                          flush=True)
+        add_ratios(cells)
+
+        # SSE: a streaming upstream of our own; proxies pointed at it
+        sse_port = free_port()
+        sse_up = procs.start([sys.executable, __file__, "--role", "sse-upstream", "--port", str(sse_port),
+                              "--sse-tokens", str(args.sse_tokens), "--sse-delay", str(args.sse_delay)], PROXY_CPU)
+        sse_url = f"http://127.0.0.1:{sse_port}"
+        wait_http(sse_url + "/", proc=sse_up)
+        ports2 = {"direct": sse_port, "nginx": free_port(), "minimal": free_port(), "mmgate": free_port()}
+        nginx2 = start_nginx(procs, "proxy-sse", NGINX_PROXY.format(port=ports2["nginx"], upstream=sse_port), workdir)
+        minimal2 = procs.start([sys.executable, __file__, "--role", "minimal-proxy", "--port", str(ports2["minimal"]),
+                                "--upstream", sse_url], PROXY_CPU)
+        mmgate2 = procs.start([sys.executable, "-m", "proxy", "--upstream", sse_url, "--port", str(ports2["mmgate"]),
+                               "--host", "127.0.0.1", "--access-log", "off"], PROXY_CPU, cwd=REPO,
+                              stderr=subprocess.DEVNULL)
+        wait_http(f"http://127.0.0.1:{ports2['nginx']}/", proc=nginx2)
+        wait_http(f"http://127.0.0.1:{ports2['minimal']}/", proc=minimal2)
+        wait_http(f"http://127.0.0.1:{ports2['mmgate']}/mmgate/health", proc=mmgate2)
+        pids2 = {"direct": [], "nginx": [nginx2.pid, *children_of(nginx2.pid)], "minimal": [minimal2.pid],
+                 "mmgate": [mmgate2.pid]}
+        period = args.sse_tokens * args.sse_delay
+        for target in ("direct", "mmgate", "minimal", "nginx"):
+            result = measure_sse(procs, f"http://127.0.0.1:{ports2[target]}/v1/chat/completions", args.sse_streams,
+                                 max(1.5, period * 1.2), args.duration, period, pids2[target], [sse_up.pid])
+            sse.append({"target": target, **result})
+            print(f"  SSE {target:8} {result['tokens_per_s']:8.0f} tok/s  gap p50 {result['gap_p50_ms']:.2f} ms  "
+                  f"p99 {result['gap_p99_ms']:.2f} ms  proxy CPU {fmt(result['proxy_cpu_us_per_token'])} us/token",
+                  flush=True)
+        direct_tps = sse[0]["tokens_per_s"]
+        for row in sse:
+            row["x_direct"] = row["tokens_per_s"] / direct_tps
+
+        if not args.no_profile:
+            print("  profiling mmgate (py-spy, 1 KB, 32 connections) ...", flush=True)
+            profile = profile_mmgate(f"http://127.0.0.1:{mmgate_port}/v1/chat/completions", scripts["1 KB"],
+                                     mmgate.pid, args.duration)
+    finally:
+        procs.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    env["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
+    env["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    env["seconds"] = round(time.monotonic() - began, 1)
+    settings = {"duration_s": args.duration, "sse_streams": args.sse_streams, "sse_tokens": args.sse_tokens,
+                "sse_delay_s": args.sse_delay, "proxy_cpu": PROXY_CPU, "load_cpu": LOAD_CPU}
+    markdown = render(env, settings, cells, sse, profile)
+    print(markdown)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(markdown)
+    out.with_suffix(".json").write_text(json.dumps({"environment": env, "settings": settings, "http": cells,
+                                                    "sse": sse, "profile": profile}, indent=2) + "\n")
+
+
+def add_ratios(cells: list[dict[str, Any]]) -> None:
+    index = {(c["body"], c["conns"], c["target"]): c for c in cells}
+    for c in cells:
+        direct, nginx = index[(c["body"], c["conns"], "direct")], index[(c["body"], c["conns"], "nginx")]
+        c["rps_x_direct"] = c["rps"] / direct["rps"]
+        c["rps_x_nginx"] = c["rps"] / nginx["rps"]
+        c["cpu_x_nginx"] = (c["proxy_cpu_us_per_req"] / nginx["proxy_cpu_us_per_req"]
+                            if c["proxy_cpu_us_per_req"] is not None and nginx["proxy_cpu_us_per_req"] else None)
+
+
+def fmt(value: float | None, digits: int = 0) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}f}"
+
+
+def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, Any]], sse: list[dict[str, Any]],
+           profile: dict[str, Any] | None) -> str:
+    lines = [
+        "# passthrough: text-only requests and SSE streams, direct vs nginx vs minimal aiohttp vs mmgate",
+        "",
+        f"`python bench/passthrough.py` ({settings['duration_s']:g} s per cell, {env['seconds']} s in all) -- "
+        f"Python {env['python']}, aiohttp {env['aiohttp']}, nginx {env['nginx']}, wrk {env['wrk']}, "
+        f"{env['cpus']} CPUs ({env['cpu']}), kernel {env['kernel']}.",
+        "",
+        f"Machine: 2 cores, shared with other jobs. Proxy and upstream pinned to CPU {settings['proxy_cpu']}, load "
+        f"generator (wrk -t1, or the SSE client) to CPU {settings['load_cpu']}. Load average at start "
+        f"{env['load_avg_before']}, at end {env['load_avg_after']}.",
+        f"`uptime` at start: `{env['uptime_before']}`; at end: `{env['uptime_after']}`.",
+        "",
+        "Upstream: nginx (1 worker) `return 200` with a fixed 330-byte chat-completion JSON (discards the request "
+        "body): the cheapest upstream available, so the proxy is what is measured (its CPU per request is the "
+        "`upstream us/req` column). nginx proxy: 1 worker, upstream keepalive, body buffered in memory. "
+        "minimal: a ~30-line aiohttp proxy (the anchor). mmgate: `python -m proxy --access-log off`. "
+        "Proxy CPU = utime+stime of the proxy process(es) over the measured run / requests.",
+        "",
+    ]
+    by = {(c["body"], c["conns"], c["target"]): c for c in cells}
+    if ("1 KB", 32, "mmgate") in by:
+        c = by[("1 KB", 32, "mmgate")]
+        ok = c["rps_x_nginx"] >= 0.6
+        lines.append(f"**Goal 1 (1 KB, 32 conns): mmgate {c['rps']:.0f} req/s = {c['rps_x_nginx']:.2f}x nginx "
+                     f"(goal >= 0.6x): {'met' if ok else 'NOT met'}.** mmgate CPU {fmt(c['proxy_cpu_us_per_req'])} "
+                     f"us/request vs nginx {fmt(by[('1 KB', 32, 'nginx')]['proxy_cpu_us_per_req'])} and minimal "
+                     f"aiohttp {fmt(by[('1 KB', 32, 'minimal')]['proxy_cpu_us_per_req'])}.")
+    if sse:
+        m = next(r for r in sse if r["target"] == "mmgate")
+        ok = m["x_direct"] >= 0.95
+        lines.append(f"**Goal 2 (SSE, {settings['sse_streams']} streams): mmgate {m['tokens_per_s']:.0f} tokens/s = "
+                     f"{m['x_direct']:.3f}x direct (goal >= 0.95x): {'met' if ok else 'NOT met'}**; inter-token p99 "
+                     f"{m['gap_p99_ms']:.2f} ms vs direct {sse[0]['gap_p99_ms']:.2f} ms.")
+    lines += [
+        "",
+        "| body | conns | target | req/s | x direct | x nginx | p50 ms | p99 ms | proxy CPU us/req | CPU x nginx | "
+        "proxy CPU share | upstream us/req | errors |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in cells:
+        lines.append(
+            f"| {c['body']} | {c['conns']} | {c['target']} | {c['rps']:.0f} | {c['rps_x_direct']:.2f} | "
+            f"{c['rps_x_nginx']:.2f} | {c['p50_ms']:.2f} | {c['p99_ms']:.2f} | {fmt(c['proxy_cpu_us_per_req'])} | "
+            f"{fmt(c['cpu_x_nginx'], 2)} | {fmt(c['proxy_cpu_share'], 2)} | {c['upstream_cpu_us_per_req']:.0f} | "
+            f"{c['errors']} |")
+    four = [c for c in cells if c["body"] == "4 MB" and c["conns"] == 32 and c["proxy_cpu_us_per_req"]]
+    if four:
+        lines += ["", "Per MB (4 MB, 32 conns): " + ", ".join(
+            f"{c['target']} {c['proxy_cpu_us_per_req'] / 4 / 1000:.2f} ms CPU/MB" for c in four) + "."]
+    if sse:
+        lines += [
+            "",
+            f"## SSE: {settings['sse_streams']} concurrent streams, {settings['sse_tokens']} events per response, one "
+            f"every {settings['sse_delay_s'] * 1000:g} ms",
+            "",
+            "Upstream: a raw asyncio Protocol (absolute schedule, OpenAI chunk events ~190 B, chunked); client: "
+            "aiohttp in its own process on the other CPU, streams staggered and restarted as they end. Gap = time "
+            "between consecutive events of one stream as the client sees them (events that arrive together count "
+            "0 after the first).",
+            "",
+            "| target | tokens/s | x direct | gap p50 ms | gap p99 ms | gap max ms | TTFT p50 ms | TTFT p99 ms | "
+            "proxy CPU us/token | proxy CPU share | upstream us/token | client CPU share | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in sse:
+            lines.append(
+                f"| {r['target']} | {r['tokens_per_s']:.0f} | {r['x_direct']:.3f} | {r['gap_p50_ms']:.2f} | "
+                f"{r['gap_p99_ms']:.2f} | {r['gap_max_ms']:.1f} | {r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | "
+                f"{fmt(r['proxy_cpu_us_per_token'], 1)} | {fmt(r['proxy_cpu_share'], 2)} | "
+                f"{r['upstream_cpu_us_per_token']:.1f} | {r['client_cpu_share']:.2f} | {r['errors']} |")
+    if profile:
+        lines += [
+            "",
+            "## Where mmgate's time goes (py-spy, 1 KB, 32 connections)",
+            "",
+            f"py-spy record --nonblocking, Python frames only (C code is charged to the Python function calling "
+            f"it), {profile['samples']} non-idle samples (busy share of the sampled time ~{profile['busy_share']:.2f}). "
+            "Flame graph: `bench/results/passthrough_profile.svg`.",
+            "",
+            "| self time: function (file) | % |",
+            "|---|---:|",
+        ]
+        lines += [f"| `{row['function']}` | {row['percent']} |" for row in profile["self"][:20]]
+        lines += ["", "| inclusive: function (file) | % |", "|---|---:|"]
+        lines += [f"| `{row['function']}` | {row['percent']} |" for row in profile["inclusive"][:30]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
