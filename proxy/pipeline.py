@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import orjson
 from aiohttp import hdrs, web
@@ -26,7 +26,15 @@ from .dialects import MediaPart, Route, find_media, route_for
 from .errors import Dialect, ProxyError, dialect_for_path
 from .metrics import Stopwatch, server_timing
 from .splice import Span, may_contain_media, splice
-from .upstream import UPSTREAM_ERROR_KIND, BrokenStream, ReleasePoints, forward, request_id_for, upstream_headers
+from .upstream import (
+    UPSTREAM_ERROR_KIND,
+    BrokenStream,
+    OneShotBody,
+    ReleasePoints,
+    forward,
+    request_id_for,
+    upstream_headers,
+)
 
 if TYPE_CHECKING:
     from .app import AppState
@@ -50,6 +58,7 @@ class Exchange:
     response: web.StreamResponse | None = None
     lease: Lease | None = None
     lease_owned_by_batch: bool = False
+    live_bytes: int = 0  # this request's share of mmgate_media_bytes_live
     bytes_in: int = 0
     media_in: int = 0
     media_out: int = 0
@@ -99,6 +108,7 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
     finally:
         if ex.lease is not None and not ex.lease_owned_by_batch:
             ex.lease.release()
+        _drop_live(state, ex)
         state.request_finished()
         _record(state, ex, request)
 
@@ -137,19 +147,13 @@ async def _serve(request: web.Request, state: "AppState", ex: Exchange) -> web.S
     ex.watch.add("read", time.perf_counter() - started)
     ex.bytes_in = len(body)
 
-    release = ReleasePoints()
     is_stream = False
     if ex.route != "other" and may_contain_media(body):
         body, is_stream = await prepare_media(state, ex, body)
-    if ex.lease is not None:
-        release_at = settings.release_at
-        if release_at == "auto":
-            release_at = "headers" if is_stream else "sent"
-        lease = ex.lease
-        if release_at == "sent":
-            release.on_sent = lease.release
-        elif release_at == "headers":
-            release.on_headers = lease.release
+    release = _release_points(state, ex, is_stream)
+    # From here on the only reference to the body is the payload, which drops it once written (handoff).
+    payload = OneShotBody(body, release.on_sent) if body else None
+    del body
 
     ex.upstream_started = time.perf_counter()
     assert state.session is not None
@@ -158,7 +162,7 @@ async def _serve(request: web.Request, state: "AppState", ex: Exchange) -> web.S
             request,
             state.session,
             settings.upstream,
-            body,
+            payload,
             upstream_headers(request, ex.request_id),
             state.upstream_timeout(),
             release,
@@ -171,6 +175,40 @@ async def _serve(request: web.Request, state: "AppState", ex: Exchange) -> web.S
         raise
     finally:
         ex.watch.add("upstream", time.perf_counter() - ex.upstream_started)
+
+
+def _release_points(state: "AppState", ex: Exchange, is_stream: bool) -> ReleasePoints:
+    """Where the gate lease ends (MMGATE_RELEASE_AT; ``auto``: headers if streaming, else sent) and where the
+    request's media stops being live (always at handoff: the last body byte written upstream)."""
+    release = ReleasePoints()
+    sent: list[Callable[[], None]] = []
+    if ex.live_bytes:
+        sent.append(partial(_drop_live, state, ex))
+    if ex.lease is not None:
+        release_at = state.settings.release_at
+        if release_at == "auto":
+            release_at = "headers" if is_stream else "sent"
+        if release_at == "sent":
+            sent.append(ex.lease.release)
+        elif release_at == "headers":
+            release.on_headers = ex.lease.release
+    if sent:
+
+        def on_sent() -> None:
+            for callback in sent:
+                callback()
+
+        release.on_sent = on_sent
+    return release
+
+
+def _set_live(state: "AppState", ex: Exchange, size: int) -> None:
+    state.metrics.media_bytes_live.inc(size - ex.live_bytes)
+    ex.live_bytes = size
+
+
+def _drop_live(state: "AppState", ex: Exchange) -> None:
+    _set_live(state, ex, 0)
 
 
 def _response_headers(server_timing: bool, ex: Exchange) -> dict[str, str]:
@@ -229,6 +267,7 @@ async def prepare_media(state: "AppState", ex: Exchange, body: bytes) -> tuple[b
     if not parts:
         return body, is_stream
     ex.kind = "media"
+    _set_live(state, ex, len(body))
 
     if len(parts) > settings.max_media_per_request:
         raise ProxyError(400, "too_many_media",
@@ -292,6 +331,7 @@ async def prepare_media(state: "AppState", ex: Exchange, body: bytes) -> tuple[b
     if replacements:
         body = splice(body, replacements)
         replacements.clear()
+        _set_live(state, ex, len(body))
     ex.watch.add("splice", time.perf_counter() - started)
     return body, is_stream
 

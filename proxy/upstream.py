@@ -147,21 +147,19 @@ async def forward(
     request: web.Request,
     session: aiohttp.ClientSession,
     base_url: str,
-    body: bytes,
+    payload: OneShotBody | None,
     headers: CIMultiDict[str],
     timeout: aiohttp.ClientTimeout,
     release: ReleasePoints,
     extra_response_headers: Callable[[], dict[str, str]],
     on_prepared: Callable[[web.StreamResponse], Any],
 ) -> web.StreamResponse:
-    """Send ``body`` upstream and stream the answer back to ``request``'s client.
+    """Send ``payload`` upstream and stream the answer back to ``request``'s client.
 
     Raises ProxyError before the response started, BrokenStream after. ``on_prepared`` learns the prepared
     response (so a deadline that fires later knows headers already went out).
     """
     url = URL(base_url + request.raw_path, encoded=True)  # path and query exactly as the client sent them
-    payload = OneShotBody(body, release.on_sent) if body else None
-    del body
     try:
         upstream = await session.request(
             request.method,

@@ -41,6 +41,7 @@ class Upstream:
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)  # tests set it to let held handlers go on
     handlers: dict[str, Handler] = field(default_factory=dict)
+    keep_bodies: bool = True  # False: bodies are read and dropped (memory tests must not see them kept here)
 
     @property
     def url(self) -> str:
@@ -51,7 +52,12 @@ class Upstream:
         self.handlers[path] = handler
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        if self.keep_bodies:
+            body = await request.read()
+        else:
+            async for _chunk in request.content.iter_any():
+                pass
+            body = b""
         seen = Seen(request.method, request.raw_path, CIMultiDict(request.headers),
                     [(k.decode(), v.decode()) for k, v in request.raw_headers], body)
         self.seen.append(seen)
