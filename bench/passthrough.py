@@ -40,6 +40,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -202,16 +203,6 @@ http {{
 }}
 """
 
-NGINX_UPSTREAM = """
-  server {{
-    listen 127.0.0.1:{port} reuseport;
-    location / {{
-      default_type application/json;
-      return 200 '{answer}';
-    }}
-  }}
-"""
-
 NGINX_PROXY = """
   upstream backend {{
     server 127.0.0.1:{upstream};
@@ -289,45 +280,69 @@ SSE_DONE = chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 PLAIN_OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER)
 
 
-def run_sse_upstream(port: int, tokens: int, delay: float) -> None:
-    """HTTP/1.1 keep-alive server: POST streams ``tokens`` SSE events, one every ``delay`` s (absolute
-    schedule, so its own overhead does not stretch the stream); GET answers the fixed JSON."""
+def run_upstream(port: int, tokens: int, delay: float) -> None:
+    """The fixed-answer upstream: a raw asyncio HTTP/1.1 keep-alive server that reads the whole request body
+    (counted, not kept) before it answers, like a real inference server. A request carrying ``X-Bench-Stream``
+    gets ``tokens`` SSE events instead, one every ``delay`` s on an absolute schedule (so the server's own
+    overhead does not stretch the stream); every other request gets the fixed JSON answer."""
     events = [chunk(sse_event(n)) for n in range(tokens)]
+    header_end = re.compile(rb"\r\n\r\n")
+    content_length = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
 
-    class Stream(asyncio.Protocol):
+    class Server(asyncio.Protocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             self.transport: asyncio.Transport = transport  # type: ignore[assignment]
             self.buf = b""
+            self.remaining = -1  # body bytes still to come; -1 = reading a head
+            self.stream = False
             self.streaming = False
             self.handle: asyncio.TimerHandle | None = None
             self.loop = asyncio.get_running_loop()
 
         def data_received(self, data: bytes) -> None:
+            if self.remaining > 0 and not self.buf:
+                if len(data) <= self.remaining:  # the common case for a big body: count it, keep nothing
+                    self.remaining -= len(data)
+                    if self.remaining == 0:
+                        self.answer()
+                    return
             self.buf += data
             self.next_request()
 
         def next_request(self) -> None:
             while not self.streaming:
-                end = self.buf.find(b"\r\n\r\n")
-                if end < 0:
+                if self.remaining < 0:
+                    match = header_end.search(self.buf)
+                    if match is None:
+                        return
+                    head = self.buf[: match.start()]
+                    if b"chunked" in head.lower():
+                        self.transport.write(b"HTTP/1.1 411 Length Required\r\nContent-Length: 0\r\n"
+                                             b"Connection: close\r\n\r\n")
+                        self.transport.close()
+                        return
+                    length = content_length.search(head)
+                    self.remaining = int(length.group(1)) if length else 0
+                    self.stream = b"\r\nx-bench-stream:" in head.lower()
+                    self.buf = self.buf[match.end() :]
+                take = min(self.remaining, len(self.buf))
+                self.remaining -= take
+                self.buf = self.buf[take:]
+                if self.remaining > 0:
                     return
-                head = self.buf[:end].lower()
-                match = re.search(rb"\r\ncontent-length:\s*(\d+)", head)
-                length = int(match.group(1)) if match else 0
-                if b"transfer-encoding: chunked" in head:
-                    self.transport.write(b"HTTP/1.1 411 Length Required\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-                    self.transport.close()
-                    return
-                if len(self.buf) < end + 4 + length:
-                    return
-                self.buf = self.buf[end + 4 + length :]
-                if head.startswith(b"post"):
-                    self.streaming = True
-                    self.transport.write(SSE_HEAD)
-                    self.start = self.loop.time()
-                    self.tick(0)
-                else:
-                    self.transport.write(PLAIN_OK)
+                self.answer()
+
+        def answer(self) -> None:
+            self.remaining = -1
+            if self.stream:
+                self.streaming = True
+                self.transport.write(SSE_HEAD)
+                self.start = self.loop.time()
+                self.tick(0)
+            else:
+                self.transport.write(PLAIN_OK)
+                if self.buf:
+                    self.next_request()
 
         def tick(self, n: int) -> None:
             if self.transport.is_closing():
@@ -346,7 +361,7 @@ def run_sse_upstream(port: int, tokens: int, delay: float) -> None:
                 self.handle.cancel()
 
     async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(Stream, "127.0.0.1", port, backlog=1024)
+        server = await asyncio.get_running_loop().create_server(Server, "127.0.0.1", port, backlog=1024)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         async with server:
@@ -372,7 +387,8 @@ def run_sse_client(url: str, streams: int, warmup: float, duration: float, perio
         while True:
             sent = time.perf_counter()
             try:
-                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                async with session.post(url, data=body, headers={"Content-Type": "application/json",
+                                                                 "X-Bench-Stream": "1"}) as resp:
                     if resp.status != 200:
                         state["errors"] += state["measuring"]
                         await resp.read()
@@ -463,22 +479,38 @@ def run_wrk(url: str, script: Path, conns: int, seconds: float) -> dict[str, Any
     return json.loads(line[len("WRKJSON "):])
 
 
-def measure_http(url: str, script: Path, conns: int, seconds: float, proxy_pids: list[int],
+def busy_ticks() -> int:
+    """CPU time used on the whole machine (all CPUs, every process and the kernel, steal included)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq + steal
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure_http(url: str, script: Path, conns: int, seconds: int, proxy_pids: list[int],
                  upstream_pids: list[int]) -> dict[str, Any]:
-    run_wrk(url, script, conns, 1)  # warm-up: connections, pools, caches
-    p0, u0 = cpu_ticks(proxy_pids), cpu_ticks(upstream_pids)
+    """One wrk run. ``other_load`` = CPU (in cores) used on the machine by anything but proxy, upstream and wrk:
+    other jobs, plus kernel network work not charged to a process (so it is never quite 0 here)."""
+    p0, u0, b0, c0 = cpu_ticks(proxy_pids), cpu_ticks(upstream_pids), busy_ticks(), children_cpu()
     w = run_wrk(url, script, conns, seconds)
-    p1, u1 = cpu_ticks(proxy_pids), cpu_ticks(upstream_pids)
+    p1, u1, b1, c1 = cpu_ticks(proxy_pids), cpu_ticks(upstream_pids), busy_ticks(), children_cpu()
     requests = max(w["requests"], 1)
     wall = w["duration_us"] / 1e6
     errors = w["connect"] + w["read"] + w["write"] + w["status"] + w["timeout"]
+    proxy_s, upstream_s = (p1 - p0) / CLK_TCK, (u1 - u0) / CLK_TCK
     return {
         "requests": w["requests"], "rps": w["requests"] / wall,
         "p50_ms": w["p50_us"] / 1e3, "p90_ms": w["p90_us"] / 1e3, "p99_ms": w["p99_us"] / 1e3,
         "max_ms": w["max_us"] / 1e3, "errors": errors, "non_2xx": w["status"],
-        "proxy_cpu_us_per_req": (p1 - p0) / CLK_TCK / requests * 1e6 if proxy_pids else None,
-        "proxy_cpu_share": (p1 - p0) / CLK_TCK / wall if proxy_pids else None,
-        "upstream_cpu_us_per_req": (u1 - u0) / CLK_TCK / requests * 1e6,
+        "proxy_cpu_us_per_req": proxy_s / requests * 1e6 if proxy_pids else None,
+        "proxy_cpu_share": proxy_s / wall if proxy_pids else None,
+        "upstream_cpu_us_per_req": upstream_s / requests * 1e6,
+        "load_cpu_share": (c1 - c0) / wall,
+        "other_load": max(0.0, ((b1 - b0) / CLK_TCK - proxy_s - upstream_s - (c1 - c0)) / wall),
     }
 
 
@@ -491,15 +523,17 @@ def measure_sse(procs: Procs, url: str, streams: int, warmup: float, seconds: fl
     line = client.stdout.readline()
     if line.strip() != b"START":
         raise RuntimeError(f"SSE client did not start: {line!r}")
-    p0, u0 = cpu_ticks(proxy_pids), cpu_ticks(upstream_pids)
+    p0, u0, b0 = cpu_ticks(proxy_pids), cpu_ticks(upstream_pids), busy_ticks()
     line = client.stdout.readline()
-    p1, u1 = cpu_ticks(proxy_pids), cpu_ticks(upstream_pids)
+    p1, u1, b1 = cpu_ticks(proxy_pids), cpu_ticks(upstream_pids), busy_ticks()
     client.wait(30)
     result = json.loads(line)
-    tokens = max(result["tokens"], 1)
-    result["proxy_cpu_us_per_token"] = (p1 - p0) / CLK_TCK / tokens * 1e6 if proxy_pids else None
-    result["proxy_cpu_share"] = (p1 - p0) / CLK_TCK / result["seconds"] if proxy_pids else None
-    result["upstream_cpu_us_per_token"] = (u1 - u0) / CLK_TCK / tokens * 1e6
+    tokens, wall = max(result["tokens"], 1), result["seconds"]
+    proxy_s, upstream_s = (p1 - p0) / CLK_TCK, (u1 - u0) / CLK_TCK
+    result["proxy_cpu_us_per_token"] = proxy_s / tokens * 1e6 if proxy_pids else None
+    result["proxy_cpu_share"] = proxy_s / wall if proxy_pids else None
+    result["upstream_cpu_us_per_token"] = upstream_s / tokens * 1e6
+    result["other_load"] = max(0.0, ((b1 - b0) / CLK_TCK - proxy_s - upstream_s) / wall - result["client_cpu_share"])
     return result
 
 
@@ -609,15 +643,17 @@ def environment(load_before: tuple[float, ...]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=8.0, help="seconds per measured cell [8]")
-    parser.add_argument("--quick", action="store_true", help="3 s cells, no profile (a smoke run)")
+    parser.add_argument("--duration", type=float, default=9.0, help="measured seconds per cell and target [9]")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds the HTTP duration is split into [3]")
+    parser.add_argument("--sse-rounds", type=int, default=2, help="rounds the SSE duration is split into [2]")
+    parser.add_argument("--quick", action="store_true", help="short cells, no profile (a smoke run)")
     parser.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     parser.add_argument("--sse-streams", type=int, default=64)
     parser.add_argument("--sse-tokens", type=int, default=100, help="events per streamed response [100]")
     parser.add_argument("--sse-delay", type=float, default=0.01, help="seconds between events [0.01]")
     parser.add_argument("--out", default=str(RESULTS / "passthrough"), help="output path without suffix")
     # roles of this script's own subprocesses
-    parser.add_argument("--role", choices=("bench", "minimal-proxy", "sse-upstream", "sse-client"), default="bench",
+    parser.add_argument("--role", choices=("bench", "minimal-proxy", "upstream", "sse-client"), default="bench",
                         help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", help=argparse.SUPPRESS)
@@ -628,13 +664,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "minimal-proxy":
         return run_minimal_proxy(args.upstream, args.port)
-    if args.role == "sse-upstream":
-        return run_sse_upstream(args.port, args.sse_tokens, args.sse_delay)
+    if args.role == "upstream":
+        return run_upstream(args.port, args.sse_tokens, args.sse_delay)
     if args.role == "sse-client":
         return run_sse_client(args.url, args.streams, args.warmup, args.duration, args.period)
     if args.quick:
-        args.duration, args.no_profile = 3.0, True
+        args.duration, args.rounds, args.sse_rounds, args.no_profile = 2.0, 2, 1, True
     bench(args)
+
+
+def best(rounds: list[dict[str, Any]], key: str, highest: bool) -> dict[str, Any]:
+    chosen = (max if highest else min)(rounds, key=lambda r: r[key])
+    return {**chosen, "rounds": rounds}
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -654,6 +695,7 @@ def bench(args: argparse.Namespace) -> None:
     cells: list[dict[str, Any]] = []
     sse: list[dict[str, Any]] = []
     profile: dict[str, Any] | None = None
+    round_s = max(1, round(args.duration / args.rounds))
     try:
         bodies = {"1 KB": chat_body(1024), "4 MB": chat_body(4 << 20)}
         scripts = {}
@@ -664,72 +706,74 @@ def bench(args: argparse.Namespace) -> None:
             scripts[name] = workdir / f"post-{len(raw)}.lua"
             scripts[name].write_text(WRK_LUA.format(body=path))
 
-        # upstream and the three proxies, all on CPU 0
-        up_port, nginx_port, minimal_port, mmgate_port = (free_port() for _ in range(4))
-        upstream = start_nginx(procs, "upstream", NGINX_UPSTREAM.format(port=up_port, answer=ANSWER.decode()), workdir)
-        wait_http(f"http://127.0.0.1:{up_port}/", proc=upstream)
-        upstream_url = f"http://127.0.0.1:{up_port}"
-        nginx = start_nginx(procs, "proxy", NGINX_PROXY.format(port=nginx_port, upstream=up_port), workdir)
-        minimal = procs.start([sys.executable, __file__, "--role", "minimal-proxy", "--port", str(minimal_port),
-                               "--upstream", upstream_url], PROXY_CPU)
-        mmgate = procs.start([sys.executable, "-m", "proxy", "--upstream", upstream_url, "--port", str(mmgate_port),
+        # the upstream and the three proxies, all on CPU 0
+        ports = {target: free_port() for target in TARGETS}
+        upstream = procs.start([sys.executable, __file__, "--role", "upstream", "--port", str(ports["direct"]),
+                                "--sse-tokens", str(args.sse_tokens), "--sse-delay", str(args.sse_delay)], PROXY_CPU)
+        upstream_url = f"http://127.0.0.1:{ports['direct']}"
+        wait_http(upstream_url + "/", proc=upstream)
+        nginx = start_nginx(procs, "proxy", NGINX_PROXY.format(port=ports["nginx"], upstream=ports["direct"]), workdir)
+        minimal = procs.start([sys.executable, __file__, "--role", "minimal-proxy", "--port", str(ports["minimal"]),
+                               "--upstream", upstream_url], PROXY_CPU, stderr=subprocess.DEVNULL)
+        mmgate = procs.start([sys.executable, "-m", "proxy", "--upstream", upstream_url, "--port", str(ports["mmgate"]),
                               "--host", "127.0.0.1", "--access-log", "off"], PROXY_CPU, cwd=REPO,
                              stderr=subprocess.DEVNULL)
-        wait_http(f"http://127.0.0.1:{nginx_port}/", proc=nginx)
-        wait_http(f"http://127.0.0.1:{minimal_port}/", proc=minimal)
-        wait_http(f"http://127.0.0.1:{mmgate_port}/mmgate/health", proc=mmgate)
-        upstream_pids = [upstream.pid, *children_of(upstream.pid)]
-        ports = {"direct": up_port, "nginx": nginx_port, "minimal": minimal_port, "mmgate": mmgate_port}
+        wait_http(f"http://127.0.0.1:{ports['nginx']}/", proc=nginx)
+        wait_http(f"http://127.0.0.1:{ports['minimal']}/", proc=minimal)
+        wait_http(f"http://127.0.0.1:{ports['mmgate']}/mmgate/health", proc=mmgate)
+        upstream_pids = [upstream.pid]
         pids = {"direct": [], "nginx": [nginx.pid, *children_of(nginx.pid)], "minimal": [minimal.pid],
                 "mmgate": [mmgate.pid]}
-        for target, port in ports.items():
-            check_answer(f"http://127.0.0.1:{port}/v1/chat/completions", bodies["1 KB"])
+        urls = {target: f"http://127.0.0.1:{port}/v1/chat/completions" for target, port in ports.items()}
+        for url in urls.values():
+            for raw in bodies.values():
+                check_answer(url, raw)
 
+        # Targets take turns, round after round, so a burst of other work on the machine hits all of them; each
+        # target's best round (highest req/s) is reported, every round is in the JSON.
         for body_name in bodies:
             for conns in (1, 32):
+                rounds: dict[str, list[dict[str, Any]]] = {target: [] for target in TARGETS}
                 for target in TARGETS:
-                    url = f"http://127.0.0.1:{ports[target]}/v1/chat/completions"
-                    result = measure_http(url, scripts[body_name], conns, args.duration, pids[target], upstream_pids)
+                    run_wrk(urls[target], scripts[body_name], conns, 1)  # warm-up: connections, pools, caches
+                for _ in range(args.rounds):
+                    for target in TARGETS:
+                        rounds[target].append(measure_http(urls[target], scripts[body_name], conns, round_s,
+                                                           pids[target], upstream_pids))
+                for target in TARGETS:
+                    result = best(rounds[target], "rps", highest=True)
                     cells.append({"body": body_name, "conns": conns, "target": target, **result})
                     print(f"  {body_name:5} c={conns:<3} {target:8} {result['rps']:9.0f} req/s  p50 {result['p50_ms']:.2f} ms"
-                          f"  p99 {result['p99_ms']:.2f} ms  proxy CPU {fmt(result['proxy_cpu_us_per_req'])} us/req",
-                          flush=True)
+                          f"  p99 {result['p99_ms']:.2f} ms  proxy CPU {fmt(result['proxy_cpu_us_per_req'])} us/req"
+                          f"  other load {result['other_load']:.2f}", flush=True)
         add_ratios(cells)
 
-        # SSE: a streaming upstream of our own; proxies pointed at it
-        sse_port = free_port()
-        sse_up = procs.start([sys.executable, __file__, "--role", "sse-upstream", "--port", str(sse_port),
-                              "--sse-tokens", str(args.sse_tokens), "--sse-delay", str(args.sse_delay)], PROXY_CPU)
-        sse_url = f"http://127.0.0.1:{sse_port}"
-        wait_http(sse_url + "/", proc=sse_up)
-        ports2 = {"direct": sse_port, "nginx": free_port(), "minimal": free_port(), "mmgate": free_port()}
-        nginx2 = start_nginx(procs, "proxy-sse", NGINX_PROXY.format(port=ports2["nginx"], upstream=sse_port), workdir)
-        minimal2 = procs.start([sys.executable, __file__, "--role", "minimal-proxy", "--port", str(ports2["minimal"]),
-                                "--upstream", sse_url], PROXY_CPU)
-        mmgate2 = procs.start([sys.executable, "-m", "proxy", "--upstream", sse_url, "--port", str(ports2["mmgate"]),
-                               "--host", "127.0.0.1", "--access-log", "off"], PROXY_CPU, cwd=REPO,
-                              stderr=subprocess.DEVNULL)
-        wait_http(f"http://127.0.0.1:{ports2['nginx']}/", proc=nginx2)
-        wait_http(f"http://127.0.0.1:{ports2['minimal']}/", proc=minimal2)
-        wait_http(f"http://127.0.0.1:{ports2['mmgate']}/mmgate/health", proc=mmgate2)
-        pids2 = {"direct": [], "nginx": [nginx2.pid, *children_of(nginx2.pid)], "minimal": [minimal2.pid],
-                 "mmgate": [mmgate2.pid]}
+        # SSE through the same processes (the upstream streams when asked to by X-Bench-Stream)
         period = args.sse_tokens * args.sse_delay
-        for target in ("direct", "mmgate", "minimal", "nginx"):
-            result = measure_sse(procs, f"http://127.0.0.1:{ports2[target]}/v1/chat/completions", args.sse_streams,
-                                 max(1.5, period * 1.2), args.duration, period, pids2[target], [sse_up.pid])
+        sse_targets = ("direct", "mmgate", "minimal", "nginx")
+        sse_rounds: dict[str, list[dict[str, Any]]] = {target: [] for target in sse_targets}
+        sse_round_s = max(2.0, args.duration / args.sse_rounds)
+        for _ in range(args.sse_rounds):
+            for target in sse_targets:
+                sse_rounds[target].append(measure_sse(procs, urls[target], args.sse_streams, max(1.5, period * 1.2),
+                                                      sse_round_s, period, pids[target], upstream_pids))
+        for target in sse_targets:
+            result = best(sse_rounds[target], "gap_p99_ms", highest=False)
             sse.append({"target": target, **result})
             print(f"  SSE {target:8} {result['tokens_per_s']:8.0f} tok/s  gap p50 {result['gap_p50_ms']:.2f} ms  "
-                  f"p99 {result['gap_p99_ms']:.2f} ms  proxy CPU {fmt(result['proxy_cpu_us_per_token'])} us/token",
-                  flush=True)
+                  f"p99 {result['gap_p99_ms']:.2f} ms  proxy CPU {fmt(result['proxy_cpu_us_per_token'])} us/token"
+                  f"  other load {result['other_load']:.2f}", flush=True)
         direct_tps = sse[0]["tokens_per_s"]
         for row in sse:
             row["x_direct"] = row["tokens_per_s"] / direct_tps
+            row["mean_tokens_per_s"] = statistics.fmean(r["tokens_per_s"] for r in row["rounds"])
+        direct_mean = sse[0]["mean_tokens_per_s"]
+        for row in sse:
+            row["mean_x_direct"] = row["mean_tokens_per_s"] / direct_mean
 
         if not args.no_profile:
             print("  profiling mmgate (py-spy, 1 KB, 32 connections) ...", flush=True)
-            profile = profile_mmgate(f"http://127.0.0.1:{mmgate_port}/v1/chat/completions", scripts["1 KB"],
-                                     mmgate.pid, args.duration)
+            profile = profile_mmgate(urls["mmgate"], scripts["1 KB"], mmgate.pid, 8)
     finally:
         procs.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -737,7 +781,8 @@ def bench(args: argparse.Namespace) -> None:
     env["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
     env["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     env["seconds"] = round(time.monotonic() - began, 1)
-    settings = {"duration_s": args.duration, "sse_streams": args.sse_streams, "sse_tokens": args.sse_tokens,
+    settings = {"duration_s": args.duration, "rounds": args.rounds, "round_s": round_s, "sse_rounds": args.sse_rounds,
+                "sse_round_s": sse_round_s, "sse_streams": args.sse_streams, "sse_tokens": args.sse_tokens,
                 "sse_delay_s": args.sse_delay, "proxy_cpu": PROXY_CPU, "load_cpu": LOAD_CPU}
     markdown = render(env, settings, cells, sse, profile)
     print(markdown)
