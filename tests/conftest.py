@@ -75,7 +75,7 @@ class Upstream:
 @pytest.fixture
 async def upstream() -> Any:
     up = Upstream()
-    app = web.Application(client_max_size=1 << 30)
+    app = web.Application(client_max_size=1 << 30, handler_args={"auto_decompress": False})  # raw wire bytes
     app.router.add_route("*", "/{tail:.*}", up._dispatch)
     up.server = TestServer(app, host="127.0.0.1")
     await up.server.start_server()

@@ -11,6 +11,7 @@ import threading
 import zlib
 
 import aiohttp
+import anthropic
 import openai
 import orjson
 import pytest
@@ -95,6 +96,26 @@ async def test_openai_sdk_image_reaches_stub_resized(start_proxy: StartProxy) ->
                                                       **{"messages": chat_with_image(uri)["messages"]})
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         assert "[300x150]" in text
+        await client.close()
+    finally:
+        await stub.close()
+
+
+async def test_anthropic_sdk_image_reaches_stub_resized(start_proxy: StartProxy) -> None:
+    stub = TestServer(create_stub_app(StubConfig(tokens=4)), host="127.0.0.1")
+    await stub.start_server()
+    try:
+        proxy = await start_proxy(f"http://127.0.0.1:{stub.port}", MMGATE_RESIZE_MAX_PIXELS="20000")
+        client = anthropic.AsyncAnthropic(base_url=proxy.url, api_key="k", max_retries=0)
+        png = base64.b64encode(image_bytes(400, 200)).decode()
+        message = await client.messages.create(model="c", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}},
+            {"type": "text", "text": "what is it?"}]}])
+        assert "saw 1 image(s) [200x100]" in message.content[0].text  # type: ignore[union-attr]
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await client.messages.create(model="c", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}}]}])
+        assert "unsupported_media_type" in str(caught.value) and "messages[0].content[0]" in str(caught.value)
         await client.close()
     finally:
         await stub.close()

@@ -285,3 +285,15 @@ async def test_admin_port_keeps_admin_off_the_public_port(upstream: Upstream, st
         async with client.get(proxy.url + "/mmgate/metrics") as response:
             assert response.status == 404
     assert upstream.seen == []
+
+
+async def test_compressed_body_passes_through_untouched(upstream: Upstream, proxy: Proxy) -> None:
+    import gzip
+
+    body = gzip.compress(b'{"input": "plain text"}')
+    async with aiohttp.ClientSession() as client:
+        async with client.post(proxy.url + "/v1/embeddings", data=body,
+                               headers={"Content-Encoding": "gzip"}) as response:
+            assert response.status == 200
+    seen = upstream.seen[-1]
+    assert seen.body == body and seen.headers["Content-Encoding"] == "gzip"
