@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-if TYPE_CHECKING:
-    from .app import AppState
+from .state import STATE, AppState
 
 READY_CACHE_SECONDS = 1.0
 READY_PROBE_TIMEOUT = 2.0
@@ -25,9 +23,7 @@ DASHBOARD_DIR = Path(__file__).parent / "dashboard"
 
 
 
-def _state(request: web.Request) -> "AppState":
-    from .app import STATE
-
+def _state(request: web.Request) -> AppState:
     return request.app[STATE]
 
 
@@ -36,7 +32,7 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "draining": state.not_ready})
 
 
-async def probe_upstream(state: "AppState") -> tuple[bool, str]:
+async def probe_upstream(state: AppState) -> tuple[bool, str]:
     """Whether the upstream's health endpoint answers 2xx; reused for about a second."""
     checked_at, ok, detail = state.ready_cache
     now = time.monotonic()

@@ -21,7 +21,8 @@ from typing import Callable, Sequence
 import orjson
 from aiohttp import web
 
-from .app import STATE, AppState, build_admin_app, build_app
+from .app import build_admin_app, build_app
+from .state import STATE, AppState
 from .settings import ConfigError, Settings, add_arguments, overrides_from_args
 
 log = logging.getLogger("mmgate")

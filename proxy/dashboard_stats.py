@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 if TYPE_CHECKING:
     from prometheus_client.metrics import MetricWrapperBase
 
-    from .app import AppState
+    from .state import AppState
 
 SCHEMA_VERSION = 1
 _IMPORTED_AT = time.time()  # fallback "start time" when the process collector cannot read /proc

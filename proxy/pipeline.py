@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import orjson
 from aiohttp import hdrs, web
@@ -26,6 +26,7 @@ from .dialects import MediaPart, Route, find_media, route_for
 from .errors import Dialect, ProxyError, dialect_for_path
 from .metrics import Stopwatch, server_timing
 from .splice import Span, may_contain_media, splice
+from .state import STATE, AppState
 from .upstream import (
     UPSTREAM_ERROR_KIND,
     BrokenStream,
@@ -36,8 +37,6 @@ from .upstream import (
     upstream_headers,
 )
 
-if TYPE_CHECKING:
-    from .app import AppState
 
 log = logging.getLogger("mmgate.access")
 
@@ -76,9 +75,7 @@ class Exchange:
 
 
 async def handle_request(request: web.Request) -> web.StreamResponse:
-    from .app import STATE
-
-    state: AppState = request.app[STATE]
+    state = request.app[STATE]
     settings = state.settings
     ex = Exchange(
         request_id=request_id_for(request.headers.get("X-Request-Id")),
@@ -129,7 +126,7 @@ def _request_deadline(request: web.Request, configured: float) -> float | None:
     return None if limit is None else asyncio.get_running_loop().time() + limit
 
 
-async def _serve(request: web.Request, state: "AppState", ex: Exchange) -> web.StreamResponse:
+async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.StreamResponse:
     settings = state.settings
     path = request.path
     if path.startswith("/mmgate/") or (settings.allow_paths and not path.startswith(settings.allow_paths)):
@@ -177,7 +174,7 @@ async def _serve(request: web.Request, state: "AppState", ex: Exchange) -> web.S
         ex.watch.add("upstream", time.perf_counter() - ex.upstream_started)
 
 
-def _release_points(state: "AppState", ex: Exchange, is_stream: bool) -> ReleasePoints:
+def _release_points(state: AppState, ex: Exchange, is_stream: bool) -> ReleasePoints:
     """Where the gate lease ends (MMGATE_RELEASE_AT; ``auto``: headers if streaming, else sent) and where the
     request's media stops being live (always at handoff: the last body byte written upstream)."""
     release = ReleasePoints()
@@ -202,12 +199,12 @@ def _release_points(state: "AppState", ex: Exchange, is_stream: bool) -> Release
     return release
 
 
-def _set_live(state: "AppState", ex: Exchange, size: int) -> None:
+def _set_live(state: AppState, ex: Exchange, size: int) -> None:
     state.metrics.media_bytes_live.inc(size - ex.live_bytes)
     ex.live_bytes = size
 
 
-def _drop_live(state: "AppState", ex: Exchange) -> None:
+def _drop_live(state: AppState, ex: Exchange) -> None:
     _set_live(state, ex, 0)
 
 
@@ -256,7 +253,7 @@ class _Item:
     size: int  # decoded bytes, exact upper bound from the base64 length
 
 
-async def prepare_media(state: "AppState", ex: Exchange, body: bytes) -> tuple[bytes, bool]:
+async def prepare_media(state: AppState, ex: Exchange, body: bytes) -> tuple[bytes, bool]:
     """Locate, admit, preprocess and splice. Returns the body to forward and whether the client streams."""
     settings = state.settings
     started = time.perf_counter()
@@ -336,7 +333,7 @@ async def prepare_media(state: "AppState", ex: Exchange, body: bytes) -> tuple[b
     return body, is_stream
 
 
-def _count_items(state: "AppState", items: list[_Item], outcome: str) -> None:
+def _count_items(state: AppState, items: list[_Item], outcome: str) -> None:
     for item in items:
         state.metrics.media_items.labels(item.part.kind, outcome).inc()
 
@@ -385,7 +382,7 @@ class _Outcome:
     mime: bytes = b""
 
 
-def _process_item(body: bytes, item: _Item, state: "AppState", checkpoint: Checkpoint) -> _Outcome:
+def _process_item(body: bytes, item: _Item, state: AppState, checkpoint: Checkpoint) -> _Outcome:
     """In a decode thread: base64 → bytes → validate → (resize → re-encode → base64 token)."""
     part = item.part
     try:
@@ -417,7 +414,7 @@ def _process_item(body: bytes, item: _Item, state: "AppState", checkpoint: Check
 # answers mmgate gives itself
 
 
-async def _refuse(request: web.Request, state: "AppState", ex: Exchange, error: ProxyError) -> web.StreamResponse:
+async def _refuse(request: web.Request, state: AppState, ex: Exchange, error: ProxyError) -> web.StreamResponse:
     """Answer ``error`` in the client's API shape, or end a response whose headers already went out."""
     ex.status, ex.code = error.status, error.code
     if error.code not in UPSTREAM_ERROR_KIND:  # upstream failures are counted as upstream_errors_total
@@ -444,7 +441,7 @@ async def _refuse(request: web.Request, state: "AppState", ex: Exchange, error: 
     return answer
 
 
-def _record(state: "AppState", ex: Exchange, request: web.Request) -> None:
+def _record(state: AppState, ex: Exchange, request: web.Request) -> None:
     status = ex.status or (ex.response.status if ex.response is not None else 0)
     duration = ex.watch.elapsed()
     m = state.metrics

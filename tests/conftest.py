@@ -16,7 +16,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
-from proxy.app import STATE, AppState, build_app
+from proxy.app import build_app
+from proxy.state import STATE, AppState
 from proxy.settings import Settings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

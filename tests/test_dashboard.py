@@ -23,7 +23,8 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
-from proxy.app import STATE, AppState, build_app
+from proxy.app import build_app
+from proxy.state import STATE, AppState
 from proxy.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,51 @@
+"""The state one mmgate app shares between its handlers, under a typed ``web.AppKey``."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from preprocessors.base import AudioPolicy, ImagePolicy
+from preprocessors.pool import DecodePool
+
+from .admission import Gate
+from .metrics import Metrics
+from .settings import Settings
+
+
+@dataclass
+class AppState:
+    """Everything a request handler needs, built once per app."""
+
+    settings: Settings
+    metrics: Metrics
+    gate: Gate
+    image_policy: ImagePolicy
+    audio_policy: AudioPolicy
+    session: aiohttp.ClientSession | None = None
+    pool: DecodePool | None = None
+    not_ready: bool = False  # SIGTERM received: readiness fails, requests still served (drain grace)
+    refusing: bool = False  # drain proper: new requests get 503 draining
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")
+
+    def request_started(self) -> None:
+        self.in_flight += 1
+        self.idle.clear()
+
+    def request_finished(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+    def upstream_timeout(self) -> aiohttp.ClientTimeout:
+        s = self.settings
+        return aiohttp.ClientTimeout(total=None, sock_connect=s.upstream_connect_timeout,
+                                     sock_read=s.upstream_read_timeout)
+
+
+STATE = web.AppKey("mmgate_state", AppState)
