@@ -20,7 +20,8 @@ from openai import AsyncOpenAI, OpenAI
 
 import e2e_harness as h
 
-pytestmark = pytest.mark.e2e
+# The first test also pays for the session fixture: installing (if needed) and starting vLLM (~70-120 s).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 MODEL = h.SERVED_MODEL
 PROMPT = "Describe this image."
 TILE_TOKENS = 169  # one 364 px tile after pixel shuffle (build_tiny_idefics3.py)
