@@ -109,7 +109,8 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
+            path = getattr(proc, "log_path", None)
+            err = Path(path).read_text(errors="replace")[-2000:] if path else ""
             raise RuntimeError(f"process exited with {proc.returncode} before {url} answered: {err}")
         try:
             with urllib.request.urlopen(url, timeout=1) as r:
@@ -122,8 +123,11 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -
 
 def start_stub(*args: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="stub-bench-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "proxy.stub_backend", "--host", "127.0.0.1", "--port", str(port),
-                             *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+    proc.log_path = log.name  # type: ignore[attr-defined]
+    log.close()
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/health", proc)
     return proc, url
@@ -140,22 +144,34 @@ def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
         full_env["MMGATE_BENCH_WORKER_NICENESS"] = str(worker_niceness)
     cmd += ["--upstream", upstream, "--port", str(port), "--host", "127.0.0.1", "--access-log", "off",
             "--drain-grace", "0", "--drain-timeout", "2", *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tempfile.NamedTemporaryFile(prefix="mmgate-bench-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=log)
+    proc.log_path = log.name  # type: ignore[attr-defined]  # read it (never a pipe nobody drains)
+    log.close()
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/mmgate/health", proc)
     return proc, url
 
 
-def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
-    """SIGTERM the one process we started, then SIGKILL it if it does not leave in time."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
+def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0, keep_log: bool = False) -> str:
+    """SIGTERM the one process we started, then SIGKILL it if it does not leave in time. Returns the tail of
+    its stderr log (and deletes the log unless ``keep_log``)."""
+    if proc is None:
+        return ""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    path = getattr(proc, "log_path", None)
+    if not path:
+        return ""
+    tail = Path(path).read_text(errors="replace")[-4000:]
+    if not keep_log:
+        Path(path).unlink(missing_ok=True)
+    return tail
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -181,6 +197,57 @@ def thread_niceness(pid: int) -> dict[str, list[int]]:
         nice = int(stat[stat.rindex(")") + 2:].split()[16])  # field 19 of stat
         out.setdefault(comm, []).append(nice)
     return out
+
+
+def machine_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU jiffies of the whole machine since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
+def proc_jiffies(pid: int) -> int:
+    """utime + stime of one process (all its threads), jiffies; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+class CpuWatch:
+    """Machine-wide CPU use over a window, split into ours (``pids``) and everybody else's."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.busy0, self.total0 = machine_jiffies()
+        self.ours0 = sum(proc_jiffies(p) for p in pids)
+        self.t0 = time.monotonic()
+
+    def stop(self) -> dict[str, float]:
+        busy, total = machine_jiffies()
+        ours = sum(proc_jiffies(p) for p in self.pids)
+        hz = os.sysconf("SC_CLK_TCK")
+        wall = time.monotonic() - self.t0
+        machine = (busy - self.busy0) / hz / wall * 100
+        mine = (ours - self.ours0) / hz / wall * 100
+        return {"machine_cpu_pct": round(machine, 1), "bench_cpu_pct": round(mine, 1),
+                "other_jobs_cpu_pct": round(max(0.0, machine - mine), 1)}
+
+
+def wait_quiet(max_wait: float, busy_below: float = 0.15, sample: float = 1.0) -> dict[str, float]:
+    """Wait (at most ``max_wait`` s) until the machine is nearly idle over a ``sample``-second window: the
+    machine is shared, and a scenario started during somebody else's burst measures them, not us."""
+    waited = 0.0
+    while True:
+        b0, t0 = machine_jiffies()
+        time.sleep(sample)
+        b1, t1 = machine_jiffies()
+        busy = (b1 - b0) / max(1, t1 - t0)
+        waited += sample
+        if busy < busy_below or waited >= max_wait:
+            return {"busy_before_pct": round(busy * 100, 1), "waited_s": round(waited, 1)}
 
 
 def loadavg() -> list[float]:
@@ -385,10 +452,11 @@ def probe(host: str, port: int, path: str, seconds: float, interval: float) -> d
 
     start = time.perf_counter()
     k = 0
+    skipped = 0
     while True:
         scheduled = start + k * interval
         now = time.perf_counter()
-        if scheduled - start >= seconds:
+        if now - start >= seconds:
             break
         if scheduled > now:
             time.sleep(scheduled - now)
@@ -399,10 +467,13 @@ def probe(host: str, port: int, path: str, seconds: float, interval: float) -> d
         latencies.append(t1 - t0)
         lateness.append(max(0.0, t0 - scheduled))
         statuses[status] = statuses.get(status, 0) + 1
-        k += 1
-        # a probe that took longer than the interval: the next ones are sent at once (counted as late)
+        # Fixed schedule: slots that passed while this probe was waiting are skipped (counted), and the
+        # next probe goes out at once; its lateness is recorded. The window ends on wall time.
+        next_k = max(k + 1, math.ceil((t1 - start) / interval))
+        skipped += next_k - k - 1
+        k = next_k
     sock.close()
-    return {"latencies": latencies, "lateness": lateness, "statuses": statuses,
+    return {"latencies": latencies, "lateness": lateness, "statuses": statuses, "skipped_slots": skipped,
             "elapsed": time.perf_counter() - start, "interval": interval}
 
 
@@ -450,7 +521,7 @@ def serve_control(port: int) -> None:
 def start_control() -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "control-server", "--port", str(port)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/health", proc)
     return proc, url

@@ -34,7 +34,10 @@ import asyncio
 import datetime
 import json
 import math
+import os
 import platform
+import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -78,8 +81,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, control_url: str) -> dict:
+async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, control: "subprocess.Popen[bytes]",
+                       control_url: str) -> dict:
     stub = gate = None
+    quiet = await asyncio.to_thread(L.wait_quiet, args.quiet_wait)
+    log_tail = ""
     try:
         stub, stub_url = L.start_stub()
         gate, url = L.start_mmgate(stub_url, *sc.flags, env=dict(sc.env), worker_niceness=sc.worker_niceness)
@@ -95,19 +101,21 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
         before = L.histogram(await L.scrape(url), "mmgate_event_loop_lag_seconds")
         load_before = L.loadavg()
         cpu0, t0 = cpu_seconds(gate.pid), time.perf_counter()
+        watch = L.CpuWatch([gate.pid, stub.pid, control.pid, os.getpid()])
         prober, out = L.start_prober(url, args.seconds, args.interval)
         ctl_prober, ctl_out = L.start_prober(control_url, args.seconds, args.interval, "/health")
         probe = await asyncio.to_thread(L.prober_result, prober, out)
         control = await asyncio.to_thread(L.prober_result, ctl_prober, ctl_out)
         t1 = time.perf_counter()
         cpu1 = cpu_seconds(gate.pid)
+        machine = watch.stop()
         after_prom = await L.scrape(url)
         lag = L.histogram_diff(L.histogram(after_prom, "mmgate_event_loop_lag_seconds"), before)
         stop_load.set()
         run = await load_task if load_task else None
         status = L.proc_status(gate.pid)
     finally:
-        L.stop(gate)
+        log_tail = L.stop(gate)
         L.stop(stub)
 
     in_window = [r for r in run.ok() if t0 <= r.ended <= t1] if run else []
@@ -117,6 +125,7 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
         "name": sc.name, "label": sc.label, "loaded": sc.loaded, "flags": list(sc.flags), "env": dict(sc.env),
         "worker_niceness_requested": sc.worker_niceness, "thread_niceness": nice,
         "health": lat, "health_statuses": probe["statuses"], "control": L.summarize_ms(control["latencies"]), "probes_sent_late": len(late),
+        "skipped_slots": probe["skipped_slots"],
         "probe_elapsed_s": round(probe["elapsed"], 2),
         "lateness_ms": L.summarize_ms(probe["lateness"]),
         "loop_lag": {"samples": int(lag["count"]),
@@ -131,6 +140,10 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
         "mmgate_cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
         "mmgate_vmhwm_mib": round(status.get("VmHWM", 0) / 2**20, 1),
         "loadavg_during": [load_before, L.loadavg()],
+        "quiet_wait": quiet, "cpu_during_window": machine,
+        "mmgate_log_problems": [line for line in log_tail.splitlines()
+                                if any(w in line for w in ("ERROR", "WARNING", "Traceback", "Error"))][-20:],
+        "_latencies": probe["latencies"], "_control": control["latencies"],
     }
 
 
@@ -140,28 +153,56 @@ def fmt(x: float, nd: int = 2) -> str:
     return f"{x:.{nd}f}"
 
 
+def aggregate(runs: list[dict]) -> dict:
+    """One scenario over its rounds: probes pooled (p50/p99/max over all of them), per-round p99 kept."""
+    first = runs[0]
+    lag_p99 = [r["loop_lag"]["p99_le_ms"] for r in runs]
+    lag_max = [r["loop_lag"]["max_le_ms"] for r in runs]
+    return {
+        "name": first["name"], "label": first["label"], "loaded": first["loaded"], "flags": first["flags"],
+        "env": first["env"], "worker_niceness_requested": first["worker_niceness_requested"],
+        "thread_niceness": first["thread_niceness"],
+        "health": L.summarize_ms([x for r in runs for x in r["_latencies"]]),
+        "health_p99_per_round": [r["health"]["p99"] for r in runs],
+        "control": L.summarize_ms([x for r in runs for x in r["_control"]]),
+        "control_p99_per_round": [r["control"]["p99"] for r in runs],
+        "loop_lag_p99_le_ms_per_round": lag_p99, "loop_lag_max_le_ms": max(lag_max),
+        "media_req_per_s": round(statistics.fmean(r["media_req_per_s"] for r in runs), 2),
+        "mmgate_cpu_pct": round(statistics.fmean(r["mmgate_cpu_pct"] for r in runs), 1),
+        "other_jobs_cpu_pct_per_round": [r["cpu_during_window"]["other_jobs_cpu_pct"] for r in runs],
+        "rounds": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
+    }
+
+
 def table(rows: list[dict]) -> str:
-    head = ("| scenario | health p50 ms | p99 ms | max ms | probes | control p50 / p99 / max ms | loop lag p50 / p99 / max (bucket <=, ms) "
-            "| media req/s | mmgate CPU % | thread niceness in mmgate |\n|---|---|---|---|---|---|---|---|---|---|")
-    lines = [head]
+    lines = [
+        "| scenario | health p50 ms | p99 ms | max ms | p99 per round | control p99 ms (per round) "
+        "| loop lag p99 per round / max (bucket <=, ms) | media req/s | mmgate CPU % | other jobs CPU % per round "
+        "| mmgate thread niceness |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        h, g, c = r["health"], r["loop_lag"], r["control"]
+        h, c = r["health"], r["control"]
         values = sorted({n for v in r["thread_niceness"].values() for n in v})
-        nice_s = ",".join(map(str, values))
         lines.append(
-            f"| {r['label']} | {fmt(h['p50'])} | {fmt(h['p99'])} | {fmt(h['max'])} | {h['n']} "
-            f"| {fmt(c['p50'])} / {fmt(c['p99'])} / {fmt(c['max'])} "
-            f"| {fmt(g['p50_le_ms'], 1)} / {fmt(g['p99_le_ms'], 1)} / {fmt(g['max_le_ms'], 1)} "
-            f"| {fmt(r['media_req_per_s'])} | {fmt(r['mmgate_cpu_pct'], 0)} | {nice_s} |")
+            f"| {r['label']} | {fmt(h['p50'])} | **{fmt(h['p99'])}** | {fmt(h['max'])} "
+            f"| {' / '.join(fmt(x, 1) for x in r['health_p99_per_round'])} "
+            f"| {fmt(c['p99'])} ({' / '.join(fmt(x, 1) for x in r['control_p99_per_round'])}) "
+            f"| {' / '.join(fmt(x, 1) for x in r['loop_lag_p99_le_ms_per_round'])} / {fmt(r['loop_lag_max_le_ms'], 1)} "
+            f"| {fmt(r['media_req_per_s'])} | {fmt(r['mmgate_cpu_pct'], 0)} "
+            f"| {' / '.join(fmt(x, 0) for x in r['other_jobs_cpu_pct_per_round'])} | {','.join(map(str, values))} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=10.0, help="probe window per scenario")
+    ap.add_argument("--seconds", type=float, default=10.0, help="probe window per scenario and round")
     ap.add_argument("--interval", type=float, default=0.01, help="seconds between probes")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--ramp", type=float, default=2.0, help="seconds of load before the probe window")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all scenarios")
+    ap.add_argument("--quiet-wait", type=float, default=5.0,
+                    help="before each scenario, wait up to this many s for the shared machine to be <15%% busy")
     ap.add_argument("--only", default="", help="comma-separated scenario names")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -172,22 +213,26 @@ def main() -> None:
     image = L.photo_jpeg()
     body = L.chat_body(image)
     chosen = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
-    rows = []
+    runs: dict[str, list[dict]] = {sc.name: [] for sc in chosen}
     control, control_url = L.start_control()
     try:
-        for sc in chosen:
-            row = asyncio.run(run_scenario(sc, body, args, control_url))
-            rows.append(row)
-            h, c = row["health"], row["control"]
-            print(f"{sc.name:18s} p50 {h['p50']:7.2f} p99 {h['p99']:7.2f} max {h['max']:8.2f} ms  "
-                  f"(control p50 {c['p50']:.2f} p99 {c['p99']:.2f} max {c['max']:.2f})  "
-                  f"lag p99<= {row['loop_lag']['p99_le_ms']} ms  {row['media_req_per_s']} req/s  "
-                  f"mmgate CPU {row['mmgate_cpu_pct']}%  load {row['load_statuses']}  nice {row['thread_niceness']}",
-                  flush=True)
+        for rnd in range(args.rounds):
+            for sc in chosen:
+                row = asyncio.run(run_scenario(sc, body, args, control, control_url))
+                runs[sc.name].append(row)
+                h, c, m = row["health"], row["control"], row["cpu_during_window"]
+                print(f"r{rnd} {sc.name:18s} p50 {h['p50']:7.2f} p99 {h['p99']:7.2f} max {h['max']:8.2f} ms "
+                      f"n {h['n']} (control p99 {c['p99']:.2f} max {c['max']:.2f})  "
+                      f"lag p99<= {row['loop_lag']['p99_le_ms']} ms  {row['media_req_per_s']} req/s  "
+                      f"mmgate CPU {row['mmgate_cpu_pct']}%  others CPU {m['other_jobs_cpu_pct']}%  "
+                      f"quiet {row['quiet_wait']}  load {row['load_statuses']}  nice {row['thread_niceness']}"
+                      + (f"  LOG {row['mmgate_log_problems']}" if row["mmgate_log_problems"] else ""),
+                      flush=True)
     finally:
         L.stop(control)
     up_end = L.uptime()
     print(f"end: {up_end}", flush=True)
+    rows = [aggregate(runs[sc.name]) for sc in chosen]
 
     import PIL
     import aiohttp
@@ -197,13 +242,16 @@ def main() -> None:
     verdict = ""
     if pool:
         p99 = pool["health"]["p99"]
-        verdict = (f"**Loaded, pool: /mmgate/health p99 {p99:.2f} ms** (goal <= {GOAL_P99_MS:g} ms: "
-                   f"{'met' if p99 <= GOAL_P99_MS else 'NOT met'}; vLLM #34789 anchor: {VLLM_ANCHOR_P99_MS} ms).")
+        verdict = (f"**Loaded, pool: /mmgate/health p99 {p99:.2f} ms** over {pool['health']['n']} probes "
+                   f"(goal <= {GOAL_P99_MS:g} ms: {'met' if p99 <= GOAL_P99_MS else 'NOT met'}; the control server "
+                   f"probed at the same time: p99 {pool['control']['p99']:.2f} ms; vLLM #34789 anchor: "
+                   f"{VLLM_ANCHOR_P99_MS} ms).")
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(), "aiohttp": aiohttp.__version__, "pillow": PIL.__version__,
         "usable_cpus": usable_cpus(), "uptime_start": up_start, "uptime_end": up_end,
         "seconds": args.seconds, "interval": args.interval, "clients": args.clients, "ramp": args.ramp,
+        "rounds": args.rounds, "quiet_wait": args.quiet_wait,
         "image": {"format": "JPEG", "size": list(L.PHOTO_SIZE), "quality": L.PHOTO_QUALITY, "bytes": len(image),
                   "body_bytes": len(body)},
         "stub": "python -m proxy.stub_backend (defaults: 1 decode thread, no cpu-ms-per-mp, no hold, 16 tokens, "
@@ -216,26 +264,32 @@ def main() -> None:
         "# Event-loop latency under multimodal load (/mmgate/health)",
         "",
         f"`python bench/loop_latency.py` -- {meta['date']}, Python {meta['python']}, aiohttp {meta['aiohttp']}, "
-        f"Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['wall_s']} s in all.",
+        f"Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {args.rounds} interleaved rounds, "
+        f"{meta['wall_s']} s in all.",
         f"Start: `{up_start}`  ",
         f"End: `{up_end}`",
         "",
         verdict,
         "",
-        f"Prober: own process, GET /mmgate/health every {args.interval * 1000:g} ms over one keep-alive "
-        f"connection for {args.seconds:g} s; latency = send → last byte. Load: {args.clients} clients "
-        f"back to back, each POSTing a {L.PHOTO_SIZE[0]}x{L.PHOTO_SIZE[1]} photo-like JPEG (q{L.PHOTO_QUALITY}, "
-        f"{len(image) / 1e6:.2f} MB, body {len(body) / 1e6:.2f} MB) to /v1/chat/completions, non-streaming, "
-        "through mmgate (gate defaults: 4 admitted, queue 64) to the stub backend (1 decode thread, no "
-        "simulated encoder CPU). Loop lag: mmgate's own mmgate_event_loop_lag_seconds histogram (250 ms "
-        "timer), diffed over the probe window; values are bucket upper edges. Fresh processes per scenario. "
-        "Clients, prober, mmgate and the stub all share the same 2 cores.",
+        f"Prober: own process, GET /mmgate/health every {args.interval * 1000:g} ms (fixed schedule; slots that "
+        f"pass while a probe waits are skipped) over one keep-alive connection for {args.seconds:g} s per round; "
+        "latency = send → last byte; p50/p99/max pool the probes of all rounds. Control: a minimal aiohttp "
+        "server (own process, does nothing else) probed the same way at the same time: what the machine's CPU "
+        f"scheduling alone costs an idle loop. Load: {args.clients} clients back to back, each POSTing a "
+        f"{L.PHOTO_SIZE[0]}x{L.PHOTO_SIZE[1]} photo-like JPEG (q{L.PHOTO_QUALITY}, {len(image) / 1e6:.2f} MB, "
+        f"body {len(body) / 1e6:.2f} MB) to /v1/chat/completions, non-streaming, through mmgate (gate defaults: "
+        "4 admitted, queue 64; validate full) to the stub backend (1 decode thread, no simulated encoder CPU). "
+        "Loop lag: mmgate's own mmgate_event_loop_lag_seconds histogram (250 ms timer), diffed over the probe "
+        "window; bucket upper edges. Fresh mmgate and stub per scenario and round. Clients, probers, mmgate and "
+        "the stub share the same 2 cores; 'other jobs CPU' is the machine's busy time during the window minus "
+        "that of this benchmark's processes (percent of one core; 200 = both cores), i.e. the noise.",
         "",
         table(rows),
         "",
         "Worker niceness: `nice 0` scenarios start mmgate through bench/_load.py's launcher, which sets "
-        "`preprocessors.pool.WORKER_NICENESS = 0` before `proxy.cli.main()`; the column shows the niceness "
-        "read back from /proc/PID/task/*/stat for the mmgate-decode threads.",
+        "`preprocessors.pool.WORKER_NICENESS = 0` before `proxy.cli.main()` (nothing in proxy/ is edited); the "
+        "last column is the set of niceness values read back from /proc/PID/task/*/stat of the mmgate process "
+        "(the loop and aiohttp threads are 0; decode workers 10 when lowered).",
         "",
     ])
     print()

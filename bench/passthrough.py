@@ -4,9 +4,11 @@
 What a text-only request pays for going through mmgate (DESIGN.md step 3: no media marker -> bytes forwarded
 untouched). Everything runs on loopback, in separate processes:
 
-  upstream  nginx (1 worker) answering every request with a fixed chat-completion JSON (`return 200 '...'`;
-            the request body is read and discarded). Chosen because it is the cheapest upstream there is
-            (~20-30 us CPU per request), so the proxy, not the upstream, is what the numbers show.
+  upstream  a raw asyncio Protocol (in this file) that reads the whole request body, then answers a fixed
+            chat-completion JSON (~25 us CPU per 1 KB request), or streams SSE events when the request carries
+            X-Bench-Stream. nginx `return 200 '...'` is cheaper (~15 us) but answers before it has read the
+            body, and wrk then stalls on 4 MB bodies (one request per connection): a real inference server
+            reads the whole body first, and so does this one.
   direct    wrk -> upstream
   nginx     wrk -> nginx (1 worker, plain reverse proxy: proxy_http_version 1.1, upstream keepalive 128, the
             request body buffered in memory like mmgate does: client_body_buffer_size 16m) -> upstream
@@ -19,16 +21,19 @@ measurement (nginx 7.4k req/s at 52 us CPU/request, minimal aiohttp 3.0k req/s a
 Cells: POST /v1/chat/completions with a 1 KB and a 4 MiB text-only chat body (no media marker: mmgate's fast
 path), 1 and 32 connections. wrk (`--latency`, 1 thread) gives req/s and the p50/p99 latency; the proxy's CPU
 per request is utime+stime from /proc/<pid>/stat before/after (nginx: master + workers), and the upstream's
-likewise. Targets take turns inside each cell after a 1 s warm-up run each.
+likewise. Targets take turns inside each cell after a 1 s warm-up run each, --rounds rounds, each run
+started once the machine is near idle (a bounded wait: other jobs share it); each target's best round is
+reported, all of them are in the JSON.
 
-SSE: an asyncio upstream (raw Protocol, one event every --sse-delay s on an absolute schedule, --sse-tokens
-events per response, OpenAI chunk format) and an asyncio/aiohttp client process holding 64 concurrent
+SSE: the same upstream (one event every --sse-delay s on an absolute schedule, --sse-tokens events per
+response, OpenAI chunk format) and an asyncio/aiohttp client process holding 64 concurrent
 streams (staggered, each starting a new request when one ends). tokens/s and the inter-token gap p99 seen by
 the client, direct vs mmgate (and the minimal proxy and nginx for reference), plus proxy CPU per token.
 
-Usage: python bench/passthrough.py [--duration 8] [--quick] [--no-profile]
-Writes bench/results/passthrough.md and .json; with profiling (default) also runs py-spy on mmgate under the
-1 KB / 32-connection load: bench/results/passthrough_profile.svg and a self-time summary in the .md.
+Usage: python bench/passthrough.py [--duration 9] [--rounds 3] [--quick] [--no-profile]   (~5 min)
+Writes bench/results/passthrough.md and .json; with profiling (default) also runs py-spy on mmgate under
+1 KB and 4 MB loads at 32 connections: bench/results/passthrough_profile.svg (1 KB) and self-time summaries
+in the .md.
 Needs wrk and nginx (installed with apt-get when missing) and py-spy (pip) for the profile.
 """
 
@@ -486,6 +491,31 @@ def busy_ticks() -> int:
     return user + nice + system + irq + softirq + steal
 
 
+class Quiet:
+    """Before each measured run, wait (a bounded time) until the machine is near idle: other jobs share it."""
+
+    def __init__(self, budget: float, threshold: float = 0.3) -> None:
+        self.budget, self.threshold = budget, threshold
+        self.waited = 0.0
+        self.gave_up = 0
+
+    def wait(self, per_call: float = 5.0) -> float:
+        """Returns the load (cores busy) seen last."""
+        limit = min(per_call, max(0.0, self.budget - self.waited))
+        started = time.monotonic()
+        while True:
+            b0 = busy_ticks()
+            time.sleep(0.3)
+            load = (busy_ticks() - b0) / CLK_TCK / 0.3
+            if load < self.threshold:
+                break
+            if time.monotonic() - started >= limit:
+                self.gave_up += 1
+                break
+        self.waited += time.monotonic() - started
+        return load
+
+
 def children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -549,27 +579,25 @@ def check_answer(url: str, body: bytes) -> None:
 # profile
 
 
-def profile_mmgate(url: str, script: Path, pid: int, seconds: float) -> dict[str, Any]:
-    """py-spy (non-blocking, Python frames) on mmgate under 1 KB / 32 connections: a flame graph and raw stacks."""
+def profile_mmgate(url: str, script: Path, pid: int, seconds: int, svg: Path | None) -> dict[str, Any]:
+    """py-spy (Python frames, blocking mode: non-blocking sampling of a busy process truncates about half of the
+    stacks) on mmgate under wrk -c32: raw stacks summarised, then a flame graph when ``svg`` is given (py-spy
+    writes one format per run, and two blocking samplers cannot share a process)."""
     pyspy = pyspy_path()
     assert pyspy is not None
-    svg = RESULTS / "passthrough_profile.svg"
     raw = Path(tempfile.mkstemp(suffix=".txt")[1])
     rate = 200
-    common = ["--pid", str(pid), "--duration", str(int(seconds)), "--nonblocking", "--rate", str(rate)]
-    load = subprocess.Popen(["taskset", "-c", LOAD_CPU, "wrk", "-t1", "-c32", f"-d{round(seconds) + 3}s", "-s", str(script), url],
-                            stdout=subprocess.DEVNULL)
+    outputs = [["--format", "raw", "-o", str(raw)]] + ([["-o", str(svg)]] if svg is not None else [])
+    load = subprocess.Popen(["taskset", "-c", LOAD_CPU, "wrk", "-t1", "-c32", f"-d{len(outputs) * (seconds + 2) + 2}s",
+                             "--timeout", "20s", "-s", str(script), url], stdout=subprocess.DEVNULL)
     try:
         time.sleep(1)
-        spies = [subprocess.Popen(["taskset", "-c", LOAD_CPU, pyspy, "record", *common, "-o", str(svg)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-                 subprocess.Popen(["taskset", "-c", LOAD_CPU, pyspy, "record", *common, "--format", "raw", "-o", str(raw)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-        for spy in spies:
-            spy.wait(seconds + 30)
+        for out in outputs:
+            subprocess.run(["taskset", "-c", LOAD_CPU, pyspy, "record", "--pid", str(pid), "--duration", str(seconds),
+                            "--rate", str(rate), *out], capture_output=True, timeout=seconds + 60)
     finally:
-        load.wait(seconds + 30)
-    summary = summarise_stacks(raw.read_text(), expected=rate * int(seconds))
+        load.wait(len(outputs) * (seconds + 2) + 60)
+    summary = summarise_stacks(raw.read_text(), expected=rate * seconds)
     raw.unlink()
     return summary
 
@@ -648,6 +676,8 @@ def main() -> None:
     parser.add_argument("--sse-rounds", type=int, default=2, help="rounds the SSE duration is split into [2]")
     parser.add_argument("--quick", action="store_true", help="short cells, no profile (a smoke run)")
     parser.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
+    parser.add_argument("--quiet-budget", type=float, default=60.0,
+                        help="seconds in all the bench may wait for other jobs to quiet down before runs [60]")
     parser.add_argument("--sse-streams", type=int, default=64)
     parser.add_argument("--sse-tokens", type=int, default=100, help="events per streamed response [100]")
     parser.add_argument("--sse-delay", type=float, default=0.01, help="seconds between events [0.01]")
@@ -696,6 +726,8 @@ def bench(args: argparse.Namespace) -> None:
     sse: list[dict[str, Any]] = []
     profile: dict[str, Any] | None = None
     round_s = max(1, round(args.duration / args.rounds))
+    round_s_big = max(round_s, 5)
+    quiet = Quiet(budget=args.quiet_budget)
     try:
         bodies = {"1 KB": chat_body(1024), "4 MB": chat_body(4 << 20)}
         scripts = {}
@@ -736,9 +768,12 @@ def bench(args: argparse.Namespace) -> None:
                 rounds: dict[str, list[dict[str, Any]]] = {target: [] for target in TARGETS}
                 for target in TARGETS:
                     run_wrk(urls[target], scripts[body_name], conns, 1)  # warm-up: connections, pools, caches
-                for _ in range(args.rounds):
+                # 32 concurrent 4 MB requests take ~2 s to complete through a Python proxy: longer, fewer runs
+                n_rounds, seconds = (args.rounds, round_s) if body_name == "1 KB" else (max(1, args.rounds - 1), round_s_big)
+                for _ in range(n_rounds):
                     for target in TARGETS:
-                        rounds[target].append(measure_http(urls[target], scripts[body_name], conns, round_s,
+                        quiet.wait()
+                        rounds[target].append(measure_http(urls[target], scripts[body_name], conns, seconds,
                                                            pids[target], upstream_pids))
                 for target in TARGETS:
                     result = best(rounds[target], "rps", highest=True)
@@ -755,6 +790,7 @@ def bench(args: argparse.Namespace) -> None:
         sse_round_s = max(2.0, args.duration / args.sse_rounds)
         for _ in range(args.sse_rounds):
             for target in sse_targets:
+                quiet.wait()
                 sse_rounds[target].append(measure_sse(procs, urls[target], args.sse_streams, max(1.5, period * 1.2),
                                                       sse_round_s, period, pids[target], upstream_pids))
         for target in sse_targets:
@@ -773,7 +809,10 @@ def bench(args: argparse.Namespace) -> None:
 
         if not args.no_profile:
             print("  profiling mmgate (py-spy, 1 KB, 32 connections) ...", flush=True)
-            profile = profile_mmgate(urls["mmgate"], scripts["1 KB"], mmgate.pid, 8)
+            profile = {"1 KB": profile_mmgate(urls["mmgate"], scripts["1 KB"], mmgate.pid, 8,
+                                             RESULTS / "passthrough_profile.svg")}
+            print("  profiling mmgate (py-spy, 4 MB, 32 connections) ...", flush=True)
+            profile["4 MB"] = profile_mmgate(urls["mmgate"], scripts["4 MB"], mmgate.pid, 8, None)
     finally:
         procs.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -781,7 +820,10 @@ def bench(args: argparse.Namespace) -> None:
     env["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
     env["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     env["seconds"] = round(time.monotonic() - began, 1)
-    settings = {"duration_s": args.duration, "rounds": args.rounds, "round_s": round_s, "sse_rounds": args.sse_rounds,
+    env["quiet_wait_s"] = round(quiet.waited, 1)
+    env["quiet_gave_up"] = quiet.gave_up
+    settings = {"duration_s": args.duration, "rounds": args.rounds, "round_s": round_s,
+                "rounds_4mb": max(1, args.rounds - 1), "round_s_4mb": round_s_big, "sse_rounds": args.sse_rounds,
                 "sse_round_s": sse_round_s, "sse_streams": args.sse_streams, "sse_tokens": args.sse_tokens,
                 "sse_delay_s": args.sse_delay, "proxy_cpu": PROXY_CPU, "load_cpu": LOAD_CPU}
     markdown = render(env, settings, cells, sse, profile)
@@ -814,20 +856,29 @@ def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, 
     lines = [
         "# passthrough: text-only requests and SSE streams, direct vs nginx vs minimal aiohttp vs mmgate",
         "",
-        f"`python bench/passthrough.py` ({settings['duration_s']:g} s per cell, {env['seconds']} s in all) -- "
-        f"Python {env['python']}, aiohttp {env['aiohttp']}, nginx {env['nginx']}, wrk {env['wrk']}, "
-        f"{env['cpus']} CPUs ({env['cpu']}), kernel {env['kernel']}.",
+        f"`python bench/passthrough.py` ({settings['rounds']} rounds x {settings['round_s']} s per cell and target, "
+        f"4 MB: {settings['rounds_4mb']} x {settings['round_s_4mb']} s, "
+        f"SSE {settings['sse_rounds']} x {settings['sse_round_s']:g} s; {env['seconds']} s in all) -- Python "
+        f"{env['python']}, aiohttp {env['aiohttp']}, nginx {env['nginx']}, wrk {env['wrk']}, {env['cpus']} CPUs "
+        f"({env['cpu']}), kernel {env['kernel']}.",
         "",
         f"Machine: 2 cores, shared with other jobs. Proxy and upstream pinned to CPU {settings['proxy_cpu']}, load "
         f"generator (wrk -t1, or the SSE client) to CPU {settings['load_cpu']}. Load average at start "
-        f"{env['load_avg_before']}, at end {env['load_avg_after']}.",
-        f"`uptime` at start: `{env['uptime_before']}`; at end: `{env['uptime_after']}`.",
+        f"{env['load_avg_before']}, at end {env['load_avg_after']} (`uptime` at start: `{env['uptime_before']}`; at "
+        f"end: `{env['uptime_after']}`). Before each run the bench waited for the machine to be near idle "
+        f"({env['quiet_wait_s']} s waited in all, {env['quiet_gave_up']} run(s) started anyway after 5 s); "
+        "targets take turns round after round and each target's best round is shown (HTTP: highest req/s; SSE: "
+        "lowest inter-token p99); every round is in the JSON. `other load` = CPU (cores) the rest of the machine "
+        "used during the shown run (other jobs, plus kernel network work not charged to a process): read a row "
+        "with a high value with care.",
         "",
-        "Upstream: nginx (1 worker) `return 200` with a fixed 330-byte chat-completion JSON (discards the request "
-        "body): the cheapest upstream available, so the proxy is what is measured (its CPU per request is the "
-        "`upstream us/req` column). nginx proxy: 1 worker, upstream keepalive, body buffered in memory. "
-        "minimal: a ~30-line aiohttp proxy (the anchor). mmgate: `python -m proxy --access-log off`. "
-        "Proxy CPU = utime+stime of the proxy process(es) over the measured run / requests.",
+        "Upstream: a raw asyncio Protocol (in this file) that reads the whole body, then answers a fixed 330-byte "
+        "chat-completion JSON (~25 us CPU per 1 KB request, `upstream us/req`). nginx `return 200` was tried first "
+        "and is cheaper (~15 us) but answers before it has read the body: wrk then stalls on 4 MB bodies "
+        "(0.7 req/s direct). nginx proxy: 1 worker, `proxy_http_version 1.1`, upstream keepalive, the body "
+        "buffered in memory (`client_body_buffer_size 16m`, as mmgate does). minimal: a ~30-line aiohttp proxy "
+        "(the anchor's baseline). mmgate: `python -m proxy --access-log off`, defaults otherwise. Proxy CPU = "
+        "utime+stime of the proxy process(es) (nginx: master + worker) over the run / requests.",
         "",
     ]
     by = {(c["body"], c["conns"], c["target"]): c for c in cells}
@@ -837,65 +888,71 @@ def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, 
         lines.append(f"**Goal 1 (1 KB, 32 conns): mmgate {c['rps']:.0f} req/s = {c['rps_x_nginx']:.2f}x nginx "
                      f"(goal >= 0.6x): {'met' if ok else 'NOT met'}.** mmgate CPU {fmt(c['proxy_cpu_us_per_req'])} "
                      f"us/request vs nginx {fmt(by[('1 KB', 32, 'nginx')]['proxy_cpu_us_per_req'])} and minimal "
-                     f"aiohttp {fmt(by[('1 KB', 32, 'minimal')]['proxy_cpu_us_per_req'])}.")
+                     f"aiohttp {fmt(by[('1 KB', 32, 'minimal')]['proxy_cpu_us_per_req'])}; minimal reaches "
+                     f"{by[('1 KB', 32, 'minimal')]['rps_x_nginx']:.2f}x nginx.")
+        lines.append("")
     if sse:
         m = next(r for r in sse if r["target"] == "mmgate")
         ok = m["x_direct"] >= 0.95
         lines.append(f"**Goal 2 (SSE, {settings['sse_streams']} streams): mmgate {m['tokens_per_s']:.0f} tokens/s = "
                      f"{m['x_direct']:.3f}x direct (goal >= 0.95x): {'met' if ok else 'NOT met'}**; inter-token p99 "
-                     f"{m['gap_p99_ms']:.2f} ms vs direct {sse[0]['gap_p99_ms']:.2f} ms.")
+                     f"{m['gap_p99_ms']:.2f} ms vs direct {sse[0]['gap_p99_ms']:.2f} ms; mean over rounds "
+                     f"{m['mean_x_direct']:.3f}x direct.")
     lines += [
         "",
         "| body | conns | target | req/s | x direct | x nginx | p50 ms | p99 ms | proxy CPU us/req | CPU x nginx | "
-        "proxy CPU share | upstream us/req | errors |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "proxy CPU share | upstream us/req | other load | errors |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
         lines.append(
             f"| {c['body']} | {c['conns']} | {c['target']} | {c['rps']:.0f} | {c['rps_x_direct']:.2f} | "
             f"{c['rps_x_nginx']:.2f} | {c['p50_ms']:.2f} | {c['p99_ms']:.2f} | {fmt(c['proxy_cpu_us_per_req'])} | "
             f"{fmt(c['cpu_x_nginx'], 2)} | {fmt(c['proxy_cpu_share'], 2)} | {c['upstream_cpu_us_per_req']:.0f} | "
-            f"{c['errors']} |")
-    four = [c for c in cells if c["body"] == "4 MB" and c["conns"] == 32 and c["proxy_cpu_us_per_req"]]
+            f"{c['other_load']:.2f} | {c['errors']} |")
+    four = [c for c in cells if c["body"] == "4 MB" and c["proxy_cpu_us_per_req"]]
     if four:
-        lines += ["", "Per MB (4 MB, 32 conns): " + ", ".join(
-            f"{c['target']} {c['proxy_cpu_us_per_req'] / 4 / 1000:.2f} ms CPU/MB" for c in four) + "."]
+        lines += ["", "Proxy CPU per MB (4 MB bodies, 1 / 32 conns): " + ", ".join(
+            f"{c['target']} c={c['conns']} {c['proxy_cpu_us_per_req'] / 4 / 1000:.2f} ms" for c in four) + "."]
     if sse:
         lines += [
             "",
             f"## SSE: {settings['sse_streams']} concurrent streams, {settings['sse_tokens']} events per response, one "
             f"every {settings['sse_delay_s'] * 1000:g} ms",
             "",
-            "Upstream: a raw asyncio Protocol (absolute schedule, OpenAI chunk events ~190 B, chunked); client: "
-            "aiohttp in its own process on the other CPU, streams staggered and restarted as they end. Gap = time "
-            "between consecutive events of one stream as the client sees them (events that arrive together count "
-            "0 after the first).",
+            "Upstream: the same process, streaming when the request carries `X-Bench-Stream` (absolute schedule, "
+            "OpenAI chunk events ~190 B, chunked). Client: aiohttp in its own process on the other CPU, 64 streams "
+            "staggered over one response's length, each starting a new request when one ends. Gap = time between "
+            "consecutive events of one stream as the client sees them (events that arrive in one read count 0 "
+            "after the first). tokens/s is bounded by the upstream's schedule: a proxy lowers it through TTFT "
+            "(each response takes longer) or by falling behind.",
             "",
             "| target | tokens/s | x direct | gap p50 ms | gap p99 ms | gap max ms | TTFT p50 ms | TTFT p99 ms | "
-            "proxy CPU us/token | proxy CPU share | upstream us/token | client CPU share | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "proxy CPU us/token | proxy CPU share | upstream us/token | client CPU share | other load | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sse:
             lines.append(
                 f"| {r['target']} | {r['tokens_per_s']:.0f} | {r['x_direct']:.3f} | {r['gap_p50_ms']:.2f} | "
                 f"{r['gap_p99_ms']:.2f} | {r['gap_max_ms']:.1f} | {r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | "
                 f"{fmt(r['proxy_cpu_us_per_token'], 1)} | {fmt(r['proxy_cpu_share'], 2)} | "
-                f"{r['upstream_cpu_us_per_token']:.1f} | {r['client_cpu_share']:.2f} | {r['errors']} |")
-    if profile:
+                f"{r['upstream_cpu_us_per_token']:.1f} | {r['client_cpu_share']:.2f} | {r['other_load']:.2f} | "
+                f"{r['errors']} |")
+    for body, prof in (profile or {}).items():
         lines += [
             "",
-            "## Where mmgate's time goes (py-spy, 1 KB, 32 connections)",
+            f"## Where mmgate's time goes (py-spy, {body}, 32 connections)",
             "",
-            f"py-spy record --nonblocking, Python frames only (C code is charged to the Python function calling "
-            f"it), {profile['samples']} non-idle samples (busy share of the sampled time ~{profile['busy_share']:.2f}). "
-            "Flame graph: `bench/results/passthrough_profile.svg`.",
+            f"py-spy record --rate 200 (blocking mode), Python frames only (C code is charged to the Python function "
+            f"calling it), {prof['samples']} samples over 8 s."
+            + (" Flame graph: `bench/results/passthrough_profile.svg`." if body == "1 KB" else ""),
             "",
             "| self time: function (file) | % |",
             "|---|---:|",
         ]
-        lines += [f"| `{row['function']}` | {row['percent']} |" for row in profile["self"][:20]]
+        lines += [f"| `{row['function']}` | {row['percent']} |" for row in prof["self"][:20]]
         lines += ["", "| inclusive: function (file) | % |", "|---|---:|"]
-        lines += [f"| `{row['function']}` | {row['percent']} |" for row in profile["inclusive"][:30]]
+        lines += [f"| `{row['function']}` | {row['percent']} |" for row in prof["inclusive"][:30]]
     return "\n".join(lines) + "\n"
 
 

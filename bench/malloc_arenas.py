@@ -1,0 +1,221 @@
+"""Allocator fragmentation from the decode threads: mmgate's RSS after a burst of big images, and once idle.
+
+Every decode thread that mallocs gets its own glibc arena (up to 8 × cores), and Pillow's 16 MiB image
+blocks sit right at glibc's *dynamic* mmap threshold: after the first mmapped block is freed, the
+threshold rises and later blocks come from the arenas, where freed memory often stays mapped. On top,
+mmgate keeps up to 16 freed Pillow blocks for reuse (``Image.core.set_blocks_max(16)`` in
+preprocessors/image.py, 256 MiB at most; ``PILLOW_BLOCKS_MAX`` overrides it).
+
+For each allocator setting × decode-worker count, one fresh mmgate process (``--resize-max-pixels
+1000000 --max-mm-concurrency 8``) gets ``--requests`` (200) OpenAI chat requests, each one 12 MP photo
+JPEG (4000x3000, ~2.6 MB; draft-decoded, resized to 1 MP, re-encoded), from 8 clients, non-streaming.
+Measured: VmHWM (peak RSS), VmRSS right after the burst and after ``--idle`` seconds, throughput, and the
+mmgate process's CPU time per request (utime+stime: steadier than req/s on a shared machine).
+``--append`` keeps earlier runs (e.g. a repeated A/B of two settings) and adds a table for the new ones.
+Settings (environment of the mmgate process only):
+
+* default: glibc defaults, mmgate's blocks_max 16
+* arena2: MALLOC_ARENA_MAX=2
+* mmap1m: MALLOC_MMAP_THRESHOLD_=1 MiB and MALLOC_TRIM_THRESHOLD_=1 MiB (fixed threshold: big buffers are
+  always mmapped, so freeing them returns them to the OS)
+* blocks0: PILLOW_BLOCKS_MAX=0 (Pillow keeps no freed blocks)
+* mmap1m+blocks0, arena2+blocks0
+* jemalloc: LD_PRELOAD=libjemalloc.so.2 (Debian libjemalloc2), if installed
+
+The stub backend (2 workers) is one separate process shared by all runs. The machine may be shared
+(2 cores): load averages are recorded; throughput ratios are noisier than the memory figures.
+
+    python bench/malloc_arenas.py [--requests 200] [--workers 2,4] [--variants default,arena2,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _load import RESULTS, chat_body, photo_jpeg, start_mmgate, start_stub, stop, uptime
+
+MIB = 1 << 20
+JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+_MMAP = {"MALLOC_MMAP_THRESHOLD_": str(MIB), "MALLOC_TRIM_THRESHOLD_": str(MIB)}
+VARIANTS: dict[str, dict[str, str]] = {
+    "default": {},
+    "arena2": {"MALLOC_ARENA_MAX": "2"},
+    "mmap1m": dict(_MMAP),
+    "blocks0": {"PILLOW_BLOCKS_MAX": "0"},
+    "mmap1m+blocks0": {**_MMAP, "PILLOW_BLOCKS_MAX": "0"},
+    "arena2+blocks0": {"MALLOC_ARENA_MAX": "2", "PILLOW_BLOCKS_MAX": "0"},
+    "jemalloc": {"LD_PRELOAD": JEMALLOC},
+}
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of the whole process (all threads), from /proc/PID/stat: robust to a shared machine."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def status(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+async def burst(url: str, body: bytes, n: int, clients: int) -> tuple[dict[str, int], float]:
+    import aiohttp
+
+    counts: dict[str, int] = {}
+    todo = iter(range(n))
+
+    async def client(s: aiohttp.ClientSession) -> None:
+        for _ in todo:
+            try:
+                async with s.post(url + "/v1/chat/completions", data=body,
+                                  headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    key = str(r.status)
+            except aiohttp.ClientError as exc:
+                key = type(exc).__name__
+            counts[key] = counts.get(key, 0) + 1
+
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+        await asyncio.gather(*(client(s) for _ in range(clients)))
+    return counts, time.monotonic() - t0
+
+
+def one(name: str, env: dict[str, str], workers: int, stub_url: str, body: bytes, n: int, clients: int,
+        idle: float) -> dict[str, Any]:
+    load = uptime()
+    proc, url = start_mmgate(stub_url, "--resize-max-pixels", "1000000", "--decode-workers", str(workers),
+                             "--max-mm-concurrency", "8", env=env)
+    samples: list[tuple[float, int]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        t0 = time.monotonic()
+        while not done.is_set():
+            samples.append((time.monotonic() - t0, status(proc.pid)["VmRSS"]))
+            done.wait(0.1)
+
+    try:
+        time.sleep(0.5)
+        start = status(proc.pid)
+        cpu0 = cpu_seconds(proc.pid)
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        counts, elapsed = asyncio.run(burst(url, body, n, clients))
+        cpu = cpu_seconds(proc.pid) - cpu0
+        after = status(proc.pid)
+        time.sleep(idle)
+        idle_st = status(proc.pid)
+        done.set()
+        th.join()
+    finally:
+        done.set()
+        stop(proc)
+    return {
+        "variant": name, "env": env, "decode_workers": workers, "requests": n, "clients": clients,
+        "statuses": counts, "elapsed_s": round(elapsed, 2), "req_per_s": round(n / elapsed, 2),
+        "cpu_ms_per_request": round(1000 * cpu / n, 1),
+        "rss_start_mib": round(start["VmRSS"] / MIB, 1),
+        "peak_rss_mib": round(idle_st["VmHWM"] / MIB, 1),
+        "rss_after_burst_mib": round(after["VmRSS"] / MIB, 1),
+        "idle_rss_mib": round(idle_st["VmRSS"] / MIB, 1),
+        "idle_rss_anon_mib": round(idle_st.get("RssAnon", 0) / MIB, 1),
+        "uptime_before": load, "uptime_after": uptime(),
+        "samples": [(round(t, 2), round(r / MIB, 1)) for t, r in samples],
+    }
+
+
+def markdown(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        "# glibc malloc arenas vs mmgate RSS after a burst of big images",
+        "",
+        f"Generated on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC (commands above each table). Each row: a fresh mmgate process "
+        f"(`--resize-max-pixels 1000000 --max-mm-concurrency 8`), {args.requests} × 12 MP JPEG (4000x3000) OpenAI "
+        f"chat requests from {args.clients} clients (non-streaming), then {args.idle:g} s idle. Peak = VmHWM; "
+        "idle = VmRSS after the idle wait. Ratios are to `default` with the same decode-worker count. 2 cores, "
+        "shared with other benchmarks (load averages at the end): req/s is noisy, RSS is not.",
+        "",
+    ]
+    for command in dict.fromkeys(r.get("command", "") for r in runs):
+        group = [r for r in runs if r.get("command", "") == command]
+        lines += ["", f"## `python bench/malloc_arenas.py {command}`", "",
+                  "| workers | variant | env | start MiB | peak MiB | after burst MiB | idle MiB | req/s | CPU ms/req | "
+                  "peak × | idle × | req/s × | CPU/req × | statuses |",
+                  "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        base = {r["decode_workers"]: r for r in group if r["variant"] == "default"}
+        for r in group:
+            b = base.get(r["decode_workers"])
+
+            def ratio(k: str) -> str:
+                return f"{r[k] / b[k]:.2f}" if b and r.get(k) and b.get(k) else "-"
+
+            env = " ".join(f"`{k}={v}`" for k, v in r["env"].items()).replace(JEMALLOC, "libjemalloc.so.2") or "-"
+            lines.append(f"| {r['decode_workers']} | {r['variant']} | {env} | {r['rss_start_mib']} | "
+                         f"{r['peak_rss_mib']} | {r['rss_after_burst_mib']} | {r['idle_rss_mib']} | {r['req_per_s']} | "
+                         f"{r.get('cpu_ms_per_request', '-')} | {ratio('peak_rss_mib')} | {ratio('idle_rss_mib')} | "
+                         f"{ratio('req_per_s')} | {ratio('cpu_ms_per_request')} | "
+                         + ", ".join(f"{k}: {v}" for k, v in r["statuses"].items()) + " |")
+    lines += ["", "## Load", ""]
+    lines += [f"- {r['variant']} / {r['decode_workers']} workers: `{r['uptime_before']}`" for r in runs]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--workers", default="2,4", help="decode-worker counts, comma-separated")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
+    p.add_argument("--idle", type=float, default=5.0)
+    p.add_argument("--out", default="malloc_arenas")
+    p.add_argument("--append", action="store_true", help="keep the runs already in the JSON; add a table for these")
+    args = p.parse_args()
+
+    body = chat_body(photo_jpeg())
+    stub, stub_url = start_stub("--workers", "2")
+    runs = []
+    try:
+        for workers in (int(w) for w in args.workers.split(",")):
+            for name in args.variants.split(","):
+                env = VARIANTS[name]
+                if "LD_PRELOAD" in env and not Path(env["LD_PRELOAD"]).exists():
+                    print(f"skip {name}: {env['LD_PRELOAD']} missing")
+                    continue
+                r = one(name, env, workers, stub_url, body, args.requests, args.clients, args.idle)
+                print(f"workers={workers} {name:16s} peak {r['peak_rss_mib']:7.1f} after {r['rss_after_burst_mib']:7.1f} "
+                      f"idle {r['idle_rss_mib']:7.1f} MiB  {r['req_per_s']:6.2f} req/s  {r['statuses']}", flush=True)
+                r["command"] = " ".join(sys.argv[1:])
+                runs.append(r)
+    finally:
+        stop(stub)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    previous = RESULTS / f"{args.out}.json"
+    if args.append and previous.exists():
+        runs = json.loads(previous.read_text())["runs"] + runs
+    (RESULTS / f"{args.out}.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    (RESULTS / f"{args.out}.md").write_text(markdown(runs, args))
+    print(f"wrote {RESULTS / args.out}.md/.json")
+
+
+if __name__ == "__main__":
+    main()
