@@ -121,11 +121,16 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -
     raise RuntimeError(f"{url} did not answer within {timeout} s")
 
 
-def start_stub(*args: str) -> tuple[subprocess.Popen[bytes], str]:
+def _pin(cpus: set[int] | None):  # noqa: ANN202
+    """preexec_fn pinning the child (and every thread it will start) to ``cpus``."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
+def start_stub(*args: str, cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="stub-bench-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "proxy.stub_backend", "--host", "127.0.0.1", "--port", str(port),
-                             *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+                             *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_pin(cpus))
     proc.log_path = log.name  # type: ignore[attr-defined]
     log.close()
     url = f"http://127.0.0.1:{port}"
@@ -134,7 +139,7 @@ def start_stub(*args: str) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
-                 worker_niceness: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+                 worker_niceness: int | None = None, cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """mmgate in its own process. ``worker_niceness`` set: started through the launcher above."""
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")} | (env or {})
@@ -145,7 +150,7 @@ def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
     cmd += ["--upstream", upstream, "--port", str(port), "--host", "127.0.0.1", "--access-log", "off",
             "--drain-grace", "0", "--drain-timeout", "2", *flags]
     log = tempfile.NamedTemporaryFile(prefix="mmgate-bench-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=log)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_pin(cpus))
     proc.log_path = log.name  # type: ignore[attr-defined]  # read it (never a pipe nobody drains)
     log.close()
     url = f"http://127.0.0.1:{port}"

@@ -60,6 +60,7 @@ class Scenario:
     flags: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     worker_niceness: int | None = None  # None: mmgate as shipped (workers at niceness 10)
+    pinned: bool = False  # mmgate alone on CPU 0; stub, clients, probers and control on CPU 1
 
 
 SCENARIOS = [
@@ -70,7 +71,11 @@ SCENARIOS = [
     Scenario("resize_pool", "loaded + resize 1 MP, pool (nice 10)", True, RESIZE),
     Scenario("resize_pool_nice0", "loaded + resize 1 MP, pool, workers nice 0", True, RESIZE, worker_niceness=0),
     Scenario("resize_inline", "loaded + resize 1 MP, inline decode", True, RESIZE, tuple(INLINE_ENV.items())),
+    Scenario("pinned_pool", "pinned: mmgate alone on 1 core, pool (nice 10)", True, pinned=True),
+    Scenario("pinned_pool_nice0", "pinned: mmgate alone on 1 core, pool, workers nice 0", True,
+             worker_niceness=0, pinned=True),
 ]
+GATE_CPUS, REST_CPUS = {0}, {1}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -86,9 +91,16 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
     stub = gate = None
     quiet = await asyncio.to_thread(L.wait_quiet, args.quiet_wait)
     log_tail = ""
+    all_cpus = os.sched_getaffinity(0)
+    gate_cpus = rest_cpus = None
+    if sc.pinned:
+        gate_cpus, rest_cpus = GATE_CPUS, REST_CPUS
+        os.sched_setaffinity(0, rest_cpus)  # this thread (the clients' loop), and the probers it starts
+        os.sched_setaffinity(control.pid, rest_cpus)
     try:
-        stub, stub_url = L.start_stub()
-        gate, url = L.start_mmgate(stub_url, *sc.flags, env=dict(sc.env), worker_niceness=sc.worker_niceness)
+        stub, stub_url = L.start_stub(cpus=rest_cpus)
+        gate, url = L.start_mmgate(stub_url, *sc.flags, env=dict(sc.env), worker_niceness=sc.worker_niceness,
+                                   cpus=gate_cpus)
         warm = await L.run_load(url, body, 1, requests_per_client=2)  # starts the decode threads, warms caches
         if warm.statuses() != {"200": 2}:
             raise RuntimeError(f"{sc.name}: warm-up answered {warm.statuses()}")
@@ -105,7 +117,7 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
         prober, out = L.start_prober(url, args.seconds, args.interval)
         ctl_prober, ctl_out = L.start_prober(control_url, args.seconds, args.interval, "/health")
         probe = await asyncio.to_thread(L.prober_result, prober, out)
-        control = await asyncio.to_thread(L.prober_result, ctl_prober, ctl_out)
+        ctl = await asyncio.to_thread(L.prober_result, ctl_prober, ctl_out)
         t1 = time.perf_counter()
         cpu1 = cpu_seconds(gate.pid)
         machine = watch.stop()
@@ -117,14 +129,18 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
     finally:
         log_tail = L.stop(gate)
         L.stop(stub)
+        if sc.pinned:
+            os.sched_setaffinity(0, all_cpus)
+            os.sched_setaffinity(control.pid, all_cpus)
 
     in_window = [r for r in run.ok() if t0 <= r.ended <= t1] if run else []
     lat = L.summarize_ms(probe["latencies"])
     late = [x for x in probe["lateness"] if x > probe["interval"]]
     return {
         "name": sc.name, "label": sc.label, "loaded": sc.loaded, "flags": list(sc.flags), "env": dict(sc.env),
-        "worker_niceness_requested": sc.worker_niceness, "thread_niceness": nice,
-        "health": lat, "health_statuses": probe["statuses"], "control": L.summarize_ms(control["latencies"]), "probes_sent_late": len(late),
+        "worker_niceness_requested": sc.worker_niceness, "thread_niceness": nice, "pinned": sc.pinned,
+        "mmgate_threads": sum(len(v) for v in nice.values()),
+        "health": lat, "health_statuses": probe["statuses"], "control": L.summarize_ms(ctl["latencies"]), "probes_sent_late": len(late),
         "skipped_slots": probe["skipped_slots"],
         "probe_elapsed_s": round(probe["elapsed"], 2),
         "lateness_ms": L.summarize_ms(probe["lateness"]),
@@ -143,7 +159,7 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
         "quiet_wait": quiet, "cpu_during_window": machine,
         "mmgate_log_problems": [line for line in log_tail.splitlines()
                                 if any(w in line for w in ("ERROR", "WARNING", "Traceback", "Error"))][-20:],
-        "_latencies": probe["latencies"], "_control": control["latencies"],
+        "_latencies": probe["latencies"], "_control": ctl["latencies"],
     }
 
 
@@ -161,7 +177,7 @@ def aggregate(runs: list[dict]) -> dict:
     return {
         "name": first["name"], "label": first["label"], "loaded": first["loaded"], "flags": first["flags"],
         "env": first["env"], "worker_niceness_requested": first["worker_niceness_requested"],
-        "thread_niceness": first["thread_niceness"],
+        "thread_niceness": first["thread_niceness"], "pinned": first["pinned"],
         "health": L.summarize_ms([x for r in runs for x in r["_latencies"]]),
         "health_p99_per_round": [r["health"]["p99"] for r in runs],
         "control": L.summarize_ms([x for r in runs for x in r["_control"]]),
@@ -199,9 +215,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0, help="probe window per scenario and round")
     ap.add_argument("--interval", type=float, default=0.01, help="seconds between probes")
     ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--ramp", type=float, default=2.0, help="seconds of load before the probe window")
+    ap.add_argument("--ramp", type=float, default=1.5, help="seconds of load before the probe window")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all scenarios")
-    ap.add_argument("--quiet-wait", type=float, default=5.0,
+    ap.add_argument("--quiet-wait", type=float, default=3.0,
                     help="before each scenario, wait up to this many s for the shared machine to be <15%% busy")
     ap.add_argument("--only", default="", help="comma-separated scenario names")
     ap.add_argument("--no-write", action="store_true")
