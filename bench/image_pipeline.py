@@ -53,7 +53,11 @@ QUALITY = 90
 def photo(megapixels: float, seed: int = 0) -> Image.Image:
     """A 4:3 photo-like RGB image: smooth colour fields plus sensor-like noise."""
     height = int(math.sqrt(megapixels * 1e6 * 3 / 4))
-    width = height * 4 // 3
+    return photo_sized(height * 4 // 3, height, seed)
+
+
+def photo_sized(width: int, height: int, seed: int = 0, noise: int = 13) -> Image.Image:
+    """Smooth colour fields plus ``noise`` levels of sensor-like noise (realistic JPEG/PNG sizes)."""
     rng = np.random.default_rng(seed)
     sw, sh = max(2, width // 16), max(2, height // 16)
     y = np.linspace(0, 1, sh, dtype=np.float32)[:, None]
@@ -61,7 +65,7 @@ def photo(megapixels: float, seed: int = 0) -> Image.Image:
     fields = (0.5 + 0.5 * np.sin(6 * x + 3 * y), 0.5 + 0.5 * np.cos(4 * y - 5 * x * y), 0.7 * x + 0.3 * y)
     small = Image.fromarray(np.stack([(f * 230 + 12).astype(np.uint8) for f in fields], axis=-1), "RGB")
     pixels = np.asarray(small.resize((width, height), Image.Resampling.BILINEAR)).copy()
-    pixels += rng.integers(0, 13, size=pixels.shape, dtype=np.uint8)  # 12..242 + 0..12: no overflow
+    pixels += rng.integers(0, noise, size=pixels.shape, dtype=np.uint8)  # 12..242 + noise: no overflow
     return Image.fromarray(pixels, "RGB")
 
 

@@ -53,6 +53,7 @@ import pybase64
 from PIL import Image
 
 from _load import RESULTS, parse_prom, photo_jpeg, start_mmgate, start_stub, stop, uptime
+from image_pipeline import photo_sized
 
 MIB = 1 << 20
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -72,15 +73,7 @@ MUST_BE_ZERO = ("mmgate_media_bytes_live", "mmgate_media_bytes_inflight", "mmgat
 # --- media and bodies ----------------------------------------------------------------------------------
 
 def _photo(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    sw, sh = max(2, width // 16), max(2, height // 16)
-    y = np.linspace(0, 1, sh, dtype=np.float32)[:, None]
-    x = np.linspace(0, 1, sw, dtype=np.float32)[None, :]
-    fields = (0.5 + 0.5 * np.sin(6 * x + 3 * y), 0.5 + 0.5 * np.cos(4 * y - 5 * x * y), 0.7 * x + 0.3 * y)
-    small = Image.fromarray(np.stack([(f * 230 + 12).astype(np.uint8) for f in fields], axis=-1), "RGB")
-    pixels = np.asarray(small.resize((width, height), Image.Resampling.BILINEAR)).copy()
-    pixels += rng.integers(0, 9, size=pixels.shape, dtype=np.uint8)
-    return Image.fromarray(pixels, "RGB")
+    return photo_sized(width, height, seed, noise=9)
 
 
 def _encode(img: Image.Image, fmt: str, **kw: Any) -> bytes:
