@@ -230,13 +230,14 @@ class CpuWatch:
         self.ours0 = sum(proc_jiffies(p) for p in pids)
         self.t0 = time.monotonic()
 
-    def stop(self) -> dict[str, float]:
+    def stop(self, extra_cpu_s: float = 0.0) -> dict[str, float]:
+        """``extra_cpu_s``: CPU seconds of our processes that already exited (the probers report theirs)."""
         busy, total = machine_jiffies()
         ours = sum(proc_jiffies(p) for p in self.pids)
         hz = os.sysconf("SC_CLK_TCK")
         wall = time.monotonic() - self.t0
         machine = (busy - self.busy0) / hz / wall * 100
-        mine = (ours - self.ours0) / hz / wall * 100
+        mine = ((ours - self.ours0) / hz + extra_cpu_s) / wall * 100
         return {"machine_cpu_pct": round(machine, 1), "bench_cpu_pct": round(mine, 1),
                 "other_jobs_cpu_pct": round(max(0.0, machine - mine), 1)}
 
@@ -479,6 +480,7 @@ def probe(host: str, port: int, path: str, seconds: float, interval: float) -> d
         k = next_k
     sock.close()
     return {"latencies": latencies, "lateness": lateness, "statuses": statuses, "skipped_slots": skipped,
+            "cpu_s": time.process_time(),
             "elapsed": time.perf_counter() - start, "interval": interval}
 
 

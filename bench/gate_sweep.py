@@ -21,8 +21,8 @@ Why --release-at complete: the stub sends its response headers only after it has
 prepare() comes after the decode) but keeps the pixels until the last token; so `headers` (what `auto`
 picks for streaming requests) would release the slot while the backend still holds the pixels, and `sent`
 (auto for non-streaming) even before it has decoded them. Only `complete` bounds the backend's live pixels
-by the gate. An extra cell, gate=2 with --release-at auto (= headers here), shows the difference
-(--no-extra skips it).
+by the gate. An extra cell, gate=2 with --release-at auto (= headers here), shows the difference, and a
+`direct` cell (clients → stub, no mmgate) is the no-sidecar reference (--no-extra skips both).
 
 Everything (clients, mmgate, stub) shares the machine's 2 cores, and the machine is shared with other jobs:
 `uptime` is recorded at start and end; read ratios, not absolute numbers.
@@ -63,29 +63,31 @@ def _timing(header: str | None, name: str) -> float | None:
 
 
 async def run_cell(gate: str, release_at: str, body: bytes, args: argparse.Namespace) -> dict:
-    limit = OFF if gate == "off" else int(gate)
+    direct = gate == "direct"  # reference: the clients talk to the backend itself, no mmgate
+    limit = OFF if gate in ("off", "direct") else int(gate)
     queue = OFF
-    flags = ("--max-mm-concurrency", str(limit), "--max-queue", str(queue), "--queue-timeout", "600",
+    flags = () if direct else ("--max-mm-concurrency", str(limit), "--max-queue", str(queue), "--queue-timeout", "600",
              "--preprocess-timeout", str(args.preprocess_timeout), "--release-at", release_at)
     stub = proxy = None
     quiet = await asyncio.to_thread(L.wait_quiet, args.quiet_wait)
     log_tail = ""
     try:
         stub, stub_url = L.start_stub(*STUB_FLAGS)
-        proxy, url = L.start_mmgate(stub_url, *flags)
+        proxy, url = (None, stub_url) if direct else L.start_mmgate(stub_url, *flags)
         warm = await L.run_load(url, body, 1, requests_per_client=1)
         if warm.statuses() != {"200": 1}:
             raise RuntimeError(f"gate {gate}: warm-up answered {warm.statuses()}")
         await L.get_json(stub_url, "/stub/reset", "POST")  # the peak of held pixels counts from here
-        base_proxy, base_stub = L.proc_status(proxy.pid), L.proc_status(stub.pid)
+        nothing = {"VmHWM": math.nan, "VmRSS": math.nan}
+        base_proxy, base_stub = L.proc_status(proxy.pid) if proxy else nothing, L.proc_status(stub.pid)
         load0 = L.loadavg()
-        watch = L.CpuWatch([proxy.pid, stub.pid, os.getpid()])
+        watch = L.CpuWatch([p.pid for p in (proxy, stub) if p] + [os.getpid()])
         run = await L.run_load(url, body, args.clients, requests_per_client=args.per_client)
         machine = watch.stop()
         load1 = L.loadavg()
-        hwm_proxy, hwm_stub = L.proc_status(proxy.pid), L.proc_status(stub.pid)
+        hwm_proxy, hwm_stub = L.proc_status(proxy.pid) if proxy else nothing, L.proc_status(stub.pid)
         stats = await L.get_json(stub_url, "/stats")
-        prom = await L.scrape(url)
+        prom = await L.scrape(url) if proxy else {}
     finally:
         log_tail = L.stop(proxy)
         L.stop(stub)
@@ -95,7 +97,8 @@ async def run_cell(gate: str, release_at: str, body: bytes, args: argparse.Names
     queue_ms = [q for r in ok if (q := _timing(r.server_timing, "queue")) is not None]
     rejected = {dict(k[1])["reason"]: v for k, v in prom.items() if k[0] == "mmgate_rejected_total"}
     return {
-        "gate": gate, "limit": limit, "max_queue": queue, "release_at": release_at, "flags": list(flags),
+        "gate": gate, "limit": None if direct else limit, "max_queue": None if direct else queue,
+        "release_at": "-" if direct else release_at, "flags": list(flags),
         "requests": len(run.results), "ok": len(ok), "statuses": run.statuses(),
         "n429": sum(1 for r in run.results if r.status == 429), "rejected": rejected,
         "wall_s": round(wall, 2), "req_per_s": round(len(ok) / wall, 3) if wall else math.nan,
@@ -132,7 +135,7 @@ def table(rows: list[dict]) -> str:
         lat, rl = r["latency_ms"], ref["latency_ms"]
         q = r["queue_ms"].get("p50", math.nan) / 1000 if r["queue_ms"] else math.nan
         lines.append(
-            f"| {r['gate']} | {r['release_at']} | {r['ok']} / {r['requests']} | {r['n429']} "
+            f"| {'direct (no mmgate)' if r['gate'] == 'direct' else r['gate']} | {r['release_at']} | {r['ok']} / {r['requests']} | {r['n429']} "
             f"| {fmt(r['req_per_s'])} ({ratio(r['req_per_s'], ref['req_per_s'])}) "
             f"| {fmt(lat['p50'] / 1000)} ({ratio(lat['p50'], rl['p50'])}) "
             f"| {fmt(lat['p99'] / 1000)} ({ratio(lat['p99'], rl['p99'])}) | {fmt(q)} "
@@ -152,7 +155,8 @@ def main() -> None:
     ap.add_argument("--preprocess-timeout", type=float, default=600.0,
                     help="MMGATE_PREPROCESS_TIMEOUT for every cell (default 30 would cut gate-off requests whose "
                          "items wait long in the decode pool's queue)")
-    ap.add_argument("--no-extra", action="store_true", help="skip the gate=2 --release-at auto cell")
+    ap.add_argument("--no-extra", action="store_true",
+                    help="skip the extra cells: gate=2 --release-at auto, and direct (clients → backend, no mmgate)")
     ap.add_argument("--quiet-wait", type=float, default=10.0,
                     help="before each cell, wait up to this many s for the shared machine to be <15%% busy")
     ap.add_argument("--no-write", action="store_true")
@@ -165,7 +169,7 @@ def main() -> None:
     body = L.chat_body(image, stream=True)
     cells = [(g, args.release_at) for g in args.gates.split(",")]
     if not args.no_extra:
-        cells.append(("2", "auto"))
+        cells += [("2", "auto"), ("direct", "-")]
     rows = []
     for gate, release_at in cells:
         row = asyncio.run(run_cell(gate, release_at, body, args))
@@ -228,6 +232,10 @@ def main() -> None:
         "off. Clients, mmgate and the stub share 2 cores with each other and with other jobs on the machine.",
         "",
         table(rows),
+        "",
+        "direct: the same clients send to the backend itself (no mmgate): what the backend sees without a "
+        "sidecar. Note that mmgate with the gate off is not quite that: its decode pool (usable-CPU threads, "
+        "niceness 10) paces the requests' arrival at the backend.",
         "",
         "`complete` releases the slot when the response has ended (the stub has dropped the pixels); `auto` is "
         "`headers` for these streaming requests: the stub answers headers after decoding, so the slot is "

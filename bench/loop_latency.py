@@ -120,7 +120,7 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
         ctl = await asyncio.to_thread(L.prober_result, ctl_prober, ctl_out)
         t1 = time.perf_counter()
         cpu1 = cpu_seconds(gate.pid)
-        machine = watch.stop()
+        machine = watch.stop(extra_cpu_s=probe["cpu_s"] + ctl["cpu_s"])
         after_prom = await L.scrape(url)
         lag = L.histogram_diff(L.histogram(after_prom, "mmgate_event_loop_lag_seconds"), before)
         stop_load.set()
@@ -220,6 +220,10 @@ def main() -> None:
     ap.add_argument("--quiet-wait", type=float, default=3.0,
                     help="before each scenario, wait up to this many s for the shared machine to be <15%% busy")
     ap.add_argument("--only", default="", help="comma-separated scenario names")
+    ap.add_argument("--pinned", action="store_true",
+                    help="also run the pinned scenarios (mmgate alone on CPU 0, everything else on CPU 1): "
+                         "meaningful only when no other job uses the machine, since other jobs then share "
+                         "mmgate's single core")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
@@ -228,7 +232,7 @@ def main() -> None:
     print(f"start: {up_start}", flush=True)
     image = L.photo_jpeg()
     body = L.chat_body(image)
-    chosen = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
+    chosen = [s for s in SCENARIOS if (s.name in args.only.split(",") if args.only else (args.pinned or not s.pinned))]
     runs: dict[str, list[dict]] = {sc.name: [] for sc in chosen}
     control, control_url = L.start_control()
     try:
@@ -298,7 +302,8 @@ def main() -> None:
         "Loop lag: mmgate's own mmgate_event_loop_lag_seconds histogram (250 ms timer), diffed over the probe "
         "window; bucket upper edges. Fresh mmgate and stub per scenario and round. Clients, probers, mmgate and "
         "the stub share the same 2 cores; 'other jobs CPU' is the machine's busy time during the window minus "
-        "that of this benchmark's processes (percent of one core; 200 = both cores), i.e. the noise.",
+        "that of this benchmark's processes, probers included (percent of one core; 200 = both cores): other "
+        "people's jobs plus kernel time not charged to a process (loopback networking softirqs), i.e. the noise.",
         "",
         table(rows),
         "",

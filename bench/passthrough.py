@@ -168,7 +168,8 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | N
 
 
 def ensure_tools(need_pyspy: bool) -> None:
-    missing = [tool for tool in ("wrk", "nginx") if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists()]
+    missing = [tool for tool in ("wrk", "nginx")
+               if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists()]
     if missing:
         print(f"installing {' '.join(missing)} with apt-get ...", flush=True)
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -230,7 +231,8 @@ def start_nginx(procs: Procs, name: str, body: str, workdir: Path) -> subprocess
     prefix = workdir / name
     prefix.mkdir(mode=0o755)
     (prefix / "nginx.conf").write_text(NGINX_COMMON.format(prefix=prefix, body=body))
-    return procs.start([nginx_bin(), "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(prefix / "nginx.conf")],
+    return procs.start([nginx_bin(), "-p", str(prefix), "-e", str(prefix / "error.log"),
+                        "-c", str(prefix / "nginx.conf")],
                        PROXY_CPU, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -434,7 +436,8 @@ def run_sse_client(url: str, streams: int, warmup: float, duration: float, perio
             print(json.dumps({
                 "tokens": state["tokens"], "seconds": wall, "tokens_per_s": state["tokens"] / wall,
                 "requests": state["requests"], "errors": state["errors"],
-                "gap_p50_ms": pct(gaps, 50) * 1e3, "gap_p99_ms": pct(gaps, 99) * 1e3, "gap_max_ms": (gaps[-1] if gaps else 0) * 1e3,
+                "gap_p50_ms": pct(gaps, 50) * 1e3, "gap_p99_ms": pct(gaps, 99) * 1e3,
+                "gap_max_ms": (gaps[-1] if gaps else 0) * 1e3,
                 "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
                 "client_cpu_share": cpu / wall,
             }), flush=True)
@@ -474,7 +477,8 @@ end
 
 def run_wrk(url: str, script: Path, conns: int, seconds: float) -> dict[str, Any]:
     out = subprocess.run(
-        ["taskset", "-c", LOAD_CPU, "wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--latency", "--timeout", "20s",
+        ["taskset", "-c", LOAD_CPU, "wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--latency",
+         "--timeout", "20s",
          "-s", str(script), url],
         capture_output=True, text=True, timeout=seconds + 60,
     )
@@ -769,7 +773,8 @@ def bench(args: argparse.Namespace) -> None:
                 for target in TARGETS:
                     run_wrk(urls[target], scripts[body_name], conns, 1)  # warm-up: connections, pools, caches
                 # 32 concurrent 4 MB requests take ~2 s to complete through a Python proxy: longer, fewer runs
-                n_rounds, seconds = (args.rounds, round_s) if body_name == "1 KB" else (max(1, args.rounds - 1), round_s_big)
+                n_rounds, seconds = ((args.rounds, round_s) if body_name == "1 KB"
+                                     else (max(1, args.rounds - 1), round_s_big))
                 for _ in range(n_rounds):
                     for target in TARGETS:
                         quiet.wait()
@@ -778,7 +783,8 @@ def bench(args: argparse.Namespace) -> None:
                 for target in TARGETS:
                     result = best(rounds[target], "rps", highest=True)
                     cells.append({"body": body_name, "conns": conns, "target": target, **result})
-                    print(f"  {body_name:5} c={conns:<3} {target:8} {result['rps']:9.0f} req/s  p50 {result['p50_ms']:.2f} ms"
+                    print(f"  {body_name:5} c={conns:<3} {target:8} {result['rps']:9.0f} req/s  "
+                          f"p50 {result['p50_ms']:.2f} ms"
                           f"  p99 {result['p99_ms']:.2f} ms  proxy CPU {fmt(result['proxy_cpu_us_per_req'])} us/req"
                           f"  other load {result['other_load']:.2f}", flush=True)
         add_ratios(cells)
@@ -851,6 +857,11 @@ def fmt(value: float | None, digits: int = 0) -> str:
     return f"{value:.{digits}f}"
 
 
+# the frames every sample has (interpreter start-up down to the event loop): left out of the inclusive table
+ROOT_FRAMES = {"run", "<module>", "main", "_run_module_as_main", "_run_code", "Runner.run", "BaseEventLoop.run_forever",
+               "BaseEventLoop.run_until_complete", "BaseEventLoop._run_once"}
+
+
 def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, Any]], sse: list[dict[str, Any]],
            profile: dict[str, Any] | None) -> str:
     lines = [
@@ -892,7 +903,8 @@ def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, 
                      f"{by[('1 KB', 32, 'minimal')]['rps_x_nginx']:.2f}x nginx.")
         # The proxy and the upstream share one CPU, so the req/s ratio depends on what the upstream costs; the
         # anchor's numbers (nginx 7.4k req/s at 52 us, minimal 3.0k at 243 us, CPU-bound) imply ~85 us.
-        nginx_cpu, up_cpu = by[("1 KB", 32, "nginx")]["proxy_cpu_us_per_req"], by[("1 KB", 32, "nginx")]["upstream_cpu_us_per_req"]
+        nginx_row = by[("1 KB", 32, "nginx")]
+        nginx_cpu, up_cpu = nginx_row["proxy_cpu_us_per_req"], nginx_row["upstream_cpu_us_per_req"]
         mm_cpu, min_cpu = c["proxy_cpu_us_per_req"], by[("1 KB", 32, "minimal")]["proxy_cpu_us_per_req"]
         lines.append(
             f"The req/s ratio depends on the upstream's own CPU (it shares the core): with CPU alone deciding, "
@@ -964,8 +976,9 @@ def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, 
             "|---|---:|",
         ]
         lines += [f"| `{row['function']}` | {row['percent']} |" for row in prof["self"][:20]]
-        lines += ["", "| inclusive: function (file) | % |", "|---|---:|"]
-        lines += [f"| `{row['function']}` | {row['percent']} |" for row in prof["inclusive"][:30]]
+        lines += ["", "| inclusive (below the event loop): function (file) | % |", "|---|---:|"]
+        below_loop = [row for row in prof["inclusive"] if row["function"].split(" (")[0] not in ROOT_FRAMES]
+        lines += [f"| `{row['function']}` | {row['percent']} |" for row in below_loop[:22]]
     return "\n".join(lines) + "\n"
 
 
