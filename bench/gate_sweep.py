@@ -160,7 +160,11 @@ def main() -> None:
     ap.add_argument("--quiet-wait", type=float, default=10.0,
                     help="before each cell, wait up to this many s for the shared machine to be <15%% busy")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--render", action="store_true", help="only rebuild the .md from the .json")
     args = ap.parse_args()
+    if args.render:
+        rerender()
+        return
 
     started = time.monotonic()
     up_start = L.uptime()
@@ -188,8 +192,35 @@ def main() -> None:
     import aiohttp
     from proxy.settings import usable_cpus
 
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "aiohttp": aiohttp.__version__, "pillow": PIL.__version__,
+        "usable_cpus": usable_cpus(), "uptime_start": up_start, "uptime_end": up_end,
+        "clients": args.clients, "per_client": args.per_client, "release_at": args.release_at,
+        "preprocess_timeout": args.preprocess_timeout,
+        "image": {"format": "JPEG", "size": list(L.PHOTO_SIZE), "quality": L.PHOTO_QUALITY, "bytes": len(image),
+                  "body_bytes": len(body), "decoded_rgb_bytes": L.PHOTO_SIZE[0] * L.PHOTO_SIZE[1] * 3},
+        "stub_flags": list(STUB_FLAGS),
+        "stub": "python -m proxy.stub_backend " + " ".join(STUB_FLAGS),
+        "mmgate": "python -m proxy --access-log off --max-mm-concurrency K --max-queue 10000 --queue-timeout 600 "
+                  f"--preprocess-timeout {args.preprocess_timeout:g} --release-at R (decode workers default = "
+                  "usable CPUs, validate full, no resize)",
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    md, verdict = render(meta, rows)
+    print()
+    print(table(rows))
+    print(verdict)
+    if not args.no_write:
+        L.RESULTS.mkdir(parents=True, exist_ok=True)
+        (L.RESULTS / "gate_sweep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+        (L.RESULTS / "gate_sweep.md").write_text(md)
+
+
+def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
+    """The Markdown report (and its one-line verdict) from the measured rows."""
     off = next((r for r in rows if r["gate"] == "off"), None)
-    two = next((r for r in rows if r["gate"] == "2" and r["release_at"] == args.release_at), None)
+    two = next((r for r in rows if r["gate"] == "2" and r["release_at"] == meta["release_at"]), None)
     verdict = ""
     if off and two:
         cut = 1 - two["backend_hwm_mib"] / off["backend_hwm_mib"]
@@ -198,57 +229,58 @@ def main() -> None:
                    f"({-cut * 100:+.0f} %; goal ≤ −70 %: {'met' if cut >= 0.70 else 'NOT met'}), throughput "
                    f"{tput:.2f}× gate off ({two['req_per_s']:.2f} vs {off['req_per_s']:.2f} req/s).** "
                    f"Anchor: {ANCHOR}.")
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(), "aiohttp": aiohttp.__version__, "pillow": PIL.__version__,
-        "usable_cpus": usable_cpus(), "uptime_start": up_start, "uptime_end": up_end,
-        "clients": args.clients, "per_client": args.per_client,
-        "image": {"format": "JPEG", "size": list(L.PHOTO_SIZE), "quality": L.PHOTO_QUALITY, "bytes": len(image),
-                  "body_bytes": len(body), "decoded_rgb_bytes": L.PHOTO_SIZE[0] * L.PHOTO_SIZE[1] * 3},
-        "stub": "python -m proxy.stub_backend " + " ".join(STUB_FLAGS),
-        "mmgate": "python -m proxy --access-log off --max-mm-concurrency K --max-queue 10000 --queue-timeout 600 "
-                  "--release-at R (decode workers default = usable CPUs, validate full, no resize)",
-        "wall_s": round(time.monotonic() - started, 1),
-    }
+    img = meta["image"]
+    w, h = img["size"]
     md = "\n".join([
         "# Gate sweep: backend memory and throughput vs MMGATE_MAX_MM_CONCURRENCY",
         "",
         f"`python bench/gate_sweep.py` -- {meta['date']}, Python {meta['python']}, aiohttp {meta['aiohttp']}, "
         f"Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['wall_s']} s in all.",
-        f"Start: `{up_start}`  ",
-        f"End: `{up_end}`",
+        f"Start: `{meta['uptime_start']}`  ",
+        f"End: `{meta['uptime_end']}`",
         "",
         verdict,
         "",
-        f"{args.clients} clients × {args.per_client} streaming chat requests, each with one "
-        f"{L.PHOTO_SIZE[0]}x{L.PHOTO_SIZE[1]} photo-like JPEG (q{L.PHOTO_QUALITY}, {len(image) / 1e6:.2f} MB; "
-        f"body {len(body) / 1e6:.2f} MB; {L.PHOTO_SIZE[0] * L.PHOTO_SIZE[1] * 3 / MIB:.0f} MiB as decoded RGB) → "
-        f"mmgate → stub backend `{' '.join(STUB_FLAGS)}` (decodes every image and holds the pixels until the "
-        "last token; 240 ms simulated encoder CPU per image; 8 decode threads). Gate off = "
-        f"--max-mm-concurrency {OFF} --max-queue {OFF}; every cell: --max-queue {OFF} --queue-timeout 600. "
-        "Fresh processes per cell: peak RSS = VmHWM of that cell's processes (baseline after one warm-up "
-        "request in the JSON); peak held pixels = the stub's /stats peak_held_pixel_bytes. Latency: send → "
+        f"{meta['clients']} clients × {meta['per_client']} streaming chat requests "
+        f"({meta['clients'] * meta['per_client']} in all), each with one {w}x{h} photo-like JPEG "
+        f"(q{img['quality']}, {img['bytes'] / 1e6:.2f} MB; body {img['body_bytes'] / 1e6:.2f} MB; "
+        f"{img['decoded_rgb_bytes'] / MIB:.0f} MiB as decoded RGB) → mmgate → stub backend "
+        f"`{' '.join(meta['stub_flags'])}` (decodes every image and holds the pixels until the last token; "
+        "240 ms simulated encoder CPU per image; 8 decode threads, vLLM's default "
+        "VLLM_MEDIA_LOADING_THREAD_COUNT). mmgate: "
+        f"`{meta['mmgate']}`; gate off = --max-mm-concurrency {OFF}. "
+        "Fresh processes per cell: peak RSS = VmHWM of that cell's processes (their RSS after one warm-up "
+        "request is in the JSON); peak held pixels = the stub's /stats peak_held_pixel_bytes. Latency: send → "
         "last SSE byte, successes only; queue = mmgate's Server-Timing queue stage. Ratios (×off) are to gate "
-        "off. Clients, mmgate and the stub share 2 cores with each other and with other jobs on the machine.",
+        "off. Clients, mmgate and the stub share 2 cores with each other (and with any other job on the "
+        "machine: 'other jobs CPU' is the machine's busy time minus this benchmark's processes, in % of one core).",
         "",
         table(rows),
         "",
         "direct: the same clients send to the backend itself (no mmgate): what the backend sees without a "
-        "sidecar. Note that mmgate with the gate off is not quite that: its decode pool (usable-CPU threads, "
+        "sidecar. mmgate with the gate off is close to it, but not quite: its decode pool (usable-CPU threads, "
         "niceness 10) paces the requests' arrival at the backend.",
         "",
         "`complete` releases the slot when the response has ended (the stub has dropped the pixels); `auto` is "
-        "`headers` for these streaming requests: the stub answers headers after decoding, so the slot is "
-        "released while the backend still holds the pixels for the rest of the generation.",
+        "`headers` for these streaming requests: the stub sends its headers after decoding, so the slot is "
+        "released while the backend still holds the pixels for the rest of the generation (here only 8 tokens "
+        "× 10 ms, so the difference is small; with long generations `headers` lets held pixels pile up).",
+        "",
+        "The backend's peak RSS is mostly decode transients, not held pixels: each decode in the stub briefly "
+        "holds the request body, the decoded JPEG bytes, Pillow's 4-byte-per-pixel image, its RGB copy and "
+        "the numpy array (~130 MiB for one 12 MP photo), so peak RSS follows how many requests the backend "
+        "decodes at once, which the gate bounds.",
         "",
     ])
-    print()
-    print(table(rows))
-    print(verdict)
-    if not args.no_write:
-        L.RESULTS.mkdir(parents=True, exist_ok=True)
-        (L.RESULTS / "gate_sweep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-        (L.RESULTS / "gate_sweep.md").write_text(md)
+    return md, verdict
+
+
+def rerender() -> None:
+    """--render: rebuild gate_sweep.md from gate_sweep.json (no measurement)."""
+    data = json.loads((L.RESULTS / "gate_sweep.json").read_text())
+    md, verdict = render(data["meta"], data["rows"])
+    (L.RESULTS / "gate_sweep.md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,11 @@ SCENARIOS = [
 GATE_CPUS, REST_CPUS = {0}, {1}
 
 
+def minor_faults(pid: int) -> int:
+    """Minor page faults of the whole process so far (fresh memory costs ~3 µs per 4 KiB page on these VMs)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of the whole process (all threads), seconds."""
     import os
@@ -113,6 +118,7 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
         before = L.histogram(await L.scrape(url), "mmgate_event_loop_lag_seconds")
         load_before = L.loadavg()
         cpu0, t0 = cpu_seconds(gate.pid), time.perf_counter()
+        faults0 = minor_faults(gate.pid)
         watch = L.CpuWatch([gate.pid, stub.pid, control.pid, os.getpid()])
         prober, out = L.start_prober(url, args.seconds, args.interval)
         ctl_prober, ctl_out = L.start_prober(control_url, args.seconds, args.interval, "/health")
@@ -120,6 +126,7 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
         ctl = await asyncio.to_thread(L.prober_result, ctl_prober, ctl_out)
         t1 = time.perf_counter()
         cpu1 = cpu_seconds(gate.pid)
+        faults1 = minor_faults(gate.pid)
         machine = watch.stop(extra_cpu_s=probe["cpu_s"] + ctl["cpu_s"])
         after_prom = await L.scrape(url)
         lag = L.histogram_diff(L.histogram(after_prom, "mmgate_event_loop_lag_seconds"), before)
@@ -154,6 +161,8 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
         "load_statuses": run.statuses() if run else {},
         "load_latency_ms": L.summarize_ms([r.latency for r in run.ok()]) if run else {},
         "mmgate_cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
+        "mmgate_cpu_ms_per_media_req": round(1000 * (cpu1 - cpu0) / len(in_window), 1) if in_window else None,
+        "mmgate_minor_faults_per_media_req": round((faults1 - faults0) / len(in_window)) if in_window else None,
         "mmgate_vmhwm_mib": round(status.get("VmHWM", 0) / 2**20, 1),
         "loadavg_during": [load_before, L.loadavg()],
         "quiet_wait": quiet, "cpu_during_window": machine,
@@ -167,6 +176,11 @@ def fmt(x: float, nd: int = 2) -> str:
     if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
         return "inf" if x == math.inf else "-"
     return f"{x:.{nd}f}"
+
+
+def _mean(values) -> float | None:  # noqa: ANN001
+    vals = [v for v in values if v is not None]
+    return round(statistics.fmean(vals), 1) if vals else None
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -185,6 +199,8 @@ def aggregate(runs: list[dict]) -> dict:
         "loop_lag_p99_le_ms_per_round": lag_p99, "loop_lag_max_le_ms": max(lag_max),
         "media_req_per_s": round(statistics.fmean(r["media_req_per_s"] for r in runs), 2),
         "mmgate_cpu_pct": round(statistics.fmean(r["mmgate_cpu_pct"] for r in runs), 1),
+        "mmgate_cpu_ms_per_media_req": _mean(r["mmgate_cpu_ms_per_media_req"] for r in runs),
+        "mmgate_minor_faults_per_media_req": _mean(r["mmgate_minor_faults_per_media_req"] for r in runs),
         "other_jobs_cpu_pct_per_round": [r["cpu_during_window"]["other_jobs_cpu_pct"] for r in runs],
         "rounds": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
     }
@@ -193,9 +209,9 @@ def aggregate(runs: list[dict]) -> dict:
 def table(rows: list[dict]) -> str:
     lines = [
         "| scenario | health p50 ms | p99 ms | max ms | p99 per round | control p99 ms (per round) "
-        "| loop lag p99 per round / max (bucket <=, ms) | media req/s | mmgate CPU % | other jobs CPU % per round "
-        "| mmgate thread niceness |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| loop lag p99 per round / max (bucket <=, ms) | media req/s | mmgate CPU % | mmgate CPU ms / req "
+        "| mmgate minor faults / req | other jobs CPU % per round | mmgate thread niceness |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         h, c = r["health"], r["control"]
@@ -206,6 +222,8 @@ def table(rows: list[dict]) -> str:
             f"| {fmt(c['p99'])} ({' / '.join(fmt(x, 1) for x in r['control_p99_per_round'])}) "
             f"| {' / '.join(fmt(x, 1) for x in r['loop_lag_p99_le_ms_per_round'])} / {fmt(r['loop_lag_max_le_ms'], 1)} "
             f"| {fmt(r['media_req_per_s'])} | {fmt(r['mmgate_cpu_pct'], 0)} "
+            f"| {fmt(r['mmgate_cpu_ms_per_media_req'] or math.nan, 0)} "
+            f"| {fmt(float(r['mmgate_minor_faults_per_media_req'] or math.nan), 0)} "
             f"| {' / '.join(fmt(x, 0) for x in r['other_jobs_cpu_pct_per_round'])} | {','.join(map(str, values))} |")
     return "\n".join(lines)
 
@@ -225,7 +243,11 @@ def main() -> None:
                          "meaningful only when no other job uses the machine, since other jobs then share "
                          "mmgate's single core")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--render", action="store_true", help="only rebuild the .md from the .json")
     args = ap.parse_args()
+    if args.render:
+        rerender()
+        return
 
     started = time.monotonic()
     up_start = L.uptime()
@@ -244,7 +266,8 @@ def main() -> None:
                 print(f"r{rnd} {sc.name:18s} p50 {h['p50']:7.2f} p99 {h['p99']:7.2f} max {h['max']:8.2f} ms "
                       f"n {h['n']} (control p99 {c['p99']:.2f} max {c['max']:.2f})  "
                       f"lag p99<= {row['loop_lag']['p99_le_ms']} ms  {row['media_req_per_s']} req/s  "
-                      f"mmgate CPU {row['mmgate_cpu_pct']}%  others CPU {m['other_jobs_cpu_pct']}%  "
+                      f"mmgate CPU {row['mmgate_cpu_pct']}% ({row['mmgate_cpu_ms_per_media_req']} ms, "
+                      f"{row['mmgate_minor_faults_per_media_req']} faults /req)  others CPU {m['other_jobs_cpu_pct']}%  "
                       f"quiet {row['quiet_wait']}  load {row['load_statuses']}  nice {row['thread_niceness']}"
                       + (f"  LOG {row['mmgate_log_problems']}" if row["mmgate_log_problems"] else ""),
                       flush=True)
@@ -258,14 +281,6 @@ def main() -> None:
     import aiohttp
     from proxy.settings import usable_cpus
 
-    pool = next((r for r in rows if r["name"] == "pool"), None)
-    verdict = ""
-    if pool:
-        p99 = pool["health"]["p99"]
-        verdict = (f"**Loaded, pool: /mmgate/health p99 {p99:.2f} ms** over {pool['health']['n']} probes "
-                   f"(goal <= {GOAL_P99_MS:g} ms: {'met' if p99 <= GOAL_P99_MS else 'NOT met'}; the control server "
-                   f"probed at the same time: p99 {pool['control']['p99']:.2f} ms; vLLM #34789 anchor: "
-                   f"{VLLM_ANCHOR_P99_MS} ms).")
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(), "aiohttp": aiohttp.__version__, "pillow": PIL.__version__,
@@ -280,30 +295,55 @@ def main() -> None:
                   "--max-queue 64; decode workers default = usable CPUs",
         "wall_s": round(time.monotonic() - started, 1),
     }
+    md, verdict = render(meta, rows)
+    print()
+    print(table(rows))
+    print(verdict)
+    if not args.no_write:
+        L.RESULTS.mkdir(parents=True, exist_ok=True)
+        (L.RESULTS / "loop_latency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+        (L.RESULTS / "loop_latency.md").write_text(md)
+
+
+def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
+    """The Markdown report (and its verdict line) from the measured rows."""
+    pool = next((r for r in rows if r["name"] == "pool"), None)
+    verdict = ""
+    if pool:
+        p99 = pool["health"]["p99"]
+        verdict = (f"**Loaded, pool: /mmgate/health p99 {p99:.2f} ms** over {pool['health']['n']} probes "
+                   f"(goal <= {GOAL_P99_MS:g} ms: {'met' if p99 <= GOAL_P99_MS else 'NOT met'}; the control server "
+                   f"probed at the same time: p99 {pool['control']['p99']:.2f} ms; vLLM #34789 anchor: "
+                   f"{VLLM_ANCHOR_P99_MS} ms).")
+    img = meta["image"]
+    w, h = img["size"]
+    pinned = any(r.get("pinned") for r in rows)
     md = "\n".join([
         "# Event-loop latency under multimodal load (/mmgate/health)",
         "",
-        f"`python bench/loop_latency.py` -- {meta['date']}, Python {meta['python']}, aiohttp {meta['aiohttp']}, "
-        f"Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {args.rounds} interleaved rounds, "
-        f"{meta['wall_s']} s in all.",
-        f"Start: `{up_start}`  ",
-        f"End: `{up_end}`",
+        f"`python bench/loop_latency.py{' --pinned' if pinned else ''}` -- {meta['date']}, Python {meta['python']}, "
+        f"aiohttp {meta['aiohttp']}, Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['rounds']} "
+        f"interleaved rounds, {meta['wall_s']} s in all.",
+        f"Start: `{meta['uptime_start']}`  ",
+        f"End: `{meta['uptime_end']}`",
         "",
         verdict,
         "",
-        f"Prober: own process, GET /mmgate/health every {args.interval * 1000:g} ms (fixed schedule; slots that "
-        f"pass while a probe waits are skipped) over one keep-alive connection for {args.seconds:g} s per round; "
+        f"Prober: own process, GET /mmgate/health every {meta['interval'] * 1000:g} ms (fixed schedule; slots that "
+        f"pass while a probe waits are skipped) over one keep-alive connection for {meta['seconds']:g} s per round; "
         "latency = send → last byte; p50/p99/max pool the probes of all rounds. Control: a minimal aiohttp "
         "server (own process, does nothing else) probed the same way at the same time: what the machine's CPU "
-        f"scheduling alone costs an idle loop. Load: {args.clients} clients back to back, each POSTing a "
-        f"{L.PHOTO_SIZE[0]}x{L.PHOTO_SIZE[1]} photo-like JPEG (q{L.PHOTO_QUALITY}, {len(image) / 1e6:.2f} MB, "
-        f"body {len(body) / 1e6:.2f} MB) to /v1/chat/completions, non-streaming, through mmgate (gate defaults: "
-        "4 admitted, queue 64; validate full) to the stub backend (1 decode thread, no simulated encoder CPU). "
-        "Loop lag: mmgate's own mmgate_event_loop_lag_seconds histogram (250 ms timer), diffed over the probe "
-        "window; bucket upper edges. Fresh mmgate and stub per scenario and round. Clients, probers, mmgate and "
-        "the stub share the same 2 cores; 'other jobs CPU' is the machine's busy time during the window minus "
-        "that of this benchmark's processes, probers included (percent of one core; 200 = both cores): other "
-        "people's jobs plus kernel time not charged to a process (loopback networking softirqs), i.e. the noise.",
+        f"scheduling alone costs an idle loop. Load: {meta['clients']} clients back to back, each POSTing a "
+        f"{w}x{h} photo-like JPEG (q{img['quality']}, {img['bytes'] / 1e6:.2f} MB, body {img['body_bytes'] / 1e6:.2f} "
+        "MB) to /v1/chat/completions, non-streaming, through mmgate (gate defaults: 4 admitted, queue 64; "
+        "validate full) to the stub backend (1 decode thread, no simulated encoder CPU). Loop lag: mmgate's own "
+        "mmgate_event_loop_lag_seconds histogram (250 ms timer), diffed over the probe window; bucket upper "
+        "edges. mmgate CPU ms / req and minor faults / req: the whole mmgate process (loop and decode threads) "
+        "during the window, per media request answered in it. Fresh mmgate and stub per scenario and round. "
+        "Clients, probers, mmgate and the stub share the same 2 cores; 'other jobs CPU' is the machine's busy "
+        "time during the window minus that of this benchmark's processes, probers included (percent of one "
+        "core; 200 = both cores): other people's jobs plus kernel time not charged to a process (loopback "
+        "networking softirqs), i.e. the noise.",
         "",
         table(rows),
         "",
@@ -312,14 +352,23 @@ def main() -> None:
         "last column is the set of niceness values read back from /proc/PID/task/*/stat of the mmgate process "
         "(the loop and aiohttp threads are 0; decode workers 10 when lowered).",
         "",
+        *([
+            "Pinned scenarios (`--pinned`): mmgate alone on CPU 0 (so 1 usable CPU: 1 decode worker), the stub, "
+            "the clients, the probers and the control on CPU 1: mmgate's loop then competes only with its own "
+            "decode worker, which is what the worker niceness is for. Only meaningful when no other job runs "
+            "(other jobs share CPU 0 with mmgate): check the 'other jobs' column.",
+            "",
+        ] if pinned else []),
     ])
-    print()
-    print(table(rows))
-    print(verdict)
-    if not args.no_write:
-        L.RESULTS.mkdir(parents=True, exist_ok=True)
-        (L.RESULTS / "loop_latency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-        (L.RESULTS / "loop_latency.md").write_text(md)
+    return md, verdict
+
+
+def rerender() -> None:
+    """--render: rebuild loop_latency.md from loop_latency.json (no measurement)."""
+    data = json.loads((L.RESULTS / "loop_latency.json").read_text())
+    md, _verdict = render(data["meta"], data["rows"])
+    (L.RESULTS / "loop_latency.md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":
