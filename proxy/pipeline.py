@@ -200,8 +200,9 @@ def _release_points(state: AppState, ex: Exchange, is_stream: bool) -> ReleasePo
 
 
 def _set_live(state: AppState, ex: Exchange, size: int) -> None:
-    state.metrics.media_bytes_live.inc(size - ex.live_bytes)
-    ex.live_bytes = size
+    if size != ex.live_bytes:  # text requests never hold media: no gauge lock on the hot path
+        state.metrics.media_bytes_live.inc(size - ex.live_bytes)
+        ex.live_bytes = size
 
 
 def _drop_live(state: AppState, ex: Exchange) -> None:

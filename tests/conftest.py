@@ -52,6 +52,15 @@ class Upstream:
     def route(self, path: str, handler: Handler) -> None:
         self.handlers[path] = handler
 
+    async def held_stream(self, request: web.Request, last: bytes = b"data: [DONE]\n\n") -> web.StreamResponse:
+        """An SSE answer that sends its first event, then holds until ``release`` is set, then ``last``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: first\n\n")
+        await self.release.wait()
+        await response.write(last)
+        return response
+
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         if self.keep_bodies:
             body = await request.read()

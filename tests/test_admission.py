@@ -26,12 +26,7 @@ def hold(upstream: Upstream, stream: bool = False) -> None:
         if b"image_url" not in await request.read():
             return web.json_response({"text": True})  # text-only requests are answered at once
         if stream:
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(request)
-            await response.write(b"data: first\n\n")
-            await upstream.release.wait()
-            await response.write(b"data: [DONE]\n\n")
-            return response
+            return await upstream.held_stream(request)
         await upstream.release.wait()
         return web.json_response({"ok": True})
 

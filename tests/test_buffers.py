@@ -48,18 +48,7 @@ def big_allocations() -> list[tracemalloc.Trace]:
 async def test_media_released_while_response_still_streams(upstream: Upstream, start_proxy: StartProxy,
                                                            resize: str) -> None:
     upstream.keep_bodies = False
-    has_body = asyncio.Event()
-
-    async def stream(request: web.Request) -> web.StreamResponse:
-        has_body.set()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b"data: first\n\n")
-        await upstream.release.wait()
-        await response.write(b"data: [DONE]\n\n")
-        return response
-
-    upstream.route("/v1/chat/completions", stream)
+    upstream.route("/v1/chat/completions", upstream.held_stream)
     proxy = await start_proxy(upstream.url, MMGATE_RESIZE_MAX_SIDE=resize, MMGATE_RELEASE_AT="complete")
     body = orjson.dumps(chat_with_image(data_uri(noise_png(1200, 900)), stream=True))
     assert len(body) > 3 * BIG
@@ -67,7 +56,7 @@ async def test_media_released_while_response_still_streams(upstream: Upstream, s
     try:
         reader, writer = await raw_post(proxy.server.port, "/v1/chat/completions", body)
         del body
-        await asyncio.wait_for(has_body.wait(), 30)
+        await asyncio.wait_for(upstream.arrived.get(), 30)  # the upstream has read the whole body
         await reader.readuntil(b"data: first\n\n")  # the response is streaming, the upstream holds it open
         assert proxy.state.metrics.media_bytes_live._value.get() == 0
         assert proxy.state.gate.in_use == 1  # release_at=complete: the slot is still held, the bytes are not

@@ -7,10 +7,10 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from proxy.cli import free_port, main
 from proxy.settings import ConfigError, Settings
@@ -75,15 +75,7 @@ async def _wait_listening(url: str, process: subprocess.Popen[bytes]) -> None:
 
 
 async def test_sigterm_drains_in_flight_streams(upstream: Upstream) -> None:
-    async def stream(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b"data: first\n\n")
-        await upstream.release.wait()
-        await response.write(b"data: last\n\n")
-        return response
-
-    upstream.route("/v1/chat/completions", stream)
+    upstream.route("/v1/chat/completions", partial(upstream.held_stream, last=b"data: last\n\n"))
     port = free_port()
     env = {**os.environ, "MMGATE_UPSTREAM": upstream.url, "MMGATE_PORT": str(port), "MMGATE_HOST": "127.0.0.1",
            "MMGATE_DRAIN_GRACE": "0", "MMGATE_DRAIN_TIMEOUT": "30"}
