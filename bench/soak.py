@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import io
 import json
-import os
 import random
 import statistics
 import sys

@@ -67,6 +67,7 @@ class Batch:
         self._stop = threading.Event()
         self._futures: list[Future[object]] = []
         self._running = 0  # guarded by pool._lock
+        self.started = 0  # items a worker picked up: 0 after a timeout means the pool never got to them
         self._idle: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -96,6 +97,10 @@ class Batch:
         except BaseException:
             self.abandon()
             raise
+        finally:
+            # The futures hold results and exceptions; an exception's traceback reaches the caller's frame,
+            # which holds this batch: without this, that cycle keeps the request's media until a GC pass.
+            self._futures = []
         return list(results)  # type: ignore[arg-type]
 
     def _call(self, job: Job[T]) -> T:
@@ -103,6 +108,7 @@ class Batch:
         with pool._lock:
             pool.queued -= 1
             self._running += 1
+            self.started += 1
             if self._stop.is_set():  # started in the instant the batch was abandoned
                 pool.stuck += 1
         assert self._loop is not None and self._idle is not None

@@ -48,6 +48,8 @@ def build_state(settings: Settings) -> AppState:
         validate=settings.validate,  # type: ignore[arg-type]
     )
     state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.max_audio_seconds))
+    metrics.media_bytes_live.set_function(lambda: state.buffers.bytes_live)
+    metrics.media_buffers_live.set_function(lambda: state.buffers.owners_live)
     state.idle.set()
     return state
 

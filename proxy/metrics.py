@@ -61,6 +61,9 @@ class Metrics:
         self.media_bytes_live = Gauge(
             "mmgate_media_bytes_live", "Media bytes this process holds for requests (0 after handoff)", registry=r
         )
+        self.media_buffers_live = Gauge(
+            "mmgate_media_buffers_live", "Media buffer owners not yet freed (weakref-counted; 0 when idle)", registry=r
+        )
         self.media_items = Counter(
             "mmgate_media_items", "Media items seen, by type and outcome", ["type", "outcome"], registry=r
         )

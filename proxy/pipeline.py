@@ -8,20 +8,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
 
-import orjson
 from aiohttp import hdrs, web
 
 from preprocessors.audio import validate_audio
-from preprocessors.base import Checkpoint, MediaError
+from preprocessors.base import Cancelled, Checkpoint, MediaError
 from preprocessors.dataurl import decode_base64, decoded_size, encode_base64, parse_data_url
 from preprocessors.image import process_image
 from preprocessors.pool import run_soon
 
 from .admission import Lease
+from .buffers import BufferReleased, MediaBuffer
 from .dialects import MediaPart, Route, find_media, route_for
 from .errors import Dialect, ProxyError, dialect_for_path
 from .metrics import Stopwatch, server_timing
@@ -57,7 +57,7 @@ class Exchange:
     response: web.StreamResponse | None = None
     lease: Lease | None = None
     lease_owned_by_batch: bool = False
-    live_bytes: int = 0  # this request's share of mmgate_media_bytes_live
+    media: weakref.ref[MediaBuffer] | None = None  # weak: the payload is the owner's only strong holder
     bytes_in: int = 0
     media_in: int = 0
     media_out: int = 0
@@ -105,7 +105,7 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
     finally:
         if ex.lease is not None and not ex.lease_owned_by_batch:
             ex.lease.release()
-        _drop_live(state, ex)
+        _let_go(ex)
         state.request_finished()
         _record(state, ex, request)
 
@@ -144,13 +144,17 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     ex.watch.add("read", time.perf_counter() - started)
     ex.bytes_in = len(body)
 
-    is_stream = False
-    if ex.route != "other" and may_contain_media(body):
-        body, is_stream = await prepare_media(state, ex, body)
-    release = _release_points(state, ex, is_stream)
-    # From here on the only reference to the body is the payload, which drops it once written (handoff).
-    payload = OneShotBody(body, release.on_sent) if body else None
+    outgoing: bytes | MediaBuffer = body
     del body
+    is_stream = False
+    if ex.route != "other" and may_contain_media(outgoing):
+        outgoing = state.buffers.hold(outgoing)  # from here on the owner is the only holder of the bytes
+        ex.media = weakref.ref(outgoing)
+        is_stream = await prepare_media(state, ex, outgoing)
+    release = _release_points(state, ex, is_stream)
+    # The payload is now the only holder: it releases the bytes once they are written (the handoff).
+    payload = OneShotBody(outgoing, release.on_sent) if len(outgoing) else None
+    del outgoing
 
     ex.upstream_started = time.perf_counter()
     assert state.session is not None
@@ -175,38 +179,25 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
 
 
 def _release_points(state: AppState, ex: Exchange, is_stream: bool) -> ReleasePoints:
-    """Where the gate lease ends (MMGATE_RELEASE_AT; ``auto``: headers if streaming, else sent) and where the
-    request's media stops being live (always at handoff: the last body byte written upstream)."""
+    """Where the gate lease ends (MMGATE_RELEASE_AT; ``auto``: headers if streaming, else sent). The media
+    bytes themselves are always let go at handoff, by the payload."""
     release = ReleasePoints()
-    sent: list[Callable[[], None]] = []
-    if ex.live_bytes:
-        sent.append(partial(_drop_live, state, ex))
     if ex.lease is not None:
         release_at = state.settings.release_at
         if release_at == "auto":
             release_at = "headers" if is_stream else "sent"
         if release_at == "sent":
-            sent.append(ex.lease.release)
+            release.on_sent = ex.lease.release
         elif release_at == "headers":
             release.on_headers = ex.lease.release
-    if sent:
-
-        def on_sent() -> None:
-            for callback in sent:
-                callback()
-
-        release.on_sent = on_sent
     return release
 
 
-def _set_live(state: AppState, ex: Exchange, size: int) -> None:
-    if size != ex.live_bytes:  # text requests never hold media: no gauge lock on the hot path
-        state.metrics.media_bytes_live.inc(size - ex.live_bytes)
-        ex.live_bytes = size
-
-
-def _drop_live(state: AppState, ex: Exchange) -> None:
-    _set_live(state, ex, 0)
+def _let_go(ex: Exchange) -> None:
+    """The request is over: its media owner, if anything still keeps it alive, lets go of the bytes."""
+    media = ex.media() if ex.media is not None else None
+    if media is not None:
+        media.release()
 
 
 def _response_headers(server_timing: bool, ex: Exchange) -> dict[str, str]:
@@ -254,18 +245,21 @@ class _Item:
     size: int  # decoded bytes, exact upper bound from the base64 length
 
 
-async def prepare_media(state: AppState, ex: Exchange, body: bytes) -> tuple[bytes, bool]:
-    """Locate, admit, preprocess and splice. Returns the body to forward and whether the client streams."""
+async def prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> bool:
+    """Locate, admit, preprocess and splice ``media`` in place. Returns whether the client streams.
+
+    Only ``media`` holds the body: locals here and the decode jobs reach the bytes through it, so a
+    released owner (the request ended) leaves nothing behind in a frame or a queued job.
+    """
     settings = state.settings
     started = time.perf_counter()
-    skeleton, parts = find_media(ex.route, body)
+    skeleton, parts = find_media(ex.route, media.data)
     is_stream = skeleton is not None and isinstance(skeleton.doc, dict) and skeleton.doc.get("stream") is True
     del skeleton  # it references the body; the spans in ``parts`` are all we keep
     ex.watch.add("parse", time.perf_counter() - started)
     if not parts:
-        return body, is_stream
+        return is_stream
     ex.kind = "media"
-    _set_live(state, ex, len(body))
 
     if len(parts) > settings.max_media_per_request:
         raise ProxyError(400, "too_many_media",
@@ -281,7 +275,7 @@ async def prepare_media(state: AppState, ex: Exchange, body: bytes) -> tuple[byt
                                  "as base64", param=part.path)
             state.metrics.media_items.labels(part.kind, "url").inc()
             continue
-        items.append(_measure(body, part, settings.max_media_item_bytes))
+        items.append(_measure(media.data, part, settings.max_media_item_bytes))
     cost = sum(item.size for item in items)
 
     started = time.perf_counter()
@@ -291,7 +285,10 @@ async def prepare_media(state: AppState, ex: Exchange, body: bytes) -> tuple[byt
     started = time.perf_counter()
     assert state.pool is not None
     batch = state.pool.batch()
-    jobs = [partial(_process_item, body, item, state) for item in items]
+    # Jobs reach the body through a weak reference: a job still queued or finishing in its thread after
+    # the request moved on (or ended) must not keep the owner alive.
+    media_ref = weakref.ref(media)
+    jobs = [partial(_process_item, media_ref, item, state) for item in items]
     try:
         outcomes = await batch.run(jobs, settings.preprocess_timeout)
     except BaseException as exc:
@@ -300,6 +297,10 @@ async def prepare_media(state: AppState, ex: Exchange, body: bytes) -> tuple[byt
         run_soon(batch.stopped(), lease.release)
         if isinstance(exc, TimeoutError):
             _count_items(state, items, "timeout")
+            if batch.started == 0:  # every decode worker stayed busy: not the client's media at fault
+                raise ProxyError(504, "preprocess_timeout",
+                                 f"no decode worker became free within {settings.preprocess_timeout:g} s "
+                                 "(MMGATE_PREPROCESS_TIMEOUT): the proxy is overloaded, retry later") from None
             raise ProxyError(504, "preprocess_timeout",
                              f"media preprocessing took longer than {settings.preprocess_timeout:g} s "
                              "(MMGATE_PREPROCESS_TIMEOUT): send smaller media") from None
@@ -327,11 +328,10 @@ async def prepare_media(state: AppState, ex: Exchange, body: bytes) -> tuple[byt
     state.metrics.media_bytes.labels("in").inc(ex.media_in)
     state.metrics.media_bytes.labels("out").inc(ex.media_out)
     if replacements:
-        body = splice(body, replacements)
+        media.replace(splice(media.data, replacements))
         replacements.clear()
-        _set_live(state, ex, len(body))
     ex.watch.add("splice", time.perf_counter() - started)
-    return body, is_stream
+    return is_stream
 
 
 def _count_items(state: AppState, items: list[_Item], outcome: str) -> None:
@@ -365,6 +365,17 @@ def _measure(body: bytes, part: MediaPart, max_item: int) -> _Item:
     return _Item(part, offset, size)
 
 
+def _inline_value(media_ref: weakref.ref[MediaBuffer], part: MediaPart) -> bytes | memoryview:
+    """The part's string value (a view into the body when possible); Cancelled if the request let go of it."""
+    media = media_ref()
+    try:
+        if media is None:
+            raise BufferReleased()
+        return part.data(media.data)
+    except BufferReleased:
+        raise Cancelled() from None
+
+
 class _ItemFailed(Exception):
     def __init__(self, path: str, error: MediaError) -> None:
         super().__init__(error.message)
@@ -383,11 +394,12 @@ class _Outcome:
     mime: bytes = b""
 
 
-def _process_item(body: bytes, item: _Item, state: AppState, checkpoint: Checkpoint) -> _Outcome:
+def _process_item(media_ref: weakref.ref[MediaBuffer], item: _Item, state: AppState,
+                  checkpoint: Checkpoint) -> _Outcome:
     """In a decode thread: base64 → bytes → validate → (resize → re-encode → base64 token)."""
     part = item.part
     try:
-        value = part.data(body)
+        value = _inline_value(media_ref, part)
         data = decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
         del value
         size = len(data)

@@ -12,6 +12,7 @@ from preprocessors.base import AudioPolicy, ImagePolicy
 from preprocessors.pool import DecodePool
 
 from .admission import Gate
+from .buffers import BufferLedger
 from .metrics import Metrics
 from .settings import Settings
 
@@ -25,6 +26,7 @@ class AppState:
     gate: Gate
     image_policy: ImagePolicy
     audio_policy: AudioPolicy
+    buffers: BufferLedger = field(default_factory=BufferLedger)
     session: aiohttp.ClientSession | None = None
     pool: DecodePool | None = None
     not_ready: bool = False  # SIGTERM received: readiness fails, requests still served (drain grace)

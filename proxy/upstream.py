@@ -12,7 +12,6 @@ is written to the client as it arrives (``iter_any``), so SSE tokens keep their 
 
 from __future__ import annotations
 
-import asyncio
 import re
 import uuid
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from aiohttp.payload import Payload
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from .buffers import MediaBuffer
 from .errors import ProxyError
 
 HOP_BY_HOP = frozenset(
@@ -76,22 +76,24 @@ class OneShotBody(Payload):
 
     aiohttp's ClientRequest keeps its body for the request's whole lifetime (for redirects and retries,
     which a proxy never does): with a plain ``bytes`` body the media would stay alive until the response
-    stream ends, the exact leak of the lmdeploy reports. This payload lets go of the bytes as soon as the
-    transport has them and calls ``on_sent`` (the ``sent`` release point).
+    stream ends, the exact leak of the lmdeploy reports. This payload lets go of the bytes (releasing a
+    ``MediaBuffer`` owner) as soon as the transport has them, then calls ``on_sent`` (the ``sent`` release
+    point).
     """
 
     _autoclose = True
 
-    def __init__(self, body: bytes, on_sent: Callable[[], None] | None = None) -> None:
+    def __init__(self, body: bytes | MediaBuffer, on_sent: Callable[[], None] | None = None) -> None:
         # aiohttp wants a Content-Type here; skip_auto_headers keeps it off the wire, so the client's own
         # Content-Type (or none) is what the upstream sees.
         super().__init__(None)
-        self._body: bytes | None = body
+        self._body: bytes | MediaBuffer | None = body
         self._size = len(body)
         self._on_sent = on_sent
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        return (self._body or b"").decode(encoding, errors)
+        body = self._body
+        return (body.data if isinstance(body, MediaBuffer) else body or b"").decode(encoding, errors)
 
     async def write(self, writer: AbstractStreamWriter) -> None:
         await self.write_with_length(writer, None)
@@ -101,8 +103,10 @@ class OneShotBody(Payload):
         if body is None:
             raise RuntimeError("OneShotBody written twice")
         try:
-            await writer.write(body if content_length is None else body[:content_length])
+            await writer.write(_sliced(body, content_length))
         finally:
+            if isinstance(body, MediaBuffer):
+                body.release()  # the handoff: the transport has every byte
             del body
         self._consumed = True
         if self._on_sent is not None:
@@ -110,8 +114,15 @@ class OneShotBody(Payload):
             on_sent()
 
     def _close(self) -> None:
-        self._body = None
+        body, self._body = self._body, None
+        if isinstance(body, MediaBuffer):
+            body.release()
         self._on_sent = None
+
+
+def _sliced(body: bytes | MediaBuffer, length: int | None) -> bytes:
+    data = body.data if isinstance(body, MediaBuffer) else body
+    return data if length is None else data[:length]
 
 
 @dataclass(slots=True)

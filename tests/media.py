@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import threading
 from typing import Any, Callable
 
 from PIL import Image
+
+from preprocessors.pool import DecodePool
 
 
 def image_bytes(width: int = 64, height: int = 48, fmt: str = "PNG", mode: str = "RGB", color: Any = "red") -> bytes:
@@ -44,3 +47,18 @@ async def eventually(condition: Callable[[], bool], what: str = "condition") -> 
             return
         await asyncio.sleep(0.005)
     raise AssertionError(f"never happened: {what}")
+
+
+class BlockedPool:
+    """Occupies every decode thread until released, so a request's items stay queued: deterministic
+    timeouts and disconnects during preprocessing without relying on how long a decode takes."""
+
+    def __init__(self, pool: DecodePool | None) -> None:
+        assert pool is not None and pool._executor is not None
+        self.go = threading.Event()
+        self.futures = [pool._executor.submit(self.go.wait) for _ in range(pool.workers)]
+
+    def release(self) -> None:
+        self.go.set()
+        for future in self.futures:
+            future.result()

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import io
 import struct
-import threading
 import zlib
 
 import aiohttp
@@ -21,7 +20,7 @@ from PIL import Image
 from proxy.stub_backend import StubConfig, create_stub_app
 
 from .conftest import Proxy, StartProxy, Upstream
-from .media import chat_with_image, data_uri, decode_uri, eventually, image_bytes
+from .media import BlockedPool, chat_with_image, data_uri, decode_uri, eventually, image_bytes
 
 
 async def post(url: str, body: dict | bytes, **headers: str) -> tuple[int, dict]:
@@ -197,25 +196,9 @@ async def test_compressed_body_on_media_route_refused(upstream: Upstream, proxy:
     assert (got, answer["error"]["code"]) == (415, "unsupported_content_encoding")
 
 
-class _BlockedPool:
-    """Occupies every decode thread until released, so a request's items stay queued: deterministic
-    timeouts and disconnects during preprocessing without relying on how long a decode takes."""
-
-    def __init__(self, proxy: Proxy) -> None:
-        self.pool = proxy.state.pool
-        assert self.pool is not None and self.pool._executor is not None
-        self.go = threading.Event()
-        self.futures = [self.pool._executor.submit(self.go.wait) for _ in range(self.pool.workers)]
-
-    def release(self) -> None:
-        self.go.set()
-        for future in self.futures:
-            future.result()
-
-
 async def test_preprocess_timeout_frees_slot_when_work_stopped(upstream: Upstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url, MMGATE_DECODE_WORKERS="1", MMGATE_PREPROCESS_TIMEOUT="0.05")
-    blocked = _BlockedPool(proxy)
+    blocked = BlockedPool(proxy.state.pool)
     try:
         got, answer = await post(proxy.url + "/v1/chat/completions", chat_with_image(data_uri(image_bytes())))
         assert (got, answer["error"]["code"]) == (504, "preprocess_timeout")
@@ -229,7 +212,7 @@ async def test_preprocess_timeout_frees_slot_when_work_stopped(upstream: Upstrea
 async def test_client_disconnect_during_preprocessing_frees_the_pool(upstream: Upstream,
                                                                     start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url, MMGATE_DECODE_WORKERS="1")
-    blocked = _BlockedPool(proxy)
+    blocked = BlockedPool(proxy.state.pool)
     try:
         task = asyncio.create_task(post(proxy.url + "/v1/chat/completions", chat_with_image(data_uri(image_bytes()))))
         await eventually(lambda: proxy.state.pool.queued == 1, "item queued")
@@ -246,7 +229,7 @@ async def test_client_disconnect_during_preprocessing_frees_the_pool(upstream: U
 
 async def test_text_request_does_not_wait_for_busy_pool(upstream: Upstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url, MMGATE_DECODE_WORKERS="1")
-    blocked = _BlockedPool(proxy)
+    blocked = BlockedPool(proxy.state.pool)
     try:
         task = asyncio.create_task(post(proxy.url + "/v1/chat/completions", chat_with_image(data_uri(image_bytes()))))
         await eventually(lambda: proxy.state.pool.queued == 1, "item queued")
