@@ -20,6 +20,7 @@ from preprocessors.pool import DecodePool
 
 from .admin import add_admin_routes
 from .admission import Gate
+from .memory import IdleTrimmer, glibc_malloc_trim
 from .metrics import Metrics, watch_loop_lag
 from .pipeline import handle_request
 from .settings import Settings
@@ -30,11 +31,16 @@ log = logging.getLogger("mmgate")
 
 def build_state(settings: Settings) -> AppState:
     metrics = Metrics()
+    trimmer = IdleTrimmer(settings.trim_idle, glibc_malloc_trim(), metrics.memory_trims.inc)
 
     def gate_changed(gate: Gate) -> None:
         metrics.gate_in_use.set(gate.in_use)
         metrics.gate_waiting.set(gate.waiting)
         metrics.media_bytes_inflight.set(gate.bytes_in_use)
+        if gate.in_use or gate.waiting:
+            trimmer.busy()
+        else:  # every admitted request's media work has stopped (a lease outlives its batch)
+            trimmer.idle()
 
     metrics.gate_limit.set(settings.max_mm_concurrency)
     gate = Gate(settings.max_mm_concurrency, settings.max_inflight_media_bytes, settings.max_queue, gate_changed)
@@ -47,7 +53,8 @@ def build_state(settings: Settings) -> AppState:
         jpeg_quality=settings.jpeg_quality,
         validate=settings.validate,  # type: ignore[arg-type]
     )
-    state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.max_audio_seconds))
+    state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.max_audio_seconds),
+                     trimmer)
     metrics.media_bytes_live.set_function(lambda: state.buffers.bytes_live)
     metrics.media_buffers_live.set_function(lambda: state.buffers.owners_live)
     state.idle.set()
@@ -81,6 +88,11 @@ async def _loop_lag_watcher(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
+async def _idle_trimmer(app: web.Application) -> AsyncIterator[None]:
+    yield
+    app[STATE].trimmer.close()
+
+
 def build_app(settings: Settings, *, admin: bool | None = None, state: AppState | None = None) -> web.Application:
     """The proxy application. ``admin`` serves /mmgate/* here too (default: unless MMGATE_ADMIN_PORT is set)."""
     # auto_decompress off: a compressed request body is forwarded as the client sent it (Content-Encoding
@@ -89,7 +101,7 @@ def build_app(settings: Settings, *, admin: bool | None = None, state: AppState 
                           handler_args={"max_field_size": 65536, "auto_decompress": False})
     app[STATE] = state or build_state(settings)
     if state is None:
-        app.cleanup_ctx.extend([_upstream_session, _decode_pool, _loop_lag_watcher])
+        app.cleanup_ctx.extend([_upstream_session, _decode_pool, _loop_lag_watcher, _idle_trimmer])
     if admin if admin is not None else not settings.admin_port:
         add_admin_routes(app)
     app.router.add_route("*", "/{tail:.*}", handle_request)

@@ -79,6 +79,9 @@ class Metrics:
             "mmgate_event_loop_lag_seconds", "How late the event loop runs a timer (loop blocked)",
             buckets=FAST_BUCKETS, registry=r,
         )
+        self.memory_trims = Counter(
+            "mmgate_memory_trims", "malloc_trim calls after media work went idle (MMGATE_TRIM_IDLE)", registry=r
+        )
         self.cache_hits = Counter("mmgate_cache_hits", "Processed-media cache hits", registry=r)
         self.cache_misses = Counter("mmgate_cache_misses", "Processed-media cache misses", registry=r)
         ProcessCollector(registry=r)

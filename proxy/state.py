@@ -13,6 +13,7 @@ from preprocessors.pool import DecodePool
 
 from .admission import Gate
 from .buffers import BufferLedger
+from .memory import IdleTrimmer
 from .metrics import Metrics
 from .settings import Settings
 
@@ -26,6 +27,7 @@ class AppState:
     gate: Gate
     image_policy: ImagePolicy
     audio_policy: AudioPolicy
+    trimmer: IdleTrimmer
     buffers: BufferLedger = field(default_factory=BufferLedger)
     session: aiohttp.ClientSession | None = None
     pool: DecodePool | None = None

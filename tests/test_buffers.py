@@ -284,3 +284,35 @@ async def test_nothing_left_after_fault(upstream: Upstream, start_proxy: StartPr
         assert leftovers == [], [t.traceback.format()[-4:] for t in leftovers]
     finally:
         tracemalloc.stop()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# giving freed heap back (proxy/memory.py)
+
+
+async def test_heap_trimmed_once_media_work_goes_idle(upstream: Upstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_TRIM_IDLE="0.05", MMGATE_RELEASE_AT="complete")
+    trimmer, registry = proxy.state.trimmer, proxy.state.metrics.registry
+    assert trimmer.enabled  # glibc here and in CI
+    text = await RawClient.send(proxy.server.port, b'{"messages": [{"role": "user", "content": "hi"}]}')
+    assert await text.status() == 200
+    upstream.arrived.get_nowait()
+    assert not trimmer.pending  # text traffic never schedules a trim
+
+    upstream.route(PATH, lambda request: hold_until_released(upstream, request))
+    client = await RawClient.send(proxy.server.port, IMAGE_BODY)
+    await asyncio.wait_for(upstream.arrived.get(), 30)
+    assert proxy.state.gate.in_use == 1 and not trimmer.pending  # never while media work holds the gate
+    upstream.release.set()
+    assert await client.status() == 200
+    await asyncio.wait_for(trimmer.trimmed.wait(), 30)
+    assert registry.get_sample_value("mmgate_memory_trims_total") == 1
+    assert not trimmer.pending  # one trim per idle period
+
+
+async def test_trim_off(upstream: Upstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_TRIM_IDLE="0")
+    client = await RawClient.send(proxy.server.port, SMALL_BODY)
+    assert await client.status() == 200
+    await eventually(lambda: proxy.state.gate.in_use == 0, "lease released")
+    assert not proxy.state.trimmer.enabled and not proxy.state.trimmer.pending
