@@ -151,6 +151,7 @@ def snapshot(state: "AppState") -> dict[str, Any]:
             "bytes_inflight": _gauge_value(m.media_bytes_inflight),
             "bytes_inflight_limit": s.max_inflight_media_bytes,
             "bytes_live": _gauge_value(m.media_bytes_live),
+            "buffers_live": _gauge_value(m.media_buffers_live),
             "bytes_in": bytes_in,
             "bytes_out": bytes_out,
             "bytes_saved": max(0.0, bytes_in - bytes_out),

@@ -157,7 +157,7 @@ async def test_stats_json_reflects_traffic_and_settings(servers: Servers) -> Non
     media = stats["media"]
     assert media["bytes_in"] > media["bytes_out"] > 0
     assert media["bytes_saved"] == media["bytes_in"] - media["bytes_out"]
-    assert media["bytes_inflight"] == 0 and media["bytes_live"] == 0
+    assert media["bytes_inflight"] == 0 and media["bytes_live"] == 0 and media["buffers_live"] == 0
     assert stats["process"]["rss_bytes"] > 0
     assert stats["uptime_seconds"] > 0
     assert stats["limits"]["max_mm_concurrency"] == 2 and stats["limits"]["resize_max_side"] == 64
@@ -176,7 +176,7 @@ async def test_dashboard_page_is_self_contained(servers: Servers) -> None:
     assert "@import" not in html and "<script src" not in html
     assert 'fetch("stats"' in html
     for testid in ("gate-in-use", "gate-limit", "gate-waiting", "req-rate", "requests-total", "rate-429",
-                   "media-inflight", "media-live", "bytes-saved", "loop-lag-p99", "rss", "limits"):
+                   "media-inflight", "media-live", "media-buffers", "bytes-saved", "loop-lag-p99", "rss", "limits"):
         assert f'data-testid="{testid}"' in html
 
 
