@@ -83,16 +83,19 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
         dialect=dialect_for_path(request.path),
     )
     state.request_started()
-    deadline = asyncio.timeout(None)
+    deadline: asyncio.Timeout | None = None
     try:
         if state.refusing:
             raise ProxyError(503, "draining", "mmgate is shutting down; retry on another replica",
                              headers={"Retry-After": "1"})
-        deadline = asyncio.timeout_at(_request_deadline(request, settings.request_timeout))
+        when = _request_deadline(request, settings.request_timeout)
+        if when is None:  # the common case: no timer to arm and cancel for every request
+            return await _serve(request, state, ex)
+        deadline = asyncio.timeout_at(when)
         async with deadline:
             return await _serve(request, state, ex)
     except TimeoutError:
-        if not deadline.expired():
+        if deadline is None or not deadline.expired():
             raise
         return await _refuse(request, state, ex, ProxyError(504, "request_timeout", "the request deadline passed"))
     except ProxyError as error:
@@ -215,11 +218,17 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
                          f"the body is {request.content_length} bytes, over the limit of {limit} (MMGATE_MAX_BODY_MB)")
     if not request.body_exists:
         return b""
+    content = request.content
+    if content.is_eof():  # the whole body came with the head (small requests): no wait, no timer
+        body = content.read_nowait()
+        if len(body) > limit:
+            raise ProxyError(413, "body_too_large", f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
+        return body
     chunks: list[bytes] = []
     size = 0
     try:
         async with asyncio.timeout(timeout):
-            async for chunk in request.content.iter_any():
+            async for chunk in content.iter_any():
                 size += len(chunk)
                 if size > limit:
                     raise ProxyError(413, "body_too_large",
@@ -458,11 +467,11 @@ def _record(state: AppState, ex: Exchange, request: web.Request) -> None:
     status = ex.status or (ex.response.status if ex.response is not None else 0)
     duration = ex.watch.elapsed()
     m = state.metrics
-    m.requests.labels(ex.route, ex.kind, str(status)).inc()
-    m.request_duration.labels(ex.route, ex.kind).observe(duration)
+    m.child(m.requests, ex.route, ex.kind, str(status)).inc()
+    m.child(m.request_duration, ex.route, ex.kind).observe(duration)
     for stage, seconds in ex.watch.stages.items():
-        m.stage_duration.labels(stage).observe(seconds)
-    m.stage_duration.labels("total").observe(duration)
+        m.child(m.stage_duration, stage).observe(seconds)
+    m.child(m.stage_duration, "total").observe(duration)
     if state.settings.access_log:
         fields = {
             "request_id": ex.request_id, "method": request.method, "path": request.path, "route": ex.route,

@@ -13,7 +13,7 @@ is written to the client as it arrives (``iter_any``), so SSE tokens keep their 
 from __future__ import annotations
 
 import re
-import uuid
+import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,6 +39,8 @@ _NOT_FORWARDED = frozenset({"host", "content-length", "x-mmgate-timeout"})
 # Fields recomputed on the way back (aiohttp frames the body itself).
 _NOT_RETURNED = frozenset({"content-length"})
 
+SMALL_ANSWER = 64 << 10  # bytes: answers up to this size with a Content-Length are sent in one write
+
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -46,7 +48,7 @@ def request_id_for(incoming: str | None) -> str:
     """Keep a client's X-Request-Id when it is short and plain (log-safe), otherwise make one."""
     if incoming and _REQUEST_ID.fullmatch(incoming):
         return incoming
-    return uuid.uuid4().hex
+    return "%032x" % random.getrandbits(128)  # an id, not a secret: no urandom syscall per request
 
 
 def without_hop_by_hop(headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -189,13 +191,28 @@ async def forward(
         release.on_headers()
 
     try:
+        length = upstream.headers.get(hdrs.CONTENT_LENGTH)
+        chunked = hdrs.TRANSFER_ENCODING in upstream.headers
+        known_length = int(length) if length is not None and not chunked and length.isdigit() else None
+        if known_length is not None and 0 < known_length <= SMALL_ANSWER and request.method != "HEAD":
+            # A small answer of known length (a typical non-streaming completion): read it whole and send
+            # headers and body in one write instead of two.
+            try:
+                data = await upstream.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise _classify(exc, headers_received=False) from None
+            response = web.Response(status=upstream.status, reason=upstream.reason, body=data)
+            response.headers.extend(without_hop_by_hop(upstream.headers, _NOT_RETURNED))
+            response.headers.update(extra_response_headers())
+            await response.prepare(request)
+            on_prepared(response)
+            await response.write_eof()
+            return response
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(without_hop_by_hop(upstream.headers, _NOT_RETURNED))
         response.headers.update(extra_response_headers())
-        length = upstream.headers.get(hdrs.CONTENT_LENGTH)
-        chunked = hdrs.TRANSFER_ENCODING in upstream.headers
-        if length is not None and not chunked and length.isdigit():
-            response.content_length = int(length)
+        if known_length is not None:
+            response.content_length = known_length
         elif request.method != "HEAD" and upstream.status not in (204, 304):
             response.enable_chunked_encoding()
         await response.prepare(request)
