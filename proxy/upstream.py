@@ -12,8 +12,8 @@ is written to the client as it arrives (``iter_any``), so SSE tokens keep their 
 
 from __future__ import annotations
 
-import re
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
