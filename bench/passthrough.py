@@ -686,6 +686,8 @@ def main() -> None:
     parser.add_argument("--sse-tokens", type=int, default=100, help="events per streamed response [100]")
     parser.add_argument("--sse-delay", type=float, default=0.01, help="seconds between events [0.01]")
     parser.add_argument("--out", default=str(RESULTS / "passthrough"), help="output path without suffix")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run mmgate as of git revision REV (a temporary worktree): before/after in one run")
     # roles of this script's own subprocesses
     parser.add_argument("--role", choices=("bench", "minimal-proxy", "upstream", "sse-client"), default="bench",
                         help=argparse.SUPPRESS)
@@ -742,8 +744,15 @@ def bench(args: argparse.Namespace) -> None:
             scripts[name] = workdir / f"post-{len(raw)}.lua"
             scripts[name].write_text(WRK_LUA.format(body=path))
 
-        # the upstream and the three proxies, all on CPU 0
-        ports = {target: free_port() for target in TARGETS}
+        # the upstream and the proxies, all on CPU 0
+        targets = list(TARGETS)
+        if args.baseline:
+            baseline = f"mmgate@{args.baseline}"
+            targets.append(baseline)
+            baseline_repo = workdir / "baseline"
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--force", str(baseline_repo),
+                            args.baseline], check=True, capture_output=True)
+        ports = {target: free_port() for target in targets}
         upstream = procs.start([sys.executable, __file__, "--role", "upstream", "--port", str(ports["direct"]),
                                 "--sse-tokens", str(args.sse_tokens), "--sse-delay", str(args.sse_delay)], PROXY_CPU)
         upstream_url = f"http://127.0.0.1:{ports['direct']}"
@@ -760,6 +769,12 @@ def bench(args: argparse.Namespace) -> None:
         upstream_pids = [upstream.pid]
         pids = {"direct": [], "nginx": [nginx.pid, *children_of(nginx.pid)], "minimal": [minimal.pid],
                 "mmgate": [mmgate.pid]}
+        if args.baseline:
+            before = procs.start([sys.executable, "-m", "proxy", "--upstream", upstream_url, "--port",
+                                  str(ports[baseline]), "--host", "127.0.0.1", "--access-log", "off"], PROXY_CPU,
+                                 cwd=baseline_repo, stderr=subprocess.DEVNULL)
+            wait_http(f"http://127.0.0.1:{ports[baseline]}/mmgate/health", proc=before)
+            pids[baseline] = [before.pid]
         urls = {target: f"http://127.0.0.1:{port}/v1/chat/completions" for target, port in ports.items()}
         for url in urls.values():
             for raw in bodies.values():
@@ -769,18 +784,18 @@ def bench(args: argparse.Namespace) -> None:
         # target's best round (highest req/s) is reported, every round is in the JSON.
         for body_name in bodies:
             for conns in (1, 32):
-                rounds: dict[str, list[dict[str, Any]]] = {target: [] for target in TARGETS}
-                for target in TARGETS:
+                rounds: dict[str, list[dict[str, Any]]] = {target: [] for target in targets}
+                for target in targets:
                     run_wrk(urls[target], scripts[body_name], conns, 1)  # warm-up: connections, pools, caches
                 # 32 concurrent 4 MB requests take ~2 s to complete through a Python proxy: longer, fewer runs
                 n_rounds, seconds = ((args.rounds, round_s) if body_name == "1 KB"
                                      else (max(1, args.rounds - 1), round_s_big))
                 for _ in range(n_rounds):
-                    for target in TARGETS:
+                    for target in targets:
                         quiet.wait()
                         rounds[target].append(measure_http(urls[target], scripts[body_name], conns, seconds,
                                                            pids[target], upstream_pids))
-                for target in TARGETS:
+                for target in targets:
                     result = best(rounds[target], "rps", highest=True)
                     cells.append({"body": body_name, "conns": conns, "target": target, **result})
                     print(f"  {body_name:5} c={conns:<3} {target:8} {result['rps']:9.0f} req/s  "
@@ -791,7 +806,7 @@ def bench(args: argparse.Namespace) -> None:
 
         # SSE through the same processes (the upstream streams when asked to by X-Bench-Stream)
         period = args.sse_tokens * args.sse_delay
-        sse_targets = ("direct", "mmgate", "minimal", "nginx")
+        sse_targets = ("direct", "mmgate", "minimal", "nginx", *targets[len(TARGETS):])
         sse_rounds: dict[str, list[dict[str, Any]]] = {target: [] for target in sse_targets}
         sse_round_s = max(2.0, args.duration / args.sse_rounds)
         for _ in range(args.sse_rounds):
@@ -821,6 +836,9 @@ def bench(args: argparse.Namespace) -> None:
             profile["4 MB"] = profile_mmgate(urls["mmgate"], scripts["4 MB"], mmgate.pid, 8, None)
     finally:
         procs.stop_all()
+        if args.baseline:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(workdir / "baseline")],
+                           capture_output=True)
         shutil.rmtree(workdir, ignore_errors=True)
 
     env["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -831,7 +849,8 @@ def bench(args: argparse.Namespace) -> None:
     settings = {"duration_s": args.duration, "rounds": args.rounds, "round_s": round_s,
                 "rounds_4mb": max(1, args.rounds - 1), "round_s_4mb": round_s_big, "sse_rounds": args.sse_rounds,
                 "sse_round_s": sse_round_s, "sse_streams": args.sse_streams, "sse_tokens": args.sse_tokens,
-                "sse_delay_s": args.sse_delay, "proxy_cpu": PROXY_CPU, "load_cpu": LOAD_CPU}
+                "sse_delay_s": args.sse_delay, "proxy_cpu": PROXY_CPU, "load_cpu": LOAD_CPU,
+                "baseline": args.baseline}
     markdown = render(env, settings, cells, sse, profile)
     print(markdown)
     out = Path(args.out)
@@ -935,6 +954,19 @@ def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, 
             f"{c['rps_x_nginx']:.2f} | {c['p50_ms']:.2f} | {c['p99_ms']:.2f} | {fmt(c['proxy_cpu_us_per_req'])} | "
             f"{fmt(c['cpu_x_nginx'], 2)} | {fmt(c['proxy_cpu_share'], 2)} | {c['upstream_cpu_us_per_req']:.0f} | "
             f"{c['other_load']:.2f} | {c['errors']} |")
+    if settings.get("baseline"):
+        before_name = f"mmgate@{settings['baseline']}"
+        lines += ["", f"Before/after in this run: mmgate (working tree) vs {before_name}, best round each.", "",
+                  "| body | conns | req/s before | req/s after | after ÷ before | CPU us/req before | after | "
+                  "after ÷ before |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for c in cells:
+            if c["target"] != "mmgate":
+                continue
+            b = by[(c["body"], c["conns"], before_name)]
+            cpu_ratio = (c["proxy_cpu_us_per_req"] / b["proxy_cpu_us_per_req"]
+                         if c["proxy_cpu_us_per_req"] and b["proxy_cpu_us_per_req"] else None)
+            lines.append(f"| {c['body']} | {c['conns']} | {b['rps']:.0f} | {c['rps']:.0f} | {c['rps'] / b['rps']:.2f} | "
+                         f"{fmt(b['proxy_cpu_us_per_req'])} | {fmt(c['proxy_cpu_us_per_req'])} | {fmt(cpu_ratio, 2)} |")
     four = [c for c in cells if c["body"] == "4 MB" and c["proxy_cpu_us_per_req"]]
     if four:
         lines += ["", "Proxy CPU per MB (4 MB bodies, 1 / 32 conns): " + ", ".join(

@@ -101,8 +101,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-async def watch_loop_lag(metrics: Metrics, interval: float = 0.25) -> None:
-    """Sleep ``interval`` again and again; how late each wake-up comes is how long the loop was blocked."""
+async def watch_loop_lag(metrics: Metrics, interval: float = 0.05) -> None:
+    """Sleep ``interval`` again and again; how late each wake-up comes is how long the loop was blocked.
+
+    50 ms: a stall shorter than the interval is only seen when it overlaps a wake-up, so a coarse interval
+    under-samples exactly the short stalls the 5-100 ms buckets are for; 20 wake-ups/s cost nothing."""
     loop = asyncio.get_running_loop()
     while True:
         started = loop.time()
