@@ -36,6 +36,7 @@ def build_state(settings: Settings) -> AppState:
     def gate_changed(gate: Gate) -> None:
         metrics.gate_in_use.set(gate.in_use)
         metrics.gate_waiting.set(gate.waiting)
+        metrics.gate_reading.set(gate.reading)
         metrics.media_bytes_inflight.set(gate.bytes_in_use)
         if gate.in_use or gate.waiting:
             trimmer.busy()

@@ -54,6 +54,10 @@ class Metrics:
         )
         self.gate_in_use = Gauge("mmgate_gate_in_use", "Media requests past admission", registry=r)
         self.gate_waiting = Gauge("mmgate_gate_waiting", "Media requests waiting for admission", registry=r)
+        self.gate_reading = Gauge(
+            "mmgate_gate_reading", "Media requests holding a place in line while their body still arrives",
+            registry=r,
+        )
         self.gate_limit = Gauge("mmgate_gate_limit", "MMGATE_MAX_MM_CONCURRENCY", registry=r)
         self.media_bytes_inflight = Gauge(
             "mmgate_media_bytes_inflight", "Decoded media bytes charged to the gate's byte budget", registry=r

@@ -11,6 +11,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable
 
 from aiohttp import hdrs, web
 
@@ -20,7 +21,7 @@ from preprocessors.dataurl import decode_base64, decoded_size, encode_base64, pa
 from preprocessors.image import process_image
 from preprocessors.pool import run_soon
 
-from .admission import Lease
+from .admission import Lease, Place
 from .buffers import BufferReleased, MediaBuffer
 from .dialects import MediaPart, Route, find_media, route_for
 from .errors import Dialect, ProxyError, dialect_for_path
@@ -55,6 +56,7 @@ class Exchange:
     code: str = ""
     watch: Stopwatch = field(default_factory=Stopwatch)
     response: web.StreamResponse | None = None
+    place: Place | None = None  # held while a big media body is still arriving
     lease: Lease | None = None
     lease_owned_by_batch: bool = False
     media: weakref.ref[MediaBuffer] | None = None  # weak: the payload is the owner's only strong holder
@@ -106,6 +108,8 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
         ex.status, ex.code = CLIENT_CLOSED, "client_closed"
         raise
     finally:
+        if ex.place is not None:
+            ex.place.release()
         if ex.lease is not None and not ex.lease_owned_by_batch:
             ex.lease.release()
         _let_go(ex)
@@ -143,7 +147,8 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
             raise ProxyError(415, "unsupported_content_encoding",
                              f"Content-Encoding {encoding[:32]!r} is not accepted on a media route; send identity")
     started = time.perf_counter()
-    body = await read_body(request, settings.max_body_bytes, settings.body_read_timeout)
+    on_head = partial(_take_place_for_media, state, ex) if ex.route != "other" else None
+    body = await read_body(request, settings.max_body_bytes, settings.body_read_timeout, on_head)
     ex.watch.add("read", time.perf_counter() - started)
     ex.bytes_in = len(body)
 
@@ -154,6 +159,8 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
         outgoing = state.buffers.hold(outgoing)  # from here on the owner is the only holder of the bytes
         ex.media = weakref.ref(outgoing)
         is_stream = await prepare_media(state, ex, outgoing)
+    if ex.place is not None:  # the body held no media after all: give the place back before forwarding
+        ex.place.release()
     release = _release_points(state, ex, is_stream)
     # The payload is now the only holder: it releases the bytes once they are written (the handoff).
     payload = OneShotBody(outgoing, release.on_sent) if len(outgoing) else None
@@ -196,6 +203,13 @@ def _release_points(state: AppState, ex: Exchange, is_stream: bool) -> ReleasePo
     return release
 
 
+def _take_place_for_media(state: AppState, ex: Exchange, head: bytes) -> None:
+    """``read_body``'s look at the first bytes of a big body: if they name media, hold a place in line
+    before reading the rest (or refuse now, with the rest unread)."""
+    if may_contain_media(head):
+        ex.place = state.gate.take_place()
+
+
 def _let_go(ex: Exchange) -> None:
     """The request is over: its media owner, if anything still keeps it alive, lets go of the bytes."""
     media = ex.media() if ex.media is not None else None
@@ -210,9 +224,16 @@ def _response_headers(server_timing: bool, ex: Exchange) -> dict[str, str]:
     return headers
 
 
-async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
+HEAD_BYTES = 64 << 10  # how much of a body ``on_head`` sees; smaller bodies are not worth a place in line
+
+
+async def read_body(request: web.Request, limit: int, timeout: float,
+                    on_head: Callable[[bytes], None] | None = None) -> bytes:
     """The whole body, refusing more than ``limit`` bytes (413 up front from Content-Length, or as soon as a
-    chunked body crosses it) and more than ``timeout`` seconds (408: aiohttp has no body-read timeout)."""
+    chunked body crosses it) and more than ``timeout`` seconds (408: aiohttp has no body-read timeout).
+
+    ``on_head`` is called once with the first ``HEAD_BYTES`` of a body bigger than that which has not fully
+    arrived yet; it may raise to refuse the request before the rest is read."""
     if request.content_length is not None and request.content_length > limit:
         raise ProxyError(413, "body_too_large",
                          f"the body is {request.content_length} bytes, over the limit of {limit} (MMGATE_MAX_BODY_MB)")
@@ -226,6 +247,8 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
         return body
     chunks: list[bytes] = []
     size = 0
+    if request.content_length is not None and request.content_length <= HEAD_BYTES:
+        on_head = None
     try:
         async with asyncio.timeout(timeout):
             async for chunk in content.iter_any():
@@ -234,6 +257,10 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
                     raise ProxyError(413, "body_too_large",
                                      f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
                 chunks.append(chunk)
+                if on_head is not None and size >= HEAD_BYTES:
+                    head = b"".join(chunks)[:HEAD_BYTES] if len(chunks) > 1 else chunk[:HEAD_BYTES]
+                    on_head(head)
+                    on_head = None
     except TimeoutError:
         raise ProxyError(408, "body_read_timeout", f"the request body did not arrive within {timeout:g} s") from None
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -288,7 +315,8 @@ async def prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> bo
     cost = sum(item.size for item in items)
 
     started = time.perf_counter()
-    ex.lease = await state.gate.acquire(cost, settings.queue_timeout)
+    ex.lease = await state.gate.acquire(cost, settings.queue_timeout, ex.place)
+    ex.place = None
     ex.watch.add("queue", time.perf_counter() - started)
 
     started = time.perf_counter()
@@ -460,6 +488,9 @@ async def _refuse(request: web.Request, state: AppState, ex: Exchange, error: Pr
     answer.headers.update(error.headers)
     if error.status in (408, 413):
         answer.force_close()  # the rest of the body may still be on its way: do not read it
+    # Any other refusal before the body was read whole (429 while it arrived): aiohttp reads the rest and
+    # drops it chunk by chunk after the answer (lingering close), so the client, still uploading, gets the
+    # answer instead of a reset.
     return answer
 
 

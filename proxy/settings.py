@@ -198,6 +198,11 @@ class Settings:
         queued:    every waiting request holds its raw body      = MAX_QUEUE × MAX_BODY_MB
         admitted:  requests past the gate hold body + output     = MAX_MM_CONCURRENCY × 2 × MAX_BODY_MB
         decoding:  decode workers each hold one decoded image    = DECODE_WORKERS × MAX_IMAGE_PIXELS × 4 B
+
+        Bodies still arriving are inside the first two terms: a big body whose head names media holds a
+        place in line while it is read, and finds none when slots and queue are taken (429, rest unread).
+        Outside the bound: bodies under 64 KiB (``pipeline.HEAD_BYTES``) and media hidden behind more than
+        64 KiB of other JSON, which are read before admission decides.
         """
         queued = self.max_queue * self.max_body_bytes
         admitted = self.max_mm_concurrency * 2 * self.max_body_bytes

@@ -204,3 +204,63 @@ async def test_server_timing_header(upstream: Upstream, start_proxy: StartProxy)
     assert names == ["queue", "preprocess", "upstream"]
     hidden = await start_proxy(upstream.url, MMGATE_SERVER_TIMING="off")
     assert "Server-Timing" not in (await send(hidden, "untimed"))[2]
+
+
+class Upload:
+    """A client that sends headers and the first part of a body, then the rest only when told to."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rest: bytes) -> None:
+        self.reader, self.writer, self.rest = reader, writer, rest
+
+    @classmethod
+    async def start(cls, proxy: Proxy, body: bytes, first: int) -> "Upload":
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:first])
+        await writer.drain()
+        return cls(reader, writer, body[first:])
+
+    async def finish(self) -> None:
+        self.writer.write(self.rest)
+        await self.writer.drain()
+
+    async def answer(self) -> tuple[int, dict[str, str]]:
+        head = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), 30)
+        lines = head.decode().split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines[1:] if line)
+        return int(lines[0].split()[1]), headers
+
+
+async def test_burst_refused_before_its_bodies_are_read(upstream: Upstream, start_proxy: StartProxy) -> None:
+    """One slot + one queue place: two big media bodies still arriving hold both, so a third is refused with
+    429 as soon as its head shows media, its body never read (a burst cannot fill memory with bodies the
+    gate would refuse anyway). A text body as big, whose head names no media, is not held back."""
+    hold(upstream)
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_MM_CONCURRENCY="1", MMGATE_MAX_QUEUE="1",
+                              MMGATE_RELEASE_AT="complete")
+    gate = proxy.state.gate
+    media = orjson.dumps(chat_with_image(IMAGE, text="look", user="u" * 400_000))  # "image" early, big after
+    text = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "words " * 70_000}]})
+    first = 100_000
+
+    a = await Upload.start(proxy, media, first)
+    await eventually(lambda: gate.reading == 1, "first body holds a place while arriving")
+    b = await Upload.start(proxy, media, first)
+    await eventually(lambda: gate.reading == 2, "second body holds the queue place")
+    c = await Upload.start(proxy, media, first)
+    status, headers = await c.answer()  # c has not sent the rest of its body
+    assert status == 429 and int(headers["Retry-After"]) >= 1
+    assert proxy.state.metrics.registry.get_sample_value("mmgate_rejected_total", {"reason": "queue_full"}) == 1
+
+    t = await Upload.start(proxy, text, first)  # places are all taken, but this body is text
+    await t.finish()
+    assert (await t.answer())[0] == 200
+
+    await a.finish()
+    await b.finish()
+    await eventually(lambda: (gate.reading, gate.in_use, gate.waiting) == (0, 1, 1), "a admitted, b queued")
+    upstream.release.set()
+    assert [(await a.answer())[0], (await b.answer())[0]] == [200, 200]
+    for upload in (a, b, c, t):
+        upload.writer.close()
+    await eventually(lambda: (gate.reading, gate.in_use, gate.waiting) == (0, 0, 0), "gate empty")

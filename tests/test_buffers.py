@@ -249,7 +249,8 @@ FAULTS: dict[str, Fault] = {
     "body_cut_off": Fault({}, _body_cut_off, 0, owners=0),
     "invalid_image_400": Fault({}, _invalid_image, 400),
     "item_too_large_413": Fault({"MMGATE_MAX_MEDIA_ITEM_MB": "1"}, _item_too_large, 413),
-    "queue_full_429": Fault({**ONE_SLOT, "MMGATE_MAX_QUEUE": "0"}, _refused_in_queue, 429, owners=2),
+    # refused while its body is still arriving (no place in line left): never read whole, so no owner
+    "queue_full_429": Fault({**ONE_SLOT, "MMGATE_MAX_QUEUE": "0"}, _refused_in_queue, 429, owners=1),
     "queue_timeout_429": Fault({**ONE_SLOT, "MMGATE_QUEUE_TIMEOUT": "0.2"}, _refused_in_queue, 429, owners=2),
     "request_deadline_504": Fault(ONE_SLOT, _request_deadline_while_queued, 504, owners=2),
     "hang_up_while_queued": Fault(ONE_SLOT, _hang_up_while_queued, 0, owners=2),

@@ -9,7 +9,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from proxy.admission import Gate, Lease
+from proxy.admission import Gate, Lease, Place
 from proxy.errors import ProxyError
 
 
@@ -111,7 +111,8 @@ async def test_cancelled_head_lets_the_next_in() -> None:
 
 
 class GateMachine(RuleBasedStateMachine):
-    """Random acquire / cancel / timeout / release: limits hold and nothing leaks."""
+    """Random acquire / cancel / timeout / release, and places taken while a body arrives (then used for
+    acquire, or dropped): limits hold and nothing leaks."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -119,6 +120,7 @@ class GateMachine(RuleBasedStateMachine):
         self.gate = Gate(limit=3, byte_budget=100, max_queue=4)
         self.pending: list[asyncio.Task[Lease]] = []
         self.leases: list[Lease] = []
+        self.places: list[Place] = []
 
     def _turn(self) -> None:
         for _ in range(3):
@@ -131,6 +133,24 @@ class GateMachine(RuleBasedStateMachine):
     @rule(cost=st.integers(0, 120), timeout=st.sampled_from([0.0, 60.0]))
     def acquire(self, cost: int, timeout: float) -> None:
         self.pending.append(self.loop.create_task(self.gate.acquire(cost, timeout)))
+        self._turn()
+
+    @rule()
+    def take_place(self) -> None:
+        try:
+            self.places.append(self.gate.take_place())
+        except ProxyError as refused:
+            assert refused.code == "queue_full"
+
+    @precondition(lambda self: self.places)
+    @rule(index=st.integers(0, 100), cost=st.integers(0, 120), use=st.booleans())
+    def body_arrived(self, index: int, cost: int, use: bool) -> None:
+        place = self.places.pop(index % len(self.places))
+        if use:  # media found: the place becomes a queue entry
+            self.pending.append(self.loop.create_task(self.gate.acquire(cost, 60.0, place)))
+        else:  # no media after all, or the client left
+            place.release()
+            place.release()
         self._turn()
 
     @precondition(lambda self: self.pending)
@@ -153,7 +173,9 @@ class GateMachine(RuleBasedStateMachine):
         gate = self.gate
         assert 0 <= gate.in_use <= gate.limit
         assert 0 <= gate.bytes_in_use <= gate.byte_budget
-        assert gate.waiting <= gate.max_queue
+        assert gate.reading == len(self.places)
+        # Bodies held = in use + waiting + reading <= 2 x limit + max_queue: README's memory bound.
+        assert gate.waiting + gate.reading <= gate.max_queue + gate.limit
         assert gate.in_use == len(self.leases) + sum(
             1 for t in self.pending if t.done() and not t.cancelled() and t.exception() is None
         )
@@ -165,8 +187,30 @@ class GateMachine(RuleBasedStateMachine):
         self._turn()
         for lease in self.leases:
             lease.release()
-        assert (self.gate.in_use, self.gate.bytes_in_use, self.gate.waiting) == (0, 0, 0)
+        for place in self.places:
+            place.release()
+        assert (self.gate.in_use, self.gate.bytes_in_use, self.gate.waiting, self.gate.reading) == (0, 0, 0, 0)
         self.loop.close()
+
+
+async def test_places_count_against_the_line() -> None:
+    gate = Gate(limit=1, byte_budget=0, max_queue=1)
+    first, second = gate.take_place(), gate.take_place()
+    with pytest.raises(ProxyError) as refused:
+        gate.take_place()  # slot + queue place both taken by bodies still arriving
+    assert refused.value.status == 429 and refused.value.code == "queue_full"
+    assert "Retry-After" in refused.value.headers
+    small = await gate.acquire(1, 5)  # a small request, ready now, takes the free slot: ready first, served first
+    with pytest.raises(ProxyError):
+        await gate.acquire(1, 5)  # but another one without a place finds the line full
+    waiting = [asyncio.create_task(gate.acquire(1, 5, place)) for place in (first, second)]
+    await _queued(gate, 2)  # places turn into queue entries, never refused: they were counted
+    assert (gate.in_use, gate.waiting, gate.reading) == (1, 2, 0)
+    small.release()
+    (await waiting[0]).release()
+    (await waiting[1]).release()
+    first.release()  # idempotent: already given back by acquire
+    assert (gate.in_use, gate.waiting, gate.reading) == (0, 0, 0)
 
 
 TestGateMachine = GateMachine.TestCase
