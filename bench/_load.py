@@ -190,6 +190,18 @@ def proc_status(pid: int) -> dict[str, int]:
     return out
 
 
+def reset_hwm(pid: int) -> bool:
+    """Reset VmHWM of ``pid`` to its current RSS (writing 5 to /proc/PID/clear_refs, Linux ≥ 4.0), so the next
+    VmHWM reading is the peak of what happened since, not of the process's whole life. False if refused."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    status = proc_status(pid)
+    return status["VmHWM"] <= status["VmRSS"] + 64 * 1024  # a few pages may be touched between the reads
+
+
 def thread_niceness(pid: int) -> dict[str, list[int]]:
     """Niceness of every thread of ``pid``, by thread name (comm), from /proc/PID/task/*/stat."""
     out: dict[str, list[int]] = {}
