@@ -245,24 +245,35 @@ async def read_body(request: web.Request, limit: int, timeout: float,
         if len(body) > limit:
             raise ProxyError(413, "body_too_large", f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
         return body
+    expected = request.content_length
+    if expected is not None and expected <= HEAD_BYTES:
+        on_head = None
+    # With a Content-Length the chunks go straight into one buffer of that size: a list joined at the end
+    # would hold the body twice at the moment of the join, for every request being read at once.
+    buffer = bytearray(expected) if expected is not None else None
     chunks: list[bytes] = []
     size = 0
-    if request.content_length is not None and request.content_length <= HEAD_BYTES:
-        on_head = None
     try:
         async with asyncio.timeout(timeout):
             async for chunk in content.iter_any():
-                size += len(chunk)
-                if size > limit:
+                end = size + len(chunk)
+                if end > limit:
                     raise ProxyError(413, "body_too_large",
                                      f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
-                chunks.append(chunk)
+                if buffer is not None:
+                    buffer[size:end] = chunk  # the HTTP parser never delivers more than Content-Length
+                else:
+                    chunks.append(chunk)
+                size = end
                 if on_head is not None and size >= HEAD_BYTES:
-                    head = b"".join(chunks)[:HEAD_BYTES] if len(chunks) > 1 else chunk[:HEAD_BYTES]
-                    on_head(head)
+                    on_head(bytes(buffer[:HEAD_BYTES]) if buffer is not None else b"".join(chunks)[:HEAD_BYTES])
                     on_head = None
     except TimeoutError:
         raise ProxyError(408, "body_read_timeout", f"the request body did not arrive within {timeout:g} s") from None
+    if buffer is not None:
+        if size != len(buffer):  # pragma: no cover - aiohttp raises on a short body before we get here
+            raise ProxyError(400, "incomplete_body", f"the body ended after {size} of {len(buffer)} bytes")
+        return buffer  # bytes-like: every consumer only reads it
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     chunks.clear()
     return body
