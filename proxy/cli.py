@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 
 from .app import build_admin_app, build_app
+from .memory import tune_allocators
 from .state import STATE, AppState
 from .settings import ConfigError, Settings, add_arguments, overrides_from_args
 
@@ -88,6 +89,9 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
         print(settings.describe())
         return
     configure_logging(settings)
+    if settings.malloc_tuning:
+        applied = tune_allocators(environ)
+        log.info("memory: %s", " ".join(applied) if applied else "allocator settings left as the environment set them")
     try:
         asyncio.run(serve(settings, on_ready=print_demo_help if stub is not None else None))
     finally:

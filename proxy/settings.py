@@ -144,6 +144,7 @@ class Settings:
     allow_paths: tuple[str, ...] = ()
     cache_mb: int = 0
     trim_idle: float = 1.0
+    malloc_tuning: bool = True
     drain_grace: float = 5.0
     drain_timeout: float = 30.0
     server_timing: bool = True
@@ -261,6 +262,7 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "allow_paths": (_prefixes, "comma-separated path prefixes forwarded; others -> 404 [all]"),
     "cache_mb": (_int(0), "processed-media cache in MiB (0 = off) [0]"),
     "trim_idle": (_seconds(True), "return freed heap to the OS after this many idle seconds (0 = off) [1]"),
+    "malloc_tuning": (_bool, "big buffers back to the OS when freed, no Pillow block cache (see README) [on]"),
     "drain_grace": (_seconds(True), "seconds to keep serving after SIGTERM while not ready [5]"),
     "drain_timeout": (_seconds(True), "seconds to wait for in-flight requests when draining [30]"),
     "server_timing": (_bool, "add the Server-Timing header [on]"),

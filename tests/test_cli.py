@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from proxy.cli import free_port, main
+from proxy.memory import tune_allocators
 from proxy.settings import ConfigError, Settings
 
 from .conftest import Upstream
@@ -105,3 +106,41 @@ async def test_sigterm_drains_in_flight_streams(upstream: Upstream) -> None:
         if process.poll() is None:
             process.kill()
         process.wait()
+
+
+def test_allocator_tuning_respects_the_operators_own_settings() -> None:
+    from PIL import Image
+
+    before = Image.core.get_blocks_max()
+    try:
+        Image.core.set_blocks_max(5)
+        assert tune_allocators({"MALLOC_MMAP_THRESHOLD_": "65536", "PILLOW_BLOCKS_MAX": "5"}) == [
+            "MALLOC_TRIM_THRESHOLD_=1048576"]
+        assert Image.core.get_blocks_max() == 5  # left as the operator set it
+        assert tune_allocators({}) == ["MALLOC_MMAP_THRESHOLD_=1048576", "MALLOC_TRIM_THRESHOLD_=1048576",
+                                       "PILLOW_BLOCKS_MAX=0"]
+        assert Image.core.get_blocks_max() == 0
+    finally:
+        Image.core.set_blocks_max(before)
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ({}, "memory: MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_TRIM_THRESHOLD_=1048576 PILLOW_BLOCKS_MAX=0"),
+    ({"MMGATE_MALLOC_TUNING": "off"}, None),
+], ids=["default", "off"])
+async def test_serve_tunes_allocators_at_start(upstream: Upstream, extra: dict[str, str], expected: str | None) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "PILLOW_", "MMGATE_"))}
+    env |= {"MMGATE_UPSTREAM": upstream.url, "MMGATE_PORT": str(port), "MMGATE_HOST": "127.0.0.1",
+            "MMGATE_DRAIN_GRACE": "0", "MMGATE_DRAIN_TIMEOUT": "1", **extra}
+    process = subprocess.Popen([sys.executable, "-m", "proxy"], env=env, stderr=subprocess.PIPE)
+    try:
+        await _wait_listening(f"http://127.0.0.1:{port}", process)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.to_thread(process.communicate, timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    lines = [line for line in stderr.decode().splitlines() if "memory:" in line]
+    assert [line[line.index("memory: "):] for line in lines] == ([expected] if expected else [])
