@@ -177,10 +177,10 @@ MEMORY_FLAGS = ("--max-body-mb", "4", "--max-image-pixels", "12000000")
 RESIZE_FLAGS = ("--resize-max-pixels", "1000000")
 # (label, gate, max queue): gate off; gate 2 with every other request queued; gate 2 with a short queue.
 MEMORY_CELLS = (("gate off", "off", OFF), ("gate 2, queue 10000", "2", OFF), ("gate 2, queue 16", "2", 16))
-# The Docker image's malloc settings minus PILLOW_BLOCKS_MAX (so the decode term is unchanged): every body
-# (3.3 MiB) gets its own mmap and goes back to the OS when freed, so heap fragmentation cannot inflate the peak.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "1048576"}
-MALLOC_LABEL = " + mmap bodies"
+# mmgate tunes the allocators by default (MMGATE_MALLOC_TUNING: every buffer >= 1 MiB in its own mmap, no
+# Pillow block cache); the extra cells run with glibc's and Pillow's defaults to show what that changes.
+MALLOC_ENV = {"MMGATE_MALLOC_TUNING": "off"}
+MALLOC_LABEL = " + glibc defaults"
 BURST_S = 2.0  # all 128 bodies are in within ~1.5 s here; a peak after that is not the read burst
 IDLE_SETTLE_S = 1.0  # after a request, before reading idle RSS: let the response and its buffers go
 TRACE_COLUMNS = ("t_s", "proxy_rss_mib", "backend_rss_mib", "media_live_mib", "gate_in_use", "gate_waiting",
@@ -409,8 +409,8 @@ def render_memory(data: dict) -> str:
         f"RGB) → mmgate → stub backend `{' '.join(meta['stub_flags'])}`. mmgate: `--max-mm-concurrency K "
         f"--max-queue Q --queue-timeout 600 --preprocess-timeout {meta['preprocess_timeout']:g} --release-at "
         f"{meta['release_at']} {' '.join(meta['memory_flags'])}` (validate full, no resize, "
-        f"{model['decode_workers']} decode workers = usable CPUs; no MALLOC_* / PILLOW_BLOCKS_MAX in the "
-        "environment, unlike the Docker image). Fresh processes per cell; one warm-up request; then VmHWM is "
+        f"{model['decode_workers']} decode workers = usable CPUs, allocator tuning on as by default: "
+        "MMGATE_MALLOC_TUNING). Fresh processes per cell; one warm-up request; then VmHWM is "
         "reset (`echo 5 > /proc/PID/clear_refs`), so each peak is the load's own.",
         "",
         "## One request alone: the working set",
@@ -505,34 +505,32 @@ def memory_findings(data: dict) -> list[str]:
         f"{late_note}. The {min(misses):.0f}-{max(misses):.0f} MiB the formula misses (≈ "
         f"{min(misses) / model['body_mib']:.0f}-{max(misses) / model['body_mib']:.0f} bodies) are most likely "
         "per-request transients of that burst rather than bodies held longer than modelled: one request alone "
-        f"holds {model['per_request_other_mib']} MiB beyond its body at its peak (read_body's chunk list and "
-        "its `b\"\".join`, the 2.5 MiB base64-decoded file, the forward's send buffer), and during the burst "
-        "some connections are in those states at once (not broken down further: no allocation tracing under "
-        "load). It is **not heap fragmentation**: with every body in its own "
-        f"mmap (`{' '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())}`, cells `{MALLOC_LABEL.strip()}`) the "
-        f"peak is the same ({measured_over(off + MALLOC_LABEL, 'predicted_mib')} and "
-        f"{measured_over(two + MALLOC_LABEL, 'predicted_mib')}), although RSS falls back faster after it.",
+        f"holds {model['per_request_other_mib']} MiB beyond its body at its peak (the base64-decoded file, the "
+        "forward's send buffer), and during the burst some connections are in those states at once (not broken "
+        "down further: no allocation tracing under load). With glibc's and Pillow's defaults instead of mmgate's "
+        f"allocator tuning (cells `{MALLOC_LABEL.strip()}`) the peak is "
+        f"{measured_over(off + MALLOC_LABEL, 'predicted_mib')} and {measured_over(two + MALLOC_LABEL, 'predicted_mib')}"
+        " of the prediction.",
         f"2. **The gate does not lower mmgate's own peak here** ({span(off, 'proxy_hwm_mib', 0)} vs "
         f"{span(two, 'proxy_hwm_mib', 0)} MiB): with a queue of 10000 the 126 requests that wait hold their bodies "
         "exactly as admitted ones would; the gate only moves them from 'admitted' to 'queued'. What it lowers is "
         f"the backend's peak: {span(off, 'backend_hwm_mib', 0)} → {span(two, 'backend_hwm_mib', 0)} MiB.",
-        f"3. **A short queue does not bound the peak, and the formula fails for it** (measured / predicted "
-        f"{measured_over(short, 'predicted_mib')}; worst_case_memory_bytes() is exceeded too: payload "
-        f"{min(short_payload):.0f}-{max(short_payload):.0f} MiB > {short_bound:.0f} MiB). mmgate reads a body whole "
-        "before the queue limit is looked at (read_body → prepare_media → gate.acquire), so the 110 requests "
-        "refused with 429 queue_full are read in full first, and with every client sending at once nearly all "
-        f"128 bodies are in memory together: RSS is past 500 MiB while media_bytes_live never exceeds "
-        f"{short_live:.0f} MiB (the 16 queued + 2 admitted). Counting every body being read (bodies = clients) "
-        f"predicts it: measured / that {measured_over(short, 'predicted_reading_mib')}. The static bound has no "
-        "term for bodies being read (concurrent connections × MMGATE_MAX_BODY_MB), and no setting bounds the "
-        "number of connections. Possible fixes, not made here: answer 429 queue_full from Content-Length on a "
-        "media route before reading the body when the queue is already full, or cap the bytes of bodies being "
-        "read at once; and add the reading term to worst_case_memory_bytes() and README \"Tuning\".",
-        f"4. Warm vs cold: the first 12 MP decode leaves ~{model['baseline_warm_mib'] - model['baseline_cold_mib']:.0f} "
-        "MiB behind (Pillow keeps its freed 16 MiB blocks, _BLOCKS_MAX = 16), so a second request alone costs only "
-        f"{model['ws_full_warm_mib']} MiB; that is why the formula counts from the cold baseline with the cold "
-        "decode term: the warm baseline already holds one decode's buffers, which only one of the concurrent "
-        "decodes can reuse.",
+        f"3. **A short queue bounds the peak** (measured / predicted {measured_over(short, 'predicted_mib')}; "
+        f"before this session's fix 2.61-2.68 with 512-526 MiB). A big body whose first 64 KiB name media takes "
+        "a place in line before the rest is read; the 110 requests that find slots and queue taken get 429 "
+        "queue_full after their first 64 KiB, the rest of their body unread, and media_bytes_live never exceeds "
+        f"{short_live:.0f} MiB (the 16 queued + 2 admitted). What remains above the model is per connection: "
+        "each refused one still had its first 64 KiB and aiohttp's read buffer (up to 128 KiB before flow control "
+        "pauses the socket) when it was refused, about "
+        f"{(min(short_payload) + model['baseline_cold_mib'] - next(r['predicted_mib'] for r in rows if r['label'] == short)) / 110:.2f}"
+        f"-{(max(short_payload) + model['baseline_cold_mib'] - next(r['predicted_mib'] for r in rows if r['label'] == short)) / 110:.2f}"
+        f" MiB each here. That is also why the payload ({min(short_payload):.0f}-{max(short_payload):.0f} MiB) "
+        f"can pass worst_case_memory_bytes() ({short_bound:.0f} MiB): the static bound has no term for "
+        "connections, which no setting limits (README \"Tuning\").",
+        f"4. Warm vs cold: after the first 12 MP decode idle RSS is "
+        f"{model['baseline_warm_mib'] - model['baseline_cold_mib']:+.0f} MiB from the cold baseline (with Pillow's "
+        "default block cache it kept ~46 MiB), and a second request alone costs "
+        f"{model['ws_full_warm_mib']} MiB; the formula counts from the cold baseline with the cold decode term.",
         "",
     ]
 
