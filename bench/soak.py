@@ -29,14 +29,16 @@ Also reported, as a second table and not the leak criterion: RSS under load (a t
 0.5 s with the number of requests finished; pauses excluded): warm-up sample vs max, slope of a
 least-squares line (MiB per 1000 requests), early vs late windows, median/max per tenth of the run.
 
-Each ``--variants`` entry is one run with its own mmgate process and environment: ``default`` (trim after
-1 s idle), ``no-trim`` (MMGATE_TRIM_IDLE=0), ``arena2`` (MALLOC_ARENA_MAX=2), ``mmap1m``
-(MALLOC_MMAP_THRESHOLD_=MALLOC_TRIM_THRESHOLD_=1 MiB), ``blocks0`` (PILLOW_BLOCKS_MAX=0), ``mmap1m+blocks0``
-(the Docker image's settings; trims too), ``jemalloc`` (LD_PRELOAD libjemalloc.so.2, if installed).
-``--append`` adds runs to the existing JSON/chart (replacing rows of the same variant). All curves go on one
-chart: bench/results/soak.png.
+Each ``--variants`` entry is one run with its own mmgate process and environment: ``default`` (mmgate's own
+allocator tuning, MMGATE_MALLOC_TUNING: glibc mmap/trim thresholds 1 MiB and no Pillow block cache; trim after
+1 s idle), ``untuned`` (MMGATE_MALLOC_TUNING=off: glibc defaults, Pillow cache of 16 blocks; trims),
+``untuned-no-trim`` (also MMGATE_TRIM_IDLE=0: mmgate before issue 5's remedies), and, all untuned plus their
+own environment: ``arena2`` (MALLOC_ARENA_MAX=2), ``mmap1m`` (MALLOC_MMAP_THRESHOLD_=MALLOC_TRIM_THRESHOLD_=
+1 MiB), ``blocks0`` (PILLOW_BLOCKS_MAX=0), ``mmap1m+blocks0``, ``jemalloc`` (LD_PRELOAD libjemalloc.so.2, if
+installed). ``--append`` adds runs to the existing JSON/chart (replacing rows of the same variant). All
+curves go on one chart: bench/results/soak.png.
 
-    python bench/soak.py [--requests 10000] [--clients 16] [--variants default,no-trim,mmap1m+blocks0]
+    python bench/soak.py [--requests 10000] [--clients 16] [--variants default,untuned,untuned-no-trim]
 
 The machine may be shared: the load average is recorded before and after each run and at every checkpoint.
 """
@@ -80,14 +82,18 @@ from PIL import Image
 MIB = 1 << 20
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 MMAP_1M = {"MALLOC_MMAP_THRESHOLD_": str(MIB), "MALLOC_TRIM_THRESHOLD_": str(MIB)}
+# mmgate tunes the allocators itself (MMGATE_MALLOC_TUNING, on by default); every other variant turns that
+# off first, so each one shows exactly its own environment's effect.
+UNTUNED = {"MMGATE_MALLOC_TUNING": "off"}
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
-    "no-trim": {"MMGATE_TRIM_IDLE": "0"},
-    "arena2": {"MALLOC_ARENA_MAX": "2"},
-    "mmap1m": MMAP_1M,
-    "blocks0": {"PILLOW_BLOCKS_MAX": "0"},
-    "mmap1m+blocks0": MMAP_1M | {"PILLOW_BLOCKS_MAX": "0"},
-    "jemalloc": {"LD_PRELOAD": JEMALLOC},
+    "untuned": UNTUNED,
+    "untuned-no-trim": UNTUNED | {"MMGATE_TRIM_IDLE": "0"},
+    "arena2": UNTUNED | {"MALLOC_ARENA_MAX": "2"},
+    "mmap1m": UNTUNED | MMAP_1M,
+    "blocks0": UNTUNED | {"PILLOW_BLOCKS_MAX": "0"},
+    "mmap1m+blocks0": UNTUNED | MMAP_1M | {"PILLOW_BLOCKS_MAX": "0"},
+    "jemalloc": UNTUNED | {"LD_PRELOAD": JEMALLOC},
 }
 GAUGES = ("mmgate_media_bytes_live", "mmgate_media_buffers_live", "mmgate_media_bytes_inflight", "mmgate_gate_in_use",
           "mmgate_gate_waiting", "mmgate_pool_queue_depth", "mmgate_pool_stuck_workers")
@@ -639,7 +645,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--variants", default="default,no-trim,mmap1m+blocks0", help="comma-separated: " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default="default,untuned,untuned-no-trim", help="comma-separated: " + ", ".join(VARIANTS))
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--warmup", type=float, default=0.10, help="fraction of requests counted as warm-up")
     p.add_argument("--checkpoint-every", type=int, default=1000, help="requests between idle checkpoints")

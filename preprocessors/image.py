@@ -53,10 +53,11 @@ MIME_BY_FORMAT = {
     "BMP": "image/bmp",
 }
 
-# Freed Pillow blocks (16 MiB each) kept for reuse. A 12 MP RGB image spans 3 blocks; 16 covers two
-# workers' decode + resize buffers and caps what is kept at 256 MiB. In bench/image_pipeline.py 0 was
-# slower on PNG (fresh pages) and 64 or 256 gained nothing measurable over 16. PILLOW_BLOCKS_MAX, when
-# set, is applied by Pillow itself at import and wins.
+# Freed Pillow blocks (16 MiB each) kept for reuse: the library default. A 12 MP RGB image spans 3 blocks;
+# 16 covers two workers' decode + resize buffers and caps what is kept at 256 MiB. In
+# bench/image_pipeline.py 0 was slower on PNG (fresh pages) and 64 or 256 gained nothing measurable over 16.
+# `mmgate serve` sets 0 at start-up (MMGATE_MALLOC_TUNING, on by default: memory over speed, see
+# proxy/memory.py). PILLOW_BLOCKS_MAX, when set, is applied by Pillow itself at import and wins.
 _BLOCKS_MAX = 16
 if "PILLOW_BLOCKS_MAX" not in os.environ:
     Image.core.set_blocks_max(_BLOCKS_MAX)  # type: ignore[attr-defined]

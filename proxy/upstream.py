@@ -220,6 +220,10 @@ async def forward(
         try:
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
+        except ConnectionResetError:
+            # The client left: aiohttp's ClientConnectionResetError from the write is an aiohttp ClientError
+            # too, but it is no upstream failure (499 client_closed, not 502 upstream_reset).
+            raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise BrokenStream(_classify(exc, headers_received=True)) from None
         await response.write_eof()

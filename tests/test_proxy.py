@@ -297,3 +297,4 @@ async def test_compressed_body_passes_through_untouched(upstream: Upstream, prox
             assert response.status == 200
     seen = upstream.seen[-1]
     assert seen.body == body and seen.headers["Content-Encoding"] == "gzip"
+
