@@ -122,9 +122,10 @@ class OneShotBody(Payload):
         self._on_sent = None
 
 
-def _sliced(body: bytes | MediaBuffer, length: int | None) -> bytes:
+def _sliced(body: bytes | MediaBuffer, length: int | None) -> bytes | memoryview:
+    """The bytes to write, never a copy: slicing a bytearray (read_body's buffer) always copies."""
     data = body.data if isinstance(body, MediaBuffer) else body
-    return data if length is None else data[:length]
+    return data if length is None or length >= len(data) else memoryview(data)[:length]
 
 
 @dataclass(slots=True)
