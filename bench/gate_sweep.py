@@ -516,7 +516,7 @@ def memory_findings(data: dict) -> list[str]:
         "exactly as admitted ones would; the gate only moves them from 'admitted' to 'queued'. What it lowers is "
         f"the backend's peak: {span(off, 'backend_hwm_mib', 0)} → {span(two, 'backend_hwm_mib', 0)} MiB.",
         f"3. **A short queue bounds the peak** (measured / predicted {measured_over(short, 'predicted_mib')}; "
-        f"before this session's fix 2.61-2.68 with 512-526 MiB). A big body whose first 64 KiB name media takes "
+        f"before big bodies took a place in line, commit 50d4b71: 2.61-2.68 with 512-526 MiB). A big body whose first 64 KiB name media takes "
         "a place in line before the rest is read; the 110 requests that find slots and queue taken get 429 "
         "queue_full after their first 64 KiB, the rest of their body unread, and media_bytes_live never exceeds "
         f"{short_live:.0f} MiB (the 16 queued + 2 admitted). What remains above the model is per connection: "
