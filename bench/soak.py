@@ -470,7 +470,8 @@ def run_variant(name: str, env: dict[str, str], n: int, clients: int, every: int
 
 def env_label(env: dict[str, str]) -> str:
     text = " ".join(f"{k}={v}" for k, v in env.items()) or "(defaults)"
-    return text.replace(JEMALLOC, "jemalloc").replace(f"={MIB}", "=1MiB").replace("MALLOC_", "")
+    text = text.replace(JEMALLOC, "jemalloc").replace(f"={MIB}", "=1MiB")
+    return " ".join(word if word.startswith("MMGATE_") else word.replace("MALLOC_", "") for word in text.split())
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
