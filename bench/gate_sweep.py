@@ -424,7 +424,7 @@ def render_memory(data: dict) -> str:
         "",
         f"Terms (medians): body = {model['body_mib']} MiB; decode = ws(full) − ws(header) = "
         f"{model['ws_full_cold_mib']} − {model['ws_header_cold_mib']} = **{model['decode_mib']} MiB**; rest of one "
-        f"request = ws(header) − body = {model['per_request_other_mib']} MiB (read chunks and their join, the "
+        f"request = ws(header) − body = {model['per_request_other_mib']} MiB (the read buffer, the "
         f"base64-decoded file, the forward); baseline = cold idle RSS {model['baseline_cold_mib']} MiB "
         f"(warm idle: {model['baseline_warm_mib']} MiB).",
         "",
