@@ -108,8 +108,7 @@ class Gate:
     def take_place(self) -> Place:
         """Reserve a place in line for a request whose body is still arriving, or refuse it now (429)."""
         if self.draining:
-            raise ProxyError(503, "draining", "mmgate is shutting down; retry on another replica",
-                             headers={"Retry-After": "1"})
+            raise ProxyError.draining()
         if self.in_use + self.waiting + self.reading >= self.limit + self.max_queue:
             raise self._reject("queue_full", f"{self.in_use} media requests running, {self.waiting} waiting and "
                                              f"{self.reading} arriving; retry later")
@@ -125,8 +124,7 @@ class Gate:
         if place is not None:
             place.release()
         if self.draining:
-            raise ProxyError(503, "draining", "mmgate is shutting down; retry on another replica",
-                             headers={"Retry-After": "1"})
+            raise ProxyError.draining()
         if self.byte_budget and cost > self.byte_budget:
             raise ProxyError(
                 413, "media_too_large",

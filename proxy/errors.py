@@ -79,6 +79,11 @@ class ProxyError(Exception):
         """The last event of a stream that broke after its headers went out (DESIGN.md "Errors")."""
         return b"data: " + self.body(dialect) + b"\n\n"
 
+    @classmethod
+    def draining(cls) -> "ProxyError":
+        """503 for a request that arrives (or would queue) after SIGTERM's drain began."""
+        return cls(503, "draining", "mmgate is shutting down; retry on another replica", headers={"Retry-After": "1"})
+
 
 def dialect_for_path(path: str) -> Dialect:
     """Anthropic's Messages API has its own error shape; everything else speaks OpenAI's."""

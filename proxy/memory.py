@@ -11,9 +11,10 @@ never under load, and in a helper thread, never on the event loop.
 goes further: glibc serves every allocation of 1 MiB or more with its own mmap and unmaps it on free
 (``M_MMAP_THRESHOLD``, and ``M_TRIM_THRESHOLD`` for the heap top), and Pillow keeps no cache of freed
 image blocks. Measured over 10,000 mixed requests (bench/results/soak.md): idle RSS between blocks of
-1000 requests stays within 1.5 % (46.8-47.5 MiB); with the idle trim alone it wanders by +-25 %, mostly
-Pillow's block cache (up to 16 x 16 MiB), which no trim can free. Price: fresh pages for every big
-buffer, 10-33 % more CPU per 12 MP image (bench/results/malloc_arenas.md). An operator's own
+1000 requests stays within +0.9 % (46.0-46.4 MiB); with the idle trim alone it wanders by up to +21.5 %,
+mostly Pillow's block cache (up to 16 x 16 MiB), which no trim can free. Price: fresh pages for every big
+buffer, 10-33 % more CPU per 12 MP image (bench/results/malloc_arenas.md), 0.84x the soak's throughput
+on a 2-core box (bench/results/soak_cost.md). An operator's own
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``PILLOW_BLOCKS_MAX`` is left alone.
 
 Not glibc (musl, macOS): there is nothing to call and the glibc parts do nothing.

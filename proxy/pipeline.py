@@ -88,8 +88,7 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
     deadline: asyncio.Timeout | None = None
     try:
         if state.refusing:
-            raise ProxyError(503, "draining", "mmgate is shutting down; retry on another replica",
-                             headers={"Retry-After": "1"})
+            raise ProxyError.draining()
         when = _request_deadline(request, settings.request_timeout)
         if when is None:  # the common case: no timer to arm and cancel for every request
             return await _serve(request, state, ex)
@@ -266,7 +265,7 @@ async def read_body(request: web.Request, limit: int, timeout: float,
                     chunks.append(chunk)
                 size = end
                 if on_head is not None and size >= HEAD_BYTES:
-                    on_head(bytes(buffer[:HEAD_BYTES]) if buffer is not None else b"".join(chunks)[:HEAD_BYTES])
+                    on_head(buffer[:HEAD_BYTES] if buffer is not None else b"".join(chunks)[:HEAD_BYTES])
                     on_head = None
     except TimeoutError:
         raise ProxyError(408, "body_read_timeout", f"the request body did not arrive within {timeout:g} s") from None

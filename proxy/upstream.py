@@ -195,6 +195,8 @@ async def forward(
         length = upstream.headers.get(hdrs.CONTENT_LENGTH)
         chunked = hdrs.TRANSFER_ENCODING in upstream.headers
         known_length = int(length) if length is not None and not chunked and length.isdigit() else None
+        headers = without_hop_by_hop(upstream.headers, _NOT_RETURNED)
+        headers.update(extra_response_headers())
         if known_length is not None and 0 < known_length <= SMALL_ANSWER and request.method != "HEAD":
             # A small answer of known length (a typical non-streaming completion): read it whole and send
             # headers and body in one write instead of two.
@@ -203,15 +205,13 @@ async def forward(
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise _classify(exc, headers_received=False) from None
             response = web.Response(status=upstream.status, reason=upstream.reason, body=data)
-            response.headers.extend(without_hop_by_hop(upstream.headers, _NOT_RETURNED))
-            response.headers.update(extra_response_headers())
+            response.headers.extend(headers)
             await response.prepare(request)
             on_prepared(response)
             await response.write_eof()
             return response
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        response.headers.extend(without_hop_by_hop(upstream.headers, _NOT_RETURNED))
-        response.headers.update(extra_response_headers())
+        response.headers.extend(headers)
         if known_length is not None:
             response.content_length = known_length
         elif request.method != "HEAD" and upstream.status not in (204, 304):
