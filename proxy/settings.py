@@ -124,12 +124,16 @@ class Settings:
     preprocess_timeout: float = 30.0
     request_timeout: float = 0.0
     body_read_timeout: float = 30.0
+    header_timeout: float = 10.0
+    keepalive_timeout: float = 75.0
+    max_connections: int = 1024
     upstream_connect_timeout: float = 5.0
     upstream_read_timeout: float = 600.0
     upstream_max_connections: int = 1024
     decode_workers: int = 0  # 0 until resolved: from_env fills in usable_cpus()
     max_body_mb: int = 64
     max_media_per_request: int = 16
+    max_json_depth: int = 64
     max_media_item_mb: int = 32
     max_image_pixels: int = 64_000_000
     max_frames: int = 64
@@ -242,12 +246,16 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "preprocess_timeout": (_seconds(False), "seconds for one request's media work -> 504 [30]"),
     "request_timeout": (_seconds(True), "end-to-end deadline in seconds (0 = off) [0]"),
     "body_read_timeout": (_seconds(False), "seconds for the whole request body -> 408 [30]"),
+    "header_timeout": (_seconds(False), "seconds for the request line and headers -> 408, connection closed [10]"),
+    "keepalive_timeout": (_seconds(False), "seconds an idle client connection is kept open [75]"),
+    "max_connections": (_int(1, 1_000_000), "open client connections; beyond -> 503 too_many_connections [1024]"),
     "upstream_connect_timeout": (_seconds(False), "upstream connect timeout -> 502 [5]"),
     "upstream_read_timeout": (_seconds(False), "longest upstream silence -> 504 [600]"),
     "upstream_max_connections": (_int(1, 1_000_000), "upstream connection pool size [1024]"),
     "decode_workers": (_int(0, 256), "decode threads [usable CPUs]"),
     "max_body_mb": (_int(1, 4096), "request body limit in MiB -> 413 body_too_large [64]"),
     "max_media_per_request": (_int(1, 10_000), "media parts per request -> 400 too_many_media [16]"),
+    "max_json_depth": (_int(8, 10_000), "nesting of the JSON mmgate walks -> 400 json_too_deep [64]"),
     "max_media_item_mb": (_int(1, 4096), "one decoded media item in MiB -> 413 media_too_large [32]"),
     "max_image_pixels": (_int(1), "decompression-bomb guard, from the header -> 400 image_too_large [64000000]"),
     "max_frames": (_int(1, 100_000), "frames of an animated image -> 400 too_many_frames [64]"),
