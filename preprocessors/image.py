@@ -170,6 +170,11 @@ def process_image(
     )
 
 
+def image_mime(data: bytes) -> str:
+    """The true MIME type of ``data`` from its magic bytes (what a declared type is checked against)."""
+    return MIME_BY_FORMAT[_sniff(data)]
+
+
 def _sniff(data: bytes) -> str:
     """The allowed format ``data`` claims by its magic bytes; unsupported_media_type otherwise."""
     if data[:3] == b"\xff\xd8\xff":

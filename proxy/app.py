@@ -20,9 +20,10 @@ from preprocessors.pool import DecodePool
 
 from .admin import add_admin_routes
 from .admission import Gate
+from .connections import ConnectionGuard, mark_head_received
 from .memory import IdleTrimmer, glibc_malloc_trim
 from .metrics import Metrics, watch_loop_lag
-from .pipeline import handle_request
+from .pipeline import expect_continue, handle_request
 from .settings import Settings
 from .state import STATE, AppState
 
@@ -54,8 +55,11 @@ def build_state(settings: Settings) -> AppState:
         jpeg_quality=settings.jpeg_quality,
         validate=settings.validate,  # type: ignore[arg-type]
     )
+    connections = ConnectionGuard(settings.max_connections, settings.header_timeout,
+                                  lambda code: metrics.rejected.labels(code).inc())
+    metrics.client_connections.set_function(lambda: connections.open)
     state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.max_audio_seconds),
-                     trimmer)
+                     trimmer, connections)
     metrics.media_bytes_live.set_function(lambda: state.buffers.bytes_live)
     metrics.media_buffers_live.set_function(lambda: state.buffers.owners_live)
     state.idle.set()
@@ -98,15 +102,26 @@ def build_app(settings: Settings, *, admin: bool | None = None, state: AppState 
     """The proxy application. ``admin`` serves /mmgate/* here too (default: unless MMGATE_ADMIN_PORT is set)."""
     # auto_decompress off: a compressed request body is forwarded as the client sent it (Content-Encoding
     # included), and refused on media routes where mmgate would have to look inside.
+    shared = state is not None
+    state = state or build_state(settings)
     app = web.Application(client_max_size=settings.max_body_bytes,
-                          handler_args={"max_field_size": 65536, "auto_decompress": False})
-    app[STATE] = state or build_state(settings)
-    if state is None:
+                          handler_args={"max_field_size": 65536, "auto_decompress": False},
+                          middlewares=[mark_head_received(state.connections)])
+    app[STATE] = state
+    if not shared:
         app.cleanup_ctx.extend([_upstream_session, _decode_pool, _loop_lag_watcher, _idle_trimmer])
     if admin if admin is not None else not settings.admin_port:
         add_admin_routes(app)
-    app.router.add_route("*", "/{tail:.*}", handle_request)
+    app.router.add_route("*", "/{tail:.*}", handle_request, expect_handler=expect_continue)
     return app
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The runner ``mmgate serve`` and the tests listen with (through ``connections.GuardedSite``)."""
+    # drain() already waited for in-flight requests; the runner's own shutdown wait is only for stragglers,
+    # so the whole stop stays within MMGATE_DRAIN_GRACE + MMGATE_DRAIN_TIMEOUT (+1 s).
+    return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                         keepalive_timeout=app[STATE].settings.keepalive_timeout)
 
 
 def build_admin_app(state: AppState) -> web.Application:

@@ -82,6 +82,18 @@ def _bad(message: str, path: str) -> ProxyError:
     return ProxyError(400, "invalid_request", message, param=path)
 
 
+DEFAULT_MAX_DEPTH = 64
+
+
+def _check_depth(depth: int, max_depth: int, path: str) -> None:
+    """The walkers recurse into client-chosen nesting: bound it (MMGATE_MAX_JSON_DEPTH) instead of
+    letting Python's recursion limit answer for it."""
+    if depth > max_depth:
+        raise ProxyError(400, "json_too_deep",
+                         f"media is nested more than {max_depth} levels deep (MMGATE_MAX_JSON_DEPTH)",
+                         param=path[:200])
+
+
 def _short_text(sk: Skeleton, value: object, limit: int = 4096) -> str | None:
     """A small string field (``type``, ``format``, MIME) as text; None if absent, not a str or huge."""
     span = sk.span_of(value)
@@ -215,7 +227,7 @@ def _content_parts(sk: Skeleton, content: list[Any], path: str, out: list[MediaP
             out.append(found)
 
 
-def _chat(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart]) -> None:
+def _chat(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart], max_depth: int) -> None:
     messages = doc.get("messages")
     if not isinstance(messages, list):
         return
@@ -226,7 +238,7 @@ def _chat(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart]) -> None:
                 _content_parts(sk, content, f"messages[{i}].content", out)
 
 
-def _responses(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart]) -> None:
+def _responses(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart], max_depth: int) -> None:
     items = doc.get("input")
     if not isinstance(items, list):
         return  # a plain string prompt
@@ -245,15 +257,17 @@ def _responses(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart]) -> None:
             _content_parts(sk, output, f"input[{i}].output", out)
 
 
-def _anthropic_block(sk: Skeleton, block: object, path: str, out: list[MediaPart]) -> None:
+def _anthropic_block(sk: Skeleton, block: object, path: str, out: list[MediaPart], depth: int,
+                     max_depth: int) -> None:
     if not isinstance(block, dict):
         return
     block_type = _short_text(sk, block.get("type"), limit=1024)
     if block_type == "tool_result":
         inner = block.get("content")
         if isinstance(inner, list):
+            _check_depth(depth + 2, max_depth, path)
             for k, item in enumerate(inner):
-                _anthropic_block(sk, item, f"{path}.content[{k}]", out)
+                _anthropic_block(sk, item, f"{path}.content[{k}]", out, depth + 2, max_depth)
         return
     if block_type != "image":
         return
@@ -287,7 +301,7 @@ def _anthropic_block(sk: Skeleton, block: object, path: str, out: list[MediaPart
     # "file" (Files API) and unknown source types: nothing inline, the backend judges.
 
 
-def _messages(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart]) -> None:
+def _messages(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart], max_depth: int) -> None:
     messages = doc.get("messages")
     if not isinstance(messages, list):
         return
@@ -297,7 +311,7 @@ def _messages(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart]) -> None:
         content = message.get("content")
         if isinstance(content, list):
             for j, block in enumerate(content):
-                _anthropic_block(sk, block, f"messages[{i}].content[{j}]", out)
+                _anthropic_block(sk, block, f"messages[{i}].content[{j}]", out, 5, max_depth)
 
 
 _GENERATE_FIELDS: tuple[tuple[str, MediaKind], ...] = (
@@ -307,40 +321,44 @@ _GENERATE_FIELDS: tuple[tuple[str, MediaKind], ...] = (
 )
 
 
-def _generate_item(sk: Skeleton, value: object, path: str, kind: MediaKind, out: list[MediaPart]) -> None:
+def _generate_item(sk: Skeleton, value: object, path: str, kind: MediaKind, out: list[MediaPart], depth: int,
+                   max_depth: int) -> None:
     """A string, a list (a batch, possibly nested), or SGLang's ``{"url": ...}`` object."""
     if isinstance(value, str):
         out.append(_inline_or_url(sk, value, path, kind, path, raw_base64=True))
     elif isinstance(value, list):
+        _check_depth(depth, max_depth, path)
         for k, item in enumerate(value):
-            _generate_item(sk, item, f"{path}[{k}]", kind, out)
+            _generate_item(sk, item, f"{path}[{k}]", kind, out, depth + 1, max_depth)
     elif isinstance(value, dict) and isinstance(value.get("url"), str):
         out.append(_inline_or_url(sk, value["url"], path, kind, f"{path}.url", raw_base64=True))
     # None, numbers, embedding objects: not media we process.
 
 
-def _generate(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart]) -> None:
+def _generate(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart], max_depth: int) -> None:
     for field, kind in _GENERATE_FIELDS:
         if field in doc:
-            _generate_item(sk, doc[field], field, kind, out)
+            _generate_item(sk, doc[field], field, kind, out, 2, max_depth)
 
 
 _WALKERS = {"chat": _chat, "responses": _responses, "messages": _messages, "generate": _generate}
 
 
-def locate(route: Route, skeleton: Skeleton) -> list[MediaPart]:
+def locate(route: Route, skeleton: Skeleton, max_depth: int = DEFAULT_MAX_DEPTH) -> list[MediaPart]:
     """Every media part of the request, in document order. ProxyError 400 ``invalid_request`` (with
-    the part's path as ``param``) only for a media part too malformed to process."""
+    the part's path as ``param``) only for a media part too malformed to process, ``json_too_deep``
+    for media nested deeper than ``max_depth``."""
     walker = _WALKERS.get(route)
     doc = skeleton.doc
     if walker is None or not isinstance(doc, dict):
         return []
     out: list[MediaPart] = []
-    walker(skeleton, doc, out)
+    walker(skeleton, doc, out, max_depth)
     return out
 
 
-def find_media(route: Route, body: bytes) -> tuple[Skeleton | None, list[MediaPart]]:
+def find_media(route: Route, body: bytes,
+               max_depth: int = DEFAULT_MAX_DEPTH) -> tuple[Skeleton | None, list[MediaPart]]:
     """Steps 3-4 in one call: the skeleton and media parts of ``body`` (``(None, [])``: forward as is).
 
     Same outcome as sniff -> skeletonize -> locate, at the cost of the cheaper correct path. The
@@ -355,11 +373,11 @@ def find_media(route: Route, body: bytes) -> tuple[Skeleton | None, list[MediaPa
     try:
         if looks_text_heavy(body):
             plain = parse_plain(body)
-            if not locate(route, plain):
+            if not locate(route, plain, max_depth):
                 return plain, []
         skeleton = skeletonize(body)
     except ProxyError as exc:
         if exc.code == "invalid_json" and not may_contain_media(body):
             return None, []
         raise
-    return skeleton, locate(route, skeleton)
+    return skeleton, locate(route, skeleton, max_depth)

@@ -33,12 +33,19 @@ _TYPES: dict[int, tuple[str, str]] = {
     408: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
     415: ("invalid_request_error", "invalid_request_error"),
+    417: ("invalid_request_error", "invalid_request_error"),
     429: ("rate_limit_error", "rate_limit_error"),
+    500: ("server_error", "api_error"),
     501: ("invalid_request_error", "api_error"),
     502: ("upstream_error", "api_error"),
     503: ("server_error", "overloaded_error"),
     504: ("timeout_error", "api_error"),
 }
+
+
+# Refusals a retry cannot fix. openai-python and anthropic-sdk-python read ``x-should-retry`` before their
+# own status rules, so a client does not resend a body that will be refused again.
+_NOT_RETRYABLE = frozenset({400, 404, 413, 415, 417, 422, 501})
 
 
 @dataclass
@@ -53,6 +60,8 @@ class ProxyError(Exception):
 
     def __post_init__(self) -> None:
         super().__init__(f"{self.status} {self.code}: {self.message}")
+        if self.status in _NOT_RETRYABLE:
+            self.headers.setdefault("x-should-retry", "false")
 
     def type_for(self, dialect: Dialect) -> str:
         openai_type, anthropic_type = _TYPES.get(self.status, ("server_error", "api_error"))

@@ -71,6 +71,11 @@ class Metrics:
         self.media_items = Counter(
             "mmgate_media_items", "Media items seen, by type and outcome", ["type", "outcome"], registry=r
         )
+        self.media_type_corrected = Counter(
+            "mmgate_media_type_corrected", "Media forwarded with its true type in place of a different declared one",
+            ["type"], registry=r,
+        )
+        self.client_connections = Gauge("mmgate_client_connections", "Open client connections", registry=r)
         self.media_bytes = Counter(
             "mmgate_media_bytes", "Decoded media bytes in (from clients) and out (to the upstream)",
             ["direction"], registry=r,

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-from aiohttp import hdrs, web
+from aiohttp import HttpVersion11, hdrs, web
 
 from preprocessors.audio import validate_audio
 from preprocessors.base import Cancelled, Checkpoint, MediaError
 from preprocessors.dataurl import decode_base64, decoded_size, encode_base64, parse_data_url
-from preprocessors.image import process_image
+from preprocessors.image import image_mime, process_image
 from preprocessors.pool import run_soon
 
 from .admission import Lease, Place
@@ -26,6 +26,7 @@ from .buffers import BufferReleased, MediaBuffer
 from .dialects import MediaPart, Route, find_media, route_for
 from .errors import Dialect, ProxyError, dialect_for_path
 from .metrics import Stopwatch, server_timing
+from .paths import Target, is_allowed, normalise_target
 from .splice import Span, may_contain_media, splice
 from .state import STATE, AppState
 from .upstream import (
@@ -81,7 +82,7 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
     settings = state.settings
     ex = Exchange(
         request_id=request_id_for(request.headers.get("X-Request-Id")),
-        route=route_for(request.method, request.path),
+        route="other",
         dialect=dialect_for_path(request.path),
     )
     state.request_started()
@@ -97,7 +98,7 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
             return await _serve(request, state, ex)
     except TimeoutError:
         if deadline is None or not deadline.expired():
-            raise
+            return await _refuse(request, state, ex, _internal_error(ex))
         return await _refuse(request, state, ex, ProxyError(504, "request_timeout", "the request deadline passed"))
     except ProxyError as error:
         return await _refuse(request, state, ex, error)
@@ -106,6 +107,10 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
     except (asyncio.CancelledError, ConnectionResetError):
         ex.status, ex.code = CLIENT_CLOSED, "client_closed"
         raise
+    except Exception:
+        # The last guard: a fault of mmgate's own is logged once with its traceback, and the client gets a
+        # 500 in its API's shape naming the request id, never a traceback.
+        return await _refuse(request, state, ex, _internal_error(ex))
     finally:
         if ex.place is not None:
             ex.place.release()
@@ -114,6 +119,41 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
         _let_go(ex)
         state.request_finished()
         _record(state, ex, request)
+
+
+def _internal_error(ex: Exchange) -> ProxyError:
+    log.exception("request %s: internal error", ex.request_id)
+    return ProxyError(500, "internal_error",
+                      f"mmgate failed on this request; its log has the details under request id {ex.request_id}")
+
+
+def _checked_target(request: web.Request, allow_paths: tuple[str, ...]) -> Target:
+    """The one path decision (proxy/paths.py): the normalised target, if it may be forwarded at all."""
+    target = normalise_target(request.raw_path)
+    if target.path.startswith("/mmgate/") or not is_allowed(target.path, allow_paths):
+        raise ProxyError(404, "path_not_allowed", f"{target.path[:200]} is not served by this proxy")
+    return target
+
+
+async def expect_continue(request: web.Request) -> None:
+    """``Expect: 100-continue`` (RFC 9110 section 10.1.1): invite the body only when it will be read.
+
+    A request that will be refused anyway (path not allowed, body over the limit, draining, an unknown
+    expectation) gets its refusal without a 100, so a well-behaved client never sends that body."""
+    if request.version != HttpVersion11:
+        return
+    if request.headers.get(hdrs.EXPECT, "").strip().lower() != "100-continue":
+        return  # answered with 417 by handle_request, in the client's API shape
+    state = request.app[STATE]
+    length = request.content_length
+    if state.refusing or (length is not None and length > state.settings.max_body_bytes):
+        return
+    try:
+        _checked_target(request, state.settings.allow_paths)
+    except ProxyError:
+        return
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim answer is not part of the response's size
 
 
 def _request_deadline(request: web.Request, configured: float) -> float | None:
@@ -134,11 +174,15 @@ def _request_deadline(request: web.Request, configured: float) -> float | None:
 
 async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.StreamResponse:
     settings = state.settings
-    path = request.path
-    if path.startswith("/mmgate/") or (settings.allow_paths and not path.startswith(settings.allow_paths)):
-        raise ProxyError(404, "path_not_allowed", f"{path} is not served by this proxy")
+    target = _checked_target(request, settings.allow_paths)
+    ex.dialect = dialect_for_path(target.path)
+    ex.route = route_for(request.method, target.path)
     if request.headers.get(hdrs.UPGRADE, "").lower() == "websocket":
         raise ProxyError(501, "websocket_not_supported", "WebSocket upgrades are not proxied")
+    expect = request.headers.get(hdrs.EXPECT)
+    if expect is not None and expect.strip().lower() != "100-continue":
+        raise ProxyError(417, "expectation_failed",
+                         f"Expect: {expect[:64]!r} is not supported; only 100-continue is (RFC 9110 section 10.1.1)")
 
     if ex.route != "other":
         encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
@@ -171,7 +215,7 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
         return await forward(
             request,
             state.session,
-            settings.upstream,
+            settings.upstream + target.forwarded,
             payload,
             upstream_headers(request, ex.request_id),
             state.upstream_timeout(),
@@ -289,6 +333,8 @@ class _Item:
     part: MediaPart
     payload_offset: int  # where the base64 starts inside the string value (after "data:...;base64,")
     size: int  # decoded bytes, exact upper bound from the base64 length
+    declared_mime: str = ""  # the type the client declared ("" when none); checked against the bytes
+    declared_span: Span | None = None  # where that type is written in the body, to put the true one there
 
 
 async def prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> bool:
@@ -299,7 +345,7 @@ async def prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> bo
     """
     settings = state.settings
     started = time.perf_counter()
-    skeleton, parts = find_media(ex.route, media.data)
+    skeleton, parts = find_media(ex.route, media.data, settings.max_json_depth)
     is_stream = skeleton is not None and isinstance(skeleton.doc, dict) and skeleton.doc.get("stream") is True
     del skeleton  # it references the body; the spans in ``parts`` are all we keep
     ex.watch.add("parse", time.perf_counter() - started)
@@ -363,8 +409,12 @@ async def prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> bo
     for item, outcome in zip(items, outcomes):
         ex.media_in += outcome.size_in
         ex.media_out += outcome.size_out
+        if outcome.true_mime:
+            state.metrics.media_type_corrected.labels(item.part.kind).inc()
         if outcome.token is None:
             state.metrics.media_items.labels(item.part.kind, "unchanged").inc()
+            if outcome.true_mime and item.declared_span is not None:
+                replacements.append((item.declared_span, _mime_text(item, outcome.true_mime)))
             continue
         state.metrics.media_items.labels(item.part.kind, "rewritten").inc()
         assert item.part.span is not None
@@ -379,6 +429,12 @@ async def prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> bo
         replacements.clear()
     ex.watch.add("splice", time.perf_counter() - started)
     return is_stream
+
+
+def _mime_text(item: _Item, mime: bytes) -> bytes:
+    """What replaces ``item.declared_span``: a whole JSON string (Anthropic ``media_type``) or, inside a data
+    URI, just the type's characters."""
+    return mime if item.part.encoding == "data_uri" else b'"' + mime + b'"'
 
 
 def _count_items(state: AppState, items: list[_Item], outcome: str) -> None:
@@ -396,6 +452,8 @@ def _measure(body: bytes, part: MediaPart, max_item: int) -> _Item:
         value = part.data(body)
         head, length = value[:256], len(value)
     offset = 0
+    declared = (part.declared_mime or "").strip().lower()
+    declared_span = part.mime_span
     if part.encoding == "data_uri":
         try:
             data_url = parse_data_url(head)
@@ -404,12 +462,30 @@ def _measure(body: bytes, part: MediaPart, max_item: int) -> _Item:
         if data_url is None:
             raise ProxyError(400, "invalid_data_uri", "expected a data: URI or an http(s) URL", param=part.path)
         offset = data_url.payload_offset
+        declared = data_url.mime
+        declared_span = None
+        if span is not None and not span.escaped:
+            # "data:" + the type as written, up to the first ";" (the header is ASCII, checked above)
+            mime_end = bytes(head[: offset - 1]).find(b";")
+            mime_end = offset - 1 if mime_end < 0 else mime_end
+            declared_span = Span(span.start + 6, span.start + 1 + mime_end, False)
+    if declared and not _declared_type_allowed(part, declared):
+        raise ProxyError(400, "invalid_media_type",
+                         f"the declared type {declared[:64]!r} is not an accepted {part.kind} type: declare "
+                         f"{part.kind}/<subtype> or leave it out", param=part.path)
     size = decoded_size(length - offset)
     if size > max_item:
         raise ProxyError(413, "media_too_large",
                          f"this {part.kind} decodes to about {size} bytes, over the per-item limit of {max_item} "
                          "(MMGATE_MAX_MEDIA_ITEM_MB): send a smaller file", param=part.path)
-    return _Item(part, offset, size)
+    return _Item(part, offset, size, declared, declared_span)
+
+
+def _declared_type_allowed(part: MediaPart, declared: str) -> bool:
+    """A part's declared type must name its kind; a data URI may also say application/octet-stream."""
+    if declared.startswith(part.kind + "/"):
+        return True
+    return part.encoding == "data_uri" and declared == "application/octet-stream"
 
 
 def _inline_value(media_ref: weakref.ref[MediaBuffer], part: MediaPart) -> bytes | memoryview:
@@ -439,6 +515,7 @@ class _Outcome:
     size_out: int
     token: bytes | None = None
     mime: bytes = b""
+    true_mime: bytes = b""  # set when the bytes are not the type the client declared
 
 
 def _process_item(media_ref: weakref.ref[MediaBuffer], item: _Item, state: AppState,
@@ -452,22 +529,33 @@ def _process_item(media_ref: weakref.ref[MediaBuffer], item: _Item, state: AppSt
         size = len(data)
         checkpoint()
         if part.kind == "image":
+            true_mime = image_mime(data).encode()
+            if item.declared_mime.encode() in (true_mime, b""):
+                true_mime = b""
             processed = process_image(data, state.image_policy, checkpoint)
+            if processed is None and true_mime and item.declared_span is None and part.span is not None:
+                # The declared type is inside an escaped token: the whole token is written anew.
+                return _Outcome(size, size, _token(part, true_mime, encode_base64(data)), true_mime, true_mime)
             del data
             if processed is None or part.span is None:
-                return _Outcome(size, size)
+                return _Outcome(size, size, true_mime=true_mime)
             mime = processed.mime.encode()
             out_size = len(processed.data)
             encoded = encode_base64(processed.data)
             del processed
-            if part.encoding == "data_uri":
-                return _Outcome(size, out_size, b"".join((b'"data:', mime, b";base64,", encoded, b'"')), mime)
-            return _Outcome(size, out_size, b"".join((b'"', encoded, b'"')), mime)
+            return _Outcome(size, out_size, _token(part, mime, encoded), mime, true_mime)
         if part.kind == "audio":
             validate_audio(data, part.audio_format, state.audio_policy, checkpoint)
         return _Outcome(size, size)  # audio and video are validated / size-checked and forwarded unchanged
     except MediaError as error:
         raise _ItemFailed(part.path, error) from None
+
+
+def _token(part: MediaPart, mime: bytes, encoded: bytes) -> bytes:
+    """The JSON string token for rewritten media: a data URI when the client sent one, else bare base64."""
+    if part.encoding == "data_uri":
+        return b"".join((b'"data:', mime, b";base64,", encoded, b'"'))
+    return b"".join((b'"', encoded, b'"'))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -496,11 +584,16 @@ async def _refuse(request: web.Request, state: AppState, ex: Exchange, error: Pr
     answer = web.Response(status=error.status, body=error.body(ex.dialect), content_type="application/json")
     answer.headers["X-Request-Id"] = ex.request_id
     answer.headers.update(error.headers)
-    if error.status in (408, 413):
-        answer.force_close()  # the rest of the body may still be on its way: do not read it
+    if error.status in (408, 413) and not request.content.is_eof():
+        # The rest of a body too big or too slow may still be on its way: answer, then close without
+        # reading it (aiohttp's lingering close would read on for seconds, megabytes at a time).
+        answer.force_close()
+        await answer.prepare(request)
+        await answer.write_eof()
+        request.protocol.force_close()
     # Any other refusal before the body was read whole (429 while it arrived): aiohttp reads the rest and
-    # drops it chunk by chunk after the answer (lingering close), so the client, still uploading, gets the
-    # answer instead of a reset.
+    # drops it chunk by chunk after the answer (lingering close, at most MMGATE_MAX_BODY_MB and 10 s), so
+    # the client, still uploading, gets the answer instead of a reset.
     return answer
 
 

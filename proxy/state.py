@@ -13,6 +13,7 @@ from preprocessors.pool import DecodePool
 
 from .admission import Gate
 from .buffers import BufferLedger
+from .connections import ConnectionGuard
 from .memory import IdleTrimmer
 from .metrics import Metrics
 from .settings import Settings
@@ -28,6 +29,7 @@ class AppState:
     image_policy: ImagePolicy
     audio_policy: AudioPolicy
     trimmer: IdleTrimmer
+    connections: ConnectionGuard
     buffers: BufferLedger = field(default_factory=BufferLedger)
     session: aiohttp.ClientSession | None = None
     pool: DecodePool | None = None

@@ -35,7 +35,9 @@ HOP_BY_HOP = frozenset(
     )
 )
 # Fields mmgate itself owns on the way up: the body length is recomputed, the deadline header is ours.
-_NOT_FORWARDED = frozenset({"host", "content-length", "x-mmgate-timeout"})
+# ``Expect`` too: mmgate answered 100-continue itself and already holds the whole body (RFC 9110 section
+# 10.1.1 makes the expectation hop-by-hop in effect: the upstream is not asked to confirm a body in flight).
+_NOT_FORWARDED = frozenset({"host", "content-length", "x-mmgate-timeout", "expect"})
 # Fields recomputed on the way back (aiohttp frames the body itself).
 _NOT_RETURNED = frozenset({"content-length"})
 
@@ -160,7 +162,7 @@ class BrokenStream(Exception):
 async def forward(
     request: web.Request,
     session: aiohttp.ClientSession,
-    base_url: str,
+    url: str,
     payload: OneShotBody | None,
     headers: CIMultiDict[str],
     timeout: aiohttp.ClientTimeout,
@@ -173,11 +175,10 @@ async def forward(
     Raises ProxyError before the response started, BrokenStream after. ``on_prepared`` learns the prepared
     response (so a deadline that fires later knows headers already went out).
     """
-    url = URL(base_url + request.raw_path, encoded=True)  # path and query exactly as the client sent them
     try:
         upstream = await session.request(
             request.method,
-            url,
+            URL(url, encoded=True),  # the checked target (proxy/paths.py), never re-encoded
             data=payload,
             headers=headers,
             timeout=timeout,

@@ -16,7 +16,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
-from proxy.app import build_app
+from proxy.app import build_app, make_runner
+from proxy.connections import GuardedSite
 from proxy.state import STATE, AppState
 from proxy.settings import Settings
 
@@ -96,7 +97,7 @@ async def upstream() -> Any:
 
 @dataclass
 class Proxy:
-    server: TestServer
+    server: GuardedSite  # listens as `mmgate serve` does: connection cap and head deadline included
     app: web.Application
 
     @property
@@ -114,19 +115,21 @@ StartProxy = Callable[..., Awaitable[Proxy]]
 @pytest.fixture
 async def start_proxy() -> Any:
     """``await start_proxy(upstream_url, MMGATE_MAX_QUEUE="2", ...)``: the real app from build_app()."""
-    servers: list[TestServer] = []
+    runners: list[web.AppRunner] = []
 
     async def start(upstream_url: str, **env: str) -> Proxy:
         settings = Settings.from_env({"MMGATE_UPSTREAM": upstream_url, "MMGATE_ACCESS_LOG": "off", **env})
         app = build_app(settings)
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        servers.append(server)
-        return Proxy(server, app)
+        runner = make_runner(app)
+        await runner.setup()
+        runners.append(runner)
+        site = GuardedSite(runner, "127.0.0.1", 0, app[STATE].connections)
+        await site.start()
+        return Proxy(site, app)
 
     yield start
-    for server in servers:
-        await server.close()
+    for runner in runners:
+        await runner.cleanup()
 
 
 @pytest.fixture
