@@ -1,0 +1,212 @@
+"""Connections cost the client, not the proxy: the head has a deadline, open connections are capped, a body
+refused for its size or slowness is not read on, and ``Expect: 100-continue`` is answered here. Raw sockets,
+so every byte on the wire is the test's own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from .conftest import Proxy, StartProxy, Upstream
+
+MIB = 1 << 20
+
+
+async def _connect(proxy: Proxy) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", proxy.server.port)
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 answer with a Content-Length body: status, headers (lower-case names), body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return status, headers, body
+
+
+async def _sent_before_refused(writer: asyncio.StreamWriter, limit: int, chunk: bytes = bytes(64 << 10)) -> int:
+    """Keep uploading ``chunk`` until the peer refuses it (reset or broken pipe); how many bytes went out."""
+    sent = 0
+    try:
+        while sent < limit:
+            writer.write(chunk)
+            await writer.drain()
+            sent += len(chunk)
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    return sent
+
+
+async def test_a_head_that_never_completes_gets_408_and_the_connection_closes(
+    upstream: Upstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_HEADER_TIMEOUT="0.3")
+    reader, writer = await _connect(proxy)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nX-Slow: 1\r\n")  # the head never ends
+    await writer.drain()
+    status, headers, body = await _read_answer(reader)
+    assert status == 408 and headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "header_timeout"
+    assert await reader.read() == b""  # closed by the proxy
+    writer.close()
+    assert upstream.seen == []
+    rejected = proxy.state.metrics.rejected.labels("header_timeout")._value.get()
+    assert rejected == 1
+
+
+async def test_a_connection_that_sends_nothing_is_closed_after_the_head_deadline(
+    upstream: Upstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_HEADER_TIMEOUT="0.3")
+    reader, writer = await _connect(proxy)
+    status, _headers, _body = await _read_answer(reader)
+    assert status == 408
+    assert await reader.read() == b""
+    writer.close()
+
+
+async def test_an_idle_keepalive_connection_is_not_cut_by_the_head_deadline(
+    upstream: Upstream, start_proxy: StartProxy
+) -> None:
+    """The head deadline runs from a request's first byte; between requests the keep-alive timeout rules."""
+    proxy = await start_proxy(upstream.url, MMGATE_HEADER_TIMEOUT="0.2")
+    reader, writer = await _connect(proxy)
+    request = b"GET /v1/models HTTP/1.1\r\nHost: mmgate\r\n\r\n"
+    writer.write(request)
+    assert (await _read_answer(reader))[0] == 200
+    await asyncio.sleep(0.6)  # three head deadlines of idleness: proving a negative takes time passing
+    writer.write(request)
+    assert (await _read_answer(reader))[0] == 200
+    writer.close()
+
+
+async def test_connections_over_the_cap_get_a_503_and_a_close(upstream: Upstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_CONNECTIONS="2")
+    held = []
+    for _ in range(2):
+        reader, writer = await _connect(proxy)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: mmgate\r\n\r\n")
+        assert (await _read_answer(reader))[0] == 200  # both are open and known to the proxy
+        held.append((reader, writer))
+    assert proxy.state.connections.open == 2
+
+    reader, writer = await _connect(proxy)
+    status, headers, body = await _read_answer(reader)
+    assert status == 503 and 1 <= int(headers["retry-after"]) <= 120
+    assert json.loads(body)["error"]["code"] == "too_many_connections"
+    assert await reader.read() == b""
+    writer.close()
+
+    held.pop()[1].close()
+    for _ in range(500):  # the proxy sees the close on its next loop turns
+        if proxy.state.connections.open == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert proxy.state.connections.open == 1
+    reader, writer = await _connect(proxy)
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: mmgate\r\nConnection: close\r\n\r\n")
+    assert (await _read_answer(reader))[0] == 200
+    writer.close()
+    for _, other in held:
+        other.close()
+    assert proxy.state.metrics.rejected.labels("too_many_connections")._value.get() == 1
+
+
+async def test_after_413_the_rest_of_the_body_is_not_read(upstream: Upstream, start_proxy: StartProxy) -> None:
+    """aiohttp's lingering close used to read on for 10 s after the refusal (about 70 MB more)."""
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_BODY_MB="1")
+    reader, writer = await _connect(proxy)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % (512 * MIB) + bytes(64 << 10))
+    status, headers, body = await _read_answer(reader)
+    assert status == 413 and headers["connection"] == "close" and headers["x-should-retry"] == "false"
+    assert json.loads(body)["error"]["code"] == "body_too_large"
+    # Kernel buffers take a few MiB; a proxy that kept reading would take them all.
+    assert await _sent_before_refused(writer, 256 * MIB) < 64 * MIB
+    writer.close()
+
+
+async def test_after_a_chunked_body_crosses_the_limit_the_rest_is_not_read(
+    upstream: Upstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_BODY_MB="1")
+    reader, writer = await _connect(proxy)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunk = b"%x\r\n" % (256 << 10) + bytes(256 << 10) + b"\r\n"
+    for _ in range(5):
+        writer.write(chunk)
+    await writer.drain()
+    status, _headers, body = await _read_answer(reader)
+    assert status == 413 and json.loads(body)["error"]["code"] == "body_too_large"
+    assert await _sent_before_refused(writer, 256 * MIB, chunk) < 64 * MIB  # valid chunks: a reader would take them
+    writer.close()
+
+
+async def test_after_408_for_a_slow_body_the_rest_is_not_read(upstream: Upstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_BODY_READ_TIMEOUT="0.3")
+    reader, writer = await _connect(proxy)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nContent-Length: %d\r\n\r\n{" % (64 * MIB))
+    await writer.drain()
+    status, _headers, body = await _read_answer(reader)
+    assert status == 408 and json.loads(body)["error"]["code"] == "body_read_timeout"
+    assert await _sent_before_refused(writer, 256 * MIB) < 64 * MIB
+    writer.close()
+    assert upstream.seen == []
+
+
+async def test_expect_100_continue_is_answered_here_and_not_forwarded(
+    upstream: Upstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(upstream.url)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    reader, writer = await _connect(proxy)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nExpect: 100-continue\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+    await writer.drain()
+    assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"  # before any body byte
+    writer.write(body)
+    status, _headers, _answer = await _read_answer(reader)
+    assert status == 200
+    seen = await upstream.arrived.get()
+    assert "expect" not in {name.lower() for name, _ in seen.raw_headers}
+    assert seen.body == body
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("target", "extra", "status", "code"),
+    [
+        (b"/v1/chat/completions", b"Content-Length: %d\r\n" % (512 * MIB), 413, "body_too_large"),
+        (b"/admin", b"Content-Length: 10\r\n", 404, "path_not_allowed"),
+    ],
+)
+async def test_expect_100_continue_is_not_sent_for_a_body_that_will_be_refused(
+    upstream: Upstream, start_proxy: StartProxy, target: bytes, extra: bytes, status: int, code: str
+) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_BODY_MB="1", MMGATE_ALLOW_PATHS="/v1/")
+    reader, writer = await _connect(proxy)
+    writer.write(b"POST " + target + b" HTTP/1.1\r\nHost: mmgate\r\nExpect: 100-continue\r\n" + extra + b"\r\n")
+    await writer.drain()
+    answer_status, _headers, body = await _read_answer(reader)  # the refusal itself, no 100 first
+    assert (answer_status, json.loads(body)["error"]["code"]) == (status, code)
+    writer.close()
+
+
+async def test_an_unknown_expectation_is_417_in_the_api_shape(upstream: Upstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(upstream.url)
+    reader, writer = await _connect(proxy)
+    writer.write(b"POST /v1/messages HTTP/1.1\r\nHost: mmgate\r\nExpect: teapot\r\nContent-Length: 2\r\n\r\n{}")
+    status, _headers, body = await _read_answer(reader)
+    assert status == 417
+    assert json.loads(body)["type"] == "error"  # Anthropic's shape on /v1/messages
+    assert "expectation_failed" in json.loads(body)["error"]["message"]
+    writer.close()
+    assert upstream.seen == []
