@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Text passthrough cost: direct vs nginx vs a minimal aiohttp proxy vs mmgate, and SSE streams.
 
-What a text-only request pays for going through mmgate (DESIGN.md step 3: no media marker -> bytes forwarded
+What a text-only request pays for going through mmgate (README "How a request flows", step 3: no media marker -> bytes forwarded
 untouched). Everything runs on loopback, in separate processes:
 
   upstream  a raw asyncio Protocol (in this file) that reads the whole request body, then answers a fixed
@@ -13,7 +13,7 @@ untouched). Everything runs on loopback, in separate processes:
   nginx     wrk -> nginx (1 worker, plain reverse proxy: proxy_http_version 1.1, upstream keepalive 128, the
             request body buffered in memory like mmgate does: client_body_buffer_size 16m) -> upstream
   minimal   wrk -> a ~30-line aiohttp proxy (read the body, one pooled ClientSession, stream the answer back
-            with iter_any; the anchor of DESIGN.md "Passthrough cost") -> upstream
+            with iter_any; the anchor of the passthrough cost) -> upstream
   mmgate    wrk -> `python -m proxy --access-log off` (defaults otherwise) -> upstream
 
 Proxy and upstream are pinned to CPU 0 and the load generator to CPU 1 (taskset), as in the anchor

@@ -20,7 +20,7 @@ def no_checkpoint() -> None:
 
 
 class MediaError(Exception):
-    """Bad media from the client: becomes a 400 (or 413) naming the part. ``code`` is a DESIGN.md code."""
+    """Bad media from the client: becomes a 400 (or 413) naming the part. ``code`` is one of the README's error codes."""
 
     def __init__(self, code: str, message: str, status: int = 400) -> None:
         super().__init__(message)

@@ -1,4 +1,4 @@
-"""Where media lives in each API's JSON (DESIGN.md "Media parts, paths and counting").
+"""Where media lives in each API's JSON, and the JSON path (``param``) each part is named by.
 
 ``locate`` walks the small skeleton document from ``splice.skeletonize`` and reports every media
 part with its JSON path and the byte span of its data, so the pipeline can admit, process and

@@ -26,7 +26,7 @@ class Dialect(str, Enum):
     ANTHROPIC = "anthropic"
 
 
-# status -> (OpenAI type, Anthropic type); per DESIGN.md "Errors".
+# status -> (OpenAI type, Anthropic type): the error types each API's SDKs map to their exceptions.
 _TYPES: dict[int, tuple[str, str]] = {
     400: ("invalid_request_error", "invalid_request_error"),
     404: ("invalid_request_error", "not_found_error"),
@@ -85,7 +85,7 @@ class ProxyError(Exception):
         )
 
     def sse_event(self, dialect: Dialect) -> bytes:
-        """The last event of a stream that broke after its headers went out (DESIGN.md "Errors")."""
+        """The last event of a stream that broke after its headers went out (README "When mmgate refuses")."""
         return b"data: " + self.body(dialect) + b"\n\n"
 
     @classmethod

@@ -1,6 +1,6 @@
 """Prometheus metrics (one registry per app), the event-loop lag monitor and the Server-Timing header.
 
-Names follow DESIGN.md and Prometheus conventions: base units (seconds, bytes), ``_total`` counters,
+Names follow Prometheus conventions: base units (seconds, bytes), ``_total`` counters,
 label values from fixed sets only (never a path, a request id or a client value).
 """
 

@@ -1,4 +1,4 @@
-"""One request, start to finish (DESIGN.md "One request"): read, sniff, locate, admit, preprocess, splice,
+"""One request, start to finish (README "How a request flows"): read, sniff, locate, admit, preprocess, splice,
 forward, release, stream. Text-only bodies leave after the sniff, untouched, without a parse, the gate or
 the pool. Read ``handle_request`` top to bottom; the media steps are in ``prepare_media``.
 """

@@ -1,8 +1,8 @@
 """Raw-body surgery: find JSON string tokens, parse a small skeleton, splice new media in.
 
 A multimodal body is mostly a few huge base64 strings. Parsing it whole (orjson: ~1 ms per MB) and
-re-serialising it would cost GIL time and change bytes the client sent (DESIGN.md "Splice, never
-re-serialise"). Instead:
+re-serialising it would cost GIL time and change bytes the client sent (big integers, ``1e2``, duplicate
+keys, ``\/``). Instead:
 
 1. ``skeletonize`` walks the string tokens with ``bytes.find`` (C speed; base64 holds neither ``"``
    nor ``\\``, so a 20 MB body has only a few hundred tokens), replaces long, escaped or
@@ -28,7 +28,7 @@ import orjson
 
 from proxy.errors import ProxyError
 
-# Step 3 "sniff" (DESIGN.md). Every media part dialects.locate() can find sits under a key or a
+# Step 3, "sniff" (README "How a request flows"). Every media part dialects.locate() can find sits under a key or a
 # ``type`` value that contains "image", "audio" or "video" (compared case-sensitively, after JSON
 # unescaping). A JSON string can only hide those letters behind a ``\uXXXX`` escape, so the
 # case-sensitive words plus ``\u`` make a miss impossible (pinned by a hypothesis test). ``data:`` and

@@ -132,7 +132,7 @@ def _sliced(body: bytes | MediaBuffer, length: int | None) -> bytes | memoryview
 
 @dataclass(slots=True)
 class ReleasePoints:
-    """Callbacks fired at most once each as the exchange passes DESIGN.md's release points."""
+    """Callbacks fired at most once each as the exchange passes its release points (MMGATE_RELEASE_AT)."""
 
     on_sent: Callable[[], None] | None = None
     on_headers: Callable[[], None] | None = None
@@ -152,7 +152,8 @@ UPSTREAM_ERROR_KIND = {"upstream_unavailable": "connect", "upstream_timeout": "t
 
 
 class BrokenStream(Exception):
-    """The upstream failed after the response headers went out; the response was ended as DESIGN.md says."""
+    """The upstream failed after the response headers went out: an SSE stream got a final error event, any
+    other response was cut."""
 
     def __init__(self, error: ProxyError) -> None:
         super().__init__(error.message)
