@@ -23,7 +23,7 @@ from .admission import Gate
 from .connections import ConnectionGuard, mark_head_received
 from .memory import IdleTrimmer, glibc_malloc_trim
 from .metrics import Metrics, watch_loop_lag
-from .pipeline import expect_continue, handle_request
+from .pipeline import expect_continue, handle_request, refusals_in_api_shape
 from .settings import Settings
 from .state import STATE, AppState
 
@@ -106,7 +106,7 @@ def build_app(settings: Settings, *, admin: bool | None = None, state: AppState 
     state = state or build_state(settings)
     app = web.Application(client_max_size=settings.max_body_bytes,
                           handler_args={"max_field_size": 65536, "auto_decompress": False},
-                          middlewares=[mark_head_received(state.connections)])
+                          middlewares=[mark_head_received(state.connections), refusals_in_api_shape])
     app[STATE] = state
     if not shared:
         app.cleanup_ctx.extend([_upstream_session, _decode_pool, _loop_lag_watcher, _idle_trimmer])

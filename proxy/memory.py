@@ -1,4 +1,4 @@
-"""Giving freed memory back to the operating system (issue 5): at once for big buffers, and after bursts.
+"""Giving freed memory back to the operating system: at once for big buffers, and after bursts.
 
 Decode threads allocate and free tens of MiB per large image. glibc keeps freed chunks inside its arenas
 for reuse and only returns memory at the top of a heap, so after a burst the process's RSS stays near the

@@ -11,7 +11,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 from aiohttp import HttpVersion11, hdrs, web
 
@@ -594,6 +594,26 @@ async def _refuse(request: web.Request, state: AppState, ex: Exchange, error: Pr
     # Any other refusal before the body was read whole (429 while it arrived): aiohttp reads the rest and
     # drops it chunk by chunk after the answer (lingering close, at most MMGATE_MAX_BODY_MB and 10 s), so
     # the client, still uploading, gets the answer instead of a reset.
+    return answer
+
+
+@web.middleware
+async def refusals_in_api_shape(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Answers aiohttp gives before ``handle_request`` runs (a target the router cannot match) or from the
+    admin routes, in the client's API shape like every other refusal; a fault is a 500, never a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = "path_not_allowed" if exc.status == 404 else "invalid_request"
+        error = ProxyError(exc.status, code, exc.reason)
+    except Exception:
+        log.exception("%s %s: internal error", request.method, request.path[:200])
+        error = ProxyError(500, "internal_error", "mmgate failed on this request; see its log")
+    answer = web.Response(status=error.status, body=error.body(dialect_for_path(request.path)),
+                          content_type="application/json")
+    answer.headers.update(error.headers)
     return answer
 
 

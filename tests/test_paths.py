@@ -4,6 +4,7 @@ exactly the checked path is what the upstream receives."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -189,4 +190,15 @@ async def test_media_route_is_recognised_after_normalisation(upstream: Upstream,
         async with client.post(url, json=body) as response:
             assert response.status == 400
             assert (await response.json())["error"]["code"] == "unsupported_media_type"
+    assert upstream.seen == []
+
+
+async def test_a_target_the_router_cannot_match_is_refused_in_the_api_shape(
+    upstream: Upstream, start_proxy: StartProxy
+) -> None:
+    """An absolute-form target with no path at all never reaches the request handler."""
+    proxy = await start_proxy(upstream.url)
+    status, body = await _raw_request(proxy.server.port, b"HTTP://example.invalid:1")
+    assert status == 404
+    assert json.loads(body)["error"]["code"] == "path_not_allowed"
     assert upstream.seen == []
