@@ -2,7 +2,7 @@
 
 A multimodal body is mostly a few huge base64 strings. Parsing it whole (orjson: ~1 ms per MB) and
 re-serialising it would cost GIL time and change bytes the client sent (big integers, ``1e2``, duplicate
-keys, ``\/``). Instead:
+keys, ``\\/``). Instead:
 
 1. ``skeletonize`` walks the string tokens with ``bytes.find`` (C speed; base64 holds neither ``"``
    nor ``\\``, so a 20 MB body has only a few hundred tokens), replaces long, escaped or
