@@ -3,12 +3,15 @@
 Shutdown follows Kubernetes' order of events: SIGTERM arrives while the endpoint is still being removed, so
 readiness fails at once but requests are still served for MMGATE_DRAIN_GRACE seconds; then new requests
 get 503 ``draining`` and in-flight ones (streams included) get up to MMGATE_DRAIN_TIMEOUT to finish.
+SIGINT (Ctrl-C) comes from a person, not from a load balancer that is still sending traffic: an idle server
+stops at once, and the grace lasts only as long as requests are in flight.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -16,15 +19,23 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import orjson
 from aiohttp import web
 
-from .app import build_admin_app, build_app
+from .app import build_admin_app, build_app, make_runner
+from .connections import GuardedSite
 from .memory import tune_allocators
+from .settings import (
+    ConfigError,
+    Settings,
+    add_arguments,
+    overrides_from_args,
+    unknown_variables,
+)
 from .state import STATE, AppState
-from .settings import ConfigError, Settings, add_arguments, overrides_from_args
 
 log = logging.getLogger("mmgate")
 
@@ -67,78 +78,143 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class ListenError(Exception):
+    """A socket mmgate cannot listen on; ``str()`` is the one line the CLI prints before exiting with status 2."""
+
+
 def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> None:
     args = parse_args(argv)
     environ = dict(os.environ if environ is None else environ)
+    for warning in unknown_variables(environ):
+        print(f"mmgate: warning: {warning}", file=sys.stderr)
     overrides = overrides_from_args(args)
     stub: subprocess.Popen[bytes] | None = None
     try:
-        if args.command == "demo" and not args.print_config:
-            stub, upstream = start_stub_backend()
-            overrides.setdefault("upstream", upstream)
-        settings = Settings.from_env(environ, **overrides)
-        if not settings.upstream and not args.print_config:
-            raise ConfigError("MMGATE_UPSTREAM is not set: point it at your backend (e.g. --upstream "
-                              "http://127.0.0.1:8000), or try `mmgate demo`")
-    except ConfigError as error:
-        print(f"mmgate: {error}", file=sys.stderr)
-        if stub is not None:
-            stub.terminate()
-        raise SystemExit(2) from None
-    if args.print_config:
-        print(settings.describe())
-        return
-    configure_logging(settings)
-    if settings.malloc_tuning:
-        applied = tune_allocators(environ)
-        log.info("memory: %s", " ".join(applied) if applied else "allocator settings left as the environment set them")
-    try:
-        asyncio.run(serve(settings, on_ready=print_demo_help if stub is not None else None))
+        try:
+            if args.command == "demo":
+                stub, upstream = start_stub_backend()
+                overrides.setdefault("upstream", upstream)
+            settings = Settings.from_env(environ, **overrides)
+            if not settings.upstream:
+                # --print-config too: the worst case it prints is for a proxy that could not start without one.
+                raise ConfigError("MMGATE_UPSTREAM is not set: point it at your backend (e.g. --upstream "
+                                  "http://127.0.0.1:8000), or try `mmgate demo`")
+        except ConfigError as error:
+            exit_with(error)
+        if args.print_config:
+            print(settings.describe())
+            return
+        configure_logging(settings)
+        if settings.malloc_tuning:
+            applied = tune_allocators(environ)
+            log.info("memory: %s", " ".join(applied) if applied else "allocator settings left as the environment set them")
+        try:
+            asyncio.run(serve(settings, on_ready=print_demo_help if stub is not None else None))
+        except ListenError as error:
+            exit_with(error)
     finally:
         if stub is not None:
             stub.terminate()
             stub.wait(10)
 
 
+def exit_with(error: Exception) -> NoReturn:
+    """One line on stderr and exit status 2: what a person or a crash-looping pod log needs, no traceback."""
+    print(f"mmgate: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+
+
 async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain (see the module docstring) and return."""
+    # Handlers first: a signal that arrives while the sockets open must not become a KeyboardInterrupt.
+    stop = asyncio.Event()
+    received: list[signal.Signals] = []
+
+    def on_signal(signum: signal.Signals) -> None:
+        received.append(signum)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
     app = build_app(settings)
-    # drain() already waited for in-flight requests; the runner's own shutdown wait is only for stragglers,
-    # so the whole stop stays within MMGATE_DRAIN_GRACE + MMGATE_DRAIN_TIMEOUT (+1 s).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = make_runner(app)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, reuse_address=True)
-    await site.start()
     admin_runner = None
+    try:
+        # Client connections are capped and their heads have a deadline (proxy/connections.py).
+        site = GuardedSite(runner, settings.host, settings.port, app[STATE].connections)
+        await listen(site, settings.host, settings.port, "MMGATE_PORT / --port")
+        if settings.admin_port:
+            admin_runner = web.AppRunner(build_admin_app(app[STATE]), access_log=None)
+            await admin_runner.setup()
+            admin_site = web.TCPSite(admin_runner, settings.host, settings.admin_port)
+            await listen(admin_site, settings.host, settings.admin_port, "MMGATE_ADMIN_PORT / --admin-port")
+    except ListenError:
+        await runner.cleanup()
+        if admin_runner is not None:
+            await admin_runner.cleanup()
+        raise
+    port = site.port
+    log.info("mmgate listening on http://%s:%s%s -> %s", settings.host, port, where_note(settings.host),
+             settings.upstream)
     if settings.admin_port:
-        admin_runner = web.AppRunner(build_admin_app(app[STATE]), access_log=None)
-        await admin_runner.setup()
-        await web.TCPSite(admin_runner, settings.host, settings.admin_port).start()
-    port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else settings.port  # type: ignore[union-attr]
-    log.info("mmgate listening on http://%s:%s -> %s", settings.host, port, settings.upstream)
+        log.info("/mmgate/* only on the admin port: http://%s:%s", settings.host, settings.admin_port)
     if on_ready is not None:
         on_ready(settings, port)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
     await stop.wait()
-    await drain(app[STATE])
+    await drain(app[STATE], received[0])
     await runner.cleanup()
     if admin_runner is not None:
         await admin_runner.cleanup()
     log.info("mmgate stopped")
 
 
-async def drain(state: AppState) -> None:
+async def listen(site: web.BaseSite, host: str, port: int, setting: str) -> None:
+    """``site.start()``, with a socket that cannot be opened as one line naming the setting to change."""
+    try:
+        await site.start()
+    except OSError as exc:
+        if exc.errno is not None and exc.errno > 0:
+            reason = os.strerror(exc.errno).lower()
+        else:  # a host name that does not resolve: no errno, the resolver's own words
+            reason = str(exc.strerror or exc).lower()
+        if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+            setting = "MMGATE_HOST / --host"
+        raise ListenError(f"cannot listen on {host}:{port}: {reason} ({setting})") from None
+
+
+def where_note(host: str) -> str:
+    """The listen address in words when it is every interface, the default a first-time user may not expect."""
+    if host in ("0.0.0.0", "::", ""):
+        return " (all interfaces; MMGATE_HOST=127.0.0.1 to listen locally only)"
+    return ""
+
+
+async def drain(state: AppState, signum: signal.Signals = signal.SIGTERM) -> None:
+    """Readiness fails; serve on through the grace (SIGTERM: all of it; SIGINT: only while requests are in
+    flight); then refuse new requests and give those in flight up to MMGATE_DRAIN_TIMEOUT."""
     settings = state.settings
     state.not_ready = True
-    log.info("SIGTERM: readiness now fails; serving for %g s more (MMGATE_DRAIN_GRACE)", settings.drain_grace)
-    await asyncio.sleep(settings.drain_grace)
+    if signum == signal.SIGTERM:
+        log.info("SIGTERM: readiness now fails; serving for %g s more (MMGATE_DRAIN_GRACE)", settings.drain_grace)
+        await asyncio.sleep(settings.drain_grace)
+    elif state.idle.is_set():
+        log.info("%s: no request in flight; stopping now", signum.name)
+    else:
+        # Ctrl-C: no load balancer is still sending requests, so the grace only lets those in flight finish.
+        log.info("%s: %d request(s) in flight; serving for up to %g s more while they finish (MMGATE_DRAIN_GRACE)",
+                 signum.name, state.in_flight, settings.drain_grace)
+        try:
+            async with asyncio.timeout(settings.drain_grace):
+                await state.idle.wait()
+        except TimeoutError:
+            pass
     state.refusing = True
     state.gate.start_draining()
-    log.info("draining: %d request(s) in flight, waiting up to %g s", state.in_flight, settings.drain_timeout)
+    if state.in_flight:
+        log.info("draining: %d request(s) in flight, waiting up to %g s", state.in_flight, settings.drain_timeout)
     try:
         async with asyncio.timeout(settings.drain_timeout):
             await state.idle.wait()
@@ -169,6 +245,7 @@ def start_stub_backend() -> tuple[subprocess.Popen[bytes], str]:
 
 
 def print_demo_help(settings: Settings, port: int) -> None:
+    """Snippets to paste into another shell (the README's demo command installs the ``demo`` extra they need)."""
     base = f"http://127.0.0.1:{port}"
     print(
         f"""
@@ -177,6 +254,7 @@ mmgate demo: proxy on {base} -> stub backend at {settings.upstream}
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "stub", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
+  # the openai SDK comes with the demo extra: pip install -e '.[demo]'
   python - <<'EOF'
 from openai import OpenAI
 client = OpenAI(base_url="{base}/v1", api_key="unused")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -481,8 +482,14 @@ def _measure(body: bytes, part: MediaPart, max_item: int) -> _Item:
     return _Item(part, offset, size, declared, declared_span)
 
 
+# RFC 6838 section 4.2: a type and a subtype of restricted-name characters.
+_MEDIA_TYPE = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]{0,126}/[a-z0-9][a-z0-9!#$&^_.+-]{0,126}")
+
+
 def _declared_type_allowed(part: MediaPart, declared: str) -> bool:
     """A part's declared type must name its kind; a data URI may also say application/octet-stream."""
+    if not _MEDIA_TYPE.fullmatch(declared):
+        return False
     if declared.startswith(part.kind + "/"):
         return True
     return part.encoding == "data_uri" and declared == "application/octet-stream"
@@ -597,6 +604,13 @@ async def _refuse(request: web.Request, state: AppState, ex: Exchange, error: Pr
     return answer
 
 
+def loggable(text: str, limit: int = 512) -> str:
+    """A client-chosen string for a text log line: control characters escaped, so a path cannot forge lines
+    or drive a terminal."""
+    text = text[:limit]
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 @web.middleware
 async def refusals_in_api_shape(request: web.Request, handler: Any) -> web.StreamResponse:
     """Answers aiohttp gives before ``handle_request`` runs (a target the router cannot match) or from the
@@ -606,11 +620,18 @@ async def refusals_in_api_shape(request: web.Request, handler: Any) -> web.Strea
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = "path_not_allowed" if exc.status == 404 else "invalid_request"
-        error = ProxyError(exc.status, code, exc.reason)
+        error = ProxyError(exc.status, "path_not_allowed" if exc.status == 404 else "invalid_request", exc.reason)
+        if exc.status == 404:
+            try:  # a target the router cannot even match (a raw control character) is an invalid path
+                normalise_target(request.raw_path)
+            except ProxyError as invalid:
+                error = invalid
     except Exception:
-        log.exception("%s %s: internal error", request.method, request.path[:200])
-        error = ProxyError(500, "internal_error", "mmgate failed on this request; see its log")
+        request_id = request_id_for(None)
+        log.exception("request %s (%s %s): internal error", request_id, request.method, loggable(request.path))
+        error = ProxyError(500, "internal_error",
+                           f"mmgate failed on this request; its log has the details under request id {request_id}")
+    request.app[STATE].metrics.rejected.labels(error.code).inc()
     answer = web.Response(status=error.status, body=error.body(dialect_for_path(request.path)),
                           content_type="application/json")
     answer.headers.update(error.headers)
@@ -633,5 +654,5 @@ def _record(state: AppState, ex: Exchange, request: web.Request) -> None:
             "stages_ms": {k: round(v * 1000, 2) for k, v in ex.watch.stages.items()},
             "bytes_in": ex.bytes_in, "media_in": ex.media_in, "media_out": ex.media_out,
         }
-        log.info("%s %s %s %s %s %.1fms %s", ex.request_id, request.method, request.path, status, ex.kind,
+        log.info("%s %s %s %s %s %.1fms %s", ex.request_id, request.method, loggable(request.path), status, ex.kind,
                  duration * 1000, ex.code or "-", extra={"fields": fields})

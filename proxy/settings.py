@@ -8,9 +8,11 @@ injectable (``Settings.from_env(environ)``) so tests never touch ``os.environ``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 MIB = 1 << 20
@@ -159,26 +161,27 @@ class Settings:
     # ----- construction -----
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: str) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: str) -> Settings:
         """Read ``MMGATE_*`` from ``environ`` (default ``os.environ``); ``overrides`` (raw strings, CLI) win."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        where: dict[str, str] = {}  # setting -> how the user spelt it, so an error names what they typed
         for name, (parse, _help) in _SPEC.items():
-            env_name = "MMGATE_" + name.upper()
             raw = overrides.get(name)
+            where[name] = flag_name(name) if raw is not None else env_name(name)
             if raw is None:
-                raw = environ.get(env_name)
+                raw = environ.get(env_name(name))
             if raw is None:
                 continue
             try:
                 values[name] = parse(str(raw))
             except ValueError as exc:
-                raise ConfigError(f"{env_name}={raw!r} is not allowed: expected {exc}") from None
+                raise ConfigError(f"{where[name]}={raw!r} is not allowed: expected {exc}") from None
         if "decode_workers" not in values:
             values["decode_workers"] = usable_cpus()
         elif values["decode_workers"] == 0 and environ.get("MMGATE_BENCH_INLINE_DECODE") != "1":
             raise ConfigError(
-                "MMGATE_DECODE_WORKERS='0' is not allowed: expected an integer from 1 to 256 "
+                f"{where['decode_workers']}='0' is not allowed: expected an integer from 1 to 256 "
                 "(0 = decode on the event loop exists only as a benchmark baseline)"
             )
         return cls(**values)
@@ -280,10 +283,56 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
 }
 
 
+# ``MMGATE_*`` variables the project reads outside Settings (tests, benchmarks, the real-vLLM suite). They are
+# not settings of the proxy, but they are not typos either: the unknown-variable warning leaves them alone.
+# Add a name here when a test or benchmark starts reading a new one (tests/test_cli.py checks the repository).
+TOOLING_VARIABLES: frozenset[str] = frozenset({
+    "MMGATE_BENCH_INLINE_DECODE",  # benchmarks: allows MMGATE_DECODE_WORKERS=0 (decode on the loop)
+    "MMGATE_BENCH_WORKER_NICENESS",  # benchmarks: decode-thread niceness of a benchmarked mmgate
+    "MMGATE_E2E",  # tests/e2e: run the real-vLLM suite
+    "MMGATE_E2E_DIR",
+    "MMGATE_E2E_PYTHON",
+    "MMGATE_E2E_SETUP_TIMEOUT",
+    "MMGATE_E2E_VLLM_START_TIMEOUT",
+    "MMGATE_E2E_VLLM_URL",
+    "MMGATE_FUZZ_SAVE",  # tests/fuzzing.py: save a failing example to the corpus
+    "MMGATE_FUZZ_SEED",  # tests/fuzzing.py: the hypothesis seed
+    "MMGATE_REQUIRE_HEAVY",  # CI: a skipped heavy test fails instead
+    "MMGATE_UPDATE_SCREENSHOT",  # tests/test_dashboard.py: rewrite docs/dashboard.png
+})
+
+
+def env_name(name: str) -> str:
+    """``max_queue`` -> ``MMGATE_MAX_QUEUE``."""
+    return "MMGATE_" + name.upper()
+
+
+def flag_name(name: str) -> str:
+    """``max_queue`` -> ``--max-queue``."""
+    return "--" + name.replace("_", "-")
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One warning per ``MMGATE_*`` variable that is no setting, with the closest name when there is one.
+
+    A misspelt variable would otherwise be ignored without a word, and the default it meant to change would
+    silently stay in force. Only a warning: an unknown name must not stop a rollout.
+    """
+    known = [name.upper() for name in _SPEC]
+    warnings = []
+    for variable in sorted(environ):
+        if not variable.startswith("MMGATE_") or variable[7:] in known or variable in TOOLING_VARIABLES:
+            continue
+        # Compared without the prefix every name shares, which would make any two names look alike.
+        close = difflib.get_close_matches(variable[7:], known, n=1)
+        warnings.append(f"unknown variable {variable}" + (f" (did you mean MMGATE_{close[0]}?)" if close else ""))
+    return warnings
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--kebab-name`` flag per setting; values stay raw strings so one parser validates both sources."""
     for name, (_parse, help_text) in _SPEC.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="V", help=help_text)
+        parser.add_argument(flag_name(name), dest=name, default=None, metavar="V", help=help_text)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, str]:

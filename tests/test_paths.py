@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 import pytest
@@ -202,3 +203,24 @@ async def test_a_target_the_router_cannot_match_is_refused_in_the_api_shape(
     assert status == 404
     assert json.loads(body)["error"]["code"] == "path_not_allowed"
     assert upstream.seen == []
+
+
+async def test_an_encoded_line_break_is_an_invalid_path_not_a_missing_route(
+    upstream: Upstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(upstream.url)
+    status, body = await _raw_request(proxy.server.port, b"/v1/models%0aX-Injected:%201")
+    assert status == 400
+    assert json.loads(body)["error"]["code"] == "invalid_path"
+    assert upstream.seen == []
+
+
+async def test_a_path_cannot_write_control_characters_into_the_text_log(
+    upstream: Upstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_ACCESS_LOG="on")
+    with caplog.at_level(logging.INFO, logger="mmgate.access"):
+        status, _body = await _raw_request(proxy.server.port, b"/v1/%1b[31mred%1b[0m")
+    assert status == 400
+    [line] = [r.getMessage() for r in caplog.records if r.name == "mmgate.access"]
+    assert "\x1b" not in line and "\\x1b[31mred" in line

@@ -179,3 +179,14 @@ async def test_refusals_say_whether_a_retry_can_help(upstream: Upstream, start_p
         async with client.get(proxy.url + "/v1/models") as response:
             assert response.status == 503 and 1 <= int(response.headers["Retry-After"]) <= 120
             assert "x-should-retry" not in response.headers
+
+
+async def test_a_declared_type_that_is_not_a_media_type_token_is_refused(upstream: Upstream, proxy: Proxy) -> None:
+    """Found by the fuzzer: ``image/\\ud800`` passed a prefix check and failed to encode in the worker (500)."""
+    data = base64.b64encode(PNG)
+    for media_type in (b'"image/\\ud800"', b'"image/png; x=\\"1\\""', b'"image/"'):
+        raw = (b'{"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", '
+               b'"source": {"type": "base64", "media_type": ' + media_type + b', "data": "' + data + b'"}}]}]}')
+        status, _h, answer = await _post(proxy, "/v1/messages", raw)
+        assert status == 400 and "invalid_media_type" in answer["error"]["message"], media_type
+    assert upstream.seen == []
