@@ -16,6 +16,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 MIB = 1 << 20
+# What one open client connection may hold outside any body: aiohttp's read buffer (256 KiB) and a
+# request head (up to 64 KiB of header fields).
+CONNECTION_BYTES = (256 + 64) << 10
 
 
 class ConfigError(ValueError):
@@ -203,9 +206,11 @@ class Settings:
     def worst_case_memory_bytes(self) -> dict[str, int]:
         """Upper bound of request payload memory the limits allow (README "Tuning").
 
-        queued:    every waiting request holds its raw body      = MAX_QUEUE × MAX_BODY_MB
-        admitted:  requests past the gate hold body + output     = MAX_MM_CONCURRENCY × 2 × MAX_BODY_MB
-        decoding:  decode workers each hold one decoded image    = DECODE_WORKERS × MAX_IMAGE_PIXELS × 4 B
+        queued:      every waiting request holds its raw body    = MAX_QUEUE × MAX_BODY_MB
+        admitted:    requests past the gate hold body + output   = MAX_MM_CONCURRENCY × 2 × MAX_BODY_MB
+        decoding:    decode workers each hold one decoded image  = DECODE_WORKERS × MAX_IMAGE_PIXELS × 4 B
+        connections: each open connection, its read buffer and   = MAX_CONNECTIONS × CONNECTION_BYTES
+                     a head (aiohttp's, outside the bodies)
 
         Bodies still arriving are inside the first two terms: a big body whose head names media holds a
         place in line while it is read, and finds none when slots and queue are taken (429, rest unread).
@@ -215,7 +220,9 @@ class Settings:
         queued = self.max_queue * self.max_body_bytes
         admitted = self.max_mm_concurrency * 2 * self.max_body_bytes
         decoding = self.decode_workers * self.max_image_pixels * 4
-        return {"queued": queued, "admitted": admitted, "decoding": decoding, "total": queued + admitted + decoding}
+        connections = self.max_connections * CONNECTION_BYTES
+        return {"queued": queued, "admitted": admitted, "decoding": decoding, "connections": connections,
+                "total": queued + admitted + decoding + connections}
 
     def describe(self) -> str:
         """``--print-config``: every effective setting as ``MMGATE_X=value`` and the worst-case memory."""
@@ -230,7 +237,7 @@ class Settings:
         memory = self.worst_case_memory_bytes()
         lines.append(
             "# worst-case payload memory: {total:.0f} MiB = queued {queued:.0f} MiB + admitted {admitted:.0f} MiB"
-            " + decoding {decoding:.0f} MiB".format(**{k: v / MIB for k, v in memory.items()})
+            " + decoding {decoding:.0f} MiB + connections {connections:.0f} MiB".format(**{k: v / MIB for k, v in memory.items()})
         )
         return "\n".join(lines)
 
