@@ -470,7 +470,7 @@ def _measure(body: bytes, part: MediaPart, max_item: int) -> _Item:
             mime_end = bytes(head[: offset - 1]).find(b";")
             mime_end = offset - 1 if mime_end < 0 else mime_end
             declared_span = Span(span.start + 6, span.start + 1 + mime_end, False)
-    if declared and not _declared_type_allowed(part, declared):
+    if (declared or part.declared_mime is not None) and not _declared_type_allowed(part, declared):
         raise ProxyError(400, "invalid_media_type",
                          f"the declared type {declared[:64]!r} is not an accepted {part.kind} type: declare "
                          f"{part.kind}/<subtype> or leave it out", param=part.path)

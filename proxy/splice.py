@@ -213,16 +213,34 @@ class Skeleton:
         raise _invalid("request body is not valid JSON: bad string escape")
 
     def resolve(self, value: Any = ...) -> Any:
-        """A deep copy of ``value`` (default: ``doc``) with every placeholder unescaped (tests, debugging)."""
+        """A deep copy of ``value`` (default: ``doc``) with every placeholder unescaped (tests, debugging).
+
+        Iterative: the nesting is the client's choice, Python's recursion limit is not."""
         if value is ...:
             value = self.doc
-        if isinstance(value, str):
-            return self.text(value)
-        if isinstance(value, list):
-            return [self.resolve(item) for item in value]
-        if isinstance(value, dict):
-            return {key: self.resolve(item) for key, item in value.items()}
-        return value
+
+        def copy(item: Any) -> Any:
+            if isinstance(item, str):
+                return self.text(item)
+            if isinstance(item, list):
+                new: Any = []
+            elif isinstance(item, dict):
+                new = {}
+            else:
+                return item
+            pending.append((item, new))
+            return new
+
+        pending: list[tuple[Any, Any]] = []
+        root = copy(value)
+        while pending:
+            source, target = pending.pop()
+            if isinstance(source, list):
+                target.extend(copy(item) for item in source)
+            else:
+                for key, item in source.items():
+                    target[key] = copy(item)
+        return root
 
 
 def parse_plain(body: bytes) -> Skeleton:
