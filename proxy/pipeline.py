@@ -453,7 +453,7 @@ def _measure(body: bytes, part: MediaPart, max_item: int) -> _Item:
         value = part.data(body)
         head, length = value[:256], len(value)
     offset = 0
-    declared = (part.declared_mime or "").strip().lower()
+    declared = (part.declared_mime or "").lower()  # not stripped: a media_type with spaces is no token
     declared_span = part.mime_span
     if part.encoding == "data_uri":
         try:

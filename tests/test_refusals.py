@@ -190,3 +190,11 @@ async def test_a_declared_type_that_is_not_a_media_type_token_is_refused(upstrea
         status, _h, answer = await _post(proxy, "/v1/messages", raw)
         assert status == 400 and "invalid_media_type" in answer["error"]["message"], media_type
     assert upstream.seen == []
+
+
+async def test_an_anthropic_media_type_with_spaces_is_refused(upstream: Upstream, proxy: Proxy) -> None:
+    """Found by the fuzzer: " image/png " was accepted, and a re-encoded image left it naming the old format."""
+    source = {"type": "base64", "media_type": " image/png ", "data": base64.b64encode(PNG).decode()}
+    status, _h, answer = await _post(proxy, "/v1/messages", {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": source}]}]})
+    assert status == 400 and "invalid_media_type" in answer["error"]["message"]
