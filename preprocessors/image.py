@@ -16,15 +16,13 @@ Speed
   - An image that needs no change is never re-encoded: the caller forwards the original bytes.
   - JPEG draft mode: libjpeg decodes at 1/2, 1/4 or 1/8 scale (DCT scaling), the smallest that still
     covers the target, so a 12 MP photo bound for 1 MP is decoded as 3 MP and resized from there.
-  - Pillow keeps a few freed memory blocks instead of handing them back to the OS after every image:
-    fresh pages are expensive on these VMs (see ``_BLOCKS_MAX``).
+  - How many freed memory blocks Pillow keeps for reuse is process-global: ``proxy/memory.py`` sets it.
   - The resize runs before the EXIF rotation and the alpha handling, on the fewest pixels possible.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from io import BytesIO
@@ -53,21 +51,12 @@ MIME_BY_FORMAT = {
     "BMP": "image/bmp",
 }
 
-# Freed Pillow blocks (16 MiB each) kept for reuse: the library default. A 12 MP RGB image spans 3 blocks;
-# 16 covers two workers' decode + resize buffers and caps what is kept at 256 MiB. In
-# bench/image_pipeline.py 0 was slower on PNG (fresh pages) and 64 or 256 gained nothing measurable over 16.
-# `mmgate serve` sets 0 at start-up (MMGATE_MALLOC_TUNING, on by default: memory over speed, see
-# proxy/memory.py). PILLOW_BLOCKS_MAX, when set, is applied by Pillow itself at import and wins.
-_BLOCKS_MAX = 16
-if "PILLOW_BLOCKS_MAX" not in os.environ:
-    Image.core.set_blocks_max(_BLOCKS_MAX)  # type: ignore[attr-defined]
-
 # Our header check (exact, per policy, with a message naming the setting) replaces Pillow's global
 # guard. Set once here, at import: never per call, never from a worker thread.
 Image.MAX_IMAGE_PIXELS = None
 
-# After a draft decode BICUBIC costs ~2/3 of LANCZOS and beats the naive full-resolution BICUBIC
-# pipeline's quality; BILINEAR/HAMMING are cheaper but alias visibly (bench/image_pipeline.py).
+# After a draft decode BICUBIC is cheaper than LANCZOS and beats the naive full-resolution BICUBIC
+# pipeline's quality; BILINEAR/HAMMING are cheaper still but alias visibly (bench/image_pipeline.py).
 _RESAMPLE = Image.Resampling.BICUBIC
 # resize() first box-reduces by a whole factor while >= 1.5x the target remains: for PNG/WEBP/GIF/BMP
 # (no draft decode) this halves the resize time of a 12 MP -> 1 MP image, within 1 dB PSNR of the JPEG

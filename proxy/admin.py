@@ -22,14 +22,13 @@ READY_PROBE_TIMEOUT = 2.0
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
 
 
-
 def _state(request: web.Request) -> AppState:
     return request.app[STATE]
 
 
 async def health(request: web.Request) -> web.Response:
     state = _state(request)
-    return web.json_response({"status": "ok", "draining": state.not_ready})
+    return web.json_response({"status": "ok", "draining": not state.lifecycle.ready})
 
 
 async def probe_upstream(state: AppState) -> tuple[bool, str]:
@@ -52,7 +51,7 @@ async def probe_upstream(state: AppState) -> tuple[bool, str]:
 
 async def ready(request: web.Request) -> web.Response:
     state = _state(request)
-    if state.not_ready:
+    if not state.lifecycle.ready:
         return web.json_response({"ready": False, "reason": "draining"}, status=503)
     ok, detail = await probe_upstream(state)
     return web.json_response({"ready": ok, "reason": detail}, status=200 if ok else 503)

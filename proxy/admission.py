@@ -10,9 +10,9 @@ draining → 503. Every 429 carries ``Retry-After`` estimated from how long slot
 A ``Lease`` is released exactly once whatever path the request takes; ``release()`` is idempotent.
 
 Bodies still arriving count too. Admission needs the whole body (the cost is in it), but a burst of N big
-media bodies read at once would hold N bodies in memory however short the queue: measured, 128 clients ×
-3.3 MiB against a queue of 16 peaked at 2.6× the bound. So a request whose body is big and whose first
-64 KiB name media takes a ``Place`` before the rest is read; places count against the same
+media bodies read at once would hold N bodies in memory however short the queue, far past the bound the
+queue is meant to set. So a request whose body is big and whose first bytes (``body.HEAD_BYTES``) name
+media takes a ``Place`` before the rest is read; places count against the same
 ``limit + max_queue`` as admitted and queued requests, and the request that finds them all taken gets
 429 ``queue_full`` at once, its body unread. ``acquire(place=...)`` turns the place into a queue entry.
 """
@@ -23,10 +23,12 @@ import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import ProxyError
+from .errors import MmgateError, draining
+from .lifecycle import Lifecycle
 
 RETRY_AFTER_MIN, RETRY_AFTER_MAX = 1, 60
 
@@ -45,8 +47,22 @@ class Lease:
     cost: int
     granted_at: float = field(default_factory=time.monotonic)
     released: bool = False
+    deferred: bool = False  # the release waits for work that has not stopped yet
 
     def release(self) -> None:
+        if not self.released and not self.deferred:
+            self._give_back()
+
+    def release_after(self, work: Awaitable[object]) -> None:
+        """Keep the slot until ``work`` (a decode batch) has really stopped, whatever calls ``release()``
+        meanwhile: the answer may go out at once, but the slot stands for work still running."""
+        if self.released or self.deferred:
+            return
+        self.deferred = True
+        task = asyncio.ensure_future(work)
+        task.add_done_callback(lambda _task: self._give_back())
+
+    def _give_back(self) -> None:
         if not self.released:
             self.released = True
             self.gate._give_back(self)
@@ -75,6 +91,7 @@ class Gate:
         byte_budget: int,
         max_queue: int,
         on_change: Callable[["Gate"], None] = lambda gate: None,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self.limit = limit
         self.byte_budget = byte_budget  # 0 = no byte budget
@@ -82,7 +99,7 @@ class Gate:
         self.in_use = 0
         self.bytes_in_use = 0
         self.reading = 0  # places held by requests whose body is still arriving
-        self.draining = False
+        self.lifecycle = lifecycle if lifecycle is not None else Lifecycle()  # refuses new arrivals once draining
         self._waiters: deque[_Waiter] = deque()
         self._on_change = on_change
         self._hold_seconds = 1.0  # moving average of how long a lease is held; seeds Retry-After
@@ -102,13 +119,13 @@ class Gate:
         rounds = (self.waiting + self.reading + 1) / self.limit
         return max(RETRY_AFTER_MIN, min(RETRY_AFTER_MAX, math.ceil(rounds * self._hold_seconds)))
 
-    def _reject(self, code: str, message: str) -> ProxyError:
-        return ProxyError(429, code, message, headers={"Retry-After": str(self.retry_after())})
+    def _reject(self, code: str, message: str) -> MmgateError:
+        return MmgateError(429, code, message, headers={"Retry-After": str(self.retry_after())})
 
     def take_place(self) -> Place:
         """Reserve a place in line for a request whose body is still arriving, or refuse it now (429)."""
-        if self.draining:
-            raise ProxyError.draining()
+        if self.lifecycle.refusing:
+            raise draining()
         if self.in_use + self.waiting + self.reading >= self.limit + self.max_queue:
             raise self._reject("queue_full", f"{self.in_use} media requests running, {self.waiting} waiting and "
                                              f"{self.reading} arriving; retry later")
@@ -123,10 +140,10 @@ class Gate:
         place was counted when the line was checked."""
         if place is not None:
             place.release()
-        if self.draining:
-            raise ProxyError.draining()
+        if self.lifecycle.refusing:
+            raise draining()
         if self.byte_budget and cost > self.byte_budget:
-            raise ProxyError(
+            raise MmgateError(
                 413, "media_too_large",
                 f"the request's media decode to {cost} bytes, more than the whole in-flight budget of "
                 f"{self.byte_budget} bytes (MMGATE_MAX_INFLIGHT_MEDIA_MB): send smaller or fewer media",
@@ -183,7 +200,3 @@ class Gate:
             self.in_use += 1
             self.bytes_in_use += head.cost
             head.future.set_result(None)
-
-    def start_draining(self) -> None:
-        """Refuse new arrivals; those already queued keep their place (they are in flight for the drain)."""
-        self.draining = True

@@ -21,9 +21,11 @@ from preprocessors.pool import DecodePool
 from .admin import add_admin_routes
 from .admission import Gate
 from .connections import ConnectionGuard, mark_head_received
+from .lifecycle import Lifecycle
 from .memory import IdleTrimmer, glibc_malloc_trim
 from .metrics import Metrics, watch_loop_lag
-from .pipeline import expect_continue, handle_request, refusals_in_api_shape
+from .pipeline import expect_continue, handle_request
+from .refusals import refusals_in_api_shape
 from .settings import Settings
 from .state import STATE, AppState
 
@@ -39,13 +41,12 @@ def build_state(settings: Settings) -> AppState:
         metrics.gate_waiting.set(gate.waiting)
         metrics.gate_reading.set(gate.reading)
         metrics.media_bytes_inflight.set(gate.bytes_in_use)
-        if gate.in_use or gate.waiting:
-            trimmer.busy()
-        else:  # every admitted request's media work has stopped (a lease outlives its batch)
-            trimmer.idle()
+        trimmer.follow(running=gate.in_use, waiting=gate.waiting)
 
     metrics.gate_limit.set(settings.max_mm_concurrency)
-    gate = Gate(settings.max_mm_concurrency, settings.max_inflight_media_bytes, settings.max_queue, gate_changed)
+    lifecycle = Lifecycle()
+    gate = Gate(settings.max_mm_concurrency, settings.max_inflight_media_bytes, settings.max_queue, gate_changed,
+                lifecycle)
     image_policy = ImagePolicy(
         max_pixels=settings.max_image_pixels,
         max_frames=settings.max_frames,
@@ -59,7 +60,7 @@ def build_state(settings: Settings) -> AppState:
                                   lambda code: metrics.rejected.labels(code).inc())
     metrics.client_connections.set_function(lambda: connections.open)
     state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.max_audio_seconds),
-                     trimmer, connections)
+                     trimmer, connections, lifecycle=lifecycle)
     metrics.media_bytes_live.set_function(lambda: state.buffers.bytes_live)
     metrics.media_buffers_live.set_function(lambda: state.buffers.owners_live)
     state.idle.set()

@@ -16,6 +16,8 @@ from __future__ import annotations
 import threading
 import weakref
 
+from preprocessors.base import Cancelled
+
 
 class BufferLedger:
     """Counts the live owners of one app and the bytes they hold (read by the gauges at scrape time)."""
@@ -56,9 +58,9 @@ class MediaBuffer:
 
     @property
     def data(self) -> bytes:
-        """The bytes; raises ``BufferReleased`` once released (work for an ended request stops here)."""
+        """The bytes; raises ``Cancelled`` once released: work for an ended request stops here."""
         if self._data is None:
-            raise BufferReleased()
+            raise Cancelled()
         return self._data
 
     @property
@@ -80,6 +82,3 @@ class MediaBuffer:
             self._ledger._change(-self._size[0])
             self._size[0] = 0
 
-
-class BufferReleased(Exception):
-    """The request that owned this buffer has already ended or handed it off."""

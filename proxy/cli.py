@@ -27,7 +27,7 @@ from aiohttp import web
 
 from .app import build_admin_app, build_app, make_runner
 from .connections import GuardedSite
-from .memory import tune_allocators
+from .memory import tune_process
 from .settings import (
     ConfigError,
     Settings,
@@ -105,8 +105,8 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
             print(settings.describe())
             return
         configure_logging(settings)
+        applied = tune_process(environ, memory_first=settings.malloc_tuning)
         if settings.malloc_tuning:
-            applied = tune_allocators(environ)
             log.info("memory: %s", " ".join(applied) if applied else "allocator settings left as the environment set them")
         try:
             asyncio.run(serve(settings, on_ready=print_demo_help if stub is not None else None))
@@ -196,7 +196,7 @@ async def drain(state: AppState, signum: signal.Signals = signal.SIGTERM) -> Non
     """Readiness fails; serve on through the grace (SIGTERM: all of it; SIGINT: only while requests are in
     flight); then refuse new requests and give those in flight up to MMGATE_DRAIN_TIMEOUT."""
     settings = state.settings
-    state.not_ready = True
+    state.lifecycle.start_grace()
     if signum == signal.SIGTERM:
         log.info("SIGTERM: readiness now fails; serving for %g s more (MMGATE_DRAIN_GRACE)", settings.drain_grace)
         await asyncio.sleep(settings.drain_grace)
@@ -211,8 +211,7 @@ async def drain(state: AppState, signum: signal.Signals = signal.SIGTERM) -> Non
                 await state.idle.wait()
         except TimeoutError:
             pass
-    state.refusing = True
-    state.gate.start_draining()
+    state.lifecycle.start_draining()
     if state.in_flight:
         log.info("draining: %d request(s) in flight, waiting up to %g s", state.in_flight, settings.drain_timeout)
     try:

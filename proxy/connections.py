@@ -24,22 +24,22 @@ import asyncio
 import logging
 from typing import Any, Callable
 
-import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from .errors import Dialect, ProxyError
+from .dialects import Dialect, error_headers
+from .errors import MmgateError
 
 log = logging.getLogger("mmgate")
 
 
-def raw_error_response(error: ProxyError) -> bytes:
+def raw_error_response(error: MmgateError) -> bytes:
     """A complete HTTP/1.1 answer for a connection no request handler will ever see, then close."""
-    body = error.body(Dialect.OPENAI)
+    body = Dialect.OPENAI.error_body(error)
     reason = {408: "Request Timeout", 503: "Service Unavailable"}.get(error.status, "Error")
     head = [f"HTTP/1.1 {error.status} {reason}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Connection: close"]
-    head.extend(f"{name}: {value}" for name, value in error.headers.items())
+    head.extend(f"{name}: {value}" for name, value in error_headers(error).items())
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
@@ -85,7 +85,7 @@ class GuardedConnection(asyncio.Protocol):
         guard = self._guard
         if guard.open >= guard.max_connections:
             guard.on_refused("too_many_connections")
-            transport.write(raw_error_response(ProxyError(
+            transport.write(raw_error_response(MmgateError(
                 503, "too_many_connections",
                 f"{guard.open} client connections are open, the limit (MMGATE_MAX_CONNECTIONS); retry later",
                 headers={"Retry-After": "1"})))
@@ -147,7 +147,7 @@ class GuardedConnection(asyncio.Protocol):
         if not self._awaiting_head or transport is None or transport.is_closing():
             return
         self._guard.on_refused("header_timeout")
-        transport.write(raw_error_response(ProxyError(
+        transport.write(raw_error_response(MmgateError(
             408, "header_timeout",
             f"the request head did not arrive within {self._guard.header_timeout:g} s (MMGATE_HEADER_TIMEOUT)")))
         transport.close()

@@ -163,7 +163,7 @@ def snapshot(state: "AppState") -> dict[str, Any]:
             "stuck_workers": _gauge_value(m.pool_stuck_workers),
         },
         "cache": {"hits": _counter_value(m.cache_hits), "misses": _counter_value(m.cache_misses)},
-        "process": {"rss_bytes": _rss_bytes(), "in_flight": state.in_flight, "draining": state.not_ready},
+        "process": {"rss_bytes": _rss_bytes(), "in_flight": state.in_flight, "draining": not state.lifecycle.ready},
         "limits": {
             "max_mm_concurrency": s.max_mm_concurrency,
             "max_queue": s.max_queue,

@@ -1,33 +1,34 @@
-"""Where media lives in each API's JSON, and the JSON path (``param``) each part is named by.
+"""What each API looks like to mmgate: its routes, where its media lives, and its error shape.
 
-``locate`` walks the small skeleton document from ``splice.skeletonize`` and reports every media
-part with its JSON path and the byte span of its data, so the pipeline can admit, process and
-splice without ever parsing the base64. It is liberal: unknown part types, unknown fields and odd
-shapes are left for the backend to judge; only a media part too malformed to process is refused.
+Routes: the media-aware paths (``route_for``); every other path is forwarded without a look inside.
 
-It errs towards finding media: a part the backend would treat as media but mmgate missed would skip
-the gate. So OpenAI-style parts are recognised the way vLLM does (including parts with no ``type``
-or with a ``uuid``), and chat parts are also looked for in Responses content and vice versa.
+Walkers: one per route, over the small skeleton document from ``rawjson.skeletonize``. Each reports every
+media part with its JSON path (the ``param`` of a refusal) and the byte span of its data, so nothing
+downstream ever parses the base64. They are liberal: unknown part types, unknown fields and odd shapes
+are left for the backend to judge; only a media part too malformed to process is refused. They err
+towards finding media, since a part the backend treats as media but mmgate missed would skip the gate:
+OpenAI-style parts are recognised the way vLLM does (including parts with no ``type`` or with a
+``uuid``), and chat parts are also looked for in Responses content and vice versa.
+
+Error shapes: each API's SDKs map its own error document to their exceptions, so a refusal is written in
+the shape of the API the client speaks (``Dialect.error_body``, ``Dialect.error_event``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Literal
 
-from proxy.errors import ProxyError
-from proxy.splice import (
-    Skeleton,
-    Span,
-    looks_text_heavy,
-    may_contain_media,
-    parse_plain,
-    skeletonize,
-    string_value,
-)
+import orjson
+
+from preprocessors.base import MediaKind
+
+from .errors import MmgateError
+from .rawjson import Skeleton, Span
 
 Route = Literal["chat", "responses", "messages", "generate", "other"]
-MediaKind = Literal["image", "audio", "video"]
 
 _ROUTES: dict[str, Route] = {
     "/v1/chat/completions": "chat",
@@ -44,6 +45,78 @@ def route_for(method: str, path: str) -> Route:
     if len(path) > 1 and path.endswith("/"):
         path = path[:-1]
     return _ROUTES.get(path, "other")
+
+
+class Dialect(str, Enum):
+    """Which API's error shape a client expects: Anthropic's Messages API has its own, the rest speak OpenAI's."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+    def error_body(self, error: MmgateError) -> bytes:
+        """The JSON error document of this API, for an answer whose headers have not gone out yet."""
+        return _ERROR_BODIES[self](error)
+
+    def error_event(self, error: MmgateError) -> bytes:
+        """The last event of an SSE stream that broke after its headers went out (README "When mmgate refuses")."""
+        return b"data: " + self.error_body(error) + b"\n\n"
+
+
+def dialect_for_path(path: str) -> Dialect:
+    return Dialect.ANTHROPIC if path.rstrip("/").startswith("/v1/messages") else Dialect.OPENAI
+
+
+# status -> (OpenAI type, Anthropic type): the error types each API's SDKs map to their exceptions.
+_ERROR_TYPES: dict[int, tuple[str, str]] = {
+    400: ("invalid_request_error", "invalid_request_error"),
+    404: ("invalid_request_error", "not_found_error"),
+    408: ("invalid_request_error", "invalid_request_error"),
+    413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "invalid_request_error"),
+    417: ("invalid_request_error", "invalid_request_error"),
+    429: ("rate_limit_error", "rate_limit_error"),
+    500: ("server_error", "api_error"),
+    501: ("invalid_request_error", "api_error"),
+    502: ("upstream_error", "api_error"),
+    503: ("server_error", "overloaded_error"),
+    504: ("timeout_error", "api_error"),
+}
+_UNLISTED_TYPES = ("server_error", "api_error")
+
+
+def _openai_error(error: MmgateError) -> bytes:
+    """``{"error": {"message", "type", "code", "param"}}``: the code and the path have fields of their own."""
+    error_type = _ERROR_TYPES.get(error.status, _UNLISTED_TYPES)[0]
+    return orjson.dumps(
+        {"error": {"message": error.message, "type": error_type, "code": error.code, "param": error.param}}
+    )
+
+
+def _anthropic_error(error: MmgateError) -> bytes:
+    """``{"type": "error", "error": {"type", "message"}}``: no field for the code or the path, so the
+    message carries both."""
+    error_type = _ERROR_TYPES.get(error.status, _UNLISTED_TYPES)[1]
+    where = f" (at {error.param})" if error.param else ""
+    message = f"{error.message}{where} [mmgate: {error.code}]"
+    return orjson.dumps({"type": "error", "error": {"type": error_type, "message": message}})
+
+
+_ERROR_BODIES: dict[Dialect, Callable[[MmgateError], bytes]] = {
+    Dialect.OPENAI: _openai_error,
+    Dialect.ANTHROPIC: _anthropic_error,
+}
+
+# Refusals a retry cannot fix. openai-python and anthropic-sdk-python read ``x-should-retry`` before their
+# own status rules, so a client does not resend a body that will be refused again.
+_NOT_RETRYABLE = frozenset({400, 404, 413, 415, 417, 422, 501})
+
+
+def error_headers(error: MmgateError) -> dict[str, str]:
+    """The headers a refusal carries in every dialect: its own (``Retry-After``), then ``x-should-retry``."""
+    headers = dict(error.headers)
+    if error.status in _NOT_RETRYABLE:
+        headers.setdefault("x-should-retry", "false")
+    return headers
 
 
 @dataclass(slots=True)
@@ -69,17 +142,9 @@ class MediaPart:
     mime_span: Span | None = None  # Anthropic media_type token, rewritten when the format changes
     audio_format: str | None = None  # OpenAI input_audio "format"
 
-    def data(self, body: bytes) -> bytes | memoryview:
-        """The inline value as UTF-8 bytes (data URI or raw base64); zero-copy when possible."""
-        if self.span is not None:
-            return string_value(body, self.span)
-        if self.literal is not None:
-            return self.literal.encode("utf-8")
-        raise ValueError(f"{self.path} is a URL part, it has no inline data")
 
-
-def _bad(message: str, path: str) -> ProxyError:
-    return ProxyError(400, "invalid_request", message, param=path)
+def _bad(message: str, path: str) -> MmgateError:
+    return MmgateError(400, "invalid_request", message, param=path)
 
 
 DEFAULT_MAX_DEPTH = 64
@@ -89,7 +154,7 @@ def _check_depth(depth: int, max_depth: int, path: str) -> None:
     """The walkers recurse into client-chosen nesting: bound it (MMGATE_MAX_JSON_DEPTH) instead of
     letting Python's recursion limit answer for it."""
     if depth > max_depth:
-        raise ProxyError(400, "json_too_deep",
+        raise MmgateError(400, "json_too_deep",
                          f"media is nested more than {max_depth} levels deep (MMGATE_MAX_JSON_DEPTH)",
                          param=path[:200])
 
@@ -341,43 +406,7 @@ def _generate(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart], max_depth
             _generate_item(sk, doc[field], field, kind, out, 2, max_depth)
 
 
-_WALKERS = {"chat": _chat, "responses": _responses, "messages": _messages, "generate": _generate}
+Walker = Callable[[Skeleton, dict[str, Any], list["MediaPart"], int], None]
 
-
-def locate(route: Route, skeleton: Skeleton, max_depth: int = DEFAULT_MAX_DEPTH) -> list[MediaPart]:
-    """Every media part of the request, in document order. ProxyError 400 ``invalid_request`` (with
-    the part's path as ``param``) only for a media part too malformed to process, ``json_too_deep``
-    for media nested deeper than ``max_depth``."""
-    walker = _WALKERS.get(route)
-    doc = skeleton.doc
-    if walker is None or not isinstance(doc, dict):
-        return []
-    out: list[MediaPart] = []
-    walker(skeleton, doc, out, max_depth)
-    return out
-
-
-def find_media(route: Route, body: bytes,
-               max_depth: int = DEFAULT_MAX_DEPTH) -> tuple[Skeleton | None, list[MediaPart]]:
-    """Steps 3-4 in one call: the skeleton and media parts of ``body`` (``(None, [])``: forward as is).
-
-    Same outcome as sniff -> skeletonize -> locate, at the cost of the cheaper correct path. The
-    marker search runs at ~1 ns/byte per marker, slower than orjson parsing text (~1.2 ns/byte for
-    all of it), while walking string tokens costs ~0.7 us each. So: a text-heavy body is parsed
-    plainly (spans are needed only if it turns out to hold media, then it is skeletonized); a body
-    of few huge strings is skeletonized at once. The sniff decides only what invalid JSON means:
-    no marker -> forwarded untouched for the backend to judge (as the plain sniff would), else 400.
-    """
-    if route == "other":
-        return None, []
-    try:
-        if looks_text_heavy(body):
-            plain = parse_plain(body)
-            if not locate(route, plain, max_depth):
-                return plain, []
-        skeleton = skeletonize(body)
-    except ProxyError as exc:
-        if exc.code == "invalid_json" and not may_contain_media(body):
-            return None, []
-        raise
-    return skeleton, locate(route, skeleton, max_depth)
+# Where each media route's parts live (``locate.find_media`` runs the walker for the request's route).
+WALKERS: dict[Route, Walker] = {"chat": _chat, "responses": _responses, "messages": _messages, "generate": _generate}

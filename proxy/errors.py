@@ -1,99 +1,53 @@
-"""One error type for everything mmgate refuses, rendered in the client's API shape.
+"""mmgate's one exception tree: refusals as plain data, raised by any layer, rendered in one place.
 
-Exception tree (the only one in the project)::
+::
 
-    ProxyError(status, code, message, param)     -- raised by mmgate itself
-    └── rendered by ``render()`` as
-        OpenAI     {"error": {"message", "type", "code", "param"}}        (default)
-        Anthropic  {"type": "error", "error": {"type", "message"}}         (/v1/messages)
+    MmgateError(status, code, message, param, headers)   preprocessors/base.py: the root
+    ├── MediaError      the client's media is bad (workers, data URLs, base64): its part counts as rejected
+    ├── InvalidJson     the body is not JSON (rawjson): forwarded untouched when it cannot hold media
+    └── UpstreamError   the upstream failed (``kind``: connect, timeout, reset): counted as an upstream error
 
-``preprocessors.base.MediaError`` (no aiohttp in that package) is translated into a ProxyError at the
-pipeline boundary. Errors from the upstream are never wrapped: they pass through byte for byte.
+No layer below the pipeline knows HTTP answers: each raises one of these, ``pipeline.handle_request``
+catches them once, and ``refusals.py`` writes them in the client's API shape (``dialects.py`` holds the
+shapes). Errors the upstream answers itself are never wrapped: they pass through byte for byte.
+
+``preprocessors.base.Cancelled`` is no refusal: a decode worker raises it to stop work nobody waits for.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import Enum
+from typing import Literal
 
-import orjson
+from preprocessors.base import MediaError, MmgateError
 
+__all__ = ["InvalidJson", "MediaError", "MmgateError", "UpstreamError", "draining", "internal_error"]
 
-class Dialect(str, Enum):
-    """Which API's error shape a client expects."""
-
-    OPENAI = "openai"
-    ANTHROPIC = "anthropic"
+UpstreamFailure = Literal["connect", "timeout", "reset"]
 
 
-# status -> (OpenAI type, Anthropic type): the error types each API's SDKs map to their exceptions.
-_TYPES: dict[int, tuple[str, str]] = {
-    400: ("invalid_request_error", "invalid_request_error"),
-    404: ("invalid_request_error", "not_found_error"),
-    408: ("invalid_request_error", "invalid_request_error"),
-    413: ("invalid_request_error", "request_too_large"),
-    415: ("invalid_request_error", "invalid_request_error"),
-    417: ("invalid_request_error", "invalid_request_error"),
-    429: ("rate_limit_error", "rate_limit_error"),
-    500: ("server_error", "api_error"),
-    501: ("invalid_request_error", "api_error"),
-    502: ("upstream_error", "api_error"),
-    503: ("server_error", "overloaded_error"),
-    504: ("timeout_error", "api_error"),
-}
+class InvalidJson(MmgateError):
+    """The request body is not JSON. Told apart because a body that cannot hold media goes through as sent."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, "invalid_json", message)
 
 
-# Refusals a retry cannot fix. openai-python and anthropic-sdk-python read ``x-should-retry`` before their
-# own status rules, so a client does not resend a body that will be refused again.
-_NOT_RETRYABLE = frozenset({400, 404, 413, 415, 417, 422, 501})
+class UpstreamError(MmgateError):
+    """The upstream could not be reached or failed mid-answer. Told apart because it counts under
+    ``mmgate_upstream_errors_total{kind}`` instead of ``mmgate_rejected_total``."""
+
+    def __init__(self, status: int, code: str, message: str, kind: UpstreamFailure) -> None:
+        super().__init__(status, code, message)
+        self.kind = kind
 
 
-@dataclass
-class ProxyError(Exception):
-    """A refusal by mmgate: HTTP status, stable machine ``code``, human message, optional JSON path."""
-
-    status: int
-    code: str
-    message: str
-    param: str | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        super().__init__(f"{self.status} {self.code}: {self.message}")
-        if self.status in _NOT_RETRYABLE:
-            self.headers.setdefault("x-should-retry", "false")
-
-    def type_for(self, dialect: Dialect) -> str:
-        openai_type, anthropic_type = _TYPES.get(self.status, ("server_error", "api_error"))
-        return anthropic_type if dialect is Dialect.ANTHROPIC else openai_type
-
-    def body(self, dialect: Dialect) -> bytes:
-        """The JSON error document in ``dialect``'s shape."""
-        if dialect is Dialect.ANTHROPIC:
-            where = f" (at {self.param})" if self.param else ""
-            message = f"{self.message}{where} [mmgate: {self.code}]"
-            return orjson.dumps({"type": "error", "error": {"type": self.type_for(dialect), "message": message}})
-        return orjson.dumps(
-            {
-                "error": {
-                    "message": self.message,
-                    "type": self.type_for(dialect),
-                    "code": self.code,
-                    "param": self.param,
-                }
-            }
-        )
-
-    def sse_event(self, dialect: Dialect) -> bytes:
-        """The last event of a stream that broke after its headers went out (README "When mmgate refuses")."""
-        return b"data: " + self.body(dialect) + b"\n\n"
-
-    @classmethod
-    def draining(cls) -> "ProxyError":
-        """503 for a request that arrives (or would queue) after SIGTERM's drain began."""
-        return cls(503, "draining", "mmgate is shutting down; retry on another replica", headers={"Retry-After": "1"})
+def draining() -> MmgateError:
+    """503 for a request that arrives (or would queue) once the drain refuses new work."""
+    return MmgateError(503, "draining", "mmgate is shutting down; retry on another replica",
+                       headers={"Retry-After": "1"})
 
 
-def dialect_for_path(path: str) -> Dialect:
-    """Anthropic's Messages API has its own error shape; everything else speaks OpenAI's."""
-    return Dialect.ANTHROPIC if path.rstrip("/").startswith("/v1/messages") else Dialect.OPENAI
+def internal_error(request_id: str) -> MmgateError:
+    """500 for a fault of mmgate's own: the client learns the request id its log line is under, never a traceback."""
+    return MmgateError(500, "internal_error",
+                       f"mmgate failed on this request; its log has the details under request id {request_id}")

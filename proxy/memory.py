@@ -1,21 +1,19 @@
-"""Giving freed memory back to the operating system: at once for big buffers, and after bursts.
+"""The process's memory: allocator tuning (glibc, Pillow) and giving freed memory back after bursts.
 
-Decode threads allocate and free tens of MiB per large image. glibc keeps freed chunks inside its arenas
-for reuse and only returns memory at the top of a heap, so after a burst the process's RSS stays near the
-burst's high-water mark although nothing is live any more (measured in bench/results/malloc_arenas.md and
-soak.md). ``malloc_trim(0)`` hands every free page back (``madvise(MADV_DONTNEED)``, all arenas). It takes
-the arena locks, so it runs only when the media pipeline has been idle for ``MMGATE_TRIM_IDLE`` seconds,
+Decode threads allocate and free large buffers for every big image. glibc keeps freed chunks inside its
+arenas for reuse and only returns memory at the top of a heap, so after a burst the process's resident
+size stays near the burst's high-water mark although nothing is live any more. ``malloc_trim(0)`` hands
+every free page back (``madvise(MADV_DONTNEED)``, all arenas). It takes the arena locks, so
+``IdleTrimmer`` runs it only when the media pipeline has been idle for ``MMGATE_TRIM_IDLE`` seconds,
 never under load, and in a helper thread, never on the event loop.
 
-``tune_allocators`` (``MMGATE_MALLOC_TUNING``, on by default, applied once at start-up by ``mmgate serve``)
-goes further: glibc serves every allocation of 1 MiB or more with its own mmap and unmaps it on free
-(``M_MMAP_THRESHOLD``, and ``M_TRIM_THRESHOLD`` for the heap top), and Pillow keeps no cache of freed
-image blocks. Measured over 10,000 mixed requests (bench/results/soak.md): idle RSS between blocks of
-1000 requests stays within +0.9 % (46.0-46.4 MiB); with the idle trim alone it wanders by up to +21.5 %,
-mostly Pillow's block cache (up to 16 x 16 MiB), which no trim can free. Price: fresh pages for every big
-buffer, 10-33 % more CPU per 12 MP image (bench/results/malloc_arenas.md), 0.84x the soak's throughput
-on a 2-core box (bench/results/soak_cost.md). An operator's own
-``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``PILLOW_BLOCKS_MAX`` is left alone.
+Allocator settings are process-global, so this module alone sets them, once, at start-up
+(``tune_process``). With ``MMGATE_MALLOC_TUNING`` (the default) memory comes before speed: glibc serves
+every allocation of 1 MiB or more with its own mmap and unmaps it on free (``M_MMAP_THRESHOLD``, and
+``M_TRIM_THRESHOLD`` for the heap top), and Pillow keeps no freed image blocks, which no trim could
+free. The price is fresh pages, so more CPU, for every big buffer. Without it, Pillow keeps a few freed
+blocks for reuse (``PILLOW_BLOCKS_KEPT``). An operator's own ``MALLOC_MMAP_THRESHOLD_`` /
+``MALLOC_TRIM_THRESHOLD_`` / ``PILLOW_BLOCKS_MAX`` is left alone. bench/results/ has the measurements.
 
 Not glibc (musl, macOS): there is nothing to call and the glibc parts do nothing.
 """
@@ -33,6 +31,9 @@ log = logging.getLogger("mmgate")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 EAGER_THRESHOLD = 1 << 20
+# Freed Pillow blocks (16 MiB each) kept for reuse when memory does not come first: enough for two workers'
+# decode and resize buffers of a large photo, at most 256 MiB kept.
+PILLOW_BLOCKS_KEPT = 16
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -42,6 +43,19 @@ def _glibc() -> ctypes.CDLL | None:
     except (OSError, AttributeError, TypeError):
         return None
     return libc
+
+
+def tune_process(environ: Mapping[str, str], *, memory_first: bool) -> list[str]:
+    """Set the allocators once for this process (``memory_first``: MMGATE_MALLOC_TUNING). Returns what was
+    applied, as ``NAME=value`` (the variable an operator would set to do the same)."""
+    if memory_first:
+        return tune_allocators(environ)
+    if "PILLOW_BLOCKS_MAX" in environ:  # Pillow applied it itself at import
+        return []
+    from PIL import Image
+
+    Image.core.set_blocks_max(PILLOW_BLOCKS_KEPT)  # type: ignore[attr-defined]
+    return [f"PILLOW_BLOCKS_MAX={PILLOW_BLOCKS_KEPT}"]
 
 
 def tune_allocators(environ: Mapping[str, str]) -> list[str]:
@@ -90,6 +104,14 @@ class IdleTrimmer:
     def pending(self) -> bool:
         """A trim is scheduled (the pipeline is idle and the delay has not passed yet)."""
         return self._timer is not None
+
+    def follow(self, *, running: int, waiting: int) -> None:
+        """The gate changed: media work is under way while a request holds or waits for a slot. A lease
+        outlives its decode batch, so a free gate means every worker has stopped."""
+        if running or waiting:
+            self.busy()
+        else:
+            self.idle()
 
     def busy(self) -> None:
         """Media work started: a pending trim would contend with it."""

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
-from .errors import ProxyError
+from .errors import MmgateError
 
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -55,12 +55,12 @@ class Target:
         return self.path + "?" + self.query if self.query else self.path
 
 
-def _invalid(message: str) -> ProxyError:
-    return ProxyError(400, "invalid_path", message)
+def _invalid(message: str) -> MmgateError:
+    return MmgateError(400, "invalid_path", message)
 
 
 def normalise_target(raw: str) -> Target:
-    """The checked form of ``raw`` (the request target as it arrived), or ProxyError 400 ``invalid_path``."""
+    """The checked form of ``raw`` (the request target as it arrived), or MmgateError 400 ``invalid_path``."""
     if _ABSOLUTE_FORM.match(raw):
         parts = urlsplit(raw)
         if parts.scheme.lower() not in ("http", "https"):

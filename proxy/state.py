@@ -14,6 +14,7 @@ from preprocessors.pool import DecodePool
 from .admission import Gate
 from .buffers import BufferLedger
 from .connections import ConnectionGuard
+from .lifecycle import Lifecycle
 from .memory import IdleTrimmer
 from .metrics import Metrics
 from .settings import Settings
@@ -33,8 +34,7 @@ class AppState:
     buffers: BufferLedger = field(default_factory=BufferLedger)
     session: aiohttp.ClientSession | None = None
     pool: DecodePool | None = None
-    not_ready: bool = False  # SIGTERM received: readiness fails, requests still served (drain grace)
-    refusing: bool = False  # drain proper: new requests get 503 draining
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)  # shared with the gate
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")

@@ -1,9 +1,11 @@
-"""Forwarding to the upstream: header hygiene, a body that lets go of itself, streaming back, release points.
+"""Talking to the upstream: header hygiene, a request body that lets go of itself, the answer relayed back.
 
-The request and response bodies are never buffered whole on the way back: each chunk the upstream sends
-is written to the client as it arrives (``iter_any``), so SSE tokens keep their timing. Header rules:
+``open_upstream`` sends the request and returns the upstream's response once its headers arrived, or raises
+``UpstreamError``; ``relay_head`` and ``relay_body`` write that response to the client. The answer is never
+buffered whole on the way back (except a small one of known length): each chunk is written as it arrives,
+so SSE tokens keep their timing. Header rules:
 
-* RFC 9110 §7.6.1: hop-by-hop fields (``Connection`` and every field it names, Keep-Alive,
+* RFC 9110 section 7.6.1: hop-by-hop fields (``Connection`` and every field it names, Keep-Alive,
   Proxy-Connection, Proxy-Authenticate, Proxy-Authorization, TE, Trailer, Transfer-Encoding, Upgrade)
   are removed in both directions; ``Host`` is set for the upstream by the client library.
 * RFC 7239's de facto predecessors: ``X-Forwarded-For`` gets the client address appended,
@@ -14,8 +16,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -25,7 +26,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from .buffers import MediaBuffer
-from .errors import ProxyError
+from .errors import UpstreamError
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -80,7 +81,7 @@ class OneShotBody(Payload):
 
     aiohttp's ClientRequest keeps its body for the request's whole lifetime (for redirects and retries,
     which a proxy never does): with a plain ``bytes`` body the media would stay alive until the response
-    stream ends, the exact leak of the lmdeploy reports. This payload lets go of the bytes (releasing a
+    stream ends. This payload lets go of the bytes (releasing a
     ``MediaBuffer`` owner) as soon as the transport has them, then calls ``on_sent`` (the ``sent`` release
     point).
     """
@@ -130,55 +131,31 @@ def _sliced(body: bytes | MediaBuffer, length: int | None) -> bytes | memoryview
     return data if length is None or length >= len(data) else memoryview(data)[:length]
 
 
-@dataclass(slots=True)
-class ReleasePoints:
-    """Callbacks fired at most once each as the exchange passes its release points (MMGATE_RELEASE_AT)."""
-
-    on_sent: Callable[[], None] | None = None
-    on_headers: Callable[[], None] | None = None
-
-
-def _classify(exc: BaseException, *, headers_received: bool) -> ProxyError:
-    """Map a client-library failure to the error a client sees (before headers) and a metrics label."""
+def _classify(exc: BaseException, *, headers_received: bool) -> UpstreamError:
+    """A client-library failure as the error a client sees and the kind the metrics count."""
     if isinstance(exc, aiohttp.ConnectionTimeoutError) or isinstance(exc, aiohttp.ClientConnectorError):
-        return ProxyError(502, "upstream_unavailable", f"cannot connect to the upstream: {exc.__class__.__name__}")
+        return UpstreamError(502, "upstream_unavailable", f"cannot connect to the upstream: {exc.__class__.__name__}",
+                             "connect")
     if isinstance(exc, (aiohttp.SocketTimeoutError, aiohttp.ServerTimeoutError, TimeoutError)):
         where = "while streaming" if headers_received else "before answering"
-        return ProxyError(504, "upstream_timeout", f"the upstream sent nothing for too long {where}")
-    return ProxyError(502, "upstream_reset", f"the upstream connection failed: {exc.__class__.__name__}")
+        return UpstreamError(504, "upstream_timeout", f"the upstream sent nothing for too long {where}", "timeout")
+    return UpstreamError(502, "upstream_reset", f"the upstream connection failed: {exc.__class__.__name__}", "reset")
 
 
-UPSTREAM_ERROR_KIND = {"upstream_unavailable": "connect", "upstream_timeout": "timeout", "upstream_reset": "reset"}
-
-
-class BrokenStream(Exception):
-    """The upstream failed after the response headers went out: an SSE stream got a final error event, any
-    other response was cut."""
-
-    def __init__(self, error: ProxyError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-async def forward(
-    request: web.Request,
+async def open_upstream(
     session: aiohttp.ClientSession,
+    method: str,
     url: str,
     payload: OneShotBody | None,
     headers: CIMultiDict[str],
     timeout: aiohttp.ClientTimeout,
-    release: ReleasePoints,
-    extra_response_headers: Callable[[], dict[str, str]],
-    on_prepared: Callable[[web.StreamResponse], Any],
-) -> web.StreamResponse:
-    """Send ``payload`` upstream and stream the answer back to ``request``'s client.
+) -> aiohttp.ClientResponse:
+    """Send the request; the upstream's response once its headers arrived. Raises ``UpstreamError``.
 
-    Raises ProxyError before the response started, BrokenStream after. ``on_prepared`` learns the prepared
-    response (so a deadline that fires later knows headers already went out).
-    """
+    The caller must ``close_upstream`` what it gets, whatever happens next."""
     try:
-        upstream = await session.request(
-            request.method,
+        return await session.request(
+            method,
             URL(url, encoded=True),  # the checked target (proxy/paths.py), never re-encoded
             data=payload,
             headers=headers,
@@ -188,38 +165,44 @@ async def forward(
         )
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise _classify(exc, headers_received=False) from None
-    finally:
-        payload = None
-    if release.on_headers is not None:
-        release.on_headers()
 
-    try:
-        length = upstream.headers.get(hdrs.CONTENT_LENGTH)
-        chunked = hdrs.TRANSFER_ENCODING in upstream.headers
-        known_length = int(length) if length is not None and not chunked and length.isdigit() else None
-        headers = without_hop_by_hop(upstream.headers, _NOT_RETURNED)
-        headers.update(extra_response_headers())
-        if known_length is not None and 0 < known_length <= SMALL_ANSWER and request.method != "HEAD":
-            # A small answer of known length (a typical non-streaming completion): read it whole and send
-            # headers and body in one write instead of two.
-            try:
-                data = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise _classify(exc, headers_received=False) from None
-            response = web.Response(status=upstream.status, reason=upstream.reason, body=data)
-            response.headers.extend(headers)
-            await response.prepare(request)
-            on_prepared(response)
-            await response.write_eof()
-            return response
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        response.headers.extend(headers)
-        if known_length is not None:
-            response.content_length = known_length
-        elif request.method != "HEAD" and upstream.status not in (204, 304):
-            response.enable_chunked_encoding()
-        await response.prepare(request)
-        on_prepared(response)
+
+async def relay_head(request: web.Request, upstream: aiohttp.ClientResponse,
+                     extra_headers: dict[str, str]) -> web.StreamResponse:
+    """Start the client's response: the upstream's status and end-to-end headers plus ``extra_headers``,
+    prepared (headers sent). Raises ``UpstreamError`` only while nothing went out yet.
+
+    A small answer of known length (a typical non-streaming completion) is read whole first, so headers and
+    body leave in one write instead of two; ``relay_body`` then only finishes it."""
+    length = upstream.headers.get(hdrs.CONTENT_LENGTH)
+    chunked = hdrs.TRANSFER_ENCODING in upstream.headers
+    known_length = int(length) if length is not None and not chunked and length.isdigit() else None
+    headers = without_hop_by_hop(upstream.headers, _NOT_RETURNED)
+    headers.update(extra_headers)
+    if known_length is not None and 0 < known_length <= SMALL_ANSWER and request.method != "HEAD":
+        try:
+            data = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _classify(exc, headers_received=False) from None
+        whole = web.Response(status=upstream.status, reason=upstream.reason, body=data)
+        whole.headers.extend(headers)
+        await whole.prepare(request)
+        return whole
+    response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+    response.headers.extend(headers)
+    if known_length is not None:
+        response.content_length = known_length
+    elif request.method != "HEAD" and upstream.status not in (204, 304):
+        response.enable_chunked_encoding()
+    await response.prepare(request)
+    return response
+
+
+async def relay_body(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> None:
+    """Copy the upstream's body to the client chunk by chunk, then end the response. A failure of the
+    upstream now raises ``UpstreamError`` too, but the status already went out: the caller can only end
+    the response as the client's API allows."""
+    if not isinstance(response, web.Response):  # a small answer was read whole by relay_head
         try:
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
@@ -228,10 +211,14 @@ async def forward(
             # too, but it is no upstream failure (499 client_closed, not 502 upstream_reset).
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise BrokenStream(_classify(exc, headers_received=True)) from None
-        await response.write_eof()
-        return response
-    finally:
-        # Whatever happened (done, client gone, deadline), the upstream request ends here: an unfinished body
-        # closes the connection, which is how the backend learns to stop generating.
-        upstream.close() if not upstream.content.is_eof() else upstream.release()
+            raise _classify(exc, headers_received=True) from None
+    await response.write_eof()
+
+
+def close_upstream(upstream: aiohttp.ClientResponse) -> None:
+    """End the upstream request whatever happened (done, client gone, deadline): an unfinished body closes
+    the connection, which is how the backend learns to stop generating."""
+    if upstream.content.is_eof():
+        upstream.release()
+    else:
+        upstream.close()

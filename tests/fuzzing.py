@@ -55,9 +55,9 @@ from preprocessors.base import MediaError
 from preprocessors.dataurl import decode_base64, parse_data_url
 from proxy.app import build_app, make_runner
 from proxy.connections import GuardedSite
-from proxy.errors import ProxyError
+from proxy.errors import MmgateError
 from proxy.settings import Settings
-from proxy.splice import Span, skeletonize, splice
+from proxy.rawjson import Span, skeletonize, splice
 from proxy.state import STATE
 
 from .conftest import Proxy, Upstream
@@ -1514,7 +1514,7 @@ def check_pure_splice(case: JsonCase) -> None:
 
 def check_pure_skeleton(case: JsonCase) -> None:
     """``skeletonize(body).resolve()`` equals ``json.loads`` of the body for any JSON json.loads takes; for
-    anything else skeletonize and resolve raise nothing but ``ProxyError(400, "invalid_json")``.
+    anything else skeletonize and resolve raise nothing but ``MmgateError(400, "invalid_json")``.
 
     Both run with the same 1000 frames of headroom (a fresh interpreter's limit), whatever the caller's
     stack or hypothesis' raised limit: how deep json.loads (the reference, and skeletonize's fallback)
@@ -1525,7 +1525,7 @@ def check_pure_skeleton(case: JsonCase) -> None:
         expected, reference_error = attempt(lambda: json.loads(case.body.decode("utf-8"), parse_int=_orjson_int))
         got, error = attempt(lambda: skeletonize(case.body).resolve())
     valid = reference_error is None  # RecursionError too: deeper than Python's parser goes, only "no crash"
-    if isinstance(error, ProxyError):
+    if isinstance(error, MmgateError):
         if error.status != 400 or error.code != "invalid_json":
             raise fail("skeleton-wrong-error", f"{error.status} {error.code}")
         if valid:

@@ -7,9 +7,10 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.dialects import MediaPart, Route, find_media, locate, route_for
-from proxy.errors import ProxyError
-from proxy.splice import parse_plain, skeletonize, splice, string_value
+from proxy.dialects import MediaPart, Route, route_for
+from proxy.errors import MmgateError
+from proxy.locate import find_media, inline_value, locate
+from proxy.rawjson import parse_plain, skeletonize, splice, string_value
 
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 URI = "data:image/png;base64," + PNG
@@ -25,8 +26,8 @@ def summary(parts: list[MediaPart]) -> list[tuple[str, str, bool]]:
     return [(p.path, p.kind, p.is_url) for p in parts]
 
 
-def refused(route: Route, doc: Any) -> ProxyError:
-    with pytest.raises(ProxyError) as caught:
+def refused(route: Route, doc: Any) -> MmgateError:
+    with pytest.raises(MmgateError) as caught:
         parts_of(route, doc)
     assert caught.value.status == 400 and caught.value.code == "invalid_request"
     return caught.value
@@ -89,10 +90,10 @@ def test_chat_parts_paths_and_kinds() -> None:
         ("messages[2].content[0]", "image", False),
     ]
     image, url, audio, video = parts[0], parts[1], parts[2], parts[3]
-    assert image.encoding == "data_uri" and image.span is not None and bytes(image.data(body)) == URI.encode()
+    assert image.encoding == "data_uri" and image.span is not None and bytes(inline_value(body, image)) == URI.encode()
     assert body[image.span.start : image.span.end] == orjson.dumps(URI)
     assert url.url == "https://example.com/cat.png" and url.span is not None  # splice-able for fetch
-    assert audio.encoding == "base64" and audio.audio_format == "wav" and bytes(audio.data(body)) == WAV.encode()
+    assert audio.encoding == "base64" and audio.audio_format == "wav" and bytes(inline_value(body, audio)) == WAV.encode()
     assert video.url == "https://example.com/v.mp4"
 
 
@@ -137,7 +138,7 @@ def test_escaped_keys_and_types_are_still_found() -> None:
 def test_short_raw_values_stay_literal() -> None:
     body, [part] = parts_of("chat", {"messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "mp3"}}]}]})
-    assert part.span is None and part.literal == "UklGRg==" and bytes(part.data(body)) == b"UklGRg=="
+    assert part.span is None and part.literal == "UklGRg==" and bytes(inline_value(body, part)) == b"UklGRg=="
     assert part.audio_format == "mp3"
 
 
@@ -283,7 +284,7 @@ def test_generate_single_and_nested_lists() -> None:
     assert [p.encoding for p in parts if not p.is_url] == ["data_uri", "base64", "base64", "base64"]
     assert parts[3].span is None and parts[3].literal == PNG[:20]
     assert parts[2].url == "https://x/a.png"
-    assert bytes(parts[4].data(body)) == WAV.encode()
+    assert bytes(inline_value(body, parts[4])) == WAV.encode()
     assert parts_of("generate", {"text": "no media", "image_data": None})[1] == []
     assert summary(parts_of("generate", {"image_data": "s3://bucket/key.png"})[1]) == [("image_data", "image", True)]
 
@@ -311,9 +312,9 @@ def test_find_media_invalid_json() -> None:
     assert find_media("chat", b"not json at all") == (None, [])  # no marker: forwarded for the backend to judge
     assert find_media("chat", b'{"a": "' + b"x" * 200_000) == (None, [])
     assert find_media("other", b'{"image_url": ') == (None, [])
-    with pytest.raises(ProxyError) as caught:
+    with pytest.raises(MmgateError) as caught:
         find_media("chat", b'{"type": "image_url", ')
     assert caught.value.code == "invalid_json"
-    with pytest.raises(ProxyError) as caught:
+    with pytest.raises(MmgateError) as caught:
         find_media("chat", b'{"messages": [{"content": [{"type": "image_url"}]}]}')
     assert caught.value.code == "invalid_request"

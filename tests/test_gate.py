@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from proxy.admission import Gate, Lease, Place
-from proxy.errors import ProxyError
+from proxy.errors import MmgateError
 
 
 async def _queued(gate: Gate, count: int) -> None:
@@ -65,7 +65,7 @@ async def test_queue_full_and_retry_after() -> None:
     held = await gate.acquire(0, 5)
     waiter = asyncio.create_task(gate.acquire(0, 5))
     await _queued(gate, 1)
-    with pytest.raises(ProxyError) as caught:
+    with pytest.raises(MmgateError) as caught:
         await gate.acquire(0, 5)
     assert (caught.value.status, caught.value.code) == (429, "queue_full")
     assert 1 <= int(caught.value.headers["Retry-After"]) <= 60
@@ -76,7 +76,7 @@ async def test_queue_full_and_retry_after() -> None:
 async def test_queue_timeout() -> None:
     gate = Gate(limit=1, byte_budget=0, max_queue=5)
     held = await gate.acquire(0, 5)
-    with pytest.raises(ProxyError) as caught:
+    with pytest.raises(MmgateError) as caught:
         await gate.acquire(0, 0.01)
     assert (caught.value.status, caught.value.code) == (429, "queue_timeout")
     assert gate.waiting == 0
@@ -85,11 +85,11 @@ async def test_queue_timeout() -> None:
 
 async def test_cost_over_whole_budget_is_413_and_draining_503() -> None:
     gate = Gate(limit=1, byte_budget=100, max_queue=5)
-    with pytest.raises(ProxyError) as caught:
+    with pytest.raises(MmgateError) as caught:
         await gate.acquire(101, 5)
     assert (caught.value.status, caught.value.code) == (413, "media_too_large")
-    gate.start_draining()
-    with pytest.raises(ProxyError) as caught:
+    gate.lifecycle.start_draining()
+    with pytest.raises(MmgateError) as caught:
         await gate.acquire(1, 5)
     assert (caught.value.status, caught.value.code) == (503, "draining")
 
@@ -139,7 +139,7 @@ class GateMachine(RuleBasedStateMachine):
     def take_place(self) -> None:
         try:
             self.places.append(self.gate.take_place())
-        except ProxyError as refused:
+        except MmgateError as refused:
             assert refused.code == "queue_full"
 
     @precondition(lambda self: self.places)
@@ -196,12 +196,12 @@ class GateMachine(RuleBasedStateMachine):
 async def test_places_count_against_the_line() -> None:
     gate = Gate(limit=1, byte_budget=0, max_queue=1)
     first, second = gate.take_place(), gate.take_place()
-    with pytest.raises(ProxyError) as refused:
+    with pytest.raises(MmgateError) as refused:
         gate.take_place()  # slot + queue place both taken by bodies still arriving
     assert refused.value.status == 429 and refused.value.code == "queue_full"
     assert "Retry-After" in refused.value.headers
     small = await gate.acquire(1, 5)  # a small request, ready now, takes the free slot: ready first, served first
-    with pytest.raises(ProxyError):
+    with pytest.raises(MmgateError):
         await gate.acquire(1, 5)  # but another one without a place finds the line full
     waiting = [asyncio.create_task(gate.acquire(1, 5, place)) for place in (first, second)]
     await _queued(gate, 2)  # places turn into queue entries, never refused: they were counted

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from proxy.errors import ProxyError
+from proxy.errors import MmgateError
 from proxy.paths import is_allowed, normalise_target, remove_dot_segments
 
 from .conftest import StartProxy, Upstream
@@ -86,7 +86,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("raw", REFUSED)
 def test_unsafe_targets_are_refused_with_invalid_path(raw: str) -> None:
-    with pytest.raises(ProxyError) as info:
+    with pytest.raises(MmgateError) as info:
         normalise_target(raw)
     assert (info.value.status, info.value.code) == (400, "invalid_path")
 

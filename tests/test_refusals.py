@@ -174,7 +174,7 @@ async def test_refusals_say_whether_a_retry_can_help(upstream: Upstream, start_p
         async with client.post(proxy.url + "/v1/chat/completions", data=b"{}",
                                headers={"X-MMGate-Timeout": "soon"}) as response:
             assert response.status == 400 and response.headers["x-should-retry"] == "false"
-    proxy.state.refusing = True  # what SIGTERM's drain sets
+    proxy.state.lifecycle.start_draining()  # what SIGTERM's drain does
     async with aiohttp.ClientSession() as client:
         async with client.get(proxy.url + "/v1/models") as response:
             assert response.status == 503 and 1 <= int(response.headers["Retry-After"]) <= 120

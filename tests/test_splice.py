@@ -19,16 +19,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.dialects import MediaPart, Route, find_media, locate
-from proxy.errors import ProxyError
-from proxy.splice import (
-    MARKERS,
+from proxy.dialects import MediaPart, Route
+from proxy.errors import MmgateError
+from proxy.locate import MARKERS, find_media, inline_value, locate, looks_text_heavy, may_contain_media
+from proxy.rawjson import (
     Skeleton,
     Span,
-    looks_text_heavy,
-    may_contain_media,
     parse_plain,
-    placeholder_span,
     skeletonize,
     splice,
     string_value,
@@ -53,7 +50,7 @@ def test_long_strings_become_placeholders_short_ones_stay() -> None:
     assert sk.doc["list"][1] == "s"
     span = sk.span_of(sk.doc["long"])
     assert span is not None and token(body, span) == orjson.dumps(long)
-    assert placeholder_span(sk, sk.doc["list"][0]) is not None
+    assert sk.span_of(sk.doc["list"][0]) is not None
     assert sk.span_of("abc") is None and sk.span_of(5) is None
     assert len(sk.spans) == 2
     assert sk.resolve() == orjson.loads(body)
@@ -162,7 +159,7 @@ def test_stdlib_fallback_for_what_orjson_refuses() -> None:
     ],
 )
 def test_invalid_json_is_a_400(body: bytes) -> None:
-    with pytest.raises(ProxyError) as caught:
+    with pytest.raises(MmgateError) as caught:
         skeletonize(body)
     assert caught.value.status == 400 and caught.value.code == "invalid_json"
 
@@ -172,7 +169,7 @@ def test_bad_content_of_a_placeholder_fails_when_used() -> None:
     sk = skeletonize(body)  # the content of a placeholdered string is not checked here...
     span = sk.span_of(sk.doc["d"])
     assert span is not None
-    with pytest.raises(ProxyError) as caught:  # ...but as soon as it is read
+    with pytest.raises(MmgateError) as caught:  # ...but as soon as it is read
         string_value(body, span)
     assert caught.value.code == "invalid_json"
 
@@ -384,7 +381,7 @@ def test_skeleton_resolves_to_the_parsed_body(body: bytes, long_string: int) -> 
         try:
             expected = orjson.loads(cut)
         except orjson.JSONDecodeError:
-            with pytest.raises(ProxyError):
+            with pytest.raises(MmgateError):
                 skeletonize(cut, long_string=long_string)
         else:
             assert skeletonize(cut, long_string=long_string).resolve() == expected
@@ -582,7 +579,7 @@ def test_locate_finds_exactly_the_inserted_parts_and_splice_changes_only_them(
         if part.is_url:
             assert part.url == want.value
             continue
-        assert bytes(part.data(body)).decode() == want.value
+        assert bytes(inline_value(body, part)).decode() == want.value
         assert part.encoding == ("data_uri" if want.value[:5].lower() == "data:" else "base64")
         if want.media_type is not None:
             assert part.declared_mime == want.media_type and part.mime_span is not None
@@ -613,7 +610,7 @@ def test_locate_finds_exactly_the_inserted_parts_and_splice_changes_only_them(
 def test_the_sniff_never_misses_on_arbitrary_json(body: bytes, route: Route) -> None:
     try:
         parts = locate(route, skeletonize(body))
-    except ProxyError:
+    except MmgateError:
         return  # malformed media part: refused, never forwarded
     if parts:
         assert may_contain_media(body)

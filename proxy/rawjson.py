@@ -1,17 +1,16 @@
-"""Raw-body surgery: find JSON string tokens, parse a small skeleton, splice new media in.
+"""Raw-body surgery on JSON bytes: string-token spans, a skeleton with placeholders, one splice.
 
-A multimodal body is mostly a few huge base64 strings. Parsing it whole (orjson: ~1 ms per MB) and
-re-serialising it would cost GIL time and change bytes the client sent (big integers, ``1e2``, duplicate
-keys, ``\\/``). Instead:
+A multimodal body is mostly a few huge base64 strings. Parsing it whole and re-serialising it would cost
+GIL time and change bytes the client sent (big integers, ``1e2``, duplicate keys, ``\\/``). Instead:
 
 1. ``skeletonize`` walks the string tokens with ``bytes.find`` (C speed; base64 holds neither ``"``
-   nor ``\\``, so a 20 MB body has only a few hundred tokens), replaces long, escaped or
-   media-looking string *values* by short placeholders, and parses the small remainder with orjson.
-2. ``dialects.locate`` walks that small document; a placeholder names the byte ``Span`` of its token.
-3. ``splice`` builds the outgoing body in one join: original bytes, with only the chosen tokens
-   replaced.
+   nor ``\\``, so even a huge body has few tokens), replaces long, escaped or media-looking string
+   *values* by short placeholders, and parses the small remainder with orjson.
+2. A walker (``proxy/dialects.py``) reads that small document; a placeholder names the byte ``Span`` of
+   its token.
+3. ``splice`` builds the outgoing body in one join: original bytes, with only the chosen tokens replaced.
 
-This module knows JSON, not APIs.
+This module knows JSON, not APIs nor HTTP: what is not JSON raises ``InvalidJson``.
 """
 
 from __future__ import annotations
@@ -26,19 +25,11 @@ from typing import Any
 
 import orjson
 
-from proxy.errors import ProxyError
-
-# Step 3, "sniff" (README "How a request flows"). Every media part dialects.locate() can find sits under a key or a
-# ``type`` value that contains "image", "audio" or "video" (compared case-sensitively, after JSON
-# unescaping). A JSON string can only hide those letters behind a ``\uXXXX`` escape, so the
-# case-sensitive words plus ``\u`` make a miss impossible (pinned by a hypothesis test). ``data:`` and
-# ``base64`` used to be markers too; they can add no hit the words miss, and each cost a full pass over
-# every text body. Order: the words every media body contains first, so a media body stops early.
-MARKERS: tuple[bytes, ...] = (b"image", b"audio", b"video", b"\\u")
+from .errors import InvalidJson
 
 # String values starting with one of these (ASCII case-insensitive) are always placeholdered,
-# whatever their length: media data (data: URI), the MIME beside Anthropic data, and web URLs
-# (MMGATE_MEDIA_URLS=fetch splices fetched media in their place).
+# whatever their length: media data (data: URI), the MIME beside Anthropic data, and web URLs, so that
+# every one of them has a span (a walker can name it, the pipeline can rewrite it).
 _MEDIA_PREFIXES: tuple[bytes, ...] = (b"data:", b"image/", b"audio/", b"video/", b"http:", b"https:")
 _KEY_TAIL = re.compile(rb"[ \t\r\n]*:")
 
@@ -47,48 +38,6 @@ _BACKSLASH = 0x5C
 _COLON = 0x3A
 _WHITESPACE = frozenset(b" \t\r\n")
 _SUFFIXES: tuple[bytes, ...] = tuple(b'%d"' % i for i in range(1024))  # placeholder endings, premade
-
-
-def may_contain_media(body: bytes) -> bool:
-    """Cheap pre-check: False means ``locate`` cannot find media here, so skip the JSON parse.
-
-    Word search in CPython runs at ~1 ns/byte (only one-byte ``find`` gets memchr speed), so all
-    markers are searched window by window: a media body, whose first key or type names the media
-    before its data, answers within the first window instead of after a full pass per marker.
-    """
-    size = len(body)
-    start = 0
-    window = 16 << 10
-    while start < size:
-        end = start + window
-        for marker in MARKERS:
-            if body.find(marker, start, end + len(marker) - 1) >= 0:
-                return True
-        start = end
-        window = min(window * 2, 1 << 20)
-    return False
-
-
-# Walking string tokens costs ~0.7 us each in Python; orjson parses ~1-3 ns per byte. Past about
-# 8 quotes (4 tokens) per KB a plain parse of the whole body is the cheaper way to find out.
-_TEXT_HEAVY_QUOTES_PER_KB = 8
-_SAMPLES = 33
-_SAMPLE_WINDOW = 1024
-
-
-def looks_text_heavy(body: bytes) -> bool:
-    """True when ``body`` looks like many small strings (a text chat) rather than a few huge ones.
-
-    The median quote count of evenly spread 1 KB windows: robust to the dense JSON head of a media
-    body. Only picks the faster of two correct paths (dialects.find_media), so a wrong guess costs
-    time, never correctness.
-    """
-    size = len(body)
-    if size <= _SAMPLES * _SAMPLE_WINDOW:
-        return body.count(b'"') * _SAMPLE_WINDOW > size * _TEXT_HEAVY_QUOTES_PER_KB
-    step = (size - _SAMPLE_WINDOW) // (_SAMPLES - 1)
-    counts = sorted(body.count(b'"', i * step, i * step + _SAMPLE_WINDOW) for i in range(_SAMPLES))
-    return counts[_SAMPLES // 2] > _TEXT_HEAVY_QUOTES_PER_KB
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +54,6 @@ class Span:
         return self.end - self.start - 2
 
 
-def _invalid(message: str) -> ProxyError:
-    return ProxyError(400, "invalid_json", message)
-
-
 def _loads_str(token: bytes | memoryview) -> str:
     """Unescape one JSON string token. orjson first; the stdlib also takes lone surrogates."""
     try:
@@ -117,9 +62,9 @@ def _loads_str(token: bytes | memoryview) -> str:
         try:
             value = json.loads(bytes(token).decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
-            raise _invalid(f"request body is not valid JSON: bad string ({exc})") from None
+            raise InvalidJson(f"request body is not valid JSON: bad string ({exc})") from None
     if not isinstance(value, str):  # cannot happen for a token found by skeletonize
-        raise _invalid("request body is not valid JSON: expected a string")
+        raise InvalidJson("request body is not valid JSON: expected a string")
     return value
 
 
@@ -135,7 +80,7 @@ def string_value(body: bytes, span: Span) -> bytes | memoryview:
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:
-        raise _invalid("request body is not valid JSON: string has an unpaired surrogate") from None
+        raise InvalidJson("request body is not valid JSON: string has an unpaired surrogate") from None
 
 
 class Skeleton:
@@ -187,10 +132,10 @@ class Skeleton:
         try:
             return str(memoryview(self.body)[span.start + 1 : span.end - 1], "utf-8")
         except UnicodeDecodeError:
-            raise _invalid("request body is not valid JSON: string is not UTF-8") from None
+            raise InvalidJson("request body is not valid JSON: string is not UTF-8") from None
 
     def head(self, value: object, n: int) -> str | None:
-        """The first ``n`` characters of ``value`` (cheap even for a 20 MB placeholder)."""
+        """The first ``n`` characters of ``value`` (cheap even for a placeholder of many megabytes)."""
         if not isinstance(value, str):
             return None
         span = self.span_of(value)
@@ -208,9 +153,9 @@ class Skeleton:
         for cut in range(len(chunk), len(chunk) - 13, -1):
             try:
                 return _loads_str(b'"' + chunk[:cut] + b'"')[:n]
-            except ProxyError:
+            except InvalidJson:
                 continue
-        raise _invalid("request body is not valid JSON: bad string escape")
+        raise InvalidJson("request body is not valid JSON: bad string escape")
 
     def resolve(self, value: Any = ...) -> Any:
         """A deep copy of ``value`` (default: ``doc``) with every placeholder unescaped (tests, debugging).
@@ -249,18 +194,13 @@ def parse_plain(body: bytes) -> Skeleton:
     return Skeleton(body, _parse(body), [], "\x00" + secrets.token_hex(8) + ":")
 
 
-def placeholder_span(skeleton: Skeleton, value: object) -> Span | None:
-    """Span if ``value`` is a placeholder of ``skeleton`` (same as ``skeleton.span_of``)."""
-    return skeleton.span_of(value)
-
-
 @functools.lru_cache(maxsize=8)
 def _skip_plain(long_string: int) -> Callable[[bytes, int], re.Match[bytes] | None]:
     """A matcher for the run of bytes from ``pos`` that needs no placeholder: everything outside
     strings, and every string of at most ``long_string`` bytes with no backslash and no media prefix.
 
-    The regex engine walks such runs at about orjson's speed per token where a Python loop costs
-    ~1 us, so a chat history or a body of many tiny strings stays cheap; it stops in front of the
+    The regex engine walks such runs at about orjson's speed per token, far faster than a Python loop
+    per token, so a chat history or a body of many tiny strings stays cheap; it stops in front of the
     next string that must be looked at (long, escaped or media-looking), whose end the caller finds
     with memchr. The match never fails (it may be empty).
     """
@@ -273,7 +213,7 @@ def _skip_plain(long_string: int) -> Callable[[bytes, int], re.Match[bytes] | No
 def skeletonize(body: bytes, *, long_string: int = 64) -> Skeleton:
     """Parse ``body`` with its long, escaped and media-looking string values replaced by placeholders.
 
-    Raises ProxyError(400, "invalid_json") for anything that is not JSON. The content of a
+    Raises ``InvalidJson`` for anything that is not JSON. The content of a
     placeholdered string is not validated here (that is what makes it cheap): ``string_value`` /
     ``Skeleton.text`` check it when it is used, and the media checks reject junk bytes anyway.
     """
@@ -293,10 +233,10 @@ def skeletonize(body: bytes, *, long_string: int = 64) -> Skeleton:
         if start >= size:
             break
         if body[start] != _QUOTE:
-            raise _invalid("request body is not valid JSON: backslash outside a string")
+            raise InvalidJson("request body is not valid JSON: backslash outside a string")
         end = find(b'"', start + 1)
         if end < 0:
-            raise _invalid("request body is not valid JSON: unterminated string")
+            raise InvalidJson("request body is not valid JSON: unterminated string")
         escaped = find(b"\\", start + 1, end) >= 0
         if escaped:
             # The quote ends the string only after an even run of backslashes. body[start] is a
@@ -309,7 +249,7 @@ def skeletonize(body: bytes, *, long_string: int = 64) -> Skeleton:
                     break
                 end = find(b'"', end + 1)
                 if end < 0:
-                    raise _invalid("request body is not valid JSON: unterminated string")
+                    raise InvalidJson("request body is not valid JSON: unterminated string")
         pos = end + 1
         length = end - start - 1
         if escaped or length > long_string or body[start + 1 : start + 7].lower().startswith(_MEDIA_PREFIXES):
@@ -342,7 +282,7 @@ def _parse(data: bytes) -> Any:
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise _invalid(f"request body is not valid JSON: {reason}") from None
+        raise InvalidJson(f"request body is not valid JSON: {reason}") from None
 
 
 def splice(body: bytes, replacements: Iterable[tuple[Span, bytes]]) -> bytes:

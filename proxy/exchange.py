@@ -1,0 +1,90 @@
+"""One request's record: what mmgate knows about it while it is in flight, and what is counted and logged
+when it ends (the request metrics and the access log line)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from .admission import Lease, Place
+from .buffers import MediaBuffer
+from .dialects import Dialect, Route
+from .metrics import Stopwatch, server_timing
+from .state import AppState
+
+log = logging.getLogger("mmgate.access")
+
+CLIENT_CLOSED = 499  # nginx's convention for "client went away"; metrics label only
+
+
+@dataclass
+class Exchange:
+    """What mmgate knows about one request while it is in flight (and logs when it ends)."""
+
+    request_id: str
+    route: Route
+    dialect: Dialect
+    kind: str = "text"
+    status: int = 0
+    code: str = ""
+    watch: Stopwatch = field(default_factory=Stopwatch)
+    response: web.StreamResponse | None = None  # set once the headers went out: a refusal can only end it then
+    place: Place | None = None  # held while a big media body is still arriving
+    lease: Lease | None = None
+    media: weakref.ref[MediaBuffer] | None = None  # weak: the payload is the owner's only strong holder
+    bytes_in: int = 0
+    media_in: int = 0
+    media_out: int = 0
+    upstream_started: float = 0.0
+
+    def response_headers(self, with_timing: bool) -> dict[str, str]:
+        """The headers mmgate adds to the upstream's answer (``Server-Timing`` with MMGATE_SERVER_TIMING)."""
+        headers = {"X-Request-Id": self.request_id}
+        if with_timing:
+            stages = [(s, self.watch.stages[s]) for s in ("queue", "preprocess") if s in self.watch.stages]
+            stages.append(("upstream", time.perf_counter() - self.upstream_started))
+            headers["Server-Timing"] = server_timing(stages)
+        return headers
+
+    def let_go(self) -> None:
+        """The request is over: give back its place and lease, and let its media owner drop the bytes if
+        anything still keeps the owner alive. Each of these is idempotent."""
+        if self.place is not None:
+            self.place.release()
+        if self.lease is not None:
+            self.lease.release()
+        media = self.media() if self.media is not None else None
+        if media is not None:
+            media.release()
+
+
+def loggable(text: str, limit: int = 512) -> str:
+    """A client-chosen string for a text log line: control characters escaped, so a path cannot forge lines
+    or drive a terminal."""
+    text = text[:limit]
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def record(state: AppState, ex: Exchange, request: web.Request) -> None:
+    """Count the finished request and write its access log line."""
+    status = ex.status or (ex.response.status if ex.response is not None else 0)
+    duration = ex.watch.elapsed()
+    m = state.metrics
+    m.child(m.requests, ex.route, ex.kind, str(status)).inc()
+    m.child(m.request_duration, ex.route, ex.kind).observe(duration)
+    for stage, seconds in ex.watch.stages.items():
+        m.child(m.stage_duration, stage).observe(seconds)
+    m.child(m.stage_duration, "total").observe(duration)
+    if state.settings.access_log:
+        fields = {
+            "request_id": ex.request_id, "method": request.method, "path": request.path, "route": ex.route,
+            "kind": ex.kind, "status": status, "code": ex.code or None, "duration_ms": round(duration * 1000, 2),
+            "stages_ms": {k: round(v * 1000, 2) for k, v in ex.watch.stages.items()},
+            "bytes_in": ex.bytes_in, "media_in": ex.media_in, "media_out": ex.media_out,
+        }
+        log.info("%s %s %s %s %s %.1fms %s", ex.request_id, request.method, loggable(request.path), status, ex.kind,
+                 duration * 1000, ex.code or "-", extra={"fields": fields})

@@ -1,0 +1,246 @@
+"""Finding the media in a request body without parsing it whole: the sniff, the walk, and the plan.
+
+``may_contain_media`` (the sniff) answers for every body on a media route; a body it clears leaves
+untouched, without a parse. ``find_media`` parses the rest the cheaper correct way and walks the route's
+dialect. ``plan_media`` turns the parts into a ``Plan``: every inline part measured from its base64
+length (no decode yet), its declared type checked, the URL policy applied, each ``Item`` carrying where
+its bytes are and what to check them against, so a decode worker needs nothing else.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from preprocessors.dataurl import decoded_size, parse_data_url
+
+from .dialects import WALKERS, MediaPart, Route
+from .errors import InvalidJson, MediaError, MmgateError
+from .rawjson import Skeleton, Span, parse_plain, skeletonize, string_value
+
+# Every media part a walker can find sits under a key or a ``type`` value that contains "image", "audio"
+# or "video" (compared case-sensitively, after JSON unescaping). A JSON string can only hide those letters
+# behind a ``\uXXXX`` escape, so the case-sensitive words plus ``\u`` make a miss impossible (pinned by a
+# hypothesis test). The words every media body contains come first, so a media body stops early.
+MARKERS: tuple[bytes, ...] = (b"image", b"audio", b"video", b"\\u")
+
+DEFAULT_MAX_DEPTH = 64
+
+
+def may_contain_media(body: bytes) -> bool:
+    """Cheap pre-check: False means no walker can find media here, so skip the JSON parse.
+
+    Only a one-byte ``find`` gets memchr speed, so each marker costs a pass of its own: they are searched
+    window by window, and a media body, whose first key or type names the media before its data, answers
+    within the first window instead of after a full pass per marker.
+    """
+    size = len(body)
+    start = 0
+    window = 16 << 10
+    while start < size:
+        end = start + window
+        for marker in MARKERS:
+            if body.find(marker, start, end + len(marker) - 1) >= 0:
+                return True
+        start = end
+        window = min(window * 2, 1 << 20)
+    return False
+
+
+# Walking string tokens costs far more per token than orjson costs per byte: past about 8 quotes
+# (4 tokens) per KB a plain parse of the whole body is the cheaper way to find out.
+_TEXT_HEAVY_QUOTES_PER_KB = 8
+_SAMPLES = 33
+_SAMPLE_WINDOW = 1024
+
+
+def looks_text_heavy(body: bytes) -> bool:
+    """True when ``body`` looks like many small strings (a text chat) rather than a few huge ones.
+
+    The median quote count of evenly spread 1 KB windows: robust to the dense JSON head of a media body.
+    Only picks the faster of two correct paths (``find_media``), so a wrong guess costs time, never
+    correctness.
+    """
+    size = len(body)
+    if size <= _SAMPLES * _SAMPLE_WINDOW:
+        return body.count(b'"') * _SAMPLE_WINDOW > size * _TEXT_HEAVY_QUOTES_PER_KB
+    step = (size - _SAMPLE_WINDOW) // (_SAMPLES - 1)
+    counts = sorted(body.count(b'"', i * step, i * step + _SAMPLE_WINDOW) for i in range(_SAMPLES))
+    return counts[_SAMPLES // 2] > _TEXT_HEAVY_QUOTES_PER_KB
+
+
+def locate(route: Route, skeleton: Skeleton, max_depth: int = DEFAULT_MAX_DEPTH) -> list[MediaPart]:
+    """Every media part of the request, in document order. MmgateError 400 ``invalid_request`` (with the
+    part's path as ``param``) only for a media part too malformed to process, ``json_too_deep`` for media
+    nested deeper than ``max_depth``."""
+    walker = WALKERS.get(route)
+    doc = skeleton.doc
+    if walker is None or not isinstance(doc, dict):
+        return []
+    out: list[MediaPart] = []
+    walker(skeleton, doc, out, max_depth)
+    return out
+
+
+def find_media(route: Route, body: bytes,
+               max_depth: int = DEFAULT_MAX_DEPTH) -> tuple[Skeleton | None, list[MediaPart]]:
+    """The skeleton and media parts of ``body`` (``(None, [])``: forward it as it is).
+
+    Same outcome as sniff -> skeletonize -> locate, by the cheaper correct path. A text-heavy body is
+    parsed plainly (spans are needed only if it turns out to hold media, then it is skeletonized); a body
+    of few huge strings is skeletonized at once. The sniff decides only what invalid JSON means: no
+    marker -> forwarded untouched for the backend to judge, else 400.
+    """
+    if route == "other":
+        return None, []
+    try:
+        if looks_text_heavy(body):
+            plain = parse_plain(body)
+            if not locate(route, plain, max_depth):
+                return plain, []
+        skeleton = skeletonize(body)
+    except InvalidJson:
+        if not may_contain_media(body):
+            return None, []
+        raise
+    return skeleton, locate(route, skeleton, max_depth)
+
+
+def inline_value(body: bytes, part: MediaPart) -> bytes | memoryview:
+    """An inline part's value as UTF-8 bytes (data URI or raw base64); a view into ``body`` when possible."""
+    if part.span is not None:
+        return string_value(body, part.span)
+    if part.literal is not None:
+        return part.literal.encode("utf-8")
+    raise ValueError(f"{part.path} is a URL part, it has no inline data")
+
+
+@dataclass(slots=True)
+class Item:
+    """One inline media part, ready for a worker: where its string is, how big it decodes, what to check."""
+
+    part: MediaPart
+    payload_offset: int  # where the base64 starts inside the string value (after "data:...;base64,")
+    size: int  # decoded bytes, exact upper bound from the base64 length
+    declared_mime: str = ""  # the type the client declared ("" when none); checked against the bytes
+    declared_span: Span | None = None  # where that type is written in the body, to put the true one there
+
+
+@dataclass(slots=True)
+class Plan:
+    """What the media step will do for one request.
+
+    ``refusal`` is set when a part cannot be processed; the plan then stops at that part, and ``urls``
+    holds only the URL parts before it (they are counted all the same, as they were seen).
+    """
+
+    is_stream: bool = False
+    parts: int = 0  # media parts found, URLs included
+    items: list[Item] = field(default_factory=list)
+    urls: list[MediaPart] = field(default_factory=list)
+    refusal: MmgateError | None = None
+
+    def take_refusal(self) -> MmgateError:
+        """The refusal, cleared from the plan: raised straight from here, it leaves no cycle between the
+        error, its traceback's frames and this plan, which would keep the request's body alive until a GC
+        pass."""
+        refusal, self.refusal = self.refusal, None
+        assert refusal is not None
+        return refusal
+
+    @property
+    def cost(self) -> int:
+        """Decoded bytes the request will hold while its media is worked on: what admission weighs."""
+        return sum(item.size for item in self.items)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The settings a plan is checked against."""
+
+    max_parts: int
+    max_item_bytes: int
+    reject_urls: bool
+    max_depth: int = DEFAULT_MAX_DEPTH
+
+
+def plan_media(route: Route, body: bytes, limits: Limits) -> Plan:
+    """Find the media of ``body`` and measure it. Raises for a body whose media cannot even be walked
+    (invalid JSON, a malformed or too deeply nested part); a part that fails a limit ends the plan with
+    a ``refusal`` instead, so the parts seen before it are still accounted for."""
+    skeleton, parts = find_media(route, body, limits.max_depth)
+    plan = Plan(is_stream=skeleton is not None and isinstance(skeleton.doc, dict)
+                and skeleton.doc.get("stream") is True)
+    del skeleton  # it references the body; the spans in ``parts`` are all a plan keeps
+    plan.parts = len(parts)
+    if len(parts) > limits.max_parts:
+        plan.refusal = MmgateError(
+            400, "too_many_media",
+            f"the request has {len(parts)} media parts, over the limit of {limits.max_parts} "
+            "(MMGATE_MAX_MEDIA_PER_REQUEST): send fewer", param=parts[limits.max_parts].path)
+        return plan
+    try:
+        for part in parts:
+            if part.is_url:
+                if limits.reject_urls:
+                    raise MmgateError(400, "media_url_not_allowed",
+                                      "media URLs are not accepted here (MMGATE_MEDIA_URLS=reject): send the media "
+                                      "inline as base64", param=part.path)
+                plan.urls.append(part)
+                continue
+            plan.items.append(_measure(body, part, limits.max_item_bytes))
+    except MmgateError as refusal:
+        plan.refusal = refusal
+    return plan
+
+
+def _measure(body: bytes, part: MediaPart, max_item: int) -> Item:
+    """Decoded size from the base64 length alone (413 before any decode); parses only a data URI's head."""
+    span = part.span
+    if span is not None and not span.escaped:  # the common case: look at the head only, copy nothing
+        head: bytes | memoryview = memoryview(body)[span.start + 1 : min(span.end - 1, span.start + 257)]
+        length = span.end - span.start - 2
+    else:  # a short literal, or a string with JSON escapes (rare): unescape it first
+        value = inline_value(body, part)
+        head, length = value[:256], len(value)
+    offset = 0
+    declared = (part.declared_mime or "").lower()  # not stripped: a media_type with spaces is no token
+    declared_span = part.mime_span
+    if part.encoding == "data_uri":
+        try:
+            data_url = parse_data_url(head)
+        except MediaError as error:
+            raise error.at(part.path) from None
+        if data_url is None:
+            raise MmgateError(400, "invalid_data_uri", "expected a data: URI or an http(s) URL", param=part.path)
+        offset = data_url.payload_offset
+        declared = data_url.mime
+        declared_span = None
+        if span is not None and not span.escaped:
+            # "data:" + the type as written, up to the first ";" (the header is ASCII, checked above)
+            mime_end = bytes(head[: offset - 1]).find(b";")
+            mime_end = offset - 1 if mime_end < 0 else mime_end
+            declared_span = Span(span.start + 6, span.start + 1 + mime_end, False)
+    if (declared or part.declared_mime is not None) and not _declared_type_allowed(part, declared):
+        raise MmgateError(400, "invalid_media_type",
+                          f"the declared type {declared[:64]!r} is not an accepted {part.kind} type: declare "
+                          f"{part.kind}/<subtype> or leave it out", param=part.path)
+    size = decoded_size(length - offset)
+    if size > max_item:
+        raise MmgateError(413, "media_too_large",
+                          f"this {part.kind} decodes to about {size} bytes, over the per-item limit of {max_item} "
+                          "(MMGATE_MAX_MEDIA_ITEM_MB): send a smaller file", param=part.path)
+    return Item(part, offset, size, declared, declared_span)
+
+
+# RFC 6838 section 4.2: a type and a subtype of restricted-name characters.
+_MEDIA_TYPE = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]{0,126}/[a-z0-9][a-z0-9!#$&^_.+-]{0,126}")
+
+
+def _declared_type_allowed(part: MediaPart, declared: str) -> bool:
+    """A part's declared type must name its kind; a data URI may also say application/octet-stream."""
+    if not _MEDIA_TYPE.fullmatch(declared):
+        return False
+    if declared.startswith(part.kind + "/"):
+        return True
+    return part.encoding == "data_uri" and declared == "application/octet-stream"
