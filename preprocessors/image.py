@@ -59,8 +59,8 @@ Image.MAX_IMAGE_PIXELS = None
 # pipeline's quality; BILINEAR/HAMMING are cheaper still but alias visibly (bench/image_pipeline.py).
 _RESAMPLE = Image.Resampling.BICUBIC
 # resize() first box-reduces by a whole factor while >= 1.5x the target remains: for PNG/WEBP/GIF/BMP
-# (no draft decode) this halves the resize time of a 12 MP -> 1 MP image, within 1 dB PSNR of the JPEG
-# draft path; it does nothing after a draft decode (less than 2x left there).
+# (no draft decode) that is most of the work saved on a large downscale, at about the JPEG draft path's
+# quality; it does nothing after a draft decode (less than 2x left there).
 _REDUCING_GAP = 1.5
 _PNG_COMPRESS_LEVEL = 1  # fast: the output is consumed once, by the backend, on the same network
 

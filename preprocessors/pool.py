@@ -3,8 +3,8 @@
 A Python thread cannot be killed. So a request's items form a ``Batch`` sharing one stop flag: items not yet
 started are dropped (``Future.cancel``), running items stop at their next ``checkpoint()``. ``Batch.stopped``
 completes only when no item of the batch is running any more; the caller keeps the request's admission
-slot until then, otherwise the real concurrency would silently exceed the limit (the flaw that made SGLang
-revert its timeout wrapper, PR #21651).
+slot until then (``Lease.release_after``), otherwise work abandoned by timed-out requests would keep
+running beside newly admitted work and the real concurrency would silently exceed the limit.
 
 Workers lower their own CPU priority (Linux, per thread): when decode threads saturate every core, the
 event loop thread still gets the CPU first, so health checks and text traffic stay fast.

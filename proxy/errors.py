@@ -11,7 +11,9 @@ No layer below the pipeline knows HTTP answers: each raises one of these, ``pipe
 catches them once, and ``refusals.py`` writes them in the client's API shape (``dialects.py`` holds the
 shapes). Errors the upstream answers itself are never wrapped: they pass through byte for byte.
 
-``preprocessors.base.Cancelled`` is no refusal: a decode worker raises it to stop work nobody waits for.
+Outside the tree on purpose, since neither ever reaches a client as an answer:
+``preprocessors.base.Cancelled`` (a decode worker stops work nobody waits for any more) and the start-up
+errors ``settings.ConfigError`` / ``cli.ListenError`` (one line on stderr, exit status 2).
 """
 
 from __future__ import annotations

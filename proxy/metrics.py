@@ -98,7 +98,7 @@ class Metrics:
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: prometheus_client validates and locks on every ``labels()``
-        call (~1.6 us), which the request path pays several times per request. Every label set here is
+        call, a cost the request path would otherwise pay several times per request. Every label set here is
         bounded (routes, kinds, status codes, stages)."""
         key = (id(metric), labels)
         found = self._children.get(key)

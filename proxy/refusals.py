@@ -7,20 +7,16 @@ Every refusal mmgate makes goes through here: those of ``pipeline.handle_request
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from aiohttp import web
 
 from .dialects import Dialect, dialect_for_path, error_headers
 from .errors import MmgateError, internal_error
-from .exchange import loggable
+from .exchange import log, loggable
 from .paths import normalise_target
 from .state import STATE
 from .upstream import request_id_for
-
-log = logging.getLogger("mmgate.access")
-
 
 async def refuse(request: web.Request, error: MmgateError, dialect: Dialect, request_id: str,
                  started: web.StreamResponse | None) -> web.StreamResponse:

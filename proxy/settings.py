@@ -1,6 +1,6 @@
 """One frozen Settings, built from ``MMGATE_*`` environment variables and CLI flags of the same names.
 
-Every variable of DESIGN.md's table is here, with its default, unit and what is allowed. A bad value raises
+Every ``MMGATE_*`` variable is here, with its default, unit and what is allowed. A bad value raises
 ``ConfigError`` whose text is the one line the CLI prints before exiting with status 2. The environment is
 injectable (``Settings.from_env(environ)``) so tests never touch ``os.environ``.
 """
