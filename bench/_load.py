@@ -129,7 +129,7 @@ def _pin(cpus: set[int] | None):  # noqa: ANN202
 def start_stub(*args: str, cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="stub-bench-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.stub_backend", "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "demo.backend", "--host", "127.0.0.1", "--port", str(port),
                              *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_pin(cpus))
     proc.log_path = log.name  # type: ignore[attr-defined]
     log.close()

@@ -580,7 +580,7 @@ def _meta(args: argparse.Namespace, image: bytes, body: bytes, up_start: str, up
         "image": {"format": "JPEG", "size": list(L.PHOTO_SIZE), "quality": L.PHOTO_QUALITY, "bytes": len(image),
                   "body_bytes": len(body), "decoded_rgb_bytes": L.PHOTO_SIZE[0] * L.PHOTO_SIZE[1] * 3},
         "stub_flags": list(STUB_FLAGS),
-        "stub": "python -m proxy.stub_backend " + " ".join(STUB_FLAGS),
+        "stub": "python -m demo.backend " + " ".join(STUB_FLAGS),
         "mmgate": "python -m proxy --access-log off --max-mm-concurrency K --max-queue 10000 --queue-timeout 600 "
                   f"--preprocess-timeout {args.preprocess_timeout:g} --release-at R (decode workers default = "
                   "usable CPUs, validate full, no resize)",

@@ -289,7 +289,7 @@ def main() -> None:
         "rounds": args.rounds, "quiet_wait": args.quiet_wait,
         "image": {"format": "JPEG", "size": list(L.PHOTO_SIZE), "quality": L.PHOTO_QUALITY, "bytes": len(image),
                   "body_bytes": len(body)},
-        "stub": "python -m proxy.stub_backend (defaults: 1 decode thread, no cpu-ms-per-mp, no hold, 16 tokens, "
+        "stub": "python -m demo.backend (defaults: 1 decode thread, no cpu-ms-per-mp, no hold, 16 tokens, "
                 "no delays)",
         "mmgate": "python -m proxy --access-log off (+ scenario flags); gate defaults: --max-mm-concurrency 4, "
                   "--max-queue 64; decode workers default = usable CPUs",

@@ -17,7 +17,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from PIL import Image
 
-from proxy.stub_backend import StubConfig, create_stub_app
+from demo.backend import StubConfig, create_stub_app
 
 from .conftest import Proxy, StartProxy, Upstream
 from .media import BlockedPool, chat_with_image, data_uri, decode_uri, eventually, image_bytes
