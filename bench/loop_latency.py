@@ -23,7 +23,7 @@ three loaded variants with --resize-max-pixels 1000000 (decode + resize + JPEG r
 Everything (clients, prober, mmgate, stub) shares the machine's 2 cores, and the machine is shared with other
 jobs: `uptime` is recorded at start and end. Goal: p99 <= 5 ms with the pool.
 
-Usage: python bench/loop_latency.py [--seconds 10] [--clients 16] [--only NAME,...]
+Usage: python -m bench.loop_latency [--seconds 10] [--clients 16] [--only NAME,...]
 Writes bench/results/loop_latency.md and .json.
 """
 
@@ -38,13 +38,12 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _load as L  # noqa: E402
+from testkit import load as L
+from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
 
 RESIZE = ("--resize-max-pixels", "1000000")
 INLINE_ENV = {"MMGATE_DECODE_WORKERS": "0", "MMGATE_BENCH_INLINE_DECODE": "1"}
@@ -252,8 +251,8 @@ def main() -> None:
     started = time.monotonic()
     up_start = L.uptime()
     print(f"start: {up_start}", flush=True)
-    image = L.photo_jpeg()
-    body = L.chat_body(image)
+    image = photo_jpeg()
+    body = chat_body(image)
     chosen = [s for s in SCENARIOS if (s.name in args.only.split(",") if args.only else (args.pinned or not s.pinned))]
     runs: dict[str, list[dict]] = {sc.name: [] for sc in chosen}
     control, control_url = L.start_control()
@@ -287,7 +286,7 @@ def main() -> None:
         "usable_cpus": usable_cpus(), "uptime_start": up_start, "uptime_end": up_end,
         "seconds": args.seconds, "interval": args.interval, "clients": args.clients, "ramp": args.ramp,
         "rounds": args.rounds, "quiet_wait": args.quiet_wait,
-        "image": {"format": "JPEG", "size": list(L.PHOTO_SIZE), "quality": L.PHOTO_QUALITY, "bytes": len(image),
+        "image": {"format": "JPEG", "size": list(PHOTO_SIZE), "quality": PHOTO_QUALITY, "bytes": len(image),
                   "body_bytes": len(body)},
         "stub": "python -m demo.backend (defaults: 1 decode thread, no cpu-ms-per-mp, no hold, 16 tokens, "
                 "no delays)",
@@ -321,7 +320,7 @@ def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
     md = "\n".join([
         "# Event-loop latency under multimodal load (/mmgate/health)",
         "",
-        f"`python bench/loop_latency.py{' --pinned' if pinned else ''}` -- {meta['date']}, Python {meta['python']}, "
+        f"`python -m bench.loop_latency{' --pinned' if pinned else ''}` -- {meta['date']}, Python {meta['python']}, "
         f"aiohttp {meta['aiohttp']}, Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['rounds']} "
         f"interleaved rounds, {meta['wall_s']} s in all.",
         f"Start: `{meta['uptime_start']}`  ",

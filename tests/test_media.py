@@ -19,8 +19,9 @@ from PIL import Image
 
 from demo.backend import StubConfig, create_stub_app
 
+from testkit.media import BlockedPool, chat_with_image, data_uri, decode_uri, eventually, image_bytes
+
 from .conftest import Proxy, StartProxy, Upstream
-from .media import BlockedPool, chat_with_image, data_uri, decode_uri, eventually, image_bytes
 
 
 async def post(url: str, body: dict | bytes, **headers: str) -> tuple[int, dict]:
