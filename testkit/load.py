@@ -1,7 +1,7 @@
 """Load generation for the benchmarks (loop_latency, gate_sweep, malloc_arenas, soak).
 
-What is here: starting/stopping the stub backend and mmgate as separate processes (optionally with the
-decode threads' lowered priority switched off, without editing the proxy), /proc readings (VmHWM, RSS,
+What is here: starting/stopping the stub backend and mmgate as separate processes (optionally with a
+baseline decode pool from ``testkit.variants``: workers at niceness 0, or decoding on the loop), /proc readings (VmHWM, RSS,
 per-thread niceness), Prometheus text parsing, an aiohttp load client, and a tiny blocking HTTP prober. The
 photo and the request bodies they send are built by ``testkit.media``.
 
@@ -31,18 +31,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-
-# Starts mmgate exactly like `python -m proxy`, after setting the decode workers' niceness (read by
-# preprocessors.pool._lower_priority at thread start) from MMGATE_BENCH_WORKER_NICENESS. With 0 the
-# workers keep the loop's priority. Nothing in proxy/ or preprocessors/ is edited.
-_LAUNCHER = (
-    "import os, sys\n"
-    "import preprocessors.pool as pool\n"
-    "pool.WORKER_NICENESS = int(os.environ['MMGATE_BENCH_WORKER_NICENESS'])\n"
-    "from proxy.cli import main\n"
-    "sys.argv[0] = 'mmgate'\n"
-    "main(sys.argv[1:])\n"
-)
 
 
 # --- processes -----------------------------------------------------------------------------------------
@@ -89,14 +77,12 @@ def start_stub(*args: str, cpus: set[int] | None = None) -> tuple[subprocess.Pop
 
 
 def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
-                 worker_niceness: int | None = None, cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """mmgate in its own process. ``worker_niceness`` set: started through the launcher above."""
+                 variant: str | None = None, cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """mmgate in its own process: ``python -m proxy``, or with ``variant`` (``"nice0"``, ``"loop"``) the
+    baseline decode pool of ``python -m testkit.variants``."""
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")} | (env or {})
-    cmd = [sys.executable, "-m", "proxy"]
-    if worker_niceness is not None:
-        cmd = [sys.executable, "-c", _LAUNCHER]
-        full_env["MMGATE_BENCH_WORKER_NICENESS"] = str(worker_niceness)
+    cmd = [sys.executable, "-m", "proxy"] if variant is None else [sys.executable, "-m", "testkit.variants", variant]
     cmd += ["--upstream", upstream, "--port", str(port), "--host", "127.0.0.1", "--access-log", "off",
             "--drain-grace", "0", "--drain-timeout", "2", *flags]
     log = tempfile.NamedTemporaryFile(prefix="mmgate-bench-", suffix=".log", delete=False)
