@@ -1,6 +1,6 @@
 """The fuzzing properties of ``tests/test_fuzz.py`` with a large budget, to find what CI's small one misses.
 
-Same strategies and properties (``tests/fuzzing.py``), run in rounds with fresh random seeds until each
+Same strategies and properties (``testkit/fuzzing.py``), run in rounds with fresh random seeds until each
 property has run ``--examples`` inputs or its share of ``--minutes`` is spent. Unlike CI, a failure whose
 signature is already known (kept in ``tests/fuzz_corpus/`` or found earlier in this run) does not stop the
 search: it is counted and the round goes on, so the budget goes to finding *new* faults. A new fault is
@@ -11,7 +11,7 @@ Prints per property: inputs run (examples and shrink steps), distinct failures (
 
     python -m bench.fuzz [--examples 5000] [--minutes 10] [--properties http_paths,pure_base64] [--seed N]
 
-Run it from the repository root (``-m``: ``tests.fuzzing`` is imported as a package, no ``sys.path`` edits).
+Run it from the repository root (``-m``: ``testkit.fuzzing`` is imported as a package, no ``sys.path`` edits).
 Traffic goes only to 127.0.0.1: the proxy and the scripted upstream it starts itself.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 from hypothesis import HealthCheck, given, seed, settings
 
-from tests.fuzzing import (
+from testkit.fuzzing import (
     PROPERTIES,
     FaultLog,
     Harness,
@@ -44,10 +44,9 @@ from tests.fuzzing import (
     corpus_signatures,
     keep_failures,
     signature_of,
-    start_proxy_server,
-    start_upstream,
     strategy_for,
 )
+from testkit.servers import start_proxy_server, start_upstream
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -27,7 +27,7 @@ by the gate. An extra cell, gate=2 with --release-at auto (= headers here), show
 Everything (clients, mmgate, stub) shares the machine's 2 cores, and the machine is shared with other jobs:
 `uptime` is recorded at start and end; read ratios, not absolute numbers.
 
-Usage: python bench/gate_sweep.py [--per-client 3] [--clients 64] [--gates off,1,2,4,8] [--no-extra]
+Usage: python -m bench.gate_sweep [--per-client 3] [--clients 64] [--gates off,1,2,4,8] [--no-extra]
 Writes bench/results/gate_sweep.md and .json.
 
 --memory-model (issue 5, buffer lifetime) checks mmgate's own memory against a model instead: first the working
@@ -49,13 +49,11 @@ import os
 import platform
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _load as L  # noqa: E402
-sys.path.insert(1, str(L.REPO))  # proxy.settings from this checkout, whatever else is installed
+from testkit import load as L
+from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
 
 STUB_FLAGS = ("--hold-pixels", "--cpu-ms-per-mp", "20", "--workers", "8", "--tokens", "8", "--token-delay", "0.01")
 OFF = 10000
@@ -338,8 +336,8 @@ def memory_main(args: argparse.Namespace) -> None:
     started = time.monotonic()
     up_start = L.uptime()
     print(f"start: {up_start}", flush=True)
-    image = L.photo_jpeg()
-    body = L.chat_body(image, stream=True)
+    image = photo_jpeg()
+    body = chat_body(image, stream=True)
     singles, rows = asyncio.run(run_memory_model(body, args))
     up_end = L.uptime()
     print(f"end: {up_end}", flush=True)
@@ -398,7 +396,7 @@ def render_memory(data: dict) -> str:
     return "\n".join([
         "# Peak RSS vs the memory model: gate off vs gate 2 (issue 5, buffer lifetime)",
         "",
-        f"`python bench/gate_sweep.py --memory-model` -- {meta['date']}, Python {meta['python']}, aiohttp "
+        f"`python -m bench.gate_sweep --memory-model` -- {meta['date']}, Python {meta['python']}, aiohttp "
         f"{meta['aiohttp']}, Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['wall_s']} s in all.",
         f"Start: `{meta['uptime_start']}`  ",
         f"End: `{meta['uptime_end']}`",
@@ -577,10 +575,10 @@ def _meta(args: argparse.Namespace, image: bytes, body: bytes, up_start: str, up
         "proxy_source": str(Path(proxy.__file__).resolve().parent),
         "clients": args.clients, "per_client": args.per_client, "release_at": args.release_at,
         "preprocess_timeout": args.preprocess_timeout,
-        "image": {"format": "JPEG", "size": list(L.PHOTO_SIZE), "quality": L.PHOTO_QUALITY, "bytes": len(image),
-                  "body_bytes": len(body), "decoded_rgb_bytes": L.PHOTO_SIZE[0] * L.PHOTO_SIZE[1] * 3},
+        "image": {"format": "JPEG", "size": list(PHOTO_SIZE), "quality": PHOTO_QUALITY, "bytes": len(image),
+                  "body_bytes": len(body), "decoded_rgb_bytes": PHOTO_SIZE[0] * PHOTO_SIZE[1] * 3},
         "stub_flags": list(STUB_FLAGS),
-        "stub": "python -m proxy.stub_backend " + " ".join(STUB_FLAGS),
+        "stub": "python -m demo.backend " + " ".join(STUB_FLAGS),
         "mmgate": "python -m proxy --access-log off --max-mm-concurrency K --max-queue 10000 --queue-timeout 600 "
                   f"--preprocess-timeout {args.preprocess_timeout:g} --release-at R (decode workers default = "
                   "usable CPUs, validate full, no resize)",
@@ -626,8 +624,8 @@ def main() -> None:
     started = time.monotonic()
     up_start = L.uptime()
     print(f"start: {up_start}", flush=True)
-    image = L.photo_jpeg()
-    body = L.chat_body(image, stream=True)
+    image = photo_jpeg()
+    body = chat_body(image, stream=True)
     cells = [(g, args.release_at) for g in args.gates.split(",")]
     if not args.no_extra:
         cells += [("2", "auto"), ("direct", "-")]
@@ -673,7 +671,7 @@ def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
     md = "\n".join([
         "# Gate sweep: backend memory and throughput vs MMGATE_MAX_MM_CONCURRENCY",
         "",
-        f"`python bench/gate_sweep.py` -- {meta['date']}, Python {meta['python']}, aiohttp {meta['aiohttp']}, "
+        f"`python -m bench.gate_sweep` -- {meta['date']}, Python {meta['python']}, aiohttp {meta['aiohttp']}, "
         f"Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['wall_s']} s in all.",
         f"Start: `{meta['uptime_start']}`  ",
         f"End: `{meta['uptime_end']}`",

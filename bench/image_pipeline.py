@@ -16,7 +16,7 @@ full-resolution LANCZOS reference, on a detailed image) and Pillow's ``blocks_ma
 The machine may be shared (check the load average in the output): wall times then swing, and CPU
 times are the steadier column. Runs in about 2-3 minutes on 2 cores.
 
-    python bench/image_pipeline.py [--repeat N] [--quick]
+    python -m bench.image_pipeline [--repeat N] [--quick]
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,10 +38,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, features
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout, uninstalled
-
 from preprocessors.base import ImagePolicy, Processed
 from preprocessors.image import process_image
+from testkit.media import photo_sized
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_PIXELS = 1_000_000
@@ -54,19 +52,6 @@ def photo(megapixels: float, seed: int = 0) -> Image.Image:
     """A 4:3 photo-like RGB image: smooth colour fields plus sensor-like noise."""
     height = int(math.sqrt(megapixels * 1e6 * 3 / 4))
     return photo_sized(height * 4 // 3, height, seed)
-
-
-def photo_sized(width: int, height: int, seed: int = 0, noise: int = 13) -> Image.Image:
-    """Smooth colour fields plus ``noise`` levels of sensor-like noise (realistic JPEG/PNG sizes)."""
-    rng = np.random.default_rng(seed)
-    sw, sh = max(2, width // 16), max(2, height // 16)
-    y = np.linspace(0, 1, sh, dtype=np.float32)[:, None]
-    x = np.linspace(0, 1, sw, dtype=np.float32)[None, :]
-    fields = (0.5 + 0.5 * np.sin(6 * x + 3 * y), 0.5 + 0.5 * np.cos(4 * y - 5 * x * y), 0.7 * x + 0.3 * y)
-    small = Image.fromarray(np.stack([(f * 230 + 12).astype(np.uint8) for f in fields], axis=-1), "RGB")
-    pixels = np.asarray(small.resize((width, height), Image.Resampling.BILINEAR)).copy()
-    pixels += rng.integers(0, noise, size=pixels.shape, dtype=np.uint8)  # 12..242 + noise: no overflow
-    return Image.fromarray(pixels, "RGB")
 
 
 def detailed(megapixels: float) -> Image.Image:
@@ -258,7 +243,7 @@ def report(
         )
     return (
         "# Image pipeline: naive Pillow vs mmgate process_image (to <= 1 MP, JPEG q90)\n\n"
-        f"`python bench/image_pipeline.py` -- {env['date']}, Python {env['python']}, "
+        f"`python -m bench.image_pipeline` -- {env['date']}, Python {env['python']}, "
         f"Pillow {env['pillow']}, libjpeg-turbo {env['libjpeg_turbo']}, {env['usable_cpus']} usable CPUs, "
         f"blocks_max {env['blocks_max']}, median of {env['repeat']} runs, {env['seconds']} s in all.\n"
         f"Load average before {env['load_avg_before']}, after {env['load_avg_after']}: the machine is "

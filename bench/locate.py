@@ -14,7 +14,7 @@ For each: the designed steps one by one (sniff, skeletonize, locate), their sum,
 memchr pass (``bytes.find`` of an absent byte) over it. Median and p90 of wall time over N runs,
 single thread: wall time here is GIL time.
 
-    python bench/locate.py [--runs N]
+    python -m bench.locate [--runs N]
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -33,10 +32,8 @@ from typing import Any, Callable
 import orjson
 import pybase64
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from proxy.dialects import find_media, locate  # noqa: E402
-from proxy.splice import looks_text_heavy, may_contain_media, skeletonize  # noqa: E402
+from proxy.locate import find_media, locate, looks_text_heavy, may_contain_media
+from proxy.rawjson import skeletonize
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORDS = ("the quick brown fox jumps over a lazy dog while an image of a video plays; café naïve "
@@ -140,7 +137,7 @@ def main() -> None:
     lines = [
         "# locate: GIL time to find the media in a body",
         "",
-        f"`python bench/locate.py --runs {args.runs}` on {platform.python_implementation()} "
+        f"`python -m bench.locate --runs {args.runs}` on {platform.python_implementation()} "
         f"{platform.python_version()}, {os.cpu_count()} CPUs, orjson {orjson.__version__}. "
         "Wall time of one call, single thread (= GIL time), in ms: median (min–p90). "
         f"Load average while running: {os.getloadavg()[0]:.1f}.",

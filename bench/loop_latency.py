@@ -15,15 +15,16 @@ Per scenario, fresh processes (stub backend, mmgate) so every process-lifetime c
     edges, not exact values) is read at the start and end of the probe window and diffed.
 
 Scenarios: idle; loaded with the pool (default workers = usable CPUs, workers at niceness 10); loaded with the
-pool but the workers left at niceness 0 (mmgate started through bench/_load.py's launcher, which sets
-preprocessors.pool.WORKER_NICENESS = 0 before main(); nothing in proxy/ is edited); loaded with
-MMGATE_DECODE_WORKERS=0 (decode on the loop, benchmark baseline, MMGATE_BENCH_INLINE_DECODE=1); and the same
-three loaded variants with --resize-max-pixels 1000000 (decode + resize + JPEG re-encode: heavier work).
+pool but the workers left at niceness 0; loaded with every decode on the event loop (the baseline a server
+without a pool is); and the same three loaded variants with --resize-max-pixels 1000000 (decode + resize + JPEG
+re-encode: heavier work). The two baselines are not settings of mmgate: mmgate runs through
+``python -m testkit.variants nice0|loop``, its own app with the variant's decode pool (nothing in proxy/ is
+edited).
 
 Everything (clients, prober, mmgate, stub) shares the machine's 2 cores, and the machine is shared with other
 jobs: `uptime` is recorded at start and end. Goal: p99 <= 5 ms with the pool.
 
-Usage: python bench/loop_latency.py [--seconds 10] [--clients 16] [--only NAME,...]
+Usage: python -m bench.loop_latency [--seconds 10] [--clients 16] [--only NAME,...]
 Writes bench/results/loop_latency.md and .json.
 """
 
@@ -38,16 +39,14 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _load as L  # noqa: E402
+from testkit import load as L
+from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
 
 RESIZE = ("--resize-max-pixels", "1000000")
-INLINE_ENV = {"MMGATE_DECODE_WORKERS": "0", "MMGATE_BENCH_INLINE_DECODE": "1"}
 VLLM_ANCHOR_P99_MS = 18.9
 GOAL_P99_MS = 5.0
 
@@ -59,21 +58,21 @@ class Scenario:
     loaded: bool
     flags: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
-    worker_niceness: int | None = None  # None: mmgate as shipped (workers at niceness 10)
+    variant: str | None = None  # None: mmgate as shipped (workers at niceness 10); else a testkit.variants pool
     pinned: bool = False  # mmgate alone on CPU 0; stub, clients, probers and control on CPU 1
 
 
 SCENARIOS = [
     Scenario("idle", "idle (pool, no load)", False),
     Scenario("pool", "loaded, pool (workers nice 10, default)", True),
-    Scenario("pool_nice0", "loaded, pool, workers nice 0", True, worker_niceness=0),
-    Scenario("inline", "loaded, inline decode on the loop", True, env=tuple(INLINE_ENV.items())),
+    Scenario("pool_nice0", "loaded, pool, workers nice 0", True, variant="nice0"),
+    Scenario("inline", "loaded, inline decode on the loop", True, variant="loop"),
     Scenario("resize_pool", "loaded + resize 1 MP, pool (nice 10)", True, RESIZE),
-    Scenario("resize_pool_nice0", "loaded + resize 1 MP, pool, workers nice 0", True, RESIZE, worker_niceness=0),
-    Scenario("resize_inline", "loaded + resize 1 MP, inline decode", True, RESIZE, tuple(INLINE_ENV.items())),
+    Scenario("resize_pool_nice0", "loaded + resize 1 MP, pool, workers nice 0", True, RESIZE, variant="nice0"),
+    Scenario("resize_inline", "loaded + resize 1 MP, inline decode", True, RESIZE, variant="loop"),
     Scenario("pinned_pool", "pinned: mmgate alone on 1 core, pool (nice 10)", True, pinned=True),
     Scenario("pinned_pool_nice0", "pinned: mmgate alone on 1 core, pool, workers nice 0", True,
-             worker_niceness=0, pinned=True),
+             variant="nice0", pinned=True),
 ]
 GATE_CPUS, REST_CPUS = {0}, {1}
 
@@ -104,8 +103,7 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
         os.sched_setaffinity(control.pid, rest_cpus)
     try:
         stub, stub_url = L.start_stub(cpus=rest_cpus)
-        gate, url = L.start_mmgate(stub_url, *sc.flags, env=dict(sc.env), worker_niceness=sc.worker_niceness,
-                                   cpus=gate_cpus)
+        gate, url = L.start_mmgate(stub_url, *sc.flags, env=dict(sc.env), variant=sc.variant, cpus=gate_cpus)
         warm = await L.run_load(url, body, 1, requests_per_client=2)  # starts the decode threads, warms caches
         if warm.statuses() != {"200": 2}:
             raise RuntimeError(f"{sc.name}: warm-up answered {warm.statuses()}")
@@ -145,7 +143,8 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
     late = [x for x in probe["lateness"] if x > probe["interval"]]
     return {
         "name": sc.name, "label": sc.label, "loaded": sc.loaded, "flags": list(sc.flags), "env": dict(sc.env),
-        "worker_niceness_requested": sc.worker_niceness, "thread_niceness": nice, "pinned": sc.pinned,
+        "variant": sc.variant, "worker_niceness_requested": 0 if sc.variant == "nice0" else None,
+        "thread_niceness": nice, "pinned": sc.pinned,
         "mmgate_threads": sum(len(v) for v in nice.values()),
         "health": lat, "health_statuses": probe["statuses"], "control": L.summarize_ms(ctl["latencies"]), "probes_sent_late": len(late),
         "skipped_slots": probe["skipped_slots"],
@@ -190,7 +189,8 @@ def aggregate(runs: list[dict]) -> dict:
     lag_max = [r["loop_lag"]["max_le_ms"] for r in runs]
     return {
         "name": first["name"], "label": first["label"], "loaded": first["loaded"], "flags": first["flags"],
-        "env": first["env"], "worker_niceness_requested": first["worker_niceness_requested"],
+        "env": first["env"], "variant": first["variant"],
+        "worker_niceness_requested": first["worker_niceness_requested"],
         "thread_niceness": first["thread_niceness"], "pinned": first["pinned"],
         "health": L.summarize_ms([x for r in runs for x in r["_latencies"]]),
         "health_p99_per_round": [r["health"]["p99"] for r in runs],
@@ -252,8 +252,8 @@ def main() -> None:
     started = time.monotonic()
     up_start = L.uptime()
     print(f"start: {up_start}", flush=True)
-    image = L.photo_jpeg()
-    body = L.chat_body(image)
+    image = photo_jpeg()
+    body = chat_body(image)
     chosen = [s for s in SCENARIOS if (s.name in args.only.split(",") if args.only else (args.pinned or not s.pinned))]
     runs: dict[str, list[dict]] = {sc.name: [] for sc in chosen}
     control, control_url = L.start_control()
@@ -287,9 +287,9 @@ def main() -> None:
         "usable_cpus": usable_cpus(), "uptime_start": up_start, "uptime_end": up_end,
         "seconds": args.seconds, "interval": args.interval, "clients": args.clients, "ramp": args.ramp,
         "rounds": args.rounds, "quiet_wait": args.quiet_wait,
-        "image": {"format": "JPEG", "size": list(L.PHOTO_SIZE), "quality": L.PHOTO_QUALITY, "bytes": len(image),
+        "image": {"format": "JPEG", "size": list(PHOTO_SIZE), "quality": PHOTO_QUALITY, "bytes": len(image),
                   "body_bytes": len(body)},
-        "stub": "python -m proxy.stub_backend (defaults: 1 decode thread, no cpu-ms-per-mp, no hold, 16 tokens, "
+        "stub": "python -m demo.backend (defaults: 1 decode thread, no cpu-ms-per-mp, no hold, 16 tokens, "
                 "no delays)",
         "mmgate": "python -m proxy --access-log off (+ scenario flags); gate defaults: --max-mm-concurrency 4, "
                   "--max-queue 64; decode workers default = usable CPUs",
@@ -321,7 +321,7 @@ def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
     md = "\n".join([
         "# Event-loop latency under multimodal load (/mmgate/health)",
         "",
-        f"`python bench/loop_latency.py{' --pinned' if pinned else ''}` -- {meta['date']}, Python {meta['python']}, "
+        f"`python -m bench.loop_latency{' --pinned' if pinned else ''}` -- {meta['date']}, Python {meta['python']}, "
         f"aiohttp {meta['aiohttp']}, Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['rounds']} "
         f"interleaved rounds, {meta['wall_s']} s in all.",
         f"Start: `{meta['uptime_start']}`  ",
@@ -347,8 +347,9 @@ def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
         "",
         table(rows),
         "",
-        "Worker niceness: `nice 0` scenarios start mmgate through bench/_load.py's launcher, which sets "
-        "`preprocessors.pool.WORKER_NICENESS = 0` before `proxy.cli.main()` (nothing in proxy/ is edited); the "
+        "Baselines: `nice 0` scenarios run mmgate as `python -m testkit.variants nice0` (its decode workers "
+        "keep the loop's priority), `inline` ones as `python -m testkit.variants loop` (every decode on the "
+        "event loop); both are mmgate's own app with that decode pool, nothing in proxy/ is edited. The "
         "last column is the set of niceness values read back from /proc/PID/task/*/stat of the mmgate process "
         "(the loop and aiohttp threads are 0; decode workers 10 when lowered).",
         "",

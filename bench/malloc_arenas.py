@@ -25,7 +25,7 @@ Settings (environment of the mmgate process only):
 The stub backend (2 workers) is one separate process shared by all runs. The machine may be shared
 (2 cores): load averages are recorded; throughput ratios are noisier than the memory figures.
 
-    python bench/malloc_arenas.py [--requests 200] [--workers 2,4] [--variants default,arena2,...]
+    python -m bench.malloc_arenas [--requests 200] [--workers 2,4] [--variants default,arena2,...]
 """
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _load import RESULTS, chat_body, photo_jpeg, start_mmgate, start_stub, stop, uptime
+from testkit.load import RESULTS, start_mmgate, start_stub, stop, uptime
+from testkit.media import chat_body, photo_jpeg
 
 MIB = 1 << 20
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -157,7 +155,7 @@ def markdown(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     ]
     for command in dict.fromkeys(r.get("command", "") for r in runs):
         group = [r for r in runs if r.get("command", "") == command]
-        lines += ["", f"## `python bench/malloc_arenas.py {command}`", "",
+        lines += ["", f"## `python -m bench.malloc_arenas {command}`", "",
                   "| workers | variant | env | start MiB | peak MiB | after burst MiB | idle MiB | req/s | CPU ms/req | "
                   "peak × | idle × | req/s × | CPU/req × | statuses |",
                   "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]

@@ -30,7 +30,7 @@ response, OpenAI chunk format) and an asyncio/aiohttp client process holding 64 
 streams (staggered, each starting a new request when one ends). tokens/s and the inter-token gap p99 seen by
 the client, direct vs mmgate (and the minimal proxy and nginx for reference), plus proxy CPU per token.
 
-Usage: python bench/passthrough.py [--duration 9] [--rounds 3] [--quick] [--no-profile]   (~5 min)
+Usage: python -m bench.passthrough [--duration 9] [--rounds 3] [--quick] [--no-profile]   (~5 min)
 Writes bench/results/passthrough.md and .json; with profiling (default) also runs py-spy on mmgate under
 1 KB and 4 MB loads at 32 connections: bench/results/passthrough_profile.svg (1 KB) and self-time summaries
 in the .md.
@@ -70,6 +70,7 @@ WORDS = ("lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod 
          "dolore magna aliqua enim ad minim veniam quis nostrud exercitation ullamco laboris nisi aliquip ex ea "
          "commodo consequat").split()
 TARGETS = ("direct", "nginx", "minimal", "mmgate")
+ROLE = (sys.executable, "-m", "bench.passthrough", "--role")  # this module in another process (cwd=REPO)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -550,9 +551,9 @@ def measure_http(url: str, script: Path, conns: int, seconds: int, proxy_pids: l
 
 def measure_sse(procs: Procs, url: str, streams: int, warmup: float, seconds: float, period: float,
                 proxy_pids: list[int], upstream_pids: list[int]) -> dict[str, Any]:
-    client = procs.start([sys.executable, __file__, "--role", "sse-client", "--url", url, "--streams", str(streams),
+    client = procs.start([*ROLE, "sse-client", "--url", url, "--streams", str(streams),
                           "--warmup", str(warmup), "--duration", str(seconds), "--period", str(period)],
-                         LOAD_CPU, stdout=subprocess.PIPE)
+                         LOAD_CPU, stdout=subprocess.PIPE, cwd=REPO)
     assert client.stdout is not None
     line = client.stdout.readline()
     if line.strip() != b"START":
@@ -722,8 +723,7 @@ def bench(args: argparse.Namespace) -> None:
     env["uptime_before"] = uptime_before
     print(f"# passthrough bench: {uptime_before}", flush=True)
 
-    sys.path.insert(0, str(REPO))
-    from proxy.splice import may_contain_media  # the bodies must take mmgate's text fast path
+    from proxy.locate import may_contain_media  # the bodies must take mmgate's text fast path; not in the roles
 
     procs = Procs()
     workdir = Path(tempfile.mkdtemp(prefix="mmgate-passthrough-"))
@@ -753,13 +753,14 @@ def bench(args: argparse.Namespace) -> None:
             subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--force", str(baseline_repo),
                             args.baseline], check=True, capture_output=True)
         ports = {target: free_port() for target in targets}
-        upstream = procs.start([sys.executable, __file__, "--role", "upstream", "--port", str(ports["direct"]),
-                                "--sse-tokens", str(args.sse_tokens), "--sse-delay", str(args.sse_delay)], PROXY_CPU)
+        upstream = procs.start([*ROLE, "upstream", "--port", str(ports["direct"]),
+                                "--sse-tokens", str(args.sse_tokens), "--sse-delay", str(args.sse_delay)], PROXY_CPU,
+                               cwd=REPO)
         upstream_url = f"http://127.0.0.1:{ports['direct']}"
         wait_http(upstream_url + "/", proc=upstream)
         nginx = start_nginx(procs, "proxy", NGINX_PROXY.format(port=ports["nginx"], upstream=ports["direct"]), workdir)
-        minimal = procs.start([sys.executable, __file__, "--role", "minimal-proxy", "--port", str(ports["minimal"]),
-                               "--upstream", upstream_url], PROXY_CPU, stderr=subprocess.DEVNULL)
+        minimal = procs.start([*ROLE, "minimal-proxy", "--port", str(ports["minimal"]),
+                               "--upstream", upstream_url], PROXY_CPU, cwd=REPO, stderr=subprocess.DEVNULL)
         mmgate = procs.start([sys.executable, "-m", "proxy", "--upstream", upstream_url, "--port", str(ports["mmgate"]),
                               "--host", "127.0.0.1", "--access-log", "off"], PROXY_CPU, cwd=REPO,
                              stderr=subprocess.DEVNULL)
@@ -886,7 +887,7 @@ def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, 
     lines = [
         "# passthrough: text-only requests and SSE streams, direct vs nginx vs minimal aiohttp vs mmgate",
         "",
-        f"`python bench/passthrough.py` ({settings['rounds']} rounds x {settings['round_s']} s per cell and target, "
+        f"`python -m bench.passthrough` ({settings['rounds']} rounds x {settings['round_s']} s per cell and target, "
         f"4 MB: {settings['rounds_4mb']} x {settings['round_s_4mb']} s, "
         f"SSE {settings['sse_rounds']} x {settings['sse_round_s']:g} s; {env['seconds']} s in all) -- Python "
         f"{env['python']}, aiohttp {env['aiohttp']}, nginx {env['nginx']}, wrk {env['wrk']}, {env['cpus']} CPUs "

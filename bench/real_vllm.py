@@ -27,7 +27,7 @@ Backend profiles (--profile):
   tiles   the e2e tests' setting: up to 16+1 tiles (~2900 tokens) per image; on this CPU the tiny model's tiling
           and prefill (~2 s per image whatever its size) dominate and hide the preprocessing cost.
 
-Usage: python bench/real_vllm.py [--profile single|tiles] [--quick] [--vllm-url URL --vllm-pid PID]
+Usage: python -m bench.real_vllm [--profile single|tiles] [--quick] [--vllm-url URL --vllm-pid PID]
 Writes bench/results/real_vllm.md and .json (profile single) or real_vllm_tiles.md/.json.
 """
 
@@ -40,17 +40,15 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
-import e2e_harness as h  # noqa: E402
+from testkit import vllm as h
 
+REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 SIZES = {"4MP": (2304, 1728), "12MP": (4000, 3000)}
 FORMATS = ("png", "jpeg")

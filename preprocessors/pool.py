@@ -34,7 +34,7 @@ def _lower_priority() -> None:
 
 
 class DecodePool:
-    """``workers`` threads (0 = run inline on the calling thread: a benchmark baseline only).
+    """``workers`` threads (at least 1).
 
     ``queued`` (items waiting for a thread) and ``stuck`` (items still running for an abandoned request)
     are read by the metrics at scrape time.
@@ -42,11 +42,8 @@ class DecodePool:
 
     def __init__(self, workers: int, *, lower_priority: bool = True) -> None:
         self.workers = workers
-        self._executor = (
-            ThreadPoolExecutor(workers, thread_name_prefix="mmgate-decode",
-                               initializer=_lower_priority if lower_priority else None)
-            if workers else None
-        )
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="mmgate-decode",
+                                            initializer=_lower_priority if lower_priority else None)
         self._lock = threading.Lock()
         self.queued = 0
         self.stuck = 0
@@ -55,8 +52,7 @@ class DecodePool:
         return Batch(self)
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class Batch:
@@ -83,8 +79,6 @@ class Batch:
         CancelledError if the caller is cancelled; in every case the rest of the batch is stopped.
         """
         pool = self._pool
-        if pool._executor is None:
-            return [job(self.checkpoint) for job in jobs]  # inline baseline: blocks the loop by design
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import importlib.util
 import logging
 import os
 import signal
@@ -229,9 +230,12 @@ def free_port() -> int:
 
 def start_stub_backend() -> tuple[subprocess.Popen[bytes], str]:
     """The demo's backend, in its own process so its CPU and memory are its own."""
+    # The stub needs numpy, which only the demo extra installs: say so in one line, not with a traceback.
+    if importlib.util.find_spec("numpy") is None:
+        raise ConfigError("mmgate demo needs the demo extra: pip install -e '.[demo]'")
     port = free_port()
     stub = subprocess.Popen(
-        [sys.executable, "-m", "proxy.stub_backend", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "demo.backend", "--host", "127.0.0.1", "--port", str(port)],
         stdout=subprocess.PIPE,
     )
     assert stub.stdout is not None

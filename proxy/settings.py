@@ -182,7 +182,7 @@ class Settings:
                 raise ConfigError(f"{where[name]}={raw!r} is not allowed: expected {exc}") from None
         if "decode_workers" not in values:
             values["decode_workers"] = usable_cpus()
-        elif values["decode_workers"] == 0 and environ.get("MMGATE_BENCH_INLINE_DECODE") != "1":
+        elif values["decode_workers"] == 0:
             raise ConfigError(
                 f"{where['decode_workers']}='0' is not allowed: expected an integer from 1 to 256 "
                 "(0 = decode on the event loop exists only as a benchmark baseline)"
@@ -294,16 +294,14 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
 # not settings of the proxy, but they are not typos either: the unknown-variable warning leaves them alone.
 # Add a name here when a test or benchmark starts reading a new one (tests/test_cli.py checks the repository).
 TOOLING_VARIABLES: frozenset[str] = frozenset({
-    "MMGATE_BENCH_INLINE_DECODE",  # benchmarks: allows MMGATE_DECODE_WORKERS=0 (decode on the loop)
-    "MMGATE_BENCH_WORKER_NICENESS",  # benchmarks: decode-thread niceness of a benchmarked mmgate
     "MMGATE_E2E",  # tests/e2e: run the real-vLLM suite
     "MMGATE_E2E_DIR",
     "MMGATE_E2E_PYTHON",
     "MMGATE_E2E_SETUP_TIMEOUT",
     "MMGATE_E2E_VLLM_START_TIMEOUT",
     "MMGATE_E2E_VLLM_URL",
-    "MMGATE_FUZZ_SAVE",  # tests/fuzzing.py: save a failing example to the corpus
-    "MMGATE_FUZZ_SEED",  # tests/fuzzing.py: the hypothesis seed
+    "MMGATE_FUZZ_SAVE",  # testkit/fuzzing.py: save a failing example to the corpus
+    "MMGATE_FUZZ_SEED",  # testkit/fuzzing.py: the hypothesis seed
     "MMGATE_REQUIRE_HEAVY",  # CI: a skipped heavy test fails instead
     "MMGATE_UPDATE_SCREENSHOT",  # tests/test_dashboard.py: rewrite docs/dashboard.png
 })

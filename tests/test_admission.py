@@ -13,8 +13,9 @@ import orjson
 import pytest
 from aiohttp import web
 
+from testkit.media import chat_with_image, data_uri, eventually, image_bytes
+
 from .conftest import Proxy, StartProxy, Upstream
-from .media import chat_with_image, data_uri, eventually, image_bytes
 
 IMAGE = data_uri(image_bytes(32, 32))
 

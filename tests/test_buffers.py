@@ -29,8 +29,9 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
+from testkit.media import BlockedPool, chat_with_image, data_uri, eventually
+
 from .conftest import Proxy, StartProxy, Upstream
-from .media import BlockedPool, chat_with_image, data_uri, eventually
 
 BIG = 1 << 20  # no live allocation this size may remain from a request that ended or handed off
 PATH = "/v1/chat/completions"

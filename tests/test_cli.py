@@ -49,6 +49,16 @@ def test_missing_upstream_suggests_demo(capsys: pytest.CaptureFixture[str]) -> N
     assert "mmgate demo" in capsys.readouterr().err
 
 
+def test_demo_without_its_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """numpy comes only with the demo extra: without it, ``mmgate demo`` names the extra in one line."""
+    monkeypatch.setitem(sys.modules, "numpy", None)  # find_spec() then answers None, as when it is not installed
+    with pytest.raises(SystemExit) as exited:
+        main(["demo"], environ={})
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "mmgate: mmgate demo needs the demo extra: pip install -e '.[demo]'\n"
+
+
 def test_print_config_needs_an_upstream_too(capsys: pytest.CaptureFixture[str]) -> None:
     """The worst case --print-config prints is for a proxy that would not start: the same error instead."""
     with pytest.raises(SystemExit) as exited:
@@ -97,10 +107,12 @@ def test_every_mmgate_variable_in_the_repository_is_known() -> None:
     known = {"MMGATE_" + name.upper() for name in _SPEC} | TOOLING_VARIABLES
     placeholders = {"MMGATE_X"}  # "MMGATE_X=value" in docstrings
     unknown: dict[str, str] = {}
-    for top in ("proxy", "preprocessors", "tests", "bench", "deploy", "docs", ".ci", "README.md", "pyproject.toml"):
+    results = repo / "bench" / "results"  # records of past runs: the environment they ran with, names since gone
+    for top in ("proxy", "preprocessors", "demo", "testkit", "tests", "bench", "deploy", "docs", ".ci", "README.md",
+                "pyproject.toml"):
         root = repo / top
         for path in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
-            if path == Path(__file__).resolve() or "__pycache__" in path.parts:
+            if path == Path(__file__).resolve() or "__pycache__" in path.parts or results in path.parents:
                 continue  # this file spells unknown names on purpose
             try:
                 text = path.read_text()

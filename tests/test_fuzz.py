@@ -1,7 +1,7 @@
 """Fuzzing in CI: every request shape mmgate parses, thrown at the real proxy (and at its pure parts) with a
 small, fixed budget; the same properties run with a large budget in ``bench/fuzz.py``.
 
-Strategies and properties live in ``tests/fuzzing.py`` (shared with the bench). Each HTTP test starts one
+Strategies and properties live in ``testkit/fuzzing.py`` (shared with the bench). Each HTTP test starts one
 proxy in front of the scripted upstream (conftest fixtures) and reuses it for all its examples: the
 properties are about one request at a time, and a proxy per example would spend the budget on start-ups.
 
@@ -10,7 +10,7 @@ Reproducible, yet exploring (hypothesis settings below):
 - ``database=None``: no hidden state from earlier runs on this machine; what a run does depends only on the
   checkout. The memory of past failures is ``tests/fuzz_corpus/`` instead: reviewed, in git, replayed by
   ``test_corpus_replay`` on every run.
-- ``@seed`` from the commit (``tests.fuzzing.ci_seed``): re-running a commit replays exactly its inputs, so
+- ``@seed`` from the commit (``testkit.fuzzing.ci_seed``): re-running a commit replays exactly its inputs, so
   a red CI run reproduces; each new commit draws new inputs, so CI keeps exploring over time. Not
   ``derandomize=True``: that would fix the inputs forever (derived from the test's source) and CI would
   never see anything new. ``MMGATE_FUZZ_SEED=<int>`` pins a seed, ``MMGATE_FUZZ_SEED=random`` lets
@@ -34,8 +34,7 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from .conftest import Proxy, StartProxy, Upstream
-from .fuzzing import (
+from testkit.fuzzing import (
     PATHS_ENV,
     PROPERTIES,
     RESIZE_ENV,
@@ -63,6 +62,8 @@ from .fuzzing import (
     splice_cases,
     targets,
 )
+
+from .conftest import Proxy, StartProxy, Upstream
 
 T = TypeVar("T")
 SEED = ci_seed()

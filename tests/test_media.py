@@ -17,10 +17,11 @@ import pytest
 from aiohttp.test_utils import TestServer
 from PIL import Image
 
-from proxy.stub_backend import StubConfig, create_stub_app
+from demo.backend import StubConfig, create_stub_app
+
+from testkit.media import BlockedPool, chat_with_image, data_uri, decode_uri, eventually, image_bytes
 
 from .conftest import Proxy, StartProxy, Upstream
-from .media import BlockedPool, chat_with_image, data_uri, decode_uri, eventually, image_bytes
 
 
 async def post(url: str, body: dict | bytes, **headers: str) -> tuple[int, dict]:

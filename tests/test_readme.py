@@ -66,7 +66,7 @@ class Server:
 
 
 SERVERS = (
-    Server("python -m proxy.stub_backend ", "backend", "/health"),
+    Server("python -m demo.backend ", "backend", "/health"),
     Server("mmgate ", "mmgate", "/mmgate/health"),
 )
 

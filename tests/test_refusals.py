@@ -13,8 +13,9 @@ import aiohttp
 import anthropic
 import pytest
 
+from testkit.media import chat_with_image, data_uri, image_bytes
+
 from .conftest import Proxy, StartProxy, Upstream
-from .media import chat_with_image, data_uri, image_bytes
 
 PNG = image_bytes(16, 16, "PNG")
 JPEG = image_bytes(16, 16, "JPEG")

@@ -10,7 +10,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from proxy.stub_backend import StubConfig, create_stub_app
+from demo.backend import StubConfig, create_stub_app
 
 from .conftest import Proxy, StartProxy
 

@@ -1,4 +1,4 @@
-"""proxy/splice.py: string spans, skeletons, splicing; and the sniff / locate / splice properties.
+"""proxy/rawjson.py and proxy/locate.py: string spans, skeletons, splicing; and the sniff / locate / splice properties.
 
 The hypothesis tests serialise documents with a deliberately awkward JSON writer (random whitespace,
 random ``\\uXXXX`` and ``\\/`` escapes, raw big numbers) so the token walk meets what real clients

@@ -21,7 +21,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from PIL import Image
 
-from proxy.stub_backend import STATE, StubConfig, StubState, create_stub_app
+from demo.backend import STATE, StubConfig, StubState, create_stub_app
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -260,7 +260,7 @@ async def test_cpu_burn_and_alpha_images_answer(start_stub: StartStub) -> None:
 
 
 def test_cli_prints_address_and_exits_cleanly_on_sigterm() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.stub_backend", "--port", "0", "--tokens", "3"],
+    proc = subprocess.Popen([sys.executable, "-m", "demo.backend", "--port", "0", "--tokens", "3"],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline() if proc.stdout else ""
@@ -281,6 +281,6 @@ def test_cli_prints_address_and_exits_cleanly_on_sigterm() -> None:
 
 
 def test_cli_rejects_bad_values() -> None:
-    proc = subprocess.run([sys.executable, "-m", "proxy.stub_backend", "--workers", "0"],
+    proc = subprocess.run([sys.executable, "-m", "demo.backend", "--workers", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "workers" in proc.stderr

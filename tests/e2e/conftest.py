@@ -5,7 +5,7 @@ reason. They run when MMGATE_E2E=1 or MMGATE_REQUIRE_HEAVY=1. With MMGATE_REQUIR
 be installed or started FAILS the tests instead of skipping them: a heavy test must never vanish silently in CI.
 
 Env: MMGATE_E2E_DIR (default <repo>/.e2e) holds the venv, the tiny model and the logs of every server started.
-MMGATE_E2E_VLLM_URL=http://127.0.0.1:PORT reuses a vLLM you started yourself (tests/e2e/e2e_harness.py or
+MMGATE_E2E_VLLM_URL=http://127.0.0.1:PORT reuses a vLLM you started yourself (testkit/vllm.py or
 shared serve.sh; it must serve the tiny model as "tiny-vlm"): saves its ~70-120 s start while iterating.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import e2e_harness as h
+from testkit import vllm as h
 
 ENABLED = os.environ.get("MMGATE_E2E") == "1" or os.environ.get("MMGATE_REQUIRE_HEAVY") == "1"
 REQUIRED = os.environ.get("MMGATE_REQUIRE_HEAVY") == "1"

@@ -18,7 +18,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-import e2e_harness as h
+from testkit import vllm as h
 
 # The first test also pays for the session fixture: installing (if needed) and starting vLLM (~70-120 s).
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]

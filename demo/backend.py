@@ -6,7 +6,8 @@ burns vision-encoder CPU and holds the pixels until the answer is sent) while an
 wire format, so the official SDKs work through the proxy unchanged. The answer names the size of every
 image it decoded ("stub answer: saw 1 image(s) [640x480]"), so a test can see what actually arrived.
 
-Run it as ``python -m proxy.stub_backend --port 8000``. Knobs change at runtime with POST /stub/config.
+Run it as ``python -m demo.backend --port 8000`` (numpy comes with the ``demo`` extra). Knobs change at runtime
+with POST /stub/config.
 """
 
 from __future__ import annotations
@@ -587,7 +588,7 @@ def create_stub_app(config: StubConfig | None = None) -> web.Application:
 
 
 def _arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m proxy.stub_backend", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m demo.backend", description=__doc__.splitlines()[0])
     d = StubConfig()
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")

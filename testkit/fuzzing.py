@@ -1,8 +1,8 @@
 """What the fuzzing suite is made of: strategies, properties, the corpus. Shared by ``tests/test_fuzz.py`` (CI,
 small budget) and ``bench/fuzz.py`` (large budget), so both run exactly the same properties.
 
-Why a separate module: ``bench/`` is not a package and must not edit ``sys.path``; ``tests`` is one, so
-``python -m bench.fuzz`` from the repository root imports ``tests.fuzzing`` like any module.
+Why in ``testkit``: the bench must not import the test suite, and neither edits ``sys.path``; ``python -m
+bench.fuzz`` from the repository root imports ``testkit.fuzzing`` like any module.
 
 Layout:
 
@@ -46,24 +46,18 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import aiohttp
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 from hypothesis import strategies as st
 from PIL import Image
 
 from preprocessors.base import MediaError
 from preprocessors.dataurl import decode_base64, parse_data_url
-from proxy.app import build_app, make_runner
-from proxy.connections import GuardedSite
 from proxy.errors import MmgateError
-from proxy.settings import Settings
 from proxy.rawjson import Span, skeletonize, splice
-from proxy.state import STATE
 
-from .conftest import Proxy, Upstream
+from .servers import Proxy, Upstream
 
 REPO = Path(__file__).resolve().parent.parent
-CORPUS = Path(__file__).resolve().parent / "fuzz_corpus"
+CORPUS = REPO / "tests" / "fuzz_corpus"  # beside the test that replays it
 SAVE_ENV = "MMGATE_FUZZ_SAVE"
 SEED_ENV = "MMGATE_FUZZ_SEED"
 
@@ -1788,32 +1782,6 @@ def keep_failures(prop: str, case: Any, tally: Tally | None = None, *, save: boo
                 if written is not None and tally is not None:
                     tally.saved.append(written.name)
         raise
-
-
-# ----------------------------------------------------------------------------------------------------------
-# servers outside pytest (the bench); the tests use the conftest fixtures instead
-
-
-async def start_upstream() -> Upstream:
-    """The conftest ``upstream`` fixture, without pytest."""
-    up = Upstream()
-    app = web.Application(client_max_size=1 << 30, handler_args={"auto_decompress": False})
-    app.router.add_route("*", "/{tail:.*}", up._dispatch)
-    up.server = TestServer(app, host="127.0.0.1")
-    await up.server.start_server()
-    return up
-
-
-async def start_proxy_server(upstream_url: str, **env: str) -> tuple[Proxy, Callable[[], Awaitable[None]]]:
-    """The conftest ``start_proxy`` fixture without pytest (same runner and listening site); returns the
-    proxy and the coroutine function that stops it."""
-    settings = Settings.from_env({"MMGATE_UPSTREAM": upstream_url, "MMGATE_ACCESS_LOG": "off", **env})
-    app = build_app(settings)
-    runner = make_runner(app)
-    await runner.setup()
-    site = GuardedSite(runner, "127.0.0.1", 0, app[STATE].connections)
-    await site.start()
-    return Proxy(site, app), runner.cleanup
 
 
 async def replay_http(prop: Property, case: Any, upstream: Upstream,

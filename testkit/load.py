@@ -1,12 +1,12 @@
-"""Shared load-generation helpers for bench/loop_latency.py and bench/gate_sweep.py.
+"""Load generation for the benchmarks (loop_latency, gate_sweep, malloc_arenas, soak).
 
-What is here: a synthetic photo-like 12 MP JPEG (generated once, cached in the temp dir), prebuilt chat
-request bodies, starting/stopping the stub backend and mmgate as separate processes (optionally with the
-decode threads' lowered priority switched off, without editing the proxy), /proc readings (VmHWM, RSS,
-per-thread niceness), Prometheus text parsing, an aiohttp load client, and a tiny blocking HTTP prober.
+What is here: starting/stopping the stub backend and mmgate as separate processes (optionally with a
+baseline decode pool from ``testkit.variants``: workers at niceness 0, or decoding on the loop), /proc readings (VmHWM, RSS,
+per-thread niceness), Prometheus text parsing, an aiohttp load client, and a tiny blocking HTTP prober. The
+photo and the request bodies they send are built by ``testkit.media``.
 
-The prober runs in its own process: ``python bench/_load.py probe --url ... --seconds 10 --interval 0.01
---out result.json``. It sends one GET every ``interval`` seconds (fixed schedule) over one keep-alive
+The prober runs in its own process: ``python -m testkit.load probe --host ... --port ... --seconds 10
+--interval 0.01 --out result.json``. It sends one GET every ``interval`` seconds (fixed schedule) over one keep-alive
 connection with blocking sockets (no event loop of its own to add noise) and records, per probe, the
 time from send to the last response byte, and how late it was sent relative to its schedule.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import math
 import os
@@ -32,67 +31,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-CACHE = Path(tempfile.gettempdir()) / "mmgate-bench"
-PHOTO_SIZE = (4000, 3000)  # 12 MP
-PHOTO_QUALITY = 85
-
-# Starts mmgate exactly like `python -m proxy`, after setting the decode workers' niceness (read by
-# preprocessors.pool._lower_priority at thread start) from MMGATE_BENCH_WORKER_NICENESS. With 0 the
-# workers keep the loop's priority. Nothing in proxy/ or preprocessors/ is edited.
-_LAUNCHER = (
-    "import os, sys\n"
-    "import preprocessors.pool as pool\n"
-    "pool.WORKER_NICENESS = int(os.environ['MMGATE_BENCH_WORKER_NICENESS'])\n"
-    "from proxy.cli import main\n"
-    "sys.argv[0] = 'mmgate'\n"
-    "main(sys.argv[1:])\n"
-)
-
-
-# --- media ---------------------------------------------------------------------------------------------
-
-def photo_jpeg() -> bytes:
-    """A 4000x3000 photo-like JPEG (smooth gradients + low-frequency blobs + sensor-like noise, q85, ~2.6 MB).
-
-    Deterministic (fixed seed); generated once and cached in the temp dir.
-    """
-    path = CACHE / f"photo_{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]}_q{PHOTO_QUALITY}.jpg"
-    if path.exists():
-        return path.read_bytes()
-    import numpy as np
-    from PIL import Image
-
-    w, h = PHOTO_SIZE
-    rng = np.random.default_rng(1234)
-    y = np.linspace(0, 1, h, dtype=np.float32)[:, None]
-    x = np.linspace(0, 1, w, dtype=np.float32)[None, :]
-    img = np.empty((h, w, 3), np.float32)
-    img[..., 0] = 200 * x + 40 * np.sin(6 * y)
-    img[..., 1] = 180 * y + 30 * np.cos(5 * x)
-    img[..., 2] = 120 + 80 * x * y
-    small = np.clip(rng.normal(0, 25, (30, 40, 3)) + 128, 0, 255).astype(np.uint8)
-    img += np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC), np.float32) - 128
-    img += rng.normal(0, 10, (h, w, 3)).astype(np.float32)
-    buf = io.BytesIO()
-    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=PHOTO_QUALITY)
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(buf.getvalue())
-    tmp.replace(path)
-    return buf.getvalue()
-
-
-def chat_body(image: bytes, mime: str = "image/jpeg", *, stream: bool = False, max_tokens: int | None = None) -> bytes:
-    """An OpenAI chat request with one inline data-URI image, as bytes (built once, sent many times)."""
-    import pybase64
-
-    uri = f"data:{mime};base64," + pybase64.b64encode(image).decode()
-    body: dict[str, Any] = {"model": "stub-vlm", "stream": stream, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "Describe this image."},
-        {"type": "image_url", "image_url": {"url": uri}}]}]}
-    if max_tokens is not None:
-        body["max_tokens"] = max_tokens
-    return json.dumps(body).encode()
 
 
 # --- processes -----------------------------------------------------------------------------------------
@@ -129,7 +67,7 @@ def _pin(cpus: set[int] | None):  # noqa: ANN202
 def start_stub(*args: str, cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="stub-bench-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.stub_backend", "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "demo.backend", "--host", "127.0.0.1", "--port", str(port),
                              *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_pin(cpus))
     proc.log_path = log.name  # type: ignore[attr-defined]
     log.close()
@@ -139,14 +77,12 @@ def start_stub(*args: str, cpus: set[int] | None = None) -> tuple[subprocess.Pop
 
 
 def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
-                 worker_niceness: int | None = None, cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """mmgate in its own process. ``worker_niceness`` set: started through the launcher above."""
+                 variant: str | None = None, cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """mmgate in its own process: ``python -m proxy``, or with ``variant`` (``"nice0"``, ``"loop"``) the
+    baseline decode pool of ``python -m testkit.variants``."""
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")} | (env or {})
-    cmd = [sys.executable, "-m", "proxy"]
-    if worker_niceness is not None:
-        cmd = [sys.executable, "-c", _LAUNCHER]
-        full_env["MMGATE_BENCH_WORKER_NICENESS"] = str(worker_niceness)
+    cmd = [sys.executable, "-m", "proxy"] if variant is None else [sys.executable, "-m", "testkit.variants", variant]
     cmd += ["--upstream", upstream, "--port", str(port), "--host", "127.0.0.1", "--access-log", "off",
             "--drain-grace", "0", "--drain-timeout", "2", *flags]
     log = tempfile.NamedTemporaryFile(prefix="mmgate-bench-", suffix=".log", delete=False)
@@ -500,8 +436,8 @@ def start_prober(url: str, seconds: float, interval: float, path: str = "/mmgate
     """The prober in its own process; read its result with ``prober_result``."""
     host, port = url.removeprefix("http://").split(":")
     out = Path(tempfile.mkstemp(prefix="mmgate-probe-", suffix=".json")[1])
-    proc = subprocess.Popen([sys.executable, __file__, "probe", "--host", host, "--port", port, "--path", path,
-                             "--seconds", str(seconds), "--interval", str(interval), "--out", str(out)], cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "testkit.load", "probe", "--host", host, "--port", port,
+                             "--path", path, "--seconds", str(seconds), "--interval", str(interval), "--out", str(out)], cwd=REPO)
     return proc, out
 
 
@@ -539,7 +475,7 @@ def serve_control(port: int) -> None:
 
 def start_control() -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "control-server", "--port", str(port)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "testkit.load", "control-server", "--port", str(port)], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/health", proc)
@@ -565,6 +501,8 @@ def _main() -> None:
     elif args.cmd == "probe":
         Path(args.out).write_text(json.dumps(probe(args.host, args.port, args.path, args.seconds, args.interval)))
     else:
+        from .media import photo_jpeg  # only here: the prober and control server stay light processes
+
         data = photo_jpeg()
         print(f"{len(data)} bytes")
 

@@ -1,8 +1,8 @@
-"""Process harness shared by the real-vLLM e2e tests and bench/real_vllm.py.
+"""Process harness shared by the real-vLLM e2e tests (tests/e2e) and bench/real_vllm.py.
 
-Why a module of its own: the tests (conftest.py) and the benchmark must start vLLM and mmgate the same way, wait
-for them by polling their readiness endpoints (never by sleeping a fixed time), and tear them down by process
-group so no vLLM engine core survives a crashed run. No pytest import here.
+Why a module of its own, in ``testkit``: the tests (tests/e2e/conftest.py) and the benchmark must start vLLM
+and mmgate the same way, wait for them by polling their readiness endpoints (never by sleeping a fixed time),
+and tear them down by process group so no vLLM engine core survives a crashed run. No pytest import here.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = Path(__file__).resolve().parents[1]
+SETUP_SCRIPT = REPO / "tests" / "e2e" / "setup_vllm.sh"  # beside the suite it installs vLLM for
 DEFAULT_DIR = Path(os.environ.get("MMGATE_E2E_DIR", str(REPO / ".e2e")))
 SERVED_MODEL = "tiny-vlm"
 VLLM_START_TIMEOUT = float(os.environ.get("MMGATE_E2E_VLLM_START_TIMEOUT", "420"))
@@ -207,7 +207,7 @@ def run_setup(dir_: Path = DEFAULT_DIR, log: Path | None = None) -> float:
     t0 = time.monotonic()
     with f:
         try:
-            rc = subprocess.run(["bash", str(HERE / "setup_vllm.sh"), str(dir_)], stdout=f, stderr=subprocess.STDOUT,
+            rc = subprocess.run(["bash", str(SETUP_SCRIPT), str(dir_)], stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, timeout=SETUP_TIMEOUT).returncode
         except subprocess.TimeoutExpired:
             raise HarnessError(f"setup_vllm.sh took more than {SETUP_TIMEOUT:.0f} s; log {log}:\n" + tail(log))

@@ -1,0 +1,137 @@
+"""Media and the requests that carry it, built the same way for the tests and the benchmarks.
+
+Small images and request builders (``image_bytes``, ``data_uri``, ``chat_with_image``) are what the tests send;
+photo-like images of realistic encoded size (``photo_sized``, the cached 12 MP ``photo_jpeg``) and prebuilt
+request bodies (``chat_body``) are what the benchmarks send. numpy (test and bench extras) is imported only
+by the photo builders, which are the only ones that need it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from PIL import Image
+
+from preprocessors.pool import DecodePool
+
+CACHE = Path(tempfile.gettempdir()) / "mmgate-bench"
+PHOTO_SIZE = (4000, 3000)  # 12 MP
+PHOTO_QUALITY = 85
+
+
+def image_bytes(width: int = 64, height: int = 48, fmt: str = "PNG", mode: str = "RGB", color: Any = "red") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, (width, height), color).save(buf, fmt)
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def chat_with_image(uri: str, text: str = "what is this?", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": text},
+            {"type": "image_url", "image_url": {"url": uri}},
+        ]}],
+        **extra,
+    }
+
+
+def decode_uri(uri: str) -> tuple[str, Image.Image]:
+    head, payload = uri.split(",", 1)
+    return head, Image.open(io.BytesIO(base64.b64decode(payload)))
+
+
+async def eventually(condition: Callable[[], bool], what: str = "condition") -> None:
+    """Wait (bounded) for a counter the proxy updates when it notices something on a socket: there is no
+    event to await for "the server saw the client leave", so this polls the proxy's own state."""
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never happened: {what}")
+
+
+class BlockedPool:
+    """Occupies every decode thread until released, so a request's items stay queued: deterministic
+    timeouts and disconnects during preprocessing without relying on how long a decode takes."""
+
+    def __init__(self, pool: DecodePool | None) -> None:
+        assert pool is not None and pool._executor is not None
+        self.go = threading.Event()
+        self.futures = [pool._executor.submit(self.go.wait) for _ in range(pool.workers)]
+
+    def release(self) -> None:
+        self.go.set()
+        for future in self.futures:
+            future.result()
+
+
+# --- photos and bodies for the benchmarks ----------------------------------------------------------------
+
+def photo_sized(width: int, height: int, seed: int = 0, noise: int = 13) -> Image.Image:
+    """Smooth colour fields plus ``noise`` levels of sensor-like noise (realistic JPEG/PNG sizes)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sw, sh = max(2, width // 16), max(2, height // 16)
+    y = np.linspace(0, 1, sh, dtype=np.float32)[:, None]
+    x = np.linspace(0, 1, sw, dtype=np.float32)[None, :]
+    fields = (0.5 + 0.5 * np.sin(6 * x + 3 * y), 0.5 + 0.5 * np.cos(4 * y - 5 * x * y), 0.7 * x + 0.3 * y)
+    small = Image.fromarray(np.stack([(f * 230 + 12).astype(np.uint8) for f in fields], axis=-1), "RGB")
+    pixels = np.asarray(small.resize((width, height), Image.Resampling.BILINEAR)).copy()
+    pixels += rng.integers(0, noise, size=pixels.shape, dtype=np.uint8)  # 12..242 + noise: no overflow
+    return Image.fromarray(pixels, "RGB")
+
+
+def photo_jpeg() -> bytes:
+    """A 4000x3000 photo-like JPEG (smooth gradients + low-frequency blobs + sensor-like noise, q85, ~2.6 MB).
+
+    Deterministic (fixed seed); generated once and cached in the temp dir.
+    """
+    path = CACHE / f"photo_{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]}_q{PHOTO_QUALITY}.jpg"
+    if path.exists():
+        return path.read_bytes()
+    import numpy as np
+
+    w, h = PHOTO_SIZE
+    rng = np.random.default_rng(1234)
+    y = np.linspace(0, 1, h, dtype=np.float32)[:, None]
+    x = np.linspace(0, 1, w, dtype=np.float32)[None, :]
+    img = np.empty((h, w, 3), np.float32)
+    img[..., 0] = 200 * x + 40 * np.sin(6 * y)
+    img[..., 1] = 180 * y + 30 * np.cos(5 * x)
+    img[..., 2] = 120 + 80 * x * y
+    small = np.clip(rng.normal(0, 25, (30, 40, 3)) + 128, 0, 255).astype(np.uint8)
+    img += np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC), np.float32) - 128
+    img += rng.normal(0, 10, (h, w, 3)).astype(np.float32)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=PHOTO_QUALITY)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(buf.getvalue())
+    tmp.replace(path)
+    return buf.getvalue()
+
+
+def chat_body(image: bytes, mime: str = "image/jpeg", *, stream: bool = False, max_tokens: int | None = None) -> bytes:
+    """An OpenAI chat request with one inline data-URI image, as bytes (built once, sent many times)."""
+    import pybase64
+
+    uri = f"data:{mime};base64," + pybase64.b64encode(image).decode()
+    body: dict[str, Any] = {"model": "stub-vlm", "stream": stream, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Describe this image."},
+        {"type": "image_url", "image_url": {"url": uri}}]}]}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return json.dumps(body).encode()

@@ -1,0 +1,124 @@
+"""The scriptable upstream and the proxy handle the tests and the fuzzing bench share.
+
+Why here and not in ``tests/conftest.py``: ``bench/fuzz.py`` starts the same servers outside pytest, and a bench
+must not import the test suite. The pytest fixtures that start them stay in ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from multidict import CIMultiDict
+
+from proxy.app import build_app, make_runner
+from proxy.connections import GuardedSite
+from proxy.settings import Settings
+from proxy.state import STATE, AppState
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    headers: CIMultiDict[str]
+    raw_headers: list[tuple[str, str]]
+    body: bytes
+
+
+@dataclass
+class Upstream:
+    """A real aiohttp server whose behaviour a test scripts with ``route()``; default: echo a small JSON."""
+
+    server: TestServer | None = None
+    seen: list[Seen] = field(default_factory=list)
+    arrived: asyncio.Queue[Seen] = field(default_factory=asyncio.Queue)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)  # tests set it to let held handlers go on
+    handlers: dict[str, Handler] = field(default_factory=dict)
+    keep_bodies: bool = True  # False: bodies are read and dropped (memory tests must not see them kept here)
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.port}"
+
+    def route(self, path: str, handler: Handler) -> None:
+        self.handlers[path] = handler
+
+    async def held_stream(self, request: web.Request, last: bytes = b"data: [DONE]\n\n") -> web.StreamResponse:
+        """An SSE answer that sends its first event, then holds until ``release`` is set, then ``last``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: first\n\n")
+        await self.release.wait()
+        await response.write(last)
+        return response
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        if self.keep_bodies:
+            body = await request.read()
+        else:
+            async for _chunk in request.content.iter_any():
+                pass
+            body = b""
+        seen = Seen(request.method, request.raw_path, CIMultiDict(request.headers),
+                    [(k.decode(), v.decode()) for k, v in request.raw_headers], body)
+        self.seen.append(seen)
+        self.arrived.put_nowait(seen)
+        handler = self.handlers.get(request.path)
+        try:
+            if handler is not None:
+                return await handler(request)
+            return web.json_response({"ok": True, "path": request.path})
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+
+@dataclass
+class Proxy:
+    server: GuardedSite  # listens as `mmgate serve` does: connection cap and head deadline included
+    app: web.Application
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+    @property
+    def state(self) -> AppState:
+        return self.app[STATE]
+
+
+StartProxy = Callable[..., Awaitable[Proxy]]
+
+
+# servers outside pytest (the fuzzing bench); the tests use the conftest fixtures instead
+
+
+async def start_upstream() -> Upstream:
+    """The conftest ``upstream`` fixture, without pytest (the fuzzing bench)."""
+    up = Upstream()
+    app = web.Application(client_max_size=1 << 30, handler_args={"auto_decompress": False})
+    app.router.add_route("*", "/{tail:.*}", up._dispatch)
+    up.server = TestServer(app, host="127.0.0.1")
+    await up.server.start_server()
+    return up
+
+
+async def start_proxy_server(upstream_url: str, **env: str) -> tuple[Proxy, Callable[[], Awaitable[None]]]:
+    """The conftest ``start_proxy`` fixture without pytest (same runner and listening site); returns the
+    proxy and the coroutine function that stops it."""
+    settings = Settings.from_env({"MMGATE_UPSTREAM": upstream_url, "MMGATE_ACCESS_LOG": "off", **env})
+    app = build_app(settings)
+    runner = make_runner(app)
+    await runner.setup()
+    site = GuardedSite(runner, "127.0.0.1", 0, app[STATE].connections)
+    await site.start()
+    return Proxy(site, app), runner.cleanup
