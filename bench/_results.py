@@ -40,7 +40,8 @@ Goal = dict[str, Any]
 def git(*args: str) -> str | None:
     """Output of one git command in the repository, or None where git or the history is not available."""
     try:
-        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30,
+                             check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -101,7 +102,7 @@ def kept_stamp(data: dict[str, Any], script: str, what: str, date: str | None = 
             "date": date, "machine": None} | {k: v for k, v in old.items() if k not in ("script", "what", "measures")}
 
 
-def summary(values: Iterable[float]) -> dict[str, Any]:
+def summary(values: Iterable[float | None]) -> dict[str, Any]:
     """Median, min–max spread and count of the rounds' values (None where there are none)."""
     vs = sorted(float(v) for v in values if v is not None)
     if not vs:
@@ -115,7 +116,7 @@ def goal(name: str, values: Sequence[float | None], target: str | None = None,
     """One goal record from the rounds' values.
 
     ``target`` is what the claim says, in words (``"≤ 5"``); ``test`` decides it on the median (or, with
-    ``met_on="max"`` / ``"min"``, on the worst round, for claims about every round). Fewer than
+    ``met_on="every"``, on both ends of the spread, for claims about every round; ``"max"`` / ``"min"``: one end). Fewer than
     ``MIN_ROUNDS`` values still give a median, but the report flags it.
     """
     return record(name, summary(values), target, test, unit, over, met_on)
@@ -126,8 +127,9 @@ def record(name: str, s: dict[str, Any], target: str | None = None, test: Callab
     """A goal record from a summary a script computed itself (``{median, spread: [lo, hi], n}``)."""
     met: bool | None = None
     if test is not None and s["median"] is not None:
-        lo, hi = s["spread"]
-        met = bool(test({"median": s["median"], "max": hi, "min": lo}[met_on]))
+        lo, hi = s["spread"] or (s["median"], s["median"])
+        met = bool(test(lo) and test(hi)) if met_on == "every" else bool(
+            test({"median": s["median"], "max": hi, "min": lo}[met_on]))
     return {"name": name, "target": target, "unit": unit, "median": s["median"], "spread": s["spread"],
             "n": s["n"], "over": over, "met_on": met_on, "met": met}
 
@@ -146,15 +148,22 @@ def number(value: float | None) -> str:
     return f"{value:.3g}"
 
 
+def spread_text(g: Goal) -> str:
+    """``lo–hi``, or why there is none (older files recorded only the median)."""
+    if not g["spread"]:
+        return "spread not recorded"
+    lo, hi = g["spread"]
+    return f"{number(lo)}–{number(hi)}"
+
+
 def goal_text(g: Goal) -> str:
     """``name: median unit (min–max over n rounds); target → met`` as printed, written and in the README."""
     unit = f" {g['unit']}" if g["unit"] else ""
     if g["median"] is None:
         return f"{g['name']}: not measured"
-    lo, hi = g["spread"]
-    text = f"{g['name']}: {number(g['median'])}{unit} ({number(lo)}–{number(hi)} over {g['n']} {g['over']})"
+    text = f"{g['name']}: {number(g['median'])}{unit} ({spread_text(g)} over {g['n']} {g['over']})"
     if g["target"] is not None:
-        on = "" if g["met_on"] == "median" else f", every one of them ({g['met_on']})"
+        on = "" if g["met_on"] == "median" else f" ({g['met_on']})"
         text += f"; goal {g['target']}{unit}{on}: {'met' if g['met'] else 'NOT met'}"
     if g["n"] < MIN_ROUNDS and g["over"] == "rounds":
         text += f" [only {g['n']} rounds, < {MIN_ROUNDS}]"
@@ -172,8 +181,9 @@ def stamp_line(data: dict[str, Any]) -> str:
     where = f"commit `{commit[:10]}`" + (" (uncommitted changes)" if data.get("dirty") else "") if commit \
         else "commit unknown"
     machine = data.get("machine") or {}
-    box = (f"{machine.get('platform')}, {machine.get('cpu')}, {machine.get('usable_cores')} usable cores"
-           if machine else "machine not recorded")
+    box = ", ".join([*(str(machine[k]) for k in ("platform", "cpu") if machine.get(k)),
+                     *([f"{machine['usable_cores']} usable cores"] if machine.get("usable_cores") else [])])
+    box = box or "machine not recorded"
     return f"Measured at {where}, {data.get('date') or 'date unknown'}, {box}."
 
 

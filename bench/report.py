@@ -67,10 +67,8 @@ def figure(g: R.Goal) -> str:
     if g["median"] is None:
         return f"{g['name']}: not measured"
     unit = f" {g['unit']}" if g["unit"] else ""
-    lo, hi = g["spread"]
     few = " ⚠ < 3" if g["n"] < R.MIN_ROUNDS and g["over"] == "rounds" else ""
-    return (f"{g['name']}: **{R.number(g['median'])}{unit}** ({R.number(lo)}–{R.number(hi)}, "
-            f"{g['n']} {g['over']}{few})")
+    return f"{g['name']}: **{R.number(g['median'])}{unit}** ({R.spread_text(g)}, {g['n']} {g['over']}{few})"
 
 
 def verdict(g: R.Goal) -> str:

@@ -26,6 +26,16 @@ def test_readme_section_is_generated_from_the_results() -> None:
         "README.md's benchmark section disagrees with bench/results/*.json: run python bench/report.py")
 
 
+def test_every_result_file_names_its_script_and_goals() -> None:
+    for name, data in report.load_results().items():
+        assert data.get("script"), name
+        assert (R.BENCH / data["script"]).exists(), name
+        assert data.get("measures"), name
+        assert data.get("goals"), name
+        for g in data["goals"]:
+            assert {"name", "target", "median", "spread", "n", "met"} <= set(g), (name, g)
+
+
 def test_a_result_without_a_commit_is_stale() -> None:
     stale, words = report.freshness({"commit": None, "measures": ["proxy"], "date": "2026-01-02T00:00:00"})
     assert stale and "commit unknown" in words and "2026-01-02" in words
