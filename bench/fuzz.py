@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import logging
 import os
@@ -34,12 +33,12 @@ from typing import Any
 import aiohttp
 from hypothesis import HealthCheck, given, seed, settings
 
+from bench import _results as R
 from testkit.fuzzing import (
     PROPERTIES,
     FaultLog,
     Harness,
     Tally,
-    commit,
     corpus_files,
     corpus_signatures,
     keep_failures,
@@ -151,22 +150,26 @@ def machine() -> dict[str, Any]:
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
-def write_results(outcomes: list[Outcome], args: argparse.Namespace, seed_used: int) -> None:
+WHAT = "hypothesis over every dialect, data URLs, base64, splice and paths, with a large budget"
+
+
+def write_results(outcomes: list[Outcome], args: argparse.Namespace, seed_used: int,
+                  stamp: dict[str, Any]) -> None:
     RESULTS.mkdir(exist_ok=True)
     corpus = len(corpus_files())
-    report = {
-        "commit": commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine(), "budget": {"examples": args.examples, "minutes": args.minutes}, "seed": seed_used,
+    report = stamp | {
+        "goals": [R.goal("new faults found", [len(o.new) for o in outcomes], "= 0", lambda v: v == 0,
+                         over="properties", met_on="every"),
+                  R.goal("inputs run", [o.inputs for o in outcomes], over="properties")],
+        "host": machine(), "budget": {"examples": args.examples, "minutes": args.minutes}, "seed": seed_used,
         "corpus_size": corpus,
         "properties": [{"name": o.name, "inputs": o.inputs, "rounds": o.rounds, "seconds": round(o.seconds, 1),
                         "failures": len(o.new) + len(o.known_hits), "new_failures": o.new,
                         "known_failures_hit": o.known_hits, "saved": o.saved} for o in outcomes],
     }
-    (RESULTS / "fuzz.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = [
         "# Fuzzing (bench/fuzz.py)", "",
-        f"commit `{report['commit']}`, {report['date']}, {platform.platform()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}; budget {args.examples} inputs per property"
+        f"Budget {args.examples} inputs per property"
         + (f" or {args.minutes} min in all" if args.minutes else "") + f"; seed {seed_used}.", "",
         ("Inputs run include hypothesis' shrink steps. A failure is one distinct fault signature; *known* ones "
          "were already in `tests/fuzz_corpus/` (or found earlier in the run) and are only counted."), "",
@@ -182,7 +185,8 @@ def write_results(outcomes: list[Outcome], args: argparse.Namespace, seed_used: 
             lines.append(f"- **new** `{o.name}` `{signature}`: {note[:300]}")
         for signature, hits in o.known_hits.items():
             lines.append(f"- known `{o.name}` `{signature}`: hit by {hits} inputs")
-    (RESULTS / "fuzz.md").write_text("\n".join(lines) + "\n")
+    R.print_goals(report["goals"])
+    R.write("fuzz", report, "\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -202,6 +206,7 @@ def main() -> None:
     share = args.minutes * 60 / len(names) if args.minutes else None
     logging.getLogger().addHandler(logging.NullHandler())  # no tracebacks on stderr; the fault log still sees them
     outcomes = []
+    stamp = R.stamp("fuzz.py", WHAT)
     print(f"{'property':<15} {'inputs':>8} {'new':>4} {'known':>6} {'time s':>8}")
     for name in names:
         outcome = run_property(name, args.examples, share, rng, not args.no_save)
@@ -210,7 +215,7 @@ def main() -> None:
               f"{outcome.seconds:>8.1f}", flush=True)
         for signature, note in outcome.new.items():
             print(f"    new: {signature}: {note[:200]}")
-    write_results(outcomes, args, seed_used)
+    write_results(outcomes, args, seed_used, stamp)
     print(f"corpus: {len(corpus_files())} files; results in {RESULTS / 'fuzz.md'}")
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 
 from testkit import load as L
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
+from bench import _results as R
 
 RESIZE = ("--resize-max-pixels", "1000000")
 VLLM_ANCHOR_P99_MS = 18.9
@@ -234,7 +235,7 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=0.01, help="seconds between probes")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--ramp", type=float, default=1.5, help="seconds of load before the probe window")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all scenarios")
+    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS, help="interleaved rounds over all scenarios")
     ap.add_argument("--quiet-wait", type=float, default=3.0,
                     help="before each scenario, wait up to this many s for the shared machine to be <15%% busy")
     ap.add_argument("--only", default="", help="comma-separated scenario names")
@@ -250,6 +251,7 @@ def main() -> None:
         return
 
     started = time.monotonic()
+    stamp = R.stamp("loop_latency.py", WHAT)
     up_start = L.uptime()
     print(f"start: {up_start}", flush=True)
     image = photo_jpeg()
@@ -296,13 +298,35 @@ def main() -> None:
         "wall_s": round(time.monotonic() - started, 1),
     }
     md, verdict = render(meta, rows)
+    data = stamp | {"goals": goals(rows), "meta": meta, "rows": rows}
     print()
     print(table(rows))
     print(verdict)
+    R.print_goals(data["goals"])
     if not args.no_write:
-        L.RESULTS.mkdir(parents=True, exist_ok=True)
-        (L.RESULTS / "loop_latency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-        (L.RESULTS / "loop_latency.md").write_text(md)
+        R.write("loop_latency", data, md)
+
+
+WHAT = "/mmgate/health p99 while 16 clients send 12 MP photos: decode pool vs decode on the loop"
+
+
+def goals(rows: list[dict]) -> list[R.Goal]:
+    """Per-round health p99 of the loaded scenarios: the pool against the goal, the rest reported beside it.
+
+    The median of the rounds' p99s, not the p99 of the pooled probes: one noisy round cannot carry it.
+    """
+    by = {r["name"]: r for r in rows}
+    out = []
+    for name, words, target in (("pool", "health p99, loaded, pool (workers nice 10)", f"≤ {GOAL_P99_MS:g}"),
+                                ("pool_nice0", "health p99, loaded, pool, workers nice 0", None),
+                                ("inline", "health p99, loaded, decode on the loop", None)):
+        if name in by:
+            out.append(R.goal(words, by[name]["health_p99_per_round"], target,
+                              (lambda v: v <= GOAL_P99_MS) if target else None, unit="ms"))
+    if "pool" in by:
+        out.append(R.goal("control server p99 at the same time (the machine's share)",
+                          by["pool"]["control_p99_per_round"], unit="ms"))
+    return out
 
 
 def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
@@ -312,7 +336,7 @@ def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
     if pool:
         p99 = pool["health"]["p99"]
         verdict = (f"**Loaded, pool: /mmgate/health p99 {p99:.2f} ms** over {pool['health']['n']} probes "
-                   f"(goal <= {GOAL_P99_MS:g} ms: {'met' if p99 <= GOAL_P99_MS else 'NOT met'}; the control server "
+                   f"pooled over all rounds (the goal is judged on the rounds' median above; the control server "
                    f"probed at the same time: p99 {pool['control']['p99']:.2f} ms; vLLM #34789 anchor: "
                    f"{VLLM_ANCHOR_P99_MS} ms).")
     img = meta["image"]
@@ -367,8 +391,12 @@ def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
 def rerender() -> None:
     """--render: rebuild loop_latency.md from loop_latency.json (no measurement)."""
     data = json.loads((L.RESULTS / "loop_latency.json").read_text())
-    md, _verdict = render(data["meta"], data["rows"])
-    (L.RESULTS / "loop_latency.md").write_text(md)
+    meta = data["meta"]
+    data |= R.kept_stamp(data, "loop_latency.py", WHAT, meta["date"])
+    data["machine"] = data["machine"] or {"usable_cores": meta["usable_cpus"]}
+    data["goals"] = goals(data["rows"])
+    md, _verdict = render(meta, data["rows"])
+    R.write("loop_latency", data, md)
     print(md)
 
 

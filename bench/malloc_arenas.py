@@ -25,7 +25,11 @@ Settings (environment of the mmgate process only):
 The stub backend (2 workers) is one separate process shared by all runs. The machine may be shared
 (2 cores): load averages are recorded; throughput ratios are noisier than the memory figures.
 
+Goal: the settings MMGATE_MALLOC_TUNING applies (``mmap1m+blocks0``) leave a lower idle RSS than glibc's
+defaults, run for run (each tuned run against the default run of the same command and worker count).
+
     python -m bench.malloc_arenas [--requests 200] [--workers 2,4] [--variants default,arena2,...]
+    python -m bench.malloc_arenas --render   # rebuild the .md and the goals from the committed .json
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from typing import Any
 
 from testkit.load import RESULTS, start_mmgate, start_stub, stop, uptime
 from testkit.media import chat_body, photo_jpeg
+
+from bench import _results as R
 
 MIB = 1 << 20
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -138,7 +144,7 @@ def one(name: str, env: dict[str, str], workers: int, stub_url: str, body: bytes
         "idle_rss_mib": round(idle_st["VmRSS"] / MIB, 1),
         "idle_rss_anon_mib": round(idle_st.get("RssAnon", 0) / MIB, 1),
         "uptime_before": load, "uptime_after": uptime(),
-        "samples": [(round(t, 2), round(r / MIB, 1)) for t, r in samples],
+        "samples": R.downsample([(round(t, 2), round(r / MIB, 1)) for t, r in samples], column=1, points=60),
     }
 
 
@@ -187,7 +193,17 @@ def main() -> None:
     p.add_argument("--idle", type=float, default=5.0)
     p.add_argument("--out", default="malloc_arenas")
     p.add_argument("--append", action="store_true", help="keep the runs already in the JSON; add a table for these")
+    p.add_argument("--render", action="store_true", help="only rebuild .md and goals from the .json")
     args = p.parse_args()
+    if args.render:
+        data = json.loads((RESULTS / f"{args.out}.json").read_text())
+        for r in data["runs"]:
+            r["samples"] = R.downsample(r["samples"], column=1, points=60)
+        data |= R.kept_stamp(data, "malloc_arenas.py", WHAT, data.get("date"))
+        data["goals"] = goals(data["runs"])
+        R.write(args.out, data, markdown(data["runs"], argparse.Namespace(**data["args"])))
+        return
+    stamp = R.stamp("malloc_arenas.py", WHAT)
 
     body = chat_body(photo_jpeg())
     stub, stub_url = start_stub("--workers", "2")
@@ -210,9 +226,29 @@ def main() -> None:
     previous = RESULTS / f"{args.out}.json"
     if args.append and previous.exists():
         runs = json.loads(previous.read_text())["runs"] + runs
-    (RESULTS / f"{args.out}.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
-    (RESULTS / f"{args.out}.md").write_text(markdown(runs, args))
+    data = stamp | {"goals": goals(runs), "args": vars(args), "runs": runs}
+    R.print_goals(data["goals"])
+    R.write(args.out, data, markdown(runs, args))
     print(f"wrote {RESULTS / args.out}.md/.json")
+
+
+WHAT = "RSS after bursts of 12 MP images under glibc/Pillow allocator settings"
+TUNED = "mmap1m+blocks0"  # what MMGATE_MALLOC_TUNING applies
+
+
+def goals(runs: list[dict[str, Any]]) -> list[R.Goal]:
+    """Idle (and peak) RSS of each tuned run ÷ the default run it was paired with (same command, workers)."""
+    pairs = []
+    for command in dict.fromkeys(r.get("command", "") for r in runs):
+        for workers in dict.fromkeys(r["decode_workers"] for r in runs):
+            group = [r for r in runs if r.get("command", "") == command and r["decode_workers"] == workers]
+            pairs += zip([r for r in group if r["variant"] == "default"], [r for r in group if r["variant"] == TUNED])
+    return [
+        R.goal(f"idle RSS, {TUNED} ÷ default", [t["idle_rss_mib"] / d["idle_rss_mib"] for d, t in pairs], "< 1",
+               lambda v: v < 1, unit="×", over="paired runs", met_on="every"),
+        R.goal(f"peak RSS, {TUNED} ÷ default", [t["peak_rss_mib"] / d["peak_rss_mib"] for d, t in pairs], unit="×",
+               over="paired runs"),
+    ]
 
 
 if __name__ == "__main__":

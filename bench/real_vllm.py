@@ -46,6 +46,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench import _results as R
 from testkit import vllm as h
 
 REPO = Path(__file__).resolve().parents[1]
@@ -328,7 +329,12 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS), help="subset of " + ",".join(FORMATS))
     ap.add_argument("--concurrency", default=None, help="subset of 1,4,16")
     ap.add_argument("--out", default=None, help="results path without extension [bench/results/real_vllm...]")
+    ap.add_argument("--render", action="store_true", help="only rebuild .md and goals from the .json")
     args = ap.parse_args()
+    out = Path(args.out or RESULTS / ("real_vllm" if args.profile == "single" else f"real_vllm_{args.profile}"))
+    if args.render:
+        return rerender(out)
+    stamp = R.stamp("real_vllm.py", what(args.profile))
     requests = QUICK_REQUESTS if args.quick else REQUESTS
     if args.concurrency:
         requests = {int(c): requests[int(c)] for c in args.concurrency.split(",")}
@@ -368,13 +374,48 @@ def main() -> None:
     md = report(cells, meta)
     print("\n" + md)
     out = Path(args.out or RESULTS / ("real_vllm" if args.profile == "single" else f"real_vllm_{args.profile}"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "cells": [asdict(c) | {k: (None if math.isnan(v) else v) for k, v in (
-            ("p50", c.p50), ("p99", c.p99), ("rps", c.rps), ("preprocess_p50_ms", c.preprocess_p50))} for c in cells]},
-        indent=1))
+    rows = [asdict(c) | {k: (None if math.isnan(v) else v) for k, v in (
+            ("p50", c.p50), ("p99", c.p99), ("rps", c.rps), ("preprocess_p50_ms", c.preprocess_p50))} for c in cells]
+    data = stamp | {"goals": goals(rows), "meta": meta, "cells": rows}
+    R.print_goals(data["goals"])
+    R.write(out.name, data, md, out=out)
     print(f"wrote {out.with_suffix('.md')} and .json ({time.monotonic() - t0:.0f} s in all)")
+
+
+def what(profile: str) -> str:
+    return f"direct vs through mmgate (resize off / on) in front of a real vLLM, profile `{profile}`"
+
+
+def goals(cells: list[dict]) -> list[R.Goal]:
+    """Issue 6's goals on the 12 MP rows (one per format × concurrency: each is its own median of requests)."""
+    rows: dict[tuple, dict[str, dict]] = {}
+    for c in cells:
+        if c["image"] == "12MP":
+            rows.setdefault((c["fmt"], c["concurrency"]), {})[c["mode"]] = c
+    full = [r for r in rows.values() if {"direct", "gate", "resize"} <= set(r)]
+    over = "12 MP rows"
+    return [
+        R.goal("resize on: bytes to vLLM, direct ÷ resize",
+               [r["direct"]["vllm_bytes"] / r["resize"]["vllm_bytes"] for r in full if r["resize"]["vllm_bytes"]],
+               "≥ 5", lambda v: v >= 5, unit="×", over=over, met_on="every"),
+        R.goal("resize on: p50 latency lower than direct by",
+               [100 * (1 - r["resize"]["p50"] / r["direct"]["p50"]) for r in full], "≥ 20", lambda v: v >= 20,
+               unit="%", over=over),
+        R.goal("resize off (full validation): p50 latency vs direct",
+               [100 * (r["gate"]["p50"] / r["direct"]["p50"] - 1) for r in full], unit="%", over=over),
+    ]
+
+
+def rerender(out: Path) -> None:
+    """--render: the .md and the goals from the committed .json (no vLLM, no measurement)."""
+    data = json.loads(out.with_suffix(".json").read_text())
+    meta = data["meta"]
+    data |= R.kept_stamp(data, "real_vllm.py", what(meta["profile"]), meta["when"].replace(" ", "T"))
+    data["machine"] = data["machine"] or {"usable_cores": meta["cpus"]}
+    data["goals"] = goals(data["cells"])
+    cells = [Cell(**{k: v for k, v in c.items() if k not in ("p50", "p99", "rps", "preprocess_p50_ms")})
+             for c in data["cells"]]
+    R.write(out.name, data, report(cells, meta), out=out)
 
 
 if __name__ == "__main__":

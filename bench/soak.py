@@ -66,6 +66,7 @@ from PIL import Image
 
 from testkit.load import RESULTS, loadavg, proc_status, scrape, start_mmgate, start_stub, stop, uptime
 from testkit.media import photo_jpeg, photo_sized
+from bench import _results as R
 
 MIB = 1 << 20
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -658,12 +659,18 @@ def main() -> None:
         cmds = dict.fromkeys(r.get("command", saved.get("command", "")) for r in runs)
         args.command = "` and `python -m bench.soak ".join(cmds)
         args.append = any("--append" in c for c in cmds)
-        json_path.write_text(json.dumps(saved | {"runs": runs}, indent=1))
-        (RESULTS / f"{args.out}.md").write_text(markdown(runs, args, saved["mix_weights"]))
-        plot(runs, RESULTS / f"{args.out}.png")
+        data = saved | {"runs": runs}
+        data |= R.kept_stamp(saved, "soak.py", what(saved["args"]["requests"]), saved.get("date"))
+        data["goals"] = goals(runs)
+        R.write(args.out, data, markdown(runs, args, saved["mix_weights"]))
+        try:
+            plot(runs, RESULTS / f"{args.out}.png")
+        except ImportError as exc:  # matplotlib is the bench extra; the .md and .json stand without the chart
+            print(f"chart not redrawn: {exc}")
         print(f"rewrote {RESULTS / args.out}.md/.json/.png")
         return
 
+    args.stamp = R.stamp("soak.py", what(args.requests))
     media = media_set()
     stub, stub_url = start_stub("--workers", "2", "--tokens", "16", "--token-delay", "0.002")
     runs = []
@@ -699,10 +706,35 @@ def save(runs: list[dict[str, Any]], args: argparse.Namespace, json_path: Path) 
         mine = {r["variant"] for r in runs}
         runs = [r for r in json.loads(json_path.read_text())["runs"] if r["variant"] not in mine] + runs
     args.command = "` and `python -m bench.soak ".join(dict.fromkeys(r["command"] for r in runs if "command" in r))
-    json_path.write_text(json.dumps(
-        {"args": vars(args), "command": " ".join(sys.argv[1:]), "mix_weights": mix, "runs": runs}, indent=1))
-    (RESULTS / f"{args.out}.md").write_text(markdown(runs, args, mix))
+    stamp = args.stamp
+    data = stamp | {"goals": goals(runs), "args": {k: v for k, v in vars(args).items() if k != "stamp"},
+                    "command": " ".join(sys.argv[1:]), "mix_weights": mix, "runs": runs}
+    R.print_goals(data["goals"])
+    R.write(args.out, data, markdown(runs, args, mix))
     plot(runs, RESULTS / f"{args.out}.png")
+
+
+def what(requests: int) -> str:
+    return (f"{requests:,} mixed media requests (invalid ones and disconnects included), idle RSS and gauges at "
+            "checkpoints")
+
+
+def goals(runs: list[dict[str, Any]]) -> list[R.Goal]:
+    """Per variant, over its idle checkpoints after warm-up: the RSS deviation from the first (mmgate's own
+    tuning, ``default``, must stay within ±10 % at every one; the others are reported), and the gauges that
+    must be 0 when idle (at every checkpoint, every variant)."""
+    out = []
+    for r in runs:
+        c = r["criterion"]
+        deviations = list((c.get("deviations_pct") or {}).values())
+        target = f"within ±{TOLERANCE_PCT:g}" if r["variant"] == "default" else None
+        out.append(R.goal(f"{r['variant']}: idle RSS vs first warm checkpoint", deviations, target,
+                          (lambda v: abs(v) <= TOLERANCE_PCT) if target else None, unit="%", over="checkpoints",
+                          met_on="every"))
+    leaks = [sum(1 for g in MUST_BE_ZERO if cp["gauges"].get(g, 0)) for r in runs for cp in r["checkpoints"]]
+    out.append(R.goal("idle gauges not 0 (all variants)", leaks, "= 0", lambda v: v == 0, over="checkpoints",
+                      met_on="every"))
+    return out
 
 
 if __name__ == "__main__":
