@@ -203,12 +203,14 @@ def main() -> None:
         parser.error(f"unknown properties {unknown}; known: {', '.join(PROPERTIES)}")
     seed_used = args.seed if args.seed is not None else random.SystemRandom().getrandbits(32)
     rng = random.Random(seed_used)
-    share = args.minutes * 60 / len(names) if args.minutes else None
+    deadline = time.perf_counter() + args.minutes * 60 if args.minutes else None
     logging.getLogger().addHandler(logging.NullHandler())  # no tracebacks on stderr; the fault log still sees them
     outcomes = []
     stamp = R.stamp("fuzz.py", WHAT)
     print(f"{'property':<15} {'inputs':>8} {'new':>4} {'known':>6} {'time s':>8}")
-    for name in names:
+    for i, name in enumerate(names):
+        # An equal share of what is left: time a fast property did not need goes to the ones after it.
+        share = None if deadline is None else max(0.0, deadline - time.perf_counter()) / (len(names) - i)
         outcome = run_property(name, args.examples, share, rng, not args.no_save)
         outcomes.append(outcome)
         print(f"{name:<15} {outcome.inputs:>8} {len(outcome.new):>4} {len(outcome.known_hits):>6} "
