@@ -1,4 +1,4 @@
-"""Who holds a media request's bytes, and until when (README "Tuning", buffer lifetime).
+"""Who holds a media request's bytes, and until when (docs/architecture.md, "Invariants").
 
 A request body that may carry media gets exactly one owner, a ``MediaBuffer``. The pipeline hands the owner
 along (locate → decode workers → splice → ``OneShotBody``) and nobody else keeps the bytes: the upstream
