@@ -16,7 +16,7 @@ import asyncio
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Awaitable, Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 from .base import Cancelled, Checkpoint
 
@@ -145,9 +145,3 @@ class Batch:
                 if self._running == 0:
                     return
             await self._idle.wait()
-
-
-def run_soon(awaitable: Awaitable[object], then: Callable[[], None]) -> None:
-    """Call ``then`` once ``awaitable`` finished, without making anybody wait for it."""
-    task = asyncio.ensure_future(awaitable)
-    task.add_done_callback(lambda _task: then())

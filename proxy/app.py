@@ -127,7 +127,7 @@ def make_runner(app: web.Application) -> web.AppRunner:
 
 def build_admin_app(state: AppState) -> web.Application:
     """The admin-only app for MMGATE_ADMIN_PORT: /mmgate/* and nothing else, sharing the proxy's state."""
-    app = web.Application()
+    app = web.Application(middlewares=[refusals_in_api_shape])
     app[STATE] = state
     add_admin_routes(app)
     return app

@@ -214,7 +214,7 @@ class Settings:
 
         Bodies still arriving are inside the first two terms: a big body whose head names media holds a
         place in line while it is read, and finds none when slots and queue are taken (429, rest unread).
-        Outside the bound: bodies under 64 KiB (``pipeline.HEAD_BYTES``) and media hidden behind more than
+        Outside the bound: bodies under 64 KiB (``body.HEAD_BYTES``) and media hidden behind more than
         64 KiB of other JSON, which are read before admission decides.
         """
         queued = self.max_queue * self.max_body_bytes

@@ -12,6 +12,9 @@ from typing import Any
 import aiohttp
 import anthropic
 import pytest
+from aiohttp.test_utils import TestServer
+
+from proxy.app import build_admin_app
 
 from testkit.media import chat_with_image, data_uri, image_bytes
 
@@ -199,3 +202,18 @@ async def test_an_anthropic_media_type_with_spaces_is_refused(upstream: Upstream
     status, _h, answer = await _post(proxy, "/v1/messages", {"model": "m", "max_tokens": 8, "messages": [
         {"role": "user", "content": [{"type": "image", "source": source}]}]})
     assert status == 400 and "invalid_media_type" in answer["error"]["message"]
+
+
+async def test_the_admin_port_refuses_in_the_api_shape_too(upstream: Upstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_ADMIN_PORT="1")
+    admin = TestServer(build_admin_app(proxy.state), host="127.0.0.1")
+    await admin.start_server()
+    try:
+        async with aiohttp.ClientSession() as client:
+            async with client.get(f"http://127.0.0.1:{admin.port}/v1/models") as response:
+                assert response.status == 404
+                assert (await response.json())["error"]["code"] == "path_not_allowed"
+            async with client.get(f"http://127.0.0.1:{admin.port}/mmgate/health") as response:
+                assert response.status == 200
+    finally:
+        await admin.close()
