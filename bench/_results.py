@@ -116,8 +116,8 @@ def goal(name: str, values: Sequence[float | None], target: str | None = None,
     """One goal record from the rounds' values.
 
     ``target`` is what the claim says, in words (``"≤ 5"``); ``test`` decides it on the median (or, with
-    ``met_on="every"``, on both ends of the spread, for claims about every round; ``"max"`` / ``"min"``: one end). Fewer than
-    ``MIN_ROUNDS`` values still give a median, but the report flags it.
+    ``met_on="every"``, on both ends of the spread, for claims about every round; ``"max"`` / ``"min"``: one end).
+    Fewer than ``MIN_ROUNDS`` values still give a median, but the report flags it.
     """
     return record(name, summary(values), target, test, unit, over, met_on)
 

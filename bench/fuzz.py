@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import platform
@@ -93,7 +92,7 @@ def _round(prop_name: str, run_one: Callable[[Any], None], examples: int, round_
 
     try:
         search()
-    except Exception as exc:  # noqa: BLE001 - a round that found something new: recorded by keep_failures
+    except Exception as exc:
         logging.getLogger("bench.fuzz").debug("round ended with %r", exc)
 
 

@@ -49,12 +49,13 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
+from bench import _results as R
 from testkit import load as L
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
-from bench import _results as R
 
 STUB_FLAGS = ("--hold-pixels", "--cpu-ms-per-mp", "20", "--workers", "8", "--tokens", "8", "--token-delay", "0.01")
 OFF = 10000
@@ -125,7 +126,8 @@ async def run_cell(gate: str, release_at: str, body: bytes, args: argparse.Names
         "wall_s": round(wall, 2), "req_per_s": round(len(ok) / wall, 3) if wall else math.nan,
         "latency_ms": lat, "queue_ms": L.summarize_ms([q / 1000 for q in queue_ms]) if queue_ms else {},
         "proxy_hwm_mib": round(hwm_proxy["VmHWM"] / MIB, 1), "proxy_base_rss_mib": round(base_proxy["VmRSS"] / MIB, 1),
-        "backend_hwm_mib": round(hwm_stub["VmHWM"] / MIB, 1), "backend_base_rss_mib": round(base_stub["VmRSS"] / MIB, 1),
+        "backend_hwm_mib": round(hwm_stub["VmHWM"] / MIB, 1),
+        "backend_base_rss_mib": round(base_stub["VmRSS"] / MIB, 1),
         "backend_peak_held_mib": round(stats["peak_held_pixel_bytes"] / MIB, 1),
         "backend_images_decoded": stats["images_decoded"], "backend_requests": stats["requests"],
         "loadavg": [load0, load1], "quiet_wait": quiet, "cpu_during_run": machine,
@@ -157,12 +159,14 @@ def table(rows: list[dict]) -> str:
         lat, rl = r["latency_ms"], ref["latency_ms"]
         q = r["queue_ms"].get("p50", math.nan) / 1000 if r["queue_ms"] else math.nan
         lines.append(
-            f"| {'direct (no mmgate)' if r['gate'] == 'direct' else r['gate']} | {r['release_at']} | {r['ok']} / {r['requests']} | {r['n429']} "
+            f"| {'direct (no mmgate)' if r['gate'] == 'direct' else r['gate']} | {r['release_at']} "
+            f"| {r['ok']} / {r['requests']} | {r['n429']} "
             f"| {fmt(r['req_per_s'])} ({ratio(r['req_per_s'], ref['req_per_s'])}) "
             f"| {fmt(lat['p50'] / 1000)} ({ratio(lat['p50'], rl['p50'])}) "
             f"| {fmt(lat['p99'] / 1000)} ({ratio(lat['p99'], rl['p99'])}) | {fmt(q)} "
             f"| {fmt(r['backend_hwm_mib'], 0)} ({ratio(r['backend_hwm_mib'], ref['backend_hwm_mib'])}) "
-            f"| {fmt(r['backend_peak_held_mib'], 0)} ({ratio(r['backend_peak_held_mib'], ref['backend_peak_held_mib'])}) "
+            f"| {fmt(r['backend_peak_held_mib'], 0)} "
+            f"({ratio(r['backend_peak_held_mib'], ref['backend_peak_held_mib'])}) "
             f"| {fmt(r['proxy_hwm_mib'], 0)} ({ratio(r['proxy_hwm_mib'], ref['proxy_hwm_mib'])}) "
             f"| {fmt(r['cpu_during_run']['other_jobs_cpu_pct'], 0)} |")
     return "\n".join(lines)
@@ -186,7 +190,8 @@ TRACE_COLUMNS = ("t_s", "proxy_rss_mib", "backend_rss_mib", "media_live_mib", "g
                  "pool_queue")
 
 
-async def trace_memory(proxy, stub, url: str, stop: asyncio.Event, interval: float = 0.1) -> list[list[float]]:  # noqa: ANN001 (Popen)
+async def trace_memory(proxy: subprocess.Popen[bytes], stub: subprocess.Popen[bytes], url: str, stop: asyncio.Event,
+                       interval: float = 0.1) -> list[list[float]]:
     """RSS of both processes and mmgate's own gauges every ``interval`` s until ``stop``: VmHWM gives the
     peak, this says what the proxy was holding around it (bodies live, requests admitted / waiting)."""
     import aiohttp
@@ -205,7 +210,8 @@ async def trace_memory(proxy, stub, url: str, stop: asyncio.Event, interval: flo
             except (aiohttp.ClientError, TimeoutError):
                 prom = {}
             gauge = [prom.get((name, ()), math.nan) for name in
-                     ("mmgate_media_bytes_live", "mmgate_gate_in_use", "mmgate_gate_waiting", "mmgate_pool_queue_depth")]
+                     ("mmgate_media_bytes_live", "mmgate_gate_in_use", "mmgate_gate_waiting",
+                      "mmgate_pool_queue_depth")]
             rows.append([round(time.perf_counter() - t0, 2), round(rss[0], 1), round(rss[1], 1),
                          round(gauge[0] / MIB, 1), *gauge[1:]])
             try:
@@ -248,7 +254,8 @@ async def one_request_working_set(body: bytes, label: str, flags: tuple[str, ...
 
 
 def _median_of(singles: list[dict], label: str, request: str, key: str) -> float:
-    return statistics.median(r[key] for s in singles if s["label"] == label for r in s["runs"] if r["request"] == request)
+    return statistics.median(r[key] for s in singles if s["label"] == label
+                             for r in s["runs"] if r["request"] == request)
 
 
 def memory_model(singles: list[dict], body_bytes: int, decode_workers: int) -> dict[str, float]:
@@ -314,7 +321,8 @@ async def run_memory_model(body: bytes, args: argparse.Namespace) -> tuple[list[
             print(f"one request, {label}: " + "; ".join(
                 f"{r['request']} proxy {r['proxy_idle_mib']} → {r['proxy_peak_mib']} MiB (+{r['proxy_ws_mib']}), "
                 f"backend +{r['backend_ws_mib']}" for r in single["runs"]), flush=True)
-    cells = [(label, gate, queue, None) for _ in range(args.repeats) for label, gate, queue in MEMORY_CELLS]
+    cells: list[tuple[str, str, int, dict[str, str] | None]] = [
+        (label, gate, queue, None) for _ in range(args.repeats) for label, gate, queue in MEMORY_CELLS]
     if not args.no_extra:
         cells += [(label + MALLOC_LABEL, gate, queue, MALLOC_ENV) for label, gate, queue in MEMORY_CELLS]
     rows = []
@@ -402,7 +410,7 @@ def render_memory(data: dict) -> str:
     def within(ratio_: float) -> str:
         return f"{ratio_:.2f} {'yes' if abs(ratio_ - 1) <= 0.20 else '**no**'}"
 
-    for label, r in zip(run_labels(rows), rows):
+    for label, r in zip(run_labels(rows), rows, strict=True):
         measured = r["proxy_hwm_mib"]
         bound = r["static_bound_mib"]["total"]
         payload = measured - model["baseline_cold_mib"]
@@ -439,7 +447,8 @@ def render_memory(data: dict) -> str:
         f"Fresh mmgate per line ({meta['one_repeats']} repeats, shown a / b); `cold` = the process's first "
         "request, `warm` = its second. Working set = VmHWM during the request − idle RSS just before it.",
         "",
-        "| settings | request | proxy idle RSS MiB | proxy peak MiB | proxy working set MiB | backend working set MiB |",
+        "| settings | request | proxy idle RSS MiB | proxy peak MiB | proxy working set MiB "
+        "| backend working set MiB |",
         "|---|---|---|---|---|---|",
         *one,
         "",
@@ -508,13 +517,15 @@ def memory_findings(data: dict) -> list[str]:
     off, two, short = (label for label, _gate, _queue in MEMORY_CELLS)
     peak_times = [r["trace_peak"][0] for r in rows if r["trace_peak"]]
     early = [t for t in peak_times if t <= BURST_S]
-    late = [(label, r) for label, r in zip(run_labels(rows), rows) if r["trace_peak"] and r["trace_peak"][0] > BURST_S]
+    late = [(label, r) for label, r in zip(run_labels(rows), rows, strict=True)
+            if r["trace_peak"] and r["trace_peak"][0] > BURST_S]
     late_note = "".join(
         f"; in `{label}` ({r['cpu_during_run']['other_jobs_cpu_pct']:.0f} % other jobs' CPU) RSS first reached "
         f"its peak at {r['trace_peak'][0]:.0f} s, creeping up after the burst" for label, r in late)
     misses = [r["proxy_hwm_mib"] - r["predicted_mib"] for r in rows if r["label"] in (off, two)]
     short_live = max(r["trace_max_media_live_mib"] for r in rows if r["label"] == short)
     short_payload = [r["proxy_hwm_mib"] - model["baseline_cold_mib"] for r in rows if r["label"] == short]
+    short_predicted = next(r["predicted_mib"] for r in rows if r["label"] == short)
     short_bound = next(r["static_bound_mib"]["total"] for r in rows if r["label"] == short)
     return [
         "## What the numbers say",
@@ -537,14 +548,15 @@ def memory_findings(data: dict) -> list[str]:
         "exactly as admitted ones would; the gate only moves them from 'admitted' to 'queued'. What it lowers is "
         f"the backend's peak: {span(off, 'backend_hwm_mib', 0)} → {span(two, 'backend_hwm_mib', 0)} MiB.",
         f"3. **A short queue bounds the peak** (measured / predicted {measured_over(short, 'predicted_mib')}; "
-        f"before big bodies took a place in line, commit 50d4b71: 2.61-2.68 with 512-526 MiB). A big body whose first 64 KiB name media takes "
+        f"before big bodies took a place in line, commit 50d4b71: 2.61-2.68 with 512-526 MiB). "
+        "A big body whose first 64 KiB name media takes "
         "a place in line before the rest is read; the 110 requests that find slots and queue taken get 429 "
         "queue_full after their first 64 KiB, the rest of their body unread, and media_bytes_live never exceeds "
         f"{short_live:.0f} MiB (the 16 queued + 2 admitted). What remains above the model is per connection: "
         "each refused one still had its first 64 KiB and aiohttp's read buffer (up to 128 KiB before flow control "
         "pauses the socket) when it was refused, about "
-        f"{(min(short_payload) + model['baseline_cold_mib'] - next(r['predicted_mib'] for r in rows if r['label'] == short)) / 110:.2f}"
-        f"-{(max(short_payload) + model['baseline_cold_mib'] - next(r['predicted_mib'] for r in rows if r['label'] == short)) / 110:.2f}"
+        f"{(min(short_payload) + model['baseline_cold_mib'] - short_predicted) / 110:.2f}"
+        f"-{(max(short_payload) + model['baseline_cold_mib'] - short_predicted) / 110:.2f}"
         f" MiB each here. That is also why the payload ({min(short_payload):.0f}-{max(short_payload):.0f} MiB) "
         f"can pass worst_case_memory_bytes() ({short_bound:.0f} MiB): the static bound has no term for "
         "connections, which no setting limits (README \"Tuning\").",
@@ -586,13 +598,14 @@ def plot_memory(data: dict, path: Path) -> None:
 
 
 def _meta(args: argparse.Namespace, image: bytes, body: bytes, up_start: str, up_end: str, started: float) -> dict:
-    import PIL
     import aiohttp
+    import PIL
+
     import proxy
     from proxy.settings import usable_cpus
 
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(), "aiohttp": aiohttp.__version__, "pillow": PIL.__version__,
         "usable_cpus": usable_cpus(), "uptime_start": up_start, "uptime_end": up_end,
         "proxy_source": str(Path(proxy.__file__).resolve().parent),
@@ -628,7 +641,8 @@ def main() -> None:
     ap.add_argument("--memory-model", action="store_true",
                     help="instead of the sweep: one-request working sets, then gate off / gate 2 / gate 2 with a "
                          "short queue, peak RSS measured vs predicted; writes bench/results/peak_rss.*")
-    ap.add_argument("--one-repeats", type=int, default=2, help="--memory-model: fresh processes per one-request variant")
+    ap.add_argument("--one-repeats", type=int, default=2,
+                    help="--memory-model: fresh processes per one-request variant")
     ap.add_argument("--repeats", type=int, default=R.MIN_ROUNDS, help="--memory-model: runs of each load cell")
     args = ap.parse_args()
     args.clients = args.clients or (128 if args.memory_model else 64)
@@ -712,7 +726,8 @@ def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
     if off and two:
         cut = 1 - two["backend_hwm_mib"] / off["backend_hwm_mib"]
         tput = two["req_per_s"] / off["req_per_s"]
-        verdict = (f"**First round, gate=2: backend peak RSS {off['backend_hwm_mib']:.0f} → {two['backend_hwm_mib']:.0f} MiB "
+        verdict = (f"**First round, gate=2: backend peak RSS {off['backend_hwm_mib']:.0f} → "
+                   f"{two['backend_hwm_mib']:.0f} MiB "
                    f"({-cut * 100:+.0f} %), throughput "
                    f"{tput:.2f}× gate off ({two['req_per_s']:.2f} vs {off['req_per_s']:.2f} req/s).** "
                    f"Anchor: {ANCHOR}.")
@@ -761,7 +776,7 @@ def rerender() -> None:
     data |= R.kept_stamp(data, "gate_sweep.py", WHAT, meta["date"])
     data["machine"] = data["machine"] or {"usable_cores": meta["usable_cpus"]}
     data["goals"] = goals(meta, data["rows"])
-    md, verdict = render(meta, data["rows"])
+    md, _verdict = render(meta, data["rows"])
     R.write("gate_sweep", data, md)
     print(md)
 

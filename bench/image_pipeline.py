@@ -41,11 +41,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, features
 
+from bench import _results as R
 from preprocessors.base import ImagePolicy, Processed
 from preprocessors.image import process_image
 from testkit.media import photo_sized
-
-from bench import _results as R
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_PIXELS = 1_000_000
@@ -264,7 +263,7 @@ GOAL_MS = 60.0
 
 def goals(env: dict[str, object], rows: list[dict[str, object]]) -> list[R.Goal]:
     """12 MP JPEG: mmgate against the 60 ms goal, naive Pillow beside it (older files have no spread)."""
-    out = []
+    out: list[dict] = []
     twelve = next((r for r in rows if r["input"] == "JPEG 12 MP"), None)
     if twelve is None:
         return out

@@ -28,20 +28,22 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-
-from bench import _results as R
+from typing import Any
 
 import orjson
 import pybase64
 
+from bench import _results as R
 from proxy.locate import find_media, locate, looks_text_heavy, may_contain_media
 from proxy.rawjson import skeletonize
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WORDS = ("the quick brown fox jumps over a lazy dog while an image of a video plays; café naïve "
-         "lorem ipsum dolor sit amet, consectetur adipiscing elit").split()
+WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "an", "image", "of", "a", "video",
+    "plays;", "café", "naïve", "lorem", "ipsum", "dolor", "sit", "amet,", "consectetur", "adipiscing", "elit"
+]
 
 
 def media_body(image_bytes: int, images: int) -> bytes:
@@ -137,7 +139,7 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
     The spread is min–max where the file has it, else min–p90 (older files recorded no max).
     """
-    out = []
+    out: list[dict] = []
     big = next((r for r in data["results"] if r["body"] == "media-20MB"), None)
     if big is None:
         return out

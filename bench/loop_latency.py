@@ -40,12 +40,13 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import _results as R
 from testkit import load as L
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
-from bench import _results as R
 
 RESIZE = ("--resize-max-pixels", "1000000")
 VLLM_ANCHOR_P99_MS = 18.9
@@ -91,7 +92,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, control: "subprocess.Popen[bytes]",
+async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, control: subprocess.Popen[bytes],
                        control_url: str) -> dict:
     stub = gate = None
     quiet = await asyncio.to_thread(L.wait_quiet, args.quiet_wait)
@@ -147,7 +148,8 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
         "variant": sc.variant, "worker_niceness_requested": 0 if sc.variant == "nice0" else None,
         "thread_niceness": nice, "pinned": sc.pinned,
         "mmgate_threads": sum(len(v) for v in nice.values()),
-        "health": lat, "health_statuses": probe["statuses"], "control": L.summarize_ms(ctl["latencies"]), "probes_sent_late": len(late),
+        "health": lat, "health_statuses": probe["statuses"], "control": L.summarize_ms(ctl["latencies"]),
+        "probes_sent_late": len(late),
         "skipped_slots": probe["skipped_slots"],
         "probe_elapsed_s": round(probe["elapsed"], 2),
         "lateness_ms": L.summarize_ms(probe["lateness"]),
@@ -178,7 +180,7 @@ def fmt(x: float, nd: int = 2) -> str:
     return f"{x:.{nd}f}"
 
 
-def _mean(values) -> float | None:  # noqa: ANN001
+def _mean(values: Iterable[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return round(statistics.fmean(vals), 1) if vals else None
 
@@ -269,7 +271,8 @@ def main() -> None:
                       f"n {h['n']} (control p99 {c['p99']:.2f} max {c['max']:.2f})  "
                       f"lag p99<= {row['loop_lag']['p99_le_ms']} ms  {row['media_req_per_s']} req/s  "
                       f"mmgate CPU {row['mmgate_cpu_pct']}% ({row['mmgate_cpu_ms_per_media_req']} ms, "
-                      f"{row['mmgate_minor_faults_per_media_req']} faults /req)  others CPU {m['other_jobs_cpu_pct']}%  "
+                      f"{row['mmgate_minor_faults_per_media_req']} faults /req)  "
+                      f"others CPU {m['other_jobs_cpu_pct']}%  "
                       f"quiet {row['quiet_wait']}  load {row['load_statuses']}  nice {row['thread_niceness']}"
                       + (f"  LOG {row['mmgate_log_problems']}" if row["mmgate_log_problems"] else ""),
                       flush=True)
@@ -279,12 +282,13 @@ def main() -> None:
     print(f"end: {up_end}", flush=True)
     rows = [aggregate(runs[sc.name]) for sc in chosen]
 
-    import PIL
     import aiohttp
+    import PIL
+
     from proxy.settings import usable_cpus
 
     meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(), "aiohttp": aiohttp.__version__, "pillow": PIL.__version__,
         "usable_cpus": usable_cpus(), "uptime_start": up_start, "uptime_end": up_end,
         "seconds": args.seconds, "interval": args.interval, "clients": args.clients, "ramp": args.ramp,

@@ -45,10 +45,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench import _results as R
 from testkit.load import RESULTS, start_mmgate, start_stub, stop, uptime
 from testkit.media import chat_body, photo_jpeg
-
-from bench import _results as R
 
 MIB = 1 << 20
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -152,7 +151,8 @@ def markdown(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
         "# glibc malloc arenas vs mmgate RSS after a burst of big images",
         "",
-        f"Generated on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC (commands above each table). Each row: a fresh mmgate process "
+        f"Generated on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC (commands above each table). "
+        "Each row: a fresh mmgate process "
         f"(`--resize-max-pixels 1000000 --max-mm-concurrency 8`), {args.requests} × 12 MP JPEG (4000x3000) OpenAI "
         f"chat requests from {args.clients} clients (non-streaming), then {args.idle:g} s idle. Peak = VmHWM; "
         "idle = VmRSS after the idle wait. Ratios are to `default` with the same decode-worker count. 2 cores, "
@@ -162,14 +162,15 @@ def markdown(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     for command in dict.fromkeys(r.get("command", "") for r in runs):
         group = [r for r in runs if r.get("command", "") == command]
         lines += ["", f"## `python -m bench.malloc_arenas {command}`", "",
-                  "| workers | variant | env | start MiB | peak MiB | after burst MiB | idle MiB | req/s | CPU ms/req | "
+                  "| workers | variant | env | start MiB | peak MiB | after burst MiB | idle MiB | req/s "
+                  "| CPU ms/req | "
                   "peak × | idle × | req/s × | CPU/req × | statuses |",
                   "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         base = {r["decode_workers"]: r for r in group if r["variant"] == "default"}
         for r in group:
             b = base.get(r["decode_workers"])
 
-            def ratio(k: str) -> str:
+            def ratio(k: str, r: dict = r, b: dict | None = b) -> str:  # this row's r and b, bound now
                 return f"{r[k] / b[k]:.2f}" if b and r.get(k) and b.get(k) else "-"
 
             env = " ".join(f"`{k}={v}`" for k, v in r["env"].items()).replace(JEMALLOC, "libjemalloc.so.2") or "-"
@@ -216,7 +217,8 @@ def main() -> None:
                     print(f"skip {name}: {env['LD_PRELOAD']} missing")
                     continue
                 r = one(name, env, workers, stub_url, body, args.requests, args.clients, args.idle)
-                print(f"workers={workers} {name:16s} peak {r['peak_rss_mib']:7.1f} after {r['rss_after_burst_mib']:7.1f} "
+                print(f"workers={workers} {name:16s} peak {r['peak_rss_mib']:7.1f} "
+                      f"after {r['rss_after_burst_mib']:7.1f} "
                       f"idle {r['idle_rss_mib']:7.1f} MiB  {r['req_per_s']:6.2f} req/s  {r['statuses']}", flush=True)
                 r["command"] = " ".join(sys.argv[1:])
                 runs.append(r)
@@ -238,11 +240,13 @@ TUNED = "mmap1m+blocks0"  # what MMGATE_MALLOC_TUNING applies
 
 def goals(runs: list[dict[str, Any]]) -> list[R.Goal]:
     """Idle (and peak) RSS of each tuned run ÷ the default run it was paired with (same command, workers)."""
-    pairs = []
+    pairs: list[tuple[dict, dict]] = []
     for command in dict.fromkeys(r.get("command", "") for r in runs):
         for workers in dict.fromkeys(r["decode_workers"] for r in runs):
             group = [r for r in runs if r.get("command", "") == command and r["decode_workers"] == workers]
-            pairs += zip([r for r in group if r["variant"] == "default"], [r for r in group if r["variant"] == TUNED])
+            # strict=False: a run cut short leaves a default without its tuned partner; pair what there is
+            pairs += zip([r for r in group if r["variant"] == "default"], [r for r in group if r["variant"] == TUNED],
+                         strict=False)
     return [
         R.goal(f"idle RSS, {TUNED} ÷ default", [t["idle_rss_mib"] / d["idle_rss_mib"] for d, t in pairs], "< 1",
                lambda v: v < 1, unit="×", over="paired runs", met_on="every"),

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Text passthrough cost: direct vs nginx vs a minimal aiohttp proxy vs mmgate, and SSE streams.
 
-What a text-only request pays for going through mmgate (README "How a request flows", step 3: no media marker -> bytes forwarded
-untouched). Everything runs on loopback, in separate processes:
+What a text-only request pays for going through mmgate (README "How a request flows", step 3: no media marker ->
+bytes forwarded untouched). Everything runs on loopback, in separate processes:
 
   upstream  a raw asyncio Protocol (in this file) that reads the whole request body, then answers a fixed
             chat-completion JSON (~25 us CPU per 1 KB request), or streams SSE events when the request carries
@@ -70,9 +70,11 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 ANSWER = (b'{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,"model":"bench",'
           b'"choices":[{"index":0,"message":{"role":"assistant","content":"Fixed answer from the bench upstream."},'
           b'"finish_reason":"stop"}],"usage":{"prompt_tokens":256,"completion_tokens":8,"total_tokens":264}}')
-WORDS = ("lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor incididunt ut labore et "
-         "dolore magna aliqua enim ad minim veniam quis nostrud exercitation ullamco laboris nisi aliquip ex ea "
-         "commodo consequat").split()
+WORDS = [
+    "lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do", "eiusmod", "tempor",
+    "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim", "ad", "minim", "veniam", "quis",
+    "nostrud", "exercitation", "ullamco", "laboris", "nisi", "aliquip", "ex", "ea", "commodo", "consequat"
+]
 TARGETS = ("direct", "nginx", "minimal", "mmgate")
 ROLE = (sys.executable, "-m", "bench.passthrough", "--role")  # this module in another process (cwd=REPO)
 
@@ -312,12 +314,12 @@ def run_upstream(port: int, tokens: int, delay: float) -> None:
             self.loop = asyncio.get_running_loop()
 
         def data_received(self, data: bytes) -> None:
-            if self.remaining > 0 and not self.buf:
-                if len(data) <= self.remaining:  # the common case for a big body: count it, keep nothing
-                    self.remaining -= len(data)
-                    if self.remaining == 0:
-                        self.answer()
-                    return
+            if self.remaining > 0 and not self.buf and len(data) <= self.remaining:
+                # the common case for a big body: count it, keep nothing
+                self.remaining -= len(data)
+                if self.remaining == 0:
+                    self.answer()
+                return
             self.buf += data
             self.next_request()
 
@@ -487,7 +489,7 @@ def run_wrk(url: str, script: Path, conns: int, seconds: float) -> dict[str, Any
          "-s", str(script), url],
         capture_output=True, text=True, timeout=seconds + 60,
     )
-    line = next((l for l in out.stdout.splitlines() if l.startswith("WRKJSON ")), None)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("WRKJSON ")), None)
     if line is None:
         raise RuntimeError(f"wrk failed: {out.stdout}\n{out.stderr}")
     return json.loads(line[len("WRKJSON "):])
@@ -669,8 +671,8 @@ def area_of(frames: list[str]) -> str:
 def environment(load_before: tuple[float, ...]) -> dict[str, Any]:
     import aiohttp
 
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), platform.processor())
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
     nginx_v = subprocess.run([nginx_bin(), "-v"], capture_output=True, text=True).stderr.strip()
     wrk_v = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.splitlines()[0:1]
     return {"python": platform.python_version(), "aiohttp": aiohttp.__version__, "nginx": nginx_v.split("/")[-1],
@@ -740,7 +742,7 @@ def goals(cells: list[dict[str, Any]], sse: list[dict[str, Any]]) -> list[R.Goal
     mm, ng = by.get(("1 KB", 32, "mmgate")), by.get(("1 KB", 32, "nginx"))
     if mm and ng:
         out.append(R.goal("1 KB, 32 conns: mmgate req/s ÷ nginx", [m["rps"] / n["rps"] for m, n in
-                                                                   zip(mm["rounds"], ng["rounds"])],
+                                                                   zip(mm["rounds"], ng["rounds"], strict=False)],
                           f"≥ {GOAL_X_NGINX:g}", lambda v: v >= GOAL_X_NGINX, unit="×"))
         out.append(R.goal("1 KB, 32 conns: mmgate CPU per request", [r["proxy_cpu_us_per_req"] for r in mm["rounds"]],
                           unit="µs"))
@@ -748,7 +750,7 @@ def goals(cells: list[dict[str, Any]], sse: list[dict[str, Any]]) -> list[R.Goal
     if "mmgate" in sse_by and "direct" in sse_by:
         out.append(R.goal("SSE, 64 streams: mmgate tokens/s ÷ direct",
                           [m["tokens_per_s"] / d["tokens_per_s"] for m, d in
-                           zip(sse_by["mmgate"]["rounds"], sse_by["direct"]["rounds"])],
+                           zip(sse_by["mmgate"]["rounds"], sse_by["direct"]["rounds"], strict=False)],
                           f"≥ {GOAL_SSE_X_DIRECT:g}", lambda v: v >= GOAL_SSE_X_DIRECT, unit="×"))
     return out
 
@@ -1021,7 +1023,8 @@ def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, 
             b = by[(c["body"], c["conns"], before_name)]
             cpu_ratio = (c["proxy_cpu_us_per_req"] / b["proxy_cpu_us_per_req"]
                          if c["proxy_cpu_us_per_req"] and b["proxy_cpu_us_per_req"] else None)
-            lines.append(f"| {c['body']} | {c['conns']} | {b['rps']:.0f} | {c['rps']:.0f} | {c['rps'] / b['rps']:.2f} | "
+            lines.append(f"| {c['body']} | {c['conns']} | {b['rps']:.0f} | {c['rps']:.0f} "
+                         f"| {c['rps'] / b['rps']:.2f} | "
                          f"{fmt(b['proxy_cpu_us_per_req'])} | {fmt(c['proxy_cpu_us_per_req'])} | {fmt(cpu_ratio, 2)} |")
     four = [c for c in cells if c["body"] == "4 MB" and c["proxy_cpu_us_per_req"]]
     if four:

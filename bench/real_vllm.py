@@ -43,6 +43,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -203,9 +204,9 @@ async def bench(vllm: h.Server, vllm_pid: int | None, gates: dict[str, h.Server 
                 # spread over every mode instead of landing on one.
                 rounds = ROUNDS.get(conc, 1) if n >= 2 * conc else 1
                 row = {mode: Cell(name, fmt, mode, conc, n, len(img)) for mode in MODES}
-                for r in range(rounds):
-                    count = n // rounds + (1 if r < n % rounds else 0)
-                    for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                for rnd in range(rounds):
+                    count = n // rounds + (1 if rnd < n % rounds else 0)
+                    for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
                         gate, cell = gates[mode], row[mode]
                         url = gate.url if gate else vllm.url
                         b0, (gi0, go0) = vllm_bytes_received(vllm), gate_media(gate)
@@ -231,7 +232,7 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "n/a"
 
 
-def report(cells: list[Cell], meta: dict[str, object]) -> str:
+def report(cells: list[Cell], meta: dict[str, Any]) -> str:
     by = {(c.image, c.fmt, c.concurrency, c.mode): c for c in cells}
     rows = [(name, fmt, conc, [by[(name, fmt, conc, m)] for m in MODES])
             for name in SIZES for fmt in FORMATS for conc in sorted({c.concurrency for c in cells})

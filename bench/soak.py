@@ -64,9 +64,9 @@ import numpy as np
 import pybase64
 from PIL import Image
 
+from bench import _results as R
 from testkit.load import RESULTS, loadavg, proc_status, scrape, start_mmgate, start_stub, stop, uptime
 from testkit.media import photo_jpeg, photo_sized
-from bench import _results as R
 
 MIB = 1 << 20
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -147,7 +147,7 @@ DISCONNECT_KINDS = ["small_png", "jpeg_1mp", "jpeg_1mp", "jpeg_4mp"]
 def plan(n: int, seed: int) -> list[tuple[str, str, bool, bool]]:
     """n × (kind, dialect, stream, disconnect), reproducible."""
     rng = random.Random(seed)
-    kinds, weights = zip(*MIX)
+    kinds, weights = zip(*MIX, strict=True)
     out = []
     for kind in rng.choices(kinds, weights, k=n):
         disconnect = kind == "disconnect"
@@ -345,7 +345,7 @@ def checkpoint_criterion(checkpoints: list[dict[str, Any]], n: int, warm_fractio
     return {
         "reference_requests": after[0]["requests_done"],
         "reference_rss_mib": ref,
-        "deviations_pct": dict(zip((c["requests_done"] for c in after), deviations)),
+        "deviations_pct": dict(zip((c["requests_done"] for c in after), deviations, strict=True)),
         "max_deviation_pct": worst,
         "max_increase_pct": max(deviations),  # creep; a drop (memory given back) fails the goal too
         "idle_rss_min_mib": min(c["rss_idle_mib"] for c in after),
@@ -606,7 +606,8 @@ def markdown(runs: list[dict[str, Any]], args: argparse.Namespace, mix: dict[str
         lines.append(f"| {r['variant']} | {u['window_median_early_mib']} | {u['window_median_late_mib']} | "
                      f"{u['drift_window_median_pct']:+} % | {u['window_max_early_mib']} | {u['window_max_late_mib']} | "
                      f"{u['drift_window_max_pct']:+} % |")
-    lines += ["", ("Per tenth of the run (samples under load): median / max RSS in MiB. A leak climbs steadily; a plateau "
+    lines += ["", ("Per tenth of the run (samples under load): median / max RSS in MiB. "
+               "A leak climbs steadily; a plateau "
               "bounded by what is in flight does not."), "",
               "| variant | " + " | ".join(f"{10 * q}-{10 * q + 10} %" for q in range(10)) + " |",
               "| --- | " + " | ".join("---:" for _ in range(10)) + " |"]
@@ -635,7 +636,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--variants", default="default,untuned,untuned-no-trim", help="comma-separated: " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default="default,untuned,untuned-no-trim",
+                   help="comma-separated: " + ", ".join(VARIANTS))
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--warmup", type=float, default=0.10, help="fraction of requests counted as warm-up")
     p.add_argument("--checkpoint-every", type=int, default=1000, help="requests between idle checkpoints")

@@ -55,7 +55,7 @@ class StubConfig:
             value, allowed = getattr(self, f.name), _KNOB_TYPES[str(f.type)]
             if not isinstance(value, allowed) or (f.type != "bool" and isinstance(value, bool)):
                 raise ValueError(f"{f.name}={value!r} is not a {f.type}")
-            if f.type in ("int", "float") and value < (1 if f.type == "int" else 0):
+            if f.type in ("int", "float") and isinstance(value, int | float) and value < (1 if f.type == "int" else 0):
                 raise ValueError(f"{f.name}={value!r} must be >= {1 if f.type == 'int' else 0}")
 
 
@@ -170,7 +170,8 @@ def _read_part(out: Parsed, path: str, part: Json) -> None:
     elif kind == "input_image":  # Responses: a string
         out.media.append(Media(path, part.get("image_url")))
     elif kind == "image":  # Anthropic: a source object
-        src = part.get("source") if isinstance(part.get("source"), dict) else {}
+        source = part.get("source")
+        src = source if isinstance(source, dict) else {}
         url = src.get("type") == "url"
         out.media.append(Media(path, src.get("url") if url else src.get("data"), "url" if url else "b64"))
 
@@ -193,7 +194,8 @@ def _parse_completions(body: Json) -> Parsed:
 
 
 def _parse_generate(body: Json) -> Parsed:
-    params = body.get("sampling_params") if isinstance(body.get("sampling_params"), dict) else {}
+    sampling = body.get("sampling_params")
+    params = sampling if isinstance(sampling, dict) else {}
     out = Parsed(max_tokens=params.get("max_new_tokens"))
     out.texts += _strings(body.get("text"))
     if isinstance(body.get("input_ids"), list):

@@ -7,8 +7,9 @@ or its client left, so abandoned work stops at the next step boundary instead of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 MediaKind = Literal["image", "audio", "video"]
 ImageFormat = Literal["auto", "jpeg", "png", "webp"]
@@ -37,7 +38,7 @@ class MmgateError(Exception):
         self.param = param
         self.headers = headers if headers is not None else {}
 
-    def at(self, param: str) -> "MmgateError":
+    def at(self, param: str) -> MmgateError:
         """The same error naming the part at fault: a worker knows the bytes, its caller knows the path."""
         self.param = param
         return self

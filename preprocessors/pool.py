@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 from .base import Cancelled, Checkpoint
 
@@ -48,7 +49,7 @@ class DecodePool:
         self.queued = 0
         self.stuck = 0
 
-    def batch(self) -> "Batch":
+    def batch(self) -> Batch:
         return Batch(self)
 
     def shutdown(self) -> None:

@@ -23,9 +23,8 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .errors import MmgateError, draining
 from .lifecycle import Lifecycle
@@ -43,7 +42,7 @@ class _Waiter:
 class Lease:
     """One admitted request's slot and bytes. ``release()`` gives both back; calling it again does nothing."""
 
-    gate: "Gate"
+    gate: Gate
     cost: int
     granted_at: float = field(default_factory=time.monotonic)
     released: bool = False
@@ -72,7 +71,7 @@ class Lease:
 class Place:
     """A place in line held while a big media body is still being read. ``release()`` is idempotent."""
 
-    gate: "Gate"
+    gate: Gate
     released: bool = False
 
     def release(self) -> None:
@@ -90,7 +89,7 @@ class Gate:
         limit: int,
         byte_budget: int,
         max_queue: int,
-        on_change: Callable[["Gate"], None] = lambda gate: None,
+        on_change: Callable[[Gate], None] = lambda gate: None,
         lifecycle: Lifecycle | None = None,
     ) -> None:
         self.limit = limit
@@ -151,7 +150,8 @@ class Gate:
         if not self._waiters and self._fits(cost):
             return self._grant(cost)
         if place is None and len(self._waiters) + self.reading >= self.max_queue:  # places count as queued
-            raise self._reject("queue_full", f"{self.in_use} media requests running and {self.waiting} waiting; retry later")
+            raise self._reject("queue_full",
+                               f"{self.in_use} media requests running and {self.waiting} waiting; retry later")
         waiter = _Waiter(cost, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self._on_change(self)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -71,7 +71,8 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     connector = aiohttp.TCPConnector(limit=state.settings.upstream_max_connections, limit_per_host=0,
                                      enable_cleanup_closed=True)
-    state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+    state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                          cookie_jar=aiohttp.DummyCookieJar())
     yield
     await state.session.close()
 

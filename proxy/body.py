@@ -7,7 +7,7 @@ the limit, and a body that trickles is cut at the deadline (aiohttp has no body-
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -32,7 +32,8 @@ async def read_body(request: web.Request, limit: int, timeout: float,
     if content.is_eof():  # the whole body came with the head (small requests): no wait, no timer
         body = content.read_nowait()
         if len(body) > limit:
-            raise MmgateError(413, "body_too_large", f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
+            raise MmgateError(413, "body_too_large",
+                              f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
         return body
     expected = request.content_length
     if expected is not None and expected <= HEAD_BYTES:

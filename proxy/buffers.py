@@ -28,7 +28,7 @@ class BufferLedger:
         self.owners_live = 0
         self.owners_total = 0  # ever made: lets a test show an owner existed before asserting it is gone
 
-    def hold(self, data: bytes) -> "MediaBuffer":
+    def hold(self, data: bytes) -> MediaBuffer:
         """Make ``data`` owned; the caller must drop its own reference to ``data`` right after."""
         return MediaBuffer(data, self)
 
@@ -47,7 +47,7 @@ class BufferLedger:
 class MediaBuffer:
     """The one owner of a media request's body: ``data`` until ``release()``, then nothing."""
 
-    __slots__ = ("_data", "_size", "_ledger", "__weakref__")
+    __slots__ = ("__weakref__", "_data", "_ledger", "_size")
 
     def __init__(self, data: bytes, ledger: BufferLedger) -> None:
         self._data: bytes | None = data

@@ -108,7 +108,8 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
         configure_logging(settings)
         applied = tune_process(environ, memory_first=settings.malloc_tuning)
         if settings.malloc_tuning:
-            log.info("memory: %s", " ".join(applied) if applied else "allocator settings left as the environment set them")
+            log.info("memory: %s",
+                     " ".join(applied) if applied else "allocator settings left as the environment set them")
         try:
             asyncio.run(serve(settings, on_ready=print_demo_help if stub is not None else None))
         except ListenError as error:

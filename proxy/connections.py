@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -104,7 +105,9 @@ class GuardedConnection(asyncio.Protocol):
         self._handler.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._handler.eof_received() if self._handler is not None else None
+        if self._handler is not None:
+            self._handler.eof_received()  # aiohttp's handler returns None: keep the transport's default close
+        return None
 
     def pause_writing(self) -> None:
         if self._handler is not None:
@@ -186,7 +189,8 @@ class GuardedSite(web.BaseSite):
 
     @property
     def port(self) -> int:
-        server = self._server
+        # create_server() in start() returns an asyncio.Server; aiohttp's BaseSite types the slot as AbstractServer
+        server = cast("asyncio.Server | None", self._server)
         if server is not None and server.sockets:
             return int(server.sockets[0].getsockname()[1])
         return self._port

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prometheus_client.metrics import MetricWrapperBase
@@ -24,12 +25,12 @@ _IMPORTED_AT = time.time()  # fallback "start time" when the process collector c
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _samples(metric: "MetricWrapperBase") -> Iterable[Any]:
+def _samples(metric: MetricWrapperBase) -> Iterable[Any]:
     for family in metric.collect():
         yield from family.samples
 
 
-def _counter_by(metric: "MetricWrapperBase", *labels: str) -> dict[str, float]:
+def _counter_by(metric: MetricWrapperBase, *labels: str) -> dict[str, float]:
     """``{label value(s) joined by '/': total}`` of a labelled counter (``*_total`` samples only)."""
     out: dict[str, float] = {}
     for s in _samples(metric):
@@ -39,15 +40,15 @@ def _counter_by(metric: "MetricWrapperBase", *labels: str) -> dict[str, float]:
     return out
 
 
-def _counter_value(metric: "MetricWrapperBase") -> float:
+def _counter_value(metric: MetricWrapperBase) -> float:
     return sum(s.value for s in _samples(metric) if s.name.endswith("_total"))
 
 
-def _gauge_value(metric: "MetricWrapperBase") -> float:
+def _gauge_value(metric: MetricWrapperBase) -> float:
     return sum(s.value for s in _samples(metric))
 
 
-def _histograms(metric: "MetricWrapperBase", group_by: str | None) -> tuple[list[float], dict[str, dict[str, Any]]]:
+def _histograms(metric: MetricWrapperBase, group_by: str | None) -> tuple[list[float], dict[str, dict[str, Any]]]:
     """Bucket upper bounds (without +Inf) and, per value of ``group_by`` (or "all"), cumulative counts.
 
     ``counts`` has one more entry than ``le``: the last is the +Inf bucket (= count). Series with other
@@ -93,7 +94,7 @@ def _rss_bytes() -> int | None:
 _start_time: float | None = None
 
 
-def _process_start_time(state: "AppState") -> float:
+def _process_start_time(state: AppState) -> float:
     """Process start (from the process collector, read once: it never changes), else module import time."""
     global _start_time
     if _start_time is None:
@@ -101,7 +102,7 @@ def _process_start_time(state: "AppState") -> float:
     return _start_time
 
 
-def snapshot(state: "AppState") -> dict[str, Any]:
+def snapshot(state: AppState) -> dict[str, Any]:
     """Cumulative counters, histogram buckets, current gauges and effective limits, as one JSON-able dict."""
     m = state.metrics
     s = state.settings

@@ -45,7 +45,8 @@ class Exchange:
         """The headers mmgate adds to the upstream's answer (``Server-Timing`` with MMGATE_SERVER_TIMING)."""
         headers = {"X-Request-Id": self.request_id}
         if with_timing:
-            stages = [(s, self.watch.stages[s]) for s in ("queue", "preprocess") if s in self.watch.stages]
+            stages: list[tuple[str, float]] = [
+                (s, self.watch.stages[s]) for s in ("queue", "preprocess") if s in self.watch.stages]
             stages.append(("upstream", time.perf_counter() - self.upstream_started))
             headers["Server-Timing"] = server_timing(stages)
         return headers

@@ -89,7 +89,7 @@ def _refusal(state: AppState, plan: Plan, batch: Batch, exc: MediaError | Timeou
 def _rewrites(state: AppState, plan: Plan, outcomes: list[Outcome]) -> Rewrites:
     metrics = state.metrics
     rewrites = Rewrites([], 0, 0)
-    for item, outcome in zip(plan.items, outcomes):
+    for item, outcome in zip(plan.items, outcomes, strict=True):
         rewrites.media_in += outcome.size_in
         rewrites.media_out += outcome.size_out
         kind = item.part.kind

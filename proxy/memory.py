@@ -24,7 +24,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("mmgate")
 
@@ -54,7 +54,7 @@ def tune_process(environ: Mapping[str, str], *, memory_first: bool) -> list[str]
         return []
     from PIL import Image
 
-    Image.core.set_blocks_max(PILLOW_BLOCKS_KEPT)  # type: ignore[attr-defined]
+    Image.core.set_blocks_max(PILLOW_BLOCKS_KEPT)
     return [f"PILLOW_BLOCKS_MAX={PILLOW_BLOCKS_KEPT}"]
 
 
@@ -63,7 +63,8 @@ def tune_allocators(environ: Mapping[str, str]) -> list[str]:
     applied = []
     libc = _glibc()
     if libc is not None:
-        for name, option in (("MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD), ("MALLOC_TRIM_THRESHOLD_", M_TRIM_THRESHOLD)):
+        for name, option in (("MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD),
+                             ("MALLOC_TRIM_THRESHOLD_", M_TRIM_THRESHOLD)):
             if name not in environ and libc.mallopt(option, EAGER_THRESHOLD) == 1:
                 applied.append(f"{name}={EAGER_THRESHOLD}")
     if "PILLOW_BLOCKS_MAX" not in environ:

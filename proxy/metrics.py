@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -130,7 +131,7 @@ def server_timing(stages: Iterable[tuple[str, float]]) -> str:
 class Stopwatch:
     """Stage timings of one request, for the histogram and Server-Timing."""
 
-    __slots__ = ("started", "stages")
+    __slots__ = ("stages", "started")
 
     def __init__(self) -> None:
         self.started = time.perf_counter()

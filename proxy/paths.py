@@ -133,6 +133,6 @@ def is_allowed(path: str, prefixes: tuple[str, ...]) -> bool:
         return True
     for prefix in prefixes:
         base = prefix.rstrip("/")
-        if path == prefix or path == base or path.startswith(base + "/"):
+        if path in (prefix, base) or path.startswith(base + "/"):
             return True
     return False

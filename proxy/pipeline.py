@@ -82,7 +82,8 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     ex.watch.add("read", time.perf_counter() - started)
     ex.bytes_in = len(body)
 
-    outgoing: bytes | MediaBuffer = body
+    outgoing: bytes | MediaBuffer
+    outgoing = body  # a plain assignment, so mypy narrows to bytes until the hold below
     del body
     is_stream = False
     if ex.route != "other" and may_contain_media(outgoing):

@@ -95,7 +95,7 @@ class Skeleton:
     forge a placeholder. The skeleton holds ``body``: drop it once the body is spliced.
     """
 
-    __slots__ = ("body", "doc", "_cuts", "_prefix", "_spans")
+    __slots__ = ("_cuts", "_prefix", "_spans", "body", "doc")
 
     def __init__(self, body: bytes, doc: Any, cuts: list[tuple[int, int, bool]], prefix: str) -> None:
         self.body = body

@@ -18,6 +18,7 @@ from .paths import normalise_target
 from .state import STATE
 from .upstream import request_id_for
 
+
 async def refuse(request: web.Request, error: MmgateError, dialect: Dialect, request_id: str,
                  started: web.StreamResponse | None) -> web.StreamResponse:
     """Answer ``error`` in ``dialect``'s shape, or end ``started``, a response whose headers already went out."""

@@ -235,9 +235,11 @@ class Settings:
                 value = "on" if value else "off"
             lines.append(f"MMGATE_{f.name.upper()}={value}")
         memory = self.worst_case_memory_bytes()
+        mib = {k: v / MIB for k, v in memory.items()}
         lines.append(
-            "# worst-case payload memory: {total:.0f} MiB = queued {queued:.0f} MiB + admitted {admitted:.0f} MiB"
-            " + decoding {decoding:.0f} MiB + connections {connections:.0f} MiB".format(**{k: v / MIB for k, v in memory.items()})
+            f"# worst-case payload memory: {mib['total']:.0f} MiB = queued {mib['queued']:.0f} MiB"
+            f" + admitted {mib['admitted']:.0f} MiB + decoding {mib['decoding']:.0f} MiB"
+            f" + connections {mib['connections']:.0f} MiB"
         )
         return "\n".join(lines)
 
@@ -276,7 +278,8 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "image_format": (_choice("auto", "jpeg", "png", "webp"), "format of re-encoded images [auto]"),
     "jpeg_quality": (_int(1, 100), "JPEG/WebP quality of re-encoded images [90]"),
     "release_at": (_choice("auto", "sent", "headers", "complete"), "when the gate lease ends [auto]"),
-    "media_urls": (_choice("forward", "reject"), "media URLs: forward or reject (fetch: not implemented yet) [forward]"),
+    "media_urls": (_choice("forward", "reject"),
+                   "media URLs: forward or reject (fetch: not implemented yet) [forward]"),
     "allow_paths": (_prefixes, "comma-separated path prefixes forwarded; others -> 404 [all]"),
     "cache_mb": (_int(0), "processed-media cache in MiB (0 = off) [0]"),
     "trim_idle": (_seconds(True), "return freed heap to the OS after this many idle seconds (0 = off) [1]"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -51,7 +51,7 @@ def request_id_for(incoming: str | None) -> str:
     """Keep a client's X-Request-Id when it is short and plain (log-safe), otherwise make one."""
     if incoming and _REQUEST_ID.fullmatch(incoming):
         return incoming
-    return "%032x" % random.getrandbits(128)  # an id, not a secret: no urandom syscall per request
+    return f"{random.getrandbits(128):032x}"  # an id, not a secret: no urandom syscall per request
 
 
 def without_hop_by_hop(headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -133,7 +133,7 @@ def _sliced(body: bytes | MediaBuffer, length: int | None) -> bytes | memoryview
 
 def _classify(exc: BaseException, *, headers_received: bool) -> UpstreamError:
     """A client-library failure as the error a client sees and the kind the metrics count."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError) or isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError)):
         return UpstreamError(502, "upstream_unavailable", f"cannot connect to the upstream: {exc.__class__.__name__}",
                              "connect")
     if isinstance(exc, (aiohttp.SocketTimeoutError, aiohttp.ServerTimeoutError, TimeoutError)):

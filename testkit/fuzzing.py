@@ -85,7 +85,8 @@ T = TypeVar("T")
 def commit() -> str:
     """``git rev-parse HEAD`` of this checkout ("unknown" outside git): recorded in results and corpus files."""
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=REPO, capture_output=True, text=True, timeout=10)
+        done = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=REPO, capture_output=True, text=True,
+                              timeout=10)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return done.stdout.strip() or "unknown"
@@ -262,7 +263,7 @@ class _Writer:
                 if i:
                     self.ws()
                     self.out.append(",")
-                self.value(item, path + [i])
+                self.value(item, [*path, i])
                 self.ws()
             self.out.append("]")
         elif isinstance(node, (Obj, dict)):
@@ -270,7 +271,8 @@ class _Writer:
             if items and self.style.duplicates and self.rng.random() < self.style.duplicates:
                 # A junk value under a key that comes again later: JSON parsers keep the last one.
                 key = self.rng.choice(items)[0]
-                junk = self.rng.choice([Num("1e2"), "dup", None, Obj(()), [], Num("-0")])
+                junk: Num | str | Obj | list[Any] | None = self.rng.choice(
+                    [Num("1e2"), "dup", None, Obj(()), [], Num("-0")])
                 position = next(i for i, (k, _v) in enumerate(items) if k == key)
                 items.insert(position, (key, junk))
             self.out.append("{")
@@ -282,7 +284,7 @@ class _Writer:
                 self.ws()
                 self.out.append(":")
                 # A duplicate's junk never holds media, so a site's path is the path of the last key.
-                self.value(item, path + [key])
+                self.value(item, [*path, key])
                 self.ws()
             self.out.append("}")
         else:  # pragma: no cover - a strategy bug
@@ -515,7 +517,7 @@ def media_node(choice: Choice) -> Media:
 # documents, per dialect
 
 
-texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=24) | st.sampled_from([
+texts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=24) | st.sampled_from([
     "café", "naïve", "😀 emoji", "a/b\\c", 'quote " inside', "tab\there", "\u2028line", "image data:x;base64,",
     "<svg/>", "\x00nul", "\\u0041 not an escape", "image_url",
 ])
@@ -566,7 +568,8 @@ def extras(draw: st.DrawFn, deep: bool) -> tuple[list[tuple[str, Any]], bool | N
         fields.append(("metadata", draw(json_values)))
     if draw(st.integers(0, 3)) == 0:
         depth, deep_clean = draw(nesting(deep))
-        shape = draw(st.sampled_from([("[", "]", (0,)), ('{"a":', "}", ("a",))]))
+        shapes: list[tuple[str, str, tuple[str | int, ...]]] = [("[", "]", (0,)), ('{"a":', "}", ("a",))]
+        shape = draw(st.sampled_from(shapes))
         fields.append(("nested", Deep(depth, draw(scalars), *shape)))
         clean = both(clean, deep_clean)
     fields.append(("stream", False))
@@ -618,8 +621,10 @@ def chat_part(draw: st.DrawFn) -> tuple[Any, bool | None]:
         return Obj((("type", field), (field, Obj((("url", media_node(choice)),))))), choice.clean
     odd = draw(st.sampled_from([
         Obj((("type", "image_url"), ("image_url", 5))), Obj((("type", "image_url"),)),
-        Obj((("type", "image_url"), ("image_url", Obj(())))), Obj((("type", "image_url"), ("image_url", Obj((("url", 5),))))),
-        Obj((("type", 7), ("image_url", Obj((("url", "https://example.invalid/x.png"),))))), "a bare string part", 42, None,
+        Obj((("type", "image_url"), ("image_url", Obj(())))),
+        Obj((("type", "image_url"), ("image_url", Obj((("url", 5),))))),
+        Obj((("type", 7), ("image_url", Obj((("url", "https://example.invalid/x.png"),))))),
+        "a bare string part", 42, None,
         Obj((("type", "input_audio"), ("input_audio", "AAAA"))), Obj((("type", "image"), ("image", "xyz"))),
         Obj((("type", "refusal"), ("refusal", "no"))), Obj(()),
     ]))
@@ -707,12 +712,13 @@ def anthropic_image(draw: st.DrawFn) -> tuple[Any, bool | None]:
             ("image/png\ud800", None), ("IMAGE/\u0130NG", None),
         ]))
         source: list[tuple[str, Any]] = [("type", "base64")]
+        mime_clean = declared[1]
         if draw(st.integers(0, 9)):
             source.append(("media_type", _MimeSlot(Media(declared[0], "mime"))))
         else:
-            declared = (None, None)
+            mime_clean = None
         source.append(("data", media_node(choice)))
-        return Obj((("type", "image"), ("source", Obj(tuple(source))))), both(choice.clean, declared[1])
+        return Obj((("type", "image"), ("source", Obj(tuple(source))))), both(choice.clean, mime_clean)
     if shape <= 7:
         choice = draw(urls)
         return Obj((("type", "image"), ("source", Obj((("type", "url"), ("url", media_node(choice))))))), choice.clean
@@ -828,7 +834,7 @@ def _write_doc(node: Any, rng: random.Random, style: Style) -> Written:
         else:
             original_value(item, path)
 
-    writer.value = value  # type: ignore[method-assign]
+    writer.value = value  # type: ignore[method-assign,assignment]  # an instance override of the method
     writer.value(node, [])
     writer.ws()
     return Written("".join(writer.out).encode("utf-8"), writer.sites)
@@ -872,7 +878,8 @@ def mutated(draw: st.DrawFn, body: bytes) -> bytes:
     if how == "truncate":
         return body[:at]
     if how == "insert":
-        return body[:at] + draw(st.sampled_from([b"{", b"}", b"[", b'"', b"\\", b",", b":", b"\x00", b"\xff"])) + body[at:]
+        byte = draw(st.sampled_from([b"{", b"}", b"[", b'"', b"\\", b",", b":", b"\x00", b"\xff"]))
+        return body[:at] + byte + body[at:]
     if how == "drop":
         return body[:at] + body[at + 1 :]
     if how == "flip":
@@ -985,7 +992,7 @@ def attempt(function: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T | 
     so the failure carries no exception context and hypothesis sees one stable failure, not a flaky one."""
     try:
         return function(*args, **kwargs), None
-    except Exception as exc:  # noqa: BLE001 - the caller judges which exceptions are allowed
+    except Exception as exc:
         return None, exc
 
 
@@ -1141,9 +1148,10 @@ def token_diff(sent: bytes, forwarded: bytes) -> list[tuple[int, bytes, bytes]] 
         return f"{len(a)} string tokens sent, {len(b)} forwarded"
     changed: list[tuple[int, bytes, bytes]] = []
     prev_a = prev_b = 0
-    for i, ((sa, ea), (sb, eb)) in enumerate(zip(a, b)):
+    for i, ((sa, ea), (sb, eb)) in enumerate(zip(a, b, strict=True)):
         if sent[prev_a:sa] != forwarded[prev_b:sb]:
-            return f"bytes between tokens {i - 1} and {i} differ: {sent[prev_a:sa][:80]!r} -> {forwarded[prev_b:sb][:80]!r}"
+            return (f"bytes between tokens {i - 1} and {i} differ: "
+                    f"{sent[prev_a:sa][:80]!r} -> {forwarded[prev_b:sb][:80]!r}")
         if sent[sa:ea] != forwarded[sb:eb]:
             changed.append((i, sent[sa:ea], forwarded[sb:eb]))
         prev_a, prev_b = ea, eb
@@ -1217,12 +1225,12 @@ def doc_differences(a: Any, b: Any, allowed: set[tuple[str | int, ...]]) -> list
             if list(x) != list(y):
                 problems.append(f"{list(path)}: keys {list(x)[:8]} -> {list(y)[:8]}")
             else:
-                stack.extend((x[k], y[k], path + (k,)) for k in x)
+                stack.extend((x[k], y[k], (*path, k)) for k in x)
         elif isinstance(x, list):
             if len(x) != len(y):
                 problems.append(f"{list(path)}: {len(x)} items -> {len(y)}")
             else:
-                stack.extend((x[i], y[i], path + (i,)) for i in range(len(x)))
+                stack.extend((x[i], y[i], (*path, i)) for i in range(len(x)))
         elif x != y:
             problems.append(f"{list(path)}: {x!r:.60} -> {y!r:.60}")
     return problems
@@ -1448,7 +1456,9 @@ def json_bodies(draw: st.DrawFn, *, depth: bool = True, broken: bool = True) -> 
     value = draw(_json_trees)
     if depth and draw(st.integers(0, 5)) == 0:
         level = draw(st.sampled_from([10, 64, 200, 500, 1100, 1500, 3000]))
-        shape = draw(st.sampled_from([("[", "]", (0,)), ('{"k":', "}", ("k",)), ('{"data:x" : ', "}", ("data:x",))]))
+        shapes: list[tuple[str, str, tuple[str | int, ...]]] = [
+            ("[", "]", (0,)), ('{"k":', "}", ("k",)), ('{"data:x" : ', "}", ("data:x",))]
+        shape = draw(st.sampled_from(shapes))
         value = Deep(level, value, *shape)
     body = write(value, writer_rng(draw), draw(styles)).body
     if broken and draw(st.integers(0, 5)) == 0:
@@ -1474,9 +1484,9 @@ def _placeholders(sk: Any) -> list[tuple[Path_, Span]]:
         if span is not None:
             found.append((path, span))
         elif isinstance(value, dict):
-            stack.extend((v, path + [k]) for k, v in reversed(list(value.items())))
+            stack.extend((v, [*path, k]) for k, v in reversed(list(value.items())))
         elif isinstance(value, list):
-            stack.extend((v, path + [i]) for i, v in reversed(list(enumerate(value))))
+            stack.extend((v, [*path, i]) for i, v in reversed(list(enumerate(value))))
     return found
 
 
@@ -1489,7 +1499,7 @@ def check_pure_splice(case: JsonCase) -> None:
         return
     expected = json.loads(case.body)
     replacements: list[tuple[Span, bytes]] = []
-    for pick, new in zip(case.picks, case.new_values):
+    for pick, new in zip(case.picks, case.new_values, strict=False):  # a hand-edited corpus file may differ
         path, span = spots[pick % len(spots)]
         if any(span == s for s, _t in replacements):
             continue
@@ -1771,7 +1781,7 @@ def _is_final_example() -> bool:
         from hypothesis.control import current_build_context
 
         return bool(current_build_context().is_final)
-    except Exception:  # noqa: BLE001 - outside a hypothesis run, or an API change: treat as final
+    except Exception:
         return True
 
 

@@ -1,8 +1,8 @@
 """Load generation for the benchmarks (loop_latency, gate_sweep, malloc_arenas, soak).
 
 What is here: starting/stopping the stub backend and mmgate as separate processes (optionally with a
-baseline decode pool from ``testkit.variants``: workers at niceness 0, or decoding on the loop), /proc readings (VmHWM, RSS,
-per-thread niceness), Prometheus text parsing, an aiohttp load client, and a tiny blocking HTTP prober. The
+baseline decode pool from ``testkit.variants``: workers at niceness 0, or decoding on the loop), /proc readings
+(VmHWM, RSS, per-thread niceness), Prometheus text parsing, an aiohttp load client, and a tiny blocking HTTP prober. The
 photo and the request bodies they send are built by ``testkit.media``.
 
 The prober runs in its own process: ``python -m testkit.load probe --host ... --port ... --seconds 10
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,18 +60,17 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -
     raise RuntimeError(f"{url} did not answer within {timeout} s")
 
 
-def _pin(cpus: set[int] | None):  # noqa: ANN202
+def _pin(cpus: set[int] | None) -> Callable[[], None] | None:
     """preexec_fn pinning the child (and every thread it will start) to ``cpus``."""
     return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
 
 
 def start_stub(*args: str, cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="stub-bench-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "demo.backend", "--host", "127.0.0.1", "--port", str(port),
-                             *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_pin(cpus))
+    with tempfile.NamedTemporaryFile(prefix="stub-bench-", suffix=".log", delete=False) as log:
+        proc = subprocess.Popen([sys.executable, "-m", "demo.backend", "--host", "127.0.0.1", "--port", str(port),
+                                 *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_pin(cpus))
     proc.log_path = log.name  # type: ignore[attr-defined]
-    log.close()
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/health", proc)
     return proc, url
@@ -85,10 +85,10 @@ def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
     cmd = [sys.executable, "-m", "proxy"] if variant is None else [sys.executable, "-m", "testkit.variants", variant]
     cmd += ["--upstream", upstream, "--port", str(port), "--host", "127.0.0.1", "--access-log", "off",
             "--drain-grace", "0", "--drain-timeout", "2", *flags]
-    log = tempfile.NamedTemporaryFile(prefix="mmgate-bench-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_pin(cpus))
+    with tempfile.NamedTemporaryFile(prefix="mmgate-bench-", suffix=".log", delete=False) as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=log,
+                                preexec_fn=_pin(cpus))
     proc.log_path = log.name  # type: ignore[attr-defined]  # read it (never a pipe nobody drains)
-    log.close()
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/mmgate/health", proc)
     return proc, url
@@ -180,7 +180,7 @@ class CpuWatch:
 
     def stop(self, extra_cpu_s: float = 0.0) -> dict[str, float]:
         """``extra_cpu_s``: CPU seconds of our processes that already exited (the probers report theirs)."""
-        busy, total = machine_jiffies()
+        busy, _total = machine_jiffies()
         ours = sum(proc_jiffies(p) for p in self.pids)
         hz = os.sysconf("SC_CLK_TCK")
         wall = time.monotonic() - self.t0
@@ -232,10 +232,11 @@ def parse_prom(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
         if not line or line.startswith("#"):
             continue
         head, _, value = line.rpartition(" ")
-        name, labels = head, ()
+        name = head
+        labels: tuple[tuple[str, str], ...] = ()
         if "{" in head:
             name, _, rest = head.partition("{")
-            pairs = []
+            pairs: list[tuple[str, str]] = []
             for item in rest.rstrip("}").split('",'):
                 if "=" in item:
                     k, _, v = item.partition("=")
@@ -352,7 +353,7 @@ async def run_load(url: str, body: bytes, clients: int, *, requests_per_client: 
                     t1 = time.perf_counter()
                     run.results.append(Result(r.status, t1 - t0, t0, t1, r.headers.get("Retry-After"),
                                               server_timing=r.headers.get("Server-Timing")))
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 t1 = time.perf_counter()
                 run.results.append(Result(0, t1 - t0, t0, t1, error=type(exc).__name__))
 
@@ -432,12 +433,14 @@ def probe(host: str, port: int, path: str, seconds: float, interval: float) -> d
             "elapsed": time.perf_counter() - start, "interval": interval}
 
 
-def start_prober(url: str, seconds: float, interval: float, path: str = "/mmgate/health") -> tuple[subprocess.Popen[bytes], Path]:
+def start_prober(url: str, seconds: float, interval: float,
+                 path: str = "/mmgate/health") -> tuple[subprocess.Popen[bytes], Path]:
     """The prober in its own process; read its result with ``prober_result``."""
     host, port = url.removeprefix("http://").split(":")
     out = Path(tempfile.mkstemp(prefix="mmgate-probe-", suffix=".json")[1])
     proc = subprocess.Popen([sys.executable, "-m", "testkit.load", "probe", "--host", host, "--port", port,
-                             "--path", path, "--seconds", str(seconds), "--interval", str(interval), "--out", str(out)], cwd=REPO)
+                             "--path", path, "--seconds", str(seconds), "--interval", str(interval), "--out", str(out)],
+                            cwd=REPO)
     return proc, out
 
 

@@ -14,8 +14,9 @@ import io
 import json
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from PIL import Image
 
@@ -113,7 +114,7 @@ def photo_jpeg() -> bytes:
     img[..., 1] = 180 * y + 30 * np.cos(5 * x)
     img[..., 2] = 120 + 80 * x * y
     small = np.clip(rng.normal(0, 25, (30, 40, 3)) + 128, 0, 255).astype(np.uint8)
-    img += np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC), np.float32) - 128
+    img += np.asarray(Image.fromarray(small).resize((w, h), Image.Resampling.BICUBIC), np.float32) - 128
     img += rng.normal(0, 10, (h, w, 3)).astype(np.float32)
     buf = io.BytesIO()
     Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=PHOTO_QUALITY)

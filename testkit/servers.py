@@ -7,8 +7,8 @@ must not import the test suite. The pytest fixtures that start them stay in ``te
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.test_utils import TestServer

@@ -201,7 +201,7 @@ def run_setup(dir_: Path = DEFAULT_DIR, log: Path | None = None) -> float:
     try:
         dir_.mkdir(parents=True, exist_ok=True)
         log = log or dir_ / "setup.log"
-        f = open(log, "ab")
+        f = open(log, "ab")  # noqa: SIM115 (opened here to turn OSError into HarnessError; `with f:` below)
     except OSError as e:
         raise HarnessError(f"cannot use {dir_} for the vLLM install: {e}") from None
     t0 = time.monotonic()
@@ -210,7 +210,8 @@ def run_setup(dir_: Path = DEFAULT_DIR, log: Path | None = None) -> float:
             rc = subprocess.run(["bash", str(SETUP_SCRIPT), str(dir_)], stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, timeout=SETUP_TIMEOUT).returncode
         except subprocess.TimeoutExpired:
-            raise HarnessError(f"setup_vllm.sh took more than {SETUP_TIMEOUT:.0f} s; log {log}:\n" + tail(log))
+            raise HarnessError(
+                f"setup_vllm.sh took more than {SETUP_TIMEOUT:.0f} s; log {log}:\n" + tail(log)) from None
     if rc != 0:
         raise HarnessError(f"setup_vllm.sh failed with status {rc}; log {log}:\n" + tail(log))
     return time.monotonic() - t0

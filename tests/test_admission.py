@@ -35,11 +35,10 @@ def hold(upstream: Upstream, stream: bool = False) -> None:
 
 
 async def send(proxy: Proxy, text: str, **extra: object) -> tuple[int, dict, dict[str, str]]:
-    async with aiohttp.ClientSession() as client:
-        async with client.post(proxy.url + "/v1/chat/completions",
-                               data=orjson.dumps(chat_with_image(IMAGE, text=text, **extra))) as response:
-            body = await response.read()
-            return response.status, (orjson.loads(body) if body.startswith(b"{") else {}), dict(response.headers)
+    async with aiohttp.ClientSession() as client, client.post(proxy.url + "/v1/chat/completions",
+                           data=orjson.dumps(chat_with_image(IMAGE, text=text, **extra))) as response:
+        body = await response.read()
+        return response.status, (orjson.loads(body) if body.startswith(b"{") else {}), dict(response.headers)
 
 
 def arrived_texts(upstream: Upstream) -> list[str]:
@@ -63,7 +62,7 @@ async def test_storm(upstream: Upstream, start_proxy: StartProxy) -> None:
     queued = []
     for i in range(3):  # one at a time, so the queue order is known
         queued.append(asyncio.create_task(send(proxy, f"queued{i}")))
-        await eventually(lambda: gate.waiting == i + 1, "queued")
+        await eventually(lambda: gate.waiting == i + 1, "queued")  # noqa: B023 (awaited in this iteration)
     refused = await asyncio.gather(*(send(proxy, f"refused{i}") for i in range(4)))
     for status, body, headers in refused:
         assert (status, body["error"]["code"], body["error"]["type"]) == (429, "queue_full", "rate_limit_error")
@@ -71,7 +70,7 @@ async def test_storm(upstream: Upstream, start_proxy: StartProxy) -> None:
     assert (gate.in_use, gate.waiting, len(upstream.seen)) == (2, 3, 2)
     for admitted in range(2, 5):  # each finished request lets exactly the next one in
         holds[admitted - 2].set()
-        await eventually(lambda: len(holds) == admitted + 1, "next admitted")
+        await eventually(lambda: len(holds) == admitted + 1, "next admitted")  # noqa: B023 (awaited here)
         assert gate.in_use == 2
     for event in holds:
         event.set()
@@ -214,7 +213,7 @@ class Upload:
         self.reader, self.writer, self.rest = reader, writer, rest
 
     @classmethod
-    async def start(cls, proxy: Proxy, body: bytes, first: int) -> "Upload":
+    async def start(cls, proxy: Proxy, body: bytes, first: int) -> Upload:
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
         writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:first])

@@ -20,8 +20,8 @@ import gc
 import io
 import socket
 import tracemalloc
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 import numpy as np
 import orjson
@@ -56,7 +56,7 @@ class RawClient:
         self.reader, self.writer = reader, writer
 
     @classmethod
-    async def send(cls, port: int, body: bytes, *, headers: str = "", cut_at: int | None = None) -> "RawClient":
+    async def send(cls, port: int, body: bytes, *, headers: str = "", cut_at: int | None = None) -> RawClient:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         head = (f"POST {PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{headers}"
                 f"Content-Length: {len(body)}\r\n\r\n").encode()

@@ -3,7 +3,8 @@
 The servers are real (an upstream and the proxy from build_app(), both on 127.0.0.1), the traffic is real,
 and every wait is on an event: the upstream's arrival queue, or the page's own numbers (Playwright's
 wait_for_function on the data-value attributes the page renders). No sleeps. The browser test saves
-a screenshot (docs/dashboard.png with MMGATE_UPDATE_SCREENSHOT=1), taken while the gate is full and the queue holds requests.
+a screenshot (docs/dashboard.png with MMGATE_UPDATE_SCREENSHOT=1), taken while the gate is full and the queue holds
+requests.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import asyncio
 import io
 import os
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import orjson
@@ -24,8 +26,8 @@ from aiohttp import web
 from PIL import Image
 
 from proxy.app import build_app
-from proxy.state import STATE, AppState
 from proxy.settings import Settings
+from proxy.state import STATE, AppState
 
 ROOT = Path(__file__).resolve().parent.parent
 # Where the screenshot goes: a temporary file, or docs/dashboard.png with MMGATE_UPDATE_SCREENSHOT=1 (so a
@@ -166,11 +168,10 @@ async def test_stats_json_reflects_traffic_and_settings(servers: Servers) -> Non
 
 
 async def test_dashboard_page_is_self_contained(servers: Servers) -> None:
-    async with aiohttp.ClientSession() as client:
-        async with client.get(servers.proxy_url + "/mmgate/dashboard") as response:
-            assert response.status == 200
-            assert response.content_type == "text/html"
-            html = await response.text()
+    async with aiohttp.ClientSession() as client, client.get(servers.proxy_url + "/mmgate/dashboard") as response:
+        assert response.status == 200
+        assert response.content_type == "text/html"
+        html = await response.text()
     # Works offline and behind any prefix or port: no external resource, and the stats URL is relative.
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
     assert "@import" not in html and "<script src" not in html

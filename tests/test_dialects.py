@@ -93,7 +93,8 @@ def test_chat_parts_paths_and_kinds() -> None:
     assert image.encoding == "data_uri" and image.span is not None and bytes(inline_value(body, image)) == URI.encode()
     assert body[image.span.start : image.span.end] == orjson.dumps(URI)
     assert url.url == "https://example.com/cat.png" and url.span is not None  # splice-able for fetch
-    assert audio.encoding == "base64" and audio.audio_format == "wav" and bytes(inline_value(body, audio)) == WAV.encode()
+    assert audio.encoding == "base64" and audio.audio_format == "wav"
+    assert bytes(inline_value(body, audio)) == WAV.encode()
     assert video.url == "https://example.com/v.mp4"
 
 
@@ -124,9 +125,10 @@ def test_chat_parts_without_type_or_with_uuid_are_read_like_vllm() -> None:
 
 def test_escaped_keys_and_types_are_still_found() -> None:
     esc = "".join(f"\\u{ord(c):04x}" for c in "input_image")  # 66 bytes: a placeholder
-    body = ('{"messages": [{"role": "user", "content": [{"type": "\\u0069mage_url", '
+    body = ('{"messages": [{"role": "user", "content": [{"type": "\\u0069mage_url", '  # noqa: UP031 (JSON braces)
             '"\\u0069mage_url": {"url": "data:image\\/png;base64,%s"}}]}], '
-            '"input": [{"role": "user", "content": [{"type": "%s", "image_url": "%s"}]}]}' % (PNG.replace("/", "\\/"), esc, URI)).encode()
+            '"input": [{"role": "user", "content": [{"type": "%s", "image_url": "%s"}]}]}'
+            % (PNG.replace("/", "\\/"), esc, URI)).encode()
     sk = skeletonize(body)
     [chat] = locate("chat", sk)
     assert chat.path == "messages[0].content[0]" and chat.span is not None and chat.span.escaped
@@ -199,7 +201,8 @@ def test_responses_parts() -> None:
 
 
 def test_responses_malformed_input_image() -> None:
-    err = refused("responses", {"input": [{"role": "user", "content": [{"type": "text"}, {"type": "input_image", "detail": "low"}]}]})
+    content = [{"type": "text"}, {"type": "input_image", "detail": "low"}]
+    err = refused("responses", {"input": [{"role": "user", "content": content}]})
     assert err.param == "input[0].content[1]"
     err = refused("responses", {"input": [{"type": "input_image", "image_url": {"detail": "x"}}]})
     assert err.param == "input[0]"

@@ -18,7 +18,6 @@ from aiohttp.test_utils import TestServer
 from PIL import Image
 
 from demo.backend import StubConfig, create_stub_app
-
 from testkit.media import BlockedPool, chat_with_image, data_uri, decode_uri, eventually, image_bytes
 
 from .conftest import Proxy, StartProxy, Upstream
@@ -90,10 +89,10 @@ async def test_openai_sdk_image_reaches_stub_resized(start_proxy: StartProxy) ->
         proxy = await start_proxy(f"http://127.0.0.1:{stub.port}", MMGATE_RESIZE_MAX_SIDE="300")
         client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
         uri = data_uri(image_bytes(1200, 600, "JPEG"), "image/jpeg")
-        reply = await client.chat.completions.create(model="m", **{"messages": chat_with_image(uri)["messages"]})
+        reply = await client.chat.completions.create(model="m", messages=chat_with_image(uri)["messages"])
         assert "saw 1 image(s) [300x150]" in (reply.choices[0].message.content or "")
         stream = await client.chat.completions.create(model="m", stream=True,
-                                                      **{"messages": chat_with_image(uri)["messages"]})
+                                                      messages=chat_with_image(uri)["messages"])
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         assert "[300x150]" in text
         await client.close()
@@ -114,7 +113,8 @@ async def test_anthropic_sdk_image_reaches_stub_resized(start_proxy: StartProxy)
         assert "saw 1 image(s) [200x100]" in message.content[0].text  # type: ignore[union-attr]
         with pytest.raises(anthropic.BadRequestError) as caught:
             await client.messages.create(model="c", max_tokens=4, messages=[{"role": "user", "content": [
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}}]}])
+                {"type": "image",
+                 "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}}]}])
         assert "unsupported_media_type" in str(caught.value) and "messages[0].content[0]" in str(caught.value)
         await client.close()
     finally:

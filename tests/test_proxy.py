@@ -51,14 +51,13 @@ async def test_hop_by_hop_headers_stripped_both_ways(upstream: Upstream, proxy: 
         "X-Forwarded-For": "203.0.113.7",
         "X-Request-Id": "client-id-1",
     }
-    async with aiohttp.ClientSession() as client:
-        async with client.get(proxy.url + "/hop", headers=headers) as response:
-            assert response.status == 200
-            got = response.headers
-            assert "X-Upstream-Private" not in got and "Keep-Alive" not in got
-            assert "Proxy-Authenticate" not in got
-            assert got["X-Kept"] == "yes"
-            assert got["X-Request-Id"] == "client-id-1"
+    async with aiohttp.ClientSession() as client, client.get(proxy.url + "/hop", headers=headers) as response:
+        assert response.status == 200
+        got = response.headers
+        assert "X-Upstream-Private" not in got and "Keep-Alive" not in got
+        assert "Proxy-Authenticate" not in got
+        assert got["X-Kept"] == "yes"
+        assert got["X-Request-Id"] == "client-id-1"
     seen = {k.lower(): v for k, v in upstream.seen[-1].headers.items()}
     for name in ("x-client-private", "keep-alive", "te", "proxy-authorization", "proxy-connection", "upgrade"):
         assert name not in seen, name
@@ -152,10 +151,9 @@ async def test_stalled_upstream_is_504(upstream: Upstream, start_proxy: StartPro
 
     upstream.route("/slow", stall)
     proxy = await start_proxy(upstream.url, MMGATE_UPSTREAM_READ_TIMEOUT="0.2")
-    async with aiohttp.ClientSession() as client:
-        async with client.get(proxy.url + "/slow") as response:
-            assert response.status == 504
-            assert (await response.json())["error"]["code"] == "upstream_timeout"
+    async with aiohttp.ClientSession() as client, client.get(proxy.url + "/slow") as response:
+        assert response.status == 504
+        assert (await response.json())["error"]["code"] == "upstream_timeout"
     await asyncio.wait_for(upstream.cancelled.wait(), 10)  # and the upstream request was closed
 
 
@@ -281,9 +279,8 @@ async def test_admin_endpoints(upstream: Upstream, proxy: Proxy) -> None:
 
 async def test_admin_port_keeps_admin_off_the_public_port(upstream: Upstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url, MMGATE_ADMIN_PORT="1")  # the in-test app skips the admin site
-    async with aiohttp.ClientSession() as client:
-        async with client.get(proxy.url + "/mmgate/metrics") as response:
-            assert response.status == 404
+    async with aiohttp.ClientSession() as client, client.get(proxy.url + "/mmgate/metrics") as response:
+        assert response.status == 404
     assert upstream.seen == []
 
 
@@ -291,10 +288,9 @@ async def test_compressed_body_passes_through_untouched(upstream: Upstream, prox
     import gzip
 
     body = gzip.compress(b'{"input": "plain text"}')
-    async with aiohttp.ClientSession() as client:
-        async with client.post(proxy.url + "/v1/embeddings", data=body,
-                               headers={"Content-Encoding": "gzip"}) as response:
-            assert response.status == 200
+    async with aiohttp.ClientSession() as client, client.post(proxy.url + "/v1/embeddings", data=body,
+                           headers={"Content-Encoding": "gzip"}) as response:
+        assert response.status == 200
     seen = upstream.seen[-1]
     assert seen.body == body and seen.headers["Content-Encoding"] == "gzip"
 

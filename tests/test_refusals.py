@@ -71,10 +71,9 @@ async def test_an_escaped_data_uri_with_the_wrong_type_is_corrected_too(upstream
     uri = data_uri(JPEG, "image/png").replace("/", "\\/")  # JSON escapes: the token is rewritten whole
     raw = b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "'
     raw += uri.encode() + b'"}}]}]}'
-    async with aiohttp.ClientSession() as client:
-        async with client.post(proxy.url + "/v1/chat/completions", data=raw,
-                               headers={"Content-Type": "application/json"}) as response:
-            assert response.status == 200
+    async with aiohttp.ClientSession() as client, client.post(proxy.url + "/v1/chat/completions", data=raw,
+                           headers={"Content-Type": "application/json"}) as response:
+        assert response.status == 200
     forwarded = json.loads((await upstream.arrived.get()).body)
     assert forwarded["messages"][0]["content"][0]["image_url"]["url"] == data_uri(JPEG, "image/jpeg")
 
@@ -99,8 +98,10 @@ async def test_an_undeclared_or_matching_type_is_forwarded_untouched(upstream: U
     assert proxy.state.metrics.media_type_corrected.labels("image")._value.get() == 0
 
 
-async def test_a_generic_octet_stream_data_uri_is_forwarded_with_the_true_type(upstream: Upstream, proxy: Proxy) -> None:
-    status, _h, _b = await _post(proxy, "/v1/chat/completions", chat_with_image(data_uri(PNG, "application/octet-stream")))
+async def test_a_generic_octet_stream_data_uri_is_forwarded_with_the_true_type(upstream: Upstream,
+                                                                              proxy: Proxy) -> None:
+    body = chat_with_image(data_uri(PNG, "application/octet-stream"))
+    status, _h, _b = await _post(proxy, "/v1/chat/completions", body)
     assert status == 200
     forwarded = json.loads((await upstream.arrived.get()).body)
     assert forwarded["messages"][0]["content"][1]["image_url"]["url"] == data_uri(PNG, "image/png")
@@ -179,10 +180,9 @@ async def test_refusals_say_whether_a_retry_can_help(upstream: Upstream, start_p
                                headers={"X-MMGate-Timeout": "soon"}) as response:
             assert response.status == 400 and response.headers["x-should-retry"] == "false"
     proxy.state.lifecycle.start_draining()  # what SIGTERM's drain does
-    async with aiohttp.ClientSession() as client:
-        async with client.get(proxy.url + "/v1/models") as response:
-            assert response.status == 503 and 1 <= int(response.headers["Retry-After"]) <= 120
-            assert "x-should-retry" not in response.headers
+    async with aiohttp.ClientSession() as client, client.get(proxy.url + "/v1/models") as response:
+        assert response.status == 503 and 1 <= int(response.headers["Retry-After"]) <= 120
+        assert "x-should-retry" not in response.headers
 
 
 async def test_a_declared_type_that_is_not_a_media_type_token_is_refused(upstream: Upstream, proxy: Proxy) -> None:

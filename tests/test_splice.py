@@ -77,8 +77,8 @@ def test_keys_are_never_placeholders() -> None:
 def test_escaped_strings_and_escaped_keys() -> None:
     b64 = "ab/cd+" * 20
     escaped = b64.replace("/", "\\/")
-    body = ('{"\\u0069mage_url": {"url": "data:image/png;base64,%s"}, "q": "a \\"quoted\\" \\\\", '
-            '"t": "tab\\there", "u": "\\u00e9\\ud83d\\ude00"}' % escaped).encode()
+    body = (f'{{"\\u0069mage_url": {{"url": "data:image/png;base64,{escaped}"}}, "q": "a \\"quoted\\" \\\\", '
+            '"t": "tab\\there", "u": "\\u00e9\\ud83d\\ude00"}').encode()
     sk = skeletonize(body)
     assert "image_url" in sk.doc  # keys are unescaped by the parse
     span = sk.span_of(sk.doc["image_url"]["url"])
@@ -126,7 +126,8 @@ def test_placeholders_cannot_be_forged() -> None:
 
 
 def test_numbers_and_literals_pass_through_untouched() -> None:
-    body = b'{"big": 123456789012345678901234567890, "e": 1e2, "neg": -0.0, "d": "data:image/png;base64,AAAA", "t": [true, false, null]}'
+    body = (b'{"big": 123456789012345678901234567890, "e": 1e2, "neg": -0.0, "d": "data:image/png;base64,AAAA", '
+            b'"t": [true, false, null]}')
     sk = skeletonize(body)
     assert sk.doc["e"] == 100.0 and sk.doc["t"] == [True, False, None]
     span = sk.span_of(sk.doc["d"])
@@ -275,7 +276,7 @@ def dump_str(text: str, rng: random.Random, escape: float) -> str:
             code = ord(ch)
             if code > 0xFFFF:
                 code -= 0x10000
-                out.append("\\u%04x\\u%04X" % (0xD800 + (code >> 10), 0xDC00 + (code & 0x3FF)))
+                out.append(f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04X}")
             else:
                 out.append(("\\u%04x" if rng.random() < 0.5 else "\\u%04X") % code)
         elif ch == "/" and rng.random() < 0.5:
@@ -357,7 +358,7 @@ def literal_values(sk: Skeleton, value: Any) -> list[str]:
 
 @pytest.mark.parametrize("long_string", [0, 1, 5, 63, 64, 65])
 def test_threshold_is_exact(long_string: int) -> None:
-    values = ["y" * n for n in range(0, 70)]
+    values = ["y" * n for n in range(70)]
     sk = skeletonize(orjson.dumps({"v": values}), long_string=long_string)
     literal = [v for v in sk.doc["v"] if sk.span_of(v) is None]
     assert literal == [v for v in values if len(v) <= long_string]
@@ -404,7 +405,8 @@ filler = st.recursive(
     scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(texts.map(lambda k: "x" + k), c, max_size=3),
     max_leaves=6,
 )
-b64_text = st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/", min_size=0, max_size=160)
+b64_text = st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/",
+                   min_size=0, max_size=160)
 
 
 @st.composite
@@ -455,7 +457,8 @@ def anthropic_block(draw: st.DrawFn, path: str, found: list[Inserted], depth: in
     if choice == "file":
         return {"type": "image", "source": {"type": "file", "file_id": "f"}}
     if choice == "tool_result":
-        inner = [draw(anthropic_block(f"{path}.content[{k}]", found, depth + 1)) for k in range(draw(st.integers(0, 3)))]
+        inner = [draw(anthropic_block(f"{path}.content[{k}]", found, depth + 1))
+                 for k in range(draw(st.integers(0, 3)))]
         return {"type": "tool_result", "tool_use_id": "t1", "content": inner}
     if choice == "url":
         url = draw(url_value())
@@ -568,7 +571,7 @@ def test_locate_finds_exactly_the_inserted_parts_and_splice_changes_only_them(
     assert {p.path: (p.kind, p.is_url) for p in parts} == {i.path: (i.kind, i.is_url) for i in inserted}
     assert len(parts) == len(inserted)
     # find_media takes another road for text-heavy bodies but must land on the same parts.
-    fm_skeleton, fm_parts = find_media(route, body)
+    _fm_skeleton, fm_parts = find_media(route, body)
     assert [(p.path, p.span is not None) for p in fm_parts] == [(p.path, p.span is not None) for p in parts]
 
     expected = {i.path: i for i in inserted}

@@ -20,8 +20,7 @@ import sys
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor,
-                          PreTrainedTokenizerFast)
+from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, PreTrainedTokenizerFast
 
 TILE, PATCH, SCALE = 364, 14, 2  # 26x26 patches per tile, pixel-shuffle 2 -> 169 tokens per tile
 VOCAB = 2048  # BPE target; the tiny corpus yields fewer and the model uses the size actually trained

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import NoReturn
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
