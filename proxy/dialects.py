@@ -58,7 +58,8 @@ class Dialect(str, Enum):
         return _ERROR_BODIES[self](error)
 
     def error_event(self, error: MmgateError) -> bytes:
-        """The last event of an SSE stream that broke after its headers went out (docs/architecture.md, "The error model")."""
+        """The last event of an SSE stream that broke after its headers went out (docs/architecture.md,
+        "The error model")."""
         return b"data: " + self.error_body(error) + b"\n\n"
 
 

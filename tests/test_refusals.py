@@ -15,7 +15,6 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.app import build_admin_app
-
 from testkit.media import chat_with_image, data_uri, image_bytes
 
 from .conftest import Proxy, StartProxy, Upstream
