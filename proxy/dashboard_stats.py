@@ -162,7 +162,6 @@ def snapshot(state: "AppState") -> dict[str, Any]:
             "queue_depth": _gauge_value(m.pool_queue_depth),
             "stuck_workers": _gauge_value(m.pool_stuck_workers),
         },
-        "cache": {"hits": _counter_value(m.cache_hits), "misses": _counter_value(m.cache_misses)},
         "process": {"rss_bytes": _rss_bytes(), "in_flight": state.in_flight, "draining": not state.lifecycle.ready},
         "limits": {
             "max_mm_concurrency": s.max_mm_concurrency,
@@ -179,6 +178,5 @@ def snapshot(state: "AppState") -> dict[str, Any]:
             "request_timeout": s.request_timeout,
             "upstream_read_timeout": s.upstream_read_timeout,
             "release_at": s.release_at,
-            "cache_mb": s.cache_mb,
         },
     }
