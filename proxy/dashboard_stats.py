@@ -40,10 +40,6 @@ def _counter_by(metric: MetricWrapperBase, *labels: str) -> dict[str, float]:
     return out
 
 
-def _counter_value(metric: MetricWrapperBase) -> float:
-    return sum(s.value for s in _samples(metric) if s.name.endswith("_total"))
-
-
 def _gauge_value(metric: MetricWrapperBase) -> float:
     return sum(s.value for s in _samples(metric))
 
@@ -163,7 +159,6 @@ def snapshot(state: AppState) -> dict[str, Any]:
             "queue_depth": _gauge_value(m.pool_queue_depth),
             "stuck_workers": _gauge_value(m.pool_stuck_workers),
         },
-        "cache": {"hits": _counter_value(m.cache_hits), "misses": _counter_value(m.cache_misses)},
         "process": {"rss_bytes": _rss_bytes(), "in_flight": state.in_flight, "draining": not state.lifecycle.ready},
         "limits": {
             "max_mm_concurrency": s.max_mm_concurrency,
@@ -180,6 +175,5 @@ def snapshot(state: AppState) -> dict[str, Any]:
             "request_timeout": s.request_timeout,
             "upstream_read_timeout": s.upstream_read_timeout,
             "release_at": s.release_at,
-            "cache_mb": s.cache_mb,
         },
     }

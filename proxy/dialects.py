@@ -128,8 +128,7 @@ class MediaPart:
     stayed literal in the skeleton (at most ``long_string`` bytes, no escape, not a ``data:`` URI:
     raw base64 of at most 48 decoded bytes, no image worth rewriting), ``literal`` (validated, never
     rewritten). A URL part has ``url``, and ``span`` when its token was placeholdered (every
-    ``http(s):`` URL is), so a fetched image can be spliced in. On a ``parse_plain`` skeleton no part
-    has a span.
+    ``http(s):`` URL is). On a ``parse_plain`` skeleton no part has a span.
     """
 
     path: str

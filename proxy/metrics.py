@@ -92,8 +92,6 @@ class Metrics:
         self.memory_trims = Counter(
             "mmgate_memory_trims", "malloc_trim calls after media work went idle (MMGATE_TRIM_IDLE)", registry=r
         )
-        self.cache_hits = Counter("mmgate_cache_hits", "Processed-media cache hits", registry=r)
-        self.cache_misses = Counter("mmgate_cache_misses", "Processed-media cache misses", registry=r)
         ProcessCollector(registry=r)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 

@@ -151,7 +151,6 @@ class Settings:
     release_at: str = "auto"
     media_urls: str = "forward"
     allow_paths: tuple[str, ...] = ()
-    cache_mb: int = 0
     trim_idle: float = 1.0
     malloc_tuning: bool = True
     drain_grace: float = 5.0
@@ -278,10 +277,8 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "image_format": (_choice("auto", "jpeg", "png", "webp"), "format of re-encoded images [auto]"),
     "jpeg_quality": (_int(1, 100), "JPEG/WebP quality of re-encoded images [90]"),
     "release_at": (_choice("auto", "sent", "headers", "complete"), "when the gate lease ends [auto]"),
-    "media_urls": (_choice("forward", "reject"),
-                   "media URLs: forward or reject (fetch: not implemented yet) [forward]"),
+    "media_urls": (_choice("forward", "reject"), "media URLs: forward or reject [forward]"),
     "allow_paths": (_prefixes, "comma-separated path prefixes forwarded; others -> 404 [all]"),
-    "cache_mb": (_int(0), "processed-media cache in MiB (0 = off) [0]"),
     "trim_idle": (_seconds(True), "return freed heap to the OS after this many idle seconds (0 = off) [1]"),
     "malloc_tuning": (_bool, "big buffers back to the OS when freed, no Pillow block cache (see README) [on]"),
     "drain_grace": (_seconds(True), "seconds to keep serving after SIGTERM while not ready [5]"),

@@ -101,6 +101,14 @@ def test_unknown_variables_warn_with_the_closest_name(capsys: pytest.CaptureFixt
     assert "MMGATE_MAX_QUEUE=64" in out  # only a warning: start-up goes on, the misspelt value changed nothing
 
 
+def test_the_removed_cache_setting_is_an_unknown_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    """MMGATE_CACHE_MB was accepted and ignored; there is no cache, so setting it now draws the warning."""
+    main(["--print-config"], environ={"MMGATE_UPSTREAM": "http://127.0.0.1:1", "MMGATE_CACHE_MB": "256"})
+    out, err = capsys.readouterr()
+    assert err.startswith("mmgate: warning: unknown variable MMGATE_CACHE_MB")
+    assert "CACHE" not in out
+
+
 def test_every_mmgate_variable_in_the_repository_is_known() -> None:
     """Each MMGATE_ name the project spells is a setting or one of TOOLING_VARIABLES, so none draws the warning."""
     repo = Path(__file__).resolve().parent.parent

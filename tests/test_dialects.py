@@ -92,7 +92,7 @@ def test_chat_parts_paths_and_kinds() -> None:
     image, url, audio, video = parts[0], parts[1], parts[2], parts[3]
     assert image.encoding == "data_uri" and image.span is not None and bytes(inline_value(body, image)) == URI.encode()
     assert body[image.span.start : image.span.end] == orjson.dumps(URI)
-    assert url.url == "https://example.com/cat.png" and url.span is not None  # splice-able for fetch
+    assert url.url == "https://example.com/cat.png" and url.span is not None
     assert audio.encoding == "base64" and audio.audio_format == "wav"
     assert bytes(inline_value(body, audio)) == WAV.encode()
     assert video.url == "https://example.com/v.mp4"
