@@ -45,9 +45,8 @@ def freshness(data: dict[str, Any]) -> tuple[bool, str]:
     if R.git("cat-file", "-e", f"{commit}^{{commit}}") is None:
         return True, f"**stale** (measured at `{short}`, not in this history; {date})"
     later = R.git("log", "--format=%h", f"{commit}..HEAD", "--", *data.get("measures", R.MEASURED))
-    if later:
-        n = len(later.splitlines())
-        return True, f"**stale** (measured at `{short}`, {date}; {n} later commit{'s' * (n > 1)} to measured code)"
+    if later:  # no count of them: the README would change with every commit to the measured code
+        return True, f"**stale** (measured at `{short}`, {date}; the measured code changed since)"
     if data.get("dirty"):
         return True, f"**stale** (measured at `{short}` with uncommitted changes; {date})"
     return False, f"`{short}`, {date}"
