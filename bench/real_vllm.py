@@ -296,7 +296,7 @@ def report(cells: list[Cell], meta: dict[str, Any]) -> str:
         over_header = [cs[2].p50 / cs[0].p50 - 1 for cs in big]
         lines += [
             "",
-            "## Goals (issue 6), on the 12 MP rows",
+            "## Goals, on the 12 MP rows",
             "",
             f"- resize on, vLLM receives >= 5x fewer bytes: worst case {fewer:.1f}x "
             f"-> {'met' if fewer >= 5 else 'NOT met'}",

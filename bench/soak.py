@@ -21,7 +21,7 @@ media_buffers_live all 0 on /mmgate/metrics), then until mmgate_memory_trims_tot
 MMGATE_TRIM_IDLE > 0, at most ``--trim-timeout`` s) or for ``--settle`` s (no trim: about the same idle
 time), samples VmRSS and the gauges, and lets the clients go on.
 
-Criterion (issue 5): the idle RSS at every checkpoint after warm-up stays within 10 % of the first one after
+Criterion: the idle RSS at every checkpoint after warm-up stays within 10 % of the first one after
 warm-up (the checkpoint at ``--warmup`` = 10 % of the requests). A gauge in MUST_BE_ZERO that is not 0
 at any checkpoint is a leak.
 
@@ -32,7 +32,7 @@ least-squares line (MiB per 1000 requests), early vs late windows, median/max pe
 Each ``--variants`` entry is one run with its own mmgate process and environment: ``default`` (mmgate's own
 allocator tuning, MMGATE_MALLOC_TUNING: glibc mmap/trim thresholds 1 MiB and no Pillow block cache; trim after
 1 s idle), ``untuned`` (MMGATE_MALLOC_TUNING=off: glibc defaults, Pillow cache of 16 blocks; trims),
-``untuned-no-trim`` (also MMGATE_TRIM_IDLE=0: mmgate before issue 5's remedies), and, all untuned plus their
+``untuned-no-trim`` (also MMGATE_TRIM_IDLE=0: mmgate without its allocator remedies), and, all untuned plus their
 own environment: ``arena2`` (MALLOC_ARENA_MAX=2), ``mmap1m`` (MALLOC_MMAP_THRESHOLD_=MALLOC_TRIM_THRESHOLD_=
 1 MiB), ``blocks0`` (PILLOW_BLOCKS_MAX=0), ``mmap1m+blocks0``, ``jemalloc`` (LD_PRELOAD libjemalloc.so.2, if
 installed). ``--append`` adds runs to the existing JSON/chart (replacing rows of the same variant). All

@@ -1,4 +1,4 @@
-"""Admission through the real HTTP path (issue 4): the storm, FIFO at the upstream, release points, exits.
+"""Admission through the real HTTP path: the storm, FIFO at the upstream, release points, exits.
 
 The upstream holds every request until the test lets it go, so who is admitted, who waits and who is refused
 is decided by the gate alone, never by timing.

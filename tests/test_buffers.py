@@ -1,4 +1,4 @@
-"""Buffer lifetime (issue 5): once the upstream has the body, or the request ended any other way, the proxy
+"""Buffer lifetime: once the upstream has the body, or the request ended any other way, the proxy
 holds none of the request's media.
 
 Three independent witnesses, each able to fail on its own:

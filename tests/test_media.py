@@ -1,4 +1,4 @@
-"""Media through the real proxy (issue 3): each dialect, resize, validation errors, the pool's deadline and
+"""Media through the real proxy: each dialect, resize, validation errors, the pool's deadline and
 cancellation. The upstream records the exact bytes it received."""
 
 from __future__ import annotations

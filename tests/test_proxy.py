@@ -1,4 +1,4 @@
-"""The transparent proxy (issue 2): real clients → real mmgate → a real scripted upstream, all on 127.0.0.1."""
+"""The transparent proxy: real clients → real mmgate → a real scripted upstream, all on 127.0.0.1."""
 
 from __future__ import annotations
 
