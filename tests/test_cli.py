@@ -208,6 +208,21 @@ async def _wait_listening(url: str, process: asyncio.subprocess.Process) -> None
     raise AssertionError("mmgate did not start")
 
 
+async def _stream_then_signal(client: aiohttp.ClientSession, url: str, process: asyncio.subprocess.Process,
+                              signum: signal.Signals) -> aiohttp.ClientResponse:
+    """Open a stream the upstream holds, send ``signum``, and wait (bounded) until readiness fails; the stream,
+    still open, is returned."""
+    streaming = await client.post(url + "/v1/chat/completions", data=b'{"stream": true}')
+    assert await streaming.content.readuntil(b"\n\n") == b"data: first\n\n"
+    process.send_signal(signum)
+    for _ in range(200):
+        async with client.get(url + "/mmgate/ready") as ready:
+            if ready.status == 503:
+                break
+    assert ready.status == 503
+    return streaming
+
+
 async def test_sigterm_drains_in_flight_streams(upstream: Upstream) -> None:
     upstream.route("/v1/chat/completions", partial(upstream.held_stream, last=b"data: last\n\n"))
     port = free_port()
@@ -217,15 +232,8 @@ async def test_sigterm_drains_in_flight_streams(upstream: Upstream) -> None:
     try:
         await _wait_listening(url, process)
         async with aiohttp.ClientSession() as client:
-            streaming = await client.post(url + "/v1/chat/completions", data=b'{"stream": true}')
-            assert await streaming.content.readuntil(b"\n\n") == b"data: first\n\n"
-            process.send_signal(signal.SIGTERM)
-            # Readiness fails and new requests are refused, while the stream in flight goes on.
-            for _ in range(200):
-                async with client.get(url + "/mmgate/ready") as ready:
-                    if ready.status == 503:
-                        break
-            assert ready.status == 503
+            streaming = await _stream_then_signal(client, url, process, signal.SIGTERM)
+            # New requests are refused, while the stream in flight goes on.
             async with client.get(url + "/v1/models") as refused:
                 assert refused.status == 503
                 assert (await refused.json())["error"]["code"] == "draining"
@@ -263,14 +271,7 @@ async def test_sigint_lets_requests_in_flight_finish(upstream: Upstream) -> None
     try:
         await _wait_listening(url, process)
         async with aiohttp.ClientSession() as client:
-            streaming = await client.post(url + "/v1/chat/completions", data=b'{"stream": true}')
-            assert await streaming.content.readuntil(b"\n\n") == b"data: first\n\n"
-            process.send_signal(signal.SIGINT)
-            for _ in range(200):
-                async with client.get(url + "/mmgate/ready") as ready:
-                    if ready.status == 503:
-                        break
-            assert ready.status == 503
+            streaming = await _stream_then_signal(client, url, process, signal.SIGINT)
             assert process.returncode is None
             upstream.release.set()
             assert await streaming.content.read() == b"data: last\n\n"
