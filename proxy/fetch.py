@@ -60,10 +60,23 @@ FETCH_CODES = (
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _SCHEMES = ("http", "https")
 
-_SHARED_CGNAT = ipaddress.IPv4Network("100.64.0.0/10")  # RFC 6598; not is_private in every Python
 _V4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # RFC 4291 section 2.5.5.1 (deprecated)
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052 well-known prefix
-_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215 local-use prefix
+
+# The IANA special-purpose registries (RFC 6890 and successors) by class, spelt out rather than left to
+# ``ipaddress``'s predicates, whose tables change between Python patch releases; the predicates still run
+# after this table as a second net.
+_FORBIDDEN: tuple[tuple[str, tuple[IPNetwork, ...]], ...] = tuple(
+    (why, tuple(ipaddress.ip_network(n) for n in networks)) for why, networks in (
+        ("link-local", ("169.254.0.0/16", "fe80::/10")),
+        ("private", ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")),
+        ("shared (CGNAT)", ("100.64.0.0/10",)),
+        ("multicast", ("224.0.0.0/4", "ff00::/8")),
+        ("site-local", ("fec0::/10",)),
+        ("reserved", ("0.0.0.0/8", "192.0.0.0/24", "192.0.2.0/24", "192.88.99.0/24", "198.18.0.0/15",
+                      "198.51.100.0/24", "203.0.113.0/24", "240.0.0.0/4", "::/8", "64:ff9b:1::/48", "100::/64",
+                      "2001::/23", "2001:db8::/32", "3fff::/20", "5f00::/16")),
+    ))
 
 
 class FetchRefused(MmgateError):
@@ -85,7 +98,7 @@ class AddressForbidden(OSError):
 
 def embedded_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
     """The IPv4 addresses an IPv6 address stands for: mapped (RFC 4291), compatible, NAT64 (RFC 6052),
-    6to4 (RFC 3056). A forbidden one makes the IPv6 form forbidden too."""
+    6to4 (RFC 3056)."""
     found = []
     if address.ipv4_mapped is not None:
         found.append(address.ipv4_mapped)
@@ -97,26 +110,29 @@ def embedded_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]
 
 
 def forbidden_class(address: IPAddress) -> str | None:
-    """Why ``address`` must not be fetched from ("loopback", "private", ...), None for a public unicast one."""
+    """Why ``address`` must not be fetched from ("loopback", "private", ...), None for a public unicast one.
+
+    An IPv6 form that carries an IPv4 address is forbidden when that address is. NAT64 and 6to4 addresses are
+    judged by the IPv4 address alone (an IPv6-only network reaches public IPv4 hosts through them); mapped and
+    compatible forms are refused in any case, as nothing public resolves to them."""
     if address.is_unspecified:
         return "unspecified"
     if address.is_loopback:
         return "loopback"
     if isinstance(address, ipaddress.IPv6Address):
-        if address in _NAT64_LOCAL:
-            return "NAT64 local-use"
         for inner in embedded_ipv4(address):
             why = forbidden_class(inner)
             if why is not None:
                 return f"{why} (as IPv6 {address.compressed})"
-        if address.is_site_local:
-            return "site-local"
+        if address in _NAT64 or address.sixtofour is not None:
+            return None
+    for why, networks in _FORBIDDEN:
+        if any(address in network for network in networks):
+            return why
     if address.is_link_local:
         return "link-local"
     if address.is_multicast:
         return "multicast"
-    if isinstance(address, ipaddress.IPv4Address) and address in _SHARED_CGNAT:
-        return "shared (CGNAT)"
     if address.is_private:
         return "private"
     if address.is_reserved:
