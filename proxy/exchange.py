@@ -47,7 +47,7 @@ class Exchange:
         headers = {"X-Request-Id": self.request_id}
         if with_timing:
             stages: list[tuple[str, float]] = [
-                (s, self.watch.stages[s]) for s in ("queue", "preprocess") if s in self.watch.stages]
+                (s, self.watch.stages[s]) for s in ("queue", "fetch", "preprocess") if s in self.watch.stages]
             stages.append(("upstream", time.perf_counter() - self.upstream_started))
             headers["Server-Timing"] = server_timing(stages)
         return headers

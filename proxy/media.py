@@ -12,7 +12,7 @@ import weakref
 from dataclasses import dataclass
 from functools import partial
 
-from preprocessors.audio import validate_audio
+from preprocessors.audio import sniff_audio_format, validate_audio
 from preprocessors.base import Cancelled, Checkpoint
 from preprocessors.dataurl import decode_base64, encode_base64
 from preprocessors.image import image_mime, process_image
@@ -158,17 +158,22 @@ def _process_item(media_ref: weakref.ref[MediaBuffer], item: Item, state: AppSta
 
 def _process_fetched(fetched: Fetched, item: Item, state: AppState, checkpoint: Checkpoint) -> Outcome:
     """In a decode thread: a fetched body → ``_process_bytes``; the URL is always replaced by a data URI,
-    of the processed media or, when that needed no change, of the bytes as fetched (their sniffed image
-    type, or the audio type the remote declared)."""
+    of the processed media or, when that needed no change, of the bytes as fetched with their sniffed type."""
     try:
         data = fetched.data
         outcome = _process_bytes(data, item, state, checkpoint)
         if outcome.token is None:
-            mime = (image_mime(data) if item.part.kind == "image" else fetched.mime).encode()
+            if item.part.kind == "image":
+                mime = image_mime(data).encode()
+            else:  # validated above, so the format is known
+                mime = _AUDIO_MIME.get(sniff_audio_format(data) or "", fetched.mime).encode()
             outcome.token, outcome.mime = _token(item.part, mime, encode_base64(data)), mime
         return outcome
     except MediaError as error:
         raise error.at(item.part.path) from None
+
+
+_AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg"}
 
 
 def _process_bytes(data: bytes, item: Item, state: AppState, checkpoint: Checkpoint) -> Outcome:
