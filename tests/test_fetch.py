@@ -25,12 +25,22 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from proxy.fetch import AddressPolicy, HostPolicy, embedded_ipv4, forbidden_class
+from proxy.fetch import (
+    AddressPolicy,
+    CheckedResolver,
+    Fetcher,
+    FetchLimits,
+    FetchRefused,
+    HostPolicy,
+    embedded_ipv4,
+    forbidden_class,
+)
 from proxy.settings import ConfigError, Settings
 from testkit.media import chat_with_image, image_bytes, photo_jpeg
 
@@ -457,6 +467,63 @@ async def test_forward_stays_the_default_and_fetches_nothing(
     url = f"{remote.url}/p.png"
     status, _doc, _h = await post(proxy, chat_with_image(url))
     assert status == 200 and sent_image_url(upstream) == url and remote.seen == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one lookup, checked, and the connection goes to what it answered
+
+
+class Answers(AbstractResolver):
+    """A DNS stand-in (no packet leaves the machine): fixed answers per name, and a log of what was asked."""
+
+    def __init__(self, answers: dict[str, list[str]]) -> None:
+        self.answers = answers
+        self.asked: list[str] = []
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        self.asked.append(host)
+        return [{"hostname": host, "host": a, "port": port, "proto": 0, "flags": socket.AI_NUMERICHOST,
+                 "family": socket.AF_INET6 if ":" in a else socket.AF_INET} for a in self.answers[host]]
+
+    async def close(self) -> None:
+        pass
+
+
+async def fetcher_with(answers: Answers, allowed: list[str]) -> Fetcher:
+    addresses = AddressPolicy.from_cidrs(allowed)
+    connector = aiohttp.TCPConnector(resolver=CheckedResolver(addresses, answers), use_dns_cache=False)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    return Fetcher(session, HostPolicy(), addresses, FetchLimits(3, 30, 30), lambda outcome, n: None)
+
+
+async def test_a_name_is_resolved_once_checked_and_connected_to_as_answered(remote: Upstream) -> None:
+    assert remote.server is not None
+    png = image_bytes(8, 8)
+    remote.route("/p", serve(png))
+    answers = Answers({"media.test": ["127.0.0.1"]})
+    fetcher = await fetcher_with(answers, ["127.0.0.1/32"])
+    try:
+        fetched = await fetcher.fetch(f"http://media.test:{remote.server.port}/p", "image", 1 << 20)
+    finally:
+        await fetcher.session.close()
+    assert fetched.data == png and fetched.mime == "image/png"
+    assert answers.asked == ["media.test"]  # one lookup: no second one could answer something else
+    assert remote.seen[0].headers["Host"] == f"media.test:{remote.server.port}"  # the name stays the Host
+
+
+async def test_one_forbidden_answer_refuses_the_name_before_any_connect(remote: Upstream) -> None:
+    answers = Answers({"mixed.test": ["93.184.216.34", "10.0.0.7"], "meta.test": ["fd00:ec2::254"]})
+    fetcher = await fetcher_with(answers, [])
+    try:
+        for name, why in (("mixed.test", "private"), ("meta.test", "private")):
+            with pytest.raises(FetchRefused) as refused_fetch:
+                await fetcher.fetch(f"http://{name}/p", "image", 1 << 20)
+            assert refused_fetch.value.code == "fetch_address_forbidden" and why in refused_fetch.value.message
+    finally:
+        await fetcher.session.close()
+    assert answers.asked == ["mixed.test", "meta.test"]
+    assert _WATCH["foreign"] == [] and remote.seen == []
 
 
 # ----------------------------------------------------------------------------------------------------------
