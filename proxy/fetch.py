@@ -232,7 +232,8 @@ class FetchLimits:
 
 @dataclass(slots=True)
 class Fetched:
-    """A fetched media body and the type the remote declared (``type/subtype``, lowercase)."""
+    """A fetched media body (a ``bytearray``: read into one buffer) and the type the remote declared
+    (``type/subtype``, lowercase)."""
 
     data: bytes
     mime: str
@@ -359,17 +360,17 @@ class Fetcher:
         length = response.content_length
         if length is not None and length > max_bytes:
             raise too_large
-        chunks: list[bytes] = []
+        # One growing buffer (glibc grows a big one in place, by mremap): a list joined at the end would hold
+        # the body twice for a moment.
+        data = bytearray()
         try:
             async for chunk in response.content.iter_any():
                 counted[0] += len(chunk)
                 if counted[0] > max_bytes:
                     raise too_large
-                chunks.append(chunk)
+                data += chunk
         except aiohttp.ClientError as error:
             raise FetchRefused("fetch_failed", f"the media URL's body broke off ({_brief(error)})") from None
-        data = b"".join(chunks)
-        del chunks
         return Fetched(data, declared)
 
 
