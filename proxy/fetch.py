@@ -193,10 +193,16 @@ def normal_host(host: str) -> str:
 
 
 def literal_address(host: str) -> IPAddress | None:
-    """The address when ``host`` is an IP literal, else None (a name, to be resolved)."""
+    """The address when ``host`` is an IP literal, else None (a name, to be resolved). The legacy IPv4 forms
+    ``inet_aton(3)`` reads (``127.1``, ``0x7f.0.0.1``, ``2130706433``) count as the address they name: the
+    system resolver would read them so."""
     try:
         return ipaddress.ip_address(host.strip("[]"))
     except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
         return None
 
 

@@ -288,6 +288,8 @@ async def test_a_url_is_charged_the_per_item_cap_at_admission_before_its_bytes_a
     "http://100.64.0.1/x", "http://0.0.0.0/x", "http://224.0.0.1/x", "http://255.255.255.255/x",
     "http://[::1]/x", "http://[fd00:ec2::254]/x", "http://[fe80::1]/x", "http://[::ffff:10.0.0.1]/x",
     "http://[64:ff9b::a9fe:a9fe]/x", "http://[2002:a00:1::]/x", "http://127.0.0.2/x",
+    "http://10.1/x", "http://167772161/x", "http://0xa9.0xfe.0xa9.0xfe/x", "http://012.0.0.1/x",
+    "http://[::127.0.0.1]/x",
 ])
 async def test_a_forbidden_address_literal_is_refused_before_any_connect(
         url: str, upstream: Upstream, start_proxy: StartProxy) -> None:
