@@ -263,15 +263,20 @@ class Fetcher:
         self.limits = limits
         self._on_outcome = on_outcome
 
-    async def fetch(self, url: str, kind: MediaKind, max_bytes: int) -> Fetched:
-        """The body at ``url`` (redirects followed and checked), at most ``max_bytes``; FetchRefused else."""
+    async def fetch(self, url: str, kind: MediaKind, max_bytes: int, read: list[int] | None = None) -> Fetched:
+        """The body at ``url`` (redirects followed and checked), at most ``max_bytes``; FetchRefused else.
+        ``read[0]``, when given, grows by the body bytes read, a refused fetch's included."""
         counted = [0]
         try:
             fetched = await self._fetch(url, kind, max_bytes, counted)
         except FetchRefused as refused:
             self._on_outcome(refused.code, counted[0])
             raise
-        self._on_outcome("ok", counted[0])
+        else:
+            self._on_outcome("ok", counted[0])
+        finally:
+            if read is not None:
+                read[0] += counted[0]
         return fetched
 
     async def _fetch(self, url: str, kind: MediaKind, max_bytes: int, counted: list[int]) -> Fetched:
@@ -386,9 +391,9 @@ def _brief(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-async def fetch_plan(fetcher: Fetcher, plan: Plan, max_bytes: int) -> dict[int, Fetched]:
-    """Fetch every URL item of ``plan`` at once; the result maps an item's index to its bytes. The first
-    refusal cancels the other fetches and is raised, with its part's path."""
+async def fetch_plan(fetcher: Fetcher, plan: Plan, max_bytes: int, read: list[int]) -> dict[int, Fetched]:
+    """Fetch every URL item of ``plan`` at once; the result maps an item's index to its bytes, ``read[0]``
+    grows by the bytes read. The first refusal cancels the other fetches and is raised, with its part's path."""
     wanted = [(index, item) for index, item in enumerate(plan.items) if item.part.is_url]
     if not wanted:
         return {}
@@ -397,7 +402,7 @@ async def fetch_plan(fetcher: Fetcher, plan: Plan, max_bytes: int) -> dict[int, 
         async with asyncio.TaskGroup() as group:
             for index, item in wanted:
                 assert item.part.url is not None
-                tasks[index] = group.create_task(fetcher.fetch(item.part.url, item.part.kind, max_bytes))
+                tasks[index] = group.create_task(fetcher.fetch(item.part.url, item.part.kind, max_bytes, read))
     except BaseExceptionGroup as failed:
         for index, item in wanted:
             task = tasks.get(index)
@@ -407,7 +412,3 @@ async def fetch_plan(fetcher: Fetcher, plan: Plan, max_bytes: int) -> dict[int, 
                     raise error.at(item.part.path) from None
         raise failed.exceptions[0] from None
     return {index: task.result() for index, task in tasks.items()}
-
-
-def fetched_bytes(fetched: dict[int, Fetched]) -> int:
-    return sum(len(f.data) for f in fetched.values())

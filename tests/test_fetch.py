@@ -361,7 +361,7 @@ async def test_a_host_outside_the_allow_list_is_refused_before_any_request(
 
 
 async def test_an_oversize_body_is_refused_with_and_without_content_length(
-        remote: Upstream, upstream: Upstream, start_proxy: StartProxy) -> None:
+        remote: Upstream, upstream: Upstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture) -> None:
     big = b"\x89PNG" + bytes((1 << 20) + 100)
     remote.route("/declared", serve(big))
 
@@ -374,12 +374,15 @@ async def test_an_oversize_body_is_refused_with_and_without_content_length(
         return response
 
     remote.route("/endless", chunked)
-    proxy = await fetching(start_proxy, upstream, MMGATE_MAX_MEDIA_ITEM_MB="1")
-    await refused(proxy, upstream, f"{remote.url}/declared", "fetch_too_large")
-    assert sample(proxy, "mmgate_fetched_bytes_total") == 0  # refused from Content-Length, nothing read
-    await refused(proxy, upstream, f"{remote.url}/endless", "fetch_too_large")
+    proxy = await fetching(start_proxy, upstream, MMGATE_MAX_MEDIA_ITEM_MB="1", MMGATE_ACCESS_LOG="on")
+    with caplog.at_level("INFO", logger="mmgate.access"):
+        await refused(proxy, upstream, f"{remote.url}/declared", "fetch_too_large")
+        assert sample(proxy, "mmgate_fetched_bytes_total") == 0  # refused from Content-Length, nothing read
+        await refused(proxy, upstream, f"{remote.url}/endless", "fetch_too_large")
     read = sample(proxy, "mmgate_fetched_bytes_total")
     assert (1 << 20) < read <= (1 << 20) + (1 << 20)  # stopped within a chunk of the cap
+    records = [r for r in caplog.records if r.name == "mmgate.access"]
+    assert [r.fields["fetched"] for r in records] == [0, read]  # type: ignore[attr-defined]
 
 
 async def test_a_slow_first_byte_and_a_slow_body_are_timed_out(
