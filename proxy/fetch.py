@@ -46,7 +46,7 @@ from .locate import Plan
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-# Refusal codes, one per rule; also the ``outcome`` label of mmgate_fetches_total (with "ok").
+# Refusal codes, one per rule; also the ``outcome`` label of mmgate_fetches_total (with "ok" and "cancelled").
 FETCH_CODES = (
     "fetch_url_not_allowed",  # scheme not http(s), or a URL that cannot be parsed
     "fetch_host_not_allowed",
@@ -271,6 +271,9 @@ class Fetcher:
             fetched = await self._fetch(url, kind, max_bytes, counted)
         except FetchRefused as refused:
             self._on_outcome(refused.code, counted[0])
+            raise
+        except asyncio.CancelledError:  # the request ended first (client gone, deadline, a sibling refused)
+            self._on_outcome("cancelled", counted[0])
             raise
         else:
             self._on_outcome("ok", counted[0])

@@ -90,7 +90,8 @@ class Metrics:
             buckets=FAST_BUCKETS, registry=r,
         )
         self.fetches = Counter(
-            "mmgate_fetches", "Media URLs fetched (MMGATE_MEDIA_URLS=fetch), by outcome: ok or the refusal code",
+            "mmgate_fetches",
+            "Media URLs fetched (MMGATE_MEDIA_URLS=fetch), by outcome: ok, cancelled or the refusal code",
             ["outcome"], registry=r,
         )
         self.fetched_bytes = Counter(

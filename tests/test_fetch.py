@@ -42,7 +42,7 @@ from proxy.fetch import (
     forbidden_class,
 )
 from proxy.settings import ConfigError, Settings
-from testkit.media import chat_with_image, image_bytes, photo_jpeg
+from testkit.media import chat_with_image, eventually, image_bytes, photo_jpeg
 
 from .conftest import Proxy, StartProxy, Upstream
 
@@ -277,6 +277,26 @@ async def test_a_url_is_charged_the_per_item_cap_at_admission_before_its_bytes_a
     status, doc, _h = await post(small, two)
     assert (status, doc["error"]["code"]) == (413, "media_too_large")
     assert len(remote.seen) == 1
+
+
+async def test_a_client_that_leaves_mid_fetch_frees_the_gate_and_stops_the_fetch(
+        remote: Upstream, upstream: Upstream, start_proxy: StartProxy) -> None:
+    arrived = asyncio.Event()
+
+    async def held(request: web.Request) -> web.StreamResponse:
+        arrived.set()
+        await remote.release.wait()
+        return web.Response(body=image_bytes(8, 8), content_type="image/png")
+
+    remote.route("/held", held)
+    proxy = await fetching(start_proxy, upstream)
+    leaving = asyncio.create_task(post(proxy, chat_with_image(f"{remote.url}/held")))
+    await arrived.wait()
+    assert proxy.state.gate.in_use == 1
+    leaving.cancel()  # the client hangs up while mmgate waits for the remote
+    await eventually(lambda: proxy.state.gate.in_use == 0
+                     and sample(proxy, "mmgate_fetches_total", outcome="cancelled") == 1, "fetch cancelled")
+    assert upstream.seen == []
 
 
 # ----------------------------------------------------------------------------------------------------------
