@@ -21,7 +21,7 @@ from preprocessors.pool import DecodePool
 from .admin import add_admin_routes
 from .admission import Gate
 from .connections import ConnectionGuard, mark_head_received
-from .fetch import AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
+from .fetch import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
 from .lifecycle import Lifecycle
 from .memory import IdleTrimmer, glibc_malloc_trim
 from .metrics import Metrics, watch_loop_lag
@@ -93,6 +93,8 @@ async def _fetch_session(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False,
                                     cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=None))
     metrics = state.metrics
+    for outcome in FETCH_OUTCOMES:  # every series from the start, at 0, so rates and alerts see them
+        metrics.fetches.labels(outcome)
 
     def counted(outcome: str, nbytes: int) -> None:
         metrics.fetches.labels(outcome).inc()

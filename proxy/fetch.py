@@ -46,7 +46,7 @@ from .locate import Plan
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-# Refusal codes, one per rule; also the ``outcome`` label of mmgate_fetches_total (with "ok" and "cancelled").
+# Refusal codes, one per rule; with "ok" and "cancelled" the ``outcome`` label of mmgate_fetches_total.
 FETCH_CODES = (
     "fetch_url_not_allowed",  # scheme not http(s), or a URL that cannot be parsed
     "fetch_host_not_allowed",
@@ -57,6 +57,7 @@ FETCH_CODES = (
     "fetch_bad_content_type",
     "fetch_failed",  # the remote answered an error status, or could not be reached
 )
+FETCH_OUTCOMES = ("ok", "cancelled", *FETCH_CODES)  # "cancelled": the request ended before the fetch did
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _SCHEMES = ("http", "https")
 
@@ -188,7 +189,10 @@ def normal_host(host: str) -> str:
     """Lowercase ASCII form of a host name (IDNA for non-ASCII), no trailing dot, no IPv6 brackets."""
     host = host.strip().rstrip(".").strip("[]").lower()
     if not host.isascii():
-        host = host.encode("idna").decode("ascii")
+        try:
+            host = host.encode("idna").decode("ascii")
+        except UnicodeError:  # no valid IDNA name: left as it is, it matches no (ASCII) pattern
+            pass
     return host
 
 
@@ -252,8 +256,8 @@ _MEDIA_TYPE = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]{0,126}/[a-z0-9][a-z0-9!#$&^
 class Fetcher:
     """The app's fetch client: its own session and connection pool, the policies and the limits.
 
-    ``on_outcome(outcome, nbytes)`` is told how each fetch ended ("ok" or a refusal code) and how many body
-    bytes it read (the metrics)."""
+    ``on_outcome(outcome, nbytes)`` is told how each fetch ended (``FETCH_OUTCOMES``) and how many body bytes
+    it read (the metrics)."""
 
     def __init__(self, session: aiohttp.ClientSession, hosts: HostPolicy, addresses: AddressPolicy,
                  limits: FetchLimits, on_outcome: Callable[[str, int], None]) -> None:

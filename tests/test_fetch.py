@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from proxy.fetch import (
+    FETCH_OUTCOMES,
     AddressPolicy,
     CheckedResolver,
     Fetcher,
@@ -489,6 +490,12 @@ async def test_forward_stays_the_default_and_fetches_nothing(
         remote: Upstream, upstream: Upstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url)
     assert proxy.state.fetcher is None
+    registry = proxy.state.metrics.registry
+    assert registry.get_sample_value("mmgate_fetches_total", {"outcome": "ok"}) is None  # nothing shown
+    fetching_proxy = await fetching(start_proxy, upstream)
+    for outcome in FETCH_OUTCOMES:  # with fetch, every outcome's series exists from the start
+        assert fetching_proxy.state.metrics.registry.get_sample_value(
+            "mmgate_fetches_total", {"outcome": outcome}) == 0
     url = f"{remote.url}/p.png"
     status, _doc, _h = await post(proxy, chat_with_image(url))
     assert status == 200 and sent_image_url(upstream) == url and remote.seen == []
