@@ -146,14 +146,17 @@ def _item_value(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes | memo
 
 def _process_item(media_ref: weakref.ref[MediaBuffer], item: Item, state: AppState,
                   checkpoint: Checkpoint) -> Outcome:
-    """In a decode thread: base64 → bytes → ``_process_bytes``."""
+    """In a decode thread: base64 → bytes → ``_process_bytes``. The decoded bytes are passed on, not kept in a
+    local here, so ``_process_bytes`` can drop them (``del``) before it encodes the result."""
     try:
-        value = _item_value(media_ref, item)
-        data = decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
-        del value
-        return _process_bytes(data, item, state, checkpoint)
+        return _process_bytes(_decoded(media_ref, item, state), item, state, checkpoint)
     except MediaError as error:
         raise error.at(item.part.path) from None
+
+
+def _decoded(media_ref: weakref.ref[MediaBuffer], item: Item, state: AppState) -> bytes:
+    value = _item_value(media_ref, item)
+    return decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
 
 
 def _process_fetched(fetched: Fetched, item: Item, state: AppState, checkpoint: Checkpoint) -> Outcome:
