@@ -12,7 +12,7 @@ import weakref
 from dataclasses import dataclass
 from functools import partial
 
-from preprocessors.audio import validate_audio
+from preprocessors.audio import sniff_audio_format, validate_audio
 from preprocessors.base import Cancelled, Checkpoint
 from preprocessors.dataurl import decode_base64, encode_base64
 from preprocessors.image import image_mime, process_image
@@ -22,6 +22,7 @@ from .admission import Lease
 from .buffers import MediaBuffer
 from .dialects import MediaPart
 from .errors import MediaError, MmgateError
+from .fetch import Fetched
 from .locate import Item, Plan
 from .rawjson import Span, string_value
 from .state import AppState
@@ -48,8 +49,10 @@ class Rewrites:
     media_out: int
 
 
-async def run_plan(state: AppState, plan: Plan, media: MediaBuffer, lease: Lease) -> Rewrites:
-    """Decode and check every item of ``plan`` on the pool, within MMGATE_PREPROCESS_TIMEOUT.
+async def run_plan(state: AppState, plan: Plan, media: MediaBuffer, lease: Lease,
+                   fetched: dict[int, Fetched] | None = None) -> Rewrites:
+    """Decode and check every item of ``plan`` on the pool, within MMGATE_PREPROCESS_TIMEOUT; a URL item
+    (MMGATE_MEDIA_URLS=fetch) takes its bytes from ``fetched`` (by item index) instead of the body.
 
     If the batch fails (a bad item, the deadline, the request cancelled) the error goes out at once, but
     ``lease`` is given back only when the batch's work has really stopped: a slot freed earlier would let
@@ -58,7 +61,9 @@ async def run_plan(state: AppState, plan: Plan, media: MediaBuffer, lease: Lease
     assert state.pool is not None
     batch = state.pool.batch()
     media_ref = weakref.ref(media)
-    jobs = [partial(_process_item, media_ref, item, state) for item in plan.items]
+    fetched = fetched or {}
+    jobs = [partial(_process_fetched, fetched.pop(i), item, state) if item.part.is_url
+            else partial(_process_item, media_ref, item, state) for i, item in enumerate(plan.items)]
     try:
         outcomes = await batch.run(jobs, settings.preprocess_timeout)
     except (MediaError, TimeoutError) as exc:
@@ -141,35 +146,63 @@ def _item_value(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes | memo
 
 def _process_item(media_ref: weakref.ref[MediaBuffer], item: Item, state: AppState,
                   checkpoint: Checkpoint) -> Outcome:
-    """In a decode thread: base64 → bytes → validate → (resize → re-encode → base64 token)."""
-    part = item.part
+    """In a decode thread: base64 → bytes → ``_process_bytes``. The decoded bytes are passed on, not kept in a
+    local here, so ``_process_bytes`` can drop them (``del``) before it encodes the result."""
     try:
-        value = _item_value(media_ref, item)
-        data = decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
-        del value
-        size = len(data)
-        checkpoint()
-        if part.kind == "image":
-            true_mime = image_mime(data).encode()
-            if item.declared_mime.encode() in (true_mime, b""):
-                true_mime = b""
-            processed = process_image(data, state.image_policy, checkpoint)
-            if processed is None and true_mime and item.declared_span is None and part.span is not None:
-                # The declared type is inside an escaped token: the whole token is written anew.
-                return Outcome(size, size, _token(part, true_mime, encode_base64(data)), true_mime, true_mime)
-            del data
-            if processed is None or part.span is None:
-                return Outcome(size, size, true_mime=true_mime)
-            mime = processed.mime.encode()
-            out_size = len(processed.data)
-            encoded = encode_base64(processed.data)
-            del processed
-            return Outcome(size, out_size, _token(part, mime, encoded), mime, true_mime)
-        if part.kind == "audio":
-            validate_audio(data, part.audio_format, state.audio_policy, checkpoint)
-        return Outcome(size, size)  # audio and video are validated / size-checked and forwarded unchanged
+        return _process_bytes(_decoded(media_ref, item, state), item, state, checkpoint)
     except MediaError as error:
-        raise error.at(part.path) from None
+        raise error.at(item.part.path) from None
+
+
+def _decoded(media_ref: weakref.ref[MediaBuffer], item: Item, state: AppState) -> bytes:
+    value = _item_value(media_ref, item)
+    return decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
+
+
+def _process_fetched(fetched: Fetched, item: Item, state: AppState, checkpoint: Checkpoint) -> Outcome:
+    """In a decode thread: a fetched body → ``_process_bytes``; the URL is always replaced by a data URI,
+    of the processed media or, when that needed no change, of the bytes as fetched with their sniffed type."""
+    try:
+        data = fetched.data
+        outcome = _process_bytes(data, item, state, checkpoint)
+        if outcome.token is None:
+            if item.part.kind == "image":
+                mime = image_mime(data).encode()
+            else:  # validated above, so the format is known
+                mime = _AUDIO_MIME.get(sniff_audio_format(data) or "", fetched.mime).encode()
+            outcome.token, outcome.mime = _token(item.part, mime, encode_base64(data)), mime
+        return outcome
+    except MediaError as error:
+        raise error.at(item.part.path) from None
+
+
+_AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg"}
+
+
+def _process_bytes(data: bytes, item: Item, state: AppState, checkpoint: Checkpoint) -> Outcome:
+    """Media bytes (decoded inline media or a fetched body) → validate → (resize → re-encode → token)."""
+    part = item.part
+    size = len(data)
+    checkpoint()
+    if part.kind == "image":
+        true_mime = image_mime(data).encode()
+        if item.declared_mime.encode() in (true_mime, b""):
+            true_mime = b""
+        processed = process_image(data, state.image_policy, checkpoint)
+        if processed is None and true_mime and item.declared_span is None and part.span is not None:
+            # The declared type is inside an escaped token: the whole token is written anew.
+            return Outcome(size, size, _token(part, true_mime, encode_base64(data)), true_mime, true_mime)
+        del data
+        if processed is None or part.span is None:
+            return Outcome(size, size, true_mime=true_mime)
+        mime = processed.mime.encode()
+        out_size = len(processed.data)
+        encoded = encode_base64(processed.data)
+        del processed
+        return Outcome(size, out_size, _token(part, mime, encoded), mime, true_mime)
+    if part.kind == "audio":
+        validate_audio(data, part.audio_format, state.audio_policy, checkpoint)
+    return Outcome(size, size)  # audio and video are validated / size-checked and forwarded unchanged
 
 
 def _token(part: MediaPart, mime: bytes, encoded: bytes) -> bytes:
