@@ -10,7 +10,10 @@ its bytes are and what to check them against, so a decode worker needs nothing e
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, field
+
+import hyperscan
 
 from preprocessors.dataurl import decoded_size, parse_data_url
 
@@ -20,30 +23,43 @@ from .rawjson import Skeleton, Span, parse_plain, skeletonize, string_value
 
 # Every media part a walker can find sits under a key or a ``type`` value that contains "image", "audio"
 # or "video" (compared case-sensitively, after JSON unescaping). A JSON string can only hide those letters
-# behind a ``\uXXXX`` escape, so the case-sensitive words plus ``\u`` make a miss impossible (pinned by a
-# hypothesis test). The words every media body contains come first, so a media body stops early.
-MARKERS: tuple[bytes, ...] = (b"image", b"audio", b"video", b"\\u")
+# behind a ``\uXXXX`` escape, and an ASCII letter escaped is ``\u006X`` or ``\u007X`` (the ``u`` of an
+# escape is always lower-case, RFC 8259 section 7), so these five literals make a miss impossible (pinned by
+# hypothesis tests). Text escaped for other reasons (``\u00e9``, ``\u4e2d``, ``\n``) does not match.
+MARKERS: tuple[bytes, ...] = (b"image", b"audio", b"video", b"\\u006", b"\\u007")
 
 DEFAULT_MAX_DEPTH = 64
 
 
-def may_contain_media(body: bytes) -> bool:
+def _compile_markers() -> hyperscan.Database:
+    database = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)
+    database.compile(expressions=[re.escape(marker) for marker in MARKERS], ids=list(range(len(MARKERS))),
+                     elements=len(MARKERS), flags=[hyperscan.HS_FLAG_SINGLEMATCH] * len(MARKERS))
+    return database
+
+
+_MARKERS_DB = _compile_markers()
+_scratch = threading.local()  # a scratch space serves one scan at a time: one per thread that sniffs
+
+
+def _stop_at_first(*_match: object) -> bool:
+    return True  # True ends the scan at the first marker (hyperscan raises ScanTerminated)
+
+
+def may_contain_media(body: bytes | bytearray | memoryview) -> bool:
     """Cheap pre-check: False means no walker can find media here, so skip the JSON parse.
 
-    Only a one-byte ``find`` gets memchr speed, so each marker costs a pass of its own: they are searched
-    window by window, and a media body, whose first key or type names the media before its data, answers
-    within the first window instead of after a full pass per marker.
+    One pass over the body for all markers at once (hyperscan: SIMD literal matching, several GB/s, with
+    the GIL released), stopping at the first: a media body names its media in its first bytes. A stdlib
+    ``bytes.find`` costs a pass per marker at a fraction of that speed (``python -m bench.sniff``).
     """
-    size = len(body)
-    start = 0
-    window = 16 << 10
-    while start < size:
-        end = start + window
-        for marker in MARKERS:
-            if body.find(marker, start, end + len(marker) - 1) >= 0:
-                return True
-        start = end
-        window = min(window * 2, 1 << 20)
+    scratch = getattr(_scratch, "space", None)
+    if scratch is None:
+        scratch = _scratch.space = hyperscan.Scratch(_MARKERS_DB)
+    try:
+        _MARKERS_DB.scan(body, match_event_handler=_stop_at_first, scratch=scratch)
+    except hyperscan.ScanTerminated:
+        return True
     return False
 
 

@@ -42,6 +42,7 @@ _NOT_FORWARDED = frozenset({"host", "content-length", "x-mmgate-timeout", "expec
 # Fields recomputed on the way back (aiohttp frames the body itself).
 _NOT_RETURNED = frozenset({"content-length"})
 
+FIRST_WRITE = 16 << 10  # bytes of a request body sent together with the request head
 SMALL_ANSWER = 64 << 10  # bytes: answers up to this size with a Content-Length are sent in one write
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -107,9 +108,18 @@ class OneShotBody(Payload):
         body, self._body = self._body, None
         if body is None:
             raise RuntimeError("OneShotBody written twice")
+        data = body.data if isinstance(body, MediaBuffer) else body
+        end = len(data) if content_length is None else min(content_length, len(data))
         try:
-            await writer.write(_sliced(body, content_length))
+            # aiohttp joins the request head with the first write into one buffer: a small first write keeps
+            # that copy small. The rest goes to the transport as a view, so the part the socket does not take
+            # at once is copied exactly once, into the transport's buffer.
+            with memoryview(data) as view:
+                await writer.write(view[:min(end, FIRST_WRITE)])
+                if end > FIRST_WRITE:
+                    await writer.write(view[FIRST_WRITE:end])
         finally:
+            del data
             if isinstance(body, MediaBuffer):
                 body.release()  # the handoff: the transport has every byte
             del body
@@ -123,12 +133,6 @@ class OneShotBody(Payload):
         if isinstance(body, MediaBuffer):
             body.release()
         self._on_sent = None
-
-
-def _sliced(body: bytes | MediaBuffer, length: int | None) -> bytes | memoryview:
-    """The bytes to write, never a copy: slicing a bytearray (read_body's buffer) always copies."""
-    data = body.data if isinstance(body, MediaBuffer) else body
-    return data if length is None or length >= len(data) else memoryview(data)[:length]
 
 
 def _classify(exc: BaseException, *, headers_received: bool) -> UpstreamError:

@@ -221,6 +221,45 @@ def test_no_marker_no_media() -> None:
     assert not may_contain_media(b"")
 
 
+@pytest.mark.parametrize("word", ["image", "audio", "video"])
+def test_a_word_hidden_behind_any_escape_is_still_found(word: str) -> None:
+    # Every way JSON can spell the word: each letter plain or escaped, hex digits in either case.
+    for mask in range(1 << len(word)):
+        for upper in (False, True):
+            spelled = "".join((f"\\u{ord(ch):04X}" if upper else f"\\u{ord(ch):04x}") if mask >> i & 1 else ch
+                              for i, ch in enumerate(word))
+            body = f'{{"messages": [{{"role": "user", "content": [{{"type": "{spelled}_url"}}]}}]}}'.encode()
+            assert orjson.loads(body)["messages"][0]["content"][0]["type"] == f"{word}_url"
+            assert may_contain_media(body), spelled
+
+
+def test_text_escaped_for_other_reasons_stays_on_the_fast_path() -> None:
+    # Python's json writes every non-ASCII character as an escape: a chat in French, Chinese or with emoji
+    # must not look like media.
+    doc = {"messages": [{"role": "user", "content": "Café, naïve 中文 😀\n \"quoted\" \\ tab\t"}] * 50}
+    assert not may_contain_media(json.dumps(doc, ensure_ascii=True).encode())
+    assert not may_contain_media(json.dumps(doc, ensure_ascii=False).encode())
+
+
+@settings(deadline=None, max_examples=300)
+@given(pieces=st.lists(st.binary(max_size=40) | st.sampled_from([*MARKERS, b"imag", b"\\u00", b"\\u006"]),
+                       max_size=30),
+       view=st.sampled_from(["bytes", "bytearray", "memoryview"]))
+def test_the_sniff_is_exactly_a_search_for_the_markers(pieces: list[bytes], view: str) -> None:
+    body = b"".join(pieces)
+    expected = any(marker in body for marker in MARKERS)  # the plain definition, one pass per marker
+    given_body = bytearray(body) if view == "bytearray" else memoryview(body) if view == "memoryview" else body
+    assert may_contain_media(given_body) == expected
+
+
+def test_the_sniff_finds_a_marker_anywhere_in_a_big_body() -> None:
+    filler = b"lorem ipsum dolor sit amet, \\u00e9 \\n " * 30_000
+    assert not may_contain_media(filler)
+    for marker in MARKERS:
+        for at in (0, len(filler) // 2, len(filler)):
+            assert may_contain_media(filler[:at] + marker + filler[at:]), (marker, at)
+
+
 def test_text_heavy_estimate() -> None:
     chat = orjson.dumps({"messages": [{"role": "user", "content": "word " * 30}] * 5000})
     media = orjson.dumps({"messages": [{"role": "user", "content": [
