@@ -129,13 +129,13 @@ def _load_generator(url: str, clients: int, stop_at: float, results: Any) -> Non
 
     body = chat_body(photo_jpeg())
 
-    async def run() -> L.LoadRun:
+    async def until_stop() -> L.LoadRun:
         stop = asyncio.Event()
         asyncio.get_running_loop().call_later(max(0.0, stop_at - time.monotonic()), stop.set)
         return await L.run_load(url, body, clients, stop_event=stop, timeout=120)
 
     offset = time.monotonic() - time.perf_counter()  # run_load stamps perf_counter
-    run = asyncio.run(run())
+    run = asyncio.run(until_stop())
     results.send([(r.ended + offset, r.status if not r.error else 0) for r in run.results])
     results.close()
 
@@ -165,7 +165,7 @@ def measure(mode: str, resize: bool, workers: int, args: argparse.Namespace, mod
                                  str(upstream_port)], cwd=R.REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     gate = None
-    generators: list[tuple[multiprocessing.Process, Any]] = []
+    generators: list[tuple[Any, Any]] = []  # (process, the end of its pipe)
     try:
         upstream_url = f"http://127.0.0.1:{upstream_port}"
         gate, url = L.start_mmgate(upstream_url, *flags, env=env)

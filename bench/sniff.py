@@ -41,7 +41,8 @@ OLD_MARKERS = (b"image", b"audio", b"video", b"\\u")
 def chat_of(words: list[str], size: int, seed: int) -> bytes:
     """A chat body of about ``size`` bytes as Python's json writes it (``ensure_ascii``)."""
     rng = random.Random(seed)
-    messages, total = [], 0
+    messages: list[dict[str, str]] = []
+    total = 0
     while total < size:
         text = " ".join(rng.choice(words) for _ in range(300))
         messages.append({"role": "user" if len(messages) % 2 == 0 else "assistant", "content": text})
