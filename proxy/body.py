@@ -17,9 +17,11 @@ HEAD_BYTES = 64 << 10  # how much of a body ``on_head`` sees; smaller bodies are
 
 
 async def read_body(request: web.Request, limit: int, timeout: float,
-                    on_head: Callable[[bytes], None] | None = None) -> bytes:
-    """The whole body, refusing more than ``limit`` bytes (413 up front from Content-Length, or as soon as a
-    chunked body crosses it) and more than ``timeout`` seconds (408: aiohttp has no body-read timeout).
+                    on_head: Callable[[bytes], None] | None = None) -> list[bytes]:
+    """The whole body, as the chunks the HTTP parser delivered, refusing more than ``limit`` bytes (413 up
+    front from Content-Length, or as soon as a chunked body crosses it) and more than ``timeout`` seconds (408:
+    aiohttp has no body-read timeout). Only a caller that needs one buffer joins them (``joined``): a text
+    body is forwarded as it came, never copied.
 
     ``on_head`` is called once with the first ``HEAD_BYTES`` of a body bigger than that which has not fully
     arrived yet; it may raise to refuse the request before the rest is read."""
@@ -27,21 +29,20 @@ async def read_body(request: web.Request, limit: int, timeout: float,
         raise MmgateError(413, "body_too_large",
                           f"the body is {request.content_length} bytes, over the limit of {limit} (MMGATE_MAX_BODY_MB)")
     if not request.body_exists:
-        return b""
+        return []
     content = request.content
     if content.is_eof():  # the whole body came with the head (small requests): no wait, no timer
         body = content.read_nowait()
         if len(body) > limit:
             raise MmgateError(413, "body_too_large",
                               f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
-        return body
+        return [body] if body else []
     expected = request.content_length
     if expected is not None and expected <= HEAD_BYTES:
         on_head = None
-    # The chunks aiohttp's parser hands over are kept as they are and joined once at the end: one copy, made
-    # in a single synchronous step, so at most one body on the whole loop is ever held twice at once. A buffer
-    # of the declared size filled chunk by chunk would cost a zeroing pass and a Python-level copy per chunk,
-    # and would commit the declared size in full before the client sent it.
+    # The chunks aiohttp's parser hands over are kept as they are: a buffer of the declared size filled chunk by
+    # chunk would cost a zeroing pass and a Python-level copy per chunk, and would commit the declared size in
+    # full before the client sent it.
     chunks: list[bytes] = []
     size = 0
     try:
@@ -59,6 +60,12 @@ async def read_body(request: web.Request, limit: int, timeout: float,
         raise MmgateError(408, "body_read_timeout", f"the request body did not arrive within {timeout:g} s") from None
     if expected is not None and size != expected:  # pragma: no cover - aiohttp raises on a short body first
         raise MmgateError(400, "incomplete_body", f"the body ended after {size} of {expected} bytes")
+    return chunks
+
+
+def joined(chunks: list[bytes]) -> bytes:
+    """The chunks as one buffer, the list emptied: one copy, made in one synchronous step, so at most one
+    body on the whole loop is ever held twice at once."""
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     chunks.clear()
     return body

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import hyperscan
@@ -60,6 +61,24 @@ def may_contain_media(body: bytes | bytearray | memoryview) -> bool:
         _MARKERS_DB.scan(body, match_event_handler=_stop_at_first, scratch=scratch)
     except hyperscan.ScanTerminated:
         return True
+    return False
+
+
+_SEAM = max(map(len, MARKERS)) - 1  # a marker across a boundary has at most this many bytes on either side
+
+
+def chunks_may_contain_media(chunks: Sequence[bytes]) -> bool:
+    """``may_contain_media`` of the chunks joined, without joining them: each chunk is scanned where it lies,
+    and each boundary through a few bytes either side of it (the last ``_SEAM`` bytes before it, gathered
+    across chunks shorter than that, and the first ``_SEAM`` after it), so a marker split over any number
+    of chunks is still found."""
+    tail = b""
+    for chunk in chunks:
+        if tail and may_contain_media(tail + chunk[:_SEAM]):
+            return True
+        if may_contain_media(chunk):
+            return True
+        tail = chunk[-_SEAM:] if len(chunk) >= _SEAM else (tail + chunk)[-_SEAM:]
     return False
 
 

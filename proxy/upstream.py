@@ -78,28 +78,32 @@ def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
 
 
 class OneShotBody(Payload):
-    """A request body that drops its buffer once written, then tells the caller.
+    """A request body that drops its buffers once written, then tells the caller.
 
     aiohttp's ClientRequest keeps its body for the request's whole lifetime (for redirects and retries,
     which a proxy never does): with a plain ``bytes`` body the media would stay alive until the response
-    stream ends. This payload lets go of the bytes (releasing a
-    ``MediaBuffer`` owner) as soon as the transport has them, then calls ``on_sent`` (the ``sent`` release
-    point).
+    stream ends. This payload lets go of the bytes (releasing a ``MediaBuffer`` owner) as soon as the
+    transport has them, then calls ``on_sent`` (the ``sent`` release point).
+
+    The body is a ``MediaBuffer`` (one buffer: the media path joined it) or the chunks a text body arrived
+    in, written one after the other without being joined.
     """
 
     _autoclose = True
 
-    def __init__(self, body: bytes | MediaBuffer, on_sent: Callable[[], None] | None = None) -> None:
+    def __init__(self, body: list[bytes] | MediaBuffer, on_sent: Callable[[], None] | None = None) -> None:
         # aiohttp wants a Content-Type here; skip_auto_headers keeps it off the wire, so the client's own
         # Content-Type (or none) is what the upstream sees.
         super().__init__(None)
-        self._body: bytes | MediaBuffer | None = body
-        self._size = len(body)
+        self._body: list[bytes] | MediaBuffer | None = body
+        self._length = len(body) if isinstance(body, MediaBuffer) else sum(map(len, body))
+        self._size = self._length
         self._on_sent = on_sent
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         body = self._body
-        return (body.data if isinstance(body, MediaBuffer) else body or b"").decode(encoding, errors)
+        data = body.data if isinstance(body, MediaBuffer) else b"".join(body or [])
+        return data.decode(encoding, errors)
 
     async def write(self, writer: AbstractStreamWriter) -> None:
         await self.write_with_length(writer, None)
@@ -108,20 +112,28 @@ class OneShotBody(Payload):
         body, self._body = self._body, None
         if body is None:
             raise RuntimeError("OneShotBody written twice")
-        data = body.data if isinstance(body, MediaBuffer) else body
-        end = len(data) if content_length is None else min(content_length, len(data))
         try:
-            # aiohttp joins the request head with the first write into one buffer: a small first write keeps
-            # that copy small. The rest goes to the transport as a view, so the part the socket does not take
-            # at once is copied exactly once, into the transport's buffer.
-            with memoryview(data) as view:
-                await writer.write(view[:min(end, FIRST_WRITE)])
-                if end > FIRST_WRITE:
-                    await writer.write(view[FIRST_WRITE:end])
+            left = self._length if content_length is None else min(content_length, self._length)
+            pieces = [body.data] if isinstance(body, MediaBuffer) else body
+            for n, piece in enumerate(pieces):
+                if left <= 0:
+                    break
+                with memoryview(piece) as view:
+                    if n == 0 and len(view) > FIRST_WRITE:
+                        # aiohttp joins the request head with the first write into one buffer: a small first
+                        # write keeps that copy small.
+                        await writer.write(view[:FIRST_WRITE])
+                        view, left = view[FIRST_WRITE:], left - FIRST_WRITE
+                    # A view, so the part the socket does not take at once is copied exactly once, into the
+                    # transport's buffer (slicing bytes would copy the rest first).
+                    await writer.write(view[:left])
+                    left -= len(view)
+            del pieces
         finally:
-            del data
             if isinstance(body, MediaBuffer):
                 body.release()  # the handoff: the transport has every byte
+            else:
+                body.clear()
             del body
         self._consumed = True
         if self._on_sent is not None:
