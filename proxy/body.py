@@ -14,6 +14,7 @@ from aiohttp import web
 from .errors import MmgateError
 
 HEAD_BYTES = 64 << 10  # how much of a body ``on_head`` sees; smaller bodies are not worth a place in line
+SMALL_PIECE = 16 << 10  # parser chunks smaller than this are gathered before they join the list
 
 
 async def read_body(request: web.Request, limit: int, timeout: float,
@@ -42,22 +43,36 @@ async def read_body(request: web.Request, limit: int, timeout: float,
         on_head = None
     # The chunks aiohttp's parser hands over are kept as they are: a buffer of the declared size filled chunk by
     # chunk would cost a zeroing pass and a Python-level copy per chunk, and would commit the declared size in
-    # full before the client sent it.
+    # full before the client sent it. Small pieces (a client that trickles) are gathered into pieces of at
+    # least SMALL_PIECE, so the list costs a bounded fraction of the body whatever the client's pace.
     chunks: list[bytes] = []
+    small = bytearray()
     size = 0
     try:
         async with asyncio.timeout(timeout):
-            async for chunk in content.iter_any():
+            # iter_chunks hands over the parser's pieces one by one; iter_any would join those already queued.
+            async for chunk, _end_of_http_chunk in content.iter_chunks():
                 size += len(chunk)
                 if size > limit:
                     raise MmgateError(413, "body_too_large",
                                       f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
-                chunks.append(chunk)
+                if len(chunk) < SMALL_PIECE:
+                    small += chunk
+                    if len(small) >= SMALL_PIECE:
+                        chunks.append(bytes(small))
+                        small.clear()
+                else:
+                    if small:
+                        chunks.append(bytes(small))
+                        small.clear()
+                    chunks.append(chunk)
                 if on_head is not None and size >= HEAD_BYTES:
-                    on_head(_head(chunks))
+                    on_head(_head(chunks, small))
                     on_head = None
     except TimeoutError:
         raise MmgateError(408, "body_read_timeout", f"the request body did not arrive within {timeout:g} s") from None
+    if small:
+        chunks.append(bytes(small))
     if expected is not None and size != expected:  # pragma: no cover - aiohttp raises on a short body first
         raise MmgateError(400, "incomplete_body", f"the body ended after {size} of {expected} bytes")
     return chunks
@@ -71,10 +86,12 @@ def joined(chunks: list[bytes]) -> bytes:
     return body
 
 
-def _head(chunks: list[bytes]) -> bytes:
-    """The first ``HEAD_BYTES`` of the chunks read so far, joining only the chunks it needs."""
-    needed, taken = [], 0
-    for chunk in chunks:
+def _head(chunks: list[bytes], small: bytearray) -> bytes:
+    """The first ``HEAD_BYTES`` of the chunks read so far (``small``: the gathered piece not yet in the list),
+    joining only the chunks it needs."""
+    needed: list[bytes | bytearray] = []
+    taken = 0
+    for chunk in (*chunks, small):
         needed.append(chunk)
         taken += len(chunk)
         if taken >= HEAD_BYTES:
