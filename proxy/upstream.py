@@ -118,16 +118,18 @@ class OneShotBody(Payload):
             for n, piece in enumerate(pieces):
                 if left <= 0:
                     break
-                with memoryview(piece) as view:
+                with memoryview(piece) as whole:
+                    # Views, so the part the socket does not take at once is copied exactly once, into the
+                    # transport's buffer (slicing bytes would copy the rest first).
+                    view = whole[:left]
+                    left -= len(view)
                     if n == 0 and len(view) > FIRST_WRITE:
                         # aiohttp joins the request head with the first write into one buffer: a small first
                         # write keeps that copy small.
                         await writer.write(view[:FIRST_WRITE])
-                        view, left = view[FIRST_WRITE:], left - FIRST_WRITE
-                    # A view, so the part the socket does not take at once is copied exactly once, into the
-                    # transport's buffer (slicing bytes would copy the rest first).
-                    await writer.write(view[:left])
-                    left -= len(view)
+                        view = view[FIRST_WRITE:]
+                    await writer.write(view)
+                    del view
             del pieces
         finally:
             if isinstance(body, MediaBuffer):
