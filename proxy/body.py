@@ -1,4 +1,5 @@
-"""Reading a request body whole, within MMGATE_MAX_BODY_MB and MMGATE_BODY_READ_TIMEOUT.
+"""Reading a request body whole, as the chunks it arrived in, within MMGATE_MAX_BODY_MB and
+MMGATE_BODY_READ_TIMEOUT; joining them into one buffer only where one is needed (a body that may hold media).
 
 A Content-Length over the limit is refused before a byte is read, a chunked body as soon as it crosses
 the limit, and a body that trickles is cut at the deadline (aiohttp has no body-read deadline of its own).

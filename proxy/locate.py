@@ -1,10 +1,11 @@
 """Finding the media in a request body without parsing it whole: the sniff, the walk, and the plan.
 
-``may_contain_media`` (the sniff) answers for every body on a media route; a body it clears leaves
-untouched, without a parse. ``find_media`` parses the rest the cheaper correct way and walks the route's
-dialect. ``plan_media`` turns the parts into a ``Plan``: every inline part measured from its base64
-length (no decode yet), its declared type checked, the URL policy applied, each ``Item`` carrying where
-its bytes are and what to check them against, so a decode worker needs nothing else.
+``chunks_may_contain_media`` (the sniff, one pass over the chunks a body arrived in) answers for every
+body on a media route; a body it clears leaves untouched, without a copy or a parse. ``find_media``
+parses the rest the cheaper correct way and walks the route's dialect. ``plan_media`` turns the parts
+into a ``Plan``: every inline part measured from its base64 length (no decode yet), its declared type
+checked, the URL policy applied, each ``Item`` carrying where its bytes are and what to check them
+against, so a decode worker needs nothing else.
 """
 
 from __future__ import annotations
