@@ -41,6 +41,7 @@ from PIL import (
 )
 
 from .base import Checkpoint, ImagePolicy, MediaError, Processed, no_checkpoint
+from .geometry import resize_target
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 MIME_BY_FORMAT = {
@@ -127,7 +128,10 @@ def process_image(
                 "send a still image or a shorter animation",
             )
         checkpoint()
-        target = _fit(width, height, policy)
+        if policy.geometry is None:
+            target = _fit(width, height, policy)
+        else:
+            target = resize_target(policy.geometry, width, height, _orientation(img))
         if target is None:
             if policy.validate == "full":
                 with _decode_errors(fmt):

@@ -39,6 +39,7 @@ class Exchange:
     bytes_in: int = 0
     media_in: int = 0
     media_out: int = 0
+    image_tokens: int = 0  # with MMGATE_MODEL: the request's image tokens for the served model
     upstream_started: float = 0.0
 
     def response_headers(self, with_timing: bool) -> dict[str, str]:
@@ -87,5 +88,7 @@ def record(state: AppState, ex: Exchange, request: web.Request) -> None:
             "stages_ms": {k: round(v * 1000, 2) for k, v in ex.watch.stages.items()},
             "bytes_in": ex.bytes_in, "media_in": ex.media_in, "media_out": ex.media_out,
         }
+        if state.model is not None:
+            fields["image_tokens"] = ex.image_tokens
         log.info("%s %s %s %s %s %.1fms %s", ex.request_id, request.method, loggable(request.path), status, ex.kind,
                  duration * 1000, ex.code or "-", extra={"fields": fields})

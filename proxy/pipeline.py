@@ -25,6 +25,7 @@ from .paths import Target, is_allowed, normalise_target
 from .rawjson import splice
 from .refusals import refuse
 from .state import STATE, AppState
+from .tokens import plan_image_tokens
 from .upstream import (
     OneShotBody,
     close_upstream,
@@ -34,6 +35,9 @@ from .upstream import (
     request_id_for,
     upstream_headers,
 )
+
+# Sent upstream with MMGATE_MODEL: the request's image tokens for the served model, for a router or scheduler.
+IMAGE_TOKENS_HEADER = "x-mmgate-image-tokens"
 
 
 async def handle_request(request: web.Request) -> web.StreamResponse:
@@ -107,8 +111,11 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     ex.upstream_started = time.perf_counter()
     assert state.session is not None
     try:
+        headers = upstream_headers(request, ex.request_id)
+        if state.model is not None:  # the header is mmgate's to set: a client's own is never passed on
+            headers[IMAGE_TOKENS_HEADER] = str(ex.image_tokens)
         upstream = await open_upstream(state.session, request.method, settings.upstream + target.forwarded, payload,
-                                       upstream_headers(request, ex.request_id), state.upstream_timeout())
+                                       headers, state.upstream_timeout())
         del payload
         try:
             if lease is not None and release_at == "headers":
@@ -132,6 +139,12 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     limits = Limits(settings.max_media_per_request, settings.max_media_item_bytes, settings.media_urls == "reject",
                     settings.max_json_depth)
     plan = plan_media(ex.route, media.data, limits)
+    if plan.parts and plan.refusal is None and state.model is not None:
+        per_image = plan_image_tokens(state.model, plan, media.data)
+        ex.image_tokens = sum(per_image)
+        for item, tokens in zip(plan.items, per_image, strict=True):
+            if item.part.kind == "image":
+                state.metrics.image_tokens.observe(tokens)
     ex.watch.add("parse", time.perf_counter() - started)
     if not plan.parts:
         return plan.is_stream
@@ -141,7 +154,7 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
         raise plan.take_refusal()
 
     started = time.perf_counter()
-    ex.lease = await state.gate.acquire(plan.cost, settings.queue_timeout, ex.place)
+    ex.lease = await state.gate.acquire(plan.cost, settings.queue_timeout, ex.place, ex.image_tokens)
     ex.place = None
     ex.watch.add("queue", time.perf_counter() - started)
 

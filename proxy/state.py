@@ -17,6 +17,7 @@ from .connections import ConnectionGuard
 from .lifecycle import Lifecycle
 from .memory import IdleTrimmer
 from .metrics import Metrics
+from .model import Model
 from .settings import Settings
 
 
@@ -35,6 +36,7 @@ class AppState:
     session: aiohttp.ClientSession | None = None
     pool: DecodePool | None = None
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # shared with the gate
+    model: Model | None = None  # MMGATE_MODEL with a supported family: image tokens are counted
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")

@@ -1,0 +1,110 @@
+"""A served model's own image geometry: the size its processor resizes an image to, as plain data.
+
+With ``MMGATE_MODEL`` set, ``proxy/model.py`` reads the model's image processor configuration and builds one
+of these. They are frozen dataclasses of integers (picklable, so a decode worker in another process can hold
+one) that call the resize helpers of ``transformers`` itself, imported when first used: the rules are the
+processor's, not a copy of them.
+
+Sizes are ``(width, height)`` of the image as the backend sees it: upright, after its EXIF orientation
+(vLLM applies it before the processor runs). ``resize_target`` turns that into what a decode worker does
+with the image as stored.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+# EXIF orientations whose transpose swaps width and height.
+SWAPS_SIDES = frozenset((5, 6, 7, 8))
+
+
+class Geometry(Protocol):
+    """What the model's processor makes of an upright ``width`` x ``height`` image."""
+
+    @property
+    def family(self) -> str: ...
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        """The ``(width, height)`` the processor resizes the image to (it may be larger: it upscales)."""
+        ...
+
+
+def upright(width: int, height: int, orientation: int) -> tuple[int, int]:
+    """The size of a stored ``width`` x ``height`` image once its EXIF ``orientation`` is applied."""
+    return (height, width) if orientation in SWAPS_SIDES else (width, height)
+
+
+def resize_target(geometry: Geometry, width: int, height: int, orientation: int) -> tuple[int, int] | None:
+    """The size to resize a stored image to (before its EXIF transpose), or None to forward it as it is.
+
+    The target is exactly what the model's processor would produce, so the backend's own resize is a no-op.
+    mmgate never enlarges: where the processor would make either side larger than the image has, the image is
+    forwarded unchanged and the backend upscales it itself.
+    """
+    up_w, up_h = upright(width, height, orientation)
+    out_w, out_h = geometry.backend_size(up_w, up_h)
+    if out_w > up_w or out_h > up_h or (out_w, out_h) == (up_w, up_h):
+        return None
+    return (out_h, out_w) if orientation in SWAPS_SIDES else (out_w, out_h)
+
+
+def _helper(module: str, name: str) -> Any:
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True, slots=True)
+class QwenVL:
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL: both sides a multiple of ``patch_size * merge_size`` (28 or 32), the
+    pixel count within ``[min_pixels, max_pixels]`` (``smart_resize``)."""
+
+    family: str
+    patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        smart_resize = _helper("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl", "smart_resize")
+        h, w = smart_resize(height, width, factor=self.patch_size * self.merge_size,
+                            min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        return int(w), int(h)
+
+
+@dataclass(frozen=True, slots=True)
+class Idefics3:
+    """Idefics3 and SmolVLM: the longest edge brought to ``longest_edge`` (up or down), then, with splitting,
+    both sides rounded up to whole ``tile`` px tiles (``resize_for_vision_encoder``); without splitting, one
+    ``tile`` square."""
+
+    family: str
+    module: str  # the transformers module whose helpers apply (idefics3's or smolvlm's PIL processor)
+    longest_edge: int
+    tile: int
+    split: bool
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        if not self.split:
+            return self.tile, self.tile
+        to_max_len = _helper(self.module, "_resize_output_size_rescale_to_max_len")
+        below_bound = _helper(self.module, "_resize_output_size_scale_below_upper_bound")
+        h, w = to_max_len(height, width, max_len=self.longest_edge)
+        h, w = below_bound(h, w, max_len=_helper(self.module, "MAX_IMAGE_SIZE"))
+        return _vision_encoder_size(w, h, self.tile)
+
+
+def _vision_encoder_size(width: int, height: int, tile: int) -> tuple[int, int]:
+    """``resize_for_vision_encoder`` of the Idefics3/SmolVLM processors works on a pixel array; this is its
+    size arithmetic, step for step (tests check it against the processor on random sizes)."""
+    aspect_ratio = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = int(width / aspect_ratio)
+        height = math.ceil(height / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = int(height * aspect_ratio)
+        width = math.ceil(width / tile) * tile
+    return width, height

@@ -1,0 +1,35 @@
+"""Image tokens of a planned request, from the image headers alone, before admission.
+
+Each inline image's stored size and EXIF orientation are read from the first bytes of its base64
+(``preprocessors.dimensions``), then the served model's processor says how many tokens the backend makes of
+it (``model.Model.image_tokens``): what the image will cost the backend's prefill and KV cache, known before a
+pixel is decoded. A resized image counts the same as its source (mmgate resizes to exactly the processor's
+size), and an image mmgate forwards unchanged counts what the backend's processor makes of it. An image whose
+head does not say its size counts 0 (the decode worker refuses it); URL images are not counted.
+"""
+
+from __future__ import annotations
+
+from preprocessors.dimensions import peek_dimensions
+
+from .locate import Plan, inline_value
+from .model import Model
+
+
+def plan_image_tokens(model: Model, plan: Plan, body: bytes) -> list[int]:
+    """Image tokens of each item of ``plan`` (0 for audio, video and unreadable heads), in plan order."""
+    counts = []
+    view = memoryview(body)
+    for item in plan.items:
+        part = item.part
+        if part.kind != "image":
+            counts.append(0)
+            continue
+        span = part.span
+        if span is not None and not span.escaped:
+            payload: bytes | memoryview = view[span.start + 1 + item.payload_offset : span.end - 1]
+        else:
+            payload = inline_value(body, part)[item.payload_offset :]
+        found = peek_dimensions(payload)
+        counts.append(0 if found is None else model.image_tokens(found.width, found.height, found.orientation))
+    return counts
