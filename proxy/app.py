@@ -35,7 +35,7 @@ log = logging.getLogger("mmgate")
 
 def build_state(settings: Settings) -> AppState:
     """Everything the handlers share. ConfigError when MMGATE_MODEL cannot be loaded (cached: loaded once)."""
-    model = _served_model(settings)
+    model = served_model(settings)
     metrics = Metrics()
     trimmer = IdleTrimmer(settings.trim_idle, glibc_malloc_trim(), metrics.memory_trims.inc)
 
@@ -72,7 +72,7 @@ def build_state(settings: Settings) -> AppState:
     return state
 
 
-def _served_model(settings: Settings) -> Model | None:
+def served_model(settings: Settings) -> Model | None:
     """The model whose geometry and token count apply, or None (no MMGATE_MODEL, or a family mmgate has no
     geometry for: the generic rule, warned about by ``load_model``)."""
     if not settings.model:

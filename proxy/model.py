@@ -67,6 +67,7 @@ def load_model(spec: str) -> Model:
     """Load ``spec`` (a folder or a cached model name) once per process; ConfigError names what is missing."""
     folder = _resolve(spec)
     os.environ["HF_HUB_OFFLINE"] = "1"  # whatever a transformers helper tries, never the network
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # not its note that torch is absent: none is needed
     try:
         from transformers import AutoImageProcessor
     except ImportError:
@@ -159,22 +160,46 @@ def _idefics3(spec: str, family: str, module: str, folder: Path, image_processor
     geometry = Idefics3(family, module, int(image_processor.size.longest_edge),
                         int(image_processor.max_image_size["longest_edge"]), bool(image_processor.do_image_splitting))
     try:
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
-        processor._get_num_multimodal_tokens(image_sizes=[[1, 1]])
+        layout_tokens = _idefics3_layout_tokens(family, folder)
+        layout_tokens(1, 1, (0, 0, 0))
     except Exception as error:
-        raise ConfigError(f"MMGATE_MODEL={spec!r}: counting {family} image tokens needs the model's processor and "
-                          f"tokenizer in {folder}, which could not be loaded offline "
+        raise ConfigError(f"MMGATE_MODEL={spec!r}: counting {family} image tokens needs the model's processor "
+                          f"configuration and tokenizer in {folder}, which could not be loaded offline "
                           f"({type(error).__name__}: {str(error)[:200]})") from None
     by_layout: dict[Any, int] = {}
 
     def count(width: int, height: int) -> int:
         layout = image_processor.get_number_of_image_patches(height, width, {})  # (patches, rows, columns)
         tokens = by_layout.get(layout)
-        if tokens is None:
-            tokens = int(processor._get_num_multimodal_tokens(image_sizes=[[height, width]]).num_image_tokens[0])
-            by_layout[layout] = tokens
+        if tokens is None:  # bounded: rows and columns are at most the longest edge over the tile
+            tokens = by_layout[layout] = layout_tokens(width, height, layout)
         return tokens
 
     return Model(spec, family, geometry, count)
+
+
+def _idefics3_layout_tokens(family: str, folder: Path) -> Callable[[int, int, Any], int]:
+    """How many tokens an image of a given patch layout becomes, from the processor itself. Idefics3's processor
+    says it (``_get_num_multimodal_tokens``). SmolVLM's cannot load without torch (its video processor), so its
+    image prompt (``get_image_prompt_string``) is built and counted with the model's own tokenizer."""
+    if family == "idefics3":
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
+        return lambda width, height, _layout: int(
+            processor._get_num_multimodal_tokens(image_sizes=[[height, width]]).num_image_tokens[0])
+    from transformers import AutoTokenizer
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    config = _read_json(folder / "processor_config.json") or {}
+    image_seq_len = int(config.get("image_seq_len", 169))  # SmolVLMProcessor's default
+    markers = (getattr(tokenizer, "fake_image_token", "<fake_token_around_image>"),
+               getattr(tokenizer, "image_token", "<image>"), getattr(tokenizer, "global_image_token", "<global-img>"))
+
+    def layout_tokens(_width: int, _height: int, layout: Any) -> int:
+        _patches, rows, columns = layout
+        prompt = get_image_prompt_string(rows, columns, image_seq_len, *markers)
+        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    return layout_tokens
