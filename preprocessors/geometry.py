@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .base import MediaError
+
 # EXIF orientations whose transpose swaps width and height.
 SWAPS_SIDES = frozenset((5, 6, 7, 8))
 
@@ -45,10 +47,20 @@ def resize_target(geometry: Geometry, width: int, height: int, orientation: int)
     forwarded unchanged and the backend upscales it itself.
     """
     up_w, up_h = upright(width, height, orientation)
-    out_w, out_h = geometry.backend_size(up_w, up_h)
+    out_w, out_h = model_size(geometry, up_w, up_h)
     if out_w > up_w or out_h > up_h or (out_w, out_h) == (up_w, up_h):
         return None
     return (out_h, out_w) if orientation in SWAPS_SIDES else (out_w, out_h)
+
+
+def model_size(geometry: Geometry, width: int, height: int) -> tuple[int, int]:
+    """``geometry.backend_size``, with the processor's own refusal (Qwen's aspect ratio over 200) as a
+    MediaError: the backend would refuse the image, so mmgate does, in the client's API shape."""
+    try:
+        return geometry.backend_size(width, height)
+    except ValueError as error:
+        raise MediaError("image_unsupported_by_model",
+                         f"the served model's processor refuses a {width}x{height} image: {error}") from None
 
 
 def _helper(module: str, name: str) -> Any:

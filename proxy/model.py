@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from preprocessors.geometry import Geometry, Idefics3, QwenVL, upright
+from preprocessors.geometry import Geometry, Idefics3, QwenVL, model_size, upright
 
 from .settings import ConfigError
 
@@ -57,8 +57,9 @@ class Model:
 
     def image_tokens(self, width: int, height: int, orientation: int = 1) -> int:
         """Tokens the backend's processor makes of a stored image of this size and EXIF orientation."""
-        assert self.count is not None
+        assert self.count is not None and self.geometry is not None
         up_w, up_h = upright(width, height, orientation)
+        model_size(self.geometry, up_w, up_h)  # MediaError for an image the processor refuses
         return self.count(up_w, up_h)
 
 

@@ -5,13 +5,15 @@ Each inline image's stored size and EXIF orientation are read from the first byt
 it (``model.Model.image_tokens``): what the image will cost the backend's prefill and KV cache, known before a
 pixel is decoded. A resized image counts the same as its source (mmgate resizes to exactly the processor's
 size), and an image mmgate forwards unchanged counts what the backend's processor makes of it. An image whose
-head does not say its size counts 0 (the decode worker refuses it); URL images are not counted.
+head does not say its size counts 0 (the decode worker refuses it); URL images are not counted. An image
+the processor itself refuses (Qwen: an aspect ratio over 200) is 400 ``image_unsupported_by_model``.
 """
 
 from __future__ import annotations
 
 from preprocessors.dimensions import peek_dimensions
 
+from .errors import MediaError
 from .locate import Plan, inline_value
 from .model import Model
 
@@ -31,5 +33,11 @@ def plan_image_tokens(model: Model, plan: Plan, body: bytes) -> list[int]:
         else:
             payload = inline_value(body, part)[item.payload_offset :]
         found = peek_dimensions(payload)
-        counts.append(0 if found is None else model.image_tokens(found.width, found.height, found.orientation))
+        if found is None:
+            counts.append(0)
+            continue
+        try:
+            counts.append(model.image_tokens(found.width, found.height, found.orientation))
+        except MediaError as error:
+            raise error.at(part.path) from None
     return counts
