@@ -120,3 +120,40 @@ def _vision_encoder_size(width: int, height: int, tile: int) -> tuple[int, int]:
         width = int(height * aspect_ratio)
         width = math.ceil(width / tile) * tile
     return width, height
+
+
+@dataclass(frozen=True, slots=True)
+class ShortestEdge:
+    """LLaVA 1.5: the shortest edge brought to ``shortest_edge`` (``get_resize_output_image_size`` with
+    ``default_to_square=False``), then a centre crop the backend takes from that. With ``pad_to_square``
+    (``LlavaImageProcessor``'s ``do_pad``) the image is first padded to a square, so the longest edge is the
+    one brought to ``shortest_edge``."""
+
+    family: str
+    shortest_edge: int
+    pad_to_square: bool = False
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        if self.pad_to_square:  # the padded square is resized to shortest_edge; the image within it scales so
+            edge, longest = self.shortest_edge, max(width, height)
+            if width >= height:
+                return edge, max(1, round(height * edge / longest))
+            return max(1, round(width * edge / longest)), edge
+        numpy = importlib.import_module("numpy")
+        resize_size = _helper("transformers.image_transforms", "get_resize_output_image_size")
+        # The helper reads the size off an array: a zero-channel one costs no memory.
+        h, w = resize_size(numpy.empty((height, width, 0), dtype=numpy.uint8), self.shortest_edge,
+                           default_to_square=False, input_data_format="channels_last")
+        return int(w), int(h)
+
+
+@dataclass(frozen=True, slots=True)
+class Square:
+    """Gemma 3 (without pan-and-scan): every image becomes one ``width`` x ``height`` square (896 px)."""
+
+    family: str
+    width: int
+    height: int
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        return self.width, self.height

@@ -6,8 +6,9 @@ torch, and with the network off (``HF_HUB_OFFLINE``, ``local_files_only``): mmga
 What is missing (the extra, the folder, the processor configuration, a tokenizer a count needs) is a
 ``ConfigError`` naming it, so ``mmgate`` stops at start-up with status 2.
 
-Families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``QwenVL``), Idefics3 and SmolVLM (``Idefics3``). A model whose
-image processor is none of these keeps the generic resize rule, with a warning naming it.
+Families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``QwenVL``), Idefics3 and SmolVLM (``Idefics3``), LLaVA 1.5
+(``ShortestEdge``), Gemma 3 without pan-and-scan (``Square``). Any other model (LLaVA-NeXT's any-res grid among
+them) keeps the generic resize rule, with a warning naming it.
 
 The token count of an image comes from the processor: the image processor's ``get_number_of_image_patches``
 and, where the count also depends on the tokenizer (Idefics3/SmolVLM's row and column markers), the
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from preprocessors.geometry import Geometry, Idefics3, QwenVL, model_size, upright
+from preprocessors.geometry import Geometry, Idefics3, QwenVL, ShortestEdge, Square, model_size, upright
 
 from .settings import ConfigError
 
@@ -87,7 +88,17 @@ def load_model(spec: str) -> Model:
     if image_type in _IDEFICS_MODULES:
         family, module = _IDEFICS_MODULES[image_type]
         return _idefics3(spec, family, module, folder, processor)
+    if image_type in ("CLIPImageProcessor", "LlavaImageProcessor") and model_type == "llava":
+        size, pad = processor.size, bool(image_type == "LlavaImageProcessor" and getattr(processor, "do_pad", False))
+        geometry: Geometry = (ShortestEdge("llava", int(size.shortest_edge or size.height), pad)
+                              if size.shortest_edge or pad else Square("llava", int(size.width), int(size.height)))
+        return _constant(spec, "llava", folder, geometry)
+    if image_type == "Gemma3ImageProcessor" and not getattr(processor, "do_pan_and_scan", False):
+        return _constant(spec, "gemma3", folder, Square("gemma3", int(processor.size.width),
+                                                         int(processor.size.height)))
     family = model_type or image_type
+    if image_type == "Gemma3ImageProcessor":
+        family = "gemma3 with pan-and-scan"
     log.warning("MMGATE_MODEL=%s: the %s family (%s) has no model geometry in mmgate; images follow the generic "
                 "rule (MMGATE_RESIZE_MAX_*) and no image tokens are counted", spec, family, image_type)
     return Model(spec, family, None)
@@ -155,6 +166,20 @@ def _qwen(spec: str, family: str, processor: Any) -> Model:
         return int(processor.get_number_of_image_patches(height, width, {})) // per_token
 
     return Model(spec, family, geometry, count)
+
+
+def _constant(spec: str, family: str, folder: Path, geometry: Geometry) -> Model:
+    """LLaVA 1.5 and Gemma 3 make the same number of tokens of every image: their processor says how many."""
+    try:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
+        tokens = int(processor._get_num_multimodal_tokens(image_sizes=[[1, 1]]).num_image_tokens[0])
+    except Exception as error:
+        raise ConfigError(f"MMGATE_MODEL={spec!r}: counting {family} image tokens needs the model's processor and "
+                          f"tokenizer in {folder}, which could not be loaded offline "
+                          f"({type(error).__name__}: {str(error)[:200]})") from None
+    return Model(spec, family, geometry, lambda _width, _height: tokens)
 
 
 def _idefics3(spec: str, family: str, module: str, folder: Path, image_processor: Any) -> Model:

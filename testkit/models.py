@@ -12,7 +12,7 @@ _IDEFICS_SPECIALS = (["<|begin_of_text|>", "<end_of_utterance>", "<pad>", "<fake
                       "<global-img>"] + [f"<row_{i}_col_{j}>" for i in range(1, 13) for j in range(1, 13)])
 
 
-def _tokenizer(specials: list[str]) -> Any:
+def _tokenizer(specials: list[str], **named: Any) -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -20,7 +20,7 @@ def _tokenizer(specials: list[str]) -> Any:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("\n", behavior="isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token=specials[2] if len(specials) > 2
-                                   else None, additional_special_tokens=specials)
+                                   else None, additional_special_tokens=specials, **named)
 
 
 def qwen_folder(path: Path, model_type: str = "qwen2_vl") -> Path:
@@ -61,10 +61,41 @@ def idefics3_folder(path: Path, family: str = "idefics3", tile: int = 364, longe
     return path
 
 
-def llava_folder(path: Path) -> Path:
-    """A LLaVA-1.5-style folder (CLIP image processor): a family mmgate has no geometry for."""
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+def llava_folder(path: Path, pad: bool = False) -> Path:
+    """A LLaVA 1.5 processor: CLIP's (shortest edge 336, centre crop) or, with ``pad``, LLaVA's own (pad to a
+    square first), and a tokenizer with the ``<image>`` token."""
+    from transformers import LlavaProcessor
 
-    CLIPImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}).save_pretrained(path)
+    if pad:
+        from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil as Images
+    else:
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil as Images
+    images = Images(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}, do_center_crop=True,
+                    **({"do_pad": True} if pad else {}))
+    LlavaProcessor(image_processor=images, tokenizer=_tokenizer(["<image>"]), patch_size=14,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    return path
+
+
+def gemma3_folder(path: Path, pan_and_scan: bool = False) -> Path:
+    """A Gemma 3 processor: 896 px squares, 256 tokens an image; a tokenizer with its image markers."""
+    from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = _tokenizer(["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
+                           extra_special_tokens={"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                                                 "eoi_token": "<end_of_image>"})
+    images = Gemma3ImageProcessorPil(size={"height": 896, "width": 896}, do_pan_and_scan=pan_and_scan)
+    Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=256).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    return path
+
+
+def llava_next_folder(path: Path) -> Path:
+    """A LLaVA-NeXT image processor (any-res grid): a family mmgate has no geometry for."""
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    LlavaNextImageProcessorPil().save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "llava_next"}))
     return path

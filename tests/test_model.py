@@ -36,7 +36,7 @@ from .conftest import StartProxy, Upstream
 
 transformers = pytest.importorskip("transformers", reason="the model extra: pip install -e '.[model]'")
 
-from testkit.models import idefics3_folder, llava_folder, qwen_folder  # noqa: E402
+from testkit.models import gemma3_folder, idefics3_folder, llava_folder, llava_next_folder, qwen_folder  # noqa: E402
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "idefics3", "smolvlm"]
 
@@ -129,6 +129,55 @@ def test_target_and_tokens_equal_what_the_processor_computes(
     # The processor run on mmgate's output resizes nothing and counts the same tokens.
     assert references[family].run(Image.new("RGB", target)) == (target, expected_tokens)
     assert model.image_tokens(*target) == expected_tokens
+
+
+CONSTANT_FAMILIES = {"llava": lambda p: llava_folder(p), "llava-pad": lambda p: llava_folder(p, pad=True),
+                     "gemma3": lambda p: gemma3_folder(p)}
+
+
+@pytest.fixture(scope="module")
+def constant_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {name: build(tmp_path_factory.mktemp(name)) for name, build in CONSTANT_FAMILIES.items()}
+
+
+@pytest.mark.parametrize("name", list(CONSTANT_FAMILIES))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=sizes)
+@example(size=(700, 500)).via("enlarged by LLaVA on its short side, by Gemma 3 on both")
+@example(size=(2000, 1500)).via("downsized by every family")
+def test_llava_and_gemma3_target_and_tokens_follow_their_processor(
+        name: str, size: tuple[int, int], constant_folders: dict[str, Path]) -> None:
+    folder = str(constant_folders[name])
+    model = load_model(folder)
+    assert model.geometry is not None
+    processor = transformers.AutoProcessor.from_pretrained(folder, local_files_only=True, backend="pil")
+    if name.startswith("llava"):
+        prompt = marker = processor.image_token
+    else:  # Gemma 3 expands its begin-of-image marker into 256 soft tokens
+        prompt, marker = processor.boi_token, processor.tokenizer.image_token
+    image_token = processor.tokenizer.convert_tokens_to_ids(marker)
+
+    def run(image_size: tuple[int, int]) -> tuple[tuple[int, ...], int]:
+        out = processor(text=[prompt], images=[Image.new("RGB", image_size)], return_tensors="np")
+        return tuple(out["pixel_values"].shape), int((out["input_ids"][0] == image_token).sum())
+
+    width, height = size
+    shape, tokens = run(size)
+    assert model.image_tokens(width, height) == tokens
+    target = resize_target(model.geometry, width, height, 1)
+    if target is None:
+        resized = model.geometry.backend_size(width, height)
+        assert resized[0] > width or resized[1] > height or resized == size
+        return
+    assert target[0] <= width and target[1] <= height
+    assert model.geometry.backend_size(*target) == target  # the processor's resize of mmgate's output is a no-op
+    assert run(target) == (shape, tokens)
+    if name == "llava":
+        assert min(target) == 336
+    elif name == "llava-pad":
+        assert max(target) == 336
+    else:
+        assert target == (896, 896)
 
 
 def _jpeg(width: int, height: int, orientation: int = 1, exif_padding: int = 0) -> bytes:
@@ -234,11 +283,13 @@ def test_the_cli_stops_with_status_2_naming_what_is_missing(tmp_path: Path, caps
 
 def test_an_unsupported_family_keeps_the_generic_rule_with_a_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    folder = str(llava_folder(tmp_path))
+    folder = str(llava_next_folder(tmp_path / "next"))
     with caplog.at_level(logging.WARNING, logger="mmgate"):
         model = load_model(folder)
-    assert not model.supported and model.family == "llava"
-    assert "llava family (CLIPImageProcessor) has no model geometry" in caplog.text
+        assert not load_model(str(gemma3_folder(tmp_path / "gemma", pan_and_scan=True))).supported
+    assert not model.supported and model.family == "llava_next"
+    assert "llava_next family (LlavaNextImageProcessor) has no model geometry" in caplog.text
+    assert "gemma3 with pan-and-scan family" in caplog.text
     state = build_state(Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:9", "MMGATE_MODEL": folder,
                                            "MMGATE_RESIZE_MAX_SIDE": "512"}))
     assert state.model is None and state.image_policy.geometry is None and state.image_policy.resize_max_side == 512
