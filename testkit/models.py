@@ -66,12 +66,12 @@ def llava_folder(path: Path, pad: bool = False) -> Path:
     square first), and a tokenizer with the ``<image>`` token."""
     from transformers import LlavaProcessor
 
-    if pad:
-        from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil as Images
-    else:
-        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil as Images
-    images = Images(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}, do_center_crop=True,
-                    **({"do_pad": True} if pad else {}))
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    geometry: dict[str, Any] = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336},
+                                "do_center_crop": True}
+    images: Any = LlavaImageProcessorPil(do_pad=True, **geometry) if pad else CLIPImageProcessorPil(**geometry)
     LlavaProcessor(image_processor=images, tokenizer=_tokenizer(["<image>"]), patch_size=14,
                    vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": "llava"}))
