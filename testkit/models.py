@@ -65,7 +65,6 @@ def llava_folder(path: Path, pad: bool = False) -> Path:
     """A LLaVA 1.5 processor: CLIP's (shortest edge 336, centre crop) or, with ``pad``, LLaVA's own (pad to a
     square first), and a tokenizer with the ``<image>`` token."""
     from transformers import LlavaProcessor
-
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
