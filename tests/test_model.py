@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from preprocessors.base import ImagePolicy, MediaError
-from preprocessors.dimensions import peek_dimensions
+from preprocessors.dimensions import Dimensions, peek_dimensions
 from preprocessors.geometry import resize_target, upright
 from preprocessors.image import process_image
 from proxy.app import build_state
@@ -229,14 +229,34 @@ def test_an_aspect_ratio_the_processor_refuses_is_a_media_error(folders: dict[st
 # dimensions from the first bytes
 
 
-@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP"])
-@given(width=st.integers(1, 3000), height=st.integers(1, 3000))
-@settings(max_examples=10, deadline=None)
-def test_dimensions_come_from_the_head_of_the_base64(fmt: str, width: int, height: int) -> None:
+VARIANTS = {
+    "PNG": ("PNG", "RGB", {}), "JPEG": ("JPEG", "RGB", {}),
+    "JPEG progressive": ("JPEG", "RGB", {"progressive": True}), "JPEG grey": ("JPEG", "L", {}),
+    "WEBP lossy": ("WEBP", "RGB", {}), "WEBP lossless": ("WEBP", "RGB", {"lossless": True}),
+    "WEBP alpha": ("WEBP", "RGBA", {}), "GIF": ("GIF", "P", {}), "BMP": ("BMP", "RGB", {}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@given(width=st.integers(1, 3000), height=st.integers(1, 3000), orientation=st.integers(1, 8),
+       big_endian=st.booleans())
+@settings(max_examples=8, deadline=None)
+def test_dimensions_from_the_head_equal_pillow_on_the_whole_file(
+        variant: str, width: int, height: int, orientation: int, big_endian: bool) -> None:
+    fmt, mode, options = VARIANTS[variant]
+    image = Image.new(mode, (width, height))
+    if fmt == "JPEG":
+        exif = Image.Exif()
+        exif.endian = ">" if big_endian else "<"
+        exif[0x010E] = "a description before the orientation"
+        exif[0x0112] = orientation
+        options = {**options, "exif": exif.tobytes()}
     buf = io.BytesIO()
-    Image.new("RGB", (width, height), "teal").save(buf, fmt)
+    image.save(buf, fmt, **options)
     found = peek_dimensions(base64.b64encode(buf.getvalue()))
-    assert found is not None and (found.width, found.height) == (width, height)
+    whole = Image.open(io.BytesIO(buf.getvalue()))
+    expected_orientation = whole.getexif().get(0x0112, 1) if fmt == "JPEG" else 1
+    assert found == Dimensions(whole.width, whole.height, expected_orientation)
 
 
 def test_a_long_exif_block_is_read_through_and_junk_says_nothing() -> None:
