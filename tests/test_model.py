@@ -405,3 +405,14 @@ def test_settings_name_the_new_variables() -> None:
     assert settings.model == "/models/x" and settings.max_inflight_image_tokens == 20000
     with pytest.raises(ConfigError, match="MMGATE_MODEL=''"):
         Settings.from_env({"MMGATE_MODEL": ""})
+
+
+def test_the_geometry_travels_to_a_worker_process_as_plain_data(
+        folders: dict[str, Path], constant_folders: dict[str, Path]) -> None:
+    """A decode pool of processes pickles the ImagePolicy: the geometry must survive it unchanged."""
+    import pickle
+
+    for folder in [*folders.values(), *constant_folders.values()]:
+        policy = ImagePolicy(geometry=load_model(str(folder)).geometry)
+        copy = pickle.loads(pickle.dumps(policy))
+        assert copy == policy and copy.geometry.backend_size(3000, 2000) == policy.geometry.backend_size(3000, 2000)
