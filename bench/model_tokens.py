@@ -190,8 +190,10 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
         same = [all(len(set(cells[m]["prompt_tokens"])) == 1 for m in cells)
                 and set(cells["direct"]["prompt_tokens"]) == set(cells["mmgate --model"]["prompt_tokens"])
                 for cells in data["vllm"].values()]
-        out.append(R.goal("image sizes with identical prompt_tokens direct and through mmgate",
-                          [sum(same)] * R.MIN_ROUNDS, f"= {len(same)}", lambda v: v == len(same), over="sizes"))
+        # Every request of every round counts: one differing prompt_tokens anywhere fails the size.
+        out.append(R.record("image sizes with identical prompt_tokens direct and through mmgate (every round)",
+                            {"median": sum(same), "spread": [sum(same), sum(same)], "n": len(same)},
+                            f"= {len(same)}", lambda v: v == len(same), over="image sizes"))
         big = data["vllm"].get("4000x3000 EXIF 6")
         if big:
             out.append(R.goal("4000x3000: bytes to vLLM, direct ÷ through mmgate",
