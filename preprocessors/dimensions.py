@@ -79,34 +79,39 @@ _ORIENTATION = 0x0112
 
 
 def _jpeg(data: bytes) -> Dimensions | None:
-    """Walk the markers from SOI to the first SOFn; None when the head ends first or the stream is malformed."""
-    at, size, orientation = 2, len(data), 1
-    while at + 4 <= size:
-        if data[at] != 0xFF:
-            return None
+    """Walk the markers from SOI to SOS as Pillow's opener does (junk between markers skipped, the last frame
+    header wins, the first EXIF segment gives the orientation); None when the head ends first or a segment is
+    malformed."""
+    at, size = 2, len(data)
+    found: tuple[int, int] | None = None
+    orientation: int | None = None
+    while at + 2 <= size:
+        if data[at] != 0xFF:  # junk between segments
+            at += 1
+            continue
         marker = data[at + 1]
-        if marker == 0xFF:  # fill byte
+        if marker in (0xFF, 0x00):  # fill byte, or a stuffed zero
             at += 1
             continue
         if marker in _STANDALONE:
             at += 2
             continue
-        (length,) = struct.unpack_from(">H", data, at + 2)
-        if length < 2:
+        if marker == 0xDA:  # start of scan: the header is over
+            if found is None:
+                return None
+            return Dimensions(found[0], found[1], orientation or 1)
+        if at + 4 > size:
             return None
+        (length,) = struct.unpack_from(">H", data, at + 2)
+        if length < 2 or at + 2 + length > size:
+            return None  # malformed, or the segment runs past the head: a longer head is needed
         if marker in _SOF:
-            if at + 9 > size:
+            if length < 7:
                 return None
             height, width = struct.unpack_from(">HH", data, at + 5)
-            if not width or not height:
-                return None
-            return Dimensions(width, height, orientation)
-        if marker == 0xE1 and data[at + 4 : at + 10] == b"Exif\x00\x00":
-            if at + 2 + length > size:
-                return None  # the frame header comes after this segment: a longer head is needed
+            found = (width, height)
+        elif marker == 0xE1 and orientation is None and data[at + 4 : at + 10] == b"Exif\x00\x00":
             orientation = _exif_orientation(data[at + 10 : at + 2 + length])
-        if marker == 0xDA:  # start of scan before any frame header
-            return None
         at += 2 + length
     return None
 
@@ -124,9 +129,12 @@ def _exif_orientation(tiff: bytes) -> int:
         (ifd,) = struct.unpack_from(order + "I", tiff, 4)
         (entries,) = struct.unpack_from(order + "H", tiff, ifd)
         for entry in range(ifd + 2, ifd + 2 + 12 * min(entries, 256), 12):
-            tag, kind, count, value = struct.unpack_from(order + "HHIH", tiff, entry)
+            tag, kind, count = struct.unpack_from(order + "HHI", tiff, entry)
             if tag == _ORIENTATION:
-                return value if kind == 3 and count == 1 and 1 <= value <= 8 else 1
+                if count != 1 or kind not in (3, 4):  # SHORT, or a LONG some writers use
+                    return 1
+                (value,) = struct.unpack_from(order + ("H" if kind == 3 else "I"), tiff, entry + 8)
+                return value if 1 <= value <= 8 else 1
     except struct.error:  # an entry past the end of the segment: malformed, ignored as the decode worker does
         return 1
     return 1

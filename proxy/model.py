@@ -42,6 +42,9 @@ _IDEFICS_MODULES = {
 }
 
 
+_LARGEST_SIDE = 16384  # past every family's cap: Qwen's max_pixels, Idefics3's 4096 px bound, fixed squares
+
+
 @dataclass(frozen=True)
 class Model:
     """The loaded model: its family, its geometry (None: an unsupported family, the generic rule applies) and
@@ -51,10 +54,18 @@ class Model:
     family: str
     geometry: Geometry | None
     count: Callable[[int, int], int] | None = field(default=None, repr=False)
+    ceiling: int = 0  # the most tokens one image can make, where no single size gives it (Qwen)
 
     @property
     def supported(self) -> bool:
         return self.geometry is not None
+
+    @functools.cached_property
+    def most_tokens(self) -> int:
+        """What an image whose head does not say its size is counted as: the most tokens one image can make,
+        so the token budget errs on the safe side. Idefics3 and SmolVLM make the most of a square past their
+        cap, LLaVA and Gemma 3 the same of every image; Qwen's ``ceiling`` is its pixel cap in tokens."""
+        return self.ceiling or self.image_tokens(_LARGEST_SIDE, _LARGEST_SIDE)
 
     def image_tokens(self, width: int, height: int, orientation: int = 1) -> int:
         """Tokens the backend's processor makes of a stored image of this size and EXIF orientation."""
@@ -165,7 +176,9 @@ def _qwen(spec: str, family: str, processor: Any) -> Model:
         # torch, so the processor itself is not loaded; tests check this against the processor's own output).
         return int(processor.get_number_of_image_patches(height, width, {})) // per_token
 
-    return Model(spec, family, geometry, count)
+    # smart_resize keeps height x width within max_pixels, and a token is (patch_size x merge_size)^2 pixels.
+    ceiling = geometry.max_pixels // (geometry.patch_size * geometry.merge_size) ** 2
+    return Model(spec, family, geometry, count, ceiling)
 
 
 def _constant(spec: str, family: str, folder: Path, geometry: Geometry) -> Model:

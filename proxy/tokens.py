@@ -5,7 +5,9 @@ Each inline image's stored size and EXIF orientation are read from the first byt
 it (``model.Model.image_tokens``): what the image will cost the backend's prefill and KV cache, known before a
 pixel is decoded. A resized image counts the same as its source (mmgate resizes to exactly the processor's
 size), and an image mmgate forwards unchanged counts what the backend's processor makes of it. An image whose
-head does not say its size counts 0 (the decode worker refuses it); URL images are not counted. An image
+head does not say its size (not an image, or a header past the first megabyte) counts the most tokens one
+image can make, so the budget errs on the safe side; the decode worker then refuses or measures it. URL images
+are not counted. An image
 the processor itself refuses (Qwen: an aspect ratio over 200) is 400 ``image_unsupported_by_model``.
 """
 
@@ -19,7 +21,7 @@ from .model import Model
 
 
 def plan_image_tokens(model: Model, plan: Plan, body: bytes) -> list[int]:
-    """Image tokens of each item of ``plan`` (0 for audio, video and unreadable heads), in plan order."""
+    """Image tokens of each item of ``plan`` (0 for audio and video), in plan order."""
     counts = []
     view = memoryview(body)
     for item in plan.items:
@@ -34,7 +36,7 @@ def plan_image_tokens(model: Model, plan: Plan, body: bytes) -> list[int]:
             payload = inline_value(body, part)[item.payload_offset :]
         found = peek_dimensions(payload)
         if found is None:
-            counts.append(0)
+            counts.append(model.most_tokens)
             continue
         try:
             counts.append(model.image_tokens(found.width, found.height, found.orientation))

@@ -416,3 +416,41 @@ def test_the_geometry_travels_to_a_worker_process_as_plain_data(
         policy = ImagePolicy(geometry=load_model(str(folder)).geometry)
         copy = pickle.loads(pickle.dumps(policy))
         assert copy == policy and copy.geometry.backend_size(3000, 2000) == policy.geometry.backend_size(3000, 2000)
+
+
+def test_a_head_that_says_nothing_counts_as_the_largest_image(folders: dict[str, Path]) -> None:
+    """The token budget errs on the safe side: an image whose size mmgate cannot read from its head counts the
+    tokens of an image past the family's cap (and the decode worker then refuses it)."""
+    from proxy.locate import Limits, plan_media
+    from proxy.tokens import plan_image_tokens
+
+    for family in ("qwen2-vl", "idefics3"):
+        model = load_model(str(folders[family]))
+        body = orjson.dumps(chat_with_image(data_uri(b"GIF89a but not really an image" * 4, "image/gif")))
+        plan = plan_media("chat", body, Limits(16, 1 << 20, False))
+        assert plan_image_tokens(model, plan, body) == [model.most_tokens]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@given(size=st.tuples(st.integers(1, 20000), st.integers(1, 20000)).filter(lambda s: max(s) / min(s) < 150))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(size=(4000, 3000)).via("more Qwen tokens than a square past the cap")
+def test_no_image_makes_more_tokens_than_the_most_tokens(
+        family: str, size: tuple[int, int], folders: dict[str, Path]) -> None:
+    model = load_model(str(folders[family]))
+    assert model.image_tokens(*size) <= model.most_tokens
+
+
+@given(orientations=st.lists(st.integers(1, 8), min_size=2, max_size=2), sizes=st.lists(sizes, min_size=2, max_size=2))
+@settings(max_examples=20, deadline=None)
+def test_a_jpeg_with_two_frame_headers_and_two_exif_blocks_reads_as_pillow_does(
+        orientations: list[int], sizes: list[tuple[int, int]]) -> None:
+    """Crafted files: mmgate's reader must agree with the Pillow the decode worker uses, or the count would
+    follow one size while the worker resizes another."""
+    first, second = (_jpeg(w, h, o) for (w, h), o in zip(sizes, orientations, strict=True))
+    # first's segments through its frame header, then all of second's: two EXIF blocks, two frame headers
+    head_end = first.index(b"\xff\xc4", first.index(b"\xff\xc0"))
+    crafted = first[:head_end] + second[2:]
+    found = peek_dimensions(base64.b64encode(crafted))
+    whole = Image.open(io.BytesIO(crafted))
+    assert found == Dimensions(whole.width, whole.height, whole.getexif().get(0x0112, 1))
