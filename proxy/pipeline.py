@@ -19,7 +19,7 @@ from .buffers import MediaBuffer
 from .dialects import dialect_for_path, route_for
 from .errors import MmgateError, UpstreamError, draining, internal_error
 from .exchange import CLIENT_CLOSED, Exchange, log, record
-from .locate import Limits, may_contain_media, plan_media
+from .locate import Limits, Plan, may_contain_media, plan_media
 from .media import count_urls, run_plan
 from .paths import Target, is_allowed, normalise_target
 from .rawjson import splice
@@ -139,12 +139,6 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     limits = Limits(settings.max_media_per_request, settings.max_media_item_bytes, settings.media_urls == "reject",
                     settings.max_json_depth)
     plan = plan_media(ex.route, media.data, limits)
-    if plan.parts and plan.refusal is None and state.model is not None:
-        per_image = plan_image_tokens(state.model, plan, media.data)
-        ex.image_tokens = sum(per_image)
-        for item, tokens in zip(plan.items, per_image, strict=True):
-            if item.part.kind == "image":
-                state.metrics.image_tokens.observe(tokens)
     ex.watch.add("parse", time.perf_counter() - started)
     if not plan.parts:
         return plan.is_stream
@@ -152,6 +146,10 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     count_urls(state, plan)
     if plan.refusal is not None:
         raise plan.take_refusal()
+    if state.model is not None:  # MMGATE_MODEL: the image tokens, from the headers, before admission
+        started = time.perf_counter()
+        _count_image_tokens(state, ex, plan, media)
+        ex.watch.add("parse", time.perf_counter() - started)
 
     started = time.perf_counter()
     ex.lease = await state.gate.acquire(plan.cost, settings.queue_timeout, ex.place, ex.image_tokens)
@@ -171,6 +169,15 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     del rewrites
     ex.watch.add("splice", time.perf_counter() - started)
     return plan.is_stream
+
+
+def _count_image_tokens(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> None:
+    assert state.model is not None
+    per_image = plan_image_tokens(state.model, plan, media.data)
+    ex.image_tokens = sum(per_image)
+    for item, tokens in zip(plan.items, per_image, strict=True):
+        if item.part.kind == "image":
+            state.metrics.image_tokens.observe(tokens)
 
 
 async def _answer(request: web.Request, state: AppState, ex: Exchange, error: MmgateError) -> web.StreamResponse:
