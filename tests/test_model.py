@@ -361,6 +361,9 @@ async def test_the_upstream_gets_the_processor_size_and_the_token_count(
     metrics = proxy.state.metrics
     assert metrics.registry.get_sample_value("mmgate_image_tokens_count") == 2
     assert metrics.registry.get_sample_value("mmgate_image_tokens_sum") == expected
+    text = {"model": "m", "messages": [{"role": "user", "content": "no image here"}]}
+    assert (await _post(proxy.url, text, {"x-mmgate-image-tokens": "99"})).status == 200
+    assert upstream.seen[-1].headers.getall("x-mmgate-image-tokens") == ["0"]
 
 
 async def test_without_a_model_nothing_changes(upstream: Upstream, start_proxy: StartProxy) -> None:
