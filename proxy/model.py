@@ -11,9 +11,10 @@ Families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``QwenVL``), Idefics3 and SmolVLM (``I
 them) keeps the generic resize rule, with a warning naming it.
 
 The token count of an image comes from the processor: the image processor's ``get_number_of_image_patches``
-and, where the count also depends on the tokenizer (Idefics3/SmolVLM's row and column markers), the
-processor's ``_get_num_multimodal_tokens``, memoised by the patch layout that determines it (a few dozen
-layouts), so each image costs a few microseconds on the event loop.
+and, where the count also depends on the tokenizer (Idefics3/SmolVLM's row and column markers), Idefics3's
+``_get_num_multimodal_tokens`` or SmolVLM's image prompt counted with its tokenizer, memoised by the patch
+layout that determines it (a bounded set), so each image costs a few microseconds on the event loop. LLaVA 1.5
+and Gemma 3 make the same count of every image, asked of their processor once.
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ class Model:
 @functools.cache
 def load_model(spec: str) -> Model:
     """Load ``spec`` (a folder or a cached model name) once per process; ConfigError names what is missing."""
+    # Before huggingface_hub or transformers is imported (they read these once): never the network, and not
+    # transformers' note that torch is absent (none is needed).
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     folder = _resolve(spec)
-    os.environ["HF_HUB_OFFLINE"] = "1"  # whatever a transformers helper tries, never the network
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # not its note that torch is absent: none is needed
     try:
         from transformers import AutoImageProcessor
     except ImportError:
