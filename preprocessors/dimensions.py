@@ -54,6 +54,15 @@ def peek_dimensions(payload: bytes | memoryview) -> Dimensions | None:
     return None
 
 
+def header_dimensions(data: bytes) -> Dimensions | None:
+    """What ``peek_dimensions`` reads, from the decoded file: the decode worker checks it against Pillow."""
+    for head_bytes in (*HEAD_STEPS, MAX_HEAD_BYTES):
+        found = _from_head(data[:head_bytes])
+        if found is not None or len(data) <= head_bytes:
+            return found
+    return None
+
+
 def _from_head(data: bytes) -> Dimensions | None:
     try:
         fmt = _sniff(data)

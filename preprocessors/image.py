@@ -131,6 +131,7 @@ def process_image(
         if policy.geometry is None:
             target = _fit(width, height, policy)
         else:
+            _same_as_counted(data, fmt, width, height, _orientation(img))
             target = resize_target(policy.geometry, width, height, _orientation(img))
         if target is None:
             if policy.validate == "full":
@@ -161,6 +162,18 @@ def process_image(
         source_width=width,
         source_height=height,
     )
+
+
+def _same_as_counted(data: bytes, fmt: str, width: int, height: int, orientation: int) -> None:
+    """With a model, the image's tokens were counted from its header by ``dimensions`` before admission: a file
+    whose headers read differently there and here (crafted to slip past the token budget) is refused."""
+    from .dimensions import header_dimensions  # here: dimensions reads formats with this module's sniff
+
+    counted = header_dimensions(data)
+    if counted is None:  # counted as the largest image: nothing to undercount
+        return
+    if (counted.width, counted.height) != (width, height) or (fmt == "JPEG" and counted.orientation != orientation):
+        raise MediaError("image_decode_failed", f"{fmt} headers disagree about the image's size or orientation")
 
 
 def image_mime(data: bytes) -> str:

@@ -457,3 +457,18 @@ def test_a_jpeg_with_two_frame_headers_and_two_exif_blocks_reads_as_pillow_does(
     found = peek_dimensions(base64.b64encode(crafted))
     whole = Image.open(io.BytesIO(crafted))
     assert found == Dimensions(whole.width, whole.height, whole.getexif().get(0x0112, 1))
+
+
+def test_headers_read_differently_before_admission_and_in_the_worker_are_refused() -> None:
+    """A file crafted so that the header read before admission (the count) and Pillow's (the decode) disagree
+    would slip past the token budget: with a model the decode worker checks both and refuses a mismatch. The
+    reader follows Pillow (see the crafted-JPEG property above), so the check is exercised directly."""
+    from preprocessors.image import _same_as_counted
+
+    data = _jpeg(64, 48, 6)
+    _same_as_counted(data, "JPEG", 64, 48, 6)  # agrees: nothing raised
+    for width, height, orientation in ((65, 48, 6), (64, 47, 6), (64, 48, 1)):
+        with pytest.raises(MediaError) as caught:
+            _same_as_counted(data, "JPEG", width, height, orientation)
+        assert caught.value.code == "image_decode_failed" and "disagree" in caught.value.message
+    _same_as_counted(b"\xff\xd8\xff" + b"\x00" * 10, "JPEG", 1, 1, 1)  # unreadable head: counted as the largest
