@@ -131,7 +131,7 @@ def process_image(
         if policy.geometry is None:
             target = _fit(width, height, policy)
         else:
-            _same_as_counted(data, fmt, width, height, _orientation(img))
+            _same_as_counted(data, fmt, width, height)
             target = resize_target(policy.geometry, width, height, _orientation(img))
         if target is None:
             if policy.validate == "full":
@@ -164,16 +164,18 @@ def process_image(
     )
 
 
-def _same_as_counted(data: bytes, fmt: str, width: int, height: int, orientation: int) -> None:
+def _same_as_counted(data: bytes, fmt: str, width: int, height: int) -> None:
     """With a model, the image's tokens were counted from its header by ``dimensions`` before admission: a file
-    whose headers read differently there and here (crafted to slip past the token budget) is refused."""
+    whose size reads differently there and here (crafted to slip past the token budget) is refused. The
+    orientation is not compared: Pillow also takes it from XMP, which the count does not read, and a swap of
+    sides barely moves a count."""
     from .dimensions import header_dimensions  # here: dimensions reads formats with this module's sniff
 
     counted = header_dimensions(data)
     if counted is None:  # counted as the largest image: nothing to undercount
         return
-    if (counted.width, counted.height) != (width, height) or (fmt == "JPEG" and counted.orientation != orientation):
-        raise MediaError("image_decode_failed", f"{fmt} headers disagree about the image's size or orientation")
+    if (counted.width, counted.height) != (width, height):
+        raise MediaError("image_decode_failed", f"{fmt} headers disagree about the image's size")
 
 
 def image_mime(data: bytes) -> str:
