@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from .geometry import Geometry
 
 MediaKind = Literal["image", "audio", "video"]
 ImageFormat = Literal["auto", "jpeg", "png", "webp"]
@@ -66,10 +69,12 @@ class ImagePolicy:
     output_format: ImageFormat = "auto"
     jpeg_quality: int = 90
     validate: Literal["full", "header"] = "full"
+    # The served model's own geometry (MMGATE_MODEL): when set, it replaces the two resize limits above.
+    geometry: Geometry | None = None
 
     @property
     def resizes(self) -> bool:
-        return bool(self.resize_max_pixels or self.resize_max_side)
+        return bool(self.resize_max_pixels or self.resize_max_side or self.geometry)
 
 
 @dataclass(frozen=True, slots=True)

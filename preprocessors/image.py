@@ -41,6 +41,7 @@ from PIL import (
 )
 
 from .base import Checkpoint, ImagePolicy, MediaError, Processed, no_checkpoint
+from .geometry import resize_target
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 MIME_BY_FORMAT = {
@@ -127,7 +128,11 @@ def process_image(
                 "send a still image or a shorter animation",
             )
         checkpoint()
-        target = _fit(width, height, policy)
+        if policy.geometry is None:
+            target = _fit(width, height, policy)
+        else:
+            _same_as_counted(data, fmt, width, height)
+            target = resize_target(policy.geometry, width, height, _orientation(img))
         if target is None:
             if policy.validate == "full":
                 with _decode_errors(fmt):
@@ -157,6 +162,20 @@ def process_image(
         source_width=width,
         source_height=height,
     )
+
+
+def _same_as_counted(data: bytes, fmt: str, width: int, height: int) -> None:
+    """With a model, the image's tokens were counted from its header by ``dimensions`` before admission: a file
+    whose size reads differently there and here (crafted to slip past the token budget) is refused. The
+    orientation is not compared: Pillow also takes it from XMP, which the count does not read, and a swap of
+    sides barely moves a count."""
+    from .dimensions import header_dimensions  # here: dimensions reads formats with this module's sniff
+
+    counted = header_dimensions(data)
+    if counted is None:  # counted as the largest image: nothing to undercount
+        return
+    if (counted.width, counted.height) != (width, height):
+        raise MediaError("image_decode_failed", f"{fmt} headers disagree about the image's size")
 
 
 def image_mime(data: bytes) -> str:

@@ -1,11 +1,14 @@
 """Admission control for media requests: slots, a decoded-bytes budget, a bounded FIFO queue, deadlines.
 
 A request is admitted when a slot is free *and* its cost (decoded media bytes, known from the base64
-lengths before anything is decoded) fits the remaining byte budget. Waiting is strictly FIFO: the head of
+lengths before anything is decoded) fits the remaining byte budget *and*, with a token budget
+(``MMGATE_MAX_INFLIGHT_IMAGE_TOKENS``), its image tokens (counted from the image headers with the served
+model's processor) fit the tokens left. Waiting is strictly FIFO: the head of
 the queue holds the line even if a smaller request behind it would fit, so a big request is never starved.
 Refusals are immediate and honest: queue full → 429 ``queue_full``; waited too long → 429
-``queue_timeout``; a cost larger than the whole budget → 413 ``media_too_large`` (it could never fit);
-draining → 503. Every 429 carries ``Retry-After`` estimated from how long slots are held.
+``queue_timeout``; a cost larger than the whole budget → 413 ``media_too_large``, more image tokens than the
+whole token budget → 413 ``too_many_image_tokens`` (it could never fit); draining → 503. Every 429 carries
+``Retry-After`` estimated from how long slots are held.
 
 A ``Lease`` is released exactly once whatever path the request takes; ``release()`` is idempotent.
 
@@ -36,14 +39,17 @@ RETRY_AFTER_MIN, RETRY_AFTER_MAX = 1, 60
 class _Waiter:
     cost: int
     future: asyncio.Future[None]
+    tokens: int = 0
 
 
 @dataclass(eq=False)
 class Lease:
-    """One admitted request's slot and bytes. ``release()`` gives both back; calling it again does nothing."""
+    """One admitted request's slot, bytes and image tokens. ``release()`` gives them back; calling it again does
+    nothing."""
 
     gate: Gate
     cost: int
+    tokens: int = 0
     granted_at: float = field(default_factory=time.monotonic)
     released: bool = False
     deferred: bool = False  # the release waits for work that has not stopped yet
@@ -82,7 +88,8 @@ class Place:
 
 
 class Gate:
-    """Slots + byte budget + bounded FIFO queue. All methods run on the event loop (no locks needed)."""
+    """Slots + byte budget + token budget + bounded FIFO queue. All methods run on the event loop (no locks
+    needed)."""
 
     def __init__(
         self,
@@ -91,9 +98,12 @@ class Gate:
         max_queue: int,
         on_change: Callable[[Gate], None] = lambda gate: None,
         lifecycle: Lifecycle | None = None,
+        token_budget: int = 0,
     ) -> None:
         self.limit = limit
         self.byte_budget = byte_budget  # 0 = no byte budget
+        self.token_budget = token_budget  # 0 = no token budget
+        self.tokens_in_use = 0
         self.max_queue = max_queue
         self.in_use = 0
         self.bytes_in_use = 0
@@ -108,8 +118,10 @@ class Gate:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    def _fits(self, cost: int) -> bool:
+    def _fits(self, cost: int, tokens: int) -> bool:
         if self.in_use >= self.limit:
+            return False
+        if self.token_budget and self.tokens_in_use + tokens > self.token_budget:
             return False
         return not self.byte_budget or self.bytes_in_use + cost <= self.byte_budget
 
@@ -132,8 +144,9 @@ class Gate:
         self._on_change(self)
         return Place(self)
 
-    async def acquire(self, cost: int, timeout: float, place: Place | None = None) -> Lease:
-        """Wait (FIFO, at most ``timeout`` s) until a slot and ``cost`` bytes are free; return the Lease.
+    async def acquire(self, cost: int, timeout: float, place: Place | None = None, tokens: int = 0) -> Lease:
+        """Wait (FIFO, at most ``timeout`` s) until a slot, ``cost`` bytes and ``tokens`` image tokens are free;
+        return the Lease.
 
         With a ``place`` (taken while the body was read) the request is not refused for a full queue: its
         place was counted when the line was checked."""
@@ -147,12 +160,19 @@ class Gate:
                 f"the request's media decode to {cost} bytes, more than the whole in-flight budget of "
                 f"{self.byte_budget} bytes (MMGATE_MAX_INFLIGHT_MEDIA_MB): send smaller or fewer media",
             )
-        if not self._waiters and self._fits(cost):
-            return self._grant(cost)
+        if self.token_budget and tokens > self.token_budget:
+            raise MmgateError(
+                413, "too_many_image_tokens",
+                f"the request's images make {tokens} image tokens for the served model, more than the whole "
+                f"in-flight budget of {self.token_budget} (MMGATE_MAX_INFLIGHT_IMAGE_TOKENS): send smaller or "
+                "fewer images",
+            )
+        if not self._waiters and self._fits(cost, tokens):
+            return self._grant(cost, tokens)
         if place is None and len(self._waiters) + self.reading >= self.max_queue:  # places count as queued
             raise self._reject("queue_full",
                                f"{self.in_use} media requests running and {self.waiting} waiting; retry later")
-        waiter = _Waiter(cost, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(cost, asyncio.get_running_loop().create_future(), tokens)
         self._waiters.append(waiter)
         self._on_change(self)
         try:
@@ -161,7 +181,7 @@ class Gate:
         except BaseException as exc:
             if waiter.future.done() and not waiter.future.cancelled():
                 # Granted in the same instant we timed out or were cancelled: hand the slot back.
-                self._give_back(Lease(self, cost))
+                self._give_back(Lease(self, cost, tokens))
             else:
                 waiter.future.cancel()
                 if waiter in self._waiters:
@@ -171,17 +191,19 @@ class Gate:
             if isinstance(exc, TimeoutError):
                 raise self._reject("queue_timeout", f"waited {timeout:g} s for admission; retry later") from None
             raise
-        return Lease(self, cost)
+        return Lease(self, cost, tokens)
 
-    def _grant(self, cost: int) -> Lease:
+    def _grant(self, cost: int, tokens: int) -> Lease:
         self.in_use += 1
         self.bytes_in_use += cost
+        self.tokens_in_use += tokens
         self._on_change(self)
-        return Lease(self, cost)
+        return Lease(self, cost, tokens)
 
     def _give_back(self, lease: Lease) -> None:
         self.in_use -= 1
         self.bytes_in_use -= lease.cost
+        self.tokens_in_use -= lease.tokens
         held = time.monotonic() - lease.granted_at
         self._hold_seconds = 0.8 * self._hold_seconds + 0.2 * held
         self._wake()
@@ -194,9 +216,10 @@ class Gate:
             if head.future.done():  # its task was cancelled or timed out: it no longer holds the line
                 self._waiters.popleft()
                 continue
-            if not self._fits(head.cost):
+            if not self._fits(head.cost, head.tokens):
                 break
             self._waiters.popleft()
             self.in_use += 1
             self.bytes_in_use += head.cost
+            self.tokens_in_use += head.tokens
             head.future.set_result(None)

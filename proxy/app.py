@@ -25,15 +25,18 @@ from .fetch import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, Fetc
 from .lifecycle import Lifecycle
 from .memory import IdleTrimmer, glibc_malloc_trim
 from .metrics import Metrics, watch_loop_lag
+from .model import Model, load_model
 from .pipeline import expect_continue, handle_request
 from .refusals import refusals_in_api_shape
-from .settings import Settings
+from .settings import ConfigError, Settings
 from .state import STATE, AppState
 
 log = logging.getLogger("mmgate")
 
 
 def build_state(settings: Settings) -> AppState:
+    """Everything the handlers share. ConfigError when MMGATE_MODEL cannot be loaded (cached: loaded once)."""
+    model = served_model(settings)
     metrics = Metrics()
     trimmer = IdleTrimmer(settings.trim_idle, glibc_malloc_trim(), metrics.memory_trims.inc)
 
@@ -42,12 +45,13 @@ def build_state(settings: Settings) -> AppState:
         metrics.gate_waiting.set(gate.waiting)
         metrics.gate_reading.set(gate.reading)
         metrics.media_bytes_inflight.set(gate.bytes_in_use)
+        metrics.image_tokens_inflight.set(gate.tokens_in_use)
         trimmer.follow(running=gate.in_use, waiting=gate.waiting)
 
     metrics.gate_limit.set(settings.max_mm_concurrency)
     lifecycle = Lifecycle()
     gate = Gate(settings.max_mm_concurrency, settings.max_inflight_media_bytes, settings.max_queue, gate_changed,
-                lifecycle)
+                lifecycle, token_budget=settings.max_inflight_image_tokens)
     image_policy = ImagePolicy(
         max_pixels=settings.max_image_pixels,
         max_frames=settings.max_frames,
@@ -56,16 +60,31 @@ def build_state(settings: Settings) -> AppState:
         output_format=settings.image_format,  # type: ignore[arg-type]
         jpeg_quality=settings.jpeg_quality,
         validate=settings.validate,  # type: ignore[arg-type]
+        geometry=model.geometry if model is not None else None,
     )
     connections = ConnectionGuard(settings.max_connections, settings.header_timeout,
                                   lambda code: metrics.rejected.labels(code).inc())
     metrics.client_connections.set_function(lambda: connections.open)
     state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.max_audio_seconds),
-                     trimmer, connections, lifecycle=lifecycle)
+                     trimmer, connections, lifecycle=lifecycle, model=model)
     metrics.media_bytes_live.set_function(lambda: state.buffers.bytes_live)
     metrics.media_buffers_live.set_function(lambda: state.buffers.owners_live)
     state.idle.set()
     return state
+
+
+def served_model(settings: Settings) -> Model | None:
+    """The model whose geometry and token count apply, or None (no MMGATE_MODEL, or a family mmgate has no
+    geometry for: the generic rule, warned about by ``load_model``)."""
+    if not settings.model:
+        return None
+    model = load_model(settings.model)
+    if not model.supported:
+        if settings.max_inflight_image_tokens:
+            raise ConfigError(f"MMGATE_MAX_INFLIGHT_IMAGE_TOKENS needs a model whose image tokens mmgate counts; "
+                              f"MMGATE_MODEL={settings.model!r} is a {model.family} model, which it does not")
+        return None
+    return model
 
 
 async def _upstream_session(app: web.Application) -> AsyncIterator[None]:

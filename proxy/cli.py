@@ -26,7 +26,7 @@ from typing import NoReturn
 import orjson
 from aiohttp import web
 
-from .app import build_admin_app, build_app, make_runner
+from .app import build_admin_app, build_app, make_runner, served_model
 from .connections import GuardedSite
 from .memory import tune_process
 from .settings import (
@@ -100,6 +100,7 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
                 # --print-config too: the worst case it prints is for a proxy that could not start without one.
                 raise ConfigError("MMGATE_UPSTREAM is not set: point it at your backend (e.g. --upstream "
                                   "http://127.0.0.1:8000), or try `mmgate demo`")
+            served_model(settings)  # loaded once here (cached), so a bad MMGATE_MODEL stops now with status 2
         except ConfigError as error:
             exit_with(error)
         if args.print_config:

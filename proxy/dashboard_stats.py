@@ -154,6 +154,11 @@ def snapshot(state: AppState) -> dict[str, Any]:
             "bytes_saved": max(0.0, bytes_in - bytes_out),
             "items": _counter_by(m.media_items, "type", "outcome"),
         },
+        "tokens": {
+            "inflight": _gauge_value(m.image_tokens_inflight),
+            "inflight_limit": s.max_inflight_image_tokens,
+            "model": state.model.family if state.model is not None else None,
+        },
         "pool": {
             "workers": pool.workers if pool is not None else s.decode_workers,
             "queue_depth": _gauge_value(m.pool_queue_depth),

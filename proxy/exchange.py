@@ -40,6 +40,7 @@ class Exchange:
     media_in: int = 0
     media_out: int = 0
     fetched: int = 0  # body bytes read from media URLs (MMGATE_MEDIA_URLS=fetch)
+    image_tokens: int = 0  # with MMGATE_MODEL: the request's image tokens for the served model
     upstream_started: float = 0.0
 
     def response_headers(self, with_timing: bool) -> dict[str, str]:
@@ -89,5 +90,7 @@ def record(state: AppState, ex: Exchange, request: web.Request) -> None:
             "bytes_in": ex.bytes_in, "media_in": ex.media_in, "media_out": ex.media_out,
             "fetched": ex.fetched,
         }
+        if state.model is not None:
+            fields["image_tokens"] = ex.image_tokens
         log.info("%s %s %s %s %s %.1fms %s", ex.request_id, request.method, loggable(request.path), status, ex.kind,
                  duration * 1000, ex.code or "-", extra={"fields": fields})

@@ -59,6 +59,13 @@ class Metrics:
             "mmgate_gate_reading", "Media requests holding a place in line while their body still arrives",
             registry=r,
         )
+        self.image_tokens_inflight = Gauge(
+            "mmgate_image_tokens_inflight", "Image tokens (MMGATE_MODEL) charged to the gate's token budget", registry=r
+        )
+        self.image_tokens = Histogram(
+            "mmgate_image_tokens", "Image tokens per inline image for the served model (MMGATE_MODEL), from its header",
+            buckets=(16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=r,
+        )
         self.gate_limit = Gauge("mmgate_gate_limit", "MMGATE_MAX_MM_CONCURRENCY", registry=r)
         self.media_bytes_inflight = Gauge(
             "mmgate_media_bytes_inflight", "Decoded media bytes charged to the gate's byte budget", registry=r

@@ -20,12 +20,13 @@ from .dialects import dialect_for_path, route_for
 from .errors import MmgateError, UpstreamError, draining, internal_error
 from .exchange import CLIENT_CLOSED, Exchange, log, record
 from .fetch import Fetched, fetch_plan
-from .locate import Limits, chunks_may_contain_media, may_contain_media, plan_media
+from .locate import Limits, Plan, chunks_may_contain_media, may_contain_media, plan_media
 from .media import count_urls, run_plan
 from .paths import Target, is_allowed, normalise_target
 from .rawjson import splice
 from .refusals import refuse
 from .state import STATE, AppState
+from .tokens import plan_image_tokens
 from .upstream import (
     OneShotBody,
     close_upstream,
@@ -35,6 +36,9 @@ from .upstream import (
     request_id_for,
     upstream_headers,
 )
+
+# Sent upstream with MMGATE_MODEL: the request's image tokens for the served model, for a router or scheduler.
+IMAGE_TOKENS_HEADER = "x-mmgate-image-tokens"
 
 
 async def handle_request(request: web.Request) -> web.StreamResponse:
@@ -108,8 +112,11 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     ex.upstream_started = time.perf_counter()
     assert state.session is not None
     try:
+        headers = upstream_headers(request, ex.request_id)
+        if state.model is not None:  # the header is mmgate's to set: a client's own is never passed on
+            headers[IMAGE_TOKENS_HEADER] = str(ex.image_tokens)
         upstream = await open_upstream(state.session, request.method, settings.upstream + target.forwarded, payload,
-                                       upstream_headers(request, ex.request_id), state.upstream_timeout())
+                                       headers, state.upstream_timeout())
         del payload
         try:
             if lease is not None and release_at == "headers":
@@ -140,9 +147,13 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     count_urls(state, plan)
     if plan.refusal is not None:
         raise plan.take_refusal()
+    if state.model is not None:  # MMGATE_MODEL: the image tokens, from the headers, before admission
+        started = time.perf_counter()
+        _count_image_tokens(state, ex, plan, media)
+        ex.watch.add("parse", time.perf_counter() - started)
 
     started = time.perf_counter()
-    ex.lease = await state.gate.acquire(plan.cost, settings.queue_timeout, ex.place)
+    ex.lease = await state.gate.acquire(plan.cost, settings.queue_timeout, ex.place, ex.image_tokens)
     ex.place = None
     ex.watch.add("queue", time.perf_counter() - started)
 
@@ -169,6 +180,15 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     del rewrites
     ex.watch.add("splice", time.perf_counter() - started)
     return plan.is_stream
+
+
+def _count_image_tokens(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> None:
+    assert state.model is not None
+    per_image = plan_image_tokens(state.model, plan, media.data)
+    ex.image_tokens = sum(per_image)
+    for item, tokens in zip(plan.items, per_image, strict=True):
+        if item.part.kind == "image":
+            state.metrics.image_tokens.observe(tokens)
 
 
 async def _answer(request: web.Request, state: AppState, ex: Exchange, error: MmgateError) -> web.StreamResponse:

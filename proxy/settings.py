@@ -143,6 +143,13 @@ def _cidrs(raw: str) -> tuple[str, ...]:
         raise ValueError("comma-separated addresses or CIDR networks, e.g. 127.0.0.1/32,10.1.0.0/16") from None
 
 
+def _model(raw: str) -> str:
+    value = raw.strip()
+    if not value:
+        raise ValueError("a model folder or a model name in the Hugging Face cache")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Effective configuration. Field ``max_queue`` is ``MMGATE_MAX_QUEUE`` and ``--max-queue``."""
@@ -156,6 +163,7 @@ class Settings:
     max_queue: int = 64
     queue_timeout: float = 30.0
     max_inflight_media_mb: int = 1024
+    max_inflight_image_tokens: int = 0
     preprocess_timeout: float = 30.0
     request_timeout: float = 0.0
     body_read_timeout: float = 30.0
@@ -176,6 +184,7 @@ class Settings:
     validate: str = "full"
     resize_max_pixels: int = 0
     resize_max_side: int = 0
+    model: str = ""
     image_format: str = "auto"
     jpeg_quality: int = 90
     release_at: str = "auto"
@@ -222,6 +231,9 @@ class Settings:
                 f"{where['decode_workers']}='0' is not allowed: expected an integer from 1 to 256 "
                 "(0 = decode on the event loop exists only as a benchmark baseline)"
             )
+        if values.get("max_inflight_image_tokens") and not values.get("model"):
+            raise ConfigError(f"{where['max_inflight_image_tokens']} needs MMGATE_MODEL: image tokens are counted "
+                              "with the served model's processor")
         return cls(**values)
 
     # ----- derived values -----
@@ -300,6 +312,7 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "max_queue": (_int(0, 1_000_000), "media requests allowed to wait; beyond -> 429 queue_full [64]"),
     "queue_timeout": (_seconds(False), "seconds a media request may wait -> 429 queue_timeout [30]"),
     "max_inflight_media_mb": (_int(0), "decoded inline media MiB past admission (0 = off) [1024]"),
+    "max_inflight_image_tokens": (_int(0), "image tokens past admission, needs MMGATE_MODEL (0 = off) [0]"),
     "preprocess_timeout": (_seconds(False), "seconds for one request's media work -> 504 [30]"),
     "request_timeout": (_seconds(True), "end-to-end deadline in seconds (0 = off) [0]"),
     "body_read_timeout": (_seconds(False), "seconds for the whole request body -> 408 [30]"),
@@ -320,6 +333,8 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "validate": (_choice("full", "header"), "full = decode every image; header = header only [full]"),
     "resize_max_pixels": (_int(0), "downscale to at most this many pixels (0 = never) [0]"),
     "resize_max_side": (_int(0), "downscale so the longer side fits (0 = never) [0]"),
+    "model": (_model, "served model's folder or cached name: its resize and image tokens (needs the model "
+                      "extra) [none]"),
     "image_format": (_choice("auto", "jpeg", "png", "webp"), "format of re-encoded images [auto]"),
     "jpeg_quality": (_int(1, 100), "JPEG/WebP quality of re-encoded images [90]"),
     "release_at": (_choice("auto", "sent", "headers", "complete"), "when the gate lease ends [auto]"),

@@ -18,6 +18,7 @@ from .fetch import Fetcher
 from .lifecycle import Lifecycle
 from .memory import IdleTrimmer
 from .metrics import Metrics
+from .model import Model
 from .settings import Settings
 
 
@@ -37,6 +38,7 @@ class AppState:
     pool: DecodePool | None = None
     fetcher: Fetcher | None = None  # MMGATE_MEDIA_URLS=fetch only
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # shared with the gate
+    model: Model | None = None  # MMGATE_MODEL with a supported family: image tokens are counted
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")

@@ -10,6 +10,7 @@ requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import re
@@ -69,6 +70,12 @@ async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
 
 @pytest.fixture
 async def servers() -> AsyncIterator[Servers]:
+    async with _servers() as started:
+        yield started
+
+
+@contextlib.asynccontextmanager
+async def _servers(**env: str) -> AsyncIterator[Servers]:
     hold = asyncio.Event()
     hold.set()
     arrived: asyncio.Queue[None] = asyncio.Queue()
@@ -95,6 +102,7 @@ async def servers() -> AsyncIterator[Servers]:
         "MMGATE_RESIZE_MAX_SIDE": "64",  # 256 px images shrink: "saved by resizing" moves
         "MMGATE_DECODE_WORKERS": "2",
         "MMGATE_ACCESS_LOG": "off",
+        **env,
     })
     proxy_app = build_app(settings)
     proxy_runner, proxy_url = await _start(proxy_app)
@@ -279,3 +287,33 @@ async def test_dashboard_in_chromium_follows_live_traffic(servers: Servers, page
     assert await page.evaluate("window.mmgateDashboard.failures") == 0
     assert screenshot.stat().st_size > 10_000
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.browser
+async def test_dashboard_shows_image_tokens_in_flight_against_the_budget(page: Any, tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the model extra: pip install -e '.[model]'")
+    from proxy.model import load_model
+    from testkit.models import qwen_folder
+
+    folder = str(qwen_folder(tmp_path / "qwen2-vl"))
+    per_image = load_model(folder).image_tokens(256, 256)  # each request: one 256 px image (81 tokens)
+    budget = 2 * per_image + per_image // 2  # two fit, a third waits for tokens while slots are free
+    async with _servers(MMGATE_MODEL=folder, MMGATE_MAX_INFLIGHT_IMAGE_TOKENS=str(budget),
+                        MMGATE_MAX_MM_CONCURRENCY="4") as servers:
+        await page.goto(servers.proxy_url + "/mmgate/dashboard")
+        await page.wait_for_function("() => window.mmgateDashboard && window.mmgateDashboard.polls >= 1",
+                                     timeout=PAGE_TIMEOUT_MS)
+        assert await page.text_content('[data-testid="tokens-model"]') == "qwen2-vl"
+        assert await page.text_content('[data-testid="tokens-inflight-limit"]') == str(budget)
+        servers.hold.clear()
+        async with aiohttp.ClientSession() as client:
+            held = [asyncio.create_task(_post(client, servers.proxy_url, media=True)) for _ in range(3)]
+            for _ in range(2):
+                await servers.arrived.get()
+            await page.wait_for_function(
+                f"() => {_value('tokens-inflight')} === {2 * per_image} && {_value('gate-waiting')} === 1",
+                timeout=PAGE_TIMEOUT_MS)
+            assert await page.text_content('[data-testid="gate-in-use"]') == "2"
+            servers.hold.set()
+            assert await asyncio.gather(*held) == [200, 200, 200]
+            await page.wait_for_function(f"() => {_value('tokens-inflight')} === 0", timeout=PAGE_TIMEOUT_MS)

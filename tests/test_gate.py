@@ -60,6 +60,31 @@ async def test_big_request_holds_the_line() -> None:
     assert gate.bytes_in_use == 90
 
 
+async def test_token_budget_holds_the_line_beside_the_byte_budget() -> None:
+    """Image tokens are a second budget: FIFO like bytes, either budget can make the head wait, a request over
+    the whole token budget alone is 413 naming its count and the setting, and the queue's 429s still apply."""
+    gate = Gate(limit=10, byte_budget=100, max_queue=2, token_budget=1000)
+    running = await gate.acquire(10, 5, tokens=700)
+    big = asyncio.create_task(gate.acquire(10, 5, tokens=400))  # 700 + 400 tokens: over, bytes fit
+    await _queued(gate, 1)
+    small = asyncio.create_task(gate.acquire(10, 5, tokens=10))  # would fit alone: waits behind the head
+    await _queued(gate, 2)
+    with pytest.raises(MmgateError) as caught:
+        await gate.acquire(0, 5, tokens=1)
+    assert (caught.value.status, caught.value.code) == (429, "queue_full")
+    with pytest.raises(MmgateError) as caught:
+        await gate.acquire(0, 5, tokens=1001)
+    assert (caught.value.status, caught.value.code) == (413, "too_many_image_tokens")
+    assert "1001" in caught.value.message and "MMGATE_MAX_INFLIGHT_IMAGE_TOKENS" in caught.value.message
+    assert not big.done() and not small.done() and gate.tokens_in_use == 700
+    running.release()
+    leases = [await big, await small]
+    assert [lease.tokens for lease in leases] == [400, 10] and gate.tokens_in_use == 410
+    for lease in leases:
+        lease.release()
+    assert (gate.in_use, gate.bytes_in_use, gate.tokens_in_use) == (0, 0, 0)
+
+
 async def test_queue_full_and_retry_after() -> None:
     gate = Gate(limit=1, byte_budget=0, max_queue=1)
     held = await gate.acquire(0, 5)

@@ -1,0 +1,159 @@
+"""A served model's own image geometry: the size its processor resizes an image to, as plain data.
+
+With ``MMGATE_MODEL`` set, ``proxy/model.py`` reads the model's image processor configuration and builds one
+of these. They are frozen dataclasses of integers (picklable, so a decode worker in another process can hold
+one) that call the resize helpers of ``transformers`` itself, imported when first used: the rules are the
+processor's, not a copy of them.
+
+Sizes are ``(width, height)`` of the image as the backend sees it: upright, after its EXIF orientation
+(vLLM applies it before the processor runs). ``resize_target`` turns that into what a decode worker does
+with the image as stored.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .base import MediaError
+
+# EXIF orientations whose transpose swaps width and height.
+SWAPS_SIDES = frozenset((5, 6, 7, 8))
+
+
+class Geometry(Protocol):
+    """What the model's processor makes of an upright ``width`` x ``height`` image."""
+
+    @property
+    def family(self) -> str: ...
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        """The ``(width, height)`` the processor resizes the image to (it may be larger: it upscales)."""
+        ...
+
+
+def upright(width: int, height: int, orientation: int) -> tuple[int, int]:
+    """The size of a stored ``width`` x ``height`` image once its EXIF ``orientation`` is applied."""
+    return (height, width) if orientation in SWAPS_SIDES else (width, height)
+
+
+def resize_target(geometry: Geometry, width: int, height: int, orientation: int) -> tuple[int, int] | None:
+    """The size to resize a stored image to (before its EXIF transpose), or None to forward it as it is.
+
+    The target is exactly what the model's processor would produce, so the backend's own resize is a no-op.
+    mmgate never enlarges: where the processor would make either side larger than the image has, the image is
+    forwarded unchanged and the backend upscales it itself.
+    """
+    up_w, up_h = upright(width, height, orientation)
+    out_w, out_h = model_size(geometry, up_w, up_h)
+    if out_w > up_w or out_h > up_h or (out_w, out_h) == (up_w, up_h):
+        return None
+    return (out_h, out_w) if orientation in SWAPS_SIDES else (out_w, out_h)
+
+
+def model_size(geometry: Geometry, width: int, height: int) -> tuple[int, int]:
+    """``geometry.backend_size``, with the processor's own refusal (Qwen's aspect ratio over 200) as a
+    MediaError: the backend would refuse the image, so mmgate does, in the client's API shape."""
+    try:
+        return geometry.backend_size(width, height)
+    except ValueError as error:
+        raise MediaError("image_unsupported_by_model",
+                         f"the served model's processor refuses a {width}x{height} image: {error}") from None
+
+
+def _helper(module: str, name: str) -> Any:
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True, slots=True)
+class QwenVL:
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL: both sides a multiple of ``patch_size * merge_size`` (28 or 32), the
+    pixel count within ``[min_pixels, max_pixels]`` (``smart_resize``)."""
+
+    family: str
+    patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        smart_resize = _helper("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl", "smart_resize")
+        h, w = smart_resize(height, width, factor=self.patch_size * self.merge_size,
+                            min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        return int(w), int(h)
+
+
+@dataclass(frozen=True, slots=True)
+class Idefics3:
+    """Idefics3 and SmolVLM: the longest edge brought to ``longest_edge`` (up or down), then, with splitting,
+    both sides rounded up to whole ``tile`` px tiles (``resize_for_vision_encoder``); without splitting, one
+    ``tile`` square."""
+
+    family: str
+    module: str  # the transformers module whose helpers apply (idefics3's or smolvlm's PIL processor)
+    longest_edge: int
+    tile: int
+    split: bool
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        if not self.split:
+            return self.tile, self.tile
+        to_max_len = _helper(self.module, "_resize_output_size_rescale_to_max_len")
+        below_bound = _helper(self.module, "_resize_output_size_scale_below_upper_bound")
+        h, w = to_max_len(height, width, max_len=self.longest_edge)
+        h, w = below_bound(h, w, max_len=_helper(self.module, "MAX_IMAGE_SIZE"))
+        return _vision_encoder_size(w, h, self.tile)
+
+
+def _vision_encoder_size(width: int, height: int, tile: int) -> tuple[int, int]:
+    """``resize_for_vision_encoder`` of the Idefics3/SmolVLM processors works on a pixel array; this is its
+    size arithmetic, step for step (tests check it against the processor on random sizes)."""
+    aspect_ratio = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = int(width / aspect_ratio)
+        height = math.ceil(height / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = int(height * aspect_ratio)
+        width = math.ceil(width / tile) * tile
+    return width, height
+
+
+@dataclass(frozen=True, slots=True)
+class ShortestEdge:
+    """LLaVA 1.5: the shortest edge brought to ``shortest_edge`` (``get_resize_output_image_size`` with
+    ``default_to_square=False``), then a centre crop the backend takes from that. With ``pad_to_square``
+    (``LlavaImageProcessor``'s ``do_pad``) the image is first padded to a square, so the longest edge is the
+    one brought to ``shortest_edge``."""
+
+    family: str
+    shortest_edge: int
+    pad_to_square: bool = False
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        if self.pad_to_square:  # the padded square is resized to shortest_edge; the image within it scales so
+            edge, longest = self.shortest_edge, max(width, height)
+            if width >= height:
+                return edge, max(1, round(height * edge / longest))
+            return max(1, round(width * edge / longest)), edge
+        numpy = importlib.import_module("numpy")
+        resize_size = _helper("transformers.image_transforms", "get_resize_output_image_size")
+        # The helper reads the size off an array: a zero-channel one costs no memory.
+        h, w = resize_size(numpy.empty((height, width, 0), dtype=numpy.uint8), self.shortest_edge,
+                           default_to_square=False, input_data_format="channels_last")
+        return int(w), int(h)
+
+
+@dataclass(frozen=True, slots=True)
+class Square:
+    """Gemma 3 (without pan-and-scan): every image becomes one ``width`` x ``height`` square (896 px)."""
+
+    family: str
+    width: int
+    height: int
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        return self.width, self.height

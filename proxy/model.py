@@ -1,0 +1,247 @@
+"""``MMGATE_MODEL``: the served model's processor, read offline, as a geometry and an image-token count.
+
+The model is a local folder or a name already in the Hugging Face cache. Its processor configuration is
+loaded with ``transformers`` (the optional ``model`` extra) through the PIL image processors, which need no
+torch, and with the network off (``HF_HUB_OFFLINE``, ``local_files_only``): mmgate never downloads anything.
+What is missing (the extra, the folder, the processor configuration, a tokenizer a count needs) is a
+``ConfigError`` naming it, so ``mmgate`` stops at start-up with status 2.
+
+Families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``QwenVL``), Idefics3 and SmolVLM (``Idefics3``), LLaVA 1.5
+(``ShortestEdge``), Gemma 3 without pan-and-scan (``Square``). Any other model (LLaVA-NeXT's any-res grid among
+them) keeps the generic resize rule, with a warning naming it.
+
+The token count of an image comes from the processor: the image processor's ``get_number_of_image_patches``
+and, where the count also depends on the tokenizer (Idefics3/SmolVLM's row and column markers), Idefics3's
+``_get_num_multimodal_tokens`` or SmolVLM's image prompt counted with its tokenizer, memoised by the patch
+layout that determines it (a bounded set), so each image costs a few microseconds on the event loop. LLaVA 1.5
+and Gemma 3 make the same count of every image, asked of their processor once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from preprocessors.geometry import Geometry, Idefics3, QwenVL, ShortestEdge, Square, model_size, upright
+
+from .settings import ConfigError
+
+log = logging.getLogger("mmgate")
+
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+_QWEN_TYPES = {"Qwen2VLImageProcessor": "qwen2-vl"}
+_QWEN_MODEL_TYPES = {"qwen2_vl": "qwen2-vl", "qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl"}
+_IDEFICS_MODULES = {
+    "Idefics3ImageProcessor": ("idefics3", "transformers.models.idefics3.image_processing_pil_idefics3"),
+    "SmolVLMImageProcessor": ("smolvlm", "transformers.models.smolvlm.image_processing_pil_smolvlm"),
+}
+
+
+_LARGEST_SIDE = 16384  # past every family's cap: Qwen's max_pixels, Idefics3's 4096 px bound, fixed squares
+
+
+@dataclass(frozen=True)
+class Model:
+    """The loaded model: its family, its geometry (None: an unsupported family, the generic rule applies) and
+    the image-token count of an upright ``(width, height)`` image."""
+
+    name: str
+    family: str
+    geometry: Geometry | None
+    count: Callable[[int, int], int] | None = field(default=None, repr=False)
+    ceiling: int = 0  # the most tokens one image can make, where no single size gives it (Qwen)
+
+    @property
+    def supported(self) -> bool:
+        return self.geometry is not None
+
+    @functools.cached_property
+    def most_tokens(self) -> int:
+        """What an image whose head does not say its size is counted as: the most tokens one image can make,
+        so the token budget errs on the safe side. Idefics3 and SmolVLM make the most of a square past their
+        cap, LLaVA and Gemma 3 the same of every image; Qwen's ``ceiling`` is its pixel cap in tokens."""
+        return self.ceiling or self.image_tokens(_LARGEST_SIDE, _LARGEST_SIDE)
+
+    def image_tokens(self, width: int, height: int, orientation: int = 1) -> int:
+        """Tokens the backend's processor makes of a stored image of this size and EXIF orientation."""
+        assert self.count is not None and self.geometry is not None
+        up_w, up_h = upright(width, height, orientation)
+        model_size(self.geometry, up_w, up_h)  # MediaError for an image the processor refuses
+        return self.count(up_w, up_h)
+
+
+@functools.cache
+def load_model(spec: str) -> Model:
+    """Load ``spec`` (a folder or a cached model name) once per process; ConfigError names what is missing."""
+    # Before huggingface_hub or transformers is imported (they read these once): never the network, and not
+    # transformers' note that torch is absent (none is needed).
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    folder = _resolve(spec)
+    try:
+        from transformers import AutoImageProcessor
+    except ImportError:
+        raise ConfigError("MMGATE_MODEL needs the model extra: pip install 'mmgate[model]' "
+                          "(transformers is not installed)") from None
+    image_type = _image_processor_type(folder)
+    try:
+        processor = AutoImageProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
+    except Exception as error:
+        raise ConfigError(f"MMGATE_MODEL={spec!r}: the image processor in {folder} could not be loaded "
+                          f"offline ({type(error).__name__}: {str(error)[:200]})") from None
+    model_type = _model_type(folder)
+    if image_type in _QWEN_TYPES:
+        family = _QWEN_MODEL_TYPES.get(model_type, _QWEN_TYPES[image_type])
+        return _qwen(spec, family, processor)
+    if image_type in _IDEFICS_MODULES:
+        family, module = _IDEFICS_MODULES[image_type]
+        return _idefics3(spec, family, module, folder, processor)
+    if image_type in ("CLIPImageProcessor", "LlavaImageProcessor") and model_type == "llava":
+        size, pad = processor.size, bool(image_type == "LlavaImageProcessor" and getattr(processor, "do_pad", False))
+        geometry: Geometry = (ShortestEdge("llava", int(size.shortest_edge or size.height), pad)
+                              if size.shortest_edge or pad else Square("llava", int(size.width), int(size.height)))
+        return _constant(spec, "llava", folder, geometry)
+    if image_type == "Gemma3ImageProcessor" and not getattr(processor, "do_pan_and_scan", False):
+        return _constant(spec, "gemma3", folder, Square("gemma3", int(processor.size.width),
+                                                         int(processor.size.height)))
+    family = model_type or image_type
+    if image_type == "Gemma3ImageProcessor":
+        family = "gemma3 with pan-and-scan"
+    log.warning("MMGATE_MODEL=%s: the %s family (%s) has no model geometry in mmgate; images follow the generic "
+                "rule (MMGATE_RESIZE_MAX_*) and no image tokens are counted", spec, family, image_type)
+    return Model(spec, family, None)
+
+
+def _resolve(spec: str) -> Path:
+    """A local folder as it is; otherwise a name looked up in the Hugging Face cache, offline."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_absolute() or spec.startswith((".", "~")) or spec.count("/") > 1:
+        raise ConfigError(f"MMGATE_MODEL={spec!r}: no such folder")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ConfigError(f"MMGATE_MODEL={spec!r}: not a folder, and looking up a cached model name needs the "
+                          "model extra: pip install 'mmgate[model]'") from None
+    try:
+        return Path(snapshot_download(spec, local_files_only=True))
+    except Exception:
+        raise ConfigError(f"MMGATE_MODEL={spec!r}: not a folder and not in the Hugging Face cache "
+                          "(mmgate never downloads: fetch the model first, or point at its folder)") from None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"MMGATE_MODEL: {path} is not readable JSON ({error})") from None
+    return value if isinstance(value, dict) else None
+
+
+def _image_processor_type(folder: Path) -> str:
+    """The processor class the folder names, without its backend suffix (``Pil``, ``Fast``)."""
+    for name in _PROCESSOR_FILES:
+        config = _read_json(folder / name)
+        if config is None:
+            continue
+        config = config.get("image_processor", config)
+        kind = str(config.get("image_processor_type", ""))
+        if kind:
+            for suffix in ("Pil", "Fast"):
+                kind = kind.removesuffix(suffix)
+            return kind
+    raise ConfigError(f"MMGATE_MODEL: {folder} has no image processor configuration (looked for "
+                      f"{' or '.join(_PROCESSOR_FILES)} naming an image_processor_type)")
+
+
+def _model_type(folder: Path) -> str:
+    config = _read_json(folder / "config.json") or {}
+    return str(config.get("model_type", ""))
+
+
+def _qwen(spec: str, family: str, processor: Any) -> Model:
+    size = processor.size
+    geometry = QwenVL(family, int(processor.patch_size), int(processor.merge_size),
+                      int(size.shortest_edge), int(size.longest_edge))
+    per_token = int(processor.merge_size) ** 2
+
+    def count(width: int, height: int) -> int:
+        # Qwen2VLProcessor._get_num_multimodal_tokens: patches // merge_size ** 2 (its video processor needs
+        # torch, so the processor itself is not loaded; tests check this against the processor's own output).
+        return int(processor.get_number_of_image_patches(height, width, {})) // per_token
+
+    # smart_resize keeps height x width within max_pixels, and a token is (patch_size x merge_size)^2 pixels.
+    ceiling = geometry.max_pixels // (geometry.patch_size * geometry.merge_size) ** 2
+    return Model(spec, family, geometry, count, ceiling)
+
+
+def _constant(spec: str, family: str, folder: Path, geometry: Geometry) -> Model:
+    """LLaVA 1.5 and Gemma 3 make the same number of tokens of every image: their processor says how many."""
+    try:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
+        tokens = int(processor._get_num_multimodal_tokens(image_sizes=[[1, 1]]).num_image_tokens[0])
+    except Exception as error:
+        raise ConfigError(f"MMGATE_MODEL={spec!r}: counting {family} image tokens needs the model's processor and "
+                          f"tokenizer in {folder}, which could not be loaded offline "
+                          f"({type(error).__name__}: {str(error)[:200]})") from None
+    return Model(spec, family, geometry, lambda _width, _height: tokens)
+
+
+def _idefics3(spec: str, family: str, module: str, folder: Path, image_processor: Any) -> Model:
+    geometry = Idefics3(family, module, int(image_processor.size.longest_edge),
+                        int(image_processor.max_image_size["longest_edge"]), bool(image_processor.do_image_splitting))
+    try:
+        layout_tokens = _idefics3_layout_tokens(family, folder)
+        layout_tokens(1, 1, (0, 0, 0))
+    except Exception as error:
+        raise ConfigError(f"MMGATE_MODEL={spec!r}: counting {family} image tokens needs the model's processor "
+                          f"configuration and tokenizer in {folder}, which could not be loaded offline "
+                          f"({type(error).__name__}: {str(error)[:200]})") from None
+    by_layout: dict[Any, int] = {}
+
+    def count(width: int, height: int) -> int:
+        layout = image_processor.get_number_of_image_patches(height, width, {})  # (patches, rows, columns)
+        tokens = by_layout.get(layout)
+        if tokens is None:  # bounded: rows and columns are at most the longest edge over the tile
+            tokens = by_layout[layout] = layout_tokens(width, height, layout)
+        return tokens
+
+    return Model(spec, family, geometry, count)
+
+
+def _idefics3_layout_tokens(family: str, folder: Path) -> Callable[[int, int, Any], int]:
+    """How many tokens an image of a given patch layout becomes, from the processor itself. Idefics3's processor
+    says it (``_get_num_multimodal_tokens``). SmolVLM's cannot load without torch (its video processor), so its
+    image prompt (``get_image_prompt_string``) is built and counted with the model's own tokenizer."""
+    if family == "idefics3":
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
+        return lambda width, height, _layout: int(
+            processor._get_num_multimodal_tokens(image_sizes=[[height, width]]).num_image_tokens[0])
+    from transformers import AutoTokenizer
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    config = _read_json(folder / "processor_config.json") or {}
+    image_seq_len = int(config.get("image_seq_len", 169))  # SmolVLMProcessor's default
+    markers = (getattr(tokenizer, "fake_image_token", "<fake_token_around_image>"),
+               getattr(tokenizer, "image_token", "<image>"), getattr(tokenizer, "global_image_token", "<global-img>"))
+
+    def layout_tokens(_width: int, _height: int, layout: Any) -> int:
+        _patches, rows, columns = layout
+        prompt = get_image_prompt_string(rows, columns, image_seq_len, *markers)
+        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    return layout_tokens

@@ -1,0 +1,100 @@
+"""Model folders built locally for the MMGATE_MODEL tests and benches: processor configurations and tiny
+tokenizers only (no weights, no downloads), made with the same transformers classes a real model ships."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# The special tokens the Idefics3/SmolVLM processors expand an image into.
+_IDEFICS_SPECIALS = (["<|begin_of_text|>", "<end_of_utterance>", "<pad>", "<fake_token_around_image>", "<image>",
+                      "<global-img>"] + [f"<row_{i}_col_{j}>" for i in range(1, 13) for j in range(1, 13)])
+
+
+def _tokenizer(specials: list[str], **named: Any) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "a": 1, "image": 2, "\n": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("\n", behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token=specials[2] if len(specials) > 2
+                                   else None, additional_special_tokens=specials, **named)
+
+
+def qwen_folder(path: Path, model_type: str = "qwen2_vl") -> Path:
+    """A Qwen2-VL (``qwen2_vl``), Qwen2.5-VL (``qwen2_5_vl``) or Qwen3-VL (``qwen3_vl``) image processor."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if model_type == "qwen3_vl":  # 16 px patches, 2x2 merge: sides are multiples of 32
+        processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                             size={"shortest_edge": 65536, "longest_edge": 16777216})
+    else:  # Qwen2-VL and Qwen2.5-VL ship the same image processor: 14 px patches, sides multiples of 28
+        processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+    processor.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return path
+
+
+def idefics3_folder(path: Path, family: str = "idefics3", tile: int = 364, longest_edge: int = 1456,
+                    split: bool = True) -> Path:
+    """An Idefics3 (or SmolVLM) processor: image processor, tokenizer with the image markers, image_seq_len."""
+    image_seq_len = (tile // 14) ** 2 // 4
+    if family == "smolvlm":  # its processor needs torch (video): the parts it would save, saved one by one
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+        SmolVLMImageProcessorPil(size={"longest_edge": longest_edge}, max_image_size={"longest_edge": tile},
+                                 do_image_splitting=split).save_pretrained(path)
+        _tokenizer(_IDEFICS_SPECIALS).save_pretrained(path)
+        (path / "processor_config.json").write_text(json.dumps({"image_seq_len": image_seq_len,
+                                                                "processor_class": "SmolVLMProcessor"}))
+    else:
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+        from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
+
+        image_processor = Idefics3ImageProcessorPil(size={"longest_edge": longest_edge},
+                                                    max_image_size={"longest_edge": tile}, do_image_splitting=split)
+        Idefics3Processor(image_processor=image_processor, tokenizer=_tokenizer(_IDEFICS_SPECIALS),
+                          image_seq_len=image_seq_len).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": family}))
+    return path
+
+
+def llava_folder(path: Path, pad: bool = False) -> Path:
+    """A LLaVA 1.5 processor: CLIP's (shortest edge 336, centre crop) or, with ``pad``, LLaVA's own (pad to a
+    square first), and a tokenizer with the ``<image>`` token."""
+    from transformers import LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    geometry: dict[str, Any] = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336},
+                                "do_center_crop": True}
+    images: Any = LlavaImageProcessorPil(do_pad=True, **geometry) if pad else CLIPImageProcessorPil(**geometry)
+    LlavaProcessor(image_processor=images, tokenizer=_tokenizer(["<image>"]), patch_size=14,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    return path
+
+
+def gemma3_folder(path: Path, pan_and_scan: bool = False) -> Path:
+    """A Gemma 3 processor: 896 px squares, 256 tokens an image; a tokenizer with its image markers."""
+    from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = _tokenizer(["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
+                           extra_special_tokens={"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                                                 "eoi_token": "<end_of_image>"})
+    images = Gemma3ImageProcessorPil(size={"height": 896, "width": 896}, do_pan_and_scan=pan_and_scan)
+    Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=256).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    return path
+
+
+def llava_next_folder(path: Path) -> Path:
+    """A LLaVA-NeXT image processor (any-res grid): a family mmgate has no geometry for."""
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    LlavaNextImageProcessorPil().save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "llava_next"}))
+    return path
