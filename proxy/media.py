@@ -9,6 +9,7 @@ must not keep the bytes alive. Once the owner let go, the next read raises ``Can
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -20,6 +21,7 @@ from preprocessors.pool import Batch
 
 from .admission import Lease
 from .buffers import MediaBuffer
+from .cache import Verdict
 from .dialects import MediaPart
 from .errors import MediaError, MmgateError
 from .locate import Item, Plan
@@ -147,29 +149,49 @@ def _process_item(media_ref: weakref.ref[MediaBuffer], item: Item, state: AppSta
         value = _item_value(media_ref, item)
         data = decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
         del value
-        size = len(data)
-        checkpoint()
-        if part.kind == "image":
-            true_mime = image_mime(data).encode()
-            if item.declared_mime.encode() in (true_mime, b""):
-                true_mime = b""
-            processed = process_image(data, state.image_policy, checkpoint)
-            if processed is None and true_mime and item.declared_span is None and part.span is not None:
-                # The declared type is inside an escaped token: the whole token is written anew.
-                return Outcome(size, size, _token(part, true_mime, encode_base64(data)), true_mime, true_mime)
-            del data
-            if processed is None or part.span is None:
-                return Outcome(size, size, true_mime=true_mime)
-            mime = processed.mime.encode()
-            out_size = len(processed.data)
-            encoded = encode_base64(processed.data)
-            del processed
-            return Outcome(size, out_size, _token(part, mime, encoded), mime, true_mime)
-        if part.kind == "audio":
-            validate_audio(data, part.audio_format, state.audio_policy, checkpoint)
-        return Outcome(size, size)  # audio and video are validated / size-checked and forwarded unchanged
+        verdict = judge(data, part.kind, part.audio_format, state, checkpoint)
+        return outcome_for(item, verdict, partial(encode_base64, data))
     except MediaError as error:
         raise error.at(part.path) from None
+
+
+def judge(data: bytes, kind: str, audio_format: str | None, state: AppState, checkpoint: Checkpoint) -> Verdict:
+    """What the settings make of these decoded bytes, whatever part of whichever request carried them: the
+    true type, and the re-encoded file when the image is rewritten. Raises ``MediaError`` (no JSON path)."""
+    size = len(data)
+    checkpoint()
+    if kind == "image":
+        sniffed = image_mime(data).encode()
+        processed = process_image(data, state.image_policy, checkpoint)
+        if processed is None:
+            return Verdict(size, size, sniffed)
+        mime = processed.mime.encode()
+        out_size = len(processed.data)
+        encoded = encode_base64(processed.data)
+        del processed
+        return Verdict(size, out_size, sniffed, mime, encoded)
+    if kind == "audio":
+        validate_audio(data, audio_format, state.audio_policy, checkpoint)
+    return Verdict(size, size)  # audio and video are validated / size-checked and forwarded unchanged
+
+
+def outcome_for(item: Item, verdict: Verdict, original: Callable[[], bytes]) -> Outcome:
+    """A verdict applied to one part: its true type against the declared one, and the token to write.
+    ``original`` gives the part's media as base64, needed only to rewrite a whole escaped token."""
+    part = item.part
+    true_mime = verdict.sniffed_mime
+    if item.declared_mime.encode() in (true_mime, b""):
+        true_mime = b""
+    if verdict.encoded is None:
+        if true_mime and item.declared_span is None and part.span is not None:
+            # The declared type is inside an escaped token: the whole token is written anew.
+            return Outcome(verdict.size_in, verdict.size_in, _token(part, true_mime, original()), true_mime,
+                           true_mime)
+        return Outcome(verdict.size_in, verdict.size_in, true_mime=true_mime)
+    if part.span is None:
+        return Outcome(verdict.size_in, verdict.size_in, true_mime=true_mime)
+    return Outcome(verdict.size_in, verdict.size_out, _token(part, verdict.mime, verdict.encoded), verdict.mime,
+                   true_mime)
 
 
 def _token(part: MediaPart, mime: bytes, encoded: bytes) -> bytes:

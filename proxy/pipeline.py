@@ -16,6 +16,7 @@ from aiohttp import HttpVersion11, hdrs, web
 
 from .body import read_body
 from .buffers import MediaBuffer
+from .cached_media import run_plan_cached
 from .dialects import dialect_for_path, route_for
 from .errors import MmgateError, UpstreamError, draining, internal_error
 from .exchange import CLIENT_CLOSED, Exchange, log, record
@@ -140,16 +141,19 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     if plan.refusal is not None:
         raise plan.take_refusal()
 
-    started = time.perf_counter()
-    ex.lease = await state.gate.acquire(plan.cost, settings.queue_timeout, ex.place)
-    ex.place = None
-    ex.watch.add("queue", time.perf_counter() - started)
+    if state.cache is not None:  # admits weighing only the items the cache does not hold
+        rewrites = await run_plan_cached(state, ex, plan, media)
+    else:
+        started = time.perf_counter()
+        ex.lease = await state.gate.acquire(plan.cost, settings.queue_timeout, ex.place)
+        ex.place = None
+        ex.watch.add("queue", time.perf_counter() - started)
 
-    started = time.perf_counter()
-    try:
-        rewrites = await run_plan(state, plan, media, ex.lease)
-    finally:
-        ex.watch.add("preprocess", time.perf_counter() - started)
+        started = time.perf_counter()
+        try:
+            rewrites = await run_plan(state, plan, media, ex.lease)
+        finally:
+            ex.watch.add("preprocess", time.perf_counter() - started)
 
     started = time.perf_counter()
     ex.media_in, ex.media_out = rewrites.media_in, rewrites.media_out

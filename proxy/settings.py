@@ -150,6 +150,7 @@ class Settings:
     jpeg_quality: int = 90
     release_at: str = "auto"
     media_urls: str = "forward"
+    cache_mb: int = 256
     allow_paths: tuple[str, ...] = ()
     trim_idle: float = 1.0
     malloc_tuning: bool = True
@@ -202,6 +203,10 @@ class Settings:
     def max_inflight_media_bytes(self) -> int:
         return self.max_inflight_media_mb * MIB
 
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_mb * MIB
+
     def worst_case_memory_bytes(self) -> dict[str, int]:
         """Upper bound of request payload memory the limits allow (README "Tuning").
 
@@ -210,6 +215,7 @@ class Settings:
         decoding:    decode workers each hold one decoded image  = DECODE_WORKERS × MAX_IMAGE_PIXELS × 4 B
         connections: each open connection, its read buffer and   = MAX_CONNECTIONS × CONNECTION_BYTES
                      a head (aiohttp's, outside the bodies)
+        cache:       processed media kept for reuse             = CACHE_MB
 
         Bodies still arriving are inside the first two terms: a big body whose head names media holds a
         place in line while it is read, and finds none when slots and queue are taken (429, rest unread).
@@ -220,8 +226,9 @@ class Settings:
         admitted = self.max_mm_concurrency * 2 * self.max_body_bytes
         decoding = self.decode_workers * self.max_image_pixels * 4
         connections = self.max_connections * CONNECTION_BYTES
+        cache = self.cache_bytes
         return {"queued": queued, "admitted": admitted, "decoding": decoding, "connections": connections,
-                "total": queued + admitted + decoding + connections}
+                "cache": cache, "total": queued + admitted + decoding + connections + cache}
 
     def describe(self) -> str:
         """``--print-config``: every effective setting as ``MMGATE_X=value`` and the worst-case memory."""
@@ -238,7 +245,7 @@ class Settings:
         lines.append(
             f"# worst-case payload memory: {mib['total']:.0f} MiB = queued {mib['queued']:.0f} MiB"
             f" + admitted {mib['admitted']:.0f} MiB + decoding {mib['decoding']:.0f} MiB"
-            f" + connections {mib['connections']:.0f} MiB"
+            f" + connections {mib['connections']:.0f} MiB + cache {mib['cache']:.0f} MiB"
         )
         return "\n".join(lines)
 
@@ -278,6 +285,8 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "jpeg_quality": (_int(1, 100), "JPEG/WebP quality of re-encoded images [90]"),
     "release_at": (_choice("auto", "sent", "headers", "complete"), "when the gate lease ends [auto]"),
     "media_urls": (_choice("forward", "reject"), "media URLs: forward or reject [forward]"),
+    "cache_mb": (_int(0, 1 << 20), "processed-media cache in MiB: a media item seen before is not decoded again "
+                                   "(0 = off) [256]"),
     "allow_paths": (_prefixes, "comma-separated path prefixes forwarded; others -> 404 [all]"),
     "trim_idle": (_seconds(True), "return freed heap to the OS after this many idle seconds (0 = off) [1]"),
     "malloc_tuning": (_bool, "big buffers back to the OS when freed, no Pillow block cache (see README) [on]"),

@@ -13,6 +13,7 @@ from preprocessors.pool import DecodePool
 
 from .admission import Gate
 from .buffers import BufferLedger
+from .cache import MediaCache
 from .connections import ConnectionGuard
 from .lifecycle import Lifecycle
 from .memory import IdleTrimmer
@@ -34,6 +35,7 @@ class AppState:
     buffers: BufferLedger = field(default_factory=BufferLedger)
     session: aiohttp.ClientSession | None = None
     pool: DecodePool | None = None
+    cache: MediaCache | None = None  # MMGATE_CACHE_MB > 0
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # shared with the gate
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
