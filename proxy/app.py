@@ -70,6 +70,7 @@ def build_state(settings: Settings) -> AppState:
                                          metrics.cache_misses.inc, metrics.cache_evictions.inc)
         metrics.cache_bytes.set_function(lambda: cache.bytes_held)
         metrics.cache_entries.set_function(lambda: cache.entries)
+        metrics.cache_waiting.set_function(lambda: cache.waiting)
     metrics.cache_limit_bytes.set(settings.cache_bytes)
     state.idle.set()
     return state

@@ -128,6 +128,7 @@ class MediaCache:
         self.max_bytes = max_bytes
         self.settings_print = settings_print
         self.bytes_held = 0
+        self.waiting = 0  # requests waiting for another request's decode of the same media
         self._entries: OrderedDict[bytes, Verdict] = OrderedDict()
         self._leads: dict[bytes, asyncio.Future[Verdict | None]] = {}
         self.hasher = ThreadPoolExecutor(max(1, hash_threads), thread_name_prefix="mmgate-hash")

@@ -135,7 +135,11 @@ async def _look_up(cache: MediaCache, keys: list[bytes], verdicts: dict[bytes, V
         if not waits or _round == FOLLOW_ROUNDS:
             return missing
         # asyncio.wait never cancels what it waits for: a waiter that leaves does not stop its leader.
-        await asyncio.wait(waits)
+        cache.waiting += 1
+        try:
+            await asyncio.wait(waits)
+        finally:
+            cache.waiting -= 1
     raise AssertionError("unreachable")
 
 

@@ -102,6 +102,9 @@ class Metrics:
         )
         self.cache_bytes = Gauge("mmgate_cache_bytes", "Bytes the processed-media cache holds", registry=r)
         self.cache_entries = Gauge("mmgate_cache_entries", "Entries the processed-media cache holds", registry=r)
+        self.cache_waiting = Gauge(
+            "mmgate_cache_waiting", "Requests waiting for another request's decode of the same media", registry=r
+        )
         self.cache_limit_bytes = Gauge("mmgate_cache_limit_bytes", "MMGATE_CACHE_MB in bytes (0 = off)", registry=r)
         self.memory_trims = Counter(
             "mmgate_memory_trims", "malloc_trim calls after media work went idle (MMGATE_TRIM_IDLE)", registry=r
