@@ -402,3 +402,35 @@ def test_the_store_is_an_lru_bounded_by_bytes(limit: int, ops: list[tuple[str, i
             cache.close()
 
     asyncio.run(run())
+
+
+# ---------------------------------------------------------------------------------------------- hashing
+
+
+async def test_a_big_payload_is_hashed_off_the_loop_and_a_request_that_leaves_lets_go(
+    upstream: Upstream, start_proxy: StartProxy
+) -> None:
+    """Past 64 KiB the hash runs in the cache's hasher threads. Those held busy, a request waits for its hash;
+    its client leaves: its body is freed, nothing is cached or led, and the next request is served."""
+    import threading
+
+    proxy = await start_proxy(upstream.url, **RESIZE)
+    cache = proxy.state.cache
+    assert cache is not None
+    body = chat_with_image(data_uri(noisy_png(300, 4)))
+    assert len(json.dumps(body)) > 64 << 10
+    go = threading.Event()
+    hogs = [cache.hasher.submit(go.wait) for _ in range(cache.hasher._max_workers)]
+    try:
+        leaving = asyncio.create_task(post(proxy, body))
+        await eventually(lambda: cache.hasher._work_queue.qsize() == 1, "the hash waits for a thread")
+        leaving.cancel()
+        await eventually(lambda: proxy.state.in_flight == 0, "the request ended")
+    finally:
+        go.set()
+        for hog in hogs:
+            hog.result()
+    await eventually(lambda: proxy.state.buffers.owners_live == 0, "every buffer owner freed")
+    assert (cache.entries, cache._leads, upstream.seen) == (0, {}, [])
+    assert (await post(proxy, body))[0] == 200
+    assert (await cache_metrics(proxy))["misses_total"] == 1
