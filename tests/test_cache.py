@@ -233,6 +233,24 @@ async def test_an_image_twice_in_one_request_is_decoded_once(upstream: Upstream,
     assert (metrics["hits_total"], metrics["misses_total"]) == (1, 1)
 
 
+async def test_payloads_of_one_length_are_compared_not_assumed_equal(upstream: Upstream,
+                                                                     start_proxy: StartProxy) -> None:
+    """A repeated payload reuses its digest only when its bytes are the same: two photos whose base64 has the
+    same length and differs in one comment byte are two items, the third part repeats the first."""
+    proxy = await start_proxy(upstream.url, **RESIZE)
+    photo = io.BytesIO()
+    photo_sized(64, 64, 3).save(photo, "JPEG")
+    jpeg = photo.getvalue()
+    first, second = (jpeg[:2] + b"\xff\xfe\x00\x03" + tag + jpeg[2:] for tag in (b"a", b"b"))
+    uris = [data_uri(first, "image/jpeg"), data_uri(second, "image/jpeg")]
+    assert len(uris[0]) == len(uris[1]) and uris[0] != uris[1]
+    body = chat_with_image(uris[0])
+    body["messages"][0]["content"] += [{"type": "image_url", "image_url": {"url": uri}} for uri in (uris[1], uris[0])]
+    assert (await post(proxy, body))[0] == 200
+    metrics = await cache_metrics(proxy)
+    assert (metrics["hits_total"], metrics["misses_total"], metrics["entries"]) == (1, 2, 2)
+
+
 @pytest.mark.parametrize("how", ["client_gone", "deadline"])
 async def test_a_waiter_does_not_inherit_a_failure_that_is_not_the_medias(
     upstream: Upstream, start_proxy: StartProxy, how: str
