@@ -39,15 +39,17 @@ from .state import AppState
 FOLLOW_ROUNDS = 3
 
 
-async def run_plan_cached(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> Rewrites:
+async def run_plan_cached(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer,
+                          identity: str = "") -> Rewrites:
     """Admit ``plan`` (into ``ex.lease``) weighing only its misses, decode those once, and return the
-    replacements, exactly as ``_prepare_media`` would with the cache off."""
+    replacements, exactly as ``_prepare_media`` would with the cache off. ``identity`` joins every key (e.g.
+    the model, where media is processed per model)."""
     cache = state.cache
     assert cache is not None
     settings = state.settings
     started = time.perf_counter()
     media_ref = weakref.ref(media)
-    keys = await _keys(cache, plan, media_ref)
+    keys = await _keys(cache, plan, media_ref, identity)
     verdicts: dict[bytes, Verdict] = {}
     misses = await _look_up(cache, keys, verdicts)
     for item, key in zip(plan.items, keys, strict=True):  # a cached refusal: refused again, nothing decoded
@@ -82,13 +84,13 @@ async def run_plan_cached(state: AppState, ex: Exchange, plan: Plan, media: Medi
     return rewrites_for(state, plan, outcomes)
 
 
-async def _keys(cache: MediaCache, plan: Plan, media_ref: weakref.ref[MediaBuffer]) -> list[bytes]:
+async def _keys(cache: MediaCache, plan: Plan, media_ref: weakref.ref[MediaBuffer], identity: str) -> list[bytes]:
     """One key per item, in plan order: the payload's digest and the part's context."""
     if sum(item.size for item in plan.items) * 4 // 3 > HASH_INLINE_BYTES:
         digests = await asyncio.get_running_loop().run_in_executor(cache.hasher, _digests, media_ref, plan.items)
     else:
         digests = _digests(media_ref, plan.items)
-    return [cache_key(digest, cache.context(item.part.kind, item.part.audio_format))
+    return [cache_key(digest, cache.context(item.part.kind, item.part.audio_format, identity))
             for digest, item in zip(digests, plan.items, strict=True)]
 
 
