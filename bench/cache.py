@@ -233,7 +233,8 @@ def per_round(rounds: list[dict[str, Any]]) -> dict[str, list[float]]:
             add(f"{mode}/one_photo/last_turn_media_cpu_ms", ts[-1]["media_cpu_ms"])
         off = rnd["off"]["all_new"]["turns"]
         on = rnd["on"]["all_new"]["turns"]
-        add("miss_cpu_ratio", statistics.fmean(t["cpu_ms"] for t in on) / statistics.fmean(t["cpu_ms"] for t in off))
+        # The median request: one slow request (a page fault storm, a neighbour's burst) must not decide it.
+        add("miss_cpu_ratio", statistics.median(t["cpu_ms"] for t in on) / statistics.median(t["cpu_ms"] for t in off))
         for name in ("one_photo", "new_photo_each_turn"):
             add(f"{name}/cpu_on_over_off", out[f"on/{name}/cpu_ms_per_request"][-1]
                 / out[f"off/{name}/cpu_ms_per_request"][-1])
@@ -247,7 +248,7 @@ def goals(figures: dict[str, list[float]]) -> list[R.Goal]:
                lambda v: v <= GOAL_REPEAT_SHARE),
         R.goal("one photo, cache on: turns 2–10 on average, media CPU ÷ turn 1's",
                figures.get("on/one_photo/later_turn_share_mean", [])),
-        R.goal("all new photos: CPU per request, cache on ÷ off", figures["miss_cpu_ratio"],
+        R.goal("all new photos: CPU of the median request, cache on ÷ off", figures["miss_cpu_ratio"],
                f"≤ {GOAL_MISS_RATIO:g}", lambda v: v <= GOAL_MISS_RATIO),
         R.goal("one photo: CPU per request over the chat, cache on ÷ off", figures["one_photo/cpu_on_over_off"]),
         R.goal("new photo each turn: CPU per request, cache on ÷ off", figures["new_photo_each_turn/cpu_on_over_off"]),
