@@ -207,7 +207,8 @@ async def _decode(state: AppState, ex: Exchange, plan: Plan, media_ref: weakref.
 
 
 def _settle(cache: MediaCache, done: dict[bytes, Verdict]) -> None:
-    for key, verdict in done.items():
+    # A copy taken in one C call: after a timeout, a worker still running may add to ``done`` meanwhile.
+    for key, verdict in list(done.items()):
         cache.count_miss()
         cache.settle(key, verdict)
 
