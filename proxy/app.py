@@ -20,6 +20,7 @@ from preprocessors.pool import DecodePool
 
 from .admin import add_admin_routes
 from .admission import Gate
+from .cache import MediaCache, settings_fingerprint
 from .connections import ConnectionGuard, mark_head_received
 from .fetch import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
 from .lifecycle import Lifecycle
@@ -69,6 +70,14 @@ def build_state(settings: Settings) -> AppState:
                      trimmer, connections, lifecycle=lifecycle, model=model)
     metrics.media_bytes_live.set_function(lambda: state.buffers.bytes_live)
     metrics.media_buffers_live.set_function(lambda: state.buffers.owners_live)
+    if settings.cache_mb:
+        cache = state.cache = MediaCache(settings.cache_bytes, settings_fingerprint(settings),
+                                         min(4, settings.decode_workers), metrics.cache_hits.inc,
+                                         metrics.cache_misses.inc, metrics.cache_evictions.inc)
+        metrics.cache_bytes.set_function(lambda: cache.bytes_held)
+        metrics.cache_entries.set_function(lambda: cache.entries)
+        metrics.cache_waiting.set_function(lambda: cache.waiting)
+    metrics.cache_limit_bytes.set(settings.cache_bytes)
     state.idle.set()
     return state
 
@@ -135,6 +144,8 @@ async def _decode_pool(app: web.Application) -> AsyncIterator[None]:
     metrics.pool_stuck_workers.set_function(lambda: state.pool.stuck if state.pool else 0)
     yield
     state.pool.shutdown()
+    if state.cache is not None:
+        state.cache.close()
 
 
 async def _loop_lag_watcher(app: web.Application) -> AsyncIterator[None]:

@@ -159,6 +159,15 @@ def snapshot(state: AppState) -> dict[str, Any]:
             "inflight_limit": s.max_inflight_image_tokens,
             "model": state.model.family if state.model is not None else None,
         },
+        "cache": {
+            "hits": _gauge_value(m.cache_hits),
+            "misses": _gauge_value(m.cache_misses),
+            "evictions": _gauge_value(m.cache_evictions),
+            "bytes": _gauge_value(m.cache_bytes),
+            "entries": _gauge_value(m.cache_entries),
+            "waiting": _gauge_value(m.cache_waiting),
+            "limit_bytes": s.cache_mb * (1 << 20),
+        },
         "pool": {
             "workers": pool.workers if pool is not None else s.decode_workers,
             "queue_depth": _gauge_value(m.pool_queue_depth),
@@ -180,5 +189,6 @@ def snapshot(state: AppState) -> dict[str, Any]:
             "request_timeout": s.request_timeout,
             "upstream_read_timeout": s.upstream_read_timeout,
             "release_at": s.release_at,
+            "cache_mb": s.cache_mb,
         },
     }

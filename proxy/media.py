@@ -9,6 +9,7 @@ must not keep the bytes alive. Once the owner let go, the next read raises ``Can
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -20,6 +21,7 @@ from preprocessors.pool import Batch
 
 from .admission import Lease
 from .buffers import MediaBuffer
+from .cache import Verdict
 from .dialects import MediaPart
 from .errors import MediaError, MmgateError
 from .fetch import Fetched
@@ -146,28 +148,28 @@ def _item_value(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes | memo
 
 def _process_item(media_ref: weakref.ref[MediaBuffer], item: Item, state: AppState,
                   checkpoint: Checkpoint) -> Outcome:
-    """In a decode thread: base64 → bytes → ``_process_bytes``. The decoded bytes are passed on, not kept in a
-    local here, so ``_process_bytes`` can drop them (``del``) before it encodes the result."""
+    """In a decode thread: base64 → bytes → ``judge`` → the part's new token (``outcome_for``)."""
+    part = item.part
     try:
-        return _process_bytes(_decoded(media_ref, item, state), item, state, checkpoint)
+        value = _item_value(media_ref, item)
+        data = decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
+        del value
+        verdict = judge(data, part.kind, part.audio_format, state, checkpoint)
+        return outcome_for(item, verdict, partial(encode_base64, data))
     except MediaError as error:
-        raise error.at(item.part.path) from None
-
-
-def _decoded(media_ref: weakref.ref[MediaBuffer], item: Item, state: AppState) -> bytes:
-    value = _item_value(media_ref, item)
-    return decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
+        raise error.at(part.path) from None
 
 
 def _process_fetched(fetched: Fetched, item: Item, state: AppState, checkpoint: Checkpoint) -> Outcome:
-    """In a decode thread: a fetched body → ``_process_bytes``; the URL is always replaced by a data URI,
-    of the processed media or, when that needed no change, of the bytes as fetched with their sniffed type."""
+    """In a decode thread: a fetched body → ``judge``; the URL is always replaced by a data URI, of the
+    processed media or, when that needed no change, of the bytes as fetched with their sniffed type."""
     try:
         data = fetched.data
-        outcome = _process_bytes(data, item, state, checkpoint)
+        verdict = judge(data, item.part.kind, item.part.audio_format, state, checkpoint)
+        outcome = outcome_for(item, verdict, partial(encode_base64, data))
         if outcome.token is None:
             if item.part.kind == "image":
-                mime = image_mime(data).encode()
+                mime = verdict.sniffed_mime
             else:  # validated above, so the format is known
                 mime = _AUDIO_MIME.get(sniff_audio_format(data) or "", fetched.mime).encode()
             outcome.token, outcome.mime = _token(item.part, mime, encode_base64(data)), mime
@@ -179,30 +181,43 @@ def _process_fetched(fetched: Fetched, item: Item, state: AppState, checkpoint: 
 _AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg"}
 
 
-def _process_bytes(data: bytes, item: Item, state: AppState, checkpoint: Checkpoint) -> Outcome:
-    """Media bytes (decoded inline media or a fetched body) → validate → (resize → re-encode → token)."""
-    part = item.part
+def judge(data: bytes, kind: str, audio_format: str | None, state: AppState, checkpoint: Checkpoint) -> Verdict:
+    """What the settings make of these decoded bytes, whatever part of whichever request carried them: the
+    true type, and the re-encoded file when the image is rewritten. Raises ``MediaError`` (no JSON path)."""
     size = len(data)
     checkpoint()
-    if part.kind == "image":
-        true_mime = image_mime(data).encode()
-        if item.declared_mime.encode() in (true_mime, b""):
-            true_mime = b""
+    if kind == "image":
+        sniffed = image_mime(data).encode()
         processed = process_image(data, state.image_policy, checkpoint)
-        if processed is None and true_mime and item.declared_span is None and part.span is not None:
-            # The declared type is inside an escaped token: the whole token is written anew.
-            return Outcome(size, size, _token(part, true_mime, encode_base64(data)), true_mime, true_mime)
-        del data
-        if processed is None or part.span is None:
-            return Outcome(size, size, true_mime=true_mime)
+        if processed is None:
+            return Verdict(size, size, sniffed)
         mime = processed.mime.encode()
         out_size = len(processed.data)
         encoded = encode_base64(processed.data)
         del processed
-        return Outcome(size, out_size, _token(part, mime, encoded), mime, true_mime)
-    if part.kind == "audio":
-        validate_audio(data, part.audio_format, state.audio_policy, checkpoint)
-    return Outcome(size, size)  # audio and video are validated / size-checked and forwarded unchanged
+        return Verdict(size, out_size, sniffed, mime, encoded)
+    if kind == "audio":
+        validate_audio(data, audio_format, state.audio_policy, checkpoint)
+    return Verdict(size, size)  # audio and video are validated / size-checked and forwarded unchanged
+
+
+def outcome_for(item: Item, verdict: Verdict, original: Callable[[], bytes]) -> Outcome:
+    """A verdict applied to one part: its true type against the declared one, and the token to write.
+    ``original`` gives the part's media as base64, needed only to rewrite a whole escaped token."""
+    part = item.part
+    true_mime = verdict.sniffed_mime
+    if item.declared_mime.encode() in (true_mime, b""):
+        true_mime = b""
+    if verdict.encoded is None:
+        if true_mime and item.declared_span is None and part.span is not None:
+            # The declared type is inside an escaped token: the whole token is written anew.
+            return Outcome(verdict.size_in, verdict.size_in, _token(part, true_mime, original()), true_mime,
+                           true_mime)
+        return Outcome(verdict.size_in, verdict.size_in, true_mime=true_mime)
+    if part.span is None:
+        return Outcome(verdict.size_in, verdict.size_in, true_mime=true_mime)
+    return Outcome(verdict.size_in, verdict.size_out, _token(part, verdict.mime, verdict.encoded), verdict.mime,
+                   true_mime)
 
 
 def _token(part: MediaPart, mime: bytes, encoded: bytes) -> bytes:

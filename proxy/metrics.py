@@ -104,6 +104,23 @@ class Metrics:
         self.fetched_bytes = Counter(
             "mmgate_fetched_bytes", "Body bytes read from media URLs, refused fetches included", registry=r
         )
+        self.cache_hits = Counter(
+            "mmgate_cache_hits", "Media items answered from the processed-media cache, without a decode", registry=r
+        )
+        self.cache_misses = Counter(
+            "mmgate_cache_misses", "Media items decoded because the cache did not hold them (MMGATE_CACHE_MB)",
+            registry=r,
+        )
+        self.cache_evictions = Counter(
+            "mmgate_cache_evictions", "Cache entries dropped, least recently used first, to stay within the bound",
+            registry=r,
+        )
+        self.cache_bytes = Gauge("mmgate_cache_bytes", "Bytes the processed-media cache holds", registry=r)
+        self.cache_entries = Gauge("mmgate_cache_entries", "Entries the processed-media cache holds", registry=r)
+        self.cache_waiting = Gauge(
+            "mmgate_cache_waiting", "Requests waiting for another request's decode of the same media", registry=r
+        )
+        self.cache_limit_bytes = Gauge("mmgate_cache_limit_bytes", "MMGATE_CACHE_MB in bytes (0 = off)", registry=r)
         self.memory_trims = Counter(
             "mmgate_memory_trims", "malloc_trim calls after media work went idle (MMGATE_TRIM_IDLE)", registry=r
         )

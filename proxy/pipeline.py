@@ -16,12 +16,13 @@ from aiohttp import HttpVersion11, hdrs, web
 
 from .body import joined, read_body
 from .buffers import MediaBuffer
+from .cached_media import run_plan_cached
 from .dialects import dialect_for_path, route_for
 from .errors import MmgateError, UpstreamError, draining, internal_error
 from .exchange import CLIENT_CLOSED, Exchange, log, record
 from .fetch import Fetched, fetch_plan
 from .locate import Limits, Plan, chunks_may_contain_media, may_contain_media, plan_media
-from .media import count_urls, run_plan
+from .media import Rewrites, count_urls, run_plan
 from .paths import Target, is_allowed, normalise_target
 from .rawjson import splice
 from .refusals import refuse
@@ -152,6 +153,23 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
         _count_image_tokens(state, ex, plan, media)
         ex.watch.add("parse", time.perf_counter() - started)
 
+    if state.cache is not None and not any(item.part.is_url for item in plan.items):
+        rewrites = await run_plan_cached(state, ex, plan, media)  # admits weighing only what the cache lacks
+    else:
+        rewrites = await _admit_fetch_and_run(state, ex, plan, media)
+
+    started = time.perf_counter()
+    ex.media_in, ex.media_out = rewrites.media_in, rewrites.media_out
+    if rewrites.replacements:
+        media.replace(splice(media.data, rewrites.replacements))
+    del rewrites
+    ex.watch.add("splice", time.perf_counter() - started)
+    return plan.is_stream
+
+
+async def _admit_fetch_and_run(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> Rewrites:
+    """Without the cache (or with media URLs to fetch): admit the whole plan, fetch its URLs, run it."""
+    settings = state.settings
     started = time.perf_counter()
     ex.lease = await state.gate.acquire(plan.cost, settings.queue_timeout, ex.place, ex.image_tokens)
     ex.place = None
@@ -169,17 +187,9 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
 
     started = time.perf_counter()
     try:
-        rewrites = await run_plan(state, plan, media, ex.lease, fetched)
+        return await run_plan(state, plan, media, ex.lease, fetched)
     finally:
         ex.watch.add("preprocess", time.perf_counter() - started)
-
-    started = time.perf_counter()
-    ex.media_in, ex.media_out = rewrites.media_in, rewrites.media_out
-    if rewrites.replacements:
-        media.replace(splice(media.data, rewrites.replacements))
-    del rewrites
-    ex.watch.add("splice", time.perf_counter() - started)
-    return plan.is_stream
 
 
 def _count_image_tokens(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> None:

@@ -195,6 +195,7 @@ class Settings:
     fetch_timeout: float = 10.0
     fetch_first_byte_timeout: float = 5.0
     fetch_max_connections: int = 64
+    cache_mb: int = 256
     allow_paths: tuple[str, ...] = ()
     trim_idle: float = 1.0
     malloc_tuning: bool = True
@@ -250,6 +251,10 @@ class Settings:
     def max_inflight_media_bytes(self) -> int:
         return self.max_inflight_media_mb * MIB
 
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_mb * MIB
+
     def worst_case_memory_bytes(self) -> dict[str, int]:
         """Upper bound of request payload memory the limits allow (README "Tuning").
 
@@ -261,6 +266,7 @@ class Settings:
         fetched:     with MEDIA_URLS=fetch, fetched bodies and     = 7/3 × MAX_MM_CONCURRENCY × MAX_MEDIA_PER_REQUEST
                      their base64 in the spliced body; each URL      × MAX_MEDIA_ITEM_MB (at most 7/3 × the
                      is charged the per-item cap at admission        byte budget when MAX_INFLIGHT_MEDIA_MB is set)
+        cache:       processed media kept for reuse             = CACHE_MB
 
         Bodies still arriving are inside the first two terms: a big body whose head names media holds a
         place in line while it is read, and finds none when slots and queue are taken (429, rest unread).
@@ -277,8 +283,10 @@ class Settings:
             if self.max_inflight_media_bytes:
                 charged = min(charged, self.max_inflight_media_bytes)
             fetched = charged * 7 // 3
+        cache = self.cache_bytes
         return {"queued": queued, "admitted": admitted, "decoding": decoding, "connections": connections,
-                "fetched": fetched, "total": queued + admitted + decoding + connections + fetched}
+                "fetched": fetched, "cache": cache,
+                "total": queued + admitted + decoding + connections + fetched + cache}
 
     def describe(self) -> str:
         """``--print-config``: every effective setting as ``MMGATE_X=value`` and the worst-case memory."""
@@ -295,7 +303,7 @@ class Settings:
         lines.append(
             f"# worst-case payload memory: {mib['total']:.0f} MiB = queued {mib['queued']:.0f} MiB"
             f" + admitted {mib['admitted']:.0f} MiB + decoding {mib['decoding']:.0f} MiB"
-            f" + connections {mib['connections']:.0f} MiB"
+            f" + connections {mib['connections']:.0f} MiB + cache {mib['cache']:.0f} MiB"
             + (f" + fetched {mib['fetched']:.0f} MiB" if memory["fetched"] else "")
         )
         return "\n".join(lines)
@@ -347,6 +355,8 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "fetch_timeout": (_seconds(False), "with fetch: seconds for one fetch, redirects included -> 400 [10]"),
     "fetch_first_byte_timeout": (_seconds(False), "with fetch: seconds to a response head -> 400 [5]"),
     "fetch_max_connections": (_int(1, 100_000), "with fetch: connections of the fetch client [64]"),
+    "cache_mb": (_int(0, 1 << 20), "processed-media cache in MiB: a media item seen before is not decoded again "
+                                   "(0 = off) [256]"),
     "allow_paths": (_prefixes, "comma-separated path prefixes forwarded; others -> 404 [all]"),
     "trim_idle": (_seconds(True), "return freed heap to the OS after this many idle seconds (0 = off) [1]"),
     "malloc_tuning": (_bool, "big buffers back to the OS when freed, no Pillow block cache (see README) [on]"),

@@ -13,6 +13,7 @@ from preprocessors.pool import DecodePool
 
 from .admission import Gate
 from .buffers import BufferLedger
+from .cache import MediaCache
 from .connections import ConnectionGuard
 from .fetch import Fetcher
 from .lifecycle import Lifecycle
@@ -37,6 +38,7 @@ class AppState:
     session: aiohttp.ClientSession | None = None
     pool: DecodePool | None = None
     fetcher: Fetcher | None = None  # MMGATE_MEDIA_URLS=fetch only
+    cache: MediaCache | None = None  # MMGATE_CACHE_MB > 0
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # shared with the gate
     model: Model | None = None  # MMGATE_MODEL with a supported family: image tokens are counted
     in_flight: int = 0

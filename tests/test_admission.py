@@ -107,13 +107,14 @@ async def test_byte_budget_admits_by_bytes(upstream: Upstream, start_proxy: Star
     """Two images that together exceed the budget never run at once, although slots are free."""
     hold(upstream)
     half = image_bytes(500, 500, "BMP")  # ~0.7 MiB each, uncompressed: two exceed 1 MiB
-    uri = data_uri(half, "image/bmp")
+    other = image_bytes(500, 500, "BMP", color="blue")  # not the same image: a cached one would weigh nothing
     proxy = await start_proxy(upstream.url, MMGATE_MAX_INFLIGHT_MEDIA_MB="1", MMGATE_MAX_MM_CONCURRENCY="8",
                               MMGATE_MAX_MEDIA_ITEM_MB="8", MMGATE_RELEASE_AT="complete")
     async with aiohttp.ClientSession() as client:
-        body = orjson.dumps(chat_with_image(uri))
+        body = orjson.dumps(chat_with_image(data_uri(half, "image/bmp")))
         first = asyncio.create_task(client.post(proxy.url + "/v1/chat/completions", data=body))
         await eventually(lambda: len(upstream.seen) == 1, "first admitted")
+        body = orjson.dumps(chat_with_image(data_uri(other, "image/bmp")))
         second = asyncio.create_task(client.post(proxy.url + "/v1/chat/completions", data=body))
         await eventually(lambda: proxy.state.gate.waiting == 1, "second waits for bytes")
         assert proxy.state.gate.in_use == 1 and proxy.state.gate.bytes_in_use >= len(half)

@@ -101,12 +101,11 @@ def test_unknown_variables_warn_with_the_closest_name(capsys: pytest.CaptureFixt
     assert "MMGATE_MAX_QUEUE=64" in out  # only a warning: start-up goes on, the misspelt value changed nothing
 
 
-def test_the_removed_cache_setting_is_an_unknown_variable(capsys: pytest.CaptureFixture[str]) -> None:
-    """MMGATE_CACHE_MB was accepted and ignored; there is no cache, so setting it now draws the warning."""
-    main(["--print-config"], environ={"MMGATE_UPSTREAM": "http://127.0.0.1:1", "MMGATE_CACHE_MB": "256"})
+def test_the_cache_setting_is_known_printed_and_counted_in_the_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--print-config"], environ={"MMGATE_UPSTREAM": "http://127.0.0.1:1", "MMGATE_CACHE_MB": "100"})
     out, err = capsys.readouterr()
-    assert err.startswith("mmgate: warning: unknown variable MMGATE_CACHE_MB")
-    assert "CACHE" not in out
+    assert "unknown variable" not in err
+    assert "MMGATE_CACHE_MB=100" in out and "+ cache 100 MiB" in out
 
 
 def test_every_mmgate_variable_in_the_repository_is_known() -> None:

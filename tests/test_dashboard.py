@@ -125,15 +125,15 @@ def _image_data_uri(side: int = 256) -> str:
 IMAGE = _image_data_uri()
 
 
-def _chat(media: bool) -> bytes:
+def _chat(media: bool, image: str = IMAGE) -> bytes:
     content: Any = "describe the weather"
     if media:
-        content = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": IMAGE}}]
+        content = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": image}}]
     return orjson.dumps({"model": "stub", "messages": [{"role": "user", "content": content}]})
 
 
-async def _post(client: aiohttp.ClientSession, url: str, media: bool) -> int:
-    async with client.post(url + "/v1/chat/completions", data=_chat(media),
+async def _post(client: aiohttp.ClientSession, url: str, media: bool, image: str = IMAGE) -> int:
+    async with client.post(url + "/v1/chat/completions", data=_chat(media, image),
                            headers={"Content-Type": "application/json"}) as response:
         await response.read()
         return response.status
@@ -172,6 +172,8 @@ async def test_stats_json_reflects_traffic_and_settings(servers: Servers) -> Non
     assert stats["uptime_seconds"] > 0
     assert stats["limits"]["max_mm_concurrency"] == 2 and stats["limits"]["resize_max_side"] == 64
     assert stats["limits"]["decode_workers"] == 2
+    assert stats["cache"] == {"hits": 0, "misses": 1, "evictions": 0, "bytes": servers.state.cache.bytes_held,  # type: ignore[union-attr]
+                              "entries": 1, "waiting": 0, "limit_bytes": 256 << 20}
     assert len(stats["event_loop_lag"]["counts"]) == len(stats["event_loop_lag"]["le"]) + 1
 
 
@@ -253,13 +255,19 @@ async def test_dashboard_in_chromium_follows_live_traffic(servers: Servers, page
             await page.wait_for_function(f"() => {_value('requests-total')} >= {sent}", timeout=PAGE_TIMEOUT_MS)
         assert await page.evaluate(_value("req-rate")) > 0
         assert await page.evaluate(_value("bytes-saved")) > 0
+        # The same image every time: decoded once, then answered from the cache.
+        await page.wait_for_function(f"() => {_value('cache-hits')} === 14 && {_value('cache-misses')} === 1",
+                                     timeout=PAGE_TIMEOUT_MS)
+        assert 0.9 < await page.evaluate(_value("cache-hit-ratio")) < 1
+        assert await page.evaluate(_value("cache-bytes")) > 0 and await page.evaluate(_value("cache-entries")) == 1
 
-        # Phase 2: the upstream holds its answers. 6 media requests: 2 take the gate's slots, 2 queue,
-        # 2 are refused at once with 429 queue_full.
+        # Phase 2: the upstream holds its answers. 6 media requests, each with a new image (a cached one would
+        # weigh nothing on the byte budget): 2 take the gate's slots, 2 queue, 2 are refused at once with 429.
         servers.hold.clear()
         while not servers.arrived.empty():
             servers.arrived.get_nowait()
-        held = [asyncio.create_task(_post(client, servers.proxy_url, media=True)) for _ in range(6)]
+        held = [asyncio.create_task(_post(client, servers.proxy_url, media=True, image=_image_data_uri()))
+                for _ in range(6)]
         for _ in range(2):
             await servers.arrived.get()
         await page.wait_for_function(

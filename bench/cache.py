@@ -1,0 +1,376 @@
+#!/usr/bin/env python
+"""Processed-media cache: a 10-turn chat replay with one 12 MP photo, cache on vs off, side by side.
+
+Why: chats resend their images every turn, and without a cache mmgate decodes and resizes each copy again.
+Here turn N of a conversation carries the photo once per user turn so far (N copies of the same image); a
+second conversation adds a new photo each turn (turn N: photos 1..N, one of them new); a third sends a new
+photo in every request (all misses: what the cache costs when it never helps).
+
+Per round, for each mode (cache off: MMGATE_CACHE_MB=0; on: the default) a fresh mmgate (so every
+conversation starts cold and VmHWM is the mode's own), decode + resize to 1 MP (--resize-max-pixels 1000000),
+in front of a sink upstream (own process: reads the body, answers a small JSON; no decode, so latency is
+mmgate's). Requests are sent one at a time, so the CPU mmgate burns between sending a request and reading its
+answer (every thread, from /proc/PID/task/*/schedstat, nanoseconds) is that request's. "Media CPU" is that
+minus the CPU of the same body sent to a path that is no media route (read and forwarded untouched, measured
+in the same process): what the media step costs. Photos differ by a JPEG comment segment only (same decode
+work, different bytes), tagged per round and mode so nothing is reused across conversations.
+
+Also measured, in this process: what hashing a 12 MP photo's base64 costs the event loop when it is handed to
+the cache's hasher threads, against hashing on the loop (µs of loop-thread CPU per MB), and the hasher's
+throughput.
+
+Goals: turns 2–10 of the one-photo chat each cost at most 10 % of turn 1's media CPU (cache on); a miss
+(the all-new conversation) costs at most 3 % more CPU per request with the cache on than off.
+
+Usage: python -m bench.cache [--rounds 3] [--turns 10] [--no-write]; smoke: --rounds 1 --turns 3 --small
+Writes bench/results/cache.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import io
+import json
+import platform
+import statistics
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import _results as R
+from testkit import load as L
+from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, photo_jpeg, photo_sized
+
+WHAT = "10-turn chat replay with one 12 MP photo (and with new photos): mmgate CPU, latency, RSS, cache on vs off"
+FLAGS = ("--resize-max-pixels", "1000000", "--max-body-mb", "256", "--max-inflight-media-mb", "4096",
+         "--max-media-per-request", "64")
+MODES = {"off": ("--cache-mb", "0"), "on": ()}
+CONVERSATIONS = ("one_photo", "new_photo_each_turn", "all_new")
+GOAL_REPEAT_SHARE = 0.10
+GOAL_MISS_RATIO = 1.03
+
+
+# --- bodies ----------------------------------------------------------------------------------------------
+
+def tagged(jpeg: bytes, tag: str) -> bytes:
+    """``jpeg`` with a comment segment after SOI: decoders skip it, so the decode work is the same, the bytes
+    (and the cache key) are not."""
+    text = tag.encode()
+    return jpeg[:2] + b"\xff\xfe" + struct.pack(">H", len(text) + 2) + text + jpeg[2:]
+
+
+def conversation(images: list[bytes]) -> bytes:
+    """An OpenAI chat: one user turn per image (text + the image), an assistant answer between turns."""
+    import pybase64
+
+    messages: list[dict[str, Any]] = []
+    for n, image in enumerate(images):
+        if n:
+            messages.append({"role": "assistant", "content": f"Answer {n}: a photo of colour fields."})
+        uri = "data:image/jpeg;base64," + pybase64.b64encode(image).decode()
+        messages.append({"role": "user", "content": [{"type": "text", "text": f"Question {n + 1} about this photo."},
+                                                     {"type": "image_url", "image_url": {"url": uri}}]})
+    return json.dumps({"model": "stub-vlm", "max_tokens": 16, "messages": messages}).encode()
+
+
+def turns(name: str, photo: bytes, tag: str, count: int) -> list[bytes]:
+    """The bodies of one conversation, in order."""
+    if name == "one_photo":
+        one = tagged(photo, f"{tag}/one")
+        return [conversation([one] * n) for n in range(1, count + 1)]
+    if name == "new_photo_each_turn":
+        images = [tagged(photo, f"{tag}/each/{n}") for n in range(count)]
+        return [conversation(images[:n]) for n in range(1, count + 1)]
+    return [conversation([tagged(photo, f"{tag}/new/{n}")]) for n in range(count)]
+
+
+# --- processes and measurements --------------------------------------------------------------------------
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of every thread of ``pid`` so far, in ns (schedstat: finer than the 10 ms of /proc/PID/stat)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def serve_sink(port: int) -> None:
+    """The upstream: reads any request's body whole and answers a small chat completion."""
+    from aiohttp import web
+
+    answer = {"id": "c", "object": "chat.completion", "model": "stub-vlm",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}
+
+    async def any_request(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(answer)
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_route("*", "/{tail:.*}", any_request)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def start_sink() -> tuple[Any, str]:
+    import subprocess
+
+    port = L.free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.cache", "sink", "--port", str(port)], cwd=L.REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    L._wait_http(url + "/health", proc)
+    return proc, url
+
+
+async def replay(url: str, pid: int, bodies: list[bytes], path: str) -> list[dict[str, float]]:
+    """Each body once, in order, one at a time: status, latency and mmgate CPU of each."""
+    import aiohttp
+
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
+        for body in bodies:
+            cpu0, t0 = cpu_ns(pid), time.perf_counter()
+            async with client.post(url + path, data=body, headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+                status = r.status
+            t1, cpu1 = time.perf_counter(), cpu_ns(pid)
+            if status != 200:
+                raise RuntimeError(f"{path}: HTTP {status}")
+            out.append({"cpu_ms": (cpu1 - cpu0) / 1e6, "latency_ms": (t1 - t0) * 1e3, "body_mb": len(body) / 1e6})
+    return out
+
+
+async def one_mode(mode: str, sink_url: str, photo: bytes, tag: str, count: int) -> dict[str, Any]:
+    """A fresh mmgate in ``mode``: every conversation replayed, then each body again on a non-media path."""
+    proc, url = L.start_mmgate(sink_url, *FLAGS, *MODES[mode])
+    try:
+        warm = conversation([tagged(photo, f"{tag}/warm")])
+        await replay(url, proc.pid, [warm, warm], "/v1/chat/completions")  # pool threads, imports, connections
+        out: dict[str, Any] = {}
+        for name in CONVERSATIONS:
+            bodies = turns(name, photo, f"{tag}/{mode}", count)
+            L.reset_hwm(proc.pid)
+            media = await replay(url, proc.pid, bodies, "/v1/chat/completions")
+            peak = L.proc_status(proc.pid)["VmHWM"]
+            plain = await replay(url, proc.pid, bodies, "/v1/bench-no-media-route")
+            for m, p in zip(media, plain, strict=True):
+                m["media_cpu_ms"] = m["cpu_ms"] - p["cpu_ms"]  # may come out below 0: the noise, shown as it is
+                m["plain_cpu_ms"] = p["cpu_ms"]
+            out[name] = {"turns": media, "peak_rss_mb": peak / 1e6}
+        prom = await L.scrape(url)
+        out["cache_metrics"] = {k[0]: v for k, v in prom.items() if k[0].startswith("mmgate_cache_")}
+        return out
+    finally:
+        log = L.stop(proc)
+        if "Traceback" in log:
+            print(log, file=sys.stderr)
+
+
+def hash_cost(payload_mb: float, repeats: int = 5) -> dict[str, float]:
+    """Loop-thread CPU per MB to hash a payload through the cache's hasher threads, against on the loop."""
+    import pybase64
+
+    from proxy.cache import MediaCache, media_digest
+
+    photo = photo_jpeg()
+    data = pybase64.b64encode(photo * max(1, round(payload_mb * 1e6 / (len(photo) * 4 / 3))))
+    mb = len(data) / 1e6
+    cache = MediaCache(1 << 20, "")
+
+    async def run() -> dict[str, float]:
+        loop = asyncio.get_running_loop()
+        off_loop, inline, thread = [], [], []
+        for _ in range(repeats):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            await loop.run_in_executor(cache.hasher, media_digest, data, "base64")
+            off_loop.append((time.thread_time() - c0) * 1e6)
+            thread.append((time.perf_counter() - w0) / mb * 1e6)
+            c0 = time.thread_time()
+            media_digest(data, "base64")
+            inline.append((time.thread_time() - c0) / mb * 1e6)
+        per_call = statistics.median(off_loop)
+        return {"payload_mb": round(mb, 2), "loop_us_per_call_handed_off": per_call,
+                "loop_us_per_mb_handed_off": per_call / mb,
+                "loop_us_per_mb_inline": statistics.median(inline), "hasher_wall_us_per_mb": statistics.median(thread)}
+
+    try:
+        return asyncio.run(run())
+    finally:
+        cache.close()
+
+
+# --- aggregation and report ------------------------------------------------------------------------------
+
+def per_round(rounds: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """The figures each round gives, for the goals and the table."""
+    out: dict[str, list[float]] = {}
+
+    def add(key: str, value: float) -> None:
+        out.setdefault(key, []).append(value)
+
+    for rnd in rounds:
+        for mode in MODES:
+            for name in CONVERSATIONS:
+                ts = rnd[mode][name]["turns"]
+                add(f"{mode}/{name}/cpu_ms_per_request", statistics.fmean(t["cpu_ms"] for t in ts))
+                add(f"{mode}/{name}/media_cpu_ms_per_request", statistics.fmean(t["media_cpu_ms"] for t in ts))
+                lat = [t["latency_ms"] for t in ts]
+                add(f"{mode}/{name}/latency_p50_ms", L.percentile(lat, 50))
+                add(f"{mode}/{name}/latency_p99_ms", L.percentile(lat, 99))
+                add(f"{mode}/{name}/peak_rss_mb", rnd[mode][name]["peak_rss_mb"])
+            ts = rnd[mode]["one_photo"]["turns"]
+            first = ts[0]["media_cpu_ms"]
+            if len(ts) > 1 and first > 0:
+                add(f"{mode}/one_photo/later_turn_share_max", max(t["media_cpu_ms"] for t in ts[1:]) / first)
+                later = statistics.fmean(t["media_cpu_ms"] for t in ts[1:])
+                add(f"{mode}/one_photo/later_turn_share_mean", later / first)
+            add(f"{mode}/one_photo/last_turn_media_cpu_ms", ts[-1]["media_cpu_ms"])
+        off = rnd["off"]["all_new"]["turns"]
+        on = rnd["on"]["all_new"]["turns"]
+        # The median request: one slow request (a page fault storm, a neighbour's burst) must not decide it.
+        add("miss_cpu_ratio", statistics.median(t["cpu_ms"] for t in on) / statistics.median(t["cpu_ms"] for t in off))
+        for name in ("one_photo", "new_photo_each_turn"):
+            add(f"{name}/cpu_on_over_off", out[f"on/{name}/cpu_ms_per_request"][-1]
+                / out[f"off/{name}/cpu_ms_per_request"][-1])
+    return out
+
+
+def goals(figures: dict[str, list[float]]) -> list[R.Goal]:
+    return [
+        R.goal("one photo, cache on: the costliest of turns 2–10, media CPU ÷ turn 1's",
+               figures.get("on/one_photo/later_turn_share_max", []), f"≤ {GOAL_REPEAT_SHARE:g}",
+               lambda v: v <= GOAL_REPEAT_SHARE),
+        R.goal("one photo, cache on: turns 2–10 on average, media CPU ÷ turn 1's",
+               figures.get("on/one_photo/later_turn_share_mean", [])),
+        R.goal("all new photos: CPU of the median request, cache on ÷ off", figures["miss_cpu_ratio"],
+               f"≤ {GOAL_MISS_RATIO:g}", lambda v: v <= GOAL_MISS_RATIO),
+        R.goal("one photo: CPU per request over the chat, cache on ÷ off", figures["one_photo/cpu_on_over_off"]),
+        R.goal("new photo each turn: CPU per request, cache on ÷ off", figures["new_photo_each_turn/cpu_on_over_off"]),
+    ]
+
+
+def table(figures: dict[str, list[float]]) -> str:
+    def cell(key: str) -> str:
+        s = R.summary(figures.get(key, []))
+        if s["median"] is None:
+            return "–"
+        lo, hi = s["spread"]
+        return f"{R.number(s['median'])} ({R.number(lo)}–{R.number(hi)})"
+
+    lines = ["| conversation | cache | mmgate CPU ms / request | media CPU ms / request | latency p50 ms | "
+             "latency p99 ms | peak RSS MB |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name in CONVERSATIONS:
+        for mode in MODES:
+            p = f"{mode}/{name}/"
+            lines.append(f"| {name} | {mode} | {cell(p + 'cpu_ms_per_request')} "
+                         f"| {cell(p + 'media_cpu_ms_per_request')} | {cell(p + 'latency_p50_ms')} "
+                         f"| {cell(p + 'latency_p99_ms')} | {cell(p + 'peak_rss_mb')} |")
+    return "\n".join(lines)
+
+
+def turn_table(rounds: list[dict[str, Any]]) -> str:
+    """Media CPU per turn of the one-photo chat, median over rounds, off and on."""
+    count = len(rounds[0]["off"]["one_photo"]["turns"])
+    lines = ["| turn | copies of the photo | media CPU ms, off | media CPU ms, on | on ÷ turn 1 on |",
+             "| --- | --- | --- | --- | --- |"]
+    med = {mode: [statistics.median(r[mode]["one_photo"]["turns"][t]["media_cpu_ms"] for r in rounds)
+                  for t in range(count)] for mode in MODES}
+    for t in range(count):
+        share = med["on"][t] / med["on"][0] if med["on"][0] else float("nan")
+        lines.append(f"| {t + 1} | {t + 1} | {R.number(med['off'][t])} | {R.number(med['on'][t])} "
+                     f"| {R.number(share)} |")
+    return "\n".join(lines)
+
+
+def render(meta: dict[str, Any], rounds: list[dict[str, Any]], figures: dict[str, list[float]]) -> str:
+    h = meta["hash"]
+    return "\n".join([
+        "# Processed-media cache: chat replay, cache on vs off",
+        "",
+        f"`python -m bench.cache` -- {meta['date']}, Python {meta['python']}, {meta['usable_cpus']} usable CPUs, "
+        f"{meta['rounds']} rounds of {meta['turns']} turns, {meta['wall_s']} s in all. Photo: {meta['photo']}. "
+        f"mmgate flags: `{' '.join(FLAGS)}`, cache off = `--cache-mb 0`, on = the default.",
+        f"Start: `{meta['uptime_start']}`  ",
+        f"End: `{meta['uptime_end']}`",
+        "",
+        "Each cell: median over rounds (min–max). Per request: mmgate's CPU (all threads, schedstat) while that "
+        "request was in flight, requests one at a time; media CPU subtracts the same body sent to a non-media "
+        "path (so a hit's media CPU is its parse and hash, and can come out below 0 where that is under the noise). "
+        "Peak RSS: mmgate's VmHWM over one conversation.",
+        "",
+        table(figures),
+        "",
+        "One photo, turn by turn (turn N carries the photo N times):",
+        "",
+        turn_table(rounds),
+        "",
+        f"Hashing ({h['payload_mb']} MB of base64, median of 5): handed to the hasher threads the loop spends "
+        f"{R.number(h['loop_us_per_call_handed_off'])} µs of CPU per payload, "
+        f"{R.number(h['loop_us_per_mb_handed_off'])} µs per MB; hashing on the loop would cost "
+        f"{R.number(h['loop_us_per_mb_inline'])} µs per MB; the hasher takes {R.number(h['hasher_wall_us_per_mb'])} "
+        "µs per MB (wall, SHA-256).",
+    ])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd")
+    sink = sub.add_parser("sink")
+    sink.add_argument("--port", type=int, required=True)
+    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--small", action="store_true", help="a 1 MP photo instead of 12 MP (smoke runs)")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    if args.cmd == "sink":
+        serve_sink(args.port)
+        return
+
+    started = time.monotonic()
+    stamp = R.stamp("cache.py", WHAT)
+    up_start = L.uptime()
+    if args.small:
+        buffer = io.BytesIO()
+        photo_sized(1200, 900, 7).save(buffer, "JPEG", quality=PHOTO_QUALITY)
+        photo, described = buffer.getvalue(), "1200x900 JPEG (smoke)"
+    else:
+        photo = photo_jpeg()
+        described = f"{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]} JPEG q{PHOTO_QUALITY}, {len(photo) / 1e6:.2f} MB"
+    sink_proc, sink_url = start_sink()
+    rounds: list[dict[str, Any]] = []
+    try:
+        for rnd in range(args.rounds):
+            order = list(MODES) if rnd % 2 == 0 else list(reversed(MODES))  # drift hits both modes alike
+            result = {mode: asyncio.run(one_mode(mode, sink_url, photo, f"r{rnd}", args.turns)) for mode in order}
+            rounds.append(result)
+            for mode in MODES:
+                one = result[mode]["one_photo"]["turns"]
+                new = statistics.fmean(t["cpu_ms"] for t in result[mode]["all_new"]["turns"])
+                print(f"r{rnd} {mode:3s} one photo media CPU ms per turn: "
+                      + " ".join(f"{t['media_cpu_ms']:.1f}" for t in one) + f" | all new CPU ms/req {new:.1f}",
+                      flush=True)
+    finally:
+        L.stop(sink_proc)
+    hashing = hash_cost(3.5)
+    figures = per_round(rounds)
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "python": platform.python_version(), "usable_cpus": R.usable_cores(), "rounds": args.rounds,
+            "turns": args.turns, "photo": described, "hash": hashing, "uptime_start": up_start,
+            "uptime_end": L.uptime(), "wall_s": round(time.monotonic() - started, 1)}
+    data = stamp | {"goals": goals(figures), "meta": meta, "figures": figures, "rounds": rounds}
+    md = render(meta, rounds, figures)
+    print()
+    print(md)
+    R.print_goals(data["goals"])
+    if not args.no_write:
+        R.write("cache", data, md)
+
+
+if __name__ == "__main__":
+    main()

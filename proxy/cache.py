@@ -1,0 +1,188 @@
+"""The processed-media cache: what mmgate made of media it has seen, so a chat that resends its photo every
+turn pays for the decode once.
+
+Content-addressed. A key is the SHA-256 of the media (``media_digest``: the base64 text of inline media, or
+the raw bytes of fetched media; a fixed domain prefix keeps the two apart) joined with a fingerprint of
+everything else that shapes the answer (``context_fingerprint``: the settings, the part's kind and declared
+audio format, and any caller-supplied identity such as a model). A value is a ``Verdict``: the processed
+file as base64 (or "unchanged") with the true type, or the refusal, so a bomb is refused again without a
+decode. Entries are bounded by bytes (MMGATE_CACHE_MB) and evicted least recently used first.
+
+Single flight: the first request to miss a key ``lead``s it; a later one ``in_flight`` finds the leader's
+future and waits. The leader ``settle``s it with the verdict, or with None when it stopped for a reason
+that is not the media's (timeout, cancellation, client gone, refused admission): a waiter then looks again
+instead of inheriting a wrong answer. All methods run on the event loop; hashing runs in ``hasher`` threads
+(hashlib releases the GIL on buffers over 2 KiB).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+from preprocessors.base import MediaError
+
+from .settings import Settings
+
+Encoding = Literal["base64", "raw"]
+
+# Fixed-length prefixes: base64 text and raw bytes never share a key, even where one spells the other.
+_DOMAINS: dict[Encoding, bytes] = {"base64": b"mmgate-media/b64\x00", "raw": b"mmgate-media/raw\x00"}
+DIGEST_BYTES = 32
+# Below this a thread hop costs more than hashing on the loop (SHA-256 runs at about 1-2 GB/s).
+HASH_INLINE_BYTES = 64 << 10
+HASH_CHUNK = 1 << 20
+# Dict slot, key, Verdict object and its small fields, counted against the bound with the payload.
+ENTRY_OVERHEAD = 320
+# Bump when the meaning of a cached verdict changes, so no old entry is read with new eyes.
+_FORMAT = 1
+
+
+def new_hasher(encoding: Encoding) -> hashlib._Hash:
+    """A SHA-256 already fed its domain prefix; feed it the media, in as many pieces as convenient."""
+    hasher = hashlib.sha256()
+    hasher.update(_DOMAINS[encoding])
+    return hasher
+
+
+def media_digest(data: bytes | memoryview, encoding: Encoding) -> bytes:
+    """The content address of ``data``: base64 text of inline media, or the raw bytes of fetched media."""
+    hasher = new_hasher(encoding)
+    hasher.update(data)
+    return hasher.digest()
+
+
+def settings_fingerprint(settings: Settings) -> str:
+    """Every setting that changes what a media item becomes (decode limit, image and audio policy)."""
+    s = settings
+    return (f"v{_FORMAT};item={s.max_media_item_mb};px={s.max_image_pixels};frames={s.max_frames};"
+            f"validate={s.validate};resize={s.resize_max_pixels}x{s.resize_max_side};fmt={s.image_format};"
+            f"q={s.jpeg_quality};audio={s.max_audio_seconds!r};model={s.model}")
+
+
+def context_fingerprint(settings_print: str, kind: str, audio_format: str | None, extra: str = "") -> bytes:
+    """What a key adds to the media digest: the settings, how the part asks to be read, and ``extra`` (an
+    identity of the consumer, e.g. the model, when its processing differs)."""
+    text = "\x1f".join((settings_print, kind, audio_format or "", extra))
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:16]
+
+
+def cache_key(digest: bytes, context: bytes) -> bytes:
+    return digest + context
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A cached ``MediaError`` as plain data; ``error()`` makes a fresh one each time (errors get a path)."""
+
+    status: int
+    code: str
+    message: str
+
+    def error(self) -> MediaError:
+        return MediaError(self.code, self.message, self.status)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What one media item became, independent of the request that carried it.
+
+    ``sniffed_mime``: the true type of an image ("" for other kinds); ``encoded``: the rewritten file as
+    base64 with its ``mime``, or None when the item is forwarded unchanged; ``refusal``: set instead when the
+    item is refused."""
+
+    size_in: int
+    size_out: int
+    sniffed_mime: bytes = b""
+    mime: bytes = b""
+    encoded: bytes | None = None
+    refusal: Refusal | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """What the entry holds, for the byte bound."""
+        held = len(self.encoded or b"") + len(self.mime) + len(self.sniffed_mime)
+        if self.refusal is not None:
+            held += len(self.refusal.message) + len(self.refusal.code)
+        return held + ENTRY_OVERHEAD + DIGEST_BYTES + 16
+
+
+def refused(error: MediaError, size_in: int) -> Verdict:
+    return Verdict(size_in, size_in, refusal=Refusal(error.status, error.code, error.message))
+
+
+class MediaCache:
+    """LRU of verdicts bounded by bytes, with single-flight leads. Runs on the event loop only.
+
+    ``on_hit``, ``on_miss``, ``on_evict`` feed the Prometheus counters; ``bytes_held`` and ``entries`` are
+    read by the gauges at scrape time."""
+
+    def __init__(self, max_bytes: int, settings_print: str, hash_threads: int = 2,
+                 on_hit: Callable[[], None] = lambda: None, on_miss: Callable[[], None] = lambda: None,
+                 on_evict: Callable[[], None] = lambda: None) -> None:
+        self.max_bytes = max_bytes
+        self.settings_print = settings_print
+        self.bytes_held = 0
+        self.waiting = 0  # requests waiting for another request's decode of the same media
+        self._entries: OrderedDict[bytes, Verdict] = OrderedDict()
+        self._leads: dict[bytes, asyncio.Future[Verdict | None]] = {}
+        self.hasher = ThreadPoolExecutor(max(1, hash_threads), thread_name_prefix="mmgate-hash")
+        self.count_hit, self.count_miss, self._count_evict = on_hit, on_miss, on_evict
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    def context(self, kind: str, audio_format: str | None, extra: str = "") -> bytes:
+        return context_fingerprint(self.settings_print, kind, audio_format, extra)
+
+    def get(self, key: bytes) -> Verdict | None:
+        verdict = self._entries.get(key)
+        if verdict is not None:
+            self._entries.move_to_end(key)
+        return verdict
+
+    def put(self, key: bytes, verdict: Verdict) -> None:
+        """Keep ``verdict``, evicting the least recently used entries past the bound. A verdict bigger than
+        the whole bound is not kept."""
+        size = verdict.nbytes
+        if size > self.max_bytes:
+            return
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes_held -= old.nbytes
+        self._entries[key] = verdict
+        self.bytes_held += size
+        while self.bytes_held > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes_held -= evicted.nbytes
+            self._count_evict()
+
+    def in_flight(self, key: bytes) -> asyncio.Future[Verdict | None] | None:
+        """The future of the request now deciding ``key``, if one is."""
+        return self._leads.get(key)
+
+    def lead(self, key: bytes) -> bool:
+        """Claim ``key`` for this request; False when another request leads it already."""
+        if key in self._leads:
+            return False
+        self._leads[key] = asyncio.get_running_loop().create_future()
+        return True
+
+    def settle(self, key: bytes, verdict: Verdict | None) -> None:
+        """End a lead: keep ``verdict`` and hand it to the waiters, or tell them (None) to look again."""
+        future = self._leads.pop(key, None)
+        if verdict is not None:
+            self.put(key, verdict)
+        if future is not None and not future.done():
+            future.set_result(verdict)
+
+    def close(self) -> None:
+        self.hasher.shutdown(wait=False, cancel_futures=True)
+        for key in list(self._leads):
+            self.settle(key, None)

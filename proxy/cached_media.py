@@ -1,0 +1,238 @@
+"""The media step with the cache on (MMGATE_CACHE_MB > 0): look up before admission, decode only misses, once.
+
+1. **Hash** each item's base64 payload (``cache.media_digest`` in pieces, in the cache's hasher threads, so the
+   loop only hands the work over; a small payload is hashed in place). The job reaches the body through a weak
+   reference, piece by piece, like a decode job: a request that ends stops its hash.
+2. **Look up.** A cached verdict is a hit. A key another request is deciding is waited for, *before* this
+   request leads anything, so two requests can never wait on each other. A leader that stopped for a reason
+   not the media's settles its key with None and the waiter looks again (at most ``FOLLOW_ROUNDS`` times,
+   then decodes for itself). A cached refusal refuses the request here, with nothing decoded or admitted.
+3. **Lead** every key still missing (a key twice in one request is decoded once) and pass the gate weighing
+   only those items: hits hold a slot (the request is still forwarded) but nothing of the byte budget.
+4. **Decode** the misses on the pool (``media.judge``); each finished item settles its key, the refusal
+   included, even when another item of the batch failed or the deadline passed.
+5. **Apply** each verdict to its part (``media.outcome_for``): the same replacements as with the cache off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from functools import partial
+
+from preprocessors.base import Cancelled, Checkpoint
+from preprocessors.dataurl import decode_base64
+
+from .buffers import MediaBuffer
+from .cache import HASH_CHUNK, HASH_INLINE_BYTES, MediaCache, Verdict, cache_key, new_hasher, refused
+from .errors import MediaError
+from .exchange import Exchange
+from .locate import Item, Plan
+from .media import Rewrites, judge, outcome_for
+from .media import _count_items as count_items
+from .media import _item_value as item_value
+from .media import _refusal as refusal_for
+from .media import _rewrites as rewrites_for
+from .state import AppState
+
+FOLLOW_ROUNDS = 3
+
+
+async def run_plan_cached(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer,
+                          identity: str = "") -> Rewrites:
+    """Admit ``plan`` (into ``ex.lease``) weighing only its misses, decode those once, and return the
+    replacements, exactly as ``_prepare_media`` would with the cache off. ``identity`` joins every key (e.g.
+    the model, where media is processed per model)."""
+    cache = state.cache
+    assert cache is not None
+    settings = state.settings
+    started = time.perf_counter()
+    media_ref = weakref.ref(media)
+    keys = await _keys(cache, plan, media_ref, identity)
+    verdicts: dict[bytes, Verdict] = {}
+    misses = await _look_up(cache, keys, verdicts)
+    for item, key in zip(plan.items, keys, strict=True):  # a cached refusal: refused again, nothing decoded
+        verdict = verdicts.get(key)
+        if verdict is not None and verdict.refusal is not None:
+            cache.count_hit()
+            count_items(state, plan.items, "rejected")
+            raise verdict.refusal.error().at(item.part.path)
+    # From here to the gate nothing awaits: a leader is in line before any request that could wait on it.
+    led = [key for key in misses if cache.lead(key)]
+    ex.watch.add("preprocess", time.perf_counter() - started)
+    try:
+        first = {key: plan.items[keys.index(key)] for key in misses}
+        started = time.perf_counter()
+        ex.lease = await state.gate.acquire(sum(item.size for item in first.values()), settings.queue_timeout,
+                                            ex.place, ex.image_tokens)
+        ex.place = None
+        ex.watch.add("queue", time.perf_counter() - started)
+        if first:
+            started = time.perf_counter()
+            try:
+                await _decode(state, ex, plan, media_ref, first, verdicts)
+            finally:
+                ex.watch.add("preprocess", time.perf_counter() - started)
+    finally:
+        for key in led:  # whatever did not finish: the waiters look again
+            cache.settle(key, None)
+    for _hit in range(len(keys) - len(first)):  # every item this request did not decode itself
+        cache.count_hit()
+    outcomes = [outcome_for(item, verdicts[key], partial(_payload_text, media_ref, item))
+                for item, key in zip(plan.items, keys, strict=True)]
+    return rewrites_for(state, plan, outcomes)
+
+
+async def _keys(cache: MediaCache, plan: Plan, media_ref: weakref.ref[MediaBuffer], identity: str) -> list[bytes]:
+    """One key per item, in plan order: the payload's digest and the part's context."""
+    if sum(item.size for item in plan.items) * 4 // 3 > HASH_INLINE_BYTES:
+        digests = await asyncio.get_running_loop().run_in_executor(cache.hasher, _digests, media_ref, plan.items)
+    else:
+        digests = _digests(media_ref, plan.items)
+    return [cache_key(digest, cache.context(item.part.kind, item.part.audio_format, identity))
+            for digest, item in zip(digests, plan.items, strict=True)]
+
+
+def _digests(media_ref: weakref.ref[MediaBuffer], items: list[Item]) -> list[bytes]:
+    """Each item's digest. A payload that repeats an earlier one byte for byte (a chat resending its photo)
+    reuses that digest: comparing costs a memcmp, about a ninth of hashing."""
+    digests: list[bytes] = []
+    for n, item in enumerate(items):
+        for earlier in range(n):
+            if _same_payload(media_ref, items[earlier], item):
+                digests.append(digests[earlier])
+                break
+        else:
+            digests.append(_digest(media_ref, item))
+    return digests
+
+
+def _payload_range(item: Item) -> tuple[int, int] | None:
+    """Where an unescaped item's base64 lies in the body; None for an escaped string or a literal."""
+    span = item.part.span
+    if span is None or span.escaped:
+        return None
+    return span.start + 1 + item.payload_offset, span.end - 1
+
+
+def _same_payload(media_ref: weakref.ref[MediaBuffer], first: Item, second: Item) -> bool:
+    """Whether two items' base64 payloads are the same bytes, compared a piece at a time (each piece holds the
+    GIL for a memcmp only)."""
+    a, b = _payload_range(first), _payload_range(second)
+    if a is None or b is None or a[1] - a[0] != b[1] - b[0]:
+        return False
+    for low in range(0, a[1] - a[0], HASH_CHUNK):
+        media = media_ref()
+        if media is None:
+            raise Cancelled()
+        data = media.data
+        del media
+        with memoryview(data) as view:
+            if not data.startswith(view[a[0] + low : min(a[0] + low + HASH_CHUNK, a[1])], b[0] + low):
+                return False
+        del data
+    return True
+
+
+def _digest(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes:
+    """SHA-256 of the item's base64 payload, read from the body a piece at a time (Cancelled once the request
+    let go of it). An escaped string is unescaped whole first (rare: base64 needs no escape)."""
+    hasher = new_hasher("base64")
+    where = _payload_range(item)
+    if where is None:
+        hasher.update(item_value(media_ref, item)[item.payload_offset :])
+        return hasher.digest()
+    start, end = where
+    for low in range(start, end, HASH_CHUNK):
+        media = media_ref()
+        if media is None:
+            raise Cancelled()
+        with memoryview(media.data) as view:
+            del media
+            hasher.update(view[low : min(low + HASH_CHUNK, end)])
+    return hasher.digest()
+
+
+async def _look_up(cache: MediaCache, keys: list[bytes], verdicts: dict[bytes, Verdict]) -> list[bytes]:
+    """Fill ``verdicts`` from the cache, waiting for the leaders of keys being decoded now; return the keys
+    still missing (each once, in plan order). Leads nothing, so it can wait on anyone."""
+    for _round in range(FOLLOW_ROUNDS + 1):
+        missing: list[bytes] = []
+        waits: set[asyncio.Future[Verdict | None]] = set()
+        for key in dict.fromkeys(keys):
+            if key in verdicts:
+                continue
+            verdict = cache.get(key)
+            if verdict is not None:
+                verdicts[key] = verdict
+                continue
+            missing.append(key)
+            future = cache.in_flight(key)
+            if future is not None:
+                waits.add(future)
+        if not waits or _round == FOLLOW_ROUNDS:
+            return missing
+        # asyncio.wait never cancels what it waits for: a waiter that leaves does not stop its leader.
+        cache.waiting += 1
+        try:
+            await asyncio.wait(waits)
+        finally:
+            cache.waiting -= 1
+    raise AssertionError("unreachable")
+
+
+async def _decode(state: AppState, ex: Exchange, plan: Plan, media_ref: weakref.ref[MediaBuffer],
+                  first: dict[bytes, Item], verdicts: dict[bytes, Verdict]) -> None:
+    """Decode the missed items on the pool; settle each key as its item finishes (refusals too)."""
+    cache = state.cache
+    assert cache is not None and state.pool is not None and ex.lease is not None
+    batch = state.pool.batch()
+    done: dict[bytes, Verdict] = {}  # filled in the worker threads: a dict store is atomic
+    jobs = [partial(_judge_item, media_ref, item, state, key, done) for key, item in first.items()]
+    try:
+        await batch.run(jobs, state.settings.preprocess_timeout)
+    except (MediaError, TimeoutError) as exc:
+        # Raised from inside the clause, which unbinds ``exc``: a local holding it would make a cycle through
+        # the traceback's frames that keeps the request's body alive until a GC pass.
+        ex.lease.release_after(batch.stopped())
+        _settle(cache, done)
+        raise refusal_for(state, plan, batch, exc) from None
+    except BaseException:
+        ex.lease.release_after(batch.stopped())
+        _settle(cache, done)
+        raise
+    _settle(cache, done)
+    verdicts.update(done)
+
+
+def _settle(cache: MediaCache, done: dict[bytes, Verdict]) -> None:
+    # A copy taken in one C call: after a timeout, a worker still running may add to ``done`` meanwhile.
+    for key, verdict in list(done.items()):
+        cache.count_miss()
+        cache.settle(key, verdict)
+
+
+def _judge_item(media_ref: weakref.ref[MediaBuffer], item: Item, state: AppState, key: bytes,
+                done: dict[bytes, Verdict], checkpoint: Checkpoint) -> None:
+    """In a decode thread: the item's verdict, recorded in ``done`` (a refusal too) before it is raised."""
+    value = item_value(media_ref, item)
+    try:
+        data = decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
+    except MediaError as error:
+        done[key] = refused(error, item.size)
+        raise error.at(item.part.path) from None
+    del value
+    try:
+        verdict = judge(data, item.part.kind, item.part.audio_format, state, checkpoint)
+    except MediaError as error:
+        done[key] = refused(error, len(data))
+        raise error.at(item.part.path) from None
+    done[key] = verdict
+
+
+def _payload_text(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes:
+    """The part's own base64, as sent: rewrites a whole escaped token without decoding (its characters are the
+    base64 alphabet only, as the strict decode accepted them)."""
+    return bytes(item_value(media_ref, item)[item.payload_offset :])
+
