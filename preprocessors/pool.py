@@ -8,6 +8,10 @@ running beside newly admitted work and the real concurrency would silently excee
 
 Workers lower their own CPU priority (Linux, per thread): when decode threads saturate every core, the
 event loop thread still gets the CPU first, so health checks and text traffic stay fast.
+
+``DecodePool`` runs each job in its thread (MMGATE_DECODE_MODE=thread). ``workers.ProcessPool`` keeps this
+queueing and accounting and overrides ``_execute`` (a thread hands its job to a worker process of its own
+and waits) and ``_abandoned`` (running items are ended for real: their worker processes are killed).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ Job = Callable[[Checkpoint], T]
 WORKER_NICENESS = 10
 
 
-def _lower_priority() -> None:
+def lower_priority() -> None:
+    """This thread (or a single-threaded process) yields the CPU to the event loop: niceness 10."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
     except (AttributeError, OSError):  # pragma: no cover - not Linux, or not permitted
@@ -41,16 +46,31 @@ class DecodePool:
     are read by the metrics at scrape time.
     """
 
+    mode = "thread"
+
     def __init__(self, workers: int, *, lower_priority: bool = True) -> None:
         self.workers = workers
+        self._lower_priority = lower_priority
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="mmgate-decode",
-                                            initializer=_lower_priority if lower_priority else None)
+                                            initializer=self._thread_started)
         self._lock = threading.Lock()
         self.queued = 0
         self.stuck = 0
 
     def batch(self) -> Batch:
         return Batch(self)
+
+    def _thread_started(self) -> None:
+        """Runs once in each pool thread as it starts."""
+        if self._lower_priority:
+            lower_priority()
+
+    def _execute(self, batch: Batch, job: Job[T]) -> T:
+        """Runs ``job`` for ``batch`` in a pool thread; returns its result or raises its error."""
+        return job(batch.checkpoint)
+
+    def _abandoned(self, batch: Batch) -> None:
+        """``batch`` was given up (called once, with the stop flag set): threads stop at their next checkpoint."""
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -72,6 +92,10 @@ class Batch:
         """Called by work between steps (in a worker thread): raise once the request gave up."""
         if self._stop.is_set():
             raise Cancelled()
+
+    @property
+    def abandoned(self) -> bool:
+        return self._stop.is_set()
 
     async def run(self, jobs: Sequence[Job[T]], timeout: float) -> list[T]:
         """Run ``jobs`` (each gets this batch's checkpoint) and return their results in order.
@@ -110,7 +134,7 @@ class Batch:
         self._loop.call_soon_threadsafe(self._idle.clear)
         try:
             self.checkpoint()
-            return job(self.checkpoint)
+            return pool._execute(self, job)
         finally:
             with pool._lock:
                 self._running -= 1
@@ -134,6 +158,7 @@ class Batch:
         with pool._lock:
             self._stop.set()
             pool.stuck += self._running
+        pool._abandoned(self)
         for future in self._futures:
             if future.cancel():  # True only for an item that never started
                 with pool._lock:

@@ -12,31 +12,16 @@ import weakref
 from dataclasses import dataclass
 from functools import partial
 
-from preprocessors.audio import validate_audio
-from preprocessors.base import Cancelled, Checkpoint
-from preprocessors.dataurl import decode_base64, encode_base64
-from preprocessors.image import image_mime, process_image
+from preprocessors.base import Cancelled
+from preprocessors.job import MediaJob, MediaTask, Outcome
 from preprocessors.pool import Batch
 
 from .admission import Lease
 from .buffers import MediaBuffer
-from .dialects import MediaPart
 from .errors import MediaError, MmgateError
 from .locate import Item, Plan
 from .rawjson import Span, string_value
 from .state import AppState
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What a worker made of one item: the new JSON string token (None = forward unchanged), its MIME,
-    and the decoded sizes in and out (for the media byte counters)."""
-
-    size_in: int
-    size_out: int
-    token: bytes | None = None
-    mime: bytes = b""
-    true_mime: bytes = b""  # set when the bytes are not the type the client declared
 
 
 @dataclass(slots=True)
@@ -58,7 +43,7 @@ async def run_plan(state: AppState, plan: Plan, media: MediaBuffer, lease: Lease
     assert state.pool is not None
     batch = state.pool.batch()
     media_ref = weakref.ref(media)
-    jobs = [partial(_process_item, media_ref, item, state) for item in plan.items]
+    jobs = [media_job(state, media_ref, item) for item in plan.items]
     try:
         outcomes = await batch.run(jobs, settings.preprocess_timeout)
     except (MediaError, TimeoutError) as exc:
@@ -128,52 +113,24 @@ def _mime_text(item: Item, mime: bytes) -> bytes:
 
 
 def _item_value(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes | memoryview:
-    """The item's string value (a view into the body when possible); Cancelled once the request let go."""
+    """The item's base64 payload (a view into the body when possible); Cancelled once the request let go."""
     media = media_ref()
     if media is None:
         raise Cancelled()
     part = item.part
     if part.span is not None:
-        return string_value(media.data, part.span)
+        return string_value(media.data, part.span)[item.payload_offset :]
     assert part.literal is not None  # a plan holds inline parts only
-    return part.literal.encode("utf-8")
+    return part.literal.encode("utf-8")[item.payload_offset :]
 
 
-def _process_item(media_ref: weakref.ref[MediaBuffer], item: Item, state: AppState,
-                  checkpoint: Checkpoint) -> Outcome:
-    """In a decode thread: base64 → bytes → validate → (resize → re-encode → base64 token)."""
+def media_job(state: AppState, media_ref: weakref.ref[MediaBuffer], item: Item) -> MediaJob:
+    """The item as a job for either pool: the task as plain data, the payload read from the body on demand."""
     part = item.part
-    try:
-        value = _item_value(media_ref, item)
-        data = decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
-        del value
-        size = len(data)
-        checkpoint()
-        if part.kind == "image":
-            true_mime = image_mime(data).encode()
-            if item.declared_mime.encode() in (true_mime, b""):
-                true_mime = b""
-            processed = process_image(data, state.image_policy, checkpoint)
-            if processed is None and true_mime and item.declared_span is None and part.span is not None:
-                # The declared type is inside an escaped token: the whole token is written anew.
-                return Outcome(size, size, _token(part, true_mime, encode_base64(data)), true_mime, true_mime)
-            del data
-            if processed is None or part.span is None:
-                return Outcome(size, size, true_mime=true_mime)
-            mime = processed.mime.encode()
-            out_size = len(processed.data)
-            encoded = encode_base64(processed.data)
-            del processed
-            return Outcome(size, out_size, _token(part, mime, encoded), mime, true_mime)
-        if part.kind == "audio":
-            validate_audio(data, part.audio_format, state.audio_policy, checkpoint)
-        return Outcome(size, size)  # audio and video are validated / size-checked and forwarded unchanged
-    except MediaError as error:
-        raise error.at(part.path) from None
-
-
-def _token(part: MediaPart, mime: bytes, encoded: bytes) -> bytes:
-    """The JSON string token for rewritten media: a data URI when the client sent one, else bare base64."""
-    if part.encoding == "data_uri":
-        return b"".join((b'"data:', mime, b";base64,", encoded, b'"'))
-    return b"".join((b'"', encoded, b'"'))
+    task = MediaTask(
+        kind=part.kind, path=part.path, max_bytes=state.settings.max_media_item_bytes,
+        image_policy=state.image_policy, audio_policy=state.audio_policy, declared_mime=item.declared_mime,
+        audio_format=part.audio_format, rewritable=part.span is not None, data_uri=part.encoding == "data_uri",
+        declared_outside=item.declared_span is not None,
+    )
+    return MediaJob(task, partial(_item_value, media_ref, item))
