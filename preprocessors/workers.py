@@ -15,10 +15,11 @@ process and hands it its jobs. What changes against threads:
 
 Workers are started with spawn semantics (``python -m preprocessors.workers``, a fresh interpreter that
 imports this package only: Pillow, pybase64, never aiohttp or the proxy), lazily on a thread's first job,
-so an app that never decodes starts none; a retired worker's successor starts at once. The task (small, plain data: ``job.MediaTask``) is pickled over a
-socket pair; the payload travels through a memfd that belongs to the worker: the parent writes the base64
-text with ``os.pwrite`` and reads the answer back with ``os.pread`` (both release the GIL), the worker maps
-it. No big bytes are pickled, and a memfd is no named segment: nothing can be left in ``/dev/shm``.
+so an app that never decodes starts none; a retired worker's successor starts at once. The task (small,
+plain data: ``job.MediaTask``) is pickled over a socket pair; the payload travels through a memfd that
+belongs to the worker: the parent writes the base64 text with ``os.pwrite`` and reads the answer back with
+``os.pread`` (both release the GIL), the worker maps it. No big bytes are pickled, and a memfd is no named
+segment: nothing can be left in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -127,15 +128,13 @@ class _Worker:
         try:
             kind = reply[0]
             if kind == "done":
-                outcome, token_length = reply[1], reply[2]
+                outcome: Outcome = reply[1]
+                token_length: int = reply[2]
                 if token_length >= 0:
                     outcome.token = _read_all(self.memfd, token_length)
-                return outcome  # type: ignore[no-any-return]
+                return outcome
             if kind == "refused":
-                _, status, code, message, param = reply
-                error = MediaError(code, message, status)
-                error.param = param
-                raise error
+                raise _refusal(*reply[1:])  # never a local: the error's traceback holds this frame
             raise WorkerFault(f"decode worker {self.pid} failed:\n{reply[1]}")
         finally:
             os.ftruncate(self.memfd, 0)  # the pages of payload and answer go back now, not at the next job
@@ -254,6 +253,12 @@ class ProcessPool(DecodePool):
             worker.close()
             with self._lock:
                 self._all.discard(worker)
+
+
+def _refusal(status: int, code: str, message: str, param: str | None) -> MediaError:
+    error = MediaError(code, message, status)
+    error.param = param
+    return error
 
 
 def _describe_exit(returncode: int | None) -> str:

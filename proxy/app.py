@@ -1,8 +1,8 @@
 """The composition root: ``build_app(settings)`` wires every part; tests use the very same factory.
 
 Resources live in ``cleanup_ctx`` (created on start-up, closed on shutdown, in reverse order): the upstream
-ClientSession, the decode pool, the event-loop lag watcher. Shared state is one ``AppState`` under a typed
-``web.AppKey``.
+ClientSession, the decode pool (its worker processes killed and reaped), the event-loop lag watcher. Shared
+state is one ``AppState`` under a typed ``web.AppKey``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from aiohttp import web
 
 from preprocessors.base import AudioPolicy, ImagePolicy
 from preprocessors.pool import DecodePool
+from preprocessors.workers import ProcessPool
 
 from .admin import add_admin_routes
 from .admission import Gate
@@ -26,7 +27,7 @@ from .memory import IdleTrimmer, glibc_malloc_trim
 from .metrics import Metrics, watch_loop_lag
 from .pipeline import expect_continue, handle_request
 from .refusals import refusals_in_api_shape
-from .settings import Settings
+from .settings import MIB, Settings
 from .state import STATE, AppState
 
 log = logging.getLogger("mmgate")
@@ -77,9 +78,17 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     await state.session.close()
 
 
+def make_pool(settings: Settings) -> DecodePool:
+    """The decode pool MMGATE_DECODE_MODE names: threads, or threads that each drive a worker process."""
+    if settings.decode_mode == "process":
+        return ProcessPool(settings.decode_workers, max_jobs=settings.worker_max_jobs,
+                           max_rss_bytes=settings.worker_max_rss_mb * MIB)
+    return DecodePool(settings.decode_workers)
+
+
 async def _decode_pool(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
-    state.pool = DecodePool(state.settings.decode_workers)
+    state.pool = make_pool(state.settings)
     metrics = state.metrics
     metrics.pool_queue_depth.set_function(lambda: state.pool.queued if state.pool else 0)
     metrics.pool_stuck_workers.set_function(lambda: state.pool.stuck if state.pool else 0)
