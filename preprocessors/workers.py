@@ -92,6 +92,9 @@ class _Worker:
     def kill(self) -> None:
         """SIGKILL without waiting (from any thread); whoever closes the worker reaps it."""
         self.killed = True
+        self._sigkill()
+
+    def _sigkill(self) -> None:
         try:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -105,8 +108,8 @@ class _Worker:
         with self._close_lock:
             if not self._closed:
                 self._closed = True
-                if self.process.poll() is None:
-                    self.kill()
+                if self.process.poll() is None:  # still running, or ending on its own right now
+                    self._sigkill()
                 self.process.wait(_STOP_WAIT)
                 self.conn.close()
                 os.close(self.memfd)
@@ -164,6 +167,11 @@ class ProcessPool(DecodePool):
         """The pids of the worker processes alive now (tests, the bench)."""
         with self._lock:
             return sorted(w.pid for w in self._all if w.alive())
+
+    def busy_pids(self) -> list[int]:
+        """The pids of the workers processing an item now."""
+        with self._lock:
+            return sorted(w.pid for w in self._all if w.batch is not None)
 
     def _worker(self) -> _Worker:
         """This thread's worker, started (or replaced, when it ended) here."""
