@@ -46,7 +46,7 @@ from PIL import Image
 
 from bench import _results as R
 from preprocessors.base import AudioPolicy, ImagePolicy, no_checkpoint
-from preprocessors.image import _encode, _orientation, process_image
+from preprocessors.image import _encode, _orientation
 from preprocessors.job import MediaJob, MediaTask, run_task
 from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool

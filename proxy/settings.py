@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 # From this many usable CPUs on, decode workers are processes by default (README "Decode mode" says why).
 PROCESS_MODE_FROM_CPUS = 4
 # A decode process before its first item: the interpreter, Pillow and pybase64 (measured RSS, rounded up).
-WORKER_PROCESS_BYTES = 48 * MIB
+WORKER_PROCESS_BYTES = 32 * MIB
 
 
 def default_decode_mode(cpus: int) -> str:
