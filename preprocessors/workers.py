@@ -72,7 +72,8 @@ class _Worker:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "preprocessors.workers", str(theirs.fileno()), str(self.memfd)],
+                # -P: never a ``preprocessors`` from the working directory, only the one beside this file
+                [sys.executable, "-P", "-m", "preprocessors.workers", str(theirs.fileno()), str(self.memfd)],
                 pass_fds=(theirs.fileno(), self.memfd), stdin=subprocess.DEVNULL, env=env, close_fds=True,
             )
         except BaseException:
@@ -228,6 +229,7 @@ class ProcessPool(DecodePool):
         due = (self.max_jobs and worker.jobs >= self.max_jobs) or (
             self.max_rss_bytes and worker.rss_bytes() > self.max_rss_bytes)
         if due:
+            log.debug("decode worker %d recycled after %d items", worker.pid, worker.jobs)
             self._replace(worker)
             self.recycled += 1
 

@@ -241,3 +241,11 @@ def test_process_mode_counts_its_workers_in_the_worst_case_memory() -> None:
     processes = Settings.from_env({**env, "MMGATE_DECODE_MODE": "process"}).worst_case_memory_bytes()
     assert threads["processes"] == 0 < processes["processes"]
     assert processes["total"] - threads["total"] == processes["processes"]
+
+
+async def test_a_worker_imports_media_code_only(upstream: Upstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(upstream.url, **PROCESS)
+    pid = await warm_worker(proxy)
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert "PIL" in maps  # Pillow's C core is mapped: the check below looks at the right thing
+    assert "aiohttp" not in maps and "multidict" not in maps and "yarl" not in maps
