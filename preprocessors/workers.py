@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TypeVar
@@ -149,13 +150,16 @@ class ProcessPool(DecodePool):
     """``workers`` threads, each with one decode process; same queue, metrics and ``Batch`` as threads.
 
     ``max_jobs`` (0 = never) and ``max_rss_bytes`` (0 = never): when a worker is recycled. ``recycled``
-    counts the workers recycled, ``crashed`` those that ended on their own while processing an item.
+    counts the workers recycled, ``crashed`` those that ended on their own while processing an item;
+    ``on_exit`` hears of every worker ended while the pool runs: ``recycled``, ``killed`` or ``crashed``.
     """
 
     mode = "process"
 
-    def __init__(self, workers: int, *, max_jobs: int = 0, max_rss_bytes: int = 0) -> None:
+    def __init__(self, workers: int, *, max_jobs: int = 0, max_rss_bytes: int = 0,
+                 on_exit: Callable[[str], None] = lambda reason: None) -> None:
         self.max_jobs = max_jobs
+        self._on_exit = on_exit  # called with recycled, killed or crashed (from a pool thread)
         self.max_rss_bytes = max_rss_bytes
         self.recycled = 0
         self.crashed = 0
@@ -213,8 +217,11 @@ class ProcessPool(DecodePool):
         except (EOFError, OSError):
             returncode = self._replace(worker)  # reaped: the item ends only once its process is gone
             if worker.killed or batch.abandoned:
+                if not self._closed:
+                    self._on_exit("killed")
                 raise Cancelled() from None
             self.crashed += 1
+            self._on_exit("crashed")
             how = _describe_exit(returncode)
             log.warning("decode worker %d ended while processing %s (%s); refused as decoder_crashed, "
                         "the worker is replaced", worker.pid, job.task.path, how)
@@ -232,6 +239,7 @@ class ProcessPool(DecodePool):
             log.debug("decode worker %d recycled after %d items", worker.pid, worker.jobs)
             self._replace(worker)
             self.recycled += 1
+            self._on_exit("recycled")
 
     def _replace(self, worker: _Worker) -> int:
         """Retire ``worker`` and start its successor now: the new interpreter warms up while this thread

@@ -78,17 +78,18 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     await state.session.close()
 
 
-def make_pool(settings: Settings) -> DecodePool:
+def make_pool(settings: Settings, metrics: Metrics) -> DecodePool:
     """The decode pool MMGATE_DECODE_MODE names: threads, or threads that each drive a worker process."""
     if settings.decode_mode == "process":
         return ProcessPool(settings.decode_workers, max_jobs=settings.worker_max_jobs,
-                           max_rss_bytes=settings.worker_max_rss_mb * MIB)
+                           max_rss_bytes=settings.worker_max_rss_mb * MIB,
+                           on_exit=lambda reason: metrics.decode_worker_exits.labels(reason).inc())
     return DecodePool(settings.decode_workers)
 
 
 async def _decode_pool(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
-    state.pool = make_pool(state.settings)
+    state.pool = make_pool(state.settings, state.metrics)
     metrics = state.metrics
     metrics.pool_queue_depth.set_function(lambda: state.pool.queued if state.pool else 0)
     metrics.pool_stuck_workers.set_function(lambda: state.pool.stuck if state.pool else 0)

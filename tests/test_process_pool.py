@@ -50,6 +50,12 @@ def pool_of(proxy: Proxy) -> ProcessPool:
     return pool
 
 
+def exits(proxy: Proxy, reason: str) -> float:
+    """``mmgate_decode_worker_exits_total{reason}`` as a scrape sees it."""
+    return proxy.state.metrics.registry.get_sample_value("mmgate_decode_worker_exits_total",
+                                                          {"reason": reason}) or 0.0
+
+
 def gone(pid: int) -> bool:
     """No such process, not even a zombie: it was killed and reaped."""
     return not Path(f"/proc/{pid}").exists()
@@ -96,6 +102,7 @@ async def test_a_job_that_never_ends_is_killed_and_its_slot_comes_back_after(ups
     assert seen_at_changes == [(1, False), (0, True)]  # the slot came back once the worker was gone
     assert gone(pid)
     assert pool_of(proxy).stuck == 0
+    assert (exits(proxy, "killed"), exits(proxy, "crashed")) == (1, 0)
     # the next request works, on a new worker
     assert (await post(proxy, image_chat()))[0] == 200
     assert pool_of(proxy).worker_pids() not in ([], [pid])
@@ -108,6 +115,7 @@ async def test_a_worker_is_recycled_after_max_jobs(upstream: Upstream, start_pro
     assert (await post(proxy, image_chat()))[0] == 200  # its second item: recycled before the answer
     assert gone(first)
     assert pool_of(proxy).recycled == 1
+    assert exits(proxy, "recycled") == 1
     second = await warm_worker(proxy)
     assert second != first
     assert pool_of(proxy).recycled == 1  # one item on the new worker: not yet due
@@ -147,6 +155,7 @@ async def test_a_worker_crash_refuses_that_media_and_the_worker_is_replaced(
     assert answer["error"]["param"] == "messages[0].content[1]"
     assert "SIGSEGV" in answer["error"]["message"] or "SIGSEGV" in caplog.text
     assert gone(pid) and pool.crashed == 1
+    assert (exits(proxy, "crashed"), exits(proxy, "killed")) == (1, 0)
     assert len(upstream.seen) == 1  # the warm-up only
     assert (await post(proxy, image_chat()))[0] == 200  # the replacement works
     assert "decoder_crashed" in caplog.text
