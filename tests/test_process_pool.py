@@ -124,12 +124,16 @@ async def test_a_worker_is_recycled_after_max_jobs(upstream: Upstream, start_pro
 async def test_a_worker_above_the_rss_limit_is_recycled_and_its_memory_gone(upstream: Upstream,
                                                                             start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url, **PROCESS, MMGATE_WORKER_MAX_RSS_MB="1")  # every worker is above
-    pids = []
-    for _ in range(3):
+    pool = pool_of(proxy)
+    workers = []
+    for round_ in range(1, 4):
         assert (await post(proxy, image_chat(600, 400)))[0] == 200
-        pids.append(pool_of(proxy).recycled)
-    assert pids == [1, 2, 3]
-    assert len(pool_of(proxy).worker_pids()) == 1  # the successor, started at once
+        assert pool.recycled == round_ and exits(proxy, "recycled") == round_
+        (successor,) = pool.worker_pids()  # started at once
+        workers.append(successor)
+        if round_ > 1:
+            assert gone(workers[-2])  # the worker that did this item: killed, reaped, its memory with it
+    assert len(set(workers)) == 3
 
 
 async def test_no_recycling_below_the_limits(upstream: Upstream, start_proxy: StartProxy) -> None:
