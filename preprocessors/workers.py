@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,10 +66,10 @@ class WorkerFault(RuntimeError):
 class _Worker:
     """One decode process and the memfd its payloads and answers travel through; owned by one pool thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, environment: Mapping[str, str]) -> None:
         self.memfd = os.memfd_create("mmgate-decode", os.MFD_CLOEXEC)
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
+        env = {**os.environ, **environment}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
         try:
             self.process = subprocess.Popen(
@@ -152,13 +152,16 @@ class ProcessPool(DecodePool):
     ``max_jobs`` (0 = never) and ``max_rss_bytes`` (0 = never): when a worker is recycled. ``recycled``
     counts the workers recycled, ``crashed`` those that ended on their own while processing an item;
     ``on_exit`` hears of every worker ended while the pool runs: ``recycled``, ``killed`` or ``crashed``.
+    ``environment``: variables added to each worker's (the allocator tuning of ``proxy/memory.py``).
     """
 
     mode = "process"
 
     def __init__(self, workers: int, *, max_jobs: int = 0, max_rss_bytes: int = 0,
-                 on_exit: Callable[[str], None] = lambda reason: None) -> None:
+                 on_exit: Callable[[str], None] = lambda reason: None,
+                 environment: Mapping[str, str] | None = None) -> None:
         self.max_jobs = max_jobs
+        self._environment = dict(environment or {})  # added to each worker's environment (allocator tuning)
         self._on_exit = on_exit  # called with recycled, killed or crashed (from a pool thread)
         self.max_rss_bytes = max_rss_bytes
         self.recycled = 0
@@ -187,7 +190,7 @@ class ProcessPool(DecodePool):
         if worker is None:
             if self._closed:
                 raise Cancelled()
-            worker = _Worker()
+            worker = _Worker(self._environment)
             with self._lock:
                 self._all.add(worker)
                 closed = self._closed

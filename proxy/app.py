@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -23,7 +24,7 @@ from .admin import add_admin_routes
 from .admission import Gate
 from .connections import ConnectionGuard, mark_head_received
 from .lifecycle import Lifecycle
-from .memory import IdleTrimmer, glibc_malloc_trim
+from .memory import IdleTrimmer, glibc_malloc_trim, worker_environment
 from .metrics import Metrics, watch_loop_lag
 from .pipeline import expect_continue, handle_request
 from .refusals import refusals_in_api_shape
@@ -83,7 +84,8 @@ def make_pool(settings: Settings, metrics: Metrics) -> DecodePool:
     if settings.decode_mode == "process":
         return ProcessPool(settings.decode_workers, max_jobs=settings.worker_max_jobs,
                            max_rss_bytes=settings.worker_max_rss_mb * MIB,
-                           on_exit=lambda reason: metrics.decode_worker_exits.labels(reason).inc())
+                           on_exit=lambda reason: metrics.decode_worker_exits.labels(reason).inc(),
+                           environment=worker_environment(os.environ, memory_first=settings.malloc_tuning))
     return DecodePool(settings.decode_workers)
 
 

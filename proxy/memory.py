@@ -58,6 +58,16 @@ def tune_process(environ: Mapping[str, str], *, memory_first: bool) -> list[str]
     return [f"PILLOW_BLOCKS_MAX={PILLOW_BLOCKS_KEPT}"]
 
 
+def worker_environment(environ: Mapping[str, str], *, memory_first: bool) -> dict[str, str]:
+    """The same tuning for a decode worker process (MMGATE_DECODE_MODE=process), as the variables glibc and
+    Pillow read when a process starts; an operator's own values, which the worker inherits, are left alone."""
+    wanted = {"PILLOW_BLOCKS_MAX": str(PILLOW_BLOCKS_KEPT)}
+    if memory_first:
+        wanted = {"MALLOC_MMAP_THRESHOLD_": str(EAGER_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(EAGER_THRESHOLD),
+                  "PILLOW_BLOCKS_MAX": "0"}
+    return {name: value for name, value in wanted.items() if name not in environ}
+
+
 def tune_allocators(environ: Mapping[str, str]) -> list[str]:
     """Big buffers straight back to the OS when freed; no Pillow block cache. Returns what was applied."""
     applied = []

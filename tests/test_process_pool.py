@@ -262,3 +262,15 @@ async def test_a_worker_imports_media_code_only(upstream: Upstream, start_proxy:
     maps = Path(f"/proc/{pid}/maps").read_text()
     assert "PIL" in maps  # Pillow's C core is mapped: the check below looks at the right thing
     assert "aiohttp" not in maps and "multidict" not in maps and "yarl" not in maps
+
+
+@pytest.mark.parametrize(("tuning", "blocks"), [("on", "0"), ("off", "16")])
+async def test_a_worker_gets_the_allocator_tuning_of_mmgate(upstream: Upstream, start_proxy: StartProxy,
+                                                           tuning: str, blocks: str) -> None:
+    if "PILLOW_BLOCKS_MAX" in os.environ:
+        pytest.skip("the operator's own PILLOW_BLOCKS_MAX wins")
+    proxy = await start_proxy(upstream.url, **PROCESS, MMGATE_MALLOC_TUNING=tuning)
+    pid = await warm_worker(proxy)
+    environ = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if item)
+    assert environ[b"PILLOW_BLOCKS_MAX"] == blocks.encode()
+    assert (b"MALLOC_MMAP_THRESHOLD_" in environ) == (tuning == "on")
