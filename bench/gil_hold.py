@@ -21,10 +21,11 @@ job copies and pickles.
 
 Every figure is the median of ``--rounds`` rounds (min–max spread). Goals: beside 2 saturated workers the
 probe's p99 lateness is at most idle p99 + 1 ms (each mode); 2 workers make at least 1.9× the jobs/s of 1
-(each mode, on a machine with 2 free cores). Default run: about 3 minutes on 2 cores; ``--smoke`` proves
-the bench works in seconds (its figures mean nothing, and nothing is written).
+(each mode, on a machine with 2 free cores). The allocator tuning is mmgate's default (``--malloc-tuning``),
+applied here and in the worker processes as ``mmgate serve`` does. Default run: about 3 minutes on 2 cores;
+``--smoke`` proves the bench works in seconds (its figures mean nothing, and nothing is written).
 
-    python -m bench.gil_hold [--seconds S] [--rounds N]
+    python -m bench.gil_hold [--seconds S] [--rounds N] [--malloc-tuning on|off]
     python -m bench.gil_hold --smoke
 """
 
@@ -49,7 +50,8 @@ from preprocessors.base import AudioPolicy, ImagePolicy, no_checkpoint
 from preprocessors.image import _encode, _orientation
 from preprocessors.job import MediaJob, MediaTask, run_task
 from preprocessors.pool import DecodePool
-from preprocessors.workers import ProcessPool
+from preprocessors.workers import ProcessPool, _read_all, _write_all
+from proxy.memory import tune_process, worker_environment
 from testkit.media import photo_jpeg
 
 WHAT = "GIL held by media work: a 1 ms sleeper's late wake-ups beside each step and beside saturated pools"
@@ -180,8 +182,11 @@ def idle_round(seconds: float) -> dict[str, float]:
 # ----- saturated pools -----
 
 
+WORKER_ENVIRONMENT: dict[str, str] = {}  # set by main(): the worker processes' allocator tuning
+
+
 def make_pool(mode: str, workers: int) -> DecodePool:
-    return ProcessPool(workers) if mode == "process" else DecodePool(workers)
+    return ProcessPool(workers, environment=WORKER_ENVIRONMENT) if mode == "process" else DecodePool(workers)
 
 
 async def saturate(pool: DecodePool, job: MediaJob, clients: int, seconds: float) -> tuple[int, float]:
@@ -236,6 +241,23 @@ def sequential_ms(mode: str, job: MediaJob, count: int) -> float:
         pool.shutdown()
 
 
+def copies_us(payload: bytes, token: bytes, count: int) -> float:
+    """Median µs the parent spends copying one job's bytes: the payload into a memfd, the answer out."""
+    fd = os.memfd_create("bench", os.MFD_CLOEXEC)
+    try:
+        times = []
+        for _ in range(count):
+            os.pwrite(fd, token, 0)  # the worker's answer, not timed: the worker writes it
+            t0 = time.perf_counter()
+            _write_all(fd, payload)
+            _read_all(fd, len(token))
+            times.append((time.perf_counter() - t0) * 1e6)
+            os.ftruncate(fd, 0)
+        return statistics.median(times)
+    finally:
+        os.close(fd)
+
+
 # ----- the run -----
 
 
@@ -254,6 +276,11 @@ def measure(seconds: float, rounds: int, sequential: int) -> dict[str, Any]:
     step_rounds: dict[str, list[dict[str, float]]] = {name: [] for name in calls}
     pool_rounds: dict[str, list[dict[str, float]]] = {f"{m} × {w}": [] for m in ("thread", "process") for w in (1, 2)}
     seq: dict[str, list[float]] = {"thread": [], "process": []}
+    tiny = pybase64.b64encode(b"tiny")
+    null_job = MediaJob(MediaTask("video", "bench", 64 << 20, POLICY, AudioPolicy()), lambda: tiny)
+    null: dict[str, list[float]] = {"thread": [], "process": []}
+    copies: list[float] = []
+    token = run_task(task, encoded, no_checkpoint).token or b""
     for r in range(rounds):
         print(f"round {r + 1}/{rounds}", flush=True)
         idle_rounds.append(idle_round(seconds))
@@ -264,7 +291,8 @@ def measure(seconds: float, rounds: int, sequential: int) -> dict[str, Any]:
             pool_rounds[key].append(pool_round(mode, int(workers), job, seconds))
         for mode in seq:
             seq[mode].append(sequential_ms(mode, job, sequential))
-    token = run_task(task, encoded, no_checkpoint).token or b""
+            null[mode].append(sequential_ms(mode, null_job, sequential * 10) * 1e3)
+        copies.append(copies_us(encoded, token, sequential))
     outcome = run_task(task, encoded, no_checkpoint)
     outcome.token = None
     return {
@@ -277,6 +305,9 @@ def measure(seconds: float, rounds: int, sequential: int) -> dict[str, Any]:
         "process_cost": {
             "thread_ms": R.summary(seq["thread"]), "process_ms": R.summary(seq["process"]),
             "extra_ms": R.summary(p - t for p, t in zip(seq["process"], seq["thread"], strict=True)),
+            "null_job_us": {mode: R.summary(values) for mode, values in null.items()},
+            "ipc_us": R.summary(p - t for p, t in zip(null["process"], null["thread"], strict=True)),
+            "copies_us": R.summary(copies),
             # parent pwrite of the payload; worker pwrite and parent pread of the answer (the worker maps
             # the payload: no copy there)
             "bytes_copied": len(encoded) + 2 * len(token),
@@ -302,6 +333,9 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
                             lambda v: v >= GOAL_SCALING, unit="×"))
     cost = data["process_cost"]
     out.append(R.record("process mode: extra wall time per job (one at a time)", cost["extra_ms"], unit="ms"))
+    out.append(R.record("process mode: IPC per job (an empty job, process − thread)", cost["ipc_us"], unit="µs"))
+    out.append(R.record("process mode: parent's copies per 12 MP job (payload in, answer out)", cost["copies_us"],
+                        unit="µs"))
     return out
 
 
@@ -341,6 +375,11 @@ def report(data: dict[str, Any]) -> str:
         f"process {_cell(cost['process_ms'])} ms, extra {_cell(cost['extra_ms'])} ms; "
         f"{cost['bytes_copied']:,} bytes copied (payload {env['payload_bytes']:,} once, answer "
         f"{env['token_bytes']:,} twice), {cost['bytes_pickled']:,} bytes pickled.",
+        "",
+        f"An empty job (a few bytes of video: no image work) takes {_cell(cost['null_job_us']['thread'])} µs on a "
+        f"thread and {_cell(cost['null_job_us']['process'])} µs on a process: IPC {_cell(cost['ipc_us'])} µs per "
+        f"job. The parent's copies of a 12 MP job's bytes (pwrite of the payload, pread of the answer, GIL "
+        f"released): {_cell(cost['copies_us'])} µs.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -351,11 +390,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=R.MIN_ROUNDS, help=f"rounds [{R.MIN_ROUNDS}]")
     parser.add_argument("--sequential", type=int, default=20, help="jobs timed one at a time per mode [20]")
     parser.add_argument("--smoke", action="store_true", help="tiny run that proves the bench works; writes nothing")
+    parser.add_argument("--malloc-tuning", choices=("on", "off"), default="on",
+                        help="the allocator tuning of MMGATE_MALLOC_TUNING, here and in worker processes [on]")
     args = parser.parse_args()
+    memory_first = args.malloc_tuning == "on"
+    tuned = tune_process(os.environ, memory_first=memory_first)
+    WORKER_ENVIRONMENT.update(worker_environment(os.environ, memory_first=memory_first))
     if args.smoke:
         args.seconds, args.rounds, args.sequential = 0.3, 1, 3
     stamp = R.stamp("gil_hold.py", WHAT)
     data = stamp | measure(args.seconds, args.rounds, args.sequential)
+    data["env"]["malloc_tuning"] = tuned
     data["goals"] = goals(data)
     markdown = report(data)
     print()

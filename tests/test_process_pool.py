@@ -73,6 +73,16 @@ def mmgate_memfds() -> int:
     return count
 
 
+async def started(pool: ProcessPool) -> int:
+    """The pool's one worker, once it has answered a job (a fresh interpreter may take longer to start than a
+    short MMGATE_PREPROCESS_TIMEOUT allows); returns its pid."""
+    payload = base64.b64encode(image_bytes())
+    task = MediaTask("image", "warm-up", 1 << 20, ImagePolicy(), AudioPolicy())
+    await pool.batch().run([MediaJob(task, lambda: payload)], 60)
+    (pid,) = pool.worker_pids()
+    return pid
+
+
 async def warm_worker(proxy: Proxy) -> int:
     """One request through the pool, so its worker exists; returns that worker's pid."""
     assert (await post(proxy, image_chat()))[0] == 200
@@ -86,7 +96,7 @@ async def test_a_job_that_never_ends_is_killed_and_its_slot_comes_back_after(ups
     proxy = await start_proxy(upstream.url, **PROCESS, MMGATE_PREPROCESS_TIMEOUT="0.3",
                               MMGATE_MAX_MM_CONCURRENCY="1")
     gate = proxy.state.gate
-    pid = await warm_worker(proxy)
+    pid = await started(pool_of(proxy))
     os.kill(pid, signal.SIGSTOP)  # takes its next task and never answers
     seen_at_changes: list[tuple[int, bool]] = []  # (slots in use, worker gone) at every change of the gate
     report = gate._on_change
@@ -104,9 +114,10 @@ async def test_a_job_that_never_ends_is_killed_and_its_slot_comes_back_after(ups
     assert pool_of(proxy).stuck == 0
     assert (exits(proxy, "killed"), exits(proxy, "crashed")) == (1, 0)
     # the next request works, on a new worker
+    successor = await started(pool_of(proxy))
+    assert successor != pid
     assert (await post(proxy, image_chat()))[0] == 200
-    assert pool_of(proxy).worker_pids() not in ([], [pid])
-    assert len(upstream.seen) == 2
+    assert len(upstream.seen) == 1
 
 
 async def test_a_worker_is_recycled_after_max_jobs(upstream: Upstream, start_proxy: StartProxy) -> None:
