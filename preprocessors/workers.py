@@ -62,6 +62,10 @@ class WorkerCrashed(MediaError):
                          "malformed or crafted, and was not forwarded")
 
 
+class WorkerGone(Exception):
+    """The worker process ended before it answered (killed by the pool, or crashed)."""
+
+
 class WorkerFault(RuntimeError):
     """An unexpected exception in a worker process (a fault of mmgate's own): its traceback as text."""
 
@@ -90,13 +94,16 @@ class _Worker:
         self.conn = Connection(ours.detach())
         self.jobs = 0
         self.batch: Batch | None = None  # the batch whose item runs now; guarded by the pool's lock
-        self.killed = False  # by the pool (abandoned batch, recycling, shutdown), not by a crash
+        self.killed = False  # by the pool (abandoned batch, shutdown), not by a crash
+        self.killed_for: Batch | None = None
         self._closed = False
         self._close_lock = threading.Lock()
 
-    def kill(self) -> None:
-        """SIGKILL without waiting (from any thread); whoever closes the worker reaps it."""
+    def kill(self, batch: Batch | None = None) -> None:
+        """SIGKILL without waiting (from any thread), for ``batch`` when its item is ended; whoever closes
+        the worker reaps it."""
         self.killed = True
+        self.killed_for = batch
         self._sigkill()
 
     def _sigkill(self) -> None:
@@ -129,10 +136,13 @@ class _Worker:
             return 0
 
     def run(self, job: MediaJob) -> Outcome:
-        """Hand ``job`` to the process and wait for its answer; EOFError/OSError when the process ended."""
+        """Hand ``job`` to the process and wait for its answer; ``WorkerGone`` when the process ended."""
         length = _write_all(self.memfd, job.payload())
-        self.conn.send((job.task, length))
-        reply: tuple[Any, ...] = self.conn.recv()
+        try:
+            self.conn.send((job.task, length))
+            reply: tuple[Any, ...] = self.conn.recv()
+        except (EOFError, OSError):  # the socket's other end is gone: so is the process
+            raise WorkerGone() from None
         try:
             kind = reply[0]
             if kind == "done":
@@ -214,30 +224,35 @@ class ProcessPool(DecodePool):
 
     def _execute(self, batch: Batch, job: Job[T]) -> T:
         assert isinstance(job, MediaJob), "a process pool runs MediaJob items only"
-        worker = self._worker()
-        with self._lock:
-            if batch.abandoned:
-                raise Cancelled()
-            worker.batch = batch
-        try:
-            outcome = worker.run(job)
-        except (EOFError, OSError):
-            returncode = self._replace(worker)  # reaped: the item ends only once its process is gone
-            if worker.killed or batch.abandoned:
-                if not self._closed:
-                    self._on_exit("killed")
-                raise Cancelled() from None
-            self.crashed += 1
-            self._on_exit("crashed")
-            how = _describe_exit(returncode)
-            log.warning("decode worker %d ended while processing %s (%s); refused as decoder_crashed, "
-                        "the worker is replaced", worker.pid, job.task.path, how)
-            raise WorkerCrashed(how).at(job.task.path) from None
-        finally:
+        while True:
+            worker = self._worker()
             with self._lock:
-                worker.batch = None
-        self._recycle_if_due(worker)
-        return outcome  # type: ignore[return-value]
+                if batch.abandoned:
+                    raise Cancelled()
+                worker.batch = batch
+            try:
+                outcome = worker.run(job)
+            except WorkerGone:
+                returncode = self._replace(worker)  # reaped: the item ends only once its process is gone
+                if batch.abandoned or worker.killed_for is batch or self._closed:
+                    if not self._closed:
+                        self._on_exit("killed")
+                    raise Cancelled() from None
+                if worker.killed:
+                    # Killed for the batch of its previous item, as that item was finishing: this item was
+                    # never its fault. The successor takes it.
+                    continue
+                self.crashed += 1
+                self._on_exit("crashed")
+                how = _describe_exit(returncode)
+                log.warning("decode worker %d ended while processing %s (%s); refused as decoder_crashed, "
+                            "the worker is replaced", worker.pid, job.task.path, how)
+                raise WorkerCrashed(how).at(job.task.path) from None
+            finally:
+                with self._lock:
+                    worker.batch = None
+            self._recycle_if_due(worker)
+            return outcome  # type: ignore[return-value]
 
     def _recycle_if_due(self, worker: _Worker) -> None:
         due = (self.max_jobs and worker.jobs >= self.max_jobs) or (
@@ -264,7 +279,7 @@ class ProcessPool(DecodePool):
         with self._lock:  # the abandoning caller holds no lock here
             for worker in self._all:
                 if worker.batch is batch:
-                    worker.kill()
+                    worker.kill(batch)
 
     def shutdown(self) -> None:
         """Stop taking work, kill every worker and reap it: no process outlives the pool."""
@@ -311,7 +326,7 @@ def _read_all(fd: int, length: int) -> bytes:
     while done < length:
         chunk = os.pread(fd, length - done, done)
         if not chunk:
-            raise EOFError("the worker's answer is shorter than it said")
+            raise WorkerFault("the worker's answer is shorter than it said")
         chunks.append(chunk)
         done += len(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)

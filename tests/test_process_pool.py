@@ -285,3 +285,17 @@ async def test_a_worker_gets_the_allocator_tuning_of_mmgate(upstream: Upstream, 
     environ = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if item)
     assert environ[b"PILLOW_BLOCKS_MAX"] == blocks.encode()
     assert (b"MALLOC_MMAP_THRESHOLD_" in environ) == (tuning == "on")
+
+
+async def test_a_worker_killed_for_another_request_never_fails_the_next_item(process_pool: ProcessPool) -> None:
+    """``abandon`` may kill a worker just as its item finishes: the thread's next item, from another request,
+    then finds its worker dead (or dying) and must run on the successor, neither cancelled nor refused."""
+    payload = base64.b64encode(image_bytes())
+    task = MediaTask("image", "p", 1 << 20, ImagePolicy(), AudioPolicy())
+    pid = await started(process_pool)
+    for _ in range(3):
+        (worker,) = process_pool._all
+        worker.kill(process_pool.batch())  # for a batch that is not the next one
+        (outcome,) = await process_pool.batch().run([MediaJob(task, lambda: payload)], 60)
+        assert outcome.size_in == len(image_bytes())
+    assert gone(pid) and process_pool.crashed == 0
