@@ -24,7 +24,7 @@ from .admin import add_admin_routes
 from .admission import Gate
 from .connections import ConnectionGuard, mark_head_received
 from .lifecycle import Lifecycle
-from .memory import IdleTrimmer, glibc_malloc_trim, worker_environment
+from .memory import IdleTrimmer, release_freed_memory, worker_environment
 from .metrics import Metrics, watch_loop_lag
 from .pipeline import expect_continue, handle_request
 from .refusals import refusals_in_api_shape
@@ -36,7 +36,7 @@ log = logging.getLogger("mmgate")
 
 def build_state(settings: Settings) -> AppState:
     metrics = Metrics()
-    trimmer = IdleTrimmer(settings.trim_idle, glibc_malloc_trim(), metrics.memory_trims.inc)
+    trimmer = IdleTrimmer(settings.trim_idle, release_freed_memory(), metrics.memory_trims.inc)
 
     def gate_changed(gate: Gate) -> None:
         metrics.gate_in_use.set(gate.in_use)

@@ -31,7 +31,7 @@ from preprocessors.pool import Batch, DecodePool
 from proxy.app import build_app, make_runner
 from proxy.cli import configure_logging, parse_args
 from proxy.connections import GuardedSite
-from proxy.memory import tune_allocators
+from proxy.memory import PILLOW_BLOCKS_PER_THREAD, tune_allocators
 from proxy.settings import Settings, overrides_from_args
 from proxy.state import STATE
 
@@ -108,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("testkit.variants: MMGATE_ADMIN_PORT is not supported here; /mmgate/* stays on the port")
     configure_logging(settings)
     if settings.malloc_tuning:
-        applied = tune_allocators(os.environ)
+        # the variants' pools are threads, whatever MMGATE_DECODE_MODE says
+        applied = tune_allocators(os.environ, kept_blocks=PILLOW_BLOCKS_PER_THREAD * settings.decode_workers)
         log.info("memory: %s", " ".join(applied) if applied else "allocator settings left as the environment set them")
     asyncio.run(serve(settings, argv[0]))
 
