@@ -122,7 +122,10 @@ class _Worker:
                 self._closed = True
                 if self.process.poll() is None:  # still running, or ending on its own right now
                     self._sigkill()
-                self.process.wait(_STOP_WAIT)
+                try:
+                    self.process.wait(_STOP_WAIT)
+                except subprocess.TimeoutExpired:  # stuck in the kernel: subprocess reaps it later
+                    log.warning("decode worker %d did not end within %g s of SIGKILL", self.pid, _STOP_WAIT)
                 self.conn.close()
                 os.close(self.memfd)
         return self.process.returncode
@@ -340,8 +343,11 @@ def serve(conn: Connection, memfd: int) -> None:
     while True:
         try:
             task, length = conn.recv()
-        except EOFError:
+        except EOFError:  # mmgate closed the socket, or ended
             return
+        except Exception:  # a task this worker cannot unpickle: mmgate's fault, not the media's
+            conn.send(("fault", traceback.format_exc()))
+            continue
         try:
             if length:
                 with mmap.mmap(memfd, length, prot=mmap.PROT_READ) as mapped:
@@ -365,6 +371,10 @@ def serve(conn: Connection, memfd: int) -> None:
 
 
 def main(argv: list[str]) -> None:
+    # Ctrl-C reaches the whole process group, and a terminal's SIGTERM may too: the worker must outlive them
+    # while mmgate drains. mmgate ends it with SIGKILL, or by closing the socket.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     lower_priority()
     serve(Connection(int(argv[0])), int(argv[1]))
 

@@ -299,3 +299,11 @@ async def test_a_worker_killed_for_another_request_never_fails_the_next_item(pro
         (outcome,) = await process_pool.batch().run([MediaJob(task, lambda: payload)], 60)
         assert outcome.size_in == len(image_bytes())
     assert gone(pid) and process_pool.crashed == 0
+
+
+async def test_a_worker_outlives_ctrl_c(process_pool: ProcessPool) -> None:
+    """Ctrl-C reaches the whole process group: mmgate drains on SIGINT, and its workers must still answer."""
+    pid = await started(process_pool)
+    os.kill(pid, signal.SIGINT)
+    os.kill(pid, signal.SIGTERM)
+    assert await started(process_pool) == pid and process_pool.crashed == 0
