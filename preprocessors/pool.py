@@ -46,8 +46,6 @@ class DecodePool:
     are read by the metrics at scrape time.
     """
 
-    mode = "thread"
-
     def __init__(self, workers: int, *, lower_priority: bool = True) -> None:
         self.workers = workers
         self._lower_priority = lower_priority

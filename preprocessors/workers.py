@@ -172,8 +172,6 @@ class ProcessPool(DecodePool):
     ``environment``: variables added to each worker's (the allocator tuning of ``proxy/memory.py``).
     """
 
-    mode = "process"
-
     def __init__(self, workers: int, *, max_jobs: int = 0, max_rss_bytes: int = 0,
                  on_exit: Callable[[str], None] = lambda reason: None,
                  environment: Mapping[str, str] | None = None) -> None:
