@@ -150,7 +150,7 @@ def steps(jpeg: bytes) -> dict[str, Callable[[], object]]:
         "encode PNG into memfd (alpha output)": lambda: _encode(small_rgba, PNG),
         "encode WEBP into memfd": lambda: _encode(small, WEBP),
         "base64 encode (1 MP JPEG)": lambda: pybase64.b64encode(out),
-        "whole job (process_image + base64)": lambda: run_task(task, encoded, no_checkpoint),
+        "whole job (process_image + base64)": lambda: run_task(task, lambda: encoded, no_checkpoint),
     }
 
 
@@ -311,7 +311,7 @@ def measure(seconds: float, rounds: int, sequential: int) -> dict[str, Any]:
     null: dict[str, list[float]] = {"thread": [], "process": []}
     copies: list[float] = []
     held: list[dict[str, float]] = []
-    token = run_task(task, encoded, no_checkpoint).token or b""
+    token = run_task(task, lambda: encoded, no_checkpoint).token or b""
     for r in range(rounds):
         print(f"round {r + 1}/{rounds}", flush=True)
         idle_rounds.append(idle_round(seconds))
@@ -325,7 +325,7 @@ def measure(seconds: float, rounds: int, sequential: int) -> dict[str, Any]:
             null[mode].append(sequential_ms(mode, null_job, sequential * 10) * 1e3)
         copies.append(copies_us(encoded, token, sequential))
         held.append(held_us(jpeg, sequential))
-    outcome = run_task(task, encoded, no_checkpoint)
+    outcome = run_task(task, lambda: encoded, no_checkpoint)
     outcome.token = None
     return {
         "env": {"seconds": seconds, "rounds": rounds, "sequential_jobs": sequential, "jpeg_bytes": len(jpeg),

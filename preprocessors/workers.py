@@ -34,6 +34,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Mapping
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TypeVar
@@ -351,11 +352,11 @@ def serve(conn: Connection, memfd: int) -> None:
                 with mmap.mmap(memfd, length, prot=mmap.PROT_READ) as mapped:
                     view = memoryview(mapped)
                     try:
-                        outcome = run_task(task, view, no_checkpoint)
+                        outcome = run_task(task, partial(_same, view), no_checkpoint)
                     finally:
                         view.release()  # an error's traceback may still name it: the map must close
             else:
-                outcome = run_task(task, b"", no_checkpoint)
+                outcome = run_task(task, partial(_same, b""), no_checkpoint)
         except MmgateError as error:
             conn.send(("refused", error.status, error.code, error.message, error.param))
             continue
@@ -366,6 +367,10 @@ def serve(conn: Connection, memfd: int) -> None:
         if token is not None:
             _write_all(memfd, token)  # over the payload, which is no longer needed
         conn.send(("done", outcome, -1 if token is None else len(token)))
+
+
+def _same(value: memoryview | bytes) -> memoryview | bytes:
+    return value
 
 
 def main(argv: list[str]) -> None:

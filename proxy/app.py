@@ -23,6 +23,7 @@ from preprocessors.workers import ProcessPool
 from .admin import add_admin_routes
 from .admission import Gate
 from .connections import ConnectionGuard, mark_head_received
+from .fetch import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
 from .lifecycle import Lifecycle
 from .memory import IdleTrimmer, release_freed_memory, worker_environment
 from .metrics import Metrics, watch_loop_lag
@@ -89,6 +90,36 @@ def make_pool(settings: Settings, metrics: Metrics) -> DecodePool:
     return DecodePool(settings.decode_workers)
 
 
+async def _fetch_session(app: web.Application) -> AsyncIterator[None]:
+    """MMGATE_MEDIA_URLS=fetch: a client of its own (pool, resolver, limits) for media URLs, apart from the
+    upstream's; no cookies, no proxy from the environment, bodies read as sent."""
+    state = app[STATE]
+    settings = state.settings
+    if settings.media_urls != "fetch":
+        yield
+        return
+    addresses = AddressPolicy.from_cidrs(settings.fetch_allow_addresses)
+    connector = aiohttp.TCPConnector(limit=settings.fetch_max_connections, limit_per_host=0,
+                                     resolver=CheckedResolver(addresses), use_dns_cache=False,
+                                     enable_cleanup_closed=True)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False,
+                                    cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=None))
+    metrics = state.metrics
+    for outcome in FETCH_OUTCOMES:  # every series from the start, at 0, so rates and alerts see them
+        metrics.fetches.labels(outcome)
+
+    def counted(outcome: str, nbytes: int) -> None:
+        metrics.fetches.labels(outcome).inc()
+        metrics.fetched_bytes.inc(nbytes)
+
+    limits = FetchLimits(settings.fetch_max_redirects, settings.fetch_timeout, settings.fetch_first_byte_timeout)
+    state.fetcher = Fetcher(session, HostPolicy.from_patterns(settings.fetch_allow_hosts), addresses, limits,
+                            counted)
+    yield
+    state.fetcher = None
+    await session.close()
+
+
 async def _decode_pool(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.pool = make_pool(state.settings, state.metrics)
@@ -123,7 +154,7 @@ def build_app(settings: Settings, *, admin: bool | None = None, state: AppState 
                           middlewares=[mark_head_received(state.connections), refusals_in_api_shape])
     app[STATE] = state
     if not shared:
-        app.cleanup_ctx.extend([_upstream_session, _decode_pool, _loop_lag_watcher, _idle_trimmer])
+        app.cleanup_ctx.extend([_upstream_session, _fetch_session, _decode_pool, _loop_lag_watcher, _idle_trimmer])
     if admin if admin is not None else not settings.admin_port:
         add_admin_routes(app)
     app.router.add_route("*", "/{tail:.*}", handle_request, expect_handler=expect_continue)

@@ -39,6 +39,7 @@ class Exchange:
     bytes_in: int = 0
     media_in: int = 0
     media_out: int = 0
+    fetched: int = 0  # body bytes read from media URLs (MMGATE_MEDIA_URLS=fetch)
     upstream_started: float = 0.0
 
     def response_headers(self, with_timing: bool) -> dict[str, str]:
@@ -46,7 +47,7 @@ class Exchange:
         headers = {"X-Request-Id": self.request_id}
         if with_timing:
             stages: list[tuple[str, float]] = [
-                (s, self.watch.stages[s]) for s in ("queue", "preprocess") if s in self.watch.stages]
+                (s, self.watch.stages[s]) for s in ("queue", "fetch", "preprocess") if s in self.watch.stages]
             stages.append(("upstream", time.perf_counter() - self.upstream_started))
             headers["Server-Timing"] = server_timing(stages)
         return headers
@@ -86,6 +87,7 @@ def record(state: AppState, ex: Exchange, request: web.Request) -> None:
             "kind": ex.kind, "status": status, "code": ex.code or None, "duration_ms": round(duration * 1000, 2),
             "stages_ms": {k: round(v * 1000, 2) for k, v in ex.watch.stages.items()},
             "bytes_in": ex.bytes_in, "media_in": ex.media_in, "media_out": ex.media_out,
+            "fetched": ex.fetched,
         }
         log.info("%s %s %s %s %s %.1fms %s", ex.request_id, request.method, loggable(request.path), status, ex.kind,
                  duration * 1000, ex.code or "-", extra={"fields": fields})

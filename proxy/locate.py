@@ -162,6 +162,7 @@ class Limits:
     max_item_bytes: int
     reject_urls: bool
     max_depth: int = DEFAULT_MAX_DEPTH
+    fetch_urls: bool = False  # MMGATE_MEDIA_URLS=fetch: URL parts become items fetched before their job
 
 
 def plan_media(route: Route, body: bytes, limits: Limits) -> Plan:
@@ -186,6 +187,9 @@ def plan_media(route: Route, body: bytes, limits: Limits) -> Plan:
                     raise MmgateError(400, "media_url_not_allowed",
                                       "media URLs are not accepted here (MMGATE_MEDIA_URLS=reject): send the media "
                                       "inline as base64", param=part.path)
+                if limits.fetch_urls:
+                    plan.items.append(_fetch_item(route, part, limits.max_item_bytes))
+                    continue
                 plan.urls.append(part)
                 continue
             plan.items.append(_measure(body, part, limits.max_item_bytes))
@@ -231,6 +235,24 @@ def _measure(body: bytes, part: MediaPart, max_item: int) -> Item:
                           f"this {part.kind} decodes to about {size} bytes, over the per-item limit of {max_item} "
                           "(MMGATE_MAX_MEDIA_ITEM_MB): send a smaller file", param=part.path)
     return Item(part, offset, size, declared, declared_span)
+
+
+def _fetch_item(route: Route, part: MediaPart, max_item: int) -> Item:
+    """A URL part mmgate will fetch (``fetch.py``): charged the per-item cap at admission, since its size is
+    unknown until it is read; refused here when its fetched bytes could not take the URL's place."""
+    url = part.url or ""
+    if route == "messages":  # an Anthropic url source: a data URL in its place is no valid source
+        raise MmgateError(400, "media_url_not_allowed",
+                          "image URLs are not accepted here (MMGATE_MEDIA_URLS=fetch does not rewrite Anthropic "
+                          "url sources): send a base64 source", param=part.path)
+    if part.kind == "video":
+        raise MmgateError(400, "media_url_not_allowed",
+                          "video URLs are not fetched (MMGATE_MEDIA_URLS=fetch reads images and audio): send the "
+                          "video inline", param=part.path)
+    if part.span is None or not url[:8].lower().startswith(("http://", "https://")):
+        raise MmgateError(400, "fetch_url_not_allowed", "only http and https media URLs are fetched",
+                          param=part.path)
+    return Item(part, 0, max_item)
 
 
 # RFC 6838 section 4.2: a type and a subtype of restricted-name characters.

@@ -19,6 +19,7 @@ from preprocessors.pool import Batch
 from .admission import Lease
 from .buffers import MediaBuffer
 from .errors import MediaError, MmgateError
+from .fetch import Fetched
 from .locate import Item, Plan
 from .rawjson import Span, string_value
 from .state import AppState
@@ -33,8 +34,10 @@ class Rewrites:
     media_out: int
 
 
-async def run_plan(state: AppState, plan: Plan, media: MediaBuffer, lease: Lease) -> Rewrites:
-    """Decode and check every item of ``plan`` on the pool, within MMGATE_PREPROCESS_TIMEOUT.
+async def run_plan(state: AppState, plan: Plan, media: MediaBuffer, lease: Lease,
+                   fetched: dict[int, Fetched] | None = None) -> Rewrites:
+    """Decode and check every item of ``plan`` on the pool, within MMGATE_PREPROCESS_TIMEOUT; a URL item
+    (MMGATE_MEDIA_URLS=fetch) takes its bytes from ``fetched`` (by item index) instead of the body.
 
     If the batch fails (a bad item, the deadline, the request cancelled) the error goes out at once, but
     ``lease`` is given back only when the batch's work has really stopped: a slot freed earlier would let
@@ -43,7 +46,9 @@ async def run_plan(state: AppState, plan: Plan, media: MediaBuffer, lease: Lease
     assert state.pool is not None
     batch = state.pool.batch()
     media_ref = weakref.ref(media)
-    jobs = [media_job(state, media_ref, item) for item in plan.items]
+    fetched = fetched or {}
+    jobs = [media_job(state, media_ref, item, fetched.pop(i) if item.part.is_url else None)
+            for i, item in enumerate(plan.items)]
     try:
         outcomes = await batch.run(jobs, settings.preprocess_timeout)
     except (MediaError, TimeoutError) as exc:
@@ -124,13 +129,21 @@ def _item_value(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes | memo
     return part.literal.encode("utf-8")[item.payload_offset :]
 
 
-def media_job(state: AppState, media_ref: weakref.ref[MediaBuffer], item: Item) -> MediaJob:
-    """The item as a job for either pool: the task as plain data, the payload read from the body on demand."""
+def _fetched_value(fetched: Fetched) -> bytes:
+    return fetched.data
+
+
+def media_job(state: AppState, media_ref: weakref.ref[MediaBuffer], item: Item,
+              fetched: Fetched | None) -> MediaJob:
+    """The item as a job for either pool: the task as plain data, the payload read on demand (the base64 from
+    the body for an inline item, the ``fetched`` body for a URL)."""
     part = item.part
     task = MediaTask(
         kind=part.kind, path=part.path, max_bytes=state.settings.max_media_item_bytes,
         image_policy=state.image_policy, audio_policy=state.audio_policy, declared_mime=item.declared_mime,
         audio_format=part.audio_format, rewritable=part.span is not None, data_uri=part.encoding == "data_uri",
-        declared_outside=item.declared_span is not None,
+        declared_outside=item.declared_span is not None, fetched_mime=fetched.mime if fetched is not None else None,
     )
+    if fetched is not None:
+        return MediaJob(task, partial(_fetched_value, fetched))
     return MediaJob(task, partial(_item_value, media_ref, item))

@@ -28,7 +28,7 @@ FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
 # ... and minutes for whole requests (non-streaming generations are long).
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
-STAGES = ("read", "parse", "queue", "preprocess", "splice", "upstream", "total")
+STAGES = ("read", "parse", "queue", "fetch", "preprocess", "splice", "upstream", "total")
 
 
 class Metrics:
@@ -93,6 +93,14 @@ class Metrics:
         self.event_loop_lag = Histogram(
             "mmgate_event_loop_lag_seconds", "How late the event loop runs a timer (loop blocked)",
             buckets=FAST_BUCKETS, registry=r,
+        )
+        self.fetches = Counter(
+            "mmgate_fetches",
+            "Media URLs fetched (MMGATE_MEDIA_URLS=fetch), by outcome: ok, cancelled or the refusal code",
+            ["outcome"], registry=r,
+        )
+        self.fetched_bytes = Counter(
+            "mmgate_fetched_bytes", "Body bytes read from media URLs, refused fetches included", registry=r
         )
         self.memory_trims = Counter(
             "mmgate_memory_trims", "malloc_trim calls after media work went idle (MMGATE_TRIM_IDLE)", registry=r

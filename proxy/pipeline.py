@@ -19,6 +19,7 @@ from .buffers import MediaBuffer
 from .dialects import dialect_for_path, route_for
 from .errors import MmgateError, UpstreamError, draining, internal_error
 from .exchange import CLIENT_CLOSED, Exchange, log, record
+from .fetch import Fetched, fetch_plan
 from .locate import Limits, may_contain_media, plan_media
 from .media import count_urls, run_plan
 from .paths import Target, is_allowed, normalise_target
@@ -130,7 +131,7 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     settings = state.settings
     started = time.perf_counter()
     limits = Limits(settings.max_media_per_request, settings.max_media_item_bytes, settings.media_urls == "reject",
-                    settings.max_json_depth)
+                    settings.max_json_depth, fetch_urls=settings.media_urls == "fetch")
     plan = plan_media(ex.route, media.data, limits)
     ex.watch.add("parse", time.perf_counter() - started)
     if not plan.parts:
@@ -145,9 +146,19 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     ex.place = None
     ex.watch.add("queue", time.perf_counter() - started)
 
+    fetched: dict[int, Fetched] = {}
+    if state.fetcher is not None and any(item.part.is_url for item in plan.items):
+        # URL items were charged the per-item cap at admission; their bytes come now
+        started, read = time.perf_counter(), [0]
+        try:
+            fetched = await fetch_plan(state.fetcher, plan, settings.max_media_item_bytes, read)
+        finally:
+            ex.watch.add("fetch", time.perf_counter() - started)
+            ex.fetched = read[0]
+
     started = time.perf_counter()
     try:
-        rewrites = await run_plan(state, plan, media, ex.lease)
+        rewrites = await run_plan(state, plan, media, ex.lease, fetched)
     finally:
         ex.watch.add("preprocess", time.perf_counter() - started)
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import ipaddress
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -126,6 +128,34 @@ def _text(raw: str) -> str:
     return raw
 
 
+_HOST_NAME = re.compile(r"[a-z0-9_][a-z0-9_.-]{0,252}")
+
+
+def _host_patterns(raw: str) -> tuple[str, ...]:
+    items = tuple(p.strip().lower() for p in raw.split(",") if p.strip())
+    for item in items:
+        name = item[2:] if item.startswith("*.") else item
+        try:
+            ipaddress.ip_address(name.strip("[]"))
+            continue
+        except ValueError:
+            pass
+        try:
+            ascii_name = name.encode("idna").decode("ascii")
+        except UnicodeError:
+            ascii_name = ""
+        if not _HOST_NAME.fullmatch(ascii_name):
+            raise ValueError("comma-separated host names and *.suffix patterns, e.g. images.example.com,*.cdn.net")
+    return items
+
+
+def _cidrs(raw: str) -> tuple[str, ...]:
+    try:
+        return tuple(str(ipaddress.ip_network(p.strip(), strict=False)) for p in raw.split(",") if p.strip())
+    except ValueError:
+        raise ValueError("comma-separated addresses or CIDR networks, e.g. 127.0.0.1/32,10.1.0.0/16") from None
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Effective configuration. Field ``max_queue`` is ``MMGATE_MAX_QUEUE`` and ``--max-queue``."""
@@ -166,6 +196,12 @@ class Settings:
     jpeg_quality: int = 90
     release_at: str = "auto"
     media_urls: str = "forward"
+    fetch_allow_hosts: tuple[str, ...] = ()
+    fetch_allow_addresses: tuple[str, ...] = ()
+    fetch_max_redirects: int = 3
+    fetch_timeout: float = 10.0
+    fetch_first_byte_timeout: float = 5.0
+    fetch_max_connections: int = 64
     allow_paths: tuple[str, ...] = ()
     trim_idle: float = 1.0
     malloc_tuning: bool = True
@@ -231,6 +267,9 @@ class Settings:
                      memfd and as the worker's decoded copy
         connections: each open connection, its read buffer and   = MAX_CONNECTIONS × CONNECTION_BYTES
                      a head (aiohttp's, outside the bodies)
+        fetched:     with MEDIA_URLS=fetch, fetched bodies and     = 7/3 × MAX_MM_CONCURRENCY × MAX_MEDIA_PER_REQUEST
+                     their base64 in the spliced body; each URL      × MAX_MEDIA_ITEM_MB (at most 7/3 × the
+                     is charged the per-item cap at admission        byte budget when MAX_INFLIGHT_MEDIA_MB is set)
 
         Bodies still arriving are inside the first two terms: a big body whose head names media holds a
         place in line while it is read, and finds none when slots and queue are taken (429, rest unread).
@@ -244,8 +283,15 @@ class Settings:
         if self.decode_mode == "process":
             processes = self.decode_workers * (WORKER_PROCESS_BYTES + 2 * self.max_media_item_bytes * 4 // 3)
         connections = self.max_connections * CONNECTION_BYTES
+        fetched = 0
+        if self.media_urls == "fetch":
+            charged = self.max_mm_concurrency * self.max_media_per_request * self.max_media_item_bytes
+            if self.max_inflight_media_bytes:
+                charged = min(charged, self.max_inflight_media_bytes)
+            fetched = charged * 7 // 3
         return {"queued": queued, "admitted": admitted, "decoding": decoding, "processes": processes,
-                "connections": connections, "total": queued + admitted + decoding + processes + connections}
+                "connections": connections, "fetched": fetched,
+                "total": queued + admitted + decoding + processes + connections + fetched}
 
     def describe(self) -> str:
         """``--print-config``: every effective setting as ``MMGATE_X=value`` and the worst-case memory."""
@@ -264,6 +310,7 @@ class Settings:
             f" + admitted {mib['admitted']:.0f} MiB + decoding {mib['decoding']:.0f} MiB"
             + (f" + worker processes {mib['processes']:.0f} MiB" if memory["processes"] else "")
             + f" + connections {mib['connections']:.0f} MiB"
+            + (f" + fetched {mib['fetched']:.0f} MiB" if memory["fetched"] else "")
         )
         return "\n".join(lines)
 
@@ -308,7 +355,15 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "image_format": (_choice("auto", "jpeg", "png", "webp"), "format of re-encoded images [auto]"),
     "jpeg_quality": (_int(1, 100), "JPEG/WebP quality of re-encoded images [90]"),
     "release_at": (_choice("auto", "sent", "headers", "complete"), "when the gate lease ends [auto]"),
-    "media_urls": (_choice("forward", "reject"), "media URLs: forward or reject [forward]"),
+    "media_urls": (_choice("forward", "reject", "fetch"),
+                   "media URLs: forward (the backend fetches), reject (400), fetch (mmgate fetches, checks, "
+                   "inlines) [forward]"),
+    "fetch_allow_hosts": (_host_patterns, "with fetch: hosts and *.suffix patterns fetched from [any public host]"),
+    "fetch_allow_addresses": (_cidrs, "with fetch: CIDRs allowed although private/loopback/... [none]"),
+    "fetch_max_redirects": (_int(0, 20), "with fetch: redirects followed, each checked again [3]"),
+    "fetch_timeout": (_seconds(False), "with fetch: seconds for one fetch, redirects included -> 400 [10]"),
+    "fetch_first_byte_timeout": (_seconds(False), "with fetch: seconds to a response head -> 400 [5]"),
+    "fetch_max_connections": (_int(1, 100_000), "with fetch: connections of the fetch client [64]"),
     "allow_paths": (_prefixes, "comma-separated path prefixes forwarded; others -> 404 [all]"),
     "trim_idle": (_seconds(True), "return freed heap to the OS after this many idle seconds (0 = off) [1]"),
     "malloc_tuning": (_bool, "big buffers back to the OS when freed, no Pillow block cache (see README) [on]"),

@@ -14,6 +14,7 @@ from preprocessors.pool import DecodePool
 from .admission import Gate
 from .buffers import BufferLedger
 from .connections import ConnectionGuard
+from .fetch import Fetcher
 from .lifecycle import Lifecycle
 from .memory import IdleTrimmer
 from .metrics import Metrics
@@ -34,6 +35,7 @@ class AppState:
     buffers: BufferLedger = field(default_factory=BufferLedger)
     session: aiohttp.ClientSession | None = None
     pool: DecodePool | None = None
+    fetcher: Fetcher | None = None  # MMGATE_MEDIA_URLS=fetch only
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # shared with the gate
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)

@@ -222,19 +222,21 @@ MODES = st.sampled_from(["RGB", "RGBA", "L", "P"])
 @given(width=st.integers(1, 300), height=st.integers(1, 300), fmt=IMAGE_FORMATS, mode=MODES,
        side=st.sampled_from([0, 16, 100]), out=st.sampled_from(["auto", "jpeg", "png", "webp"]),
        data_uri_token=st.booleans(), declared=st.sampled_from(["", "image/png", "image/jpeg"]),
-       cut=st.sampled_from([None, None, 40, 3]))
+       cut=st.sampled_from([None, None, 40, 3]), fetched=st.booleans())
 async def test_results_are_the_same_in_a_thread_and_in_a_process(
         process_pool: ProcessPool, width: int, height: int, fmt: str, mode: str, side: int, out: str,
-        data_uri_token: bool, declared: str, cut: int | None) -> None:
+        data_uri_token: bool, declared: str, cut: int | None, fetched: bool) -> None:
     if fmt == "JPEG" and mode in ("RGBA", "P"):
         mode = "RGB"
     buf = io.BytesIO()
     Image.new(mode, (width, height), 7 if mode == "P" else "teal").save(buf, fmt)
-    payload = base64.b64encode(buf.getvalue()[:cut])  # cut short: the same refusal from both
+    data = buf.getvalue()[:cut]  # cut short: the same refusal from both
+    payload = data if fetched else base64.b64encode(data)  # a fetched body, or inline base64
     task = MediaTask("image", "p", 1 << 24, ImagePolicy(resize_max_side=side, output_format=out),  # type: ignore[arg-type]
-                     AudioPolicy(), declared_mime=declared, data_uri=data_uri_token, declared_outside=False)
+                     AudioPolicy(), declared_mime=declared, data_uri=data_uri_token, declared_outside=False,
+                     fetched_mime="image/png" if fetched else None)
     try:
-        here = run_task(task, payload, no_checkpoint)
+        here = run_task(task, lambda: payload, no_checkpoint)
     except Exception as error:  # the process must refuse the same way
         with pytest.raises(type(error)) as there:
             await process_pool.batch().run([MediaJob(task, lambda: payload)], 30)

@@ -1,0 +1,421 @@
+"""Fetching media URLs in mmgate (``MMGATE_MEDIA_URLS=fetch``) without opening a way into private networks.
+
+A fetched URL becomes bytes that go through the very job inline media goes through (``media.py``): the same
+per-item byte cap, pixel cap, decode budget and deadline. What is particular to a URL is here:
+
+- **Which hosts** (``HostPolicy``): ``MMGATE_FETCH_ALLOW_HOSTS``, exact names and ``*.suffix`` patterns;
+  empty allows any host whose addresses are public.
+- **Which addresses** (``AddressPolicy``): every address a name resolves to is checked, and the request is
+  refused when any is loopback, private, link-local, CGNAT, multicast, unspecified, reserved or otherwise
+  not globally routable, also when such an IPv4 address hides inside an IPv6 form (mapped, compatible,
+  NAT64, 6to4). Only ``MMGATE_FETCH_ALLOW_ADDRESSES`` (CIDRs) lets such an address through.
+- **Connect to what was checked** (``CheckedResolver``): the name is resolved once, by the resolver the
+  connector itself uses, and the connector connects to exactly the addresses that resolver returned, all
+  checked; the hostname stays the ``Host`` header and the TLS server name. A second lookup that could
+  answer differently (DNS rebinding) never happens. Address literals never reach a resolver, so each hop's
+  literal is checked before the request is made.
+- **Every hop again**: redirects are followed by hand, at most ``MMGATE_FETCH_MAX_REDIRECTS``, and each new
+  URL passes the scheme, host and address checks anew (RFC 9110 section 15.4).
+- **Bounded**: bytes are counted while they are read (``Content-Length`` only refuses early, it is never
+  trusted as a bound); the time to the response head (``MMGATE_FETCH_FIRST_BYTE_TIMEOUT``) and the whole
+  fetch, redirects included (``MMGATE_FETCH_TIMEOUT``), are bounded; only ``image/*`` for an image part
+  and ``audio/*`` for an audio part are read, and only without a content coding.
+
+Every refusal is a 400 whose code names the rule (``FETCH_CODES``): the URL is the client's, so a remote that
+fails is the client's problem to fix, not an upstream error of mmgate's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import re
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from yarl import URL
+
+from preprocessors.base import MediaKind
+
+from .errors import MmgateError
+from .locate import Plan
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+# Refusal codes, one per rule; with "ok" and "cancelled" the ``outcome`` label of mmgate_fetches_total.
+FETCH_CODES = (
+    "fetch_url_not_allowed",  # scheme not http(s), or a URL that cannot be parsed
+    "fetch_host_not_allowed",
+    "fetch_address_forbidden",
+    "fetch_too_many_redirects",
+    "fetch_too_large",
+    "fetch_timeout",
+    "fetch_bad_content_type",
+    "fetch_failed",  # the remote answered an error status, or could not be reached
+)
+FETCH_OUTCOMES = ("ok", "cancelled", *FETCH_CODES)  # "cancelled": the request ended before the fetch did
+REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_SCHEMES = ("http", "https")
+
+_V4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # RFC 4291 section 2.5.5.1 (deprecated)
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052 well-known prefix
+
+# The IANA special-purpose registries (RFC 6890 and successors) by class, spelt out rather than left to
+# ``ipaddress``'s predicates, whose tables change between Python patch releases; the predicates still run
+# after this table as a second net.
+_FORBIDDEN: tuple[tuple[str, tuple[IPNetwork, ...]], ...] = tuple(
+    (why, tuple(ipaddress.ip_network(n) for n in networks)) for why, networks in (
+        ("link-local", ("169.254.0.0/16", "fe80::/10")),
+        ("private", ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")),
+        ("shared (CGNAT)", ("100.64.0.0/10",)),
+        ("multicast", ("224.0.0.0/4", "ff00::/8")),
+        ("site-local", ("fec0::/10",)),
+        ("reserved", ("0.0.0.0/8", "192.0.0.0/24", "192.0.2.0/24", "192.88.99.0/24", "198.18.0.0/15",
+                      "198.51.100.0/24", "203.0.113.0/24", "240.0.0.0/4", "::/8", "64:ff9b:1::/48", "100::/64",
+                      "2001::/23", "2001:db8::/32", "3fff::/20", "5f00::/16")),
+    ))
+
+
+class FetchRefused(MmgateError):
+    """A URL part mmgate will not fetch, or whose fetch failed: 400 with the rule's code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(400, code, message)
+
+
+class AddressForbidden(OSError):
+    """Raised by ``CheckedResolver``: an OSError, so aiohttp passes it on (inside ``ClientConnectorError``)
+    without connecting anywhere."""
+
+    def __init__(self, host: str, address: str, why: str) -> None:
+        super().__init__(f"{host} resolves to {address}, a {why} address")
+        self.address = address
+        self.why = why
+
+
+def embedded_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address stands for: mapped (RFC 4291), compatible, NAT64 (RFC 6052),
+    6to4 (RFC 3056)."""
+    found = []
+    if address.ipv4_mapped is not None:
+        found.append(address.ipv4_mapped)
+    if address in _V4_COMPATIBLE or address in _NAT64:
+        found.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+    if address.sixtofour is not None:
+        found.append(address.sixtofour)
+    return found
+
+
+def forbidden_class(address: IPAddress) -> str | None:
+    """Why ``address`` must not be fetched from ("loopback", "private", ...), None for a public unicast one.
+
+    An IPv6 form that carries an IPv4 address is forbidden when that address is. NAT64 and 6to4 addresses are
+    judged by the IPv4 address alone (an IPv6-only network reaches public IPv4 hosts through them); mapped and
+    compatible forms are refused in any case, as nothing public resolves to them."""
+    if address.is_unspecified:
+        return "unspecified"
+    if address.is_loopback:
+        return "loopback"
+    if isinstance(address, ipaddress.IPv6Address):
+        for inner in embedded_ipv4(address):
+            why = forbidden_class(inner)
+            if why is not None:
+                return f"{why} (as IPv6 {address.compressed})"
+        if address in _NAT64 or address.sixtofour is not None:
+            return None
+    for why, networks in _FORBIDDEN:
+        if any(address in network for network in networks):
+            return why
+    if address.is_link_local:
+        return "link-local"
+    if address.is_multicast:
+        return "multicast"
+    if address.is_private:
+        return "private"
+    if address.is_reserved:
+        return "reserved"
+    if not address.is_global:
+        return "non-global"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class AddressPolicy:
+    """Which resolved addresses may be connected to: public ones, and those in ``allowed`` (an opt-in)."""
+
+    allowed: tuple[IPNetwork, ...] = ()
+
+    @classmethod
+    def from_cidrs(cls, cidrs: Iterable[str]) -> AddressPolicy:
+        return cls(tuple(ipaddress.ip_network(c, strict=False) for c in cidrs))
+
+    def refusal(self, address: IPAddress) -> str | None:
+        """Why ``address`` is refused, None when it may be connected to."""
+        if any(address.version == net.version and address in net for net in self.allowed):
+            return None
+        return forbidden_class(address)
+
+
+@dataclass(frozen=True, slots=True)
+class HostPolicy:
+    """``MMGATE_FETCH_ALLOW_HOSTS``: exact names and ``*.suffix`` patterns (a suffix matches its subdomains,
+    not itself); no pattern at all allows every host. Names compare in IDNA (ASCII) form, lowercase."""
+
+    exact: frozenset[str] = frozenset()
+    suffixes: tuple[str, ...] = ()
+
+    @classmethod
+    def from_patterns(cls, patterns: Iterable[str]) -> HostPolicy:
+        exact, suffixes = set(), []
+        for pattern in patterns:
+            if pattern.startswith("*."):
+                suffixes.append("." + normal_host(pattern[2:]))
+            else:
+                exact.add(normal_host(pattern))
+        return cls(frozenset(exact), tuple(suffixes))
+
+    def allows(self, host: str) -> bool:
+        if not self.exact and not self.suffixes:
+            return True
+        host = normal_host(host)
+        return host in self.exact or host.endswith(self.suffixes)
+
+
+def normal_host(host: str) -> str:
+    """Lowercase ASCII form of a host name (IDNA for non-ASCII), no trailing dot, no IPv6 brackets."""
+    host = host.strip().rstrip(".").strip("[]").lower()
+    if not host.isascii():
+        try:
+            host = host.encode("idna").decode("ascii")
+        except UnicodeError:  # no valid IDNA name: left as it is, it matches no (ASCII) pattern
+            pass
+    return host
+
+
+def literal_address(host: str) -> IPAddress | None:
+    """The address when ``host`` is an IP literal, else None (a name, to be resolved). The legacy IPv4 forms
+    ``inet_aton(3)`` reads (``127.1``, ``0x7f.0.0.1``, ``2130706433``) count as the address they name: the
+    system resolver would read them so."""
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None
+
+
+class CheckedResolver(AbstractResolver):
+    """Resolves through ``inner`` (the system resolver in a thread) and returns the addresses only when every
+    one passes ``policy``: the connector connects to one of exactly these, with no lookup of its own."""
+
+    def __init__(self, policy: AddressPolicy, inner: AbstractResolver | None = None) -> None:
+        self._policy = policy
+        self._inner = inner if inner is not None else aiohttp.ThreadedResolver()
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        results = await self._inner.resolve(host, port, family)
+        for result in results:
+            why = self._policy.refusal(ipaddress.ip_address(result["host"]))
+            if why is not None:
+                raise AddressForbidden(host, result["host"], why)
+        return results
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+@dataclass(frozen=True, slots=True)
+class FetchLimits:
+    """What one fetch is bounded by (from the settings)."""
+
+    max_redirects: int
+    total_timeout: float
+    first_byte_timeout: float
+
+
+@dataclass(slots=True)
+class Fetched:
+    """A fetched media body (a ``bytearray``: read into one buffer) and the type the remote declared
+    (``type/subtype``, lowercase)."""
+
+    data: bytes
+    mime: str
+
+
+# RFC 6838 section 4.2 restricted names, as ``locate`` checks declared types.
+_MEDIA_TYPE = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]{0,126}/[a-z0-9][a-z0-9!#$&^_.+-]{0,126}")
+
+
+class Fetcher:
+    """The app's fetch client: its own session and connection pool, the policies and the limits.
+
+    ``on_outcome(outcome, nbytes)`` is told how each fetch ended (``FETCH_OUTCOMES``) and how many body bytes
+    it read (the metrics)."""
+
+    def __init__(self, session: aiohttp.ClientSession, hosts: HostPolicy, addresses: AddressPolicy,
+                 limits: FetchLimits, on_outcome: Callable[[str, int], None]) -> None:
+        self.session = session
+        self.hosts = hosts
+        self.addresses = addresses
+        self.limits = limits
+        self._on_outcome = on_outcome
+
+    async def fetch(self, url: str, kind: MediaKind, max_bytes: int, read: list[int] | None = None) -> Fetched:
+        """The body at ``url`` (redirects followed and checked), at most ``max_bytes``; FetchRefused else.
+        ``read[0]``, when given, grows by the body bytes read, a refused fetch's included."""
+        counted = [0]
+        try:
+            fetched = await self._fetch(url, kind, max_bytes, counted)
+        except FetchRefused as refused:
+            self._on_outcome(refused.code, counted[0])
+            raise
+        except asyncio.CancelledError:  # the request ended first (client gone, deadline, a sibling refused)
+            self._on_outcome("cancelled", counted[0])
+            raise
+        else:
+            self._on_outcome("ok", counted[0])
+        finally:
+            if read is not None:
+                read[0] += counted[0]
+        return fetched
+
+    async def _fetch(self, url: str, kind: MediaKind, max_bytes: int, counted: list[int]) -> Fetched:
+        total = self.limits.total_timeout
+        deadline = asyncio.timeout(total)
+        try:
+            async with deadline:
+                target = self.checked_url(url)
+                for _hop in range(self.limits.max_redirects + 1):
+                    response = await self._head(target, kind)
+                    try:
+                        location = response.headers.get("Location")
+                        if response.status in REDIRECTS and location is not None:
+                            target = self.checked_url(location, base=response.url)
+                            continue
+                        return await self._body(response, kind, max_bytes, counted)
+                    finally:
+                        response.close()  # the rest (a redirect's body, a refused body) is never read
+                raise FetchRefused("fetch_too_many_redirects",
+                                   f"the media URL redirects more than {self.limits.max_redirects} times "
+                                   "(MMGATE_FETCH_MAX_REDIRECTS)")
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise FetchRefused("fetch_timeout", f"fetching the media URL took longer than {total:g} s "
+                                                "(MMGATE_FETCH_TIMEOUT)") from None
+
+    def checked_url(self, raw: str, base: URL | None = None) -> URL:
+        """``raw`` (resolved against ``base`` for a redirect) when its scheme, host and, for an address
+        literal, address may be fetched; FetchRefused else. Names are checked when the connector resolves."""
+        try:
+            url = URL(raw)
+            if base is not None:
+                url = base.join(url)
+            host = url.raw_host
+        except (ValueError, TypeError):
+            raise FetchRefused("fetch_url_not_allowed", "the media URL cannot be parsed") from None
+        if url.scheme not in _SCHEMES or not host:
+            raise FetchRefused("fetch_url_not_allowed",
+                               f"only http and https media URLs are fetched, not {url.scheme[:16]!r}")
+        if url.user is not None or url.password is not None:
+            raise FetchRefused("fetch_url_not_allowed", "a media URL must not carry credentials")
+        if not self.hosts.allows(host):
+            raise FetchRefused("fetch_host_not_allowed",
+                               f"the host {host[:255]!r} is not in MMGATE_FETCH_ALLOW_HOSTS")
+        address = literal_address(host)
+        if address is not None:
+            why = self.addresses.refusal(address)
+            if why is not None:
+                raise FetchRefused("fetch_address_forbidden",
+                                   f"the media URL points at a {why} address; mmgate fetches only from public "
+                                   "addresses (MMGATE_FETCH_ALLOW_ADDRESSES)")
+        return url.with_fragment(None)
+
+    async def _head(self, url: URL, kind: MediaKind) -> aiohttp.ClientResponse:
+        """Connect and read the response head within MMGATE_FETCH_FIRST_BYTE_TIMEOUT."""
+        wait = self.limits.first_byte_timeout
+        first_byte = asyncio.timeout(wait)
+        headers = {"Accept": f"{kind}/*", "Accept-Encoding": "identity", "User-Agent": "mmgate"}
+        try:
+            async with first_byte:
+                return await self.session.get(url, headers=headers, allow_redirects=False)
+        except TimeoutError:
+            if not first_byte.expired():
+                raise
+            raise FetchRefused("fetch_timeout", f"the media URL's server sent no response within {wait:g} s "
+                                                "(MMGATE_FETCH_FIRST_BYTE_TIMEOUT)") from None
+        except aiohttp.ClientConnectorError as error:
+            if isinstance(error.os_error, AddressForbidden):
+                raise FetchRefused("fetch_address_forbidden",
+                                   f"the media URL's host resolves to a {error.os_error.why} address; mmgate "
+                                   "fetches only from public addresses (MMGATE_FETCH_ALLOW_ADDRESSES)") from None
+            raise FetchRefused("fetch_failed", f"the media URL's server could not be reached ({_brief(error)})") \
+                from None
+        except (aiohttp.ClientError, ValueError) as error:
+            raise FetchRefused("fetch_failed", f"fetching the media URL failed ({_brief(error)})") from None
+
+    async def _body(self, response: aiohttp.ClientResponse, kind: MediaKind, max_bytes: int,
+                    counted: list[int]) -> Fetched:
+        if response.status not in (200, 203):
+            raise FetchRefused("fetch_failed", f"the media URL answered HTTP {response.status}")
+        declared = response.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+        if not _MEDIA_TYPE.fullmatch(declared) or not declared.startswith(kind + "/"):
+            raise FetchRefused("fetch_bad_content_type",
+                               f"the media URL serves {declared[:64] or 'no Content-Type'!r}, not {kind}/*")
+        coding = response.headers.get("Content-Encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):
+            raise FetchRefused("fetch_bad_content_type",
+                               f"the media URL serves Content-Encoding {coding[:32]!r}; only identity is read")
+        too_large = FetchRefused("fetch_too_large", f"the media URL's body is over the per-item limit of "
+                                                    f"{max_bytes} bytes (MMGATE_MAX_MEDIA_ITEM_MB)")
+        length = response.content_length
+        if length is not None and length > max_bytes:
+            raise too_large
+        # One growing buffer (glibc grows a big one in place, by mremap): a list joined at the end would hold
+        # the body twice for a moment.
+        data = bytearray()
+        try:
+            async for chunk in response.content.iter_any():
+                counted[0] += len(chunk)
+                if counted[0] > max_bytes:
+                    raise too_large
+                data += chunk
+        except aiohttp.ClientError as error:
+            raise FetchRefused("fetch_failed", f"the media URL's body broke off ({_brief(error)})") from None
+        return Fetched(data, declared)
+
+
+def _brief(error: BaseException) -> str:
+    """An exception as a short phrase for a client (its type and first line, bounded)."""
+    text = str(error).splitlines()[0][:160] if str(error) else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+async def fetch_plan(fetcher: Fetcher, plan: Plan, max_bytes: int, read: list[int]) -> dict[int, Fetched]:
+    """Fetch every URL item of ``plan`` at once; the result maps an item's index to its bytes, ``read[0]``
+    grows by the bytes read. The first refusal cancels the other fetches and is raised, with its part's path."""
+    wanted = [(index, item) for index, item in enumerate(plan.items) if item.part.is_url]
+    if not wanted:
+        return {}
+    tasks: dict[int, asyncio.Task[Fetched]] = {}
+    try:
+        async with asyncio.TaskGroup() as group:
+            for index, item in wanted:
+                assert item.part.url is not None
+                tasks[index] = group.create_task(fetcher.fetch(item.part.url, item.part.kind, max_bytes, read))
+    except BaseExceptionGroup as failed:
+        for index, item in wanted:
+            task = tasks.get(index)
+            if task is not None and task.done() and not task.cancelled():
+                error = task.exception()
+                if isinstance(error, MmgateError):
+                    raise error.at(item.part.path) from None
+        raise failed.exceptions[0] from None
+    return {index: task.result() for index, task in tasks.items()}
