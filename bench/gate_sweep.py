@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Gate sweep: what the admission gate does to a VLM backend's memory and to throughput (issue 4).
+"""Gate sweep: what the admission gate does to a VLM backend's memory and to throughput.
 
 The lmdeploy seed (#4687) limited how many requests' images the server processes at once and cut peak RSS
 222.5 → 68.1 GiB (−69 %) with gate=1 at equal throughput. Here the same experiment runs with mmgate as a
@@ -30,7 +30,7 @@ Everything (clients, mmgate, stub) shares the machine's 2 cores, and the machine
 Usage: python -m bench.gate_sweep [--per-client 3] [--clients 64] [--gates off,1,2,4,8] [--no-extra]
 Writes bench/results/gate_sweep.md and .json.
 
---memory-model (issue 5, buffer lifetime) checks mmgate's own memory against a model instead: first the working
+--memory-model (buffer lifetime) checks mmgate's own memory against a model instead: first the working
 set of one 12 MP request alone (VmHWM reset through /proc/PID/clear_refs, minus idle RSS; validate full,
 validate header, resize), then 128 clients × 1 request sent at once with the gate off, gate 2 (queue 10000)
 and gate 2 with --max-queue 16; predicted peak = baseline + bodies × body + decoding × decode (see
@@ -172,7 +172,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# --- memory model (--memory-model, issue 5 "Buffer lifetime") --------------------------------------------
+# --- memory model (--memory-model: buffer lifetime) --------------------------------------------
 
 # Tight but sufficient limits (the body is 3.3 MiB, the photo exactly 12 MP), as README "Tuning" advises for a
 # sidecar: they change nothing for these requests but make worst_case_memory_bytes() a bound worth reading.
@@ -425,7 +425,7 @@ def render_memory(data: dict) -> str:
             f"| {f'{peak[0]:.1f} s, {peak[3]:.0f} MiB' if peak else '-'} "
             f"| {fmt(r['backend_hwm_mib'], 0)} | {fmt(r['cpu_during_run']['other_jobs_cpu_pct'], 0)} |")
     return "\n".join([
-        "# Peak RSS vs the memory model: gate off vs gate 2 (issue 5, buffer lifetime)",
+        "# Peak RSS vs the memory model: gate off vs gate 2 (buffer lifetime)",
         "",
         f"`python -m bench.gate_sweep --memory-model` -- {meta['date']}, Python {meta['python']}, aiohttp "
         f"{meta['aiohttp']}, Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['wall_s']} s in all.",

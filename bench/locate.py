@@ -5,8 +5,8 @@ Measures, on bodies built here (no network):
 * ``media-20MB``: a chat request with two ~10 MB base64 images (20 MB), the case the design budgets
   at <= 2 ms;
 * ``text-1MB``: a text-only chat history of ~1 MB with many messages, serialised like Python's json
-  (``ensure_ascii``: non-ASCII becomes ``\\u`` escapes, which the sniff counts as a marker), which
-  also mentions images, so the sniff says "maybe";
+  (``ensure_ascii``: non-ASCII becomes ``\\u`` escapes), whose words name images and videos, so the
+  sniff says "maybe" and the walk must find out;
 * ``mixed-3MB``: that history followed by one ~2 MB image.
 
 For each: the designed steps one by one (sniff, skeletonize, locate), their sum, ``find_media``

@@ -2,9 +2,14 @@
 
 Every decode thread that mallocs gets its own glibc arena (up to 8 × cores), and Pillow's 16 MiB image
 blocks sit right at glibc's *dynamic* mmap threshold: after the first mmapped block is freed, the
-threshold rises and later blocks come from the arenas, where freed memory often stays mapped. On top,
-mmgate keeps up to 16 freed Pillow blocks for reuse (``Image.core.set_blocks_max(16)`` in
-preprocessors/image.py, 256 MiB at most; ``PILLOW_BLOCKS_MAX`` overrides it).
+threshold rises and later blocks come from the arenas, where freed memory often stays mapped. On top, with
+``MMGATE_MALLOC_TUNING=off`` mmgate keeps up to 16 freed Pillow blocks for reuse (``PILLOW_BLOCKS_KEPT`` in
+proxy/memory.py, 256 MiB at most; ``PILLOW_BLOCKS_MAX`` overrides it).
+
+mmgate sets its allocators itself when it starts serving (``proxy.memory.tune_process``): with
+``MMGATE_MALLOC_TUNING`` on (its default) it would apply the tuned settings over every variant below, so
+every run but ``shipped`` starts mmgate with ``MMGATE_MALLOC_TUNING=off`` and the variant's own environment:
+the baseline is glibc's defaults with mmgate's 16 kept blocks, and each variant changes only what it names.
 
 For each allocator setting × decode-worker count, one fresh mmgate process (``--resize-max-pixels
 1000000 --max-mm-concurrency 8``) gets ``--requests`` (200) OpenAI chat requests, each one 12 MP photo
@@ -14,19 +19,22 @@ mmgate process's CPU time per request (utime+stime: steadier than req/s on a sha
 ``--append`` keeps earlier runs (e.g. a repeated A/B of two settings) and adds a table for the new ones.
 Settings (environment of the mmgate process only):
 
-* default: glibc defaults, mmgate's blocks_max 16
+* default: glibc defaults, mmgate's 16 kept Pillow blocks (``MMGATE_MALLOC_TUNING=off`` alone)
 * arena2: MALLOC_ARENA_MAX=2
 * mmap1m: MALLOC_MMAP_THRESHOLD_=1 MiB and MALLOC_TRIM_THRESHOLD_=1 MiB (fixed threshold: big buffers are
   always mmapped, so freeing them returns them to the OS)
 * blocks0: PILLOW_BLOCKS_MAX=0 (Pillow keeps no freed blocks)
 * mmap1m+blocks0, arena2+blocks0
 * jemalloc: LD_PRELOAD=libjemalloc.so.2 (Debian libjemalloc2), if installed
+* shipped: mmgate as it ships (``MMGATE_MALLOC_TUNING=on``: what ``mmap1m+blocks0`` sets by hand, applied by
+  mmgate at start-up)
 
 The stub backend (2 workers) is one separate process shared by all runs. The machine may be shared
 (2 cores): load averages are recorded; throughput ratios are noisier than the memory figures.
 
-Goal: the settings MMGATE_MALLOC_TUNING applies (``mmap1m+blocks0``) leave a lower idle RSS than glibc's
-defaults, run for run (each tuned run against the default run of the same command and worker count).
+Goal: the settings MMGATE_MALLOC_TUNING applies (``mmap1m+blocks0``, and ``shipped``, mmgate applying them
+itself) leave a lower idle RSS than glibc's defaults, run for run (each against the default run of the same
+command and worker count).
 
     python -m bench.malloc_arenas [--requests 200] [--workers 2,4] [--variants default,arena2,...]
     python -m bench.malloc_arenas --render   # rebuild the .md and the goals from the committed .json
@@ -60,7 +68,9 @@ VARIANTS: dict[str, dict[str, str]] = {
     "mmap1m+blocks0": {**_MMAP, "PILLOW_BLOCKS_MAX": "0"},
     "arena2+blocks0": {"MALLOC_ARENA_MAX": "2", "PILLOW_BLOCKS_MAX": "0"},
     "jemalloc": {"LD_PRELOAD": JEMALLOC},
+    "shipped": {"MMGATE_MALLOC_TUNING": "on"},
 }
+UNTUNED = {"MMGATE_MALLOC_TUNING": "off"}  # under every variant: mmgate's own tuning would override theirs
 
 
 def cpu_seconds(pid: int) -> float:
@@ -107,7 +117,7 @@ def one(name: str, env: dict[str, str], workers: int, stub_url: str, body: bytes
         idle: float) -> dict[str, Any]:
     load = uptime()
     proc, url = start_mmgate(stub_url, "--resize-max-pixels", "1000000", "--decode-workers", str(workers),
-                             "--max-mm-concurrency", "8", env=env)
+                             "--max-mm-concurrency", "8", env=UNTUNED | env)
     samples: list[tuple[float, int]] = []
     done = threading.Event()
 
@@ -134,7 +144,7 @@ def one(name: str, env: dict[str, str], workers: int, stub_url: str, body: bytes
         done.set()
         stop(proc)
     return {
-        "variant": name, "env": env, "decode_workers": workers, "requests": n, "clients": clients,
+        "variant": name, "env": UNTUNED | env, "decode_workers": workers, "requests": n, "clients": clients,
         "statuses": counts, "elapsed_s": round(elapsed, 2), "req_per_s": round(n / elapsed, 2),
         "cpu_ms_per_request": round(1000 * cpu / n, 1),
         "rss_start_mib": round(start["VmRSS"] / MIB, 1),
@@ -155,7 +165,9 @@ def markdown(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "Each row: a fresh mmgate process "
         f"(`--resize-max-pixels 1000000 --max-mm-concurrency 8`), {args.requests} × 12 MP JPEG (4000x3000) OpenAI "
         f"chat requests from {args.clients} clients (non-streaming), then {args.idle:g} s idle. Peak = VmHWM; "
-        "idle = VmRSS after the idle wait. Ratios are to `default` with the same decode-worker count. 2 cores, "
+        "idle = VmRSS after the idle wait. Every row but `shipped` runs with `MMGATE_MALLOC_TUNING=off` under its own "
+        "variables (mmgate would otherwise tune the allocators itself over them). Ratios are to `default` with the "
+        "same decode-worker count. 2 cores, "
         "shared with other benchmarks (load averages at the end): req/s is noisy, RSS is not.",
         "",
     ]
@@ -235,22 +247,31 @@ def main() -> None:
 
 
 WHAT = "RSS after bursts of 12 MP images under glibc/Pillow allocator settings"
-TUNED = "mmap1m+blocks0"  # what MMGATE_MALLOC_TUNING applies
+TUNED = "mmap1m+blocks0"  # what MMGATE_MALLOC_TUNING applies, set by hand
+SHIPPED = "shipped"  # the same, applied by mmgate itself
 
 
 def goals(runs: list[dict[str, Any]]) -> list[R.Goal]:
     """Idle (and peak) RSS of each tuned run ÷ the default run it was paired with (same command, workers)."""
+    out = []
+    for tuned in (TUNED, SHIPPED):
+        if any(r["variant"] == tuned for r in runs):
+            out += _goals_of(runs, tuned)
+    return out
+
+
+def _goals_of(runs: list[dict[str, Any]], tuned: str) -> list[R.Goal]:
     pairs: list[tuple[dict, dict]] = []
     for command in dict.fromkeys(r.get("command", "") for r in runs):
         for workers in dict.fromkeys(r["decode_workers"] for r in runs):
             group = [r for r in runs if r.get("command", "") == command and r["decode_workers"] == workers]
             # strict=False: a run cut short leaves a default without its tuned partner; pair what there is
-            pairs += zip([r for r in group if r["variant"] == "default"], [r for r in group if r["variant"] == TUNED],
+            pairs += zip([r for r in group if r["variant"] == "default"], [r for r in group if r["variant"] == tuned],
                          strict=False)
     return [
-        R.goal(f"idle RSS, {TUNED} ÷ default", [t["idle_rss_mib"] / d["idle_rss_mib"] for d, t in pairs], "< 1",
+        R.goal(f"idle RSS, {tuned} ÷ default", [t["idle_rss_mib"] / d["idle_rss_mib"] for d, t in pairs], "< 1",
                lambda v: v < 1, unit="×", over="paired runs", met_on="every"),
-        R.goal(f"peak RSS, {TUNED} ÷ default", [t["peak_rss_mib"] / d["peak_rss_mib"] for d, t in pairs], unit="×",
+        R.goal(f"peak RSS, {tuned} ÷ default", [t["peak_rss_mib"] / d["peak_rss_mib"] for d, t in pairs], unit="×",
                over="paired runs"),
     ]
 

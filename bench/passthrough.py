@@ -24,8 +24,8 @@ per request is utime+stime from /proc/<pid>/stat before/after (nginx: master + w
 likewise. Targets take turns inside each cell after a 1 s warm-up run each, --rounds rounds, each run
 started once the machine is near idle (a bounded wait: other jobs share it); each figure shown is the
 median over the target's rounds, every round is in the JSON. Goals (1 KB, 32 conns: mmgate >= 0.6x nginx's
-req/s; SSE: mmgate >= 0.95x direct tokens/s) are judged on the median of the per-round ratios, printed and
-written with their min–max spread.
+req/s; 4 MB: mmgate's CPU per MB <= 1.2x the minimal proxy's; SSE: mmgate >= 0.95x direct tokens/s) are judged
+on the median of the per-round ratios, printed and written with their min–max spread.
 
 SSE: the same upstream (one event every --sse-delay s on an absolute schedule, --sse-tokens events per
 response, OpenAI chunk format) and an asyncio/aiohttp client process holding 64 concurrent
@@ -732,7 +732,7 @@ def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 WHAT = ("text-only requests with wrk: direct vs nginx vs a minimal aiohttp proxy vs mmgate (1 KB and 4 MB, "
         "1 and 32 conns); 64 SSE streams")
-GOAL_X_NGINX, GOAL_SSE_X_DIRECT = 0.6, 0.95
+GOAL_X_NGINX, GOAL_SSE_X_DIRECT, GOAL_TEXT_X_MINIMAL = 0.6, 0.95, 1.2
 
 
 def goals(cells: list[dict[str, Any]], sse: list[dict[str, Any]]) -> list[R.Goal]:
@@ -746,6 +746,14 @@ def goals(cells: list[dict[str, Any]], sse: list[dict[str, Any]]) -> list[R.Goal
                           f"≥ {GOAL_X_NGINX:g}", lambda v: v >= GOAL_X_NGINX, unit="×"))
         out.append(R.goal("1 KB, 32 conns: mmgate CPU per request", [r["proxy_cpu_us_per_req"] for r in mm["rounds"]],
                           unit="µs"))
+    for conns in sorted({c["conns"] for c in cells if c["body"] == "4 MB"}):
+        mm, mini = by.get(("4 MB", conns, "mmgate")), by.get(("4 MB", conns, "minimal"))
+        if mm and mini:
+            ratios = [m["proxy_cpu_us_per_req"] / n["proxy_cpu_us_per_req"]
+                      for m, n in zip(mm["rounds"], mini["rounds"], strict=False)
+                      if m["proxy_cpu_us_per_req"] and n["proxy_cpu_us_per_req"]]
+            out.append(R.goal(f"4 MB text, {conns} conns: mmgate CPU per MB ÷ minimal aiohttp", ratios,
+                              f"≤ {GOAL_TEXT_X_MINIMAL:g}", lambda v: v <= GOAL_TEXT_X_MINIMAL, unit="×"))
     sse_by = {r["target"]: r for r in sse}
     if "mmgate" in sse_by and "direct" in sse_by:
         out.append(R.goal("SSE, 64 streams: mmgate tokens/s ÷ direct",

@@ -388,7 +388,7 @@ def what(profile: str) -> str:
 
 
 def goals(cells: list[dict]) -> list[R.Goal]:
-    """Issue 6's goals on the 12 MP rows (one per format × concurrency: each is its own median of requests)."""
+    """The goals on the 12 MP rows (one per format × concurrency: each is its own median of requests)."""
     rows: dict[tuple, dict[str, dict]] = {}
     for c in cells:
         if c["image"] == "12MP":

@@ -1,4 +1,5 @@
-"""Reading a request body whole, within MMGATE_MAX_BODY_MB and MMGATE_BODY_READ_TIMEOUT.
+"""Reading a request body whole, as the chunks it arrived in, within MMGATE_MAX_BODY_MB and
+MMGATE_BODY_READ_TIMEOUT; joining them into one buffer only where one is needed (a body that may hold media).
 
 A Content-Length over the limit is refused before a byte is read, a chunked body as soon as it crosses
 the limit, and a body that trickles is cut at the deadline (aiohttp has no body-read deadline of its own).
@@ -14,12 +15,15 @@ from aiohttp import web
 from .errors import MmgateError
 
 HEAD_BYTES = 64 << 10  # how much of a body ``on_head`` sees; smaller bodies are not worth a place in line
+SMALL_PIECE = 16 << 10  # parser chunks smaller than this are gathered before they join the list
 
 
 async def read_body(request: web.Request, limit: int, timeout: float,
-                    on_head: Callable[[bytes], None] | None = None) -> bytes:
-    """The whole body, refusing more than ``limit`` bytes (413 up front from Content-Length, or as soon as a
-    chunked body crosses it) and more than ``timeout`` seconds (408: aiohttp has no body-read timeout).
+                    on_head: Callable[[bytes], None] | None = None) -> list[bytes]:
+    """The whole body, as the chunks the HTTP parser delivered, refusing more than ``limit`` bytes (413 up
+    front from Content-Length, or as soon as a chunked body crosses it) and more than ``timeout`` seconds (408:
+    aiohttp has no body-read timeout). Only a caller that needs one buffer joins them (``joined``): a text
+    body is forwarded as it came, never copied.
 
     ``on_head`` is called once with the first ``HEAD_BYTES`` of a body bigger than that which has not fully
     arrived yet; it may raise to refuse the request before the rest is read."""
@@ -27,43 +31,70 @@ async def read_body(request: web.Request, limit: int, timeout: float,
         raise MmgateError(413, "body_too_large",
                           f"the body is {request.content_length} bytes, over the limit of {limit} (MMGATE_MAX_BODY_MB)")
     if not request.body_exists:
-        return b""
+        return []
     content = request.content
     if content.is_eof():  # the whole body came with the head (small requests): no wait, no timer
         body = content.read_nowait()
         if len(body) > limit:
             raise MmgateError(413, "body_too_large",
                               f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
-        return body
+        return [body] if body else []
     expected = request.content_length
     if expected is not None and expected <= HEAD_BYTES:
         on_head = None
-    # With a Content-Length the chunks go straight into one buffer of that size: a list joined at the end
-    # would hold the body twice at the moment of the join, for every request being read at once.
-    buffer = bytearray(expected) if expected is not None else None
+    # The chunks aiohttp's parser hands over are kept as they are: a buffer of the declared size filled chunk by
+    # chunk would cost a zeroing pass and a Python-level copy per chunk, and would commit the declared size in
+    # full before the client sent it. Small pieces (a client that trickles) are gathered into pieces of at
+    # least SMALL_PIECE, so the list costs a bounded fraction of the body whatever the client's pace.
     chunks: list[bytes] = []
+    small = bytearray()
     size = 0
     try:
         async with asyncio.timeout(timeout):
-            async for chunk in content.iter_any():
-                end = size + len(chunk)
-                if end > limit:
+            # iter_chunks hands over the parser's pieces one by one; iter_any would join those already queued.
+            async for chunk, _end_of_http_chunk in content.iter_chunks():
+                size += len(chunk)
+                if size > limit:
                     raise MmgateError(413, "body_too_large",
                                       f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
-                if buffer is not None:
-                    buffer[size:end] = chunk  # the HTTP parser never delivers more than Content-Length
+                if len(chunk) < SMALL_PIECE:
+                    small += chunk
+                    if len(small) >= SMALL_PIECE:
+                        chunks.append(bytes(small))
+                        small.clear()
                 else:
+                    if small:
+                        chunks.append(bytes(small))
+                        small.clear()
                     chunks.append(chunk)
-                size = end
                 if on_head is not None and size >= HEAD_BYTES:
-                    on_head(buffer[:HEAD_BYTES] if buffer is not None else b"".join(chunks)[:HEAD_BYTES])
+                    on_head(_head(chunks, small))
                     on_head = None
     except TimeoutError:
         raise MmgateError(408, "body_read_timeout", f"the request body did not arrive within {timeout:g} s") from None
-    if buffer is not None:
-        if size != len(buffer):  # pragma: no cover - aiohttp raises on a short body before we get here
-            raise MmgateError(400, "incomplete_body", f"the body ended after {size} of {len(buffer)} bytes")
-        return buffer  # bytes-like: every consumer only reads it
+    if small:
+        chunks.append(bytes(small))
+    if expected is not None and size != expected:  # pragma: no cover - aiohttp raises on a short body first
+        raise MmgateError(400, "incomplete_body", f"the body ended after {size} of {expected} bytes")
+    return chunks
+
+
+def joined(chunks: list[bytes]) -> bytes:
+    """The chunks as one buffer, the list emptied: one copy, made in one synchronous step, so at most one
+    body on the whole loop is ever held twice at once."""
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     chunks.clear()
     return body
+
+
+def _head(chunks: list[bytes], small: bytearray) -> bytes:
+    """The first ``HEAD_BYTES`` of the chunks read so far (``small``: the gathered piece not yet in the list),
+    joining only the chunks it needs."""
+    needed: list[bytes | bytearray] = []
+    taken = 0
+    for chunk in (*chunks, small):
+        needed.append(chunk)
+        taken += len(chunk)
+        if taken >= HEAD_BYTES:
+            break
+    return b"".join(needed)[:HEAD_BYTES]

@@ -1,16 +1,21 @@
 """Finding the media in a request body without parsing it whole: the sniff, the walk, and the plan.
 
-``may_contain_media`` (the sniff) answers for every body on a media route; a body it clears leaves
-untouched, without a parse. ``find_media`` parses the rest the cheaper correct way and walks the route's
-dialect. ``plan_media`` turns the parts into a ``Plan``: every inline part measured from its base64
-length (no decode yet), its declared type checked, the URL policy applied, each ``Item`` carrying where
-its bytes are and what to check them against, so a decode worker needs nothing else.
+``chunks_may_contain_media`` (the sniff, one pass over the chunks a body arrived in) answers for every
+body on a media route; a body it clears leaves untouched, without a copy or a parse. ``find_media``
+parses the rest the cheaper correct way and walks the route's dialect. ``plan_media`` turns the parts
+into a ``Plan``: every inline part measured from its base64 length (no decode yet), its declared type
+checked, the URL policy applied, each ``Item`` carrying where its bytes are and what to check them
+against, so a decode worker needs nothing else.
 """
 
 from __future__ import annotations
 
 import re
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import hyperscan
 
 from preprocessors.dataurl import decoded_size, parse_data_url
 
@@ -20,30 +25,61 @@ from .rawjson import Skeleton, Span, parse_plain, skeletonize, string_value
 
 # Every media part a walker can find sits under a key or a ``type`` value that contains "image", "audio"
 # or "video" (compared case-sensitively, after JSON unescaping). A JSON string can only hide those letters
-# behind a ``\uXXXX`` escape, so the case-sensitive words plus ``\u`` make a miss impossible (pinned by a
-# hypothesis test). The words every media body contains come first, so a media body stops early.
-MARKERS: tuple[bytes, ...] = (b"image", b"audio", b"video", b"\\u")
+# behind a ``\uXXXX`` escape, and an ASCII letter escaped is ``\u006X`` or ``\u007X`` (the ``u`` of an
+# escape is always lower-case, RFC 8259 section 7), so these five literals make a miss impossible (pinned by
+# hypothesis tests). Text escaped for other reasons (``\u00e9``, ``\u4e2d``, ``\n``) does not match.
+MARKERS: tuple[bytes, ...] = (b"image", b"audio", b"video", b"\\u006", b"\\u007")
 
 DEFAULT_MAX_DEPTH = 64
 
 
-def may_contain_media(body: bytes) -> bool:
+def _compile_markers() -> hyperscan.Database:
+    database = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)
+    database.compile(expressions=[re.escape(marker) for marker in MARKERS], ids=list(range(len(MARKERS))),
+                     elements=len(MARKERS), flags=[hyperscan.HS_FLAG_SINGLEMATCH] * len(MARKERS))
+    return database
+
+
+_MARKERS_DB = _compile_markers()
+_scratch = threading.local()  # a scratch space serves one scan at a time: one per thread that sniffs
+
+
+def _stop_at_first(*_match: object) -> bool:
+    return True  # True ends the scan at the first marker (hyperscan raises ScanTerminated)
+
+
+def may_contain_media(body: bytes | bytearray | memoryview) -> bool:
     """Cheap pre-check: False means no walker can find media here, so skip the JSON parse.
 
-    Only a one-byte ``find`` gets memchr speed, so each marker costs a pass of its own: they are searched
-    window by window, and a media body, whose first key or type names the media before its data, answers
-    within the first window instead of after a full pass per marker.
+    One pass over the body for all markers at once (hyperscan: SIMD literal matching, several GB/s, with
+    the GIL released), stopping at the first: a media body names its media in its first bytes. A stdlib
+    ``bytes.find`` costs a pass per marker at a fraction of that speed (``python -m bench.sniff``).
     """
-    size = len(body)
-    start = 0
-    window = 16 << 10
-    while start < size:
-        end = start + window
-        for marker in MARKERS:
-            if body.find(marker, start, end + len(marker) - 1) >= 0:
-                return True
-        start = end
-        window = min(window * 2, 1 << 20)
+    scratch = getattr(_scratch, "space", None)
+    if scratch is None:
+        scratch = _scratch.space = hyperscan.Scratch(_MARKERS_DB)
+    try:
+        _MARKERS_DB.scan(body, match_event_handler=_stop_at_first, scratch=scratch)
+    except hyperscan.ScanTerminated:
+        return True
+    return False
+
+
+_SEAM = max(map(len, MARKERS)) - 1  # a marker across a boundary has at most this many bytes on either side
+
+
+def chunks_may_contain_media(chunks: Sequence[bytes]) -> bool:
+    """``may_contain_media`` of the chunks joined, without joining them: each chunk is scanned where it lies,
+    and each boundary through a few bytes either side of it (the last ``_SEAM`` bytes before it, gathered
+    across chunks shorter than that, and the first ``_SEAM`` after it), so a marker split over any number
+    of chunks is still found."""
+    tail = b""
+    for chunk in chunks:
+        if tail and may_contain_media(tail + chunk[:_SEAM]):
+            return True
+        if may_contain_media(chunk):
+            return True
+        tail = chunk[-_SEAM:] if len(chunk) >= _SEAM else (tail + chunk)[-_SEAM:]
     return False
 
 

@@ -14,13 +14,13 @@ from functools import partial
 
 from aiohttp import HttpVersion11, hdrs, web
 
-from .body import read_body
+from .body import joined, read_body
 from .buffers import MediaBuffer
 from .dialects import dialect_for_path, route_for
 from .errors import MmgateError, UpstreamError, draining, internal_error
 from .exchange import CLIENT_CLOSED, Exchange, log, record
 from .fetch import Fetched, fetch_plan
-from .locate import Limits, may_contain_media, plan_media
+from .locate import Limits, chunks_may_contain_media, may_contain_media, plan_media
 from .media import count_urls, run_plan
 from .paths import Target, is_allowed, normalise_target
 from .rawjson import splice
@@ -79,19 +79,19 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
 
     started = time.perf_counter()
     on_head = partial(_take_place_for_media, state, ex) if ex.route != "other" else None
-    body = await read_body(request, settings.max_body_bytes, settings.body_read_timeout, on_head)
+    chunks = await read_body(request, settings.max_body_bytes, settings.body_read_timeout, on_head)
     ex.watch.add("read", time.perf_counter() - started)
-    ex.bytes_in = len(body)
+    ex.bytes_in = sum(map(len, chunks))
 
-    outgoing: bytes | MediaBuffer
-    outgoing = body  # a plain assignment, so mypy narrows to bytes until the hold below
-    del body
+    # A text body leaves as the chunks it came in: the sniff is the only pass over it, nothing copies it.
+    outgoing: list[bytes] | MediaBuffer = chunks
     is_stream = False
-    if ex.route != "other" and may_contain_media(outgoing):
-        media = state.buffers.hold(outgoing)  # from here on the owner is the only holder of the bytes
+    if ex.route != "other" and chunks_may_contain_media(chunks):
+        media = state.buffers.hold(joined(chunks))  # from here on the owner is the only holder of the bytes
         outgoing, ex.media = media, weakref.ref(media)
         is_stream = await _prepare_media(state, ex, media)
         del media
+    del chunks
     if ex.place is not None:  # the body held no media after all: give the place back before forwarding
         ex.place.release()
 
@@ -102,7 +102,7 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
         release_at = "headers" if is_stream else "sent"
     lease = ex.lease
     on_sent = lease.release if lease is not None and release_at == "sent" else None
-    payload = OneShotBody(outgoing, on_sent) if len(outgoing) else None
+    payload = OneShotBody(outgoing, on_sent) if ex.bytes_in else None
     del outgoing
 
     ex.upstream_started = time.perf_counter()

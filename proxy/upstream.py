@@ -42,6 +42,7 @@ _NOT_FORWARDED = frozenset({"host", "content-length", "x-mmgate-timeout", "expec
 # Fields recomputed on the way back (aiohttp frames the body itself).
 _NOT_RETURNED = frozenset({"content-length"})
 
+FIRST_WRITE = 16 << 10  # bytes of a request body sent together with the request head
 SMALL_ANSWER = 64 << 10  # bytes: answers up to this size with a Content-Length are sent in one write
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -77,28 +78,32 @@ def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
 
 
 class OneShotBody(Payload):
-    """A request body that drops its buffer once written, then tells the caller.
+    """A request body that drops its buffers once written, then tells the caller.
 
     aiohttp's ClientRequest keeps its body for the request's whole lifetime (for redirects and retries,
     which a proxy never does): with a plain ``bytes`` body the media would stay alive until the response
-    stream ends. This payload lets go of the bytes (releasing a
-    ``MediaBuffer`` owner) as soon as the transport has them, then calls ``on_sent`` (the ``sent`` release
-    point).
+    stream ends. This payload lets go of the bytes (releasing a ``MediaBuffer`` owner) as soon as the
+    transport has them, then calls ``on_sent`` (the ``sent`` release point).
+
+    The body is a ``MediaBuffer`` (one buffer: the media path joined it) or the chunks a text body arrived
+    in, written one after the other without being joined.
     """
 
     _autoclose = True
 
-    def __init__(self, body: bytes | MediaBuffer, on_sent: Callable[[], None] | None = None) -> None:
+    def __init__(self, body: list[bytes] | MediaBuffer, on_sent: Callable[[], None] | None = None) -> None:
         # aiohttp wants a Content-Type here; skip_auto_headers keeps it off the wire, so the client's own
         # Content-Type (or none) is what the upstream sees.
         super().__init__(None)
-        self._body: bytes | MediaBuffer | None = body
-        self._size = len(body)
+        self._body: list[bytes] | MediaBuffer | None = body
+        self._length = len(body) if isinstance(body, MediaBuffer) else sum(map(len, body))
+        self._size = self._length
         self._on_sent = on_sent
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         body = self._body
-        return (body.data if isinstance(body, MediaBuffer) else body or b"").decode(encoding, errors)
+        data = body.data if isinstance(body, MediaBuffer) else b"".join(body or [])
+        return data.decode(encoding, errors)
 
     async def write(self, writer: AbstractStreamWriter) -> None:
         await self.write_with_length(writer, None)
@@ -108,10 +113,29 @@ class OneShotBody(Payload):
         if body is None:
             raise RuntimeError("OneShotBody written twice")
         try:
-            await writer.write(_sliced(body, content_length))
+            left = self._length if content_length is None else min(content_length, self._length)
+            pieces = [body.data] if isinstance(body, MediaBuffer) else body
+            for n, piece in enumerate(pieces):
+                if left <= 0:
+                    break
+                with memoryview(piece) as whole:
+                    # Views, so the part the socket does not take at once is copied exactly once, into the
+                    # transport's buffer (slicing bytes would copy the rest first).
+                    view = whole[:left]
+                    left -= len(view)
+                    if n == 0 and len(view) > FIRST_WRITE:
+                        # aiohttp joins the request head with the first write into one buffer: a small first
+                        # write keeps that copy small.
+                        await writer.write(view[:FIRST_WRITE])
+                        view = view[FIRST_WRITE:]
+                    await writer.write(view)
+                    del view
+            del pieces
         finally:
             if isinstance(body, MediaBuffer):
                 body.release()  # the handoff: the transport has every byte
+            else:
+                body.clear()
             del body
         self._consumed = True
         if self._on_sent is not None:
@@ -123,12 +147,6 @@ class OneShotBody(Payload):
         if isinstance(body, MediaBuffer):
             body.release()
         self._on_sent = None
-
-
-def _sliced(body: bytes | MediaBuffer, length: int | None) -> bytes | memoryview:
-    """The bytes to write, never a copy: slicing a bytearray (read_body's buffer) always copies."""
-    data = body.data if isinstance(body, MediaBuffer) else body
-    return data if length is None or length >= len(data) else memoryview(data)[:length]
 
 
 def _classify(exc: BaseException, *, headers_received: bool) -> UpstreamError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import orjson
@@ -26,6 +27,34 @@ async def test_text_body_forwarded_byte_for_byte(upstream: Upstream, proxy: Prox
     assert seen.body == body
     assert seen.path == "/v1/chat/completions?x=1&y=%2F"
     assert seen.headers["Content-Type"] == "application/json"
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_a_big_text_body_arriving_in_pieces_is_forwarded_byte_for_byte(upstream: Upstream, proxy: Proxy,
+                                                                            framing: str) -> None:
+    # Many reads of odd sizes: the body reaches mmgate in many chunks and leaves as they came, never joined.
+    sizes = [1, 7, 4096, 65_537, 3, 300_000]
+    text = b"".join(b"%07d lorem ipsum dolor sit amet, \\u00e9 \\n " % n for n in range(150_000))
+    body = b'{"model":"m","messages":[{"role":"user","content":"' + text + b'"}]}'
+    pieces, at = [], 0
+    while at < len(body):
+        size = sizes[len(pieces) % len(sizes)]
+        pieces.append(body[at:at + size])
+        at += size
+
+    async def stream() -> Any:
+        for piece in pieces:
+            yield piece
+
+    data: Any = stream() if framing == "chunked" else body
+    async with aiohttp.ClientSession() as client:
+        async with client.post(proxy.url + "/v1/chat/completions", data=data,
+                               headers={"Content-Type": "application/json"}) as response:
+            assert response.status == 200
+            await response.read()
+    seen = upstream.seen[-1]
+    assert seen.body == body
+    assert seen.headers["Content-Length"] == str(len(body))
 
 
 async def test_hop_by_hop_headers_stripped_both_ways(upstream: Upstream, proxy: Proxy) -> None:

@@ -8,6 +8,7 @@ random ``\\uXXXX`` and ``\\/`` escapes, raw big numbers) so the token walk meets
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import random
 import re
@@ -21,7 +22,15 @@ from hypothesis import strategies as st
 
 from proxy.dialects import MediaPart, Route
 from proxy.errors import MmgateError
-from proxy.locate import MARKERS, find_media, inline_value, locate, looks_text_heavy, may_contain_media
+from proxy.locate import (
+    MARKERS,
+    chunks_may_contain_media,
+    find_media,
+    inline_value,
+    locate,
+    looks_text_heavy,
+    may_contain_media,
+)
 from proxy.rawjson import (
     Skeleton,
     Span,
@@ -219,6 +228,62 @@ def test_no_marker_no_media() -> None:
     assert not may_contain_media(b'{"messages": [{"role": "user", "content": "hello there"}]}')
     assert not may_contain_media(b"Z" * 300_000)
     assert not may_contain_media(b"")
+
+
+@pytest.mark.parametrize("word", ["image", "audio", "video"])
+def test_a_word_hidden_behind_any_escape_is_still_found(word: str) -> None:
+    # Every way JSON can spell the word: each letter plain or escaped, hex digits in either case.
+    for mask in range(1 << len(word)):
+        for upper in (False, True):
+            spelled = "".join((f"\\u{ord(ch):04X}" if upper else f"\\u{ord(ch):04x}") if mask >> i & 1 else ch
+                              for i, ch in enumerate(word))
+            body = f'{{"messages": [{{"role": "user", "content": [{{"type": "{spelled}_url"}}]}}]}}'.encode()
+            assert orjson.loads(body)["messages"][0]["content"][0]["type"] == f"{word}_url"
+            assert may_contain_media(body), spelled
+
+
+def test_text_escaped_for_other_reasons_stays_on_the_fast_path() -> None:
+    # Python's json writes every non-ASCII character as an escape: a chat in French, Chinese or with emoji
+    # must not look like media.
+    doc = {"messages": [{"role": "user", "content": "Café, naïve 中文 😀\n \"quoted\" \\ tab\t"}] * 50}
+    assert not may_contain_media(json.dumps(doc, ensure_ascii=True).encode())
+    assert not may_contain_media(json.dumps(doc, ensure_ascii=False).encode())
+
+
+@settings(deadline=None, max_examples=300)
+@given(pieces=st.lists(st.binary(max_size=40) | st.sampled_from([*MARKERS, b"imag", b"\\u00", b"\\u006"]),
+                       max_size=30),
+       view=st.sampled_from(["bytes", "bytearray", "memoryview"]))
+def test_the_sniff_is_exactly_a_search_for_the_markers(pieces: list[bytes], view: str) -> None:
+    body = b"".join(pieces)
+    expected = any(marker in body for marker in MARKERS)  # the plain definition, one pass per marker
+    given_body = bytearray(body) if view == "bytearray" else memoryview(body) if view == "memoryview" else body
+    assert may_contain_media(given_body) == expected
+
+
+@settings(deadline=None, max_examples=300)
+@given(pieces=st.lists(st.binary(max_size=12) | st.sampled_from([*MARKERS, b"imag", b"\\u00"]), max_size=20),
+       cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=30))
+def test_the_sniff_over_chunks_is_the_sniff_over_their_join(pieces: list[bytes], cuts: list[int]) -> None:
+    # The chunks a body arrives in cut it anywhere: through a marker, into pieces shorter than one, empty.
+    body = b"".join(pieces)
+    bounds = sorted({0, len(body), *(c for c in cuts if c <= len(body))})
+    chunks = [body[a:b] for a, b in itertools.pairwise(bounds)] + [b""] * (len(cuts) % 2)
+    assert chunks_may_contain_media(chunks) == may_contain_media(body)
+
+
+def test_a_marker_cut_into_single_bytes_is_found() -> None:
+    for marker in MARKERS:
+        assert chunks_may_contain_media([b"x" * 100, *(marker[i:i + 1] for i in range(len(marker))), b"y"])
+    assert not chunks_may_contain_media([b"imag", b"", b"x", b"audi", b"\\u00", b"e9"])
+
+
+def test_the_sniff_finds_a_marker_anywhere_in_a_big_body() -> None:
+    filler = b"lorem ipsum dolor sit amet, \\u00e9 \\n " * 30_000
+    assert not may_contain_media(filler)
+    for marker in MARKERS:
+        for at in (0, len(filler) // 2, len(filler)):
+            assert may_contain_media(filler[:at] + marker + filler[at:]), (marker, at)
 
 
 def test_text_heavy_estimate() -> None:
