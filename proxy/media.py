@@ -1,5 +1,6 @@
-"""Running a media plan on the decode pool: each item decoded, checked and maybe rewritten in a worker
-thread; the answers come back as replacements for ``rawjson.splice``.
+"""Running a media plan on the decode pool: each item becomes a ``job.MediaJob`` (plain data and where its
+payload comes from), decoded, checked and maybe rewritten by a decode worker, thread or process; the answers
+come back as replacements for ``rawjson.splice``.
 
 The request's body has one owner (``buffers.MediaBuffer``) and the jobs reach it through a weak
 reference only: a job still queued, or finishing in its thread after the request moved on or ended,
