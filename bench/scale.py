@@ -151,7 +151,8 @@ def _load_generator(url: str, clients: int, stop_at: float, results: Any) -> Non
 def process_mode_available() -> bool:
     """Whether this build knows the decode mode ``process`` (an unknown variable is warned about, not refused)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")} | {MODE_VARIABLE: "process"}
-    out = subprocess.run([sys.executable, "-m", "proxy", "--print-config"], cwd=R.REPO, env=env,
+    out = subprocess.run([sys.executable, "-m", "proxy", "--print-config", "--upstream", "http://127.0.0.1:9"],
+                         cwd=R.REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     return out.returncode == 0 and MODE_VARIABLE not in out.stderr
 

@@ -1,8 +1,9 @@
 """Types shared by the media preprocessors. No aiohttp here: this package is plain, thread-safe Python.
 
-Work runs in decode-pool threads. A thread cannot be killed, so every long operation takes a
-``checkpoint`` callable and calls it between steps; it raises ``Cancelled`` once the request timed out
-or its client left, so abandoned work stops at the next step boundary instead of running to the end.
+Work runs in decode-pool threads (or, in process mode, in worker processes, which are killed instead). A
+thread cannot be killed, so every long operation takes a ``checkpoint`` callable and calls it between
+steps; it raises ``Cancelled`` once the request timed out or its client left, so abandoned work stops at the
+next step boundary instead of running to the end.
 """
 
 from __future__ import annotations

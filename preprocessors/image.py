@@ -22,7 +22,10 @@ Speed
 
 from __future__ import annotations
 
+import io
 import math
+import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from io import BytesIO
@@ -307,11 +310,28 @@ def _encode(img: Image.Image, policy: ImagePolicy) -> tuple[bytes, str]:
         background.paste(img, mask=img.getchannel("A"))
         img = background
     img.info.clear()  # no EXIF, ICC, XMP, text chunks, dpi: metadata is stripped on re-encode
-    buf = BytesIO()
-    if fmt == "jpeg":
-        img.save(buf, "JPEG", quality=policy.jpeg_quality)
-    elif fmt == "png":
-        img.save(buf, "PNG", compress_level=_PNG_COMPRESS_LEVEL)
-    else:
-        img.save(buf, "WEBP", quality=policy.jpeg_quality)
-    return buf.getvalue(), MIME_BY_FORMAT[fmt.upper()]
+    out = _scratch_file()
+    try:
+        if fmt == "jpeg":
+            img.save(out, "JPEG", quality=policy.jpeg_quality)
+        elif fmt == "png":
+            img.save(out, "PNG", compress_level=_PNG_COMPRESS_LEVEL)
+        else:
+            img.save(out, "WEBP", quality=policy.jpeg_quality)
+        return os.pread(out.fileno(), out.tell(), 0), MIME_BY_FORMAT[fmt.upper()]
+    finally:
+        os.ftruncate(out.fileno(), 0)  # its pages go back now; the file stays for this thread's next image
+        out.seek(0)
+
+
+_scratch = threading.local()
+
+
+def _scratch_file() -> io.FileIO:
+    """This thread's encode target: a memfd, not a BytesIO, because Pillow encodes into a real file
+    descriptor with the GIL released (``encode_to_file``) and into a BytesIO with it held, for the whole
+    compression. ``os.pread`` then reads the file back, also with the GIL released."""
+    out: io.FileIO | None = getattr(_scratch, "file", None)
+    if out is None:
+        out = _scratch.file = io.FileIO(os.memfd_create("mmgate-encode", os.MFD_CLOEXEC), "r+")
+    return out

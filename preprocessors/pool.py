@@ -8,6 +8,10 @@ running beside newly admitted work and the real concurrency would silently excee
 
 Workers lower their own CPU priority (Linux, per thread): when decode threads saturate every core, the
 event loop thread still gets the CPU first, so health checks and text traffic stay fast.
+
+``DecodePool`` runs each job in its thread (MMGATE_DECODE_MODE=thread). ``workers.ProcessPool`` keeps this
+queueing and accounting and overrides ``_execute`` (a thread hands its job to a worker process of its own
+and waits) and ``_abandoned`` (running items are ended for real: their worker processes are killed).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import TypeVar
 
 from .base import Cancelled, Checkpoint
@@ -27,7 +32,8 @@ Job = Callable[[Checkpoint], T]
 WORKER_NICENESS = 10
 
 
-def _lower_priority() -> None:
+def lower_priority() -> None:
+    """This thread (or a single-threaded process) yields the CPU to the event loop: niceness 10."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
     except (AttributeError, OSError):  # pragma: no cover - not Linux, or not permitted
@@ -43,14 +49,27 @@ class DecodePool:
 
     def __init__(self, workers: int, *, lower_priority: bool = True) -> None:
         self.workers = workers
+        self._lower_priority = lower_priority
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="mmgate-decode",
-                                            initializer=_lower_priority if lower_priority else None)
+                                            initializer=self._thread_started)
         self._lock = threading.Lock()
         self.queued = 0
         self.stuck = 0
 
     def batch(self) -> Batch:
         return Batch(self)
+
+    def _thread_started(self) -> None:
+        """Runs once in each pool thread as it starts."""
+        if self._lower_priority:
+            lower_priority()
+
+    def _execute(self, batch: Batch, job: Job[T]) -> T:
+        """Runs ``job`` for ``batch`` in a pool thread; returns its result or raises its error."""
+        return job(batch.checkpoint)
+
+    def _abandoned(self, batch: Batch) -> None:
+        """``batch`` was given up (called once, with the stop flag set): threads stop at their next checkpoint."""
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -73,11 +92,18 @@ class Batch:
         if self._stop.is_set():
             raise Cancelled()
 
-    async def run(self, jobs: Sequence[Job[T]], timeout: float) -> list[T]:
+    @property
+    def abandoned(self) -> bool:
+        return self._stop.is_set()
+
+    async def run(self, jobs: Sequence[Job[T]], timeout: float,
+                  on_each: Callable[[int, Future[T]], None] | None = None) -> list[T]:
         """Run ``jobs`` (each gets this batch's checkpoint) and return their results in order.
 
         Raises TimeoutError when ``timeout`` elapses, the first job's exception if one fails, and
         CancelledError if the caller is cancelled; in every case the rest of the batch is stopped.
+        ``on_each(index, future)`` hears of every job as it ends (in the thread that ends it), the jobs of a
+        batch that failed included: what finished is not lost with the batch.
         """
         pool = self._pool
         self._loop = asyncio.get_running_loop()
@@ -86,6 +112,8 @@ class Batch:
         with pool._lock:
             pool.queued += len(jobs)
         self._futures = [pool._executor.submit(self._call, job) for job in jobs]
+        if on_each is not None:
+            _tell_each(self._futures, on_each)  # type: ignore[arg-type]  # the futures hold T results
         try:
             async with asyncio.timeout(timeout):
                 results = await asyncio.gather(*(asyncio.wrap_future(f) for f in self._futures))
@@ -110,7 +138,7 @@ class Batch:
         self._loop.call_soon_threadsafe(self._idle.clear)
         try:
             self.checkpoint()
-            return job(self.checkpoint)
+            return pool._execute(self, job)
         finally:
             with pool._lock:
                 self._running -= 1
@@ -134,6 +162,7 @@ class Batch:
         with pool._lock:
             self._stop.set()
             pool.stuck += self._running
+        pool._abandoned(self)
         for future in self._futures:
             if future.cancel():  # True only for an item that never started
                 with pool._lock:
@@ -146,3 +175,10 @@ class Batch:
                 if self._running == 0:
                     return
             await self._idle.wait()
+
+
+def _tell_each(futures: Sequence[Future[T]], on_each: Callable[[int, Future[T]], None]) -> None:
+    """In a function of its own: a loop variable left in ``Batch.run``'s frame would hold a future, its
+    exception, and through the traceback that frame again, keeping the request's media until a GC pass."""
+    for index, future in enumerate(futures):
+        future.add_done_callback(partial(on_each, index))

@@ -1,8 +1,8 @@
 """The composition root: ``build_app(settings)`` wires every part; tests use the very same factory.
 
 Resources live in ``cleanup_ctx`` (created on start-up, closed on shutdown, in reverse order): the upstream
-ClientSession, the decode pool, the event-loop lag watcher. Shared state is one ``AppState`` under a typed
-``web.AppKey``.
+ClientSession, the decode pool (its worker processes killed and reaped), the event-loop lag watcher. Shared
+state is one ``AppState`` under a typed ``web.AppKey``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -17,6 +18,7 @@ from aiohttp import web
 
 from preprocessors.base import AudioPolicy, ImagePolicy
 from preprocessors.pool import DecodePool
+from preprocessors.workers import ProcessPool
 
 from .admin import add_admin_routes
 from .admission import Gate
@@ -24,12 +26,12 @@ from .cache import MediaCache, settings_fingerprint
 from .connections import ConnectionGuard, mark_head_received
 from .fetch import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
 from .lifecycle import Lifecycle
-from .memory import IdleTrimmer, glibc_malloc_trim
+from .memory import IdleTrimmer, release_freed_memory, worker_environment
 from .metrics import Metrics, watch_loop_lag
 from .model import Model, load_model
 from .pipeline import expect_continue, handle_request
 from .refusals import refusals_in_api_shape
-from .settings import ConfigError, Settings
+from .settings import MIB, ConfigError, Settings
 from .state import STATE, AppState
 
 log = logging.getLogger("mmgate")
@@ -39,7 +41,7 @@ def build_state(settings: Settings) -> AppState:
     """Everything the handlers share. ConfigError when MMGATE_MODEL cannot be loaded (cached: loaded once)."""
     model = served_model(settings)
     metrics = Metrics()
-    trimmer = IdleTrimmer(settings.trim_idle, glibc_malloc_trim(), metrics.memory_trims.inc)
+    trimmer = IdleTrimmer(settings.trim_idle, release_freed_memory(), metrics.memory_trims.inc)
 
     def gate_changed(gate: Gate) -> None:
         metrics.gate_in_use.set(gate.in_use)
@@ -106,6 +108,16 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     await state.session.close()
 
 
+def make_pool(settings: Settings, metrics: Metrics) -> DecodePool:
+    """The decode pool MMGATE_DECODE_MODE names: threads, or threads that each drive a worker process."""
+    if settings.decode_mode == "process":
+        return ProcessPool(settings.decode_workers, max_jobs=settings.worker_max_jobs,
+                           max_rss_bytes=settings.worker_max_rss_mb * MIB,
+                           on_exit=lambda reason: metrics.decode_worker_exits.labels(reason).inc(),
+                           environment=worker_environment(os.environ, memory_first=settings.malloc_tuning))
+    return DecodePool(settings.decode_workers)
+
+
 async def _fetch_session(app: web.Application) -> AsyncIterator[None]:
     """MMGATE_MEDIA_URLS=fetch: a client of its own (pool, resolver, limits) for media URLs, apart from the
     upstream's; no cookies, no proxy from the environment, bodies read as sent."""
@@ -138,7 +150,7 @@ async def _fetch_session(app: web.Application) -> AsyncIterator[None]:
 
 async def _decode_pool(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
-    state.pool = DecodePool(state.settings.decode_workers)
+    state.pool = make_pool(state.settings, state.metrics)
     metrics = state.metrics
     metrics.pool_queue_depth.set_function(lambda: state.pool.queued if state.pool else 0)
     metrics.pool_stuck_workers.set_function(lambda: state.pool.stuck if state.pool else 0)

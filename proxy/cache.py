@@ -22,10 +22,10 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Literal
 
 from preprocessors.base import MediaError
+from preprocessors.job import Refusal, Verdict
 
 from .settings import Settings
 
@@ -76,40 +76,12 @@ def cache_key(digest: bytes, context: bytes) -> bytes:
     return digest + context
 
 
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """A cached ``MediaError`` as plain data; ``error()`` makes a fresh one each time (errors get a path)."""
-
-    status: int
-    code: str
-    message: str
-
-    def error(self) -> MediaError:
-        return MediaError(self.code, self.message, self.status)
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """What one media item became, independent of the request that carried it.
-
-    ``sniffed_mime``: the true type of an image ("" for other kinds); ``encoded``: the rewritten file as
-    base64 with its ``mime``, or None when the item is forwarded unchanged; ``refusal``: set instead when the
-    item is refused."""
-
-    size_in: int
-    size_out: int
-    sniffed_mime: bytes = b""
-    mime: bytes = b""
-    encoded: bytes | None = None
-    refusal: Refusal | None = None
-
-    @property
-    def nbytes(self) -> int:
-        """What the entry holds, for the byte bound."""
-        held = len(self.encoded or b"") + len(self.mime) + len(self.sniffed_mime)
-        if self.refusal is not None:
-            held += len(self.refusal.message) + len(self.refusal.code)
-        return held + ENTRY_OVERHEAD + DIGEST_BYTES + 16
+def entry_bytes(verdict: Verdict) -> int:
+    """What an entry holds, for the byte bound: its payload, key and a fixed overhead."""
+    held = len(verdict.encoded or b"") + len(verdict.mime) + len(verdict.sniffed_mime)
+    if verdict.refusal is not None:
+        held += len(verdict.refusal.message) + len(verdict.refusal.code)
+    return held + ENTRY_OVERHEAD + DIGEST_BYTES + 16
 
 
 def refused(error: MediaError, size_in: int) -> Verdict:
@@ -150,17 +122,17 @@ class MediaCache:
     def put(self, key: bytes, verdict: Verdict) -> None:
         """Keep ``verdict``, evicting the least recently used entries past the bound. A verdict bigger than
         the whole bound is not kept."""
-        size = verdict.nbytes
+        size = entry_bytes(verdict)
         if size > self.max_bytes:
             return
         old = self._entries.pop(key, None)
         if old is not None:
-            self.bytes_held -= old.nbytes
+            self.bytes_held -= entry_bytes(old)
         self._entries[key] = verdict
         self.bytes_held += size
         while self.bytes_held > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
-            self.bytes_held -= evicted.nbytes
+            self.bytes_held -= entry_bytes(evicted)
             self._count_evict()
 
     def in_flight(self, key: bytes) -> asyncio.Future[Verdict | None] | None:

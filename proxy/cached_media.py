@@ -9,8 +9,8 @@
    then decodes for itself). A cached refusal refuses the request here, with nothing decoded or admitted.
 3. **Lead** every key still missing (a key twice in one request is decoded once) and pass the gate weighing
    only those items: hits hold a slot (the request is still forwarded) but nothing of the byte budget.
-4. **Decode** the misses on the pool (``media.judge``); each finished item settles its key, the refusal
-   included, even when another item of the batch failed or the deadline passed.
+4. **Decode** the misses on the pool (``media.media_job``, thread or process); each finished item settles
+   its key, the refusal included, even when another item of the batch failed or the deadline passed.
 5. **Apply** each verdict to its part (``media.outcome_for``): the same replacements as with the cache off.
 """
 
@@ -19,21 +19,26 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
+from concurrent.futures import Future
 from functools import partial
 
-from preprocessors.base import Cancelled, Checkpoint
-from preprocessors.dataurl import decode_base64
+from preprocessors.base import Cancelled
 
 from .buffers import MediaBuffer
 from .cache import HASH_CHUNK, HASH_INLINE_BYTES, MediaCache, Verdict, cache_key, new_hasher, refused
 from .errors import MediaError
 from .exchange import Exchange
 from .locate import Item, Plan
-from .media import Rewrites, judge, outcome_for
-from .media import _count_items as count_items
+from .media import (
+    Rewrites,
+    count_items,
+    media_job,
+    outcome_for,
+    payload_text,
+    refusal_for,
+    rewrites_for,
+)
 from .media import _item_value as item_value
-from .media import _refusal as refusal_for
-from .media import _rewrites as rewrites_for
 from .state import AppState
 
 FOLLOW_ROUNDS = 3
@@ -79,7 +84,7 @@ async def run_plan_cached(state: AppState, ex: Exchange, plan: Plan, media: Medi
             cache.settle(key, None)
     for _hit in range(len(keys) - len(first)):  # every item this request did not decode itself
         cache.count_hit()
-    outcomes = [outcome_for(item, verdicts[key], partial(_payload_text, media_ref, item))
+    outcomes = [outcome_for(item, verdicts[key], partial(payload_text, media_ref, item))
                 for item, key in zip(plan.items, keys, strict=True)]
     return rewrites_for(state, plan, outcomes)
 
@@ -141,7 +146,7 @@ def _digest(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes:
     hasher = new_hasher("base64")
     where = _payload_range(item)
     if where is None:
-        hasher.update(item_value(media_ref, item)[item.payload_offset :])
+        hasher.update(item_value(media_ref, item))
         return hasher.digest()
     start, end = where
     for low in range(start, end, HASH_CHUNK):
@@ -188,10 +193,22 @@ async def _decode(state: AppState, ex: Exchange, plan: Plan, media_ref: weakref.
     cache = state.cache
     assert cache is not None and state.pool is not None and ex.lease is not None
     batch = state.pool.batch()
-    done: dict[bytes, Verdict] = {}  # filled in the worker threads: a dict store is atomic
-    jobs = [partial(_judge_item, media_ref, item, state, key, done) for key, item in first.items()]
+    missed = list(first.items())
+    done: dict[bytes, Verdict] = {}  # filled in the decode threads: a dict store is atomic
+
+    def record(index: int, future: Future[Verdict]) -> None:
+        if future.cancelled():
+            return
+        key, item = missed[index]
+        error = future.exception()
+        if error is None:
+            done[key] = future.result()
+        elif isinstance(error, MediaError):  # the media's own fault: kept, so it is refused again undecoded
+            done[key] = refused(error, item.size)
+
+    jobs = [media_job(state, media_ref, item, None) for _key, item in missed]
     try:
-        await batch.run(jobs, state.settings.preprocess_timeout)
+        await batch.run(jobs, state.settings.preprocess_timeout, record)
     except (MediaError, TimeoutError) as exc:
         # Raised from inside the clause, which unbinds ``exc``: a local holding it would make a cycle through
         # the traceback's frames that keeps the request's body alive until a GC pass.
@@ -212,27 +229,4 @@ def _settle(cache: MediaCache, done: dict[bytes, Verdict]) -> None:
         cache.count_miss()
         cache.settle(key, verdict)
 
-
-def _judge_item(media_ref: weakref.ref[MediaBuffer], item: Item, state: AppState, key: bytes,
-                done: dict[bytes, Verdict], checkpoint: Checkpoint) -> None:
-    """In a decode thread: the item's verdict, recorded in ``done`` (a refusal too) before it is raised."""
-    value = item_value(media_ref, item)
-    try:
-        data = decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
-    except MediaError as error:
-        done[key] = refused(error, item.size)
-        raise error.at(item.part.path) from None
-    del value
-    try:
-        verdict = judge(data, item.part.kind, item.part.audio_format, state, checkpoint)
-    except MediaError as error:
-        done[key] = refused(error, len(data))
-        raise error.at(item.part.path) from None
-    done[key] = verdict
-
-
-def _payload_text(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes:
-    """The part's own base64, as sent: rewrites a whole escaped token without decoding (its characters are the
-    base64 alphabet only, as the strict decode accepted them)."""
-    return bytes(item_value(media_ref, item)[item.payload_offset :])
 

@@ -107,7 +107,8 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
             print(settings.describe())
             return
         configure_logging(settings)
-        applied = tune_process(environ, memory_first=settings.malloc_tuning)
+        applied = tune_process(environ, memory_first=settings.malloc_tuning,
+                               decode_threads=settings.decode_workers if settings.decode_mode == "thread" else 0)
         if settings.malloc_tuning:
             log.info("memory: %s",
                      " ".join(applied) if applied else "allocator settings left as the environment set them")

@@ -1,5 +1,6 @@
-"""Running a media plan on the decode pool: each item decoded, checked and maybe rewritten in a worker
-thread; the answers come back as replacements for ``rawjson.splice``.
+"""Running a media plan on the decode pool: each item becomes a ``job.MediaJob`` (plain data and where its
+payload comes from), decoded, checked and maybe rewritten by a decode worker, thread or process; the answers
+come back as replacements for ``rawjson.splice``.
 
 The request's body has one owner (``buffers.MediaBuffer``) and the jobs reach it through a weak
 reference only: a job still queued, or finishing in its thread after the request moved on or ended,
@@ -13,15 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from preprocessors.audio import sniff_audio_format, validate_audio
-from preprocessors.base import Cancelled, Checkpoint
-from preprocessors.dataurl import decode_base64, encode_base64
-from preprocessors.image import image_mime, process_image
+from preprocessors.base import Cancelled
+from preprocessors.job import MediaJob, MediaTask, Verdict
 from preprocessors.pool import Batch
 
 from .admission import Lease
 from .buffers import MediaBuffer
-from .cache import Verdict
 from .dialects import MediaPart
 from .errors import MediaError, MmgateError
 from .fetch import Fetched
@@ -32,8 +30,8 @@ from .state import AppState
 
 @dataclass(slots=True)
 class Outcome:
-    """What a worker made of one item: the new JSON string token (None = forward unchanged), its MIME,
-    and the decoded sizes in and out (for the media byte counters)."""
+    """A verdict applied to one part: the new JSON string token (None = forward unchanged), its MIME, and the
+    decoded sizes in and out (for the media byte counters)."""
 
     size_in: int
     size_out: int
@@ -64,25 +62,27 @@ async def run_plan(state: AppState, plan: Plan, media: MediaBuffer, lease: Lease
     batch = state.pool.batch()
     media_ref = weakref.ref(media)
     fetched = fetched or {}
-    jobs = [partial(_process_fetched, fetched.pop(i), item, state) if item.part.is_url
-            else partial(_process_item, media_ref, item, state) for i, item in enumerate(plan.items)]
+    jobs = [media_job(state, media_ref, item, fetched.pop(i) if item.part.is_url else None)
+            for i, item in enumerate(plan.items)]
     try:
-        outcomes = await batch.run(jobs, settings.preprocess_timeout)
+        verdicts = await batch.run(jobs, settings.preprocess_timeout)
     except (MediaError, TimeoutError) as exc:
         lease.release_after(batch.stopped())
-        raise _refusal(state, plan, batch, exc) from None
+        raise refusal_for(state, plan, batch, exc) from None
     except BaseException:
         lease.release_after(batch.stopped())
         raise
-    return _rewrites(state, plan, outcomes)
+    outcomes = [outcome_for(item, verdict, partial(payload_text, media_ref, item))
+                for item, verdict in zip(plan.items, verdicts, strict=True)]
+    return rewrites_for(state, plan, outcomes)
 
 
-def _refusal(state: AppState, plan: Plan, batch: Batch, exc: MediaError | TimeoutError) -> MmgateError:
+def refusal_for(state: AppState, plan: Plan, batch: Batch, exc: MediaError | TimeoutError) -> MmgateError:
     """What the client is told when an item was bad or the deadline passed; the items are counted by why."""
     if isinstance(exc, MediaError):
-        _count_items(state, plan.items, "rejected")
+        count_items(state, plan.items, "rejected")
         return exc
-    _count_items(state, plan.items, "timeout")
+    count_items(state, plan.items, "timeout")
     timeout = state.settings.preprocess_timeout
     if batch.started == 0:  # every decode worker stayed busy: not the client's media at fault
         return MmgateError(504, "preprocess_timeout",
@@ -93,7 +93,7 @@ def _refusal(state: AppState, plan: Plan, batch: Batch, exc: MediaError | Timeou
                        "(MMGATE_PREPROCESS_TIMEOUT): send smaller media")
 
 
-def _rewrites(state: AppState, plan: Plan, outcomes: list[Outcome]) -> Rewrites:
+def rewrites_for(state: AppState, plan: Plan, outcomes: list[Outcome]) -> Rewrites:
     metrics = state.metrics
     rewrites = Rewrites([], 0, 0)
     for item, outcome in zip(plan.items, outcomes, strict=True):
@@ -123,7 +123,7 @@ def count_urls(state: AppState, plan: Plan) -> None:
         state.metrics.media_items.labels(part.kind, "url").inc()
 
 
-def _count_items(state: AppState, items: list[Item], outcome: str) -> None:
+def count_items(state: AppState, items: list[Item], outcome: str) -> None:
     for item in items:
         state.metrics.media_items.labels(item.part.kind, outcome).inc()
 
@@ -135,70 +135,40 @@ def _mime_text(item: Item, mime: bytes) -> bytes:
 
 
 def _item_value(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes | memoryview:
-    """The item's string value (a view into the body when possible); Cancelled once the request let go."""
+    """The item's base64 payload (a view into the body when possible); Cancelled once the request let go."""
     media = media_ref()
     if media is None:
         raise Cancelled()
     part = item.part
     if part.span is not None:
-        return string_value(media.data, part.span)
+        return string_value(media.data, part.span)[item.payload_offset :]
     assert part.literal is not None  # a plan holds inline parts only
-    return part.literal.encode("utf-8")
+    return part.literal.encode("utf-8")[item.payload_offset :]
 
 
-def _process_item(media_ref: weakref.ref[MediaBuffer], item: Item, state: AppState,
-                  checkpoint: Checkpoint) -> Outcome:
-    """In a decode thread: base64 → bytes → ``judge`` → the part's new token (``outcome_for``)."""
+def _fetched_value(fetched: Fetched) -> bytes:
+    return fetched.data
+
+
+def media_job(state: AppState, media_ref: weakref.ref[MediaBuffer], item: Item,
+              fetched: Fetched | None) -> MediaJob:
+    """The item as a job for either pool: the task as plain data, the payload read on demand (the base64 from
+    the body for an inline item, the ``fetched`` body for a URL)."""
     part = item.part
-    try:
-        value = _item_value(media_ref, item)
-        data = decode_base64(value[item.payload_offset :], max_bytes=state.settings.max_media_item_bytes)
-        del value
-        verdict = judge(data, part.kind, part.audio_format, state, checkpoint)
-        return outcome_for(item, verdict, partial(encode_base64, data))
-    except MediaError as error:
-        raise error.at(part.path) from None
+    task = MediaTask(
+        kind=part.kind, path=part.path, max_bytes=state.settings.max_media_item_bytes,
+        image_policy=state.image_policy, audio_policy=state.audio_policy, audio_format=part.audio_format,
+        fetched_mime=fetched.mime if fetched is not None else None,
+    )
+    if fetched is not None:
+        return MediaJob(task, partial(_fetched_value, fetched))
+    return MediaJob(task, partial(_item_value, media_ref, item))
 
 
-def _process_fetched(fetched: Fetched, item: Item, state: AppState, checkpoint: Checkpoint) -> Outcome:
-    """In a decode thread: a fetched body → ``judge``; the URL is always replaced by a data URI, of the
-    processed media or, when that needed no change, of the bytes as fetched with their sniffed type."""
-    try:
-        data = fetched.data
-        verdict = judge(data, item.part.kind, item.part.audio_format, state, checkpoint)
-        outcome = outcome_for(item, verdict, partial(encode_base64, data))
-        if outcome.token is None:
-            if item.part.kind == "image":
-                mime = verdict.sniffed_mime
-            else:  # validated above, so the format is known
-                mime = _AUDIO_MIME.get(sniff_audio_format(data) or "", fetched.mime).encode()
-            outcome.token, outcome.mime = _token(item.part, mime, encode_base64(data)), mime
-        return outcome
-    except MediaError as error:
-        raise error.at(item.part.path) from None
-
-
-_AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg"}
-
-
-def judge(data: bytes, kind: str, audio_format: str | None, state: AppState, checkpoint: Checkpoint) -> Verdict:
-    """What the settings make of these decoded bytes, whatever part of whichever request carried them: the
-    true type, and the re-encoded file when the image is rewritten. Raises ``MediaError`` (no JSON path)."""
-    size = len(data)
-    checkpoint()
-    if kind == "image":
-        sniffed = image_mime(data).encode()
-        processed = process_image(data, state.image_policy, checkpoint)
-        if processed is None:
-            return Verdict(size, size, sniffed)
-        mime = processed.mime.encode()
-        out_size = len(processed.data)
-        encoded = encode_base64(processed.data)
-        del processed
-        return Verdict(size, out_size, sniffed, mime, encoded)
-    if kind == "audio":
-        validate_audio(data, audio_format, state.audio_policy, checkpoint)
-    return Verdict(size, size)  # audio and video are validated / size-checked and forwarded unchanged
+def payload_text(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes:
+    """The part's own base64, as sent: rewrites a whole escaped token without decoding (its characters are the
+    base64 alphabet only, as the strict decode accepted them)."""
+    return bytes(_item_value(media_ref, item))
 
 
 def outcome_for(item: Item, verdict: Verdict, original: Callable[[], bytes]) -> Outcome:
@@ -221,7 +191,8 @@ def outcome_for(item: Item, verdict: Verdict, original: Callable[[], bytes]) -> 
 
 
 def _token(part: MediaPart, mime: bytes, encoded: bytes) -> bytes:
-    """The JSON string token for rewritten media: a data URI when the client sent one, else bare base64."""
+    """The JSON string token for rewritten media: a data URI when the client sent one (and for a fetched URL),
+    else bare base64."""
     if part.encoding == "data_uri":
         return b"".join((b'"data:', mime, b";base64,", encoded, b'"'))
     return b"".join((b'"', encoded, b'"'))

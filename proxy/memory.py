@@ -10,10 +10,13 @@ never under load, and in a helper thread, never on the event loop.
 Allocator settings are process-global, so this module alone sets them, once, at start-up
 (``tune_process``). With ``MMGATE_MALLOC_TUNING`` (the default) memory comes before speed: glibc serves
 every allocation of 1 MiB or more with its own mmap and unmaps it on free (``M_MMAP_THRESHOLD``, and
-``M_TRIM_THRESHOLD`` for the heap top), and Pillow keeps no freed image blocks, which no trim could
-free. The price is fresh pages, so more CPU, for every big buffer. Without it, Pillow keeps a few freed
-blocks for reuse (``PILLOW_BLOCKS_KEPT``). An operator's own ``MALLOC_MMAP_THRESHOLD_`` /
-``MALLOC_TRIM_THRESHOLD_`` / ``PILLOW_BLOCKS_MAX`` is left alone. bench/results/ has the measurements.
+``M_TRIM_THRESHOLD`` for the heap top). The price is fresh pages, so more CPU, for every big buffer. Pillow
+keeps ``PILLOW_BLOCKS_PER_THREAD`` freed image blocks per decode thread while media work runs, and the idle
+trim clears them first (``release_freed_memory``): an image freed under the GIL would otherwise unmap its
+pixels under it too (about 1 ms per 12 MP job, that every other thread and the event loop wait for).
+Without the tuning, Pillow keeps a few more blocks for reuse (``PILLOW_BLOCKS_KEPT``), never cleared. An
+operator's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``PILLOW_BLOCKS_MAX`` is left alone.
+bench/results/ has the measurements.
 
 Not glibc (musl, macOS): there is nothing to call and the glibc parts do nothing.
 """
@@ -34,6 +37,9 @@ EAGER_THRESHOLD = 1 << 20
 # Freed Pillow blocks (16 MiB each) kept for reuse when memory does not come first: enough for two workers'
 # decode and resize buffers of a large photo, at most 256 MiB kept.
 PILLOW_BLOCKS_KEPT = 16
+# Freed Pillow blocks kept per decode thread while media work runs, when memory comes first: a job frees
+# two big images (decoded and resized). Decode processes keep none: the event loop never waits for them.
+PILLOW_BLOCKS_PER_THREAD = 2
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -45,11 +51,12 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def tune_process(environ: Mapping[str, str], *, memory_first: bool) -> list[str]:
-    """Set the allocators once for this process (``memory_first``: MMGATE_MALLOC_TUNING). Returns what was
-    applied, as ``NAME=value`` (the variable an operator would set to do the same)."""
+def tune_process(environ: Mapping[str, str], *, memory_first: bool, decode_threads: int) -> list[str]:
+    """Set the allocators once for this process (``memory_first``: MMGATE_MALLOC_TUNING; ``decode_threads``:
+    the decode threads that free images here, 0 in process mode). Returns what was applied, as
+    ``NAME=value`` (the variable an operator would set to do the same)."""
     if memory_first:
-        return tune_allocators(environ)
+        return tune_allocators(environ, kept_blocks=PILLOW_BLOCKS_PER_THREAD * decode_threads)
     if "PILLOW_BLOCKS_MAX" in environ:  # Pillow applied it itself at import
         return []
     from PIL import Image
@@ -58,8 +65,19 @@ def tune_process(environ: Mapping[str, str], *, memory_first: bool) -> list[str]
     return [f"PILLOW_BLOCKS_MAX={PILLOW_BLOCKS_KEPT}"]
 
 
-def tune_allocators(environ: Mapping[str, str]) -> list[str]:
-    """Big buffers straight back to the OS when freed; no Pillow block cache. Returns what was applied."""
+def worker_environment(environ: Mapping[str, str], *, memory_first: bool) -> dict[str, str]:
+    """The same tuning for a decode worker process (MMGATE_DECODE_MODE=process), as the variables glibc and
+    Pillow read when a process starts; an operator's own values, which the worker inherits, are left alone."""
+    wanted = {"PILLOW_BLOCKS_MAX": str(PILLOW_BLOCKS_KEPT)}
+    if memory_first:
+        wanted = {"MALLOC_MMAP_THRESHOLD_": str(EAGER_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(EAGER_THRESHOLD),
+                  "PILLOW_BLOCKS_MAX": "0"}
+    return {name: value for name, value in wanted.items() if name not in environ}
+
+
+def tune_allocators(environ: Mapping[str, str], *, kept_blocks: int = 0) -> list[str]:
+    """Big buffers straight back to the OS when freed; Pillow keeps ``kept_blocks`` freed blocks until the
+    idle trim. Returns what was applied."""
     applied = []
     libc = _glibc()
     if libc is not None:
@@ -70,9 +88,23 @@ def tune_allocators(environ: Mapping[str, str]) -> list[str]:
     if "PILLOW_BLOCKS_MAX" not in environ:
         from PIL import Image
 
-        Image.core.set_blocks_max(0)
-        applied.append("PILLOW_BLOCKS_MAX=0")
+        Image.core.set_blocks_max(kept_blocks)
+        applied.append(f"PILLOW_BLOCKS_MAX={kept_blocks}")
     return applied
+
+
+def release_freed_memory() -> Callable[[], int] | None:
+    """What the idle trim runs: Pillow's kept blocks freed, then ``malloc_trim(0)``; None without glibc."""
+    trim = glibc_malloc_trim()
+    if trim is None:
+        return None
+    from PIL import Image
+
+    def release() -> int:
+        Image.core.clear_cache()  # holds the GIL while it frees, but only ever runs when media work is idle
+        return trim()
+
+    return release
 
 
 def glibc_malloc_trim() -> Callable[[], int] | None:

@@ -88,9 +88,14 @@ class Metrics:
             "mmgate_media_bytes", "Decoded media bytes in (from clients) and out (to the upstream)",
             ["direction"], registry=r,
         )
-        self.pool_queue_depth = Gauge("mmgate_pool_queue_depth", "Media items waiting for a decode thread", registry=r)
+        self.pool_queue_depth = Gauge("mmgate_pool_queue_depth", "Media items waiting for a decode worker", registry=r)
         self.pool_stuck_workers = Gauge(
-            "mmgate_pool_stuck_workers", "Decode threads still busy for a request that already ended", registry=r
+            "mmgate_pool_stuck_workers", "Decode workers still busy for a request that already ended", registry=r
+        )
+        self.decode_worker_exits = Counter(
+            "mmgate_decode_worker_exits", "Decode worker processes ended and replaced (MMGATE_DECODE_MODE=process): "
+            "recycled (MMGATE_WORKER_MAX_JOBS/_RSS_MB), killed (its request gave up), crashed (on an item)",
+            ["reason"], registry=r,
         )
         self.event_loop_lag = Histogram(
             "mmgate_event_loop_lag_seconds", "How late the event loop runs a timer (loop blocked)",

@@ -27,6 +27,19 @@ class ConfigError(ValueError):
     """A configuration value that mmgate refuses; ``str()`` is one line naming variable, value and rule."""
 
 
+# From this many usable CPUs on, decode workers are processes by default (README "Decode mode" says why).
+PROCESS_MODE_FROM_CPUS = 4
+# A decode process before its first item: the interpreter, Pillow and pybase64 (measured RSS, rounded up).
+WORKER_PROCESS_BYTES = 32 * MIB
+
+
+def default_decode_mode(cpus: int) -> str:
+    """``thread`` on small machines, where the GIL costs the loop little and a process per worker is not
+    worth its memory and copies; ``process`` from PROCESS_MODE_FROM_CPUS usable CPUs on, where threads
+    would serialise on the GIL and the event loop would queue behind them."""
+    return "process" if cpus >= PROCESS_MODE_FROM_CPUS else "thread"
+
+
 def usable_cpus() -> int:
     """CPUs this process may really use: affinity mask and cgroup v2 quota, not ``os.cpu_count()``."""
     try:
@@ -174,6 +187,9 @@ class Settings:
     upstream_read_timeout: float = 600.0
     upstream_max_connections: int = 1024
     decode_workers: int = 0  # 0 until resolved: from_env fills in usable_cpus()
+    decode_mode: str = ""  # "" until resolved: from_env fills in default_decode_mode()
+    worker_max_jobs: int = 1000
+    worker_max_rss_mb: int = 1024
     max_body_mb: int = 64
     max_media_per_request: int = 16
     max_json_depth: int = 64
@@ -235,6 +251,8 @@ class Settings:
         if values.get("max_inflight_image_tokens") and not values.get("model"):
             raise ConfigError(f"{where['max_inflight_image_tokens']} needs MMGATE_MODEL: image tokens are counted "
                               "with the served model's processor")
+        if "decode_mode" not in values:
+            values["decode_mode"] = default_decode_mode(usable_cpus())
         return cls(**values)
 
     # ----- derived values -----
@@ -261,6 +279,9 @@ class Settings:
         queued:      every waiting request holds its raw body    = MAX_QUEUE × MAX_BODY_MB
         admitted:    requests past the gate hold body + output   = MAX_MM_CONCURRENCY × 2 × MAX_BODY_MB
         decoding:    decode workers each hold one decoded image  = DECODE_WORKERS × MAX_IMAGE_PIXELS × 4 B
+        processes:   process mode only: each worker process, its  = DECODE_WORKERS × (WORKER_PROCESS_BYTES
+                     interpreter, and the payload twice: in the      + 2 × MAX_MEDIA_ITEM_MB × 4/3)
+                     memfd and as the worker's decoded copy
         connections: each open connection, its read buffer and   = MAX_CONNECTIONS × CONNECTION_BYTES
                      a head (aiohttp's, outside the bodies)
         fetched:     with MEDIA_URLS=fetch, fetched bodies and     = 7/3 × MAX_MM_CONCURRENCY × MAX_MEDIA_PER_REQUEST
@@ -276,6 +297,9 @@ class Settings:
         queued = self.max_queue * self.max_body_bytes
         admitted = self.max_mm_concurrency * 2 * self.max_body_bytes
         decoding = self.decode_workers * self.max_image_pixels * 4
+        processes = 0
+        if self.decode_mode == "process":
+            processes = self.decode_workers * (WORKER_PROCESS_BYTES + 2 * self.max_media_item_bytes * 4 // 3)
         connections = self.max_connections * CONNECTION_BYTES
         fetched = 0
         if self.media_urls == "fetch":
@@ -284,9 +308,9 @@ class Settings:
                 charged = min(charged, self.max_inflight_media_bytes)
             fetched = charged * 7 // 3
         cache = self.cache_bytes
-        return {"queued": queued, "admitted": admitted, "decoding": decoding, "connections": connections,
-                "fetched": fetched, "cache": cache,
-                "total": queued + admitted + decoding + connections + fetched + cache}
+        return {"queued": queued, "admitted": admitted, "decoding": decoding, "processes": processes,
+                "connections": connections, "fetched": fetched, "cache": cache,
+                "total": queued + admitted + decoding + processes + connections + fetched + cache}
 
     def describe(self) -> str:
         """``--print-config``: every effective setting as ``MMGATE_X=value`` and the worst-case memory."""
@@ -303,7 +327,8 @@ class Settings:
         lines.append(
             f"# worst-case payload memory: {mib['total']:.0f} MiB = queued {mib['queued']:.0f} MiB"
             f" + admitted {mib['admitted']:.0f} MiB + decoding {mib['decoding']:.0f} MiB"
-            f" + connections {mib['connections']:.0f} MiB + cache {mib['cache']:.0f} MiB"
+            + (f" + worker processes {mib['processes']:.0f} MiB" if memory["processes"] else "")
+            + f" + connections {mib['connections']:.0f} MiB + cache {mib['cache']:.0f} MiB"
             + (f" + fetched {mib['fetched']:.0f} MiB" if memory["fetched"] else "")
         )
         return "\n".join(lines)
@@ -330,7 +355,13 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "upstream_connect_timeout": (_seconds(False), "upstream connect timeout -> 502 [5]"),
     "upstream_read_timeout": (_seconds(False), "longest upstream silence -> 504 [600]"),
     "upstream_max_connections": (_int(1, 1_000_000), "upstream connection pool size [1024]"),
-    "decode_workers": (_int(0, 256), "decode threads [usable CPUs]"),
+    "decode_workers": (_int(0, 256), "decode workers (threads or processes) [usable CPUs]"),
+    "decode_mode": (_choice("thread", "process"),
+                    f"decode workers are threads or processes [process from {PROCESS_MODE_FROM_CPUS} usable CPUs, "
+                    "else thread]"),
+    "worker_max_jobs": (_int(0), "process mode: a worker is replaced after this many items (0 = never) [1000]"),
+    "worker_max_rss_mb": (_int(0), "process mode: a worker above this resident MiB after an item is replaced "
+                                   "(0 = never) [1024]"),
     "max_body_mb": (_int(1, 4096), "request body limit in MiB -> 413 body_too_large [64]"),
     "max_media_per_request": (_int(1, 10_000), "media parts per request -> 400 too_many_media [16]"),
     "max_json_depth": (_int(8, 10_000), "nesting of the JSON mmgate walks -> 400 json_too_deep [64]"),

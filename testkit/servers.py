@@ -7,6 +7,7 @@ must not import the test suite. The pytest fixtures that start them stay in ``te
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -99,6 +100,16 @@ class Proxy:
 StartProxy = Callable[..., Awaitable[Proxy]]
 
 
+def proxy_settings(upstream_url: str, **env: str) -> Settings:
+    """The settings of a test proxy: ``env`` over quiet defaults. ``MMGATE_DECODE_MODE`` in the environment
+    runs every test proxy in that mode (CI runs the suite once per mode)."""
+    mode = os.environ.get("MMGATE_DECODE_MODE")
+    base = {"MMGATE_UPSTREAM": upstream_url, "MMGATE_ACCESS_LOG": "off"}
+    if mode:
+        base["MMGATE_DECODE_MODE"] = mode
+    return Settings.from_env({**base, **env})
+
+
 # servers outside pytest (the fuzzing bench); the tests use the conftest fixtures instead
 
 
@@ -115,8 +126,7 @@ async def start_upstream() -> Upstream:
 async def start_proxy_server(upstream_url: str, **env: str) -> tuple[Proxy, Callable[[], Awaitable[None]]]:
     """The conftest ``start_proxy`` fixture without pytest (same runner and listening site); returns the
     proxy and the coroutine function that stops it."""
-    settings = Settings.from_env({"MMGATE_UPSTREAM": upstream_url, "MMGATE_ACCESS_LOG": "off", **env})
-    app = build_app(settings)
+    app = build_app(proxy_settings(upstream_url, **env))
     runner = make_runner(app)
     await runner.setup()
     site = GuardedSite(runner, "127.0.0.1", 0, app[STATE].connections)

@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from typing import TypeVar
 
 from aiohttp import web
@@ -31,7 +32,7 @@ from preprocessors.pool import Batch, DecodePool
 from proxy.app import build_app, make_runner
 from proxy.cli import configure_logging, parse_args
 from proxy.connections import GuardedSite
-from proxy.memory import tune_allocators
+from proxy.memory import PILLOW_BLOCKS_PER_THREAD, tune_allocators
 from proxy.settings import Settings, overrides_from_args
 from proxy.state import STATE
 
@@ -42,9 +43,11 @@ log = logging.getLogger("mmgate")
 class LoopBatch(Batch):
     """A request's media work done at once on the calling thread, which is the event loop."""
 
-    async def run(self, jobs: Sequence[Callable[[Checkpoint], T]], timeout: float) -> list[T]:
+    async def run(self, jobs: Sequence[Callable[[Checkpoint], T]], timeout: float,
+                  on_each: Callable[[int, Future[T]], None] | None = None) -> list[T]:
         """Each job in turn, blocking the loop meanwhile: that stall is what the baseline measures. ``timeout``
-        cannot apply: nothing else runs on the loop to notice it."""
+        cannot apply: nothing else runs on the loop to notice it; nor can ``on_each`` hear of anything a failed
+        batch finished (callers of this baseline pass none)."""
         return [job(self.checkpoint) for job in jobs]
 
 
@@ -108,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("testkit.variants: MMGATE_ADMIN_PORT is not supported here; /mmgate/* stays on the port")
     configure_logging(settings)
     if settings.malloc_tuning:
-        applied = tune_allocators(os.environ)
+        # the variants' pools are threads, whatever MMGATE_DECODE_MODE says
+        applied = tune_allocators(os.environ, kept_blocks=PILLOW_BLOCKS_PER_THREAD * settings.decode_workers)
         log.info("memory: %s", " ".join(applied) if applied else "allocator settings left as the environment set them")
     asyncio.run(serve(settings, argv[0]))
 

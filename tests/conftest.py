@@ -17,9 +17,8 @@ from aiohttp.test_utils import TestServer
 
 from proxy.app import build_app, make_runner
 from proxy.connections import GuardedSite
-from proxy.settings import Settings
 from proxy.state import STATE
-from testkit.servers import Handler, Proxy, Seen, StartProxy, Upstream
+from testkit.servers import Handler, Proxy, Seen, StartProxy, Upstream, proxy_settings
 
 __all__ = ["Handler", "Proxy", "Seen", "StartProxy", "Upstream", "require_heavy"]
 
@@ -42,8 +41,7 @@ async def start_proxy() -> Any:
     runners: list[web.AppRunner] = []
 
     async def start(upstream_url: str, **env: str) -> Proxy:
-        settings = Settings.from_env({"MMGATE_UPSTREAM": upstream_url, "MMGATE_ACCESS_LOG": "off", **env})
-        app = build_app(settings)
+        app = build_app(proxy_settings(upstream_url, **env))
         runner = make_runner(app)
         await runner.setup()
         runners.append(runner)

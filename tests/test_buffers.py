@@ -318,3 +318,26 @@ async def test_trim_off(upstream: Upstream, start_proxy: StartProxy) -> None:
     assert await client.status() == 200
     await eventually(lambda: proxy.state.gate.in_use == 0, "lease released")
     assert not proxy.state.trimmer.enabled and not proxy.state.trimmer.pending
+
+
+async def test_pillow_blocks_kept_while_busy_are_freed_by_the_idle_trim(upstream: Upstream,
+                                                                       start_proxy: StartProxy) -> None:
+    """A decode thread's freed images stay in Pillow's block cache while media work runs (freeing them would
+    unmap their pixels under the GIL); the idle trim empties that cache before ``malloc_trim``."""
+    from PIL import Image
+
+    before = Image.core.get_blocks_max()
+    Image.core.set_blocks_max(4)  # what tune_process sets for two decode threads
+    try:
+        proxy = await start_proxy(upstream.url, MMGATE_DECODE_MODE="thread", MMGATE_TRIM_IDLE="0.05",
+                                  MMGATE_RELEASE_AT="complete", MMGATE_RESIZE_MAX_SIDE="256")
+        upstream.route(PATH, lambda request: hold_until_released(upstream, request))
+        client = await RawClient.send(proxy.server.port, IMAGE_BODY)
+        await asyncio.wait_for(upstream.arrived.get(), 30)
+        assert Image.core.get_stats()["blocks_cached"] > 0  # the decoded image's blocks, kept for the next one
+        upstream.release.set()
+        assert await client.status() == 200
+        await asyncio.wait_for(proxy.state.trimmer.trimmed.wait(), 30)
+        assert Image.core.get_stats()["blocks_cached"] == 0
+    finally:
+        Image.core.set_blocks_max(before)

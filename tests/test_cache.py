@@ -26,6 +26,7 @@ from proxy.cache import (
     Verdict,
     cache_key,
     context_fingerprint,
+    entry_bytes,
     media_digest,
     settings_fingerprint,
 )
@@ -407,15 +408,15 @@ def test_the_store_is_an_lru_bounded_by_bytes(limit: int, ops: list[tuple[str, i
                     continue
                 verdict = _verdict(payload)
                 cache.put(key, verdict)
-                if verdict.nbytes > limit:
+                if entry_bytes(verdict) > limit:
                     continue
                 model.pop(key, None)
                 model[key] = verdict
-                while sum(v.nbytes for v in model.values()) > limit:
+                while sum(entry_bytes(v) for v in model.values()) > limit:
                     model.popitem(last=False)
             assert list(cache._entries) == list(model)
-            assert cache.bytes_held == sum(v.nbytes for v in model.values()) <= limit
-            assert all(v.nbytes >= ENTRY_OVERHEAD for v in model.values())
+            assert cache.bytes_held == sum(entry_bytes(v) for v in model.values()) <= limit
+            assert all(entry_bytes(v) >= ENTRY_OVERHEAD for v in model.values())
         finally:
             cache.close()
 

@@ -1,0 +1,122 @@
+"""One media job as plain data: what a decode worker needs (``MediaTask``), what it hands back (``Verdict``).
+
+The payload is the item's base64 text (inline media) or a fetched body (a media URL with
+MMGATE_MEDIA_URLS=fetch). Everything here pickles, so the same job runs in a decode thread (``MediaJob``
+called with a checkpoint) or in a decode process (the task pickled, the payload passed through a memfd;
+``preprocessors/workers``).
+The payload is never part of the task: a thread reads it from the request's body when it starts, a process
+pool copies it into the worker's memfd when a worker is free, so a queued job holds no bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .audio import sniff_audio_format, validate_audio
+from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaError, MediaKind
+from .dataurl import decode_base64, encode_base64
+from .image import image_mime, process_image
+
+Payload = Callable[[], "bytes | memoryview"]
+
+
+@dataclass(frozen=True, slots=True)
+class MediaTask:
+    """One media item, without its bytes, and without anything of the request that carried it: the same
+    task on the same bytes gives the same ``Verdict``, which is what lets the proxy's cache keep it."""
+
+    kind: MediaKind
+    path: str  # the JSON path of the part, named by errors
+    max_bytes: int
+    image_policy: ImagePolicy
+    audio_policy: AudioPolicy
+    audio_format: str | None = None
+    fetched_mime: str | None = None  # a fetched body (MMGATE_MEDIA_URLS=fetch) and its declared type; None: base64
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A ``MediaError`` as plain data; ``error()`` makes a fresh one each time (errors get a path)."""
+
+    status: int
+    code: str
+    message: str
+
+    def error(self) -> MediaError:
+        return MediaError(self.code, self.message, self.status)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What one media item became, independent of the request that carried it.
+
+    ``sniffed_mime``: the true type of an image ("" for other kinds); ``encoded``: the file to forward as
+    base64 with its ``mime`` (the rewritten image; for a fetched body always, the bytes as fetched when they
+    needed no change), or None when the item is forwarded unchanged; ``refusal``: set instead when the item
+    is refused (kept by the proxy's cache, never made by a worker, which raises)."""
+
+    size_in: int
+    size_out: int
+    sniffed_mime: bytes = b""
+    mime: bytes = b""
+    encoded: bytes | None = None
+    refusal: Refusal | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MediaJob:
+    """A task and where its payload comes from (``payload()`` raises ``Cancelled`` once the request let go)."""
+
+    task: MediaTask
+    payload: Payload
+
+    def __call__(self, checkpoint: Checkpoint) -> Verdict:
+        return run_task(self.task, self.payload, checkpoint)
+
+
+def run_task(task: MediaTask, payload: Payload, checkpoint: Checkpoint) -> Verdict:
+    """The item's work; MediaError names ``task.path``. ``payload`` is called once, and what it returns is
+    not kept: an inline item's payload is a view into the request's body, which must not outlive the read."""
+    try:
+        if task.fetched_mime is not None:
+            return _judge(task, _fetched(payload), checkpoint)
+        return _judge(task, decode_base64(payload(), max_bytes=task.max_bytes), checkpoint)
+    except MediaError as error:
+        raise error.at(task.path) from None
+
+
+def _fetched(payload: Payload) -> bytes:
+    data = payload()
+    return data if isinstance(data, bytes) else bytes(data)
+
+
+_AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg"}
+
+
+def _judge(task: MediaTask, data: bytes, checkpoint: Checkpoint) -> Verdict:
+    """Media bytes (decoded inline media or a fetched body) → validate → (resize → re-encode). The bytes come
+    as an argument the caller does not keep, so they are dropped (``del``) before the encode. A fetched body is
+    always encoded: the URL's place takes a data URI, of the processed media or of the bytes as fetched."""
+    size = len(data)
+    fetched = task.fetched_mime is not None
+    checkpoint()
+    if task.kind == "image":
+        sniffed = image_mime(data).encode()
+        processed = process_image(data, task.image_policy, checkpoint)
+        if processed is None:
+            if fetched:
+                return Verdict(size, size, sniffed, sniffed, encode_base64(data))
+            return Verdict(size, size, sniffed)
+        del data
+        mime = processed.mime.encode()
+        out_size = len(processed.data)
+        encoded = encode_base64(processed.data)
+        del processed
+        return Verdict(size, out_size, sniffed, mime, encoded)
+    if task.kind == "audio":
+        validate_audio(data, task.audio_format, task.audio_policy, checkpoint)
+        if fetched:  # validated, so the format is known
+            mime = _AUDIO_MIME.get(sniff_audio_format(data) or "", task.fetched_mime or "").encode()
+            return Verdict(size, size, b"", mime, encode_base64(data))
+    return Verdict(size, size)  # audio and video are validated / size-checked and forwarded unchanged

@@ -1,0 +1,388 @@
+"""Decode worker processes (MMGATE_DECODE_MODE=process): media work in processes that can really be ended.
+
+``ProcessPool`` keeps ``DecodePool``'s threads, queue and accounting; each of its threads owns one worker
+process and hands it its jobs. What changes against threads:
+
+- **The GIL.** A worker process has its own: however long Pillow holds it, the event loop never waits.
+- **Ending a job.** A job past its deadline (or whose client left) is ended for real: ``_abandoned``
+  kills the processes running the batch's items, and each item counts as running until its thread has
+  reaped the process, so the request keeps its gate slot until the worker is gone (``Batch.stopped``).
+- **Memory.** A worker is recycled (killed and replaced) after ``max_jobs`` items or when
+  its resident size, read from ``/proc`` after a job, is above ``max_rss_bytes``: the only sure way to
+  hand a fragmented heap back to the OS.
+- **A crash** (a segfault in a codec, an OOM kill) while a worker processes an item is taken as the
+  media's fault: that item is refused with 400 ``decoder_crashed``, logged, and the worker replaced.
+
+Workers are started with spawn semantics (``python -m preprocessors.workers``, a fresh interpreter that
+imports this package only: Pillow, pybase64, never aiohttp or the proxy), lazily on a thread's first job,
+so an app that never decodes starts none; a retired worker's successor starts at once. The task (small,
+plain data: ``job.MediaTask``) is pickled over a socket pair; the payload travels through a memfd that
+belongs to the worker: the parent writes the base64 text with ``os.pwrite`` and reads the answer back with
+``os.pread`` (both release the GIL), the worker maps it. No big bytes are pickled, and a memfd is no named
+segment: nothing can be left in ``/dev/shm``. It keeps up to ``KEEP_BYTES`` of pages for the next item.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from functools import partial
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .base import Cancelled, MediaError, MmgateError, no_checkpoint
+from .job import MediaJob, Verdict, run_task
+from .pool import Batch, DecodePool, Job, lower_priority
+
+T = TypeVar("T")
+log = logging.getLogger("mmgate")
+
+_ROOT = str(Path(__file__).resolve().parent.parent)  # the directory holding this package
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+# A worker's memfd keeps its pages up to this size between items (writing into fresh pages costs about four
+# times as much as into kept ones); above it they go back after the item.
+KEEP_BYTES = 8 << 20
+_STOP_WAIT = 5.0  # seconds to reap a killed worker; SIGKILL cannot be ignored, so this is only a bound
+
+
+class WorkerCrashed(MediaError):
+    """The worker process ended while it processed the client's media."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__("decoder_crashed",
+                         f"the decoder ended while processing this media ({how}); the file is most likely "
+                         "malformed or crafted, and was not forwarded")
+
+
+class WorkerGone(Exception):
+    """The worker process ended before it answered (killed by the pool, or crashed)."""
+
+
+class WorkerFault(RuntimeError):
+    """An unexpected exception in a worker process (a fault of mmgate's own): its traceback as text."""
+
+
+class _Worker:
+    """One decode process and the memfd its payloads and answers travel through; owned by one pool thread."""
+
+    def __init__(self, environment: Mapping[str, str]) -> None:
+        self.memfd = os.memfd_create("mmgate-decode", os.MFD_CLOEXEC)
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, **environment}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+        try:
+            self.process = subprocess.Popen(
+                # -P: never a ``preprocessors`` from the working directory, only the one beside this file
+                [sys.executable, "-P", "-m", "preprocessors.workers", str(theirs.fileno()), str(self.memfd)],
+                pass_fds=(theirs.fileno(), self.memfd), stdin=subprocess.DEVNULL, env=env, close_fds=True,
+            )
+        except BaseException:
+            ours.close()
+            os.close(self.memfd)
+            raise
+        finally:
+            theirs.close()
+        self.pid = self.process.pid
+        self.conn = Connection(ours.detach())
+        self.jobs = 0
+        self.batch: Batch | None = None  # the batch whose item runs now; guarded by the pool's lock
+        self.killed = False  # by the pool (abandoned batch, shutdown), not by a crash
+        self.killed_for: Batch | None = None
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    def kill(self, batch: Batch | None = None) -> None:
+        """SIGKILL without waiting (from any thread), for ``batch`` when its item is ended; whoever closes
+        the worker reaps it."""
+        self.killed = True
+        self.killed_for = batch
+        self._sigkill()
+
+    def _sigkill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self) -> int:
+        """Kill, reap (the pid no longer exists afterwards), close the socket and the memfd; idempotent."""
+        with self._close_lock:
+            if not self._closed:
+                self._closed = True
+                if self.process.poll() is None:  # still running, or ending on its own right now
+                    self._sigkill()
+                try:
+                    self.process.wait(_STOP_WAIT)
+                except subprocess.TimeoutExpired:  # stuck in the kernel: subprocess reaps it later
+                    log.warning("decode worker %d did not end within %g s of SIGKILL", self.pid, _STOP_WAIT)
+                self.conn.close()
+                os.close(self.memfd)
+        return self.process.returncode
+
+    def rss_bytes(self) -> int:
+        """Resident size now (``/proc/<pid>/statm``), 0 when it cannot be read."""
+        try:
+            with open(f"/proc/{self.pid}/statm", "rb") as f:
+                return int(f.read().split()[1]) * _PAGE
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def run(self, job: MediaJob) -> Verdict:
+        """Hand ``job`` to the process and wait for its answer; ``WorkerGone`` when the process ended."""
+        length = _write_all(self.memfd, job.payload())
+        try:
+            self.conn.send((job.task, length))
+            reply: tuple[Any, ...] = self.conn.recv()
+        except (EOFError, OSError):  # the socket's other end is gone: so is the process
+            raise WorkerGone() from None
+        try:
+            kind = reply[0]
+            if kind == "done":
+                verdict: Verdict = reply[1]
+                encoded_length: int = reply[2]
+                if encoded_length >= 0:
+                    verdict = replace(verdict, encoded=_read_all(self.memfd, encoded_length))
+                return verdict
+            if kind == "refused":
+                raise _refusal(*reply[1:])  # never a local: the error's traceback holds this frame
+            raise WorkerFault(f"decode worker {self.pid} failed:\n{reply[1]}")
+        finally:
+            if os.fstat(self.memfd).st_size > KEEP_BYTES:
+                os.ftruncate(self.memfd, 0)
+            self.jobs += 1
+
+
+class ProcessPool(DecodePool):
+    """``workers`` threads, each with one decode process; same queue, metrics and ``Batch`` as threads.
+
+    ``max_jobs`` (0 = never) and ``max_rss_bytes`` (0 = never): when a worker is recycled. ``recycled``
+    counts the workers recycled, ``crashed`` those that ended on their own while processing an item;
+    ``on_exit`` hears of every worker ended while the pool runs: ``recycled``, ``killed`` or ``crashed``.
+    ``environment``: variables added to each worker's (the allocator tuning of ``proxy/memory.py``).
+    """
+
+    def __init__(self, workers: int, *, max_jobs: int = 0, max_rss_bytes: int = 0,
+                 on_exit: Callable[[str], None] = lambda reason: None,
+                 environment: Mapping[str, str] | None = None) -> None:
+        self.max_jobs = max_jobs
+        self._environment = dict(environment or {})  # added to each worker's environment (allocator tuning)
+        self._on_exit = on_exit  # called with recycled, killed or crashed (from a pool thread)
+        self.max_rss_bytes = max_rss_bytes
+        self.recycled = 0
+        self.crashed = 0
+        self._local = threading.local()
+        self._all: set[_Worker] = set()
+        self._closed = False
+        super().__init__(workers, lower_priority=False)  # the threads only wait; the processes lower theirs
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the worker processes alive now (tests, the bench)."""
+        with self._lock:
+            return sorted(w.pid for w in self._all if w.alive())
+
+    def busy_pids(self) -> list[int]:
+        """The pids of the workers processing an item now."""
+        with self._lock:
+            return sorted(w.pid for w in self._all if w.batch is not None)
+
+    def _worker(self) -> _Worker:
+        """This thread's worker, started (or replaced, when it ended) here."""
+        worker: _Worker | None = getattr(self._local, "worker", None)
+        if worker is not None and not worker.alive():
+            self._retire(worker)
+            worker = None
+        if worker is None:
+            if self._closed:
+                raise Cancelled()
+            worker = _Worker(self._environment)
+            with self._lock:
+                self._all.add(worker)
+                closed = self._closed
+            if closed:  # shut down while it started: nobody else will close it
+                self._retire(worker)
+                raise Cancelled()
+            self._local.worker = worker
+        return worker
+
+    def _retire(self, worker: _Worker) -> int:
+        returncode = worker.close()
+        with self._lock:
+            self._all.discard(worker)
+        if getattr(self._local, "worker", None) is worker:
+            self._local.worker = None
+        return returncode
+
+    def _execute(self, batch: Batch, job: Job[T]) -> T:
+        assert isinstance(job, MediaJob), "a process pool runs MediaJob items only"
+        while True:
+            worker = self._worker()
+            with self._lock:
+                if batch.abandoned:
+                    raise Cancelled()
+                worker.batch = batch
+            try:
+                verdict = worker.run(job)
+            except WorkerGone:
+                returncode = self._replace(worker)  # reaped: the item ends only once its process is gone
+                if batch.abandoned or worker.killed_for is batch or self._closed:
+                    if not self._closed:
+                        self._on_exit("killed")
+                    raise Cancelled() from None
+                if worker.killed:
+                    # Killed for the batch of its previous item, as that item was finishing: this item was
+                    # never its fault. The successor takes it.
+                    continue
+                self.crashed += 1
+                self._on_exit("crashed")
+                how = _describe_exit(returncode)
+                log.warning("decode worker %d ended while processing %s (%s); refused as decoder_crashed, "
+                            "the worker is replaced", worker.pid, job.task.path, how)
+                raise WorkerCrashed(how).at(job.task.path) from None
+            finally:
+                with self._lock:
+                    worker.batch = None
+            self._recycle_if_due(worker)
+            return verdict  # type: ignore[return-value]
+
+    def _recycle_if_due(self, worker: _Worker) -> None:
+        due = (self.max_jobs and worker.jobs >= self.max_jobs) or (
+            self.max_rss_bytes and worker.rss_bytes() > self.max_rss_bytes)
+        if due:
+            log.debug("decode worker %d recycled after %d items", worker.pid, worker.jobs)
+            self._replace(worker)
+            self.recycled += 1
+            self._on_exit("recycled")
+
+    def _replace(self, worker: _Worker) -> int:
+        """Retire ``worker`` and start its successor now: the new interpreter warms up while this thread
+        is between jobs, instead of delaying the next one. Returns the retired worker's exit status."""
+        returncode = self._retire(worker)
+        try:
+            self._worker()
+        except Cancelled:  # the pool is shutting down
+            pass
+        except OSError as error:  # no process could start: the next job tries again, and says so
+            log.warning("could not start a decode worker: %s", error)
+        return returncode
+
+    def _abandoned(self, batch: Batch) -> None:
+        with self._lock:  # the abandoning caller holds no lock here
+            for worker in self._all:
+                if worker.batch is batch:
+                    worker.kill(batch)
+
+    def shutdown(self) -> None:
+        """Stop taking work, kill every worker and reap it: no process outlives the pool."""
+        with self._lock:
+            self._closed = True
+            workers = list(self._all)
+        super().shutdown()
+        for worker in workers:
+            worker.kill()
+        for worker in workers:
+            worker.close()
+            with self._lock:
+                self._all.discard(worker)
+
+
+def _refusal(status: int, code: str, message: str, param: str | None) -> MediaError:
+    error = MediaError(code, message, status)
+    error.param = param
+    return error
+
+
+def _describe_exit(returncode: int | None) -> str:
+    if returncode is not None and returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> int:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], done)
+    return done
+
+
+def _read_all(fd: int, length: int) -> bytes:
+    if length == 0:
+        return b""
+    chunks = []
+    done = 0
+    while done < length:
+        chunk = os.pread(fd, length - done, done)
+        if not chunk:
+            raise WorkerFault("the worker's answer is shorter than it said")
+        chunks.append(chunk)
+        done += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+# ----- the worker process -----
+
+
+def serve(conn: Connection, memfd: int) -> None:
+    """Answer tasks until the socket closes: ``(task, payload length)`` in, one reply out per task."""
+    while True:
+        try:
+            task, length = conn.recv()
+        except EOFError:  # mmgate closed the socket, or ended
+            return
+        except Exception:  # a task this worker cannot unpickle: mmgate's fault, not the media's
+            conn.send(("fault", traceback.format_exc()))
+            continue
+        try:
+            if length:
+                with mmap.mmap(memfd, length, prot=mmap.PROT_READ) as mapped:
+                    view = memoryview(mapped)
+                    try:
+                        verdict = run_task(task, partial(_same, view), no_checkpoint)
+                    finally:
+                        view.release()  # an error's traceback may still name it: the map must close
+            else:
+                verdict = run_task(task, partial(_same, b""), no_checkpoint)
+        except MmgateError as error:
+            conn.send(("refused", error.status, error.code, error.message, error.param))
+            continue
+        except Exception:
+            conn.send(("fault", traceback.format_exc()))
+            continue
+        encoded = verdict.encoded
+        if encoded is not None:
+            _write_all(memfd, encoded)  # over the payload, which is no longer needed
+            verdict = replace(verdict, encoded=None)
+        conn.send(("done", verdict, -1 if encoded is None else len(encoded)))
+
+
+def _same(value: memoryview | bytes) -> memoryview | bytes:
+    return value
+
+
+def main(argv: list[str]) -> None:
+    # Ctrl-C reaches the whole process group, and a terminal's SIGTERM may too: the worker must outlive them
+    # while mmgate drains. mmgate ends it with SIGKILL, or by closing the socket.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    lower_priority()
+    serve(Connection(int(argv[0])), int(argv[1]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
