@@ -25,9 +25,10 @@ from functools import partial
 from preprocessors.base import Cancelled
 
 from .buffers import MediaBuffer
-from .cache import HASH_CHUNK, HASH_INLINE_BYTES, MediaCache, Verdict, cache_key, new_hasher, refused
+from .cache import HASH_CHUNK, HASH_INLINE_BYTES, MediaCache, Verdict, cache_key, media_digest, new_hasher, refused
 from .errors import MediaError
 from .exchange import Exchange
+from .fetch import Fetched
 from .locate import Item, Plan
 from .media import (
     Rewrites,
@@ -67,10 +68,10 @@ async def run_plan_cached(state: AppState, ex: Exchange, plan: Plan, media: Medi
     led = [key for key in misses if cache.lead(key)]
     ex.watch.add("preprocess", time.perf_counter() - started)
     try:
-        first = {key: plan.items[keys.index(key)] for key in misses}
+        first = {key: keys.index(key) for key in misses}
         started = time.perf_counter()
-        ex.lease = await state.gate.acquire(sum(item.size for item in first.values()), settings.queue_timeout,
-                                            ex.place, ex.image_tokens)
+        ex.lease = await state.gate.acquire(sum(plan.items[index].size for index in first.values()),
+                                            settings.queue_timeout, ex.place, ex.image_tokens)
         ex.place = None
         ex.watch.add("queue", time.perf_counter() - started)
         if first:
@@ -87,6 +88,59 @@ async def run_plan_cached(state: AppState, ex: Exchange, plan: Plan, media: Medi
     outcomes = [outcome_for(item, verdicts[key], partial(payload_text, media_ref, item))
                 for item, key in zip(plan.items, keys, strict=True)]
     return rewrites_for(state, plan, outcomes)
+
+
+async def run_fetched_plan_cached(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer,
+                                  fetched: dict[int, Fetched]) -> Rewrites:
+    """A plan with media URLs (MMGATE_MEDIA_URLS=fetch), once admitted and fetched: every item is looked up by
+    its bytes (a fetched body as read, keyed apart from base64 text), only the misses are decoded, and what
+    they make is kept. A URL's bytes are unknown until fetched, and it is fetched only once admitted, so here a
+    hit saves the decode but not the byte budget, and two first fetches of one image are not merged."""
+    cache = state.cache
+    assert cache is not None
+    media_ref = weakref.ref(media)
+    started = time.perf_counter()
+    keys = await asyncio.get_running_loop().run_in_executor(cache.hasher, _mixed_keys, cache, plan, media_ref,
+                                                            fetched)
+    verdicts = {key: verdict for key in keys if (verdict := cache.get(key)) is not None}
+    for item, key in zip(plan.items, keys, strict=True):
+        verdict = verdicts.get(key)
+        if verdict is not None and verdict.refusal is not None:
+            cache.count_hit()
+            count_items(state, plan.items, "rejected")
+            raise verdict.refusal.error().at(item.part.path)
+    first: dict[bytes, int] = {}
+    for index, key in enumerate(keys):
+        if key not in verdicts and key not in first:
+            first[key] = index
+    ex.watch.add("preprocess", time.perf_counter() - started)
+    if first:
+        started = time.perf_counter()
+        try:
+            await _decode(state, ex, plan, media_ref, first, verdicts, fetched)
+        finally:
+            ex.watch.add("preprocess", time.perf_counter() - started)
+    for _hit in range(len(keys) - len(first)):
+        cache.count_hit()
+    outcomes = [outcome_for(item, verdicts[key], partial(payload_text, media_ref, item))
+                for item, key in zip(plan.items, keys, strict=True)]
+    return rewrites_for(state, plan, outcomes)
+
+
+def _mixed_keys(cache: MediaCache, plan: Plan, media_ref: weakref.ref[MediaBuffer],
+                fetched: dict[int, Fetched]) -> list[bytes]:
+    """In a hasher thread: each item's key, a fetched body by its raw bytes and declared type (which names an
+    audio file's type when its bytes do not), inline media by its base64 text."""
+    keys = []
+    for index, item in enumerate(plan.items):
+        part = item.part
+        body = fetched.get(index)
+        if body is not None:
+            digest = media_digest(body.data, "raw")
+            keys.append(cache_key(digest, cache.context(part.kind, part.audio_format, body.mime)))
+        else:
+            keys.append(cache_key(_digest(media_ref, item), cache.context(part.kind, part.audio_format)))
+    return keys
 
 
 async def _keys(cache: MediaCache, plan: Plan, media_ref: weakref.ref[MediaBuffer], identity: str) -> list[bytes]:
@@ -188,12 +242,15 @@ async def _look_up(cache: MediaCache, keys: list[bytes], verdicts: dict[bytes, V
 
 
 async def _decode(state: AppState, ex: Exchange, plan: Plan, media_ref: weakref.ref[MediaBuffer],
-                  first: dict[bytes, Item], verdicts: dict[bytes, Verdict]) -> None:
-    """Decode the missed items on the pool; settle each key as its item finishes (refusals too)."""
+                  first: dict[bytes, int], verdicts: dict[bytes, Verdict],
+                  fetched: dict[int, Fetched] | None = None) -> None:
+    """Decode the missed items (key → the index of its first item) on the pool; settle each key as its item
+    finishes (refusals too). A URL item takes its bytes from ``fetched``."""
     cache = state.cache
     assert cache is not None and state.pool is not None and ex.lease is not None
     batch = state.pool.batch()
-    missed = list(first.items())
+    fetched = fetched or {}
+    missed = [(key, plan.items[index]) for key, index in first.items()]
     done: dict[bytes, Verdict] = {}  # filled in the decode threads: a dict store is atomic
 
     def record(index: int, future: Future[Verdict]) -> None:
@@ -206,7 +263,7 @@ async def _decode(state: AppState, ex: Exchange, plan: Plan, media_ref: weakref.
         elif isinstance(error, MediaError):  # the media's own fault: kept, so it is refused again undecoded
             done[key] = refused(error, item.size)
 
-    jobs = [media_job(state, media_ref, item, None) for _key, item in missed]
+    jobs = [media_job(state, media_ref, plan.items[index], fetched.pop(index, None)) for index in first.values()]
     try:
         await batch.run(jobs, state.settings.preprocess_timeout, record)
     except (MediaError, TimeoutError) as exc:

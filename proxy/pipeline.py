@@ -16,7 +16,7 @@ from aiohttp import HttpVersion11, hdrs, web
 
 from .body import joined, read_body
 from .buffers import MediaBuffer
-from .cached_media import run_plan_cached
+from .cached_media import run_fetched_plan_cached, run_plan_cached
 from .dialects import dialect_for_path, route_for
 from .errors import MmgateError, UpstreamError, draining, internal_error
 from .exchange import CLIENT_CLOSED, Exchange, log, record
@@ -168,7 +168,8 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
 
 
 async def _admit_fetch_and_run(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> Rewrites:
-    """Without the cache (or with media URLs to fetch): admit the whole plan, fetch its URLs, run it."""
+    """Without the cache, or with media URLs to fetch: admit the whole plan, fetch its URLs, run it (through
+    the cache, by the fetched bytes, when there is one)."""
     settings = state.settings
     started = time.perf_counter()
     ex.lease = await state.gate.acquire(plan.cost, settings.queue_timeout, ex.place, ex.image_tokens)
@@ -185,6 +186,8 @@ async def _admit_fetch_and_run(state: AppState, ex: Exchange, plan: Plan, media:
             ex.watch.add("fetch", time.perf_counter() - started)
             ex.fetched = read[0]
 
+    if state.cache is not None:  # fetched media is cached by its bytes
+        return await run_fetched_plan_cached(state, ex, plan, media, fetched)
     started = time.perf_counter()
     try:
         return await run_plan(state, plan, media, ex.lease, fetched)

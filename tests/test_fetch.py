@@ -194,6 +194,28 @@ async def test_an_image_needing_no_change_is_inlined_with_its_true_type(
     assert sent_image_url(upstream) == "data:image/png;base64," + base64.b64encode(png).decode()
 
 
+async def test_fetched_media_is_cached_by_its_bytes(remote: Upstream, upstream: Upstream,
+                                                    start_proxy: StartProxy) -> None:
+    photo = photo_jpeg()
+    remote.route("/a.jpg", serve(photo, "image/jpeg"))
+    remote.route("/same-bytes-elsewhere.jpg", serve(photo, "image/jpeg"))
+    remote.route("/bomb.png", serve(image_bytes(400, 400), "image/png"))
+    proxy = await fetching(start_proxy, upstream, MMGATE_RESIZE_MAX_PIXELS="1000000", MMGATE_MAX_IMAGE_PIXELS="1000")
+    photo_proxy = await fetching(start_proxy, upstream, MMGATE_RESIZE_MAX_PIXELS="1000000")
+    for url in ("/a.jpg", "/a.jpg", "/same-bytes-elsewhere.jpg"):
+        status, doc, _h = await post(photo_proxy, chat_with_image(remote.url + url))
+        assert status == 200, doc
+    first, second, third = (sent_image_url(upstream, i) for i in range(3))
+    assert first == second == third and first.startswith("data:image/jpeg;base64,")
+    assert sample(photo_proxy, "mmgate_fetches_total", outcome="ok") == 3  # the fetch itself is not saved
+    assert (sample(photo_proxy, "mmgate_cache_misses_total"), sample(photo_proxy, "mmgate_cache_hits_total")) == (1, 2)
+    # a refusal is kept too: the second time it is refused without a decode
+    for _ in range(2):
+        status, doc, _h = await post(proxy, chat_with_image(remote.url + "/bomb.png"))
+        assert (status, doc["error"]["code"]) == (400, "image_too_large")
+    assert (sample(proxy, "mmgate_cache_misses_total"), sample(proxy, "mmgate_cache_hits_total")) == (1, 1)
+
+
 def _wav(seconds: float) -> bytes:
     buf = io.BytesIO()
     with wave.open(buf, "wb") as out:
