@@ -79,12 +79,14 @@ def start_stub(*args: str, cpus: set[int] | None = None) -> tuple[subprocess.Pop
 def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
                  variant: str | None = None, cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """mmgate in its own process: ``python -m proxy``, or with ``variant`` (``"nice0"``, ``"loop"``) the
-    baseline decode pool of ``python -m testkit.variants``."""
+    baseline decode pool of ``python -m testkit.variants``. The processed-media cache is off unless ``flags``
+    turn it on: benchmarks resend their images, and a cache would answer them without the work they measure
+    (``bench/cache.py`` measures the cache)."""
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")} | (env or {})
     cmd = [sys.executable, "-m", "proxy"] if variant is None else [sys.executable, "-m", "testkit.variants", variant]
     cmd += ["--upstream", upstream, "--port", str(port), "--host", "127.0.0.1", "--access-log", "off",
-            "--drain-grace", "0", "--drain-timeout", "2", *flags]
+            "--drain-grace", "0", "--drain-timeout", "2", "--cache-mb", "0", *flags]
     with tempfile.NamedTemporaryFile(prefix="mmgate-bench-", suffix=".log", delete=False) as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=log,
                                 preexec_fn=_pin(cpus))
