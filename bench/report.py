@@ -88,6 +88,37 @@ def load_results(results: Path = R.RESULTS) -> dict[str, dict[str, Any]]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
 
 
+def _median(cell: dict[str, Any], digits: str = ".3g") -> str:
+    """``median (min–max)`` of a row's figure."""
+    lo, hi = cell["spread"]
+    return f"{cell['median']:{digits}} ({lo:{digits}}–{hi:{digits}})"
+
+
+def scaling_table(data: dict[str, Any]) -> list[str]:
+    """The decode-mode × workers table of ``scale.json``, for the README's scaling paragraph."""
+    _, when = freshness(data)
+    lines = [
+        f"Scaling (`bench/scale.py` → `scale.json`; {when}; {machine(data)}): one mmgate process, 12 MP JPEG "
+        "chat requests, clients saturating the pool, `/mmgate/health` probed every 10 ms; median (min–max) of "
+        f"{data['settings']['rounds']} rounds.",
+        "",
+        "| mode | resize | workers | req/s | × one worker | mmgate cores | CPU ms/request | health p99 ms "
+        "| health max ms | peak RSS MB (mmgate + workers) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['mode']} | {'1 MP' if r['resize'] else 'off'} | {r['workers']} | {_median(r['rps'])} "
+            f"| {_median(r['x_one_worker'])} | {_median(r['cores'])} | {_median(r['cpu_ms_per_req'])} "
+            f"| {_median(r['health_p99_ms'])} | {_median(r['health_max_ms'])} "
+            f"| {r['rss_mmgate_mb']['median']:.0f} + {r['rss_workers_mb']['median']:.0f} |")
+    cores = (data.get("machine") or {}).get("usable_cores")
+    if cores is not None and cores < 16:
+        lines += ["", f"16 cores, 14 workers: not yet measured (the run above had {cores} usable cores); "
+                      "`python -m bench.scale` measures that row unchanged on a machine that has them."]
+    return lines
+
+
 def render_section(results: Path = R.RESULTS) -> str:
     """The generated section, markers included."""
     files = load_results(results)
@@ -103,6 +134,7 @@ def render_section(results: Path = R.RESULTS) -> str:
          "recorded no commit); their figures describe older code until the bench runs again."
          if stale else "Every result was measured on the code as committed."),
         "",
+        *((*scaling_table(files["scale"]), "") if "scale" in files else ()),
         END,
     ]
     return "\n".join(lines)
