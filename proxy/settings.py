@@ -28,15 +28,15 @@ class ConfigError(ValueError):
 
 
 # From this many usable CPUs on, decode workers are processes by default (README "Decode mode" says why).
-PROCESS_MODE_FROM_CPUS = 4
+PROCESS_MODE_FROM_CPUS = 2
 # A decode process before its first item: the interpreter, Pillow and pybase64 (measured RSS, rounded up).
 WORKER_PROCESS_BYTES = 32 * MIB
 
 
 def default_decode_mode(cpus: int) -> str:
-    """``thread`` on small machines, where the GIL costs the loop little and a process per worker is not
-    worth its memory and copies; ``process`` from PROCESS_MODE_FROM_CPUS usable CPUs on, where threads
-    would serialise on the GIL and the event loop would queue behind them."""
+    """``thread`` with one usable CPU, where one worker's GIL holds cost the loop little and a process is not
+    worth its memory and copies; ``process`` from PROCESS_MODE_FROM_CPUS on, where the threads' holds add up
+    and the event loop queues behind them (README, Tuning: the measurements behind the threshold)."""
     return "process" if cpus >= PROCESS_MODE_FROM_CPUS else "thread"
 
 
