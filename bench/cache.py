@@ -10,7 +10,8 @@ Per round, for each mode (cache off: MMGATE_CACHE_MB=0; on: the default) a fresh
 conversation starts cold and VmHWM is the mode's own), decode + resize to 1 MP (--resize-max-pixels 1000000),
 in front of a sink upstream (own process: reads the body, answers a small JSON; no decode, so latency is
 mmgate's). Requests are sent one at a time, so the CPU mmgate burns between sending a request and reading its
-answer (every thread, from /proc/PID/task/*/schedstat, nanoseconds) is that request's. "Media CPU" is that
+answer (every thread, and its decode worker processes', from /proc/PID/task/*/schedstat, nanoseconds) is that
+request's. "Media CPU" is that
 minus the CPU of the same body sent to a path that is no media route (read and forwarded untouched, measured
 in the same process): what the media step costs. Photos differ by a JPEG comment segment only (same decode
 work, different bytes), tagged per round and mode so nothing is reused across conversations.
@@ -92,13 +93,20 @@ def turns(name: str, photo: bytes, tag: str, count: int) -> list[bytes]:
 # --- processes and measurements --------------------------------------------------------------------------
 
 def cpu_ns(pid: int) -> int:
-    """CPU time of every thread of ``pid`` so far, in ns (schedstat: finer than the 10 ms of /proc/PID/stat)."""
+    """CPU time of every thread of ``pid`` and of the processes below it (decode worker processes) so far, in
+    ns (schedstat: finer than the 10 ms of /proc/PID/stat)."""
     total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # the process is gone
+        return 0
+    for task in tasks:
         try:
             total += int((task / "schedstat").read_text().split()[0])
+            children = (task / "children").read_text().split()
         except (OSError, ValueError, IndexError):
             continue
+        total += sum(cpu_ns(int(child)) for child in children)
     return total
 
 
@@ -296,12 +304,14 @@ def render(meta: dict[str, Any], rounds: list[dict[str, Any]], figures: dict[str
         "",
         f"`python -m bench.cache` -- {meta['date']}, Python {meta['python']}, {meta['usable_cpus']} usable CPUs, "
         f"{meta['rounds']} rounds of {meta['turns']} turns, {meta['wall_s']} s in all. Photo: {meta['photo']}. "
-        f"mmgate flags: `{' '.join(FLAGS)}`, cache off = `--cache-mb 0`, on = the default.",
+        f"mmgate flags: `{' '.join(FLAGS)}`, cache off = `--cache-mb 0`, on = the default; "
+        "decode mode: the default for this machine's CPUs.",
         f"Start: `{meta['uptime_start']}`  ",
         f"End: `{meta['uptime_end']}`",
         "",
-        "Each cell: median over rounds (min–max). Per request: mmgate's CPU (all threads, schedstat) while that "
-        "request was in flight, requests one at a time; media CPU subtracts the same body sent to a non-media "
+        "Each cell: median over rounds (min–max). Per request: mmgate's CPU (all threads and decode worker "
+        "processes, schedstat) while that request was in flight, requests one at a time; media CPU subtracts "
+        "the same body sent to a non-media "
         "path (so a hit's media CPU is its parse and hash, and can come out below 0 where that is under the noise). "
         "Peak RSS: mmgate's VmHWM over one conversation.",
         "",
