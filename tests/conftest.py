@@ -8,7 +8,9 @@ so test modules keep importing them from ``.conftest``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,19 +22,28 @@ from proxy.connections import GuardedSite
 from proxy.state import STATE
 from testkit.servers import Handler, Proxy, Seen, StartProxy, Upstream, proxy_settings
 
-__all__ = ["Handler", "Proxy", "Seen", "StartProxy", "Upstream", "require_heavy"]
+__all__ = ["Handler", "Proxy", "Seen", "StartProxy", "Upstream", "require_heavy", "scriptable_server"]
 
 
-@pytest.fixture
-async def upstream() -> Any:
+@contextlib.asynccontextmanager
+async def scriptable_server() -> AsyncIterator[Upstream]:
+    """A scriptable ``Upstream`` listening on 127.0.0.1 for the duration of the block."""
     up = Upstream()
     app = web.Application(client_max_size=1 << 30, handler_args={"auto_decompress": False})  # raw wire bytes
     app.router.add_route("*", "/{tail:.*}", up._dispatch)
     up.server = TestServer(app, host="127.0.0.1")
     await up.server.start_server()
-    yield up
-    up.release.set()
-    await up.server.close()
+    try:
+        yield up
+    finally:
+        up.release.set()
+        await up.server.close()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    async with scriptable_server() as up:
+        yield up
 
 
 @pytest.fixture

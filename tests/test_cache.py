@@ -203,15 +203,22 @@ async def test_one_verdict_serves_parts_that_declare_differently(upstream: Upstr
 # ------------------------------------------------------------------------------------------- single flight
 
 
+async def leader_and_waiter(proxy: Proxy, body: dict[str, Any]) -> tuple[asyncio.Task[Any], asyncio.Task[Any]]:
+    """Two requests for the same new image, with every decode thread blocked: the first's item queued in the
+    pool, the second waiting in the cache for the first's verdict."""
+    leader = asyncio.create_task(post(proxy, body))
+    await eventually(lambda: proxy.state.pool.queued == 1, "the leader's item queued")  # type: ignore[union-attr]
+    waiter = asyncio.create_task(post(proxy, body))
+    await eventually(lambda: proxy.state.cache.waiting == 1, "the second waits for the first")  # type: ignore[union-attr]
+    return leader, waiter
+
+
 async def test_concurrent_first_requests_decode_once(upstream: Upstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url, **RESIZE)
     body = chat_with_image(data_uri(PHOTO))
     blocked = BlockedPool(proxy.state.pool)
     try:
-        leader = asyncio.create_task(post(proxy, body))
-        await eventually(lambda: proxy.state.pool.queued == 1, "the leader's item queued")  # type: ignore[union-attr]
-        waiter = asyncio.create_task(post(proxy, body))
-        await eventually(lambda: proxy.state.cache.waiting == 1, "the second waits for the first")  # type: ignore[union-attr]
+        leader, waiter = await leader_and_waiter(proxy, body)
         assert (await cache_metrics(proxy))["waiting"] == 1
         assert proxy.state.gate.in_use == 1  # the waiter holds no slot while it waits
     finally:
@@ -293,10 +300,7 @@ async def test_a_waiter_inherits_the_refusal_of_bad_media(upstream: Upstream, st
     body = chat_with_image(data_uri(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64, "image/png"))  # a PNG that is no PNG
     blocked = BlockedPool(proxy.state.pool)
     try:
-        leader = asyncio.create_task(post(proxy, body))
-        await eventually(lambda: proxy.state.pool.queued == 1, "the leader's item queued")  # type: ignore[union-attr]
-        waiter = asyncio.create_task(post(proxy, body))
-        await eventually(lambda: proxy.state.cache.waiting == 1, "the second waits")  # type: ignore[union-attr]
+        leader, waiter = await leader_and_waiter(proxy, body)
     finally:
         blocked.release()
     (status_a, answer_a), (status_b, answer_b) = await leader, await waiter

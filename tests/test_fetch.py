@@ -26,7 +26,6 @@ import openai
 import pytest
 from aiohttp import web
 from aiohttp.abc import AbstractResolver, ResolveResult
-from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -45,7 +44,7 @@ from proxy.fetch import (
 from proxy.settings import ConfigError, Settings
 from testkit.media import chat_with_image, eventually, image_bytes, photo_jpeg
 
-from .conftest import Proxy, StartProxy, Upstream
+from .conftest import Proxy, StartProxy, Upstream, scriptable_server
 
 # ----------------------------------------------------------------------------------------------------------
 # the witness: no packet leaves loopback while these tests run
@@ -89,14 +88,8 @@ def loopback_only() -> Any:
 @pytest.fixture
 async def remote() -> AsyncIterator[Upstream]:
     """The media server the URLs point at (a second scriptable server, on 127.0.0.1)."""
-    up = Upstream()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", up._dispatch)
-    up.server = TestServer(app, host="127.0.0.1")
-    await up.server.start_server()
-    yield up
-    up.release.set()
-    await up.server.close()
+    async with scriptable_server() as up:
+        yield up
 
 
 FETCH = {"MMGATE_MEDIA_URLS": "fetch", "MMGATE_FETCH_ALLOW_ADDRESSES": "127.0.0.1/32"}
@@ -140,6 +133,20 @@ async def refused(proxy: Proxy, upstream: Upstream, url: str, code: str) -> str:
     assert sample(proxy, "mmgate_fetches_total", outcome=code) >= 1
     message: str = doc["error"]["message"]
     return message
+
+
+def held_image(remote: Upstream) -> asyncio.Event:
+    """Route ``/held`` on ``remote`` to a small PNG answered only once ``remote.release`` is set; the event
+    returned is set when the request arrives."""
+    arrived = asyncio.Event()
+
+    async def held(request: web.Request) -> web.StreamResponse:
+        arrived.set()
+        await remote.release.wait()
+        return web.Response(body=image_bytes(8, 8), content_type="image/png")
+
+    remote.route("/held", held)
+    return arrived
 
 
 def sent_image_url(upstream: Upstream, index: int = 0) -> str:
@@ -277,14 +284,7 @@ async def test_the_openai_sdk_sends_an_http_image_url_that_arrives_inline(
 
 async def test_a_url_is_charged_the_per_item_cap_at_admission_before_its_bytes_are_read(
         remote: Upstream, upstream: Upstream, start_proxy: StartProxy) -> None:
-    arrived = asyncio.Event()
-
-    async def held(request: web.Request) -> web.StreamResponse:
-        arrived.set()
-        await remote.release.wait()
-        return web.Response(body=image_bytes(8, 8), content_type="image/png")
-
-    remote.route("/held", held)
+    arrived = held_image(remote)
     proxy = await fetching(start_proxy, upstream, MMGATE_MAX_MEDIA_ITEM_MB="3")
     sending = asyncio.create_task(post(proxy, chat_with_image(f"{remote.url}/held")))
     await arrived.wait()
@@ -304,14 +304,7 @@ async def test_a_url_is_charged_the_per_item_cap_at_admission_before_its_bytes_a
 
 async def test_a_client_that_leaves_mid_fetch_frees_the_gate_and_stops_the_fetch(
         remote: Upstream, upstream: Upstream, start_proxy: StartProxy) -> None:
-    arrived = asyncio.Event()
-
-    async def held(request: web.Request) -> web.StreamResponse:
-        arrived.set()
-        await remote.release.wait()
-        return web.Response(body=image_bytes(8, 8), content_type="image/png")
-
-    remote.route("/held", held)
+    arrived = held_image(remote)
     proxy = await fetching(start_proxy, upstream)
     leaving = asyncio.create_task(post(proxy, chat_with_image(f"{remote.url}/held")))
     await arrived.wait()
