@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -295,6 +296,49 @@ def test_dockerfile_base_user_port_healthcheck_entrypoint() -> None:
         if keyword == "COPY":
             for source in shlex.split(args)[:-1]:
                 assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+
+
+def test_dockerfile_copies_everything_the_package_installs() -> None:
+    """``pip install .`` in the image builds the wheel from what was COPYed before it: every package
+    [tool.setuptools] names, each file its package-data and the project's readme name, else the build fails
+    ("package directory ... does not exist") or installs a proxy without its dashboard."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    setuptools = project["tool"]["setuptools"]
+    instructions = dockerfile_instructions(DEPLOY / "Dockerfile")
+    install = next(i for i, (keyword, args) in enumerate(instructions)
+                   if keyword == "RUN" and re.search(r"\bpip install\b", args))
+    copied: dict[str, str] = {}  # destination in the build folder -> source in the repository
+    workdir = "/"
+    for keyword, args in instructions[:install]:
+        if keyword == "WORKDIR":
+            workdir = args
+        elif keyword == "COPY":
+            *sources, destination = shlex.split(args)
+            assert not any(s.startswith("--") for s in sources), "COPY flags are not checked here"
+            for source in sources:
+                target = destination.rstrip("/") + "/" + Path(source).name if destination.endswith("/") else destination
+                copied[os.path.normpath(os.path.join(workdir, target))] = source
+    build = os.path.normpath(workdir)
+
+    def in_image(relative: str) -> Path | None:
+        """Where ``relative`` (to the project root) comes from in the repository, if it was copied."""
+        for destination, source in copied.items():
+            inside = os.path.relpath(os.path.join(build, relative), destination)
+            if inside == "." or not inside.startswith(".."):
+                return ROOT / source / ("" if inside == "." else inside)
+        return None
+
+    wanted = ["pyproject.toml", project["project"]["readme"], *setuptools["packages"]]
+    missing = [name for name in wanted if in_image(name) is None]
+    assert not missing, f"pip install runs before these are copied: {missing}"
+    for package in setuptools["packages"]:
+        source = in_image(package)
+        assert source is not None and (source / "__init__.py").is_file(), f"{package}: not a package where copied"
+    for package, patterns in setuptools.get("package-data", {}).items():
+        source = in_image(package)
+        assert source is not None, f"package data of {package}: the package is not copied"
+        for pattern in patterns:
+            assert list(source.glob(pattern)), f"package data {package}/{pattern}: nothing there in the image"
 
 
 # ---------------------------------------------------------------- compose
