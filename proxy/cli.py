@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import errno
 import importlib.util
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -76,7 +78,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="serve (default) or demo: the proxy in front of the built-in stub backend")
     parser.add_argument("--print-config", action="store_true", help="print the effective settings and exit")
     add_arguments(parser)
-    return parser.parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if (unknown := unknown_flag(parser, args)) is not None:
+        # Checked first: argparse would take the misspelt flag's value for the command and name that instead.
+        close = difflib.get_close_matches(unknown, list(parser._option_string_actions), n=1)
+        hint = f"did you mean {close[0]}?" if close else "mmgate --help lists every flag"
+        parser.exit(2, f"mmgate: unknown flag {unknown} ({hint})\n")
+    return parser.parse_args(args)
+
+
+_NUMBER = re.compile(r"-\d+(\.\d*)?|-\.\d+")
+
+
+def unknown_flag(parser: argparse.ArgumentParser, args: Sequence[str]) -> str | None:
+    """The first ``-flag`` in ``args`` that is neither one of the parser's options nor an abbreviation of one."""
+    known = list(parser._option_string_actions)
+    for arg in args:
+        if arg == "--":
+            return None
+        if not arg.startswith("-") or arg == "-" or _NUMBER.fullmatch(arg):
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in known or (flag.startswith("--") and any(option.startswith(flag) for option in known)):
+            continue
+        return flag
+    return None
 
 
 class ListenError(Exception):
