@@ -307,3 +307,20 @@ async def test_demo_snippets_work(tmp_path: Path) -> None:
     finally:
         status = await interrupt(process)
     assert status == 0 and "mmgate stopped" in log.read_text(), log.read_text()[-2000:]
+
+
+def test_the_docs_name_the_decode_pool_as_it_is() -> None:
+    """The default pool is worker processes from 2 usable CPUs (threads only on one): no text a user reads may
+    call it a thread pool, but where it quotes another project's fix."""
+    from proxy.settings import default_decode_mode
+
+    assert [default_decode_mode(1), default_decode_mode(2), default_decode_mode(16)] == ["thread", "process", "process"]
+    files = [README, *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "deploy").rglob("*")),
+             *sorted((REPO / "proxy").rglob("*.py")), *sorted((REPO / "preprocessors").rglob("*.py"))]
+    said = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+            for path in files if path.is_file()
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+            if re.search(r"thread[- ]pool", line, re.IGNORECASE) and "Fix there:" not in line]
+    assert not said, "\n".join(said)
+    intro = README.read_text().split("## Two commands")[0]
+    assert "worker processes" in intro and "threads on one CPU" in intro
