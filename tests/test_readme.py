@@ -112,14 +112,17 @@ def with_ports(text: str, replacements: dict[str, str]) -> str:
     return text
 
 
-def snippet_env() -> dict[str, str]:
-    """A new user's shell with the venv active, no proxy for 127.0.0.1, and mmgate on loopback only."""
+def snippet_env(tmpdir: Path | None = None) -> dict[str, str]:
+    """A new user's shell with the venv active, no proxy for 127.0.0.1, and mmgate on loopback only; ``tmpdir``
+    as its temporary folder (``mktemp``, Python's ``tempfile``)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("MMGATE_") and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
     env["MMGATE_HOST"] = "127.0.0.1"
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(VENV_BIN.parent)
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     return env
 
 
@@ -158,8 +161,8 @@ def heredoc_python(snippet: str) -> str | None:
     return match.group(1) if match else None
 
 
-async def run_to_end(argv: list[str], cwd: Path) -> tuple[int, str]:
-    process = await asyncio.create_subprocess_exec(*argv, cwd=cwd, env=snippet_env(),
+async def run_to_end(argv: list[str], cwd: Path, tmpdir: Path | None = None) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(*argv, cwd=cwd, env=snippet_env(tmpdir),
                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         async with asyncio.timeout(SNIPPET_TIMEOUT):
@@ -232,8 +235,12 @@ def test_use_it_python_needs_only_the_demo_extra() -> None:
 
 
 async def test_use_it_snippets_work(tmp_path: Path) -> None:
-    """Stub, mmgate, then every client snippet in README order; each answers with what the stub saw."""
+    """Stub, mmgate, then every client snippet in README order; each answers with what the stub saw, and leaves
+    nothing behind: not in the folder it runs in (a user's checkout), not in the temporary folder."""
     require_curl()
+    checkout, tmpdir = tmp_path / "checkout", tmp_path / "tmp"
+    checkout.mkdir()
+    tmpdir.mkdir()
     ports = {"backend": free_port(), "mmgate": free_port()}
     replacements = port_replacements(ports["backend"], ports["mmgate"])
     servers: list[asyncio.subprocess.Process] = []
@@ -254,11 +261,13 @@ async def test_use_it_snippets_work(tmp_path: Path) -> None:
             if block.lang == "python":
                 script = tmp_path / f"snippet-{number}.py"
                 script.write_text(text)
-                status, output = await run_to_end([sys.executable, str(script)], tmp_path)
+                status, output = await run_to_end([sys.executable, str(script)], checkout, tmpdir)
             else:
-                status, output = await run_to_end(["bash", "-c", text], tmp_path)
+                status, output = await run_to_end(["bash", "-c", text], checkout, tmpdir)
             assert status == 0, f"{where}: exit status {status}: {output[-2000:]}"
             assert STUB_ANSWER in output, f"{where}: {output[-2000:]}"
+            left = [str(p.relative_to(tmp_path)) for p in (*checkout.rglob("*"), *tmpdir.rglob("*"))]
+            assert not left, f"{where}: the snippet left {left} behind"
         assert len(servers) == len(SERVERS)
     finally:
         statuses = [await interrupt(process) for process in reversed(servers)]
