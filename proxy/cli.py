@@ -286,11 +286,18 @@ mmgate demo: proxy on {base} -> stub backend at {settings.upstream}
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "stub", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
-  # the openai SDK comes with the demo extra: pip install -e '.[demo]'
+  # an image, made on the fly and sent inline (the openai SDK comes with the demo extra: pip install -e '.[demo]')
   python - <<'EOF'
+import base64, io
 from openai import OpenAI
+from PIL import Image
+png = io.BytesIO()
+Image.new("RGB", (640, 480), "teal").save(png, "PNG")
+image = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
 client = OpenAI(base_url="{base}/v1", api_key="unused")
-reply = client.chat.completions.create(model="stub", messages=[{{"role": "user", "content": "Hello!"}}])
+reply = client.chat.completions.create(model="stub", messages=[{{"role": "user", "content": [
+    {{"type": "text", "text": "What is in this picture?"}},
+    {{"type": "image_url", "image_url": {{"url": image}}}}]}}])
 print(reply.choices[0].message.content)
 EOF
 

@@ -300,13 +300,18 @@ async def test_demo_snippets_work(tmp_path: Path) -> None:
         paragraphs = [p for p in "".join(printed).split("\n\n") if p.strip()]
         snippets = [p for p in paragraphs if p.lstrip().startswith(("curl", "python", "#"))]
         assert len(snippets) == 2, paragraphs
+        images_seen = []
         for snippet in snippets:
             code = heredoc_python(snippet)
             if code is not None:
                 assert_imports_installed_by(code, "demo")
             status, output = await run_to_end(["bash", "-c", snippet + "\n"], tmp_path)
             assert status == 0, f"{snippet}\nexit status {status}: {output[-2000:]}"
-            assert "stub answer" in output, f"{snippet}\n{output[-2000:]}"
+            seen = re.search(r"stub answer: saw (\d+) image\(s\) \[([^\]]*)\]", output)
+            assert seen, f"{snippet}\n{output[-2000:]}"
+            images_seen.append(seen.groups())
+        # one snippet sends text, one an image made on the fly that arrives at the stub decoded
+        assert images_seen == [("0", ""), ("1", "640x480")], images_seen
         urls = re.findall(r"http://\S+", paragraphs[-1])
         assert len(urls) == 2 and all(f"127.0.0.1:{port}/" in url for url in urls), paragraphs[-1]
         async with aiohttp.ClientSession() as client:
