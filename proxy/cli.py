@@ -39,6 +39,7 @@ from .settings import (
     unknown_variables,
 )
 from .state import STATE, AppState
+from .upstream_health import loggable
 
 log = logging.getLogger("mmgate")
 
@@ -187,7 +188,7 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
         raise
     port = site.port
     log.info("mmgate listening on http://%s:%s%s -> %s", settings.host, port, where_note(settings.host),
-             settings.upstream)
+             loggable(settings.upstream))
     if settings.admin_port:
         log.info("/mmgate/* only on the admin port: http://%s:%s", settings.host, settings.admin_port)
     if on_ready is not None:
