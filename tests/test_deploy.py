@@ -26,6 +26,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
+from bench import worst_case  # noqa: E402
 from proxy.metrics import Metrics  # noqa: E402
 from proxy.settings import Settings  # noqa: E402
 
@@ -459,13 +460,30 @@ def test_k8s_termination_grace_covers_the_drain(k8s: dict[str, Any]) -> None:
 
 
 def test_k8s_resources_fit_the_configured_limits(k8s: dict[str, Any]) -> None:
-    """The memory limit is above the worst case the ConfigMap allows; decode threads fit the CPU limit."""
-    settings = Settings.from_env(k8s["env"])
+    """The memory limit keeps the headroom the README claims over the worst case the ConfigMap allows, with the
+    decode mode mmgate picks on the container's CPUs (not this machine's); decode workers fit the CPU limit."""
     limits = k8s["mmgate"]["resources"]["limits"]
-    assert quantity_bytes(limits["memory"]) > settings.worst_case_memory_bytes()["total"]
+    settings, read_limits = worst_case.k8s_sidecar()
+    assert read_limits == limits
+    assert settings == worst_case.pod_settings(k8s["env"], quantity_cpus(str(limits["cpu"])))
+    assert settings.decode_mode == "process"  # the pod's 2 CPUs: worker processes, counted in the bound
+    bound = settings.worst_case_memory_bytes()["total"]
+    assert quantity_bytes(limits["memory"]) >= worst_case.HEADROOM * bound
     assert settings.decode_workers <= quantity_cpus(str(limits["cpu"]))
     security = k8s["mmgate"]["securityContext"]
     assert security["runAsNonRoot"] is True and security["allowPrivilegeEscalation"] is False
+
+
+def test_readme_worst_case_figures_are_generated_from_the_code() -> None:
+    """The README's worst-case memory figures are what --print-config prints (``python -m bench.worst_case``)."""
+    readme = worst_case.README.read_text()
+    assert worst_case.rewrite(readme, worst_case.render()) == readme, (
+        "README.md's worst-case memory figures disagree with the code: run python -m bench.worst_case")
+    texts = worst_case.current(readme)
+    defaults = worst_case.default_settings()
+    total = f"{defaults.worst_case_memory_bytes()['total'] / 2**20:.0f} MiB"
+    assert total in texts["defaults"] and defaults.decode_mode == "process"
+    assert worst_case.main(["--check"]) == 0
 
 
 # ---------------------------------------------------------------- metric names in Grafana and alerts
