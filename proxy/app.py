@@ -71,6 +71,7 @@ def build_state(settings: Settings) -> AppState:
     state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.max_audio_seconds),
                      trimmer, connections, lifecycle=lifecycle, model=model)
     metrics.media_bytes_live.set_function(lambda: state.buffers.bytes_live)
+    metrics.requests_reading.set_function(lambda: state.reading)
     metrics.media_buffers_live.set_function(lambda: state.buffers.owners_live)
     if settings.cache_mb:
         cache = state.cache = MediaCache(settings.cache_bytes, settings_fingerprint(settings),

@@ -85,7 +85,11 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
 
     started = time.perf_counter()
     on_head = partial(_take_place_for_media, state, ex) if ex.route != "other" else None
-    chunks = await read_body(request, settings.max_body_bytes, settings.body_read_timeout, on_head)
+    state.reading += 1
+    try:
+        chunks = await read_body(request, settings.max_body_bytes, settings.body_read_timeout, on_head)
+    finally:
+        state.reading -= 1
     ex.watch.add("read", time.perf_counter() - started)
     ex.bytes_in = sum(map(len, chunks))
 
