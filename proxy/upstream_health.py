@@ -78,4 +78,7 @@ class UpstreamHealth:
                 self._went_down.clear()
                 await self._went_down.wait()
             await asyncio.sleep(RECHECK_SECONDS)
-            await probe()
+            try:
+                await probe()
+            except Exception:  # a fault of the check itself must not end the re-checks
+                log.exception("upstream check of %s failed", self.health_url)
