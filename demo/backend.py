@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import io
 import math
+import os
 import signal
 import time
 import uuid
@@ -604,13 +605,21 @@ def _arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+class ListenError(Exception):
+    """The stub cannot listen where it was told; ``str()`` is the one line main() prints before exit status 2."""
+
+
 async def _run(host: str, port: int, config: StubConfig) -> None:
     app = create_stub_app(config)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # a port in use, a host that is not ours: one line for main(), no traceback
+            reason = os.strerror(exc.errno).lower() if exc.errno else str(exc.strerror or exc).lower()
+            raise ListenError(f"cannot listen on {host}:{port}: {reason} (--host / --port)") from None
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -631,7 +640,10 @@ def main(argv: list[str] | None = None) -> None:
                             workers=args.workers, model=args.model)
     except ValueError as exc:
         parser.exit(2, f"stub backend: {exc}\n")
-    asyncio.run(_run(args.host, args.port, config))
+    try:
+        asyncio.run(_run(args.host, args.port, config))
+    except ListenError as exc:
+        parser.exit(2, f"stub backend: {exc}\n")
 
 
 if __name__ == "__main__":

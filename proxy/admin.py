@@ -7,6 +7,7 @@ upstream (cached about a second, so a probe storm never becomes an upstream stor
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from .state import STATE, AppState
 
 READY_CACHE_SECONDS = 1.0
 READY_PROBE_TIMEOUT = 2.0
+# The probe says who it is, so an upstream's access log (and a test's upstream) can tell it from client traffic.
+PROBE_USER_AGENT = "mmgate-upstream-check"
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
 
 
@@ -32,18 +35,26 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def probe_upstream(state: AppState) -> tuple[bool, str]:
-    """Whether the upstream's health endpoint answers 2xx; reused for about a second."""
+    """Whether the upstream's health endpoint answers 2xx; reused for about a second. Also what
+    ``state.upstream`` knows: a failed connect marks the upstream down, any answer marks it up."""
     checked_at, ok, detail = state.ready_cache
     now = time.monotonic()
     if now - checked_at < READY_CACHE_SECONDS:
         return ok, detail
     assert state.session is not None
     url = state.settings.upstream + state.settings.upstream_health_path
+    timeout = aiohttp.ClientTimeout(total=READY_PROBE_TIMEOUT, sock_connect=READY_PROBE_TIMEOUT)
     try:
-        async with state.session.get(url, timeout=aiohttp.ClientTimeout(total=READY_PROBE_TIMEOUT)) as response:
+        async with state.session.get(url, timeout=timeout, headers={"User-Agent": PROBE_USER_AGENT}) as response:
             await response.read()
             ok, detail = 200 <= response.status < 300, f"upstream health answered {response.status}"
-    except (aiohttp.ClientError, TimeoutError) as exc:
+        state.upstream.reached()
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        ok, detail = False, f"upstream health failed: {exc.__class__.__name__}"
+        number = getattr(getattr(exc, "os_error", None), "errno", None)
+        state.upstream.unreachable(os.strerror(number).lower() if isinstance(number, int) and number > 0
+                                   else exc.__class__.__name__)  # "connection refused"
+    except (aiohttp.ClientError, TimeoutError) as exc:  # connected, then failed: not known to be down
         ok, detail = False, f"upstream health failed: {exc.__class__.__name__}"
     state.ready_cache = (time.monotonic(), ok, detail)
     return ok, detail

@@ -20,7 +20,7 @@ from preprocessors.base import AudioPolicy, ImagePolicy
 from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool
 
-from .admin import add_admin_routes
+from .admin import add_admin_routes, probe_upstream
 from .admission import Gate
 from .cache import MediaCache, settings_fingerprint
 from .connections import ConnectionGuard, mark_head_received
@@ -71,6 +71,7 @@ def build_state(settings: Settings) -> AppState:
     state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.max_audio_seconds),
                      trimmer, connections, lifecycle=lifecycle, model=model)
     metrics.media_bytes_live.set_function(lambda: state.buffers.bytes_live)
+    metrics.requests_reading.set_function(lambda: state.reading)
     metrics.media_buffers_live.set_function(lambda: state.buffers.owners_live)
     if settings.cache_mb:
         cache = state.cache = MediaCache(settings.cache_bytes, settings_fingerprint(settings),
@@ -160,6 +161,16 @@ async def _decode_pool(app: web.Application) -> AsyncIterator[None]:
         state.cache.close()
 
 
+async def _upstream_watcher(app: web.Application) -> AsyncIterator[None]:
+    """Checks the upstream at start-up (mmgate starts either way) and again while it is known to be down."""
+    state = app[STATE]
+    task = asyncio.create_task(state.upstream.watch(lambda: probe_upstream(state)))
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def _loop_lag_watcher(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(watch_loop_lag(app[STATE].metrics))
     yield
@@ -184,7 +195,8 @@ def build_app(settings: Settings, *, admin: bool | None = None, state: AppState 
                           middlewares=[mark_head_received(state.connections), refusals_in_api_shape])
     app[STATE] = state
     if not shared:
-        app.cleanup_ctx.extend([_upstream_session, _fetch_session, _decode_pool, _loop_lag_watcher, _idle_trimmer])
+        app.cleanup_ctx.extend([_upstream_session, _upstream_watcher, _fetch_session, _decode_pool, _loop_lag_watcher,
+                                _idle_trimmer])
     if admin if admin is not None else not settings.admin_port:
         add_admin_routes(app)
     app.router.add_route("*", "/{tail:.*}", handle_request, expect_handler=expect_continue)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import errno
 import importlib.util
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,6 +39,7 @@ from .settings import (
     unknown_variables,
 )
 from .state import STATE, AppState
+from .upstream_health import loggable
 
 log = logging.getLogger("mmgate")
 
@@ -76,7 +79,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="serve (default) or demo: the proxy in front of the built-in stub backend")
     parser.add_argument("--print-config", action="store_true", help="print the effective settings and exit")
     add_arguments(parser)
-    return parser.parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if (unknown := unknown_flag(parser, args)) is not None:
+        # Checked first: argparse would take the misspelt flag's value for the command and name that instead.
+        close = difflib.get_close_matches(unknown, list(parser._option_string_actions), n=1)
+        hint = f"did you mean {close[0]}?" if close else "mmgate --help lists every flag"
+        parser.exit(2, f"mmgate: unknown flag {unknown} ({hint})\n")
+    return parser.parse_args(args)
+
+
+_NUMBER = re.compile(r"-\d+(\.\d*)?|-\.\d+")
+
+
+def unknown_flag(parser: argparse.ArgumentParser, args: Sequence[str]) -> str | None:
+    """The first ``-flag`` in ``args`` that is neither one of the parser's options nor an abbreviation of one."""
+    known = list(parser._option_string_actions)
+    for arg in args:
+        if arg == "--":
+            return None
+        if not arg.startswith("-") or arg == "-" or _NUMBER.fullmatch(arg):
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in known or (flag.startswith("--") and any(option.startswith(flag) for option in known)):
+            continue
+        return flag
+    return None
 
 
 class ListenError(Exception):
@@ -161,7 +188,7 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
         raise
     port = site.port
     log.info("mmgate listening on http://%s:%s%s -> %s", settings.host, port, where_note(settings.host),
-             settings.upstream)
+             loggable(settings.upstream))
     if settings.admin_port:
         log.info("/mmgate/* only on the admin port: http://%s:%s", settings.host, settings.admin_port)
     if on_ready is not None:
@@ -260,11 +287,18 @@ mmgate demo: proxy on {base} -> stub backend at {settings.upstream}
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "stub", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
-  # the openai SDK comes with the demo extra: pip install -e '.[demo]'
+  # an image, made on the fly and sent inline (the openai SDK comes with the demo extra: pip install -e '.[demo]')
   python - <<'EOF'
+import base64, io
 from openai import OpenAI
+from PIL import Image
+png = io.BytesIO()
+Image.new("RGB", (640, 480), "teal").save(png, "PNG")
+image = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
 client = OpenAI(base_url="{base}/v1", api_key="unused")
-reply = client.chat.completions.create(model="stub", messages=[{{"role": "user", "content": "Hello!"}}])
+reply = client.chat.completions.create(model="stub", messages=[{{"role": "user", "content": [
+    {{"type": "text", "text": "What is in this picture?"}},
+    {{"type": "image_url", "image_url": {{"url": image}}}}]}}])
 print(reply.choices[0].message.content)
 EOF
 

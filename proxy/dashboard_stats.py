@@ -142,6 +142,7 @@ def snapshot(state: AppState) -> dict[str, Any]:
             "in_use": _gauge_value(m.gate_in_use),
             "limit": _gauge_value(m.gate_limit),
             "waiting": _gauge_value(m.gate_waiting),
+            "reading": _gauge_value(m.gate_reading),  # media bodies still arriving, each holding a place in line
             "max_queue": s.max_queue,
         },
         "media": {
@@ -173,7 +174,8 @@ def snapshot(state: AppState) -> dict[str, Any]:
             "queue_depth": _gauge_value(m.pool_queue_depth),
             "stuck_workers": _gauge_value(m.pool_stuck_workers),
         },
-        "process": {"rss_bytes": _rss_bytes(), "in_flight": state.in_flight, "draining": not state.lifecycle.ready},
+        "process": {"rss_bytes": _rss_bytes(), "in_flight": state.in_flight, "reading": state.reading,
+                    "draining": not state.lifecycle.ready},
         "limits": {
             "max_mm_concurrency": s.max_mm_concurrency,
             "max_queue": s.max_queue,

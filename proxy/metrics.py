@@ -59,6 +59,10 @@ class Metrics:
             "mmgate_gate_reading", "Media requests holding a place in line while their body still arrives",
             registry=r,
         )
+        self.requests_reading = Gauge(
+            "mmgate_requests_reading", "Requests whose body is still being read (text and media, before any gate)",
+            registry=r,
+        )
         self.image_tokens_inflight = Gauge(
             "mmgate_image_tokens_inflight", "Image tokens (MMGATE_MODEL) charged to the gate's token budget", registry=r
         )

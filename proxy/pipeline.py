@@ -37,6 +37,7 @@ from .upstream import (
     request_id_for,
     upstream_headers,
 )
+from .upstream_health import upstream_down
 
 # Sent upstream with MMGATE_MODEL: the request's image tokens for the served model, for a router or scheduler.
 IMAGE_TOKENS_HEADER = "x-mmgate-image-tokens"
@@ -84,7 +85,11 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
 
     started = time.perf_counter()
     on_head = partial(_take_place_for_media, state, ex) if ex.route != "other" else None
-    chunks = await read_body(request, settings.max_body_bytes, settings.body_read_timeout, on_head)
+    state.reading += 1
+    try:
+        chunks = await read_body(request, settings.max_body_bytes, settings.body_read_timeout, on_head)
+    finally:
+        state.reading -= 1
     ex.watch.add("read", time.perf_counter() - started)
     ex.bytes_in = sum(map(len, chunks))
 
@@ -119,6 +124,7 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
         upstream = await open_upstream(state.session, request.method, settings.upstream + target.forwarded, payload,
                                        headers, state.upstream_timeout())
         del payload
+        state.upstream.reached()
         try:
             if lease is not None and release_at == "headers":
                 lease.release()
@@ -148,6 +154,8 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     count_urls(state, plan)
     if plan.refusal is not None:
         raise plan.take_refusal()
+    if state.upstream.down:  # its forward cannot connect: refuse before the queue and the pool spend anything
+        raise upstream_down()
     if state.model is not None:  # MMGATE_MODEL: the image tokens, from the headers, before admission
         started = time.perf_counter()
         _count_image_tokens(state, ex, plan, media)
@@ -209,6 +217,8 @@ async def _answer(request: web.Request, state: AppState, ex: Exchange, error: Mm
     ex.status, ex.code = error.status, error.code
     if isinstance(error, UpstreamError):
         state.metrics.upstream_errors.labels(error.kind).inc()
+        if error.code == "upstream_unavailable":  # this request could not connect: the upstream is known down
+            state.upstream.unreachable(f"a request: {error.message}")
     else:
         state.metrics.rejected.labels(error.code).inc()
     return await refuse(request, error, ex.dialect, ex.request_id, ex.response)

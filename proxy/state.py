@@ -21,6 +21,7 @@ from .memory import IdleTrimmer
 from .metrics import Metrics
 from .model import Model
 from .settings import Settings
+from .upstream_health import UpstreamHealth
 
 
 @dataclass
@@ -42,8 +43,13 @@ class AppState:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # shared with the gate
     model: Model | None = None  # MMGATE_MODEL with a supported family: image tokens are counted
     in_flight: int = 0
+    reading: int = 0  # requests whose body is still being read (the read stage), text and media
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")
+    upstream: UpstreamHealth = field(init=False)  # from settings: known to be down, re-checked until it answers
+
+    def __post_init__(self) -> None:
+        self.upstream = UpstreamHealth(self.settings.upstream, self.settings.upstream_health_path)
 
     def request_started(self) -> None:
         self.in_flight += 1

@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
+from proxy.admin import PROBE_USER_AGENT
 from proxy.app import build_app, make_runner
 from proxy.connections import GuardedSite
 from proxy.settings import Settings
@@ -43,6 +44,7 @@ class Upstream:
     release: asyncio.Event = field(default_factory=asyncio.Event)  # tests set it to let held handlers go on
     handlers: dict[str, Handler] = field(default_factory=dict)
     keep_bodies: bool = True  # False: bodies are read and dropped (memory tests must not see them kept here)
+    checks: int = 0  # mmgate's upstream checks answered (never in ``seen``)
 
     @property
     def url(self) -> str:
@@ -62,6 +64,11 @@ class Upstream:
         return response
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        if request.headers.get("User-Agent") == PROBE_USER_AGENT:
+            # mmgate's own upstream check (at start-up, /mmgate/ready): answered, not recorded as client traffic
+            self.checks += 1
+            handler = self.handlers.get(request.path)
+            return await handler(request) if handler is not None else web.json_response({"ok": True})
         if self.keep_bodies:
             body = await request.read()
         else:

@@ -213,6 +213,16 @@ async def _hang_up_during_preprocessing(proxy: Proxy, upstream: Upstream) -> int
 
 
 async def _upstream_unavailable(proxy: Proxy, upstream: Upstream) -> int:
+    """The upstream was there at start-up and is gone now: decoded, then the forward cannot connect."""
+    await eventually(lambda: proxy.state.ready_cache[0] > 0, "the start-up check")
+    assert upstream.server is not None and not proxy.state.upstream.down
+    await upstream.server.close()
+    return await (await RawClient.send(proxy.server.port, IMAGE_BODY)).status()
+
+
+async def _upstream_down(proxy: Proxy, upstream: Upstream) -> int:
+    """The upstream is known to be down: refused before any decoding."""
+    await eventually(lambda: proxy.state.upstream.down, "the start-up check found nothing listening")
     return await (await RawClient.send(proxy.server.port, IMAGE_BODY)).status()
 
 
@@ -258,7 +268,8 @@ FAULTS: dict[str, Fault] = {
     "preprocess_timeout_504": Fault({"MMGATE_DECODE_WORKERS": "1", "MMGATE_PREPROCESS_TIMEOUT": "0.2"},
                                     _preprocess_timeout, 504),
     "hang_up_during_preprocessing": Fault({"MMGATE_DECODE_WORKERS": "1"}, _hang_up_during_preprocessing, 0),
-    "upstream_unavailable_502": Fault({"MMGATE_UPSTREAM": "closed-port"}, _upstream_unavailable, 502),
+    "upstream_unavailable_502": Fault({}, _upstream_unavailable, 502),
+    "upstream_down_503": Fault({"MMGATE_UPSTREAM": "closed-port"}, _upstream_down, 503),
     "upstream_silent_504": Fault({"MMGATE_UPSTREAM_READ_TIMEOUT": "0.2"}, _upstream_silent, 504),
     "hang_up_while_upstream_works": Fault({}, _hang_up_while_upstream_works, 0),
     "hang_up_mid_stream": Fault({}, _hang_up_mid_stream, 0),

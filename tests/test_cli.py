@@ -131,6 +131,32 @@ def test_every_mmgate_variable_in_the_repository_is_known() -> None:
     assert not unknown, f"add these to proxy.settings.TOOLING_VARIABLES (or to Settings): {unknown}"
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--max-mm-concurency", "2"], "unknown flag --max-mm-concurency (did you mean --max-mm-concurrency?)"),
+        (["demo", "--uptream=http://127.0.0.1:1"], "unknown flag --uptream (did you mean --upstream?)"),
+        (["--print-confg"], "unknown flag --print-confg (did you mean --print-config?)"),
+        (["--zzzzzzzz"], "unknown flag --zzzzzzzz (mmgate --help lists every flag)"),
+    ],
+)
+def test_a_misspelt_flag_names_the_closest_real_flag(argv: list[str], said: str) -> None:
+    """As a misspelt variable does: the real process, one line, status 2, nothing started."""
+    result = subprocess.run([sys.executable, "-m", "proxy", *argv], check=False, capture_output=True, timeout=60,
+                            env=_env(MMGATE_UPSTREAM="http://127.0.0.1:1", MMGATE_PORT=str(free_port())))
+    assert result.returncode == 2
+    assert result.stderr.decode() == f"mmgate: {said}\n"
+    assert result.stdout == b""
+
+
+@pytest.mark.parametrize("argv", [["--max-queue", "-1"], ["--max-q", "3"], ["--max-queue=4"], ["--", "serve"]])
+def test_flags_abbreviations_and_negative_values_are_not_taken_for_misspellings(argv: list[str]) -> None:
+    """Only a flag the parser does not know is refused: a negative value reaches the setting's own check."""
+    result = subprocess.run([sys.executable, "-m", "proxy", "--print-config", *argv], check=False,
+                            capture_output=True, timeout=60, env=_env(MMGATE_UPSTREAM="http://127.0.0.1:1"))
+    assert "unknown flag" not in result.stderr.decode()
+
+
 def test_the_default_listen_address_is_spelt_out() -> None:
     assert "all interfaces" in where_note("0.0.0.0") and "MMGATE_HOST=127.0.0.1" in where_note("0.0.0.0")
     assert where_note("127.0.0.1") == ""

@@ -163,7 +163,8 @@ async def test_stats_json_reflects_traffic_and_settings(servers: Servers) -> Non
     stages = stats["latency"]["stages"]["by_stage"]
     assert stages["total"]["count"] == 2
     assert stages["preprocess"]["count"] == 1  # only the media request was preprocessed
-    assert stats["gate"] == {"in_use": 0, "limit": 2, "waiting": 0, "max_queue": 2}
+    assert stats["gate"] == {"in_use": 0, "limit": 2, "waiting": 0, "reading": 0, "max_queue": 2}
+    assert stats["process"]["reading"] == 0
     media = stats["media"]
     assert media["bytes_in"] > media["bytes_out"] > 0
     assert media["bytes_saved"] == media["bytes_in"] - media["bytes_out"]
@@ -186,7 +187,8 @@ async def test_dashboard_page_is_self_contained(servers: Servers) -> None:
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
     assert "@import" not in html and "<script src" not in html
     assert 'fetch("stats"' in html
-    for testid in ("gate-in-use", "gate-limit", "gate-waiting", "req-rate", "requests-total", "rate-429",
+    for testid in ("gate-in-use", "gate-limit", "gate-waiting", "reading", "gate-reading", "in-flight-reading",
+                   "req-rate", "requests-total", "rate-429",
                    "media-inflight", "media-live", "media-buffers", "bytes-saved", "loop-lag-p99", "rss", "limits"):
         assert f'data-testid="{testid}"' in html
 
@@ -295,6 +297,49 @@ async def test_dashboard_in_chromium_follows_live_traffic(servers: Servers, page
     assert await page.evaluate("window.mmgateDashboard.failures") == 0
     assert screenshot.stat().st_size > 10_000
     assert not problems, "\n".join(problems)
+
+
+async def _send_part_of_a_body(url: str, body: bytes, sent: int) -> asyncio.StreamWriter:
+    """A client that sends the head and the first ``sent`` bytes of ``body``, then goes quiet."""
+    host, port = url.removeprefix("http://").split(":")
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body[:sent])
+    await writer.drain()
+    return writer
+
+
+@pytest.mark.browser
+async def test_dashboard_in_chromium_shows_requests_whose_body_is_still_being_read(servers: Servers,
+                                                                                  page: Any) -> None:
+    """Requests still sending their body are in flight with the gate and the queue at 0: the page shows them
+    (and the media ones among them holding a place in line), as /mmgate/metrics does."""
+    await page.goto(servers.proxy_url + "/mmgate/dashboard")
+    await page.wait_for_function("() => window.mmgateDashboard && window.mmgateDashboard.polls >= 1",
+                                 timeout=PAGE_TIMEOUT_MS)
+    text = _chat(media=False) + b" " * 1000
+    media = b'{"model": "stub", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": ' \
+            b'{"url": "data:image/png;base64,' + b"A" * (200 << 10) + b'"}}]}]}'
+    writers = [await _send_part_of_a_body(servers.proxy_url, text, 20) for _ in range(2)]
+    writers.append(await _send_part_of_a_body(servers.proxy_url, media, 100 << 10))  # past the head: a place
+    try:
+        await page.wait_for_function(
+            f"() => {_value('in-flight-reading')} === 3 && {_value('reading')} === 3"
+            f" && {_value('gate-reading')} === 1",
+            timeout=PAGE_TIMEOUT_MS)
+        assert await page.evaluate(_value("gate-in-use")) == 0 and await page.evaluate(_value("gate-waiting")) == 0
+        assert await page.evaluate(_value("in-flight")) == 3
+        registry = servers.state.metrics.registry
+        assert registry.get_sample_value("mmgate_requests_reading") == 3
+        assert registry.get_sample_value("mmgate_gate_reading") == 1
+    finally:
+        for writer in writers:
+            writer.close()
+    await page.wait_for_function(
+        f"() => {_value('in-flight-reading')} === 0 && {_value('reading')} === 0 && {_value('gate-reading')} === 0"
+        f" && {_value('in-flight')} === 0",
+        timeout=PAGE_TIMEOUT_MS)
+    assert await page.evaluate("window.mmgateDashboard.failures") == 0
 
 
 @pytest.mark.browser

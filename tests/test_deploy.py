@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -25,6 +26,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
+from bench import worst_case  # noqa: E402
 from proxy.metrics import Metrics  # noqa: E402
 from proxy.settings import Settings  # noqa: E402
 
@@ -297,6 +299,49 @@ def test_dockerfile_base_user_port_healthcheck_entrypoint() -> None:
                 assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
 
 
+def test_dockerfile_copies_everything_the_package_installs() -> None:
+    """``pip install .`` in the image builds the wheel from what was COPYed before it: every package
+    [tool.setuptools] names, each file its package-data and the project's readme name, else the build fails
+    ("package directory ... does not exist") or installs a proxy without its dashboard."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    setuptools = project["tool"]["setuptools"]
+    instructions = dockerfile_instructions(DEPLOY / "Dockerfile")
+    install = next(i for i, (keyword, args) in enumerate(instructions)
+                   if keyword == "RUN" and re.search(r"\bpip install\b", args))
+    copied: dict[str, str] = {}  # destination in the build folder -> source in the repository
+    workdir = "/"
+    for keyword, args in instructions[:install]:
+        if keyword == "WORKDIR":
+            workdir = args
+        elif keyword == "COPY":
+            *sources, destination = shlex.split(args)
+            assert not any(s.startswith("--") for s in sources), "COPY flags are not checked here"
+            for source in sources:
+                target = destination.rstrip("/") + "/" + Path(source).name if destination.endswith("/") else destination
+                copied[os.path.normpath(os.path.join(workdir, target))] = source
+    build = os.path.normpath(workdir)
+
+    def in_image(relative: str) -> Path | None:
+        """Where ``relative`` (to the project root) comes from in the repository, if it was copied."""
+        for destination, source in copied.items():
+            inside = os.path.relpath(os.path.join(build, relative), destination)
+            if inside == "." or not inside.startswith(".."):
+                return ROOT / source / ("" if inside == "." else inside)
+        return None
+
+    wanted = ["pyproject.toml", project["project"]["readme"], *setuptools["packages"]]
+    missing = [name for name in wanted if in_image(name) is None]
+    assert not missing, f"pip install runs before these are copied: {missing}"
+    for package in setuptools["packages"]:
+        source = in_image(package)
+        assert source is not None and (source / "__init__.py").is_file(), f"{package}: not a package where copied"
+    for package, patterns in setuptools.get("package-data", {}).items():
+        source = in_image(package)
+        assert source is not None, f"package data of {package}: the package is not copied"
+        for pattern in patterns:
+            assert list(source.glob(pattern)), f"package data {package}/{pattern}: nothing there in the image"
+
+
 # ---------------------------------------------------------------- compose
 
 
@@ -415,13 +460,30 @@ def test_k8s_termination_grace_covers_the_drain(k8s: dict[str, Any]) -> None:
 
 
 def test_k8s_resources_fit_the_configured_limits(k8s: dict[str, Any]) -> None:
-    """The memory limit is above the worst case the ConfigMap allows; decode threads fit the CPU limit."""
-    settings = Settings.from_env(k8s["env"])
+    """The memory limit keeps the headroom the README claims over the worst case the ConfigMap allows, with the
+    decode mode mmgate picks on the container's CPUs (not this machine's); decode workers fit the CPU limit."""
     limits = k8s["mmgate"]["resources"]["limits"]
-    assert quantity_bytes(limits["memory"]) > settings.worst_case_memory_bytes()["total"]
+    settings, read_limits = worst_case.k8s_sidecar()
+    assert read_limits == limits
+    assert settings == worst_case.pod_settings(k8s["env"], quantity_cpus(str(limits["cpu"])))
+    assert settings.decode_mode == "process"  # the pod's 2 CPUs: worker processes, counted in the bound
+    bound = settings.worst_case_memory_bytes()["total"]
+    assert quantity_bytes(limits["memory"]) >= worst_case.HEADROOM * bound
     assert settings.decode_workers <= quantity_cpus(str(limits["cpu"]))
     security = k8s["mmgate"]["securityContext"]
     assert security["runAsNonRoot"] is True and security["allowPrivilegeEscalation"] is False
+
+
+def test_readme_worst_case_figures_are_generated_from_the_code() -> None:
+    """The README's worst-case memory figures are what --print-config prints (``python -m bench.worst_case``)."""
+    readme = worst_case.README.read_text()
+    assert worst_case.rewrite(readme, worst_case.render()) == readme, (
+        "README.md's worst-case memory figures disagree with the code: run python -m bench.worst_case")
+    texts = worst_case.current(readme)
+    defaults = worst_case.default_settings()
+    total = f"{defaults.worst_case_memory_bytes()['total'] / 2**20:.0f} MiB"
+    assert total in texts["defaults"] and defaults.decode_mode == "process"
+    assert worst_case.main(["--check"]) == 0
 
 
 # ---------------------------------------------------------------- metric names in Grafana and alerts
@@ -451,7 +513,8 @@ def test_grafana_queries_use_exposed_metrics(grafana: dict[str, Any]) -> None:
                    "mmgate_gate_in_use", "mmgate_gate_waiting", "mmgate_media_bytes_inflight",
                    "mmgate_media_bytes_live", "process_resident_memory_bytes", "mmgate_cache_hits_total",
                    "mmgate_cache_misses_total", "mmgate_cache_bytes", "mmgate_image_tokens_inflight",
-                   "mmgate_image_tokens_bucket", "mmgate_fetches_total", "mmgate_decode_worker_exits_total"):
+                   "mmgate_image_tokens_bucket", "mmgate_fetches_total", "mmgate_decode_worker_exits_total",
+                   "mmgate_requests_reading", "mmgate_gate_reading"):
         assert family in used, f"no panel shows {family}"
 
 

@@ -112,14 +112,17 @@ def with_ports(text: str, replacements: dict[str, str]) -> str:
     return text
 
 
-def snippet_env() -> dict[str, str]:
-    """A new user's shell with the venv active, no proxy for 127.0.0.1, and mmgate on loopback only."""
+def snippet_env(tmpdir: Path | None = None) -> dict[str, str]:
+    """A new user's shell with the venv active, no proxy for 127.0.0.1, and mmgate on loopback only; ``tmpdir``
+    as its temporary folder (``mktemp``, Python's ``tempfile``)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("MMGATE_") and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
     env["MMGATE_HOST"] = "127.0.0.1"
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(VENV_BIN.parent)
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     return env
 
 
@@ -158,8 +161,8 @@ def heredoc_python(snippet: str) -> str | None:
     return match.group(1) if match else None
 
 
-async def run_to_end(argv: list[str], cwd: Path) -> tuple[int, str]:
-    process = await asyncio.create_subprocess_exec(*argv, cwd=cwd, env=snippet_env(),
+async def run_to_end(argv: list[str], cwd: Path, tmpdir: Path | None = None) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(*argv, cwd=cwd, env=snippet_env(tmpdir),
                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         async with asyncio.timeout(SNIPPET_TIMEOUT):
@@ -232,8 +235,12 @@ def test_use_it_python_needs_only_the_demo_extra() -> None:
 
 
 async def test_use_it_snippets_work(tmp_path: Path) -> None:
-    """Stub, mmgate, then every client snippet in README order; each answers with what the stub saw."""
+    """Stub, mmgate, then every client snippet in README order; each answers with what the stub saw, and leaves
+    nothing behind: not in the folder it runs in (a user's checkout), not in the temporary folder."""
     require_curl()
+    checkout, tmpdir = tmp_path / "checkout", tmp_path / "tmp"
+    checkout.mkdir()
+    tmpdir.mkdir()
     ports = {"backend": free_port(), "mmgate": free_port()}
     replacements = port_replacements(ports["backend"], ports["mmgate"])
     servers: list[asyncio.subprocess.Process] = []
@@ -254,11 +261,13 @@ async def test_use_it_snippets_work(tmp_path: Path) -> None:
             if block.lang == "python":
                 script = tmp_path / f"snippet-{number}.py"
                 script.write_text(text)
-                status, output = await run_to_end([sys.executable, str(script)], tmp_path)
+                status, output = await run_to_end([sys.executable, str(script)], checkout, tmpdir)
             else:
-                status, output = await run_to_end(["bash", "-c", text], tmp_path)
+                status, output = await run_to_end(["bash", "-c", text], checkout, tmpdir)
             assert status == 0, f"{where}: exit status {status}: {output[-2000:]}"
             assert STUB_ANSWER in output, f"{where}: {output[-2000:]}"
+            left = [str(p.relative_to(tmp_path)) for p in (*checkout.rglob("*"), *tmpdir.rglob("*"))]
+            assert not left, f"{where}: the snippet left {left} behind"
         assert len(servers) == len(SERVERS)
     finally:
         statuses = [await interrupt(process) for process in reversed(servers)]
@@ -291,13 +300,18 @@ async def test_demo_snippets_work(tmp_path: Path) -> None:
         paragraphs = [p for p in "".join(printed).split("\n\n") if p.strip()]
         snippets = [p for p in paragraphs if p.lstrip().startswith(("curl", "python", "#"))]
         assert len(snippets) == 2, paragraphs
+        images_seen = []
         for snippet in snippets:
             code = heredoc_python(snippet)
             if code is not None:
                 assert_imports_installed_by(code, "demo")
             status, output = await run_to_end(["bash", "-c", snippet + "\n"], tmp_path)
             assert status == 0, f"{snippet}\nexit status {status}: {output[-2000:]}"
-            assert "stub answer" in output, f"{snippet}\n{output[-2000:]}"
+            seen = re.search(r"stub answer: saw (\d+) image\(s\) \[([^\]]*)\]", output)
+            assert seen, f"{snippet}\n{output[-2000:]}"
+            images_seen.append(seen.groups())
+        # one snippet sends text, one an image made on the fly that arrives at the stub decoded
+        assert images_seen == [("0", ""), ("1", "640x480")], images_seen
         urls = re.findall(r"http://\S+", paragraphs[-1])
         assert len(urls) == 2 and all(f"127.0.0.1:{port}/" in url for url in urls), paragraphs[-1]
         async with aiohttp.ClientSession() as client:
@@ -307,3 +321,20 @@ async def test_demo_snippets_work(tmp_path: Path) -> None:
     finally:
         status = await interrupt(process)
     assert status == 0 and "mmgate stopped" in log.read_text(), log.read_text()[-2000:]
+
+
+def test_the_docs_name_the_decode_pool_as_it_is() -> None:
+    """The default pool is worker processes from 2 usable CPUs (threads only on one): no text a user reads may
+    call it a thread pool, but where it quotes another project's fix."""
+    from proxy.settings import default_decode_mode
+
+    assert [default_decode_mode(1), default_decode_mode(2), default_decode_mode(16)] == ["thread", "process", "process"]
+    files = [README, *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "deploy").rglob("*")),
+             *sorted((REPO / "proxy").rglob("*.py")), *sorted((REPO / "preprocessors").rglob("*.py"))]
+    said = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+            for path in files if path.is_file()
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+            if re.search(r"thread[- ]pool", line, re.IGNORECASE) and "Fix there:" not in line]
+    assert not said, "\n".join(said)
+    intro = README.read_text().split("## Two commands")[0]
+    assert "worker processes" in intro and "threads on one CPU" in intro

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import io
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -284,3 +285,16 @@ def test_cli_rejects_bad_values() -> None:
     proc = subprocess.run([sys.executable, "-m", "demo.backend", "--workers", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "workers" in proc.stderr
+
+
+def test_cli_port_in_use_is_one_line_and_exit_2() -> None:
+    """A port another process holds: one line naming the address and the flag, no traceback, status 2."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "demo.backend", "--port", str(port)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"stub backend: cannot listen on 127.0.0.1:{port}: address already in use (--host / --port)\n"
+    assert proc.stdout == ""
