@@ -1,7 +1,8 @@
 """The composition root: ``build_app(settings)`` wires every part; tests use the very same factory.
 
 Resources live in ``cleanup_ctx`` (created on start-up, closed on shutdown, in reverse order): the upstream
-ClientSession, the decode pool (its worker processes killed and reaped), the event-loop lag watcher. Shared
+ClientSession, the decode pool (its workers started and ready at start-up; its worker processes killed and
+reaped at shutdown), the event-loop lag watcher. Shared
 state is one ``AppState`` under a typed ``web.AppKey``.
 """
 
@@ -151,6 +152,15 @@ async def _fetch_session(app: web.Application) -> AsyncIterator[None]:
 async def _decode_pool(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.pool = make_pool(state.settings, state.metrics)
+    try:
+        # Every worker (a process in process mode) started and ready before the first request: the first
+        # media request is as fast as the next, and a worker that cannot start stops mmgate here.
+        await asyncio.to_thread(state.pool.start)
+    except BaseException:
+        state.pool.shutdown()
+        if state.cache is not None:
+            state.cache.close()
+        raise
     metrics = state.metrics
     metrics.pool_queue_depth.set_function(lambda: state.pool.queued if state.pool else 0)
     metrics.pool_stuck_workers.set_function(lambda: state.pool.stuck if state.pool else 0)
