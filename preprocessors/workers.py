@@ -105,7 +105,7 @@ class WorkerFault(RuntimeError):
 class _Worker:
     """One decode process and the memfd its payloads and answers travel through; owned by one pool thread."""
 
-    def __init__(self, environment: Mapping[str, str]) -> None:
+    def __init__(self, environment: Mapping[str, str], trim_idle: float = 0.0) -> None:
         self.memfd = os.memfd_create("mmgate-decode", os.MFD_CLOEXEC)
         ours, theirs = socket.socketpair()
         env = {**os.environ, **environment}
@@ -113,7 +113,8 @@ class _Worker:
         try:
             self.process = subprocess.Popen(
                 # -P: never a ``preprocessors`` from the working directory, only the one beside this file
-                [sys.executable, "-P", "-m", "preprocessors.workers", str(theirs.fileno()), str(self.memfd)],
+                [sys.executable, "-P", "-m", "preprocessors.workers", str(theirs.fileno()), str(self.memfd),
+                 repr(trim_idle)],
                 pass_fds=(theirs.fileno(), self.memfd), stdin=subprocess.DEVNULL, env=env, close_fds=True,
             )
         except BaseException:
@@ -220,13 +221,15 @@ class ProcessPool(DecodePool):
     ``lost`` those ended otherwise (a kill from outside) while processing one or while idle; ``on_exit``
     hears of every worker ended while the pool runs: ``recycled``, ``killed`` (by the pool, its request gave
     up), ``crashed`` or ``lost``.
-    ``environment``: variables added to each worker's (the allocator tuning of ``proxy/memory.py``).
+    ``environment``: variables added to each worker's (the allocator tuning of ``proxy/memory.py``);
+    ``trim_idle``: seconds after which an idle worker gives back the memory it keeps for the next item.
     """
 
     def __init__(self, workers: int, *, max_jobs: int = 0, max_rss_bytes: int = 0,
                  on_exit: Callable[[str], None] = lambda reason: None,
-                 environment: Mapping[str, str] | None = None) -> None:
+                 environment: Mapping[str, str] | None = None, trim_idle: float = 0.0) -> None:
         self.max_jobs = max_jobs
+        self.trim_idle = trim_idle  # a worker gives back what it keeps after this many idle seconds (0 = never)
         self._environment = dict(environment or {})  # added to each worker's environment (allocator tuning)
         self._on_exit = on_exit  # called with recycled, killed or crashed (from a pool thread)
         self.max_rss_bytes = max_rss_bytes
@@ -262,7 +265,7 @@ class ProcessPool(DecodePool):
         if worker is None:
             if self._closed:
                 raise Cancelled()
-            worker = _Worker(self._environment)
+            worker = _Worker(self._environment, self.trim_idle)
             with self._lock:
                 self._all.add(worker)
                 closed = self._closed
@@ -437,11 +440,19 @@ def _read_all(fd: int, length: int) -> bytes:
 # ----- the worker process -----
 
 
-def serve(conn: Connection, memfd: int) -> None:
-    """Answer tasks until the socket closes: ``(task, payload length)`` in, one reply out per task."""
+def serve(conn: Connection, memfd: int, trim_idle: float = 0.0) -> None:
+    """Answer tasks until the socket closes: ``(task, payload length)`` in, one reply out per task. After
+    items, once no task came for ``trim_idle`` seconds (0 = never), what the worker keeps for the next item
+    (Pillow's freed blocks, glibc's free heap) goes back to the OS."""
+    trim = _release_kept_memory() if trim_idle > 0 else None
+    worked = False
     while True:
         try:
+            if trim is not None and worked and not conn.poll(trim_idle):
+                trim()
+                worked = False
             task, length = conn.recv()
+            worked = True
         except EOFError:  # mmgate closed the socket, or ended
             return
         except Exception:  # a task this worker cannot unpickle: mmgate's fault, not the media's
@@ -474,6 +485,47 @@ def _same(value: memoryview | bytes) -> memoryview | bytes:
     return value
 
 
+def _release_kept_memory() -> Callable[[], None]:
+    """Pillow's freed blocks, then glibc's free pages (``malloc_trim``, where glibc is the C library)."""
+    import ctypes
+    import ctypes.util
+
+    from PIL import Image
+
+    try:
+        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+        malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError, TypeError):  # not glibc
+        malloc_trim = None
+
+    def release() -> None:
+        Image.core.clear_cache()
+        if malloc_trim is not None:
+            malloc_trim(0)
+
+    return release
+
+
+def _warm_up() -> None:
+    """One tiny item of each common format through the whole job (decode, resize, encode): Pillow's plugins
+    and codecs are loaded before mmgate hears the worker is ready, not on the first client's item."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    from .base import AudioPolicy, ImagePolicy
+    from .dataurl import encode_base64
+    from .job import MediaTask
+
+    policy = ImagePolicy(resize_max_side=8)
+    for fmt in ("JPEG", "PNG", "WEBP"):
+        buf = BytesIO()
+        Image.new("RGB", (16, 12), "teal").save(buf, fmt)
+        payload = encode_base64(buf.getvalue())
+        run_task(MediaTask("image", "warm-up", 1 << 20, policy, AudioPolicy()), partial(_same, payload),
+                 no_checkpoint)
+
+
 def main(argv: list[str]) -> None:
     # Ctrl-C reaches the whole process group, and a terminal's SIGTERM may too: the worker must outlive them
     # while mmgate drains. mmgate ends it with SIGKILL, or by closing the socket.
@@ -481,8 +533,13 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     lower_priority()
     conn = Connection(int(argv[0]))
-    conn.send(("ready", os.getpid()))  # imports done: mmgate's start-up waits for this
-    serve(conn, int(argv[1]))
+    try:
+        _warm_up()
+    except Exception:  # mmgate's start-up fails with this, instead of every item failing later
+        conn.send(("fault", traceback.format_exc()))
+        return
+    conn.send(("ready", os.getpid()))  # mmgate's start-up waits for this
+    serve(conn, int(argv[1]), float(argv[2]) if len(argv) > 2 else 0.0)
 
 
 if __name__ == "__main__":

@@ -115,7 +115,8 @@ def make_pool(settings: Settings, metrics: Metrics) -> DecodePool:
         return ProcessPool(settings.decode_workers, max_jobs=settings.worker_max_jobs,
                            max_rss_bytes=settings.worker_max_rss_mb * MIB,
                            on_exit=lambda reason: metrics.decode_worker_exits.labels(reason).inc(),
-                           environment=worker_environment(os.environ, memory_first=settings.malloc_tuning))
+                           environment=worker_environment(os.environ, memory_first=settings.malloc_tuning),
+                           trim_idle=settings.trim_idle)
     return DecodePool(settings.decode_workers)
 
 

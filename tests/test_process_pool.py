@@ -434,7 +434,7 @@ async def test_a_worker_imports_media_code_only(upstream: Upstream, start_proxy:
     assert "aiohttp" not in maps and "multidict" not in maps and "yarl" not in maps
 
 
-@pytest.mark.parametrize(("tuning", "blocks"), [("on", "0"), ("off", "16")])
+@pytest.mark.parametrize(("tuning", "blocks"), [("on", "4"), ("off", "16")])
 async def test_a_worker_gets_the_allocator_tuning_of_mmgate(upstream: Upstream, start_proxy: StartProxy,
                                                            tuning: str, blocks: str) -> None:
     if "PILLOW_BLOCKS_MAX" in os.environ:
@@ -444,6 +444,24 @@ async def test_a_worker_gets_the_allocator_tuning_of_mmgate(upstream: Upstream, 
     environ = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if item)
     assert environ[b"PILLOW_BLOCKS_MAX"] == blocks.encode()
     assert (b"MALLOC_MMAP_THRESHOLD_" in environ) == (tuning == "on")
+    if tuning == "on":  # big buffers come from a heap the next item reuses, not from fresh mappings
+        assert int(environ[b"MALLOC_MMAP_THRESHOLD_"]) >= 32 << 20
+
+
+def rss_bytes(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_an_idle_worker_gives_back_what_it_keeps_for_the_next_item(upstream: Upstream,
+                                                                        start_proxy: StartProxy) -> None:
+    if "PILLOW_BLOCKS_MAX" in os.environ or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        pytest.skip("the operator's own allocator settings win")
+    proxy = await start_proxy(upstream.url, **PROCESS, MMGATE_MALLOC_TUNING="on", MMGATE_TRIM_IDLE="0.2")
+    pid = await warm_worker(proxy)
+    idle = rss_bytes(pid)
+    assert (await post(proxy, image_chat(4000, 3000)))[0] == 200  # 48 MiB decoded: blocks kept for reuse
+    await eventually(lambda: rss_bytes(pid) < idle + (16 << 20), "the kept memory given back once idle")
+    assert pool_of(proxy).worker_pids() == [pid]  # given back by the worker itself, not by recycling it
 
 
 async def test_a_worker_killed_for_another_request_never_fails_the_next_item(process_pool: ProcessPool) -> None:
