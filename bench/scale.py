@@ -238,7 +238,7 @@ def _timed_post(url: str, body: bytes) -> float:
 
     parts = urlsplit(url)
     started = time.perf_counter()
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=120)
     try:
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         answer = conn.getresponse()
