@@ -25,6 +25,7 @@ from functools import partial
 from typing import TypeVar
 
 from .base import Cancelled, Checkpoint
+from .job import warm_up
 
 T = TypeVar("T")
 Job = Callable[[Checkpoint], T]
@@ -56,6 +57,7 @@ class DecodePool:
         self._lock = threading.Lock()
         self.queued = 0
         self.stuck = 0
+        self._warmed = False
 
     def batch(self) -> Batch:
         return Batch(self)
@@ -77,7 +79,12 @@ class DecodePool:
         self._warm()
 
     def _warm(self) -> None:
-        """Runs in each pool thread at ``start``: what a thread needs before its first job."""
+        """Runs in each pool thread at ``start``: what a thread needs before its first job (the codecs
+        loaded, once for the process: ``job.warm_up``)."""
+        with self._lock:
+            first, self._warmed = not self._warmed, True
+        if first:
+            warm_up()
 
     def _thread_started(self) -> None:
         """Runs once in each pool thread as it starts."""

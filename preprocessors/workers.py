@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .base import Cancelled, MediaError, MmgateError, no_checkpoint
-from .job import MediaJob, Verdict, run_task
+from .job import MediaJob, Verdict, run_task, warm_up
 from .pool import Batch, DecodePool, Job, lower_priority
 
 T = TypeVar("T")
@@ -362,18 +362,24 @@ class ProcessPool(DecodePool):
         return returncode
 
     def _warm(self) -> None:
-        """This thread's worker, started now and ready (``DecodePool.start``)."""
-        worker = self._worker()
-        try:
-            worker.wait_ready(START_TIMEOUT)
-        except WorkerGone:
-            returncode = self._retire(worker)
-            raise WorkerStartError(
-                f"a decode worker process (MMGATE_DECODE_MODE=process) ended as it started "
-                f"({_describe_exit(returncode)}); its own error, if any, is on stderr above") from None
-        except WorkerStartError:
-            self._retire(worker)
-            raise
+        """This thread's worker, started now and ready (``DecodePool.start``). A worker that ends as it starts
+        gets one successor, as one that ends on an item does; a second one that ends fails the start."""
+        for attempt in (1, 2):
+            worker = self._worker()
+            try:
+                worker.wait_ready(START_TIMEOUT)
+                return
+            except WorkerGone:
+                how = _describe_exit(self._retire(worker))
+                if attempt == 1:
+                    log.warning("decode worker %d ended as it started (%s); starting another", worker.pid, how)
+                    continue
+                raise WorkerStartError(
+                    f"a decode worker process (MMGATE_DECODE_MODE=process) ended as it started ({how}), "
+                    "twice; its own error, if any, is on stderr above") from None
+            except WorkerStartError:
+                self._retire(worker)
+                raise
 
     def _abandoned(self, batch: Batch) -> None:
         with self._lock:  # the abandoning caller holds no lock here
@@ -506,26 +512,6 @@ def _release_kept_memory() -> Callable[[], None]:
     return release
 
 
-def _warm_up() -> None:
-    """One tiny item of each common format through the whole job (decode, resize, encode): Pillow's plugins
-    and codecs are loaded before mmgate hears the worker is ready, not on the first client's item."""
-    from io import BytesIO
-
-    from PIL import Image
-
-    from .base import AudioPolicy, ImagePolicy
-    from .dataurl import encode_base64
-    from .job import MediaTask
-
-    policy = ImagePolicy(resize_max_side=8)
-    for fmt in ("JPEG", "PNG", "WEBP"):
-        buf = BytesIO()
-        Image.new("RGB", (16, 12), "teal").save(buf, fmt)
-        payload = encode_base64(buf.getvalue())
-        run_task(MediaTask("image", "warm-up", 1 << 20, policy, AudioPolicy()), partial(_same, payload),
-                 no_checkpoint)
-
-
 def main(argv: list[str]) -> None:
     # Ctrl-C reaches the whole process group, and a terminal's SIGTERM may too: the worker must outlive them
     # while mmgate drains. mmgate ends it with SIGKILL, or by closing the socket.
@@ -534,7 +520,7 @@ def main(argv: list[str]) -> None:
     lower_priority()
     conn = Connection(int(argv[0]))
     try:
-        _warm_up()
+        warm_up()
     except Exception:  # mmgate's start-up fails with this, instead of every item failing later
         conn.send(("fault", traceback.format_exc()))
         return

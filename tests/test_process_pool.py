@@ -319,6 +319,16 @@ async def test_workers_are_started_and_ready_before_the_first_request(upstream: 
     assert pool.worker_pids() == pids  # the first requests ran on the workers started with mmgate
 
 
+async def test_decode_threads_are_started_with_mmgate_too(upstream: Upstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_DECODE_MODE="thread", MMGATE_DECODE_WORKERS="3")
+    pool = proxy.state.pool
+    assert pool is not None and not isinstance(pool, ProcessPool)
+    threads = set(pool._executor._threads)
+    assert len(threads) == 3 and all(thread.is_alive() for thread in threads)  # nothing sent yet
+    assert (await post(proxy, image_chat()))[0] == 200
+    assert set(pool._executor._threads) == threads
+
+
 async def test_a_worker_that_cannot_start_stops_start_up_with_a_clear_error(
         upstream: Upstream, monkeypatch: pytest.MonkeyPatch) -> None:
     from proxy.app import build_app, make_runner
@@ -329,7 +339,7 @@ async def test_a_worker_that_cannot_start_stops_start_up_with_a_clear_error(
     runner = make_runner(app)
     children_before = children()
     with pytest.raises(WorkerStartError, match=r"decode worker process \(MMGATE_DECODE_MODE=process\) ended as "
-                                               r"it started \(exit status 1\)"):
+                                               r"it started \(exit status 1\), twice"):
         await runner.setup()
     await runner.cleanup()
     pool = app[STATE].pool
