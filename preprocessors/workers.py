@@ -231,7 +231,7 @@ class ProcessPool(DecodePool):
         self.max_jobs = max_jobs
         self.trim_idle = trim_idle  # a worker gives back what it keeps after this many idle seconds (0 = never)
         self._environment = dict(environment or {})  # added to each worker's environment (allocator tuning)
-        self._on_exit = on_exit  # called with recycled, killed or crashed (from a pool thread)
+        self._on_exit = on_exit  # called with recycled, killed, crashed or lost (from a pool thread)
         self.max_rss_bytes = max_rss_bytes
         self.recycled = 0
         self.crashed = 0
