@@ -26,11 +26,17 @@ then a measured window, during which
 The cells take turns round after round; each figure is the median of --rounds rounds with its min–max
 spread. Goals: 16 cores, 14 workers (resize on): req/s ≥ 11 × one worker, health p99 ≤ 10 ms and max ≤
 25 ms (marked "not yet measured" on a machine with fewer cores; the same command measures them there); 2
-workers ≥ 1.9 × one worker.
+workers ≥ 1.9 × one worker; per validated (resize off) request, process mode's CPU ≤ 1.1 × thread mode's
+(same worker count, same round).
+
+**First request after a start** (``--first``, each mode, each round): a fresh mmgate with its defaults
+(resize off: the photo is decoded and checked), as soon as ``/mmgate/health`` answers, gets one request, then
+``FIRST_WARM`` more one at a time, each on a new connection; the figure is the first's latency over the
+median of the warm ones. Goal: ≤ 1.5 in process mode (workers start with mmgate).
 
     python -m bench.scale [--seconds 6] [--rounds 3] [--workers 1,2] [--modes thread,process]
-                          [--resize on,off] [--load-procs N]
-    (2 cores, defaults: about 5 minutes; 16 cores: about 10)
+                          [--resize on,off] [--load-procs N] [--first on|off|only]
+    (2 cores, defaults: about 6 minutes; 16 cores: about 11)
 
 Writes bench/results/scale.md and .json.
 """
@@ -53,6 +59,9 @@ from testkit import load as L
 RESIZE_FLAGS = ("--resize-max-pixels", "1000000")
 MANY_CORES, MANY_WORKERS = 16, 14
 GOAL_MANY_X, GOAL_P99_MS, GOAL_MAX_MS, GOAL_TWO_X = 11.0, 10.0, 25.0, 1.9
+GOAL_PROCESS_CPU_X = 1.1  # process mode's CPU per validated request over thread mode's
+GOAL_FIRST_X = 1.5  # the first request after a start over a warm one
+FIRST_WARM = 5
 PROBE_INTERVAL = 0.01
 PROBER_START_S = 0.5
 NOT_AVAILABLE = "not available in this build"
@@ -222,6 +231,48 @@ def measure(mode: str, resize: bool, workers: int, args: argparse.Namespace, mod
             "load_cores": load_cores, "clients": clients, "not_ok": len(inside) - ok}
 
 
+def _timed_post(url: str, body: bytes) -> float:
+    """One request on a new connection: seconds from connect to the last byte of a 200 answer."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    started = time.perf_counter()
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        answer.read()
+    finally:
+        conn.close()
+    if answer.status != 200:
+        raise RuntimeError(f"the request answered {answer.status}")
+    return time.perf_counter() - started
+
+
+def first_request(mode: str, mode_env: bool) -> dict[str, Any]:
+    """A fresh mmgate (defaults), its first request and ``FIRST_WARM`` warm ones, one at a time."""
+    from testkit.media import chat_body, photo_jpeg
+
+    body = chat_body(photo_jpeg())
+    upstream_port = L.free_port()
+    upstream = subprocess.Popen([sys.executable, "-m", "bench.passthrough", "--role", "upstream", "--port",
+                                 str(upstream_port)], cwd=R.REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    gate = None
+    try:
+        time.sleep(0.5)  # the upstream's interpreter; mmgate's start-up does not wait for it
+        gate, url = L.start_mmgate(f"http://127.0.0.1:{upstream_port}",
+                                   env={MODE_VARIABLE: mode} if mode_env else {})
+        first = _timed_post(url, body)
+        warm = [_timed_post(url, body) for _ in range(FIRST_WARM)]
+    finally:
+        L.stop(gate)
+        L.stop(upstream)
+    warm_ms = sorted(w * 1000 for w in warm)[len(warm) // 2]
+    return {"first_ms": first * 1000, "warm_ms": warm_ms, "x_warm": first * 1000 / warm_ms}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the run
 
@@ -242,6 +293,8 @@ def main() -> None:
     parser.add_argument("--resize", default="on,off")
     parser.add_argument("--load-procs", type=int, default=max(1, cores // 8),
                         help="load-generator processes [usable cores / 8, at least 1]")
+    parser.add_argument("--first", choices=("on", "off", "only"), default="on",
+                        help="also (or only) the first request after a start against warm ones [on]")
     parser.add_argument("--out", default=str(R.RESULTS / "scale"), help="output path without suffix")
     args = parser.parse_args()
     stamp = R.stamp("scale.py", "req/s, cores, CPU per request, health latency and peak RSS against decode workers")
@@ -251,12 +304,20 @@ def main() -> None:
     resizes = [r == "on" for r in args.resize.split(",")]
     has_process = process_mode_available()
     modes = args.modes.split(",")
-    cells = [(m, r, w) for m in modes for r in resizes for w in workers]
+    cells = [(m, r, w) for m in modes for r in resizes for w in workers] if args.first != "only" else []
     rounds: dict[tuple[str, bool, int], list[dict[str, Any]]] = {cell: [] for cell in cells}
+    firsts: dict[str, list[dict[str, Any]]] = {m: [] for m in modes} if args.first != "off" else {}
     print(f"{cores} usable cores; workers {workers}; process mode "
           f"{'available' if has_process else NOT_AVAILABLE}", flush=True)
     began = time.monotonic()
     for n in range(args.rounds):
+        for mode in firsts:
+            if mode == "process" and not has_process:
+                continue
+            first = first_request(mode, has_process)
+            firsts[mode].append(first)
+            print(f"  round {n + 1} {mode:7} first request after start {first['first_ms']:.0f} ms, warm "
+                  f"{first['warm_ms']:.0f} ms: {first['x_warm']:.2f} ×", flush=True)
         for cell in cells:
             mode, resize, count = cell
             if mode == "process" and not has_process:
@@ -277,8 +338,8 @@ def main() -> None:
                                  "workers": workers, "load_procs": args.load_procs, "cores": cores,
                                  "probe_interval_s": PROBE_INTERVAL, "process_mode": has_process,
                                  "elapsed_s": round(time.monotonic() - began)},
-                    "rows": rows}
-    data["goals"] = goals(rows, cores, has_process, modes)
+                    "rows": rows, "first_request": firsts}
+    data["goals"] = goals(rows, cores, has_process, modes) + cost_goals(rounds, firsts, workers)
     markdown = render(data)
     print(markdown)
     R.print_goals(data["goals"])
@@ -331,6 +392,27 @@ def goals(rows: list[dict[str, Any]], cores: int, has_process: bool, modes: list
     return out
 
 
+def cost_goals(rounds: dict[tuple[str, bool, int], list[dict[str, Any]]], firsts: dict[str, list[dict[str, Any]]],
+               workers: list[int]) -> list[R.Goal]:
+    """Process mode's CPU per validated request over thread mode's (each round's pair), and the first request
+    after a start over a warm one."""
+    out = []
+    for count in workers:
+        threads, processes = rounds.get(("thread", False, count), []), rounds.get(("process", False, count), [])
+        ratios = [p["cpu_ms_per_req"] / t["cpu_ms_per_req"] for p, t in zip(processes, threads, strict=False)
+                  if p["cpu_ms_per_req"] and t["cpu_ms_per_req"]]
+        if ratios:
+            out.append(R.goal(f"process mode, {count} worker(s), validated 12 MP (resize off): CPU per request ÷ "
+                              "thread mode's", ratios, f"≤ {GOAL_PROCESS_CPU_X:g}",
+                              lambda x: x <= GOAL_PROCESS_CPU_X, unit="×"))
+    for mode, measured in firsts.items():
+        if measured:
+            out.append(R.goal(f"{mode} mode: first request after a start ÷ a warm one (12 MP, validated)",
+                              [m["x_warm"] for m in measured], f"≤ {GOAL_FIRST_X:g}" if mode == "process" else None,
+                              (lambda x: x <= GOAL_FIRST_X) if mode == "process" else None, unit="×"))
+    return out
+
+
 def render(data: dict[str, Any]) -> str:
     s = data["settings"]
     lines = [
@@ -363,6 +445,16 @@ def render(data: dict[str, Any]) -> str:
             f"{fig(r['health_p50_ms'])} | {fig(r['health_p99_ms'])} | {fig(r['health_max_ms'])} | "
             f"{R.number(r['rss_mmgate_mb']['median'])} + {R.number(r['rss_workers_mb']['median'])} | "
             f"{r['load_cores_max']:.2f} | {r['not_ok']} |")
+    firsts = data.get("first_request") or {}
+    if any(firsts.values()):
+        lines += ["", "First request after a start (mmgate's defaults, validated 12 MP photo), then "
+                  f"{FIRST_WARM} warm ones one at a time, each on a new connection:", "",
+                  "| mode | first ms | warm ms (median) | first ÷ warm |", "|---|---:|---:|---:|"]
+        for mode, measured in firsts.items():
+            if measured:
+                lines.append(f"| {mode} | {fig(R.summary(m['first_ms'] for m in measured))} | "
+                             f"{fig(R.summary(m['warm_ms'] for m in measured))} | "
+                             f"{fig(R.summary(m['x_warm'] for m in measured))} |")
     if s["cores"] < MANY_CORES:
         lines += ["", f"{MANY_CORES} cores, {MANY_WORKERS} workers: not yet measured (this machine has {s['cores']} "
                   "usable cores); the same command measures that row on a machine that has them."]

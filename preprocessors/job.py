@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from .audio import sniff_audio_format, validate_audio
-from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaError, MediaKind
+from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaError, MediaKind, no_checkpoint
 from .dataurl import decode_base64, encode_base64
 from .image import image_mime, process_image
 
@@ -120,3 +121,19 @@ def _judge(task: MediaTask, data: bytes, checkpoint: Checkpoint) -> Verdict:
             mime = _AUDIO_MIME.get(sniff_audio_format(data) or "", task.fetched_mime or "").encode()
             return Verdict(size, size, b"", mime, encode_base64(data))
     return Verdict(size, size)  # audio and video are validated / size-checked and forwarded unchanged
+
+
+def warm_up() -> None:
+    """One tiny image of each common format through the whole job (decode, resize, encode), so Pillow's
+    plugins and codecs are loaded at start-up and not on the first client's item."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    policy = ImagePolicy(resize_max_side=8)
+    for fmt in ("JPEG", "PNG", "WEBP"):
+        buf = BytesIO()
+        Image.new("RGB", (16, 12), "teal").save(buf, fmt)
+        payload = encode_base64(buf.getvalue())
+        run_task(MediaTask("image", "warm-up", 1 << 20, policy, AudioPolicy()), partial(bytes, payload),
+                 no_checkpoint)

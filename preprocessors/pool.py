@@ -25,11 +25,13 @@ from functools import partial
 from typing import TypeVar
 
 from .base import Cancelled, Checkpoint
+from .job import warm_up
 
 T = TypeVar("T")
 Job = Callable[[Checkpoint], T]
 
 WORKER_NICENESS = 10
+START_BARRIER_TIMEOUT = 60.0  # seconds for the executor to start every thread
 
 
 def lower_priority() -> None:
@@ -55,9 +57,34 @@ class DecodePool:
         self._lock = threading.Lock()
         self.queued = 0
         self.stuck = 0
+        self._warmed = False
 
     def batch(self) -> Batch:
         return Batch(self)
+
+    def start(self) -> None:
+        """Start every thread now (and, in process mode, its worker process, waiting until it is ready)
+        instead of on the first jobs; blocks, so the app calls it off the loop at start-up. Raises the
+        first thread's failure once every thread has answered."""
+        barrier = threading.Barrier(self.workers)
+        futures = [self._executor.submit(self._start_thread, barrier) for _ in range(self.workers)]
+        errors = [error for future in futures if (error := future.exception()) is not None]
+        if errors:
+            raise errors[0]
+
+    def _start_thread(self, barrier: threading.Barrier) -> None:
+        # Each call waits for the others: a thread that is done cannot take a second call, so every thread
+        # of the pool runs exactly one (the executor starts a thread per call while none is idle).
+        barrier.wait(START_BARRIER_TIMEOUT)
+        self._warm()
+
+    def _warm(self) -> None:
+        """Runs in each pool thread at ``start``: what a thread needs before its first job (the codecs
+        loaded, once for the process: ``job.warm_up``)."""
+        with self._lock:
+            first, self._warmed = not self._warmed, True
+        if first:
+            warm_up()
 
     def _thread_started(self) -> None:
         """Runs once in each pool thread as it starts."""

@@ -10,12 +10,19 @@ process and hands it its jobs. What changes against threads:
 - **Memory.** A worker is recycled (killed and replaced) after ``max_jobs`` items or when
   its resident size, read from ``/proc`` after a job, is above ``max_rss_bytes``: the only sure way to
   hand a fragmented heap back to the OS.
-- **A crash** (a segfault in a codec, an OOM kill) while a worker processes an item is taken as the
-  media's fault: that item is refused with 400 ``decoder_crashed``, logged, and the worker replaced.
+- **A death** while a worker processes an item is not taken on trust as the media's fault: the worker is
+  replaced and the item runs once more on the fresh one. Only a crash (a fault signal: SIGSEGV, SIGABRT...)
+  that the retry reproduces refuses the item with 400 ``decoder_crashed`` (``WorkerCrashed``, a
+  ``MediaError``: the one verdict about a death that may be cached). A kill from outside (SIGKILL: the OOM
+  killer, an operator) or a death the retry does not reproduce is no verdict on the media: the retry serves
+  the item, or, when the retry's worker dies too, the client gets 503 ``decoder_unavailable`` with
+  ``Retry-After`` (``WorkerLost``, never cached).
 
 Workers are started with spawn semantics (``python -m preprocessors.workers``, a fresh interpreter that
-imports this package only: Pillow, pybase64, never aiohttp or the proxy), lazily on a thread's first job,
-so an app that never decodes starts none; a retired worker's successor starts at once. The task (small,
+imports this package only: Pillow, pybase64, never aiohttp or the proxy). ``start()`` starts one per pool
+thread and waits until each has said it is ready (mmgate calls it at start-up, so the first request finds
+warm workers and a worker that cannot start stops mmgate with ``WorkerStartError``); a thread whose worker
+ended starts a new one on its next job, and a retired worker's successor starts at once. The task (small,
 plain data: ``job.MediaTask``) is pickled over a socket pair; the payload travels through a memfd that
 belongs to the worker: the parent writes the base64 text with ``os.pwrite`` and reads the answer back with
 ``os.pread`` (both release the GIL), the worker maps it. No big bytes are pickled, and a memfd is no named
@@ -41,7 +48,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .base import Cancelled, MediaError, MmgateError, no_checkpoint
-from .job import MediaJob, Verdict, run_task
+from .job import MediaJob, Verdict, run_task, warm_up
 from .pool import Batch, DecodePool, Job, lower_priority
 
 T = TypeVar("T")
@@ -55,13 +62,36 @@ KEEP_BYTES = 8 << 20
 _STOP_WAIT = 5.0  # seconds to reap a killed worker; SIGKILL cannot be ignored, so this is only a bound
 
 
+# Signals a process gets from its own fault (a codec's bad read, a failed assertion), as opposed to a kill from
+# outside (SIGKILL: the OOM killer, an operator, the pool itself).
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL,
+                           signal.SIGSYS, signal.SIGTRAP})
+RETRY_AFTER_S = 1  # a worker lost to a kill from outside: its successor is already starting
+START_TIMEOUT = 60.0  # seconds for a fresh worker to say it is ready (an interpreter and Pillow's import)
+
+
 class WorkerCrashed(MediaError):
-    """The worker process ended while it processed the client's media."""
+    """The item crashed two worker processes, one after the other: the media's own fault."""
 
     def __init__(self, how: str) -> None:
         super().__init__("decoder_crashed",
-                         f"the decoder ended while processing this media ({how}); the file is most likely "
-                         "malformed or crafted, and was not forwarded")
+                         f"the decoder crashed twice while processing this media ({how}, on a fresh worker "
+                         "too); the file is most likely malformed or crafted, and was not forwarded")
+
+
+class WorkerLost(MmgateError):
+    """The item's worker and its retry's both ended without the media being shown at fault (a kill from
+    outside, the OOM killer, or a death the retry did not reproduce): retryable, never cached."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(503, "decoder_unavailable",
+                         f"the decode worker processing this media ended twice ({how}) without the media "
+                         "being at fault; retry",
+                         headers={"Retry-After": str(RETRY_AFTER_S), "x-should-retry": "true"})
+
+
+class WorkerStartError(Exception):
+    """A worker process could not start (mmgate's start-up stops with this one line)."""
 
 
 class WorkerGone(Exception):
@@ -75,7 +105,7 @@ class WorkerFault(RuntimeError):
 class _Worker:
     """One decode process and the memfd its payloads and answers travel through; owned by one pool thread."""
 
-    def __init__(self, environment: Mapping[str, str]) -> None:
+    def __init__(self, environment: Mapping[str, str], trim_idle: float = 0.0) -> None:
         self.memfd = os.memfd_create("mmgate-decode", os.MFD_CLOEXEC)
         ours, theirs = socket.socketpair()
         env = {**os.environ, **environment}
@@ -83,7 +113,8 @@ class _Worker:
         try:
             self.process = subprocess.Popen(
                 # -P: never a ``preprocessors`` from the working directory, only the one beside this file
-                [sys.executable, "-P", "-m", "preprocessors.workers", str(theirs.fileno()), str(self.memfd)],
+                [sys.executable, "-P", "-m", "preprocessors.workers", str(theirs.fileno()), str(self.memfd),
+                 repr(trim_idle)],
                 pass_fds=(theirs.fileno(), self.memfd), stdin=subprocess.DEVNULL, env=env, close_fds=True,
             )
         except BaseException:
@@ -98,8 +129,24 @@ class _Worker:
         self.batch: Batch | None = None  # the batch whose item runs now; guarded by the pool's lock
         self.killed = False  # by the pool (abandoned batch, shutdown), not by a crash
         self.killed_for: Batch | None = None
+        self.ready = False  # the process said it is ready (its first message), see ``wait_ready``
         self._closed = False
         self._close_lock = threading.Lock()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait for the process's first message, sent once its imports are done. ``WorkerGone`` when it
+        ended first; ``WorkerStartError`` when ``timeout`` passes, or when it says something else."""
+        if self.ready:
+            return
+        try:
+            if timeout is not None and not self.conn.poll(timeout):
+                raise WorkerStartError(f"decode worker process {self.pid} did not start within {timeout:g} s")
+            hello: tuple[Any, ...] = self.conn.recv()
+        except (EOFError, OSError):
+            raise WorkerGone() from None
+        if hello[0] != "ready":
+            raise WorkerStartError(f"decode worker process {self.pid} failed as it started:\n{hello[-1]}")
+        self.ready = True
 
     def kill(self, batch: Batch | None = None) -> None:
         """SIGKILL without waiting (from any thread), for ``batch`` when its item is ended; whoever closes
@@ -143,6 +190,7 @@ class _Worker:
     def run(self, job: MediaJob) -> Verdict:
         """Hand ``job`` to the process and wait for its answer; ``WorkerGone`` when the process ended."""
         length = _write_all(self.memfd, job.payload())
+        self.wait_ready()
         try:
             self.conn.send((job.task, length))
             reply: tuple[Any, ...] = self.conn.recv()
@@ -169,20 +217,25 @@ class ProcessPool(DecodePool):
     """``workers`` threads, each with one decode process; same queue, metrics and ``Batch`` as threads.
 
     ``max_jobs`` (0 = never) and ``max_rss_bytes`` (0 = never): when a worker is recycled. ``recycled``
-    counts the workers recycled, ``crashed`` those that ended on their own while processing an item;
-    ``on_exit`` hears of every worker ended while the pool runs: ``recycled``, ``killed`` or ``crashed``.
-    ``environment``: variables added to each worker's (the allocator tuning of ``proxy/memory.py``).
+    counts the workers recycled, ``crashed`` those that ended of a fault signal while processing an item,
+    ``lost`` those ended otherwise (a kill from outside) while processing one or while idle; ``on_exit``
+    hears of every worker ended while the pool runs: ``recycled``, ``killed`` (by the pool, its request gave
+    up), ``crashed`` or ``lost``.
+    ``environment``: variables added to each worker's (the allocator tuning of ``proxy/memory.py``);
+    ``trim_idle``: seconds after which an idle worker gives back the memory it keeps for the next item.
     """
 
     def __init__(self, workers: int, *, max_jobs: int = 0, max_rss_bytes: int = 0,
                  on_exit: Callable[[str], None] = lambda reason: None,
-                 environment: Mapping[str, str] | None = None) -> None:
+                 environment: Mapping[str, str] | None = None, trim_idle: float = 0.0) -> None:
         self.max_jobs = max_jobs
+        self.trim_idle = trim_idle  # a worker gives back what it keeps after this many idle seconds (0 = never)
         self._environment = dict(environment or {})  # added to each worker's environment (allocator tuning)
-        self._on_exit = on_exit  # called with recycled, killed or crashed (from a pool thread)
+        self._on_exit = on_exit  # called with recycled, killed, crashed or lost (from a pool thread)
         self.max_rss_bytes = max_rss_bytes
         self.recycled = 0
         self.crashed = 0
+        self.lost = 0
         self._local = threading.local()
         self._all: set[_Worker] = set()
         self._closed = False
@@ -202,12 +255,17 @@ class ProcessPool(DecodePool):
         """This thread's worker, started (or replaced, when it ended) here."""
         worker: _Worker | None = getattr(self._local, "worker", None)
         if worker is not None and not worker.alive():
-            self._retire(worker)
+            returncode = self._retire(worker)
+            if not worker.killed and not self._closed:  # ended while idle, not by the pool
+                self.lost += 1
+                self._on_exit("lost")
+                log.warning("decode worker %d ended while idle (%s); replaced", worker.pid,
+                            _describe_exit(returncode))
             worker = None
         if worker is None:
             if self._closed:
                 raise Cancelled()
-            worker = _Worker(self._environment)
+            worker = _Worker(self._environment, self.trim_idle)
             with self._lock:
                 self._all.add(worker)
                 closed = self._closed
@@ -227,6 +285,7 @@ class ProcessPool(DecodePool):
 
     def _execute(self, batch: Batch, job: Job[T]) -> T:
         assert isinstance(job, MediaJob), "a process pool runs MediaJob items only"
+        deaths: list[int | None] = []  # the exit statuses of the workers that ended on this item
         while True:
             worker = self._worker()
             with self._lock:
@@ -245,17 +304,41 @@ class ProcessPool(DecodePool):
                     # Killed for the batch of its previous item, as that item was finishing: this item was
                     # never its fault. The successor takes it.
                     continue
-                self.crashed += 1
-                self._on_exit("crashed")
-                how = _describe_exit(returncode)
-                log.warning("decode worker %d ended while processing %s (%s); refused as decoder_crashed, "
-                            "the worker is replaced", worker.pid, job.task.path, how)
-                raise WorkerCrashed(how).at(job.task.path) from None
+                deaths.append(returncode)
+                self._count_death(returncode)
+                self._after_death(worker.pid, job, deaths)  # raises once the retry's worker died too
+                continue
             finally:
                 with self._lock:
                     worker.batch = None
             self._recycle_if_due(worker)
             return verdict  # type: ignore[return-value]
+
+    def _count_death(self, returncode: int | None) -> None:
+        if _crashed(returncode):
+            self.crashed += 1
+            self._on_exit("crashed")
+        else:
+            self.lost += 1
+            self._on_exit("lost")
+
+    def _after_death(self, pid: int, job: MediaJob, deaths: list[int | None]) -> None:
+        """A worker ended on ``job``'s item, not by the pool: once, the item is retried on the successor;
+        twice, it is refused, as the media's fault only when both were crashes."""
+        how = _describe_exit(deaths[-1])
+        path = job.task.path
+        if len(deaths) == 1:
+            log.warning("decode worker %d ended while processing %s (%s); the item runs again on a fresh worker",
+                        pid, path, how)
+            return
+        if all(_crashed(code) for code in deaths):
+            log.warning("decode worker %d crashed on %s (%s), as its predecessor did on the same item; refused "
+                        "as decoder_crashed", pid, path, how)
+            raise WorkerCrashed(" then ".join(_describe_exit(code) for code in deaths)).at(path)
+        log.warning("decode worker %d ended while processing %s (%s), as its predecessor did (%s); the item "
+                    "is not taken to be at fault: answered 503 decoder_unavailable", pid, path, how,
+                    _describe_exit(deaths[0]))
+        raise WorkerLost(" then ".join(_describe_exit(code) for code in deaths)).at(path)
 
     def _recycle_if_due(self, worker: _Worker) -> None:
         due = (self.max_jobs and worker.jobs >= self.max_jobs) or (
@@ -277,6 +360,26 @@ class ProcessPool(DecodePool):
         except OSError as error:  # no process could start: the next job tries again, and says so
             log.warning("could not start a decode worker: %s", error)
         return returncode
+
+    def _warm(self) -> None:
+        """This thread's worker, started now and ready (``DecodePool.start``). A worker that ends as it starts
+        gets one successor, as one that ends on an item does; a second one that ends fails the start."""
+        for attempt in (1, 2):
+            worker = self._worker()
+            try:
+                worker.wait_ready(START_TIMEOUT)
+                return
+            except WorkerGone:
+                how = _describe_exit(self._retire(worker))
+                if attempt == 1:
+                    log.warning("decode worker %d ended as it started (%s); starting another", worker.pid, how)
+                    continue
+                raise WorkerStartError(
+                    f"a decode worker process (MMGATE_DECODE_MODE=process) ended as it started ({how}), "
+                    "twice; its own error, if any, is on stderr above") from None
+            except WorkerStartError:
+                self._retire(worker)
+                raise
 
     def _abandoned(self, batch: Batch) -> None:
         with self._lock:  # the abandoning caller holds no lock here
@@ -302,6 +405,11 @@ def _refusal(status: int, code: str, message: str, param: str | None) -> MediaEr
     error = MediaError(code, message, status)
     error.param = param
     return error
+
+
+def _crashed(returncode: int | None) -> bool:
+    """Whether a worker's exit status is a crash of its own (a fault signal), not a kill from outside."""
+    return returncode is not None and -returncode in CRASH_SIGNALS
 
 
 def _describe_exit(returncode: int | None) -> str:
@@ -338,11 +446,19 @@ def _read_all(fd: int, length: int) -> bytes:
 # ----- the worker process -----
 
 
-def serve(conn: Connection, memfd: int) -> None:
-    """Answer tasks until the socket closes: ``(task, payload length)`` in, one reply out per task."""
+def serve(conn: Connection, memfd: int, trim_idle: float = 0.0) -> None:
+    """Answer tasks until the socket closes: ``(task, payload length)`` in, one reply out per task. After
+    items, once no task came for ``trim_idle`` seconds (0 = never), what the worker keeps for the next item
+    (Pillow's freed blocks, glibc's free heap) goes back to the OS."""
+    trim = _release_kept_memory() if trim_idle > 0 else None
+    worked = False
     while True:
         try:
+            if trim is not None and worked and not conn.poll(trim_idle):
+                trim()
+                worked = False
             task, length = conn.recv()
+            worked = True
         except EOFError:  # mmgate closed the socket, or ended
             return
         except Exception:  # a task this worker cannot unpickle: mmgate's fault, not the media's
@@ -375,13 +491,41 @@ def _same(value: memoryview | bytes) -> memoryview | bytes:
     return value
 
 
+def _release_kept_memory() -> Callable[[], None]:
+    """Pillow's freed blocks, then glibc's free pages (``malloc_trim``, where glibc is the C library)."""
+    import ctypes
+    import ctypes.util
+
+    from PIL import Image
+
+    try:
+        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+        malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError, TypeError):  # not glibc
+        malloc_trim = None
+
+    def release() -> None:
+        Image.core.clear_cache()
+        if malloc_trim is not None:
+            malloc_trim(0)
+
+    return release
+
+
 def main(argv: list[str]) -> None:
     # Ctrl-C reaches the whole process group, and a terminal's SIGTERM may too: the worker must outlive them
     # while mmgate drains. mmgate ends it with SIGKILL, or by closing the socket.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     lower_priority()
-    serve(Connection(int(argv[0])), int(argv[1]))
+    conn = Connection(int(argv[0]))
+    try:
+        warm_up()
+    except Exception:  # mmgate's start-up fails with this, instead of every item failing later
+        conn.send(("fault", traceback.format_exc()))
+        return
+    conn.send(("ready", os.getpid()))  # mmgate's start-up waits for this
+    serve(conn, int(argv[1]), float(argv[2]) if len(argv) > 2 else 0.0)
 
 
 if __name__ == "__main__":

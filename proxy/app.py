@@ -1,7 +1,8 @@
 """The composition root: ``build_app(settings)`` wires every part; tests use the very same factory.
 
 Resources live in ``cleanup_ctx`` (created on start-up, closed on shutdown, in reverse order): the upstream
-ClientSession, the decode pool (its worker processes killed and reaped), the event-loop lag watcher. Shared
+ClientSession, the decode pool (its workers started and ready at start-up; its worker processes killed and
+reaped at shutdown), the event-loop lag watcher. Shared
 state is one ``AppState`` under a typed ``web.AppKey``.
 """
 
@@ -115,7 +116,8 @@ def make_pool(settings: Settings, metrics: Metrics) -> DecodePool:
         return ProcessPool(settings.decode_workers, max_jobs=settings.worker_max_jobs,
                            max_rss_bytes=settings.worker_max_rss_mb * MIB,
                            on_exit=lambda reason: metrics.decode_worker_exits.labels(reason).inc(),
-                           environment=worker_environment(os.environ, memory_first=settings.malloc_tuning))
+                           environment=worker_environment(os.environ, memory_first=settings.malloc_tuning),
+                           trim_idle=settings.trim_idle)
     return DecodePool(settings.decode_workers)
 
 
@@ -152,6 +154,15 @@ async def _fetch_session(app: web.Application) -> AsyncIterator[None]:
 async def _decode_pool(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.pool = make_pool(state.settings, state.metrics)
+    try:
+        # Every worker (a process in process mode) started and ready before the first request: the first
+        # media request is as fast as the next, and a worker that cannot start stops mmgate here.
+        await asyncio.to_thread(state.pool.start)
+    except BaseException:
+        state.pool.shutdown()
+        if state.cache is not None:
+            state.cache.close()
+        raise
     metrics = state.metrics
     metrics.pool_queue_depth.set_function(lambda: state.pool.queued if state.pool else 0)
     metrics.pool_stuck_workers.set_function(lambda: state.pool.stuck if state.pool else 0)

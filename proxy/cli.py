@@ -28,6 +28,8 @@ from typing import NoReturn
 import orjson
 from aiohttp import web
 
+from preprocessors.workers import WorkerStartError
+
 from .app import build_admin_app, build_app, make_runner, served_model
 from .connections import GuardedSite
 from .memory import tune_process
@@ -141,7 +143,7 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
                      " ".join(applied) if applied else "allocator settings left as the environment set them")
         try:
             asyncio.run(serve(settings, on_ready=print_demo_help if stub is not None else None))
-        except ListenError as error:
+        except (ListenError, WorkerStartError) as error:
             exit_with(error)
     finally:
         if stub is not None:
@@ -170,7 +172,11 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
         loop.add_signal_handler(signum, on_signal, signum)
     app = build_app(settings)
     runner = make_runner(app)
-    await runner.setup()
+    try:
+        await runner.setup()
+    except WorkerStartError:
+        await runner.cleanup()  # what started before the decode pool (the upstream session) is closed
+        raise
     admin_runner = None
     try:
         # Client connections are capped and their heads have a deadline (proxy/connections.py).

@@ -88,9 +88,11 @@ def refusal_for(state: AppState, plan: Plan, batch: Batch, exc: MediaError | Tim
         return MmgateError(504, "preprocess_timeout",
                            f"no decode worker became free within {timeout:g} s "
                            "(MMGATE_PREPROCESS_TIMEOUT): the proxy is overloaded, retry later")
+    # Slow media, a stalled or starved worker, a busy machine: the deadline cannot tell which, so it names
+    # itself and blames nobody.
     return MmgateError(504, "preprocess_timeout",
-                       f"media preprocessing took longer than {timeout:g} s "
-                       "(MMGATE_PREPROCESS_TIMEOUT): send smaller media")
+                       f"media preprocessing did not finish within the {timeout:g} s deadline "
+                       "(MMGATE_PREPROCESS_TIMEOUT); the work was stopped and nothing was forwarded")
 
 
 def rewrites_for(state: AppState, plan: Plan, outcomes: list[Outcome]) -> Rewrites:

@@ -16,6 +16,10 @@ trim clears them first (``release_freed_memory``): an image freed under the GIL 
 pixels under it too (about 1 ms per 12 MP job, that every other thread and the event loop wait for).
 Without the tuning, Pillow keeps a few more blocks for reuse (``PILLOW_BLOCKS_KEPT``), never cleared. An
 operator's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``PILLOW_BLOCKS_MAX`` is left alone.
+
+Decode worker processes (``worker_environment``) are tuned apart: the eager threshold would make a worker
+fault in every image fresh, so each keeps ``PILLOW_BLOCKS_PER_WORKER`` blocks and a heap for buffers up to
+``WORKER_MMAP_THRESHOLD`` while it works, and gives them back once idle for MMGATE_TRIM_IDLE.
 bench/results/ has the measurements.
 
 Not glibc (musl, macOS): there is nothing to call and the glibc parts do nothing.
@@ -38,8 +42,16 @@ EAGER_THRESHOLD = 1 << 20
 # decode and resize buffers of a large photo, at most 256 MiB kept.
 PILLOW_BLOCKS_KEPT = 16
 # Freed Pillow blocks kept per decode thread while media work runs, when memory comes first: a job frees
-# two big images (decoded and resized). Decode processes keep none: the event loop never waits for them.
+# two big images (decoded and resized).
 PILLOW_BLOCKS_PER_THREAD = 2
+# A decode worker process, when memory comes first, is tuned like a thread: it keeps what one job of a
+# large photo frees (decoded image and resized copy: four blocks), and serves buffers up to glibc's own
+# largest dynamic mmap threshold from its heap, so the next item reuses pages instead of faulting in fresh
+# ones. What it keeps goes back when it has been idle for MMGATE_TRIM_IDLE (``workers.serve``), and recycling
+# (MMGATE_WORKER_MAX_RSS_MB) bounds a fragmented heap.
+PILLOW_BLOCKS_PER_WORKER = 4
+WORKER_MMAP_THRESHOLD = 32 << 20
+WORKER_TRIM_THRESHOLD = 64 << 20
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -70,8 +82,9 @@ def worker_environment(environ: Mapping[str, str], *, memory_first: bool) -> dic
     Pillow read when a process starts; an operator's own values, which the worker inherits, are left alone."""
     wanted = {"PILLOW_BLOCKS_MAX": str(PILLOW_BLOCKS_KEPT)}
     if memory_first:
-        wanted = {"MALLOC_MMAP_THRESHOLD_": str(EAGER_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(EAGER_THRESHOLD),
-                  "PILLOW_BLOCKS_MAX": "0"}
+        wanted = {"MALLOC_MMAP_THRESHOLD_": str(WORKER_MMAP_THRESHOLD),
+                  "MALLOC_TRIM_THRESHOLD_": str(WORKER_TRIM_THRESHOLD),
+                  "PILLOW_BLOCKS_MAX": str(PILLOW_BLOCKS_PER_WORKER)}
     return {name: value for name, value in wanted.items() if name not in environ}
 
 

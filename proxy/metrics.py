@@ -98,7 +98,8 @@ class Metrics:
         )
         self.decode_worker_exits = Counter(
             "mmgate_decode_worker_exits", "Decode worker processes ended and replaced (MMGATE_DECODE_MODE=process): "
-            "recycled (MMGATE_WORKER_MAX_JOBS/_RSS_MB), killed (its request gave up), crashed (on an item)",
+            "recycled (MMGATE_WORKER_MAX_JOBS/_RSS_MB), killed (its request gave up), crashed (a fault signal on "
+            "an item), lost (ended from outside, e.g. SIGKILL by the OOM killer, on an item or idle)",
             ["reason"], registry=r,
         )
         self.event_loop_lag = Histogram(

@@ -60,7 +60,7 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
     except TimeoutError:
         if deadline is None or not deadline.expired():
             return await _answer(request, state, ex, _internal_error(ex))
-        return await _answer(request, state, ex, MmgateError(504, "request_timeout", "the request deadline passed"))
+        return await _answer(request, state, ex, _deadline_passed(request, state.settings.request_timeout))
     except MmgateError as error:
         return await _answer(request, state, ex, error)
     except (asyncio.CancelledError, ConnectionResetError):
@@ -269,6 +269,18 @@ def _request_deadline(request: web.Request, configured: float) -> float | None:
                               f"X-MMGate-Timeout must be a positive number of seconds, got {raw[:32]!r}")
         limit = asked if limit is None else min(limit, asked)
     return None if limit is None else asyncio.get_running_loop().time() + limit
+
+
+def _deadline_passed(request: web.Request, configured: float) -> MmgateError:
+    """504 naming the deadline that fired and where it was set (the request's own header wins when lower)."""
+    raw = request.headers.get("X-MMGate-Timeout")
+    asked = float(raw) if raw is not None else None  # valid: ``_request_deadline`` accepted it
+    if asked is not None and (not configured or asked < configured):
+        limit, setting = asked, "the request's X-MMGate-Timeout header"
+    else:
+        limit, setting = configured, "MMGATE_REQUEST_TIMEOUT"
+    return MmgateError(504, "request_timeout",
+                       f"the request did not finish within its {limit:g} s deadline ({setting}); it was stopped")
 
 
 def _take_place_for_media(state: AppState, ex: Exchange, head: bytes) -> None:

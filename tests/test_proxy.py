@@ -195,7 +195,9 @@ async def test_request_deadline_header(upstream: Upstream, proxy: Proxy) -> None
     async with aiohttp.ClientSession() as client:
         async with client.get(proxy.url + "/slow", headers={"X-MMGate-Timeout": "0.2"}) as response:
             assert response.status == 504
-            assert (await response.json())["error"]["code"] == "request_timeout"
+            error = (await response.json())["error"]
+            assert error["code"] == "request_timeout"
+            assert "0.2 s deadline (the request's X-MMGate-Timeout header)" in error["message"]
         await asyncio.wait_for(upstream.cancelled.wait(), 10)
         assert "X-MMGate-Timeout" not in upstream.seen[-1].headers  # ours, never forwarded
         async with client.get(proxy.url + "/slow", headers={"X-MMGate-Timeout": "soon"}) as response:
@@ -213,7 +215,9 @@ async def test_timeout_header_cannot_raise_configured_deadline(upstream: Upstrea
     async with aiohttp.ClientSession() as client:
         async with client.get(proxy.url + "/slow", headers={"X-MMGate-Timeout": "3600"}) as response:
             assert response.status == 504
-            assert (await response.json())["error"]["code"] == "request_timeout"
+            error = (await response.json())["error"]
+            assert error["code"] == "request_timeout"
+            assert "0.2 s deadline (MMGATE_REQUEST_TIMEOUT)" in error["message"]  # the one that fired
 
 
 def _sse_upstream(upstream: Upstream, events: int, hold_after: int | None = None):
