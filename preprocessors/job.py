@@ -11,12 +11,13 @@ pool copies it into the worker's memfd when a worker is free, so a queued job ho
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .audio import sniff_audio_format, validate_audio
-from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaError, MediaKind
+from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaError, MediaKind, VideoPolicy
 from .dataurl import decode_base64, encode_base64
 from .image import image_mime, process_image
+from .video import probe_video
 
 Payload = Callable[[], "bytes | memoryview"]
 
@@ -33,6 +34,7 @@ class MediaTask:
     audio_policy: AudioPolicy
     audio_format: str | None = None
     fetched_mime: str | None = None  # a fetched body (MMGATE_MEDIA_URLS=fetch) and its declared type; None: base64
+    video_policy: VideoPolicy = field(default_factory=VideoPolicy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,4 +121,6 @@ def _judge(task: MediaTask, data: bytes, checkpoint: Checkpoint) -> Verdict:
         if fetched:  # validated, so the format is known
             mime = _AUDIO_MIME.get(sniff_audio_format(data) or "", task.fetched_mime or "").encode()
             return Verdict(size, size, b"", mime, encode_base64(data))
-    return Verdict(size, size)  # audio and video are validated / size-checked and forwarded unchanged
+    if task.kind == "video":  # probed, never decoded, and forwarded byte for byte
+        probe_video(data, task.video_policy, checkpoint)
+    return Verdict(size, size)  # audio and video are validated and forwarded unchanged

@@ -158,7 +158,7 @@ def media_job(state: AppState, media_ref: weakref.ref[MediaBuffer], item: Item,
     task = MediaTask(
         kind=part.kind, path=part.path, max_bytes=state.settings.max_media_item_bytes,
         image_policy=state.image_policy, audio_policy=state.audio_policy, audio_format=part.audio_format,
-        fetched_mime=fetched.mime if fetched is not None else None,
+        fetched_mime=fetched.mime if fetched is not None else None, video_policy=state.video_policy,
     )
     if fetched is not None:
         return MediaJob(task, partial(_fetched_value, fetched))

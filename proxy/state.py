@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from preprocessors.base import AudioPolicy, ImagePolicy
+from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.pool import DecodePool
 
 from .admission import Gate
@@ -41,6 +41,7 @@ class AppState:
     cache: MediaCache | None = None  # MMGATE_CACHE_MB > 0
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # shared with the gate
     model: Model | None = None  # MMGATE_MODEL with a supported family: image tokens are counted
+    video_policy: VideoPolicy = field(default_factory=VideoPolicy)
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")
