@@ -7,14 +7,15 @@ What is missing (the extra, the folder, the processor configuration, a tokenizer
 ``ConfigError`` naming it, so ``mmgate`` stops at start-up with status 2.
 
 Families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``QwenVL``), Idefics3 and SmolVLM (``Idefics3``), LLaVA 1.5
-(``ShortestEdge``), Gemma 3 without pan-and-scan (``Square``). Any other model (LLaVA-NeXT's any-res grid among
-them) keeps the generic resize rule, with a warning naming it.
+(``ShortestEdge``), LLaVA-NeXT's any-res grid (``LlavaNext``), Gemma 3 without pan-and-scan (``Square``). Any
+other model keeps the generic resize rule, with a warning naming it.
 
 The token count of an image comes from the processor: the image processor's ``get_number_of_image_patches``
 and, where the count also depends on the tokenizer (Idefics3/SmolVLM's row and column markers), Idefics3's
 ``_get_num_multimodal_tokens`` or SmolVLM's image prompt counted with its tokenizer, memoised by the patch
 layout that determines it (a bounded set), so each image costs a few microseconds on the event loop. LLaVA 1.5
-and Gemma 3 make the same count of every image, asked of their processor once.
+and Gemma 3 make the same count of every image, asked of their processor once; LLaVA-NeXT's is
+``LlavaNextProcessor._get_number_of_features`` (arithmetic on the size).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from preprocessors.geometry import Geometry, Idefics3, QwenVL, ShortestEdge, Square, model_size, upright
+from preprocessors.geometry import Geometry, Idefics3, LlavaNext, QwenVL, ShortestEdge, Square, model_size, upright
 
 from .settings import ConfigError
 
@@ -107,6 +108,8 @@ def load_model(spec: str) -> Model:
         geometry: Geometry = (ShortestEdge("llava", int(size.shortest_edge or size.height), pad)
                               if size.shortest_edge or pad else Square("llava", int(size.width), int(size.height)))
         return _constant(spec, "llava", folder, geometry)
+    if image_type == "LlavaNextImageProcessor" and model_type == "llava_next":
+        return _llava_next(spec, folder, processor)
     if image_type == "Gemma3ImageProcessor" and not getattr(processor, "do_pan_and_scan", False):
         return _constant(spec, "gemma3", folder, Square("gemma3", int(processor.size.width),
                                                          int(processor.size.height)))
@@ -245,3 +248,32 @@ def _idefics3_layout_tokens(family: str, folder: Path) -> Callable[[int, int, An
         return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
     return layout_tokens
+
+
+def _llava_next(spec: str, folder: Path, image_processor: Any) -> Model:
+    """LLaVA-NeXT: the any-res geometry from the image processor, the count from ``LlavaNextProcessor`` (its
+    ``_get_number_of_features``, less the CLS token the "default" feature strategy drops)."""
+    try:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
+        patch_size = int(processor.patch_size)
+        drops = 1 if processor.vision_feature_select_strategy == "default" else 0
+        extra = int(processor.num_additional_image_tokens) - drops
+    except Exception as error:
+        raise ConfigError(f"MMGATE_MODEL={spec!r}: counting llava-next image tokens needs the model's processor "
+                          f"and tokenizer in {folder}, which could not be loaded offline "
+                          f"({type(error).__name__}: {str(error)[:200]})") from None
+    size = image_processor.size
+    processed = int(size.shortest_edge or min(size.height, size.width))  # the base square the count assumes
+    pinpoints = tuple((int(h), int(w)) for h, w in image_processor.image_grid_pinpoints)
+    geometry = LlavaNext("llava-next", pinpoints, processed, patch_size, extra)
+
+    def count(width: int, height: int) -> int:
+        return int(processor._get_number_of_features(height, width, processed, processed)) - drops
+
+    side = processed // patch_size
+    # Every grid full (nothing unpadded), a newline token a row, and the base square.
+    ceiling = max((h // processed * side) * (w // processed * side) + h // processed * side
+                  for h, w in pinpoints) + side * side + extra
+    return Model(spec, "llava-next", geometry, count, ceiling)

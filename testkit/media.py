@@ -47,6 +47,7 @@ def video_clip(width: int = 64, height: int = 48, frames: int = 3, *, codec: str
     buffer = io.BytesIO()
     with av.open(buffer, "w", format=container) as output:
         stream = output.add_stream(codec, rate=rate)
+        assert isinstance(stream, av.VideoStream)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if codec == "libx264":
             stream.options = {"preset": "ultrafast", "tune": "zerolatency"}

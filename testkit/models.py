@@ -91,10 +91,16 @@ def gemma3_folder(path: Path, pan_and_scan: bool = False) -> Path:
     return path
 
 
-def llava_next_folder(path: Path) -> Path:
-    """A LLaVA-NeXT image processor (any-res grid): a family mmgate has no geometry for."""
+def llava_next_folder(path: Path, pinpoints: list[list[int]] | None = None) -> Path:
+    """A LLaVA-NeXT processor (any-res grid; LLaVA-v1.6's pinpoints unless given): image processor, the
+    vision tower's patch size and feature strategy, and a tokenizer with the ``<image>`` token."""
+    from transformers import LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    LlavaNextImageProcessorPil().save_pretrained(path)
+    grid = pinpoints or [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+                                        image_grid_pinpoints=grid)
+    LlavaNextProcessor(image_processor=images, tokenizer=_tokenizer(["<image>"]), patch_size=14,
+                       vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": "llava_next"}))
     return path

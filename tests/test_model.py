@@ -180,6 +180,60 @@ def test_llava_and_gemma3_target_and_tokens_follow_their_processor(
         assert target == (896, 896)
 
 
+LLAVA_NEXT_GRIDS = {"v1.6": None, "wide": [[336, 336], [336, 1344], [1344, 336], [672, 1008], [1008, 672]]}
+
+
+@pytest.fixture(scope="module")
+def llava_next_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {name: llava_next_folder(tmp_path_factory.mktemp(f"llava-next-{name}"), grid)
+            for name, grid in LLAVA_NEXT_GRIDS.items()}
+
+
+@pytest.mark.parametrize("grid", list(LLAVA_NEXT_GRIDS))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=sizes)
+@example(size=(1063, 2257)).via("the processor's patch size would count one row of tokens fewer")
+@example(size=(2000, 1500)).via("a photo brought within the 672x672 grid")
+@example(size=(300, 200)).via("smaller than every grid: the backend upscales it")
+@example(size=(2230, 535)).via("a strip in the 1008x336 grid")
+def test_llava_next_target_and_tokens_follow_its_processor(
+        grid: str, size: tuple[int, int], llava_next_folders: dict[str, Path]) -> None:
+    """The any-res grid: mmgate's size is the one the processor brings the image to within its best grid
+    resolution, its count the processor's own; the processor run on mmgate's output resizes nothing and makes
+    the same patches and tokens. A resize that would shift the count is not made."""
+    from transformers.image_processing_utils import select_best_resolution
+    from transformers.image_utils import PILImageResampling
+
+    folder = str(llava_next_folders[grid])
+    model = load_model(folder)
+    assert model.family == "llava-next" and model.geometry is not None
+    processor = transformers.AutoProcessor.from_pretrained(folder, local_files_only=True, backend="pil")
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    ip = processor.image_processor
+
+    def run(image_size: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, ...], int]:
+        """The size the processor resizes the image to for its grid, its patches, and its tokens."""
+        best = select_best_resolution((image_size[1], image_size[0]), ip.image_grid_pinpoints)
+        resized = ip._resize_for_patching(np.zeros((3, image_size[1], image_size[0]), np.uint8), best,
+                                          PILImageResampling.BICUBIC)
+        out = processor(text=[processor.image_token], images=[Image.new("RGB", image_size)], return_tensors="np")
+        return ((resized.shape[2], resized.shape[1]), tuple(out["pixel_values"].shape),
+                int((out["input_ids"][0] == image_token).sum()))
+
+    width, height = size
+    resized, shape, tokens = run(size)
+    assert model.geometry.backend_size(width, height) == resized
+    assert model.image_tokens(width, height) == tokens <= model.most_tokens
+    target = resize_target(model.geometry, width, height, 1)
+    if target is None:  # enlarged by the processor, already its size, or a resize would shift the count
+        assert (resized[0] > width or resized[1] > height or resized == size
+                or model.image_tokens(*resized) != tokens)
+        return
+    assert target == resized and target[0] <= width and target[1] <= height
+    assert run(target) == (target, shape, tokens)
+    assert model.image_tokens(*target) == tokens
+
+
 def _jpeg(width: int, height: int, orientation: int = 1, exif_padding: int = 0) -> bytes:
     rng = np.random.default_rng(width * 7919 + height)
     image = Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
@@ -303,13 +357,11 @@ def test_the_cli_stops_with_status_2_naming_what_is_missing(tmp_path: Path, caps
 
 def test_an_unsupported_family_keeps_the_generic_rule_with_a_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    folder = str(llava_next_folder(tmp_path / "next"))
+    folder = str(gemma3_folder(tmp_path / "gemma", pan_and_scan=True))
     with caplog.at_level(logging.WARNING, logger="mmgate"):
         model = load_model(folder)
-        assert not load_model(str(gemma3_folder(tmp_path / "gemma", pan_and_scan=True))).supported
-    assert not model.supported and model.family == "llava_next"
-    assert "llava_next family (LlavaNextImageProcessor) has no model geometry" in caplog.text
-    assert "gemma3 with pan-and-scan family" in caplog.text
+    assert not model.supported and model.family == "gemma3 with pan-and-scan"
+    assert "gemma3 with pan-and-scan family (Gemma3ImageProcessor) has no model geometry" in caplog.text
     state = build_state(Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:9", "MMGATE_MODEL": folder,
                                            "MMGATE_RESIZE_MAX_SIDE": "512"}))
     assert state.model is None and state.image_policy.geometry is None and state.image_policy.resize_max_side == 512
@@ -411,11 +463,11 @@ def test_settings_name_the_new_variables() -> None:
 
 
 def test_the_geometry_travels_to_a_worker_process_as_plain_data(
-        folders: dict[str, Path], constant_folders: dict[str, Path]) -> None:
+        folders: dict[str, Path], constant_folders: dict[str, Path], llava_next_folders: dict[str, Path]) -> None:
     """A decode pool of processes pickles the ImagePolicy: the geometry must survive it unchanged."""
     import pickle
 
-    for folder in [*folders.values(), *constant_folders.values()]:
+    for folder in [*folders.values(), *constant_folders.values(), *llava_next_folders.values()]:
         policy = ImagePolicy(geometry=load_model(str(folder)).geometry)
         copy = pickle.loads(pickle.dumps(policy))
         assert copy == policy and copy.geometry.backend_size(3000, 2000) == policy.geometry.backend_size(3000, 2000)
