@@ -53,7 +53,8 @@ class Refusal:
 class Verdict:
     """What one media item became, independent of the request that carried it.
 
-    ``sniffed_mime``: the true type of an image ("" for other kinds); ``encoded``: the file to forward as
+    ``sniffed_mime``: the true type of an image ("" for other kinds); ``video``: what the probe read of a clip
+    (``preprocessors/video.py``); ``encoded``: the file to forward as
     base64 with its ``mime`` (the rewritten image; for a fetched body always, the bytes as fetched when they
     needed no change), or None when the item is forwarded unchanged; ``refusal``: set instead when the item
     is refused (kept by the proxy's cache, never made by a worker, which raises)."""
@@ -64,6 +65,7 @@ class Verdict:
     mime: bytes = b""
     encoded: bytes | None = None
     refusal: Refusal | None = None
+    video: tuple[int, int, int] | None = None  # a probed clip: (frames, width, height)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,5 +124,6 @@ def _judge(task: MediaTask, data: bytes, checkpoint: Checkpoint) -> Verdict:
             mime = _AUDIO_MIME.get(sniff_audio_format(data) or "", task.fetched_mime or "").encode()
             return Verdict(size, size, b"", mime, encode_base64(data))
     if task.kind == "video":  # probed, never decoded, and forwarded byte for byte
-        probe_video(data, task.video_policy, checkpoint)
+        info = probe_video(data, task.video_policy, checkpoint)
+        return Verdict(size, size, video=(info.frames, info.width, info.height))
     return Verdict(size, size)  # audio and video are validated and forwarded unchanged

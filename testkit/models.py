@@ -23,8 +23,14 @@ def _tokenizer(specials: list[str], **named: Any) -> Any:
                                    else None, additional_special_tokens=specials, **named)
 
 
-def qwen_folder(path: Path, model_type: str = "qwen2_vl") -> Path:
-    """A Qwen2-VL (``qwen2_vl``), Qwen2.5-VL (``qwen2_5_vl``) or Qwen3-VL (``qwen3_vl``) image processor."""
+# A Qwen2-VL video processor configuration as newer checkpoints ship it (written as JSON: the class needs torch).
+QWEN_VIDEO_CONFIG = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14, "temporal_patch_size": 2,
+                     "merge_size": 2, "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}}
+
+
+def qwen_folder(path: Path, model_type: str = "qwen2_vl", video: dict[str, Any] | None = None) -> Path:
+    """A Qwen2-VL (``qwen2_vl``), Qwen2.5-VL (``qwen2_5_vl``) or Qwen3-VL (``qwen3_vl``) image processor, and
+    with ``video`` a video processor configuration (without one, the video processor reads the image one's)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if model_type == "qwen3_vl":  # 16 px patches, 2x2 merge: sides are multiples of 32
@@ -33,6 +39,8 @@ def qwen_folder(path: Path, model_type: str = "qwen2_vl") -> Path:
     else:  # Qwen2-VL and Qwen2.5-VL ship the same image processor: 14 px patches, sides multiples of 28
         processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
     processor.save_pretrained(path)
+    if video is not None:
+        (path / "video_preprocessor_config.json").write_text(json.dumps(video))
     (path / "config.json").write_text(json.dumps({"model_type": model_type}))
     return path
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,14 @@ from .conftest import StartProxy, Upstream
 
 transformers = pytest.importorskip("transformers", reason="the model extra: pip install -e '.[model]'")
 
-from testkit.models import gemma3_folder, idefics3_folder, llava_folder, llava_next_folder, qwen_folder  # noqa: E402
+from testkit.models import (  # noqa: E402
+    QWEN_VIDEO_CONFIG,
+    gemma3_folder,
+    idefics3_folder,
+    llava_folder,
+    llava_next_folder,
+    qwen_folder,
+)
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "idefics3", "smolvlm"]
 
@@ -234,6 +242,68 @@ def test_llava_next_target_and_tokens_follow_its_processor(
     assert model.image_tokens(*target) == tokens
 
 
+def qwen2_video_reference(folder: Path) -> Callable[[int, int, int], int]:
+    """``Qwen2VLVideoProcessor.get_num_of_video_patches // merge_size ** 2`` as transformers writes it, for the
+    processor ``from_pretrained`` would load from ``folder``. The video processor's module imports torch and
+    torchvision (which the model extra does not install), so its ``smart_resize``, its class defaults and the
+    method are taken from the module's source and run as they are; only the loading (the folder's video
+    configuration, else its image one, ``min_pixels``/``max_pixels`` over ``size``) is done here."""
+    import ast
+    import math
+    import types
+
+    source = Path(transformers.__file__).parent / "models" / "qwen2_vl" / "video_processing_qwen2_vl.py"
+    tree = ast.parse(source.read_text())
+    helper = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "smart_resize")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Qwen2VLVideoProcessor")
+    method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_num_of_video_patches")
+    namespace: dict[str, Any] = {"math": math}
+    exec(compile(ast.Module([helper, method], type_ignores=[]), str(source), "exec"), namespace)
+    defaults = {node.targets[0].id: eval(compile(ast.Expression(node.value), str(source), "eval"), {})
+                for node in cls.body if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id in ("size", "patch_size", "temporal_patch_size", "merge_size")}
+    video_file = folder / "video_preprocessor_config.json"
+    config = orjson.loads((video_file if video_file.exists() else folder / "preprocessor_config.json").read_bytes())
+    values = {**defaults, **{k: v for k, v in config.items() if k in defaults}}
+    values["size"] = dict(values["size"])
+    if "min_pixels" in config:
+        values["size"]["shortest_edge"] = config["min_pixels"]
+    if "max_pixels" in config:
+        values["size"]["longest_edge"] = config["max_pixels"]
+    processor = types.SimpleNamespace(**values)
+    patches = namespace["get_num_of_video_patches"]
+    return lambda frames, width, height: patches(processor, frames, height, width, {}) // processor.merge_size ** 2
+
+
+@pytest.mark.parametrize(("model_type", "video"), [("qwen2_vl", None), ("qwen2_vl", QWEN_VIDEO_CONFIG),
+                                                   ("qwen2_5_vl", QWEN_VIDEO_CONFIG)])
+def test_qwen2_video_tokens_equal_what_its_video_processor_computes(
+        model_type: str, video: dict[str, Any] | None, tmp_path: Path) -> None:
+    folder = qwen_folder(tmp_path / model_type, model_type, video)
+    model = load_model(str(folder))
+    assert model.counts_video
+    reference = qwen2_video_reference(folder)
+
+    @settings(max_examples=80, deadline=None)
+    @given(frames=st.integers(1, 4000), size=st.tuples(st.integers(1, 8000), st.integers(1, 8000))
+           .filter(lambda s: max(s) / min(s) < 150))
+    @example(frames=3, size=(7680, 4320)).via("an 8K clip: every frame brought within max_pixels")
+    @example(frames=1, size=(64, 48)).via("one small frame, paired with itself, brought up to min_pixels")
+    def check(frames: int, size: tuple[int, int]) -> None:
+        assert model.video_tokens(frames, *size) == reference(frames, *size)
+
+    check()
+    with pytest.raises(MediaError) as caught:
+        model.video_tokens(4, 4000, 10)
+    assert caught.value.code == "video_unsupported_by_model" and "200" in caught.value.message
+
+
+def test_families_without_video_tokens_count_none(folders: dict[str, Path],
+                                                   llava_next_folders: dict[str, Path]) -> None:
+    for folder in (folders["qwen3-vl"], folders["idefics3"], llava_next_folders["v1.6"]):
+        assert not load_model(str(folder)).counts_video
+
+
 def _jpeg(width: int, height: int, orientation: int = 1, exif_padding: int = 0) -> bytes:
     rng = np.random.default_rng(width * 7919 + height)
     image = Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
@@ -416,6 +486,35 @@ async def test_the_upstream_gets_the_processor_size_and_the_token_count(
     text = {"model": "m", "messages": [{"role": "user", "content": "no image here"}]}
     assert (await _post(proxy.url, text, {"x-mmgate-image-tokens": "99"})).status == 200
     assert upstream.seen[-1].headers.getall("x-mmgate-image-tokens") == ["0"]
+
+
+async def test_the_upstream_gets_the_video_token_count_of_the_probed_clips(
+        upstream: Upstream, start_proxy: StartProxy, folders: dict[str, Path],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Qwen2-VL: a clip's tokens come from what the probe read (frames, frame size), after admission; the clip
+    itself goes byte for byte. A family without video tokens sets no header, and a client's is not passed on."""
+    from testkit.media import chat_with_video, video_clip
+
+    folder = str(folders["qwen2-vl"])
+    model: Model = load_model(folder)
+    proxy = await start_proxy(upstream.url, MMGATE_MODEL=folder, MMGATE_ACCESS_LOG="on")
+    body = chat_with_video(data_uri(video_clip(640, 360, 5), "video/mp4"))
+    body["messages"][0]["content"].append({"type": "video_url", "video_url": {
+        "url": data_uri(video_clip(96, 64, 2, codec="libvpx-vp9", container="webm"), "video/webm")}})
+    with caplog.at_level(logging.INFO, logger="mmgate.access"):
+        response = await _post(proxy.url, body, {"x-mmgate-video-tokens": "1"})
+    assert response.status == 200
+    seen = upstream.seen[-1]
+    expected = model.video_tokens(5, 640, 360) + model.video_tokens(2, 96, 64)
+    assert expected > 0 and seen.headers.getall("x-mmgate-video-tokens") == [str(expected)]
+    assert seen.headers.getall("x-mmgate-image-tokens") == ["0"]
+    assert seen.body == orjson.dumps(body)
+    record = next(r for r in caplog.records if r.name == "mmgate.access")
+    assert record.fields["video_tokens"] == expected  # type: ignore[attr-defined]
+
+    other = await start_proxy(upstream.url, MMGATE_MODEL=str(folders["idefics3"]))
+    assert (await _post(other.url, body, {"x-mmgate-video-tokens": "1"})).status == 200
+    assert "x-mmgate-video-tokens" not in upstream.seen[-1].headers
 
 
 async def test_without_a_model_nothing_changes(upstream: Upstream, start_proxy: StartProxy) -> None:
