@@ -4,6 +4,7 @@ with PyAV itself, in memory."""
 
 from __future__ import annotations
 
+import base64
 import functools
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from preprocessors.base import MediaError, VideoPolicy, no_checkpoint
 from preprocessors.video import probe_video
@@ -74,6 +77,22 @@ async def test_an_8k_clip_of_a_few_hundred_kb_is_refused_naming_the_pixel_limit(
     assert error["code"] == "video_too_large" and "MMGATE_MAX_VIDEO_PIXELS" in error["message"]
     assert error["param"] == "messages[0].content[1]"
     assert not upstream.seen
+
+
+async def test_generate_video_data_in_base64_is_probed_too(upstream: Upstream, proxy: Proxy) -> None:
+    """SGLang's ``/generate``: ``video_data`` as bare base64 (a batch here) goes through the same probe."""
+    good = base64.b64encode(video_clip()).decode()
+    body = orjson.dumps({"text": ["a", "b"], "video_data": [good, base64.b64encode(clip_8k()).decode()]})
+    async with aiohttp.ClientSession() as session, session.post(
+            proxy.url + "/generate", data=body, headers={"Content-Type": "application/json"}) as response:
+        doc = orjson.loads(await response.read())
+    assert response.status == 400 and doc["error"]["code"] == "video_too_large"
+    assert doc["error"]["param"] == "video_data[1]" and not upstream.seen
+    body = orjson.dumps({"text": "a", "video_data": good})
+    async with aiohttp.ClientSession() as session, session.post(
+            proxy.url + "/generate", data=body, headers={"Content-Type": "application/json"}) as response:
+        assert response.status == 200
+    assert upstream.seen[-1].body == body
 
 
 async def test_the_pixel_limit_is_a_setting(upstream: Upstream, start_proxy: StartProxy) -> None:
@@ -163,3 +182,28 @@ def test_without_pyav_a_video_part_is_refused_with_the_fix() -> None:
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.startswith("video_unavailable ") and "mmgate[video]" in out
+
+
+@functools.cache
+def small_clips() -> tuple[bytes, ...]:
+    return (video_clip(32, 32, 4), video_clip(32, 32, 4, codec="libvpx-vp9", container="webm"),
+            video_clip(32, 32, 4, container="matroska"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(which=st.integers(0, 2), cut=st.integers(0, 4000),
+       flips=st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)), max_size=8))
+def test_a_damaged_clip_is_a_video_or_a_media_error(which: int, cut: int, flips: list[tuple[int, int]]) -> None:
+    """Bytes flipped anywhere, the end cut anywhere: the probe answers with a ``VideoInfo`` within the limits or
+    a ``MediaError``, never another exception (which would be a 500)."""
+    data = bytearray(small_clips()[which])
+    for at, value in flips:
+        data[at % len(data)] = value
+    policy = VideoPolicy(max_pixels=64 * 64, max_frames=8, max_seconds=5)
+    try:
+        info = probe_video(bytes(data[: max(1, len(data) - cut)]), policy, no_checkpoint)
+    except MediaError as error:
+        assert error.code in ("video_invalid", "video_too_large")
+        return
+    assert info.width * info.height <= policy.max_pixels and 0 < info.frames <= policy.max_frames
+    assert info.seconds <= policy.max_seconds
