@@ -126,4 +126,4 @@ def _judge(task: MediaTask, data: bytes, checkpoint: Checkpoint) -> Verdict:
     if task.kind == "video":  # probed, never decoded, and forwarded byte for byte
         info = probe_video(data, task.video_policy, checkpoint)
         return Verdict(size, size, video=(info.frames, info.width, info.height))
-    return Verdict(size, size)  # audio and video are validated and forwarded unchanged
+    return Verdict(size, size)  # audio is validated and forwarded unchanged

@@ -512,6 +512,12 @@ async def test_the_upstream_gets_the_video_token_count_of_the_probed_clips(
     record = next(r for r in caplog.records if r.name == "mmgate.access")
     assert record.fields["video_tokens"] == expected  # type: ignore[attr-defined]
 
+    strip = chat_with_video(data_uri(video_clip(4096, 16, 2), "video/mp4"))  # an aspect ratio of 256
+    response = await _post(proxy.url, strip)
+    assert response.status == 400 and len(upstream.seen) == 1
+    error = orjson.loads(await response.read())["error"]
+    assert error["code"] == "video_unsupported_by_model" and error["param"] == "messages[0].content[1]"
+
     other = await start_proxy(upstream.url, MMGATE_MODEL=str(folders["idefics3"]))
     assert (await _post(other.url, body, {"x-mmgate-video-tokens": "1"})).status == 200
     assert "x-mmgate-video-tokens" not in upstream.seen[-1].headers
