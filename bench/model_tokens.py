@@ -43,7 +43,7 @@ from preprocessors.dimensions import peek_dimensions
 from preprocessors.image import process_image
 from proxy.model import Model, load_model
 from testkit import vllm as h
-from testkit.models import gemma3_folder, idefics3_folder, llava_folder, qwen_folder
+from testkit.models import gemma3_folder, idefics3_folder, llava_folder, llava_next_folder, qwen_folder
 
 SCRIPT = "model_tokens.py"
 WHAT = "MMGATE_MODEL: image-token estimate cost, geometry CPU, real-vLLM prompt tokens direct vs through mmgate"
@@ -53,6 +53,7 @@ FAMILIES = {
     "idefics3": lambda p: idefics3_folder(p),
     "smolvlm": lambda p: idefics3_folder(p, "smolvlm", tile=512, longest_edge=2048),
     "llava": lambda p: llava_folder(p),
+    "llava-next": lambda p: llava_next_folder(p),
     "gemma3": lambda p: gemma3_folder(p),
 }
 # (width, height, EXIF orientation) sent to vLLM: one each for resized, upscaled by the backend, a strip, rotated

@@ -83,6 +83,15 @@ class AudioPolicy:
     max_seconds: float = 600.0
 
 
+@dataclass(frozen=True, slots=True)
+class VideoPolicy:
+    """What the video probe enforces (``preprocessors/video.py``); built from Settings."""
+
+    max_pixels: int = 8_294_400  # one 3840x2160 frame
+    max_frames: int = 3600
+    max_seconds: float = 600.0
+
+
 @dataclass(slots=True)
 class Processed:
     """A rewritten media item. ``data`` is the new encoded file (not base64); ``mime`` its content type."""

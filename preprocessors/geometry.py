@@ -50,6 +50,8 @@ def resize_target(geometry: Geometry, width: int, height: int, orientation: int)
     out_w, out_h = model_size(geometry, up_w, up_h)
     if out_w > up_w or out_h > up_h or (out_w, out_h) == (up_w, up_h):
         return None
+    if isinstance(geometry, LlavaNext) and not geometry.resize_keeps_tokens(up_w, up_h, out_w, out_h):
+        return None
     return (out_h, out_w) if orientation in SWAPS_SIDES else (out_w, out_h)
 
 
@@ -157,3 +159,54 @@ class Square:
 
     def backend_size(self, width: int, height: int) -> tuple[int, int]:
         return self.width, self.height
+
+
+@dataclass(frozen=True, slots=True)
+class LlavaNext:
+    """LLaVA-NeXT's any-res grid: the grid resolution that keeps the most of the image
+    (``select_best_resolution`` over ``image_grid_pinpoints``, ``(height, width)`` pairs), the image brought
+    within it keeping its aspect ratio (``get_patch_output_size``), padded, and cut into ``tile`` px patches,
+    beside one ``tile`` square of the whole image (which any size makes the same).
+
+    The token count depends on the size of the image it is given, not only on the grid (the padding it
+    "unpads" is worked out from the original aspect ratio), so a resize can shift it by a row of patches:
+    ``resize_keeps_tokens`` says whether the processor's own patch size counts as the original does, and
+    where it does not, the image is forwarded as it is."""
+
+    family: str
+    pinpoints: tuple[tuple[int, int], ...]
+    tile: int  # the base square and the patch side (size.shortest_edge / crop_size)
+    patch_size: int  # the vision tower's patch (14)
+    extra_tokens: int  # num_additional_image_tokens, less the one the "default" feature strategy drops
+
+    def _best(self, width: int, height: int) -> tuple[int, int]:
+        select = _helper("transformers.image_processing_utils", "select_best_resolution")
+        best_h, best_w = select((height, width), [list(p) for p in self.pinpoints])
+        return int(best_w), int(best_h)
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        numpy = importlib.import_module("numpy")
+        output_size = _helper("transformers.image_processing_utils", "get_patch_output_size")
+        channels_last = _helper("transformers.image_utils", "ChannelDimension").LAST
+        best_w, best_h = self._best(width, height)
+        # The helper reads the size off an array: a zero-channel one costs no memory.
+        h, w = output_size(numpy.empty((height, width, 0), dtype=numpy.uint8), (best_h, best_w), channels_last)
+        return int(w), int(h)
+
+    def tokens(self, width: int, height: int) -> int:
+        """``LlavaNextProcessor._get_number_of_features`` for an image of this size: its grid's patches, unpadded,
+        one newline token a row, and the base square's patches (the same helpers, step for step; tests check it
+        against the processor)."""
+        unpadded_features = _helper("transformers.models.llava_next.processing_llava_next",
+                                    "LlavaNextProcessor")._get_unpadded_features
+        best_w, best_h = self._best(width, height)
+        side = self.tile // self.patch_size
+        unpadded, newlines = unpadded_features(None, height, width, side, side, best_h // self.tile,
+                                               best_w // self.tile)
+        return int(unpadded) + int(newlines) + side * side + self.extra_tokens
+
+    def resize_keeps_tokens(self, width: int, height: int, out_w: int, out_h: int) -> bool:
+        """Whether an image resized from ``width`` x ``height`` to ``out_w`` x ``out_h`` lands in the same grid
+        resolution and makes the same tokens."""
+        return (self._best(out_w, out_h) == self._best(width, height)
+                and self.tokens(out_w, out_h) == self.tokens(width, height))

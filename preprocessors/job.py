@@ -11,13 +11,14 @@ pool copies it into the worker's memfd when a worker is free, so a queued job ho
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from .audio import sniff_audio_format, validate_audio
-from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaError, MediaKind, no_checkpoint
+from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaError, MediaKind, VideoPolicy, no_checkpoint
 from .dataurl import decode_base64, encode_base64
 from .image import image_mime, process_image
+from .video import import_pyav, probe_video, pyav_available
 
 Payload = Callable[[], "bytes | memoryview"]
 
@@ -34,6 +35,7 @@ class MediaTask:
     audio_policy: AudioPolicy
     audio_format: str | None = None
     fetched_mime: str | None = None  # a fetched body (MMGATE_MEDIA_URLS=fetch) and its declared type; None: base64
+    video_policy: VideoPolicy = field(default_factory=VideoPolicy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,8 @@ class Refusal:
 class Verdict:
     """What one media item became, independent of the request that carried it.
 
-    ``sniffed_mime``: the true type of an image ("" for other kinds); ``encoded``: the file to forward as
+    ``sniffed_mime``: the true type of an image ("" for other kinds); ``video``: what the probe read of a clip
+    (``preprocessors/video.py``); ``encoded``: the file to forward as
     base64 with its ``mime`` (the rewritten image; for a fetched body always, the bytes as fetched when they
     needed no change), or None when the item is forwarded unchanged; ``refusal``: set instead when the item
     is refused (kept by the proxy's cache, never made by a worker, which raises)."""
@@ -63,6 +66,7 @@ class Verdict:
     mime: bytes = b""
     encoded: bytes | None = None
     refusal: Refusal | None = None
+    video: tuple[int, int, int] | None = None  # a probed clip: (frames, width, height)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,12 +124,15 @@ def _judge(task: MediaTask, data: bytes, checkpoint: Checkpoint) -> Verdict:
         if fetched:  # validated, so the format is known
             mime = _AUDIO_MIME.get(sniff_audio_format(data) or "", task.fetched_mime or "").encode()
             return Verdict(size, size, b"", mime, encode_base64(data))
-    return Verdict(size, size)  # audio and video are validated / size-checked and forwarded unchanged
+    if task.kind == "video":  # probed, never decoded, and forwarded byte for byte
+        info = probe_video(data, task.video_policy, checkpoint)
+        return Verdict(size, size, video=(info.frames, info.width, info.height))
+    return Verdict(size, size)  # audio is validated and forwarded unchanged
 
 
 def warm_up() -> None:
     """One tiny image of each common format through the whole job (decode, resize, encode), so Pillow's
-    plugins and codecs are loaded at start-up and not on the first client's item."""
+    plugins and codecs are loaded at start-up and not on the first client's item; PyAV too, where installed."""
     from io import BytesIO
 
     from PIL import Image
@@ -137,3 +144,5 @@ def warm_up() -> None:
         payload = encode_base64(buf.getvalue())
         run_task(MediaTask("image", "warm-up", 1 << 20, policy, AudioPolicy()), partial(bytes, payload),
                  no_checkpoint)
+    if pyav_available():
+        import_pyav()

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from preprocessors.base import AudioPolicy, ImagePolicy
+from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool
 
@@ -70,7 +70,9 @@ def build_state(settings: Settings) -> AppState:
                                   lambda code: metrics.rejected.labels(code).inc())
     metrics.client_connections.set_function(lambda: connections.open)
     state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.max_audio_seconds),
-                     trimmer, connections, lifecycle=lifecycle, model=model)
+                     trimmer, connections, lifecycle=lifecycle, model=model,
+                     video_policy=VideoPolicy(settings.max_video_pixels, settings.max_video_frames,
+                                              settings.max_video_seconds))
     metrics.media_bytes_live.set_function(lambda: state.buffers.bytes_live)
     metrics.requests_reading.set_function(lambda: state.reading)
     metrics.media_buffers_live.set_function(lambda: state.buffers.owners_live)

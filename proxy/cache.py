@@ -62,7 +62,8 @@ def settings_fingerprint(settings: Settings) -> str:
     s = settings
     return (f"v{_FORMAT};item={s.max_media_item_mb};px={s.max_image_pixels};frames={s.max_frames};"
             f"validate={s.validate};resize={s.resize_max_pixels}x{s.resize_max_side};fmt={s.image_format};"
-            f"q={s.jpeg_quality};audio={s.max_audio_seconds!r};model={s.model}")
+            f"q={s.jpeg_quality};audio={s.max_audio_seconds!r};model={s.model};"
+            f"video={s.max_video_pixels}x{s.max_video_frames}x{s.max_video_seconds!r}")
 
 
 def context_fingerprint(settings_print: str, kind: str, audio_format: str | None, extra: str = "") -> bytes:

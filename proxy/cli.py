@@ -28,6 +28,7 @@ from typing import NoReturn
 import orjson
 from aiohttp import web
 
+from preprocessors.video import pyav_available
 from preprocessors.workers import WorkerStartError
 
 from .app import build_admin_app, build_app, make_runner, served_model
@@ -197,6 +198,9 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
              loggable(settings.upstream))
     if settings.admin_port:
         log.info("/mmgate/* only on the admin port: http://%s:%s", settings.host, settings.admin_port)
+    if not pyav_available():
+        log.info("video parts are refused (400 video_unavailable): probing them needs PyAV, "
+                 "pip install 'mmgate[video]'")
     if on_ready is not None:
         on_ready(settings, port)
 

@@ -41,6 +41,7 @@ class Exchange:
     media_out: int = 0
     fetched: int = 0  # body bytes read from media URLs (MMGATE_MEDIA_URLS=fetch)
     image_tokens: int = 0  # with MMGATE_MODEL: the request's image tokens for the served model
+    video_tokens: int = 0  # with MMGATE_MODEL and a family with video tokens: its clips', once probed
     upstream_started: float = 0.0
 
     def response_headers(self, with_timing: bool) -> dict[str, str]:
@@ -92,5 +93,7 @@ def record(state: AppState, ex: Exchange, request: web.Request) -> None:
         }
         if state.model is not None:
             fields["image_tokens"] = ex.image_tokens
+            if state.model.counts_video:
+                fields["video_tokens"] = ex.video_tokens
         log.info("%s %s %s %s %s %.1fms %s", ex.request_id, request.method, loggable(request.path), status, ex.kind,
                  duration * 1000, ex.code or "-", extra={"fields": fields})

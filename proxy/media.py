@@ -38,6 +38,7 @@ class Outcome:
     token: bytes | None = None
     mime: bytes = b""
     true_mime: bytes = b""  # set when the bytes are not the type the client declared
+    video: tuple[int, int, int] | None = None  # a probed clip's (frames, width, height)
 
 
 @dataclass(slots=True)
@@ -47,6 +48,7 @@ class Rewrites:
     replacements: list[tuple[Span, bytes]]
     media_in: int
     media_out: int
+    video_tokens: int = 0  # with MMGATE_MODEL: what the probed clips make for the served model
 
 
 async def run_plan(state: AppState, plan: Plan, media: MediaBuffer, lease: Lease,
@@ -98,9 +100,15 @@ def refusal_for(state: AppState, plan: Plan, batch: Batch, exc: MediaError | Tim
 def rewrites_for(state: AppState, plan: Plan, outcomes: list[Outcome]) -> Rewrites:
     metrics = state.metrics
     rewrites = Rewrites([], 0, 0)
+    model = state.model
     for item, outcome in zip(plan.items, outcomes, strict=True):
         rewrites.media_in += outcome.size_in
         rewrites.media_out += outcome.size_out
+        if outcome.video is not None and model is not None and model.counts_video:
+            try:
+                rewrites.video_tokens += model.video_tokens(*outcome.video)
+            except MediaError as error:
+                raise error.at(item.part.path) from None
         kind = item.part.kind
         if outcome.true_mime:
             metrics.media_type_corrected.labels(kind).inc()
@@ -160,7 +168,7 @@ def media_job(state: AppState, media_ref: weakref.ref[MediaBuffer], item: Item,
     task = MediaTask(
         kind=part.kind, path=part.path, max_bytes=state.settings.max_media_item_bytes,
         image_policy=state.image_policy, audio_policy=state.audio_policy, audio_format=part.audio_format,
-        fetched_mime=fetched.mime if fetched is not None else None,
+        fetched_mime=fetched.mime if fetched is not None else None, video_policy=state.video_policy,
     )
     if fetched is not None:
         return MediaJob(task, partial(_fetched_value, fetched))
@@ -176,6 +184,8 @@ def payload_text(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes:
 def outcome_for(item: Item, verdict: Verdict, original: Callable[[], bytes]) -> Outcome:
     """A verdict applied to one part: its true type against the declared one, and the token to write.
     ``original`` gives the part's media as base64, needed only to rewrite a whole escaped token."""
+    if verdict.video is not None:  # a probed clip goes as it came
+        return Outcome(verdict.size_in, verdict.size_in, video=verdict.video)
     part = item.part
     true_mime = verdict.sniffed_mime
     if item.declared_mime.encode() in (true_mime, b""):

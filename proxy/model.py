@@ -7,14 +7,15 @@ What is missing (the extra, the folder, the processor configuration, a tokenizer
 ``ConfigError`` naming it, so ``mmgate`` stops at start-up with status 2.
 
 Families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``QwenVL``), Idefics3 and SmolVLM (``Idefics3``), LLaVA 1.5
-(``ShortestEdge``), Gemma 3 without pan-and-scan (``Square``). Any other model (LLaVA-NeXT's any-res grid among
-them) keeps the generic resize rule, with a warning naming it.
+(``ShortestEdge``), LLaVA-NeXT's any-res grid (``LlavaNext``), Gemma 3 without pan-and-scan (``Square``). Any
+other model keeps the generic resize rule, with a warning naming it.
 
 The token count of an image comes from the processor: the image processor's ``get_number_of_image_patches``
 and, where the count also depends on the tokenizer (Idefics3/SmolVLM's row and column markers), Idefics3's
 ``_get_num_multimodal_tokens`` or SmolVLM's image prompt counted with its tokenizer, memoised by the patch
 layout that determines it (a bounded set), so each image costs a few microseconds on the event loop. LLaVA 1.5
-and Gemma 3 make the same count of every image, asked of their processor once.
+and Gemma 3 make the same count of every image, asked of their processor once; LLaVA-NeXT's is
+``LlavaNextProcessor._get_number_of_features`` (arithmetic on the size).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from preprocessors.geometry import Geometry, Idefics3, QwenVL, ShortestEdge, Square, model_size, upright
+from preprocessors.geometry import Geometry, Idefics3, LlavaNext, QwenVL, ShortestEdge, Square, model_size, upright
 
+from .errors import MediaError
 from .settings import ConfigError
 
 log = logging.getLogger("mmgate")
@@ -56,6 +58,7 @@ class Model:
     geometry: Geometry | None
     count: Callable[[int, int], int] | None = field(default=None, repr=False)
     ceiling: int = 0  # the most tokens one image can make, where no single size gives it (Qwen)
+    video_count: Callable[[int, int, int], int] | None = field(default=None, repr=False)
 
     @property
     def supported(self) -> bool:
@@ -67,6 +70,20 @@ class Model:
         so the token budget errs on the safe side. Idefics3 and SmolVLM make the most of a square past their
         cap, LLaVA and Gemma 3 the same of every image; Qwen's ``ceiling`` is its pixel cap in tokens."""
         return self.ceiling or self.image_tokens(_LARGEST_SIDE, _LARGEST_SIDE)
+
+    @property
+    def counts_video(self) -> bool:
+        """Whether the family defines video tokens (Qwen2-VL and its successors)."""
+        return self.video_count is not None
+
+    def video_tokens(self, frames: int, width: int, height: int) -> int:
+        """Tokens the backend's video processor makes of a clip of ``frames`` frames of ``width`` x ``height``."""
+        assert self.video_count is not None
+        try:
+            return self.video_count(frames, width, height)
+        except ValueError as error:  # the processor's own refusal (an aspect ratio over 200)
+            raise MediaError("video_unsupported_by_model",
+                             f"the served model's processor refuses a {width}x{height} video: {error}") from None
 
     def image_tokens(self, width: int, height: int, orientation: int = 1) -> int:
         """Tokens the backend's processor makes of a stored image of this size and EXIF orientation."""
@@ -98,7 +115,7 @@ def load_model(spec: str) -> Model:
     model_type = _model_type(folder)
     if image_type in _QWEN_TYPES:
         family = _QWEN_MODEL_TYPES.get(model_type, _QWEN_TYPES[image_type])
-        return _qwen(spec, family, processor)
+        return _qwen(spec, family, processor, folder)
     if image_type in _IDEFICS_MODULES:
         family, module = _IDEFICS_MODULES[image_type]
         return _idefics3(spec, family, module, folder, processor)
@@ -107,6 +124,8 @@ def load_model(spec: str) -> Model:
         geometry: Geometry = (ShortestEdge("llava", int(size.shortest_edge or size.height), pad)
                               if size.shortest_edge or pad else Square("llava", int(size.width), int(size.height)))
         return _constant(spec, "llava", folder, geometry)
+    if image_type == "LlavaNextImageProcessor" and model_type == "llava_next":
+        return _llava_next(spec, folder, processor)
     if image_type == "Gemma3ImageProcessor" and not getattr(processor, "do_pan_and_scan", False):
         return _constant(spec, "gemma3", folder, Square("gemma3", int(processor.size.width),
                                                          int(processor.size.height)))
@@ -168,7 +187,7 @@ def _model_type(folder: Path) -> str:
     return str(config.get("model_type", ""))
 
 
-def _qwen(spec: str, family: str, processor: Any) -> Model:
+def _qwen(spec: str, family: str, processor: Any, folder: Path) -> Model:
     size = processor.size
     geometry = QwenVL(family, int(processor.patch_size), int(processor.merge_size),
                       int(size.shortest_edge), int(size.longest_edge))
@@ -181,7 +200,38 @@ def _qwen(spec: str, family: str, processor: Any) -> Model:
 
     # smart_resize keeps height x width within max_pixels, and a token is (patch_size x merge_size)^2 pixels.
     ceiling = geometry.max_pixels // (geometry.patch_size * geometry.merge_size) ** 2
-    return Model(spec, family, geometry, count, ceiling)
+    # Qwen3-VL's video prompt adds a timestamp in text to every frame pair: its video tokens are not counted.
+    video_count = _qwen_video_count(folder, processor) if family in ("qwen2-vl", "qwen2.5-vl") else None
+    return Model(spec, family, geometry, count, ceiling, video_count)
+
+
+def _qwen_video_count(folder: Path, image_processor: Any) -> Callable[[int, int, int], int]:
+    """``Qwen2VLVideoProcessor.get_num_of_video_patches // merge_size ** 2``: each frame brought within the
+    video processor's pixel bounds (``smart_resize``), frames paired by ``temporal_patch_size`` (the last
+    repeated to fill a pair). The video processor itself needs torch, so its configuration is read as its
+    ``from_pretrained`` reads it: ``processor_config.json``'s ``video_processor``, else
+    ``video_preprocessor_config.json``, else the image processor's file, with
+    ``min_pixels``/``max_pixels`` over ``size``; what neither names is the image processor's (tests/test_model.py
+    checks the count against the video processor's own method, taken from its source and run without torch)."""
+    nested = (_read_json(folder / "processor_config.json") or {}).get("video_processor")
+    config = (nested if isinstance(nested, dict) else None) or _read_json(folder / "video_preprocessor_config.json") \
+        or _read_json(folder / _PROCESSOR_FILES[0]) or {}
+    named = config.get("size")
+    size: dict[str, Any] = named if isinstance(named, dict) else {}
+    image_size = image_processor.size
+    min_pixels = int(config.get("min_pixels") or size.get("shortest_edge") or image_size.shortest_edge)
+    max_pixels = int(config.get("max_pixels") or size.get("longest_edge") or image_size.longest_edge)
+    patch = int(config.get("patch_size") or image_processor.patch_size)
+    merge = int(config.get("merge_size") or image_processor.merge_size)
+    temporal = int(config.get("temporal_patch_size") or image_processor.temporal_patch_size)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    def count(frames: int, width: int, height: int) -> int:
+        h, w = smart_resize(height, width, factor=patch * merge, min_pixels=min_pixels, max_pixels=max_pixels)
+        grid_t = -(-frames // temporal)
+        return grid_t * (h // patch) * (w // patch) // merge ** 2
+
+    return count
 
 
 def _constant(spec: str, family: str, folder: Path, geometry: Geometry) -> Model:
@@ -245,3 +295,32 @@ def _idefics3_layout_tokens(family: str, folder: Path) -> Callable[[int, int, An
         return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
     return layout_tokens
+
+
+def _llava_next(spec: str, folder: Path, image_processor: Any) -> Model:
+    """LLaVA-NeXT: the any-res geometry from the image processor, the count from ``LlavaNextProcessor`` (its
+    ``_get_number_of_features``, less the CLS token the "default" feature strategy drops)."""
+    try:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
+        patch_size = int(processor.patch_size)
+        drops = 1 if processor.vision_feature_select_strategy == "default" else 0
+        extra = int(processor.num_additional_image_tokens) - drops
+    except Exception as error:
+        raise ConfigError(f"MMGATE_MODEL={spec!r}: counting llava-next image tokens needs the model's processor "
+                          f"and tokenizer in {folder}, which could not be loaded offline "
+                          f"({type(error).__name__}: {str(error)[:200]})") from None
+    size = image_processor.size
+    processed = int(size.shortest_edge or min(size.height, size.width))  # the base square the count assumes
+    pinpoints = tuple((int(h), int(w)) for h, w in image_processor.image_grid_pinpoints)
+    geometry = LlavaNext("llava-next", pinpoints, processed, patch_size, extra)
+
+    def count(width: int, height: int) -> int:
+        return int(processor._get_number_of_features(height, width, processed, processed)) - drops
+
+    side = processed // patch_size
+    # Every grid full (nothing unpadded), a newline token a row, and the base square.
+    ceiling = max((h // processed * side) * (w // processed * side) + h // processed * side
+                  for h, w in pinpoints) + side * side + extra
+    return Model(spec, "llava-next", geometry, count, ceiling)

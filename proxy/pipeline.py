@@ -41,6 +41,7 @@ from .upstream_health import upstream_down
 
 # Sent upstream with MMGATE_MODEL: the request's image tokens for the served model, for a router or scheduler.
 IMAGE_TOKENS_HEADER = "x-mmgate-image-tokens"
+VIDEO_TOKENS_HEADER = "x-mmgate-video-tokens"
 
 
 async def handle_request(request: web.Request) -> web.StreamResponse:
@@ -121,6 +122,10 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
         headers = upstream_headers(request, ex.request_id)
         if state.model is not None:  # the header is mmgate's to set: a client's own is never passed on
             headers[IMAGE_TOKENS_HEADER] = str(ex.image_tokens)
+            if state.model.counts_video:
+                headers[VIDEO_TOKENS_HEADER] = str(ex.video_tokens)
+            else:
+                headers.popall(VIDEO_TOKENS_HEADER, None)
         upstream = await open_upstream(state.session, request.method, settings.upstream + target.forwarded, payload,
                                        headers, state.upstream_timeout())
         del payload
@@ -168,6 +173,7 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
 
     started = time.perf_counter()
     ex.media_in, ex.media_out = rewrites.media_in, rewrites.media_out
+    ex.video_tokens = rewrites.video_tokens
     if rewrites.replacements:
         media.replace(splice(media.data, rewrites.replacements))
     del rewrites

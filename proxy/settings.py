@@ -197,6 +197,9 @@ class Settings:
     max_image_pixels: int = 64_000_000
     max_frames: int = 64
     max_audio_seconds: float = 600.0
+    max_video_pixels: int = 8_294_400
+    max_video_frames: int = 3600
+    max_video_seconds: float = 600.0
     validate: str = "full"
     resize_max_pixels: int = 0
     resize_max_side: int = 0
@@ -369,6 +372,11 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "max_image_pixels": (_int(1), "decompression-bomb guard, from the header -> 400 image_too_large [64000000]"),
     "max_frames": (_int(1, 100_000), "frames of an animated image -> 400 too_many_frames [64]"),
     "max_audio_seconds": (_seconds(False), "WAV duration limit -> 400 audio_invalid [600]"),
+    "max_video_pixels": (_int(1), "pixels of one video frame, from the container -> 400 video_too_large "
+                                  "[8294400]"),
+    "max_video_frames": (_int(1, 10_000_000), "frames of a video, from its index or packets -> 400 "
+                                              "video_too_large [3600]"),
+    "max_video_seconds": (_seconds(False), "duration of a video -> 400 video_too_large [600]"),
     "validate": (_choice("full", "header"), "full = decode every image; header = header only [full]"),
     "resize_max_pixels": (_int(0), "downscale to at most this many pixels (0 = never) [0]"),
     "resize_max_side": (_int(0), "downscale so the longer side fits (0 = never) [0]"),

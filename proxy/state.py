@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from preprocessors.base import AudioPolicy, ImagePolicy
+from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.pool import DecodePool
 
 from .admission import Gate
@@ -42,6 +42,7 @@ class AppState:
     cache: MediaCache | None = None  # MMGATE_CACHE_MB > 0
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # shared with the gate
     model: Model | None = None  # MMGATE_MODEL with a supported family: image tokens are counted
+    video_policy: VideoPolicy = field(default_factory=VideoPolicy)
     in_flight: int = 0
     reading: int = 0  # requests whose body is still being read (the read stage), text and media
     idle: asyncio.Event = field(default_factory=asyncio.Event)

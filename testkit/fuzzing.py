@@ -54,6 +54,7 @@ from preprocessors.dataurl import decode_base64, parse_data_url
 from proxy.errors import MmgateError
 from proxy.rawjson import Span, skeletonize, splice
 
+from .media import video_clip
 from .servers import Proxy, Upstream
 
 REPO = Path(__file__).resolve().parent.parent
@@ -383,7 +384,9 @@ def blobs() -> dict[str, tuple[Blob, ...]]:
         Blob("one-byte", "junk", "application/octet-stream", b"\xff", valid=False),
     )
     audio = (Blob("wav", "audio", "audio/wav", _wav()),)
-    video = (Blob("mp4-ish", "video", "video/mp4", b"\x00\x00\x00\x18ftypmp42" + bytes(range(40))),)
+    video = (Blob("mp4-h264-16x16", "video", "video/mp4", video_clip(16, 16, 2)),
+             Blob("mp4-head-then-junk", "junk", "video/mp4", b"\x00\x00\x00\x18ftypmp42" + bytes(range(40)),
+                  valid=False))
     return {"image": images, "junk": junk, "audio": audio, "video": video}
 
 

@@ -23,8 +23,14 @@ def _tokenizer(specials: list[str], **named: Any) -> Any:
                                    else None, additional_special_tokens=specials, **named)
 
 
-def qwen_folder(path: Path, model_type: str = "qwen2_vl") -> Path:
-    """A Qwen2-VL (``qwen2_vl``), Qwen2.5-VL (``qwen2_5_vl``) or Qwen3-VL (``qwen3_vl``) image processor."""
+# A Qwen2-VL video processor configuration as newer checkpoints ship it (written as JSON: the class needs torch).
+QWEN_VIDEO_CONFIG = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14, "temporal_patch_size": 2,
+                     "merge_size": 2, "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}}
+
+
+def qwen_folder(path: Path, model_type: str = "qwen2_vl", video: dict[str, Any] | None = None) -> Path:
+    """A Qwen2-VL (``qwen2_vl``), Qwen2.5-VL (``qwen2_5_vl``) or Qwen3-VL (``qwen3_vl``) image processor, and
+    with ``video`` a video processor configuration (without one, the video processor reads the image one's)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if model_type == "qwen3_vl":  # 16 px patches, 2x2 merge: sides are multiples of 32
@@ -33,6 +39,8 @@ def qwen_folder(path: Path, model_type: str = "qwen2_vl") -> Path:
     else:  # Qwen2-VL and Qwen2.5-VL ship the same image processor: 14 px patches, sides multiples of 28
         processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
     processor.save_pretrained(path)
+    if video is not None:
+        (path / "video_preprocessor_config.json").write_text(json.dumps(video))
     (path / "config.json").write_text(json.dumps({"model_type": model_type}))
     return path
 
@@ -91,10 +99,16 @@ def gemma3_folder(path: Path, pan_and_scan: bool = False) -> Path:
     return path
 
 
-def llava_next_folder(path: Path) -> Path:
-    """A LLaVA-NeXT image processor (any-res grid): a family mmgate has no geometry for."""
+def llava_next_folder(path: Path, pinpoints: list[list[int]] | None = None) -> Path:
+    """A LLaVA-NeXT processor (any-res grid; LLaVA-v1.6's pinpoints unless given): image processor, the
+    vision tower's patch size and feature strategy, and a tokenizer with the ``<image>`` token."""
+    from transformers import LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    LlavaNextImageProcessorPil().save_pretrained(path)
+    grid = pinpoints or [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+                                        image_grid_pinpoints=grid)
+    LlavaNextProcessor(image_processor=images, tokenizer=_tokenizer(["<image>"]), patch_size=14,
+                       vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": "llava_next"}))
     return path

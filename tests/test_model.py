@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,14 @@ from .conftest import StartProxy, Upstream
 
 transformers = pytest.importorskip("transformers", reason="the model extra: pip install -e '.[model]'")
 
-from testkit.models import gemma3_folder, idefics3_folder, llava_folder, llava_next_folder, qwen_folder  # noqa: E402
+from testkit.models import (  # noqa: E402
+    QWEN_VIDEO_CONFIG,
+    gemma3_folder,
+    idefics3_folder,
+    llava_folder,
+    llava_next_folder,
+    qwen_folder,
+)
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "idefics3", "smolvlm"]
 
@@ -180,6 +188,122 @@ def test_llava_and_gemma3_target_and_tokens_follow_their_processor(
         assert target == (896, 896)
 
 
+LLAVA_NEXT_GRIDS = {"v1.6": None, "wide": [[336, 336], [336, 1344], [1344, 336], [672, 1008], [1008, 672]]}
+
+
+@pytest.fixture(scope="module")
+def llava_next_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {name: llava_next_folder(tmp_path_factory.mktemp(f"llava-next-{name}"), grid)
+            for name, grid in LLAVA_NEXT_GRIDS.items()}
+
+
+@pytest.mark.parametrize("grid", list(LLAVA_NEXT_GRIDS))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=sizes)
+@example(size=(1063, 2257)).via("the processor's patch size would count one row of tokens fewer")
+@example(size=(2000, 1500)).via("a photo brought within the 672x672 grid")
+@example(size=(300, 200)).via("smaller than every grid: the backend upscales it")
+@example(size=(2230, 535)).via("a strip in the 1008x336 grid")
+def test_llava_next_target_and_tokens_follow_its_processor(
+        grid: str, size: tuple[int, int], llava_next_folders: dict[str, Path]) -> None:
+    """The any-res grid: mmgate's size is the one the processor brings the image to within its best grid
+    resolution, its count the processor's own; the processor run on mmgate's output resizes nothing and makes
+    the same patches and tokens. A resize that would shift the count is not made."""
+    from transformers.image_processing_utils import select_best_resolution
+    from transformers.image_utils import PILImageResampling
+
+    folder = str(llava_next_folders[grid])
+    model = load_model(folder)
+    assert model.family == "llava-next" and model.geometry is not None
+    processor = transformers.AutoProcessor.from_pretrained(folder, local_files_only=True, backend="pil")
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    ip = processor.image_processor
+
+    def run(image_size: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, ...], int]:
+        """The size the processor resizes the image to for its grid, its patches, and its tokens."""
+        best = select_best_resolution((image_size[1], image_size[0]), ip.image_grid_pinpoints)
+        resized = ip._resize_for_patching(np.zeros((3, image_size[1], image_size[0]), np.uint8), best,
+                                          PILImageResampling.BICUBIC)
+        out = processor(text=[processor.image_token], images=[Image.new("RGB", image_size)], return_tensors="np")
+        return ((resized.shape[2], resized.shape[1]), tuple(out["pixel_values"].shape),
+                int((out["input_ids"][0] == image_token).sum()))
+
+    width, height = size
+    resized, shape, tokens = run(size)
+    assert model.geometry.backend_size(width, height) == resized
+    assert model.image_tokens(width, height) == tokens <= model.most_tokens
+    target = resize_target(model.geometry, width, height, 1)
+    if target is None:  # enlarged by the processor, already its size, or a resize would shift the count
+        assert (resized[0] > width or resized[1] > height or resized == size
+                or model.image_tokens(*resized) != tokens)
+        return
+    assert target == resized and target[0] <= width and target[1] <= height
+    assert run(target) == (target, shape, tokens)
+    assert model.image_tokens(*target) == tokens
+
+
+def qwen2_video_reference(folder: Path) -> Callable[[int, int, int], int]:
+    """``Qwen2VLVideoProcessor.get_num_of_video_patches // merge_size ** 2`` as transformers writes it, for the
+    processor ``from_pretrained`` would load from ``folder``. The video processor's module imports torch and
+    torchvision (which the model extra does not install), so its ``smart_resize``, its class defaults and the
+    method are taken from the module's source and run as they are; only the loading (the folder's video
+    configuration, else its image one, ``min_pixels``/``max_pixels`` over ``size``) is done here."""
+    import ast
+    import math
+    import types
+
+    source = Path(transformers.__file__).parent / "models" / "qwen2_vl" / "video_processing_qwen2_vl.py"
+    tree = ast.parse(source.read_text())
+    helper = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "smart_resize")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Qwen2VLVideoProcessor")
+    method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_num_of_video_patches")
+    namespace: dict[str, Any] = {"math": math}
+    exec(compile(ast.Module([helper, method], type_ignores=[]), str(source), "exec"), namespace)
+    defaults = {node.targets[0].id: eval(compile(ast.Expression(node.value), str(source), "eval"), {})
+                for node in cls.body if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id in ("size", "patch_size", "temporal_patch_size", "merge_size")}
+    video_file = folder / "video_preprocessor_config.json"
+    config = orjson.loads((video_file if video_file.exists() else folder / "preprocessor_config.json").read_bytes())
+    values = {**defaults, **{k: v for k, v in config.items() if k in defaults}}
+    values["size"] = dict(values["size"])
+    if "min_pixels" in config:
+        values["size"]["shortest_edge"] = config["min_pixels"]
+    if "max_pixels" in config:
+        values["size"]["longest_edge"] = config["max_pixels"]
+    processor = types.SimpleNamespace(**values)
+    patches = namespace["get_num_of_video_patches"]
+    return lambda frames, width, height: patches(processor, frames, height, width, {}) // processor.merge_size ** 2
+
+
+@pytest.mark.parametrize(("model_type", "video"), [("qwen2_vl", None), ("qwen2_vl", QWEN_VIDEO_CONFIG),
+                                                   ("qwen2_5_vl", QWEN_VIDEO_CONFIG)])
+def test_qwen2_video_tokens_equal_what_its_video_processor_computes(
+        model_type: str, video: dict[str, Any] | None, tmp_path: Path) -> None:
+    folder = qwen_folder(tmp_path / model_type, model_type, video)
+    model = load_model(str(folder))
+    assert model.counts_video
+    reference = qwen2_video_reference(folder)
+
+    @settings(max_examples=80, deadline=None)
+    @given(frames=st.integers(1, 4000), size=st.tuples(st.integers(1, 8000), st.integers(1, 8000))
+           .filter(lambda s: max(s) / min(s) < 150))
+    @example(frames=3, size=(7680, 4320)).via("an 8K clip: every frame brought within max_pixels")
+    @example(frames=1, size=(64, 48)).via("one small frame, paired with itself, brought up to min_pixels")
+    def check(frames: int, size: tuple[int, int]) -> None:
+        assert model.video_tokens(frames, *size) == reference(frames, *size)
+
+    check()
+    with pytest.raises(MediaError) as caught:
+        model.video_tokens(4, 4000, 10)
+    assert caught.value.code == "video_unsupported_by_model" and "200" in caught.value.message
+
+
+def test_families_without_video_tokens_count_none(folders: dict[str, Path],
+                                                   llava_next_folders: dict[str, Path]) -> None:
+    for folder in (folders["qwen3-vl"], folders["idefics3"], llava_next_folders["v1.6"]):
+        assert not load_model(str(folder)).counts_video
+
+
 def _jpeg(width: int, height: int, orientation: int = 1, exif_padding: int = 0) -> bytes:
     rng = np.random.default_rng(width * 7919 + height)
     image = Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
@@ -303,13 +427,11 @@ def test_the_cli_stops_with_status_2_naming_what_is_missing(tmp_path: Path, caps
 
 def test_an_unsupported_family_keeps_the_generic_rule_with_a_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    folder = str(llava_next_folder(tmp_path / "next"))
+    folder = str(gemma3_folder(tmp_path / "gemma", pan_and_scan=True))
     with caplog.at_level(logging.WARNING, logger="mmgate"):
         model = load_model(folder)
-        assert not load_model(str(gemma3_folder(tmp_path / "gemma", pan_and_scan=True))).supported
-    assert not model.supported and model.family == "llava_next"
-    assert "llava_next family (LlavaNextImageProcessor) has no model geometry" in caplog.text
-    assert "gemma3 with pan-and-scan family" in caplog.text
+    assert not model.supported and model.family == "gemma3 with pan-and-scan"
+    assert "gemma3 with pan-and-scan family (Gemma3ImageProcessor) has no model geometry" in caplog.text
     state = build_state(Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:9", "MMGATE_MODEL": folder,
                                            "MMGATE_RESIZE_MAX_SIDE": "512"}))
     assert state.model is None and state.image_policy.geometry is None and state.image_policy.resize_max_side == 512
@@ -366,6 +488,41 @@ async def test_the_upstream_gets_the_processor_size_and_the_token_count(
     assert upstream.seen[-1].headers.getall("x-mmgate-image-tokens") == ["0"]
 
 
+async def test_the_upstream_gets_the_video_token_count_of_the_probed_clips(
+        upstream: Upstream, start_proxy: StartProxy, folders: dict[str, Path],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Qwen2-VL: a clip's tokens come from what the probe read (frames, frame size), after admission; the clip
+    itself goes byte for byte. A family without video tokens sets no header, and a client's is not passed on."""
+    from testkit.media import chat_with_video, video_clip
+
+    folder = str(folders["qwen2-vl"])
+    model: Model = load_model(folder)
+    proxy = await start_proxy(upstream.url, MMGATE_MODEL=folder, MMGATE_ACCESS_LOG="on")
+    body = chat_with_video(data_uri(video_clip(640, 360, 5), "video/mp4"))
+    body["messages"][0]["content"].append({"type": "video_url", "video_url": {
+        "url": data_uri(video_clip(96, 64, 2, codec="libvpx-vp9", container="webm"), "video/webm")}})
+    with caplog.at_level(logging.INFO, logger="mmgate.access"):
+        response = await _post(proxy.url, body, {"x-mmgate-video-tokens": "1"})
+    assert response.status == 200
+    seen = upstream.seen[-1]
+    expected = model.video_tokens(5, 640, 360) + model.video_tokens(2, 96, 64)
+    assert expected > 0 and seen.headers.getall("x-mmgate-video-tokens") == [str(expected)]
+    assert seen.headers.getall("x-mmgate-image-tokens") == ["0"]
+    assert seen.body == orjson.dumps(body)
+    record = next(r for r in caplog.records if r.name == "mmgate.access")
+    assert record.fields["video_tokens"] == expected  # type: ignore[attr-defined]
+
+    strip = chat_with_video(data_uri(video_clip(4096, 16, 2), "video/mp4"))  # an aspect ratio of 256
+    response = await _post(proxy.url, strip)
+    assert response.status == 400 and len(upstream.seen) == 1
+    error = orjson.loads(await response.read())["error"]
+    assert error["code"] == "video_unsupported_by_model" and error["param"] == "messages[0].content[1]"
+
+    other = await start_proxy(upstream.url, MMGATE_MODEL=str(folders["idefics3"]))
+    assert (await _post(other.url, body, {"x-mmgate-video-tokens": "1"})).status == 200
+    assert "x-mmgate-video-tokens" not in upstream.seen[-1].headers
+
+
 async def test_without_a_model_nothing_changes(upstream: Upstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url)
     image = _png(1900, 1300)
@@ -411,11 +568,11 @@ def test_settings_name_the_new_variables() -> None:
 
 
 def test_the_geometry_travels_to_a_worker_process_as_plain_data(
-        folders: dict[str, Path], constant_folders: dict[str, Path]) -> None:
+        folders: dict[str, Path], constant_folders: dict[str, Path], llava_next_folders: dict[str, Path]) -> None:
     """A decode pool of processes pickles the ImagePolicy: the geometry must survive it unchanged."""
     import pickle
 
-    for folder in [*folders.values(), *constant_folders.values()]:
+    for folder in [*folders.values(), *constant_folders.values(), *llava_next_folders.values()]:
         policy = ImagePolicy(geometry=load_model(str(folder)).geometry)
         copy = pickle.loads(pickle.dumps(policy))
         assert copy == policy and copy.geometry.backend_size(3000, 2000) == policy.geometry.backend_size(3000, 2000)
