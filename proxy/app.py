@@ -23,6 +23,7 @@ from preprocessors.workers import ProcessPool
 from .adaptive import AdaptiveLimit
 from .admin import add_admin_routes
 from .admission import Gate
+from .backend_metrics import METRICS_PATH, merged_metrics
 from .cache import MediaCache, settings_fingerprint
 from .connections import ConnectionGuard, mark_head_received
 from .fetch import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
@@ -191,6 +192,8 @@ def build_app(settings: Settings, *, admin: bool | None = None, state: AppState 
         app.cleanup_ctx.extend([_upstream_session, _fetch_session, _decode_pool, _loop_lag_watcher, _idle_trimmer])
     if admin if admin is not None else not settings.admin_port:
         add_admin_routes(app)
+    if settings.backend_metrics == "merge":  # what an endpoint picker scrapes: the backend's, with mmgate's queue
+        app.router.add_get(METRICS_PATH, merged_metrics)
     app.router.add_route("*", "/{tail:.*}", handle_request, expect_handler=expect_continue)
     return app
 
