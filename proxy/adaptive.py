@@ -14,8 +14,11 @@ What it borrows, and from whom:
   capacity). Its long-term average baseline drifts up under a sustained overload, which is why the baseline
   here is a minimum.
 
-And one thing of its own: samples from requests admitted under an earlier whole-number limit are dropped, so a
-decrease is not applied twice for the same overload (the requests still running were admitted before it).
+And two of its own: until the first sign of overload the limit doubles per calm, busy window and then halves back
+to the last calm value (TCP's slow start), so a cold start reaches a backend's capacity in a few windows rather
+than dozens; and samples from requests
+admitted under an earlier whole-number limit are dropped, so a decrease is not applied twice for the same
+overload (the requests still running were admitted before it).
 
 The controller is pure arithmetic on the event loop; ``Gate`` feeds it one sample per released lease.
 """
@@ -45,6 +48,7 @@ class AdaptiveLimit:
         self._window: list[float] = []
         self._busy = False  # whether in-flight work reached the limit during this window
         self._medians: deque[float] = deque(maxlen=BASELINE_WINDOWS)
+        self.slow_start = True  # doubling until the first decrease
 
     @property
     def limit(self) -> int:
@@ -71,10 +75,16 @@ class AdaptiveLimit:
         baseline = min(self._medians)
         before = self.limit
         gradient = TOLERANCE * baseline / sample if sample > 0 else 1.0
-        if gradient < 1.0:
+        if gradient < 1.0 and self.slow_start:
+            # the first overload: back to the last limit that was calm (the first windows of a new limit
+            # see its fastest requests first, so their gradient understates the overload)
+            self.value = max(float(self.floor), self.value / 2)
+            self.slow_start = False
+        elif gradient < 1.0:
             self.value = max(float(self.floor), self.value * max(MIN_GRADIENT, gradient))
         elif busy:
-            self.value = min(float(self.ceiling), self.value + max(MIN_GROWTH, GROWTH * self.value))
+            growth = self.value if self.slow_start else max(MIN_GROWTH, GROWTH * self.value)
+            self.value = min(float(self.ceiling), self.value + growth)
         if self.limit != before:
             self.epoch += 1
             return True

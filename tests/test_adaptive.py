@@ -32,6 +32,15 @@ def _windows(limit: AdaptiveLimit, latency: float, windows: int, busy: bool = Tr
             limit.observe(latency, limit.epoch)
 
 
+def test_slow_start_doubles_then_halves_at_the_first_overload() -> None:
+    limit = AdaptiveLimit(1, 64)
+    seen = []
+    while limit.slow_start:
+        _windows(limit, thrashing_latency(limit.limit), 1)
+        seen.append(limit.limit)
+    assert seen == [2, 4, 8, 4]
+
+
 def test_flat_latency_under_load_grows_to_the_ceiling() -> None:
     limit = AdaptiveLimit(1, 16)
     _windows(limit, 0.5, 60)
@@ -70,6 +79,7 @@ def test_a_thrashing_backend_holds_the_limit_at_its_knee() -> None:
 
 def test_samples_from_before_a_change_are_not_counted_again() -> None:
     limit = AdaptiveLimit(1, 64, initial=8)
+    limit.slow_start = False
     _windows(limit, 1.0, 1)
     epoch = limit.epoch
     _windows(limit, 4.0, 1)  # overload: the limit drops, the epoch moves on
