@@ -14,7 +14,7 @@ round. Per cell: request throughput, median TTFT and end-to-end latency (vLLM's 
 Everything shares the machine's cores: client, mmgate and vLLM compete for CPU. Read ratios, not absolutes.
 
 Usage: python -m bench.fleet_vllm [--rounds 3] [--limits 1,2,4,8] [--prompts 48] [--concurrency 16] [--quick]
-       [--out PATH]
+       [--out PATH] [--vllm-url URL]
 Writes bench/results/fleet_vllm.md and .json (or PATH.md / PATH.json).
 """
 
@@ -51,7 +51,8 @@ def bench_serve(url: str, prompts: int, concurrency: int, seed: int, out: Path) 
            "--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio", "0",
            "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
            "--random-mm-bucket-config", "{(1024, 1024, 1): 1.0}", "--seed", str(seed), "--disable-tqdm",
-           "--num-warmups", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+           "--num-warmups", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin", "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=BENCH_TIMEOUT, env=env, check=False)
@@ -121,14 +122,18 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="vllm bench serve --max-concurrency")
     parser.add_argument("--quick", action="store_true", help="1 round, limits 2 and auto, 8 requests")
     parser.add_argument("--out", type=Path, help="write PATH.json and PATH.md instead of bench/results/fleet_vllm")
+    parser.add_argument("--vllm-url", help="use a running vLLM (tiny-vlm, single tile) instead of starting one")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.limits, args.prompts = 1, "2", 8
     limits = args.limits.split(",")
     stamp = R.stamp("fleet_vllm.py", "real vLLM behind mmgate: auto vs fixed limits, vLLM's own bench client")
-    print(f"setup: {h.run_setup():.1f} s", flush=True)
-    vllm = h.start_vllm(extra_args=SINGLE_TILE)
-    print(f"vLLM started in {vllm.start_seconds:.1f} s", flush=True)
+    if args.vllm_url:
+        vllm = h.Server("vllm", args.vllm_url.rstrip("/"), None, None)
+    else:
+        print(f"setup: {h.run_setup():.1f} s", flush=True)
+        vllm = h.start_vllm(extra_args=SINGLE_TILE)
+        print(f"vLLM started in {vllm.start_seconds:.1f} s", flush=True)
     rounds = []
     try:
         with tempfile.TemporaryDirectory() as workdir:
