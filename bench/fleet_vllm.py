@@ -13,7 +13,7 @@ round. Per cell: request throughput, median TTFT and end-to-end latency (vLLM's 
 
 Everything shares the machine's cores: client, mmgate and vLLM compete for CPU. Read ratios, not absolutes.
 
-Usage: python -m bench.fleet_vllm [--rounds 3] [--limits 1,2,4,8] [--prompts 48] [--concurrency 16] [--quick]
+Usage: python -m bench.fleet_vllm [--rounds 3] [--limits 1,2,4,8] [--prompts 64] [--concurrency 16] [--quick]
        [--out PATH] [--vllm-url URL]
 Writes bench/results/fleet_vllm.md and .json (or PATH.md / PATH.json).
 """
@@ -118,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--limits", default="1,2,4,8", help="fixed limits to compare with auto")
-    parser.add_argument("--prompts", type=int, default=48, help="requests per cell")
+    parser.add_argument("--prompts", type=int, default=64, help="requests per cell")
     parser.add_argument("--concurrency", type=int, default=16, help="vllm bench serve --max-concurrency")
     parser.add_argument("--quick", action="store_true", help="1 round, limits 2 and auto, 8 requests")
     parser.add_argument("--out", type=Path, help="write PATH.json and PATH.md instead of bench/results/fleet_vllm")
