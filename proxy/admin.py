@@ -16,6 +16,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from .backend_metrics import backend_metrics
 from .state import STATE, AppState
 
 READY_CACHE_SECONDS = 1.0
@@ -92,3 +93,4 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/mmgate/metrics", metrics)
     app.router.add_get("/mmgate/stats", stats)
     app.router.add_get("/mmgate/dashboard", dashboard)
+    app.router.add_get("/mmgate/backend/metrics", backend_metrics)

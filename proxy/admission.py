@@ -18,6 +18,18 @@ queue is meant to set. So a request whose body is big and whose first bytes (``b
 media takes a ``Place`` before the rest is read; places count against the same
 ``limit + max_queue`` as admitted and queued requests, and the request that finds them all taken gets
 429 ``queue_full`` at once, its body unread. ``acquire(place=...)`` turns the place into a queue entry.
+
+Fair and prioritised waiting (GIE's flow control): each request belongs to a ``Flow``, a flow id from
+``MMGATE_FAIRNESS_HEADER`` and a priority band from ``MMGATE_PRIORITY_HEADER``. Waiters queue per flow; the
+next request served is the head of the first flow of the highest band that has waiters, and a flow served
+goes to the back of its band's turn, so flows within a band take turns and a higher band always goes first.
+The head-of-line rule holds for that next request: it holds the line until it fits. A flow may hold at most
+``max_queue_per_flow`` places in line (waiting or reading); its 429 names the flow and its Retry-After counts
+what is ahead of that flow only. Requests without the headers are all one flow in one band: one FIFO, as
+before. Every other guarantee (budgets, deadlines, release exactly once) is per request and so per flow.
+
+With ``MMGATE_MAX_MM_CONCURRENCY=auto`` an ``adaptive.AdaptiveLimit`` moves ``limit`` from the latency of
+released leases; budgets apply as ever.
 """
 
 from __future__ import annotations
@@ -26,13 +38,51 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
+from .adaptive import AdaptiveLimit
 from .errors import MmgateError, draining
 from .lifecycle import Lifecycle
 
 RETRY_AFTER_MIN, RETRY_AFTER_MAX = 1, 60
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    """Who a media request waits for: a flow id (``""``: no fairness header) and a priority band."""
+
+    id: str = ""
+    band: int = 0
+
+    def named(self) -> str:
+        return f"flow {self.id!r}" if self.id else "the default flow"
+
+
+DEFAULT_FLOW = Flow()
+MAX_FLOW_ID_CHARS = 128  # a longer id is refused: ids are echoed in refusals and kept while a flow waits
+
+
+def flow_for(headers: Mapping[str, str], fairness_header: str, priority_header: str,
+             bands: tuple[int, int]) -> Flow:
+    """The flow a request's headers name. No headers: ``DEFAULT_FLOW`` (one FIFO, as without fairness). The
+    priority is an integer (RFC 9110 section 5.5 field value), clamped to ``bands``; anything else is 400."""
+    flow_id = headers.get(fairness_header, "").strip()
+    raw = headers.get(priority_header)
+    if not flow_id and raw is None:
+        return DEFAULT_FLOW
+    if len(flow_id) > MAX_FLOW_ID_CHARS or not flow_id.isprintable():
+        raise MmgateError(400, "invalid_flow_header",
+                          f"{fairness_header} must be at most {MAX_FLOW_ID_CHARS} printable characters")
+    band = 0
+    if raw is not None:
+        try:
+            band = int(raw.strip())
+        except ValueError:
+            raise MmgateError(400, "invalid_priority_header",
+                              f"{priority_header} must be an integer, got {raw[:32]!r}") from None
+        band = max(bands[0], min(bands[1], band))
+    return Flow(flow_id, band)
 
 
 @dataclass(eq=False, slots=True)
@@ -40,6 +90,7 @@ class _Waiter:
     cost: int
     future: asyncio.Future[None]
     tokens: int = 0
+    flow: Flow = DEFAULT_FLOW
 
 
 @dataclass(eq=False)
@@ -53,6 +104,16 @@ class Lease:
     granted_at: float = field(default_factory=time.monotonic)
     released: bool = False
     deferred: bool = False  # the release waits for work that has not stopped yet
+    epoch: int = 0  # the adaptive limit's epoch at admission: a sample from an older limit is not used
+    forwarded: bool = False  # the request went on to the backend: no longer waiting in mmgate
+
+    def handed_off(self) -> None:
+        """The request is on its way to the backend: from here on it no longer counts as waiting in mmgate
+        (``Gate.preparing``, what ``MMGATE_BACKEND_METRICS=merge`` adds to the backend's queue)."""
+        if not self.forwarded:
+            self.forwarded = True
+            if not self.released:
+                self.gate.preparing -= 1
 
     def release(self) -> None:
         if not self.released and not self.deferred:
@@ -79,17 +140,21 @@ class Place:
 
     gate: Gate
     released: bool = False
+    flow: Flow = DEFAULT_FLOW
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.gate.reading -= 1
+            self.gate._reading_by_flow[self.flow.id] -= 1
+            if not self.gate._reading_by_flow[self.flow.id]:
+                del self.gate._reading_by_flow[self.flow.id]
             self.gate._on_change(self.gate)
 
 
 class Gate:
-    """Slots + byte budget + token budget + bounded FIFO queue. All methods run on the event loop (no locks
-    needed)."""
+    """Slots + byte budget + token budget + bounded queue, FIFO per flow, flows in turn, bands strict. All
+    methods run on the event loop (no locks needed)."""
 
     def __init__(
         self,
@@ -99,24 +164,43 @@ class Gate:
         on_change: Callable[[Gate], None] = lambda gate: None,
         lifecycle: Lifecycle | None = None,
         token_budget: int = 0,
+        max_queue_per_flow: int = 0,
+        adaptive: AdaptiveLimit | None = None,
     ) -> None:
-        self.limit = limit
+        self.adaptive = adaptive
+        self.limit = adaptive.limit if adaptive is not None else limit
         self.byte_budget = byte_budget  # 0 = no byte budget
         self.token_budget = token_budget  # 0 = no token budget
         self.tokens_in_use = 0
         self.max_queue = max_queue
+        self.max_queue_per_flow = max_queue_per_flow  # 0 = only max_queue
         self.in_use = 0
+        self.preparing = 0  # admitted and not yet handed to the backend (being fetched, decoded, spliced)
         self.bytes_in_use = 0
         self.reading = 0  # places held by requests whose body is still arriving
         self.lifecycle = lifecycle if lifecycle is not None else Lifecycle()  # refuses new arrivals once draining
-        self._waiters: deque[_Waiter] = deque()
+        # band -> flow id -> that flow's waiters; a dict keeps the flows' turn order (served: to the back)
+        self._bands: dict[int, dict[str, deque[_Waiter]]] = {}
+        self._waiting = 0
+        self._reading_by_flow: dict[str, int] = {}
         self._on_change = on_change
         self._hold_seconds = 1.0  # moving average of how long a lease is held; seeds Retry-After
         on_change(self)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return self._waiting
+
+    @property
+    def waiting_media(self) -> int:
+        """Media requests mmgate accepted and has not forwarded yet: queued, being read (holding a place),
+        being fetched or decoded. What a backend's queue gauge does not see."""
+        return self._waiting + self.reading + self.preparing
+
+    def flow_waiting(self, flow: Flow) -> int:
+        """Places one flow holds in line: its waiters in every band, and its bodies still arriving."""
+        return sum(len(flows.get(flow.id, ())) for flows in self._bands.values()) + self._reading_by_flow.get(
+            flow.id, 0)
 
     def _fits(self, cost: int, tokens: int) -> bool:
         if self.in_use >= self.limit:
@@ -125,26 +209,53 @@ class Gate:
             return False
         return not self.byte_budget or self.bytes_in_use + cost <= self.byte_budget
 
-    def retry_after(self) -> int:
-        """Seconds until a new arrival could plausibly be admitted: queue ahead over slots, times hold time."""
-        rounds = (self.waiting + self.reading + 1) / self.limit
+    def _ahead_of(self, flow: Flow) -> int:
+        """Requests served before a new arrival of ``flow``: every waiter in a higher band, and in its own
+        band, as the flows take turns, each other flow's waiters up to one more than ``flow`` has. Bodies
+        still arriving count as ahead. With one flow this is the whole line."""
+        mine = len(self._bands.get(flow.band, {}).get(flow.id, ()))
+        ahead = self.reading + mine
+        for band, flows in self._bands.items():
+            if band > flow.band:
+                ahead += sum(map(len, flows.values()))
+            elif band == flow.band:
+                ahead += sum(min(len(queue), mine + 1) for flow_id, queue in flows.items() if flow_id != flow.id)
+        return ahead
+
+    def retry_after(self, flow: Flow = DEFAULT_FLOW) -> int:
+        """Seconds until a new arrival of ``flow`` could plausibly be admitted: the line ahead of it over
+        slots, times hold time."""
+        rounds = (self._ahead_of(flow) + 1) / self.limit
         return max(RETRY_AFTER_MIN, min(RETRY_AFTER_MAX, math.ceil(rounds * self._hold_seconds)))
 
-    def _reject(self, code: str, message: str) -> MmgateError:
-        return MmgateError(429, code, message, headers={"Retry-After": str(self.retry_after())})
+    def _reject(self, code: str, message: str, flow: Flow = DEFAULT_FLOW) -> MmgateError:
+        if flow.id:
+            message = f"{flow.named()}: {message}"
+        return MmgateError(429, code, message, headers={"Retry-After": str(self.retry_after(flow))})
 
-    def take_place(self) -> Place:
+    def _flow_full(self, flow: Flow) -> MmgateError | None:
+        if self.max_queue_per_flow and self.flow_waiting(flow) >= self.max_queue_per_flow:
+            return self._reject("queue_full", f"{self.flow_waiting(flow)} media requests of this flow waiting "
+                                              f"(MMGATE_MAX_QUEUE_PER_FLOW={self.max_queue_per_flow}); retry "
+                                              "later", flow)
+        return None
+
+    def take_place(self, flow: Flow = DEFAULT_FLOW) -> Place:
         """Reserve a place in line for a request whose body is still arriving, or refuse it now (429)."""
         if self.lifecycle.refusing:
             raise draining()
         if self.in_use + self.waiting + self.reading >= self.limit + self.max_queue:
             raise self._reject("queue_full", f"{self.in_use} media requests running, {self.waiting} waiting and "
-                                             f"{self.reading} arriving; retry later")
+                                             f"{self.reading} arriving; retry later", flow)
+        if (refusal := self._flow_full(flow)) is not None:
+            raise refusal
         self.reading += 1
+        self._reading_by_flow[flow.id] = self._reading_by_flow.get(flow.id, 0) + 1
         self._on_change(self)
-        return Place(self)
+        return Place(self, flow=flow)
 
-    async def acquire(self, cost: int, timeout: float, place: Place | None = None, tokens: int = 0) -> Lease:
+    async def acquire(self, cost: int, timeout: float, place: Place | None = None, tokens: int = 0,
+                      flow: Flow = DEFAULT_FLOW) -> Lease:
         """Wait (FIFO, at most ``timeout`` s) until a slot, ``cost`` bytes and ``tokens`` image tokens are free;
         return the Lease.
 
@@ -167,13 +278,17 @@ class Gate:
                 f"in-flight budget of {self.token_budget} (MMGATE_MAX_INFLIGHT_IMAGE_TOKENS): send smaller or "
                 "fewer images",
             )
-        if not self._waiters and self._fits(cost, tokens):
+        if not self._waiting and self._fits(cost, tokens):
             return self._grant(cost, tokens)
-        if place is None and len(self._waiters) + self.reading >= self.max_queue:  # places count as queued
-            raise self._reject("queue_full",
-                               f"{self.in_use} media requests running and {self.waiting} waiting; retry later")
-        waiter = _Waiter(cost, asyncio.get_running_loop().create_future(), tokens)
-        self._waiters.append(waiter)
+        if place is None:
+            if self._waiting + self.reading >= self.max_queue:  # places count as queued
+                raise self._reject("queue_full",
+                                   f"{self.in_use} media requests running and {self.waiting} waiting; retry later",
+                                   flow)
+            if (refusal := self._flow_full(flow)) is not None:
+                raise refusal
+        waiter = _Waiter(cost, asyncio.get_running_loop().create_future(), tokens, flow)
+        self._enqueue(waiter)
         self._on_change(self)
         try:
             async with asyncio.timeout(timeout):
@@ -181,45 +296,94 @@ class Gate:
         except BaseException as exc:
             if waiter.future.done() and not waiter.future.cancelled():
                 # Granted in the same instant we timed out or were cancelled: hand the slot back.
-                self._give_back(Lease(self, cost, tokens))
+                self._give_back(self._lease(cost, tokens), sample=False)
             else:
                 waiter.future.cancel()
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
+                self._dequeue(waiter)
                 self._wake()  # the head may have been the one blocking smaller requests behind it
             self._on_change(self)
             if isinstance(exc, TimeoutError):
-                raise self._reject("queue_timeout", f"waited {timeout:g} s for admission; retry later") from None
+                raise self._reject("queue_timeout", f"waited {timeout:g} s for admission; retry later",
+                                   flow) from None
             raise
-        return Lease(self, cost, tokens)
+        return self._lease(cost, tokens)
+
+    def _enqueue(self, waiter: _Waiter) -> None:
+        flows = self._bands.get(waiter.flow.band)
+        if flows is None:
+            # bands kept highest first, so the next request is always in the first band
+            self._bands[waiter.flow.band] = flows = {}
+            self._bands = dict(sorted(self._bands.items(), reverse=True))
+        flows.setdefault(waiter.flow.id, deque()).append(waiter)
+        self._waiting += 1
+
+    def _dequeue(self, waiter: _Waiter) -> None:
+        """Take a waiter out of line wherever it stands (it timed out or was cancelled)."""
+        flows = self._bands.get(waiter.flow.band)
+        queue = flows.get(waiter.flow.id) if flows is not None else None
+        if queue is None or waiter not in queue:
+            return
+        queue.remove(waiter)
+        self._waiting -= 1
+        self._forget_if_empty(waiter.flow)
+
+    def _forget_if_empty(self, flow: Flow) -> None:
+        flows = self._bands[flow.band]
+        if not flows[flow.id]:
+            del flows[flow.id]
+            if not flows:
+                del self._bands[flow.band]
+
+    def _lease(self, cost: int, tokens: int) -> Lease:
+        return Lease(self, cost, tokens, epoch=self.adaptive.epoch if self.adaptive is not None else 0)
 
     def _grant(self, cost: int, tokens: int) -> Lease:
+        self._take(cost, tokens)
+        self._on_change(self)
+        return self._lease(cost, tokens)
+
+    def _take(self, cost: int, tokens: int) -> None:
         self.in_use += 1
+        self.preparing += 1
         self.bytes_in_use += cost
         self.tokens_in_use += tokens
-        self._on_change(self)
-        return Lease(self, cost, tokens)
+        if self.adaptive is not None:
+            self.adaptive.busy(self.in_use)
 
-    def _give_back(self, lease: Lease) -> None:
+    def _give_back(self, lease: Lease, sample: bool = True) -> None:
         self.in_use -= 1
+        if not lease.forwarded:
+            self.preparing -= 1
         self.bytes_in_use -= lease.cost
         self.tokens_in_use -= lease.tokens
         held = time.monotonic() - lease.granted_at
         self._hold_seconds = 0.8 * self._hold_seconds + 0.2 * held
+        # only requests that reached the backend say anything about its latency
+        if self.adaptive is not None and sample and lease.forwarded and self.adaptive.observe(held, lease.epoch):
+            self.limit = self.adaptive.limit
         self._wake()
         self._on_change(self)
 
     def _wake(self) -> None:
-        """Grant waiters strictly in order while the head fits."""
-        while self._waiters:
-            head = self._waiters[0]
+        """Grant the next request while it fits: the head of the first flow of the highest band; a flow
+        served goes to the back of its band's turn."""
+        while self._bands:
+            flows = next(iter(self._bands.values()))
+            flow_id, queue = next(iter(flows.items()))
+            head = queue[0]
             if head.future.done():  # its task was cancelled or timed out: it no longer holds the line
-                self._waiters.popleft()
+                queue.popleft()
+                self._waiting -= 1
+                self._forget_if_empty(head.flow)
                 continue
             if not self._fits(head.cost, head.tokens):
                 break
-            self._waiters.popleft()
-            self.in_use += 1
-            self.bytes_in_use += head.cost
-            self.tokens_in_use += head.tokens
+            queue.popleft()
+            self._waiting -= 1
+            del flows[flow_id]
+            if queue:
+                flows[flow_id] = queue  # to the back of the band's turn
+            elif not flows:
+                del self._bands[head.flow.band]
+            self._take(head.cost, head.tokens)
             head.future.set_result(None)

@@ -21,8 +21,10 @@ from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool
 
+from .adaptive import AdaptiveLimit
 from .admin import add_admin_routes, probe_upstream
 from .admission import Gate
+from .backend_metrics import METRICS_PATH, merged_metrics
 from .cache import MediaCache, settings_fingerprint
 from .connections import ConnectionGuard, mark_head_received
 from .fetch import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
@@ -50,12 +52,15 @@ def build_state(settings: Settings) -> AppState:
         metrics.gate_reading.set(gate.reading)
         metrics.media_bytes_inflight.set(gate.bytes_in_use)
         metrics.image_tokens_inflight.set(gate.tokens_in_use)
+        metrics.gate_limit.set(gate.limit)
         trimmer.follow(running=gate.in_use, waiting=gate.waiting)
 
-    metrics.gate_limit.set(settings.max_mm_concurrency)
     lifecycle = Lifecycle()
+    adaptive = (AdaptiveLimit(settings.min_mm_concurrency, settings.max_mm_concurrency_auto)
+                if settings.adaptive_concurrency else None)
     gate = Gate(settings.max_mm_concurrency, settings.max_inflight_media_bytes, settings.max_queue, gate_changed,
-                lifecycle, token_budget=settings.max_inflight_image_tokens)
+                lifecycle, token_budget=settings.max_inflight_image_tokens,
+                max_queue_per_flow=settings.max_queue_per_flow, adaptive=adaptive)
     image_policy = ImagePolicy(
         max_pixels=settings.max_image_pixels,
         max_frames=settings.max_frames,
@@ -212,6 +217,8 @@ def build_app(settings: Settings, *, admin: bool | None = None, state: AppState 
                                 _idle_trimmer])
     if admin if admin is not None else not settings.admin_port:
         add_admin_routes(app)
+    if settings.backend_metrics == "merge":  # what an endpoint picker scrapes: the backend's, with mmgate's queue
+        app.router.add_get(METRICS_PATH, merged_metrics)
     app.router.add_route("*", "/{tail:.*}", handle_request, expect_handler=expect_continue)
     return app
 

@@ -71,7 +71,7 @@ async def run_plan_cached(state: AppState, ex: Exchange, plan: Plan, media: Medi
         first = {key: keys.index(key) for key in misses}
         started = time.perf_counter()
         ex.lease = await state.gate.acquire(sum(plan.items[index].size for index in first.values()),
-                                            settings.queue_timeout, ex.place, ex.image_tokens)
+                                            settings.queue_timeout, ex.place, ex.image_tokens, ex.flow)
         ex.place = None
         ex.watch.add("queue", time.perf_counter() - started)
         if first:

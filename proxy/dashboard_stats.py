@@ -141,6 +141,7 @@ def snapshot(state: AppState) -> dict[str, Any]:
         "gate": {
             "in_use": _gauge_value(m.gate_in_use),
             "limit": _gauge_value(m.gate_limit),
+            "adaptive": s.adaptive_concurrency,  # MMGATE_MAX_MM_CONCURRENCY=auto: the limit moves
             "waiting": _gauge_value(m.gate_waiting),
             "reading": _gauge_value(m.gate_reading),  # media bodies still arriving, each holding a place in line
             "max_queue": s.max_queue,
@@ -177,7 +178,7 @@ def snapshot(state: AppState) -> dict[str, Any]:
         "process": {"rss_bytes": _rss_bytes(), "in_flight": state.in_flight, "reading": state.reading,
                     "draining": not state.lifecycle.ready},
         "limits": {
-            "max_mm_concurrency": s.max_mm_concurrency,
+            "max_mm_concurrency": "auto" if s.adaptive_concurrency else s.max_mm_concurrency,
             "max_queue": s.max_queue,
             "queue_timeout": s.queue_timeout,
             "max_inflight_media_mb": s.max_inflight_media_mb,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from .admission import Lease, Place
+from .admission import DEFAULT_FLOW, Flow, Lease, Place
 from .buffers import MediaBuffer
 from .dialects import Dialect, Route
 from .metrics import Stopwatch, server_timing
@@ -35,6 +35,7 @@ class Exchange:
     response: web.StreamResponse | None = None  # set once the headers went out: a refusal can only end it then
     place: Place | None = None  # held while a big media body is still arriving
     lease: Lease | None = None
+    flow: Flow = DEFAULT_FLOW  # media routes: the fairness and priority headers' flow
     media: weakref.ref[MediaBuffer] | None = None  # weak: the payload is the owner's only strong holder
     bytes_in: int = 0
     media_in: int = 0

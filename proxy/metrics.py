@@ -70,7 +70,8 @@ class Metrics:
             "mmgate_image_tokens", "Image tokens per inline image for the served model (MMGATE_MODEL), from its header",
             buckets=(16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=r,
         )
-        self.gate_limit = Gauge("mmgate_gate_limit", "MMGATE_MAX_MM_CONCURRENCY", registry=r)
+        self.gate_limit = Gauge(
+            "mmgate_gate_limit", "The gate's limit: MMGATE_MAX_MM_CONCURRENCY, or where auto finds it now", registry=r)
         self.media_bytes_inflight = Gauge(
             "mmgate_media_bytes_inflight", "Decoded media bytes charged to the gate's byte budget", registry=r
         )

