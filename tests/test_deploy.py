@@ -588,7 +588,7 @@ def test_promtool(promtool: str, args: list[str]) -> None:
 
 def test_grafana_draws_the_gate_limit_as_it_moves(grafana: dict[str, Any]) -> None:
     """MMGATE_MAX_MM_CONCURRENCY=auto moves mmgate_gate_limit: the Gate panel plots it over time."""
-    panels = [p for p in grafana["panels"] if p.get("title") == "Gate"]
+    panels = [p for p in grafana["panels"] if p.get("title", "").startswith("Gate, queue")]
     assert len(panels) == 1 and panels[0]["type"] == "timeseries"
     assert any(t["expr"].startswith("sum(mmgate_gate_limit{") for t in panels[0]["targets"])
 
