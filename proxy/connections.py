@@ -145,6 +145,9 @@ class GuardedConnection(asyncio.Protocol):
         self._awaiting_head = True  # no request in the handler's hands: the next bytes are a head
         self._request: web.BaseRequest | None = None  # the request in the handler's hands
         self._next_head_started = False  # a byte of the next request arrived
+        # Bytes that arrived behind the end of the head not yet handed over (its body, and maybe the next head).
+        self._after_head: int | None = None
+        self._head_tail = b""  # the last bytes of a head still arriving, to find its end across reads
         self._sniffed: bytearray | None = None  # over the cap: the bytes read so far, request line not seen
         self.probe = False  # over the cap, served one liveness or readiness probe
 
@@ -177,6 +180,8 @@ class GuardedConnection(asyncio.Protocol):
             self._next_request_started()
             if self._awaiting_head and self._timer is None:
                 self._arm()
+        if self._awaiting_head:
+            self._follow_head(data)
         if request is None or body_done or request.content_length is None:
             self._handler.data_received(data)
             return
@@ -261,6 +266,18 @@ class GuardedConnection(asyncio.Protocol):
         self._handler.connection_made(self._transport)
         self._handler.data_received(bytes(sniffed))
 
+    def _follow_head(self, data: bytes) -> None:
+        """Where the arriving head ends: what follows it in the same reads is its body, or the next request."""
+        if self._after_head is not None:
+            self._after_head += len(data)
+            return
+        seen = self._head_tail + data
+        end = seen.find(b"\r\n\r\n")
+        if end < 0:
+            self._head_tail = seen[-3:]
+        else:
+            self._after_head = len(seen) - end - 4
+
     def _next_request_started(self) -> None:
         self._next_head_started = True
         self._guard._idle.pop(self, None)
@@ -270,7 +287,12 @@ class GuardedConnection(asyncio.Protocol):
     def head_received(self, request: web.BaseRequest) -> None:
         self._awaiting_head = False
         self._request = request
-        self._next_head_started = False
+        # Bytes behind this head beyond its Content-Length are the next request's (a chunked body's end is
+        # not known here: such a request counts as idle once answered).
+        after_head = self._after_head or 0
+        self._next_head_started = after_head > (request.content_length or 0) and "chunked" not in \
+            request.headers.get("Transfer-Encoding", "").lower()
+        self._after_head, self._head_tail = None, b""
         self._guard._idle.pop(self, None)
         self._disarm()
 

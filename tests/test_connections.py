@@ -172,6 +172,33 @@ async def test_a_connection_in_the_middle_of_a_request_is_never_closed_to_make_r
     idle_writer.close()
 
 
+@pytest.mark.parametrize(
+    "first",
+    [KEEPALIVE_REQUEST, b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(CHAT_BODY), CHAT_BODY)],
+    ids=["after-a-get", "in-the-chunk-that-ends-a-body"],
+)
+async def test_a_connection_whose_next_request_began_is_not_idle(
+    upstream: Upstream, start_proxy: StartProxy, first: bytes
+) -> None:
+    """A pipelined head that has begun to arrive is a request in progress: the connection is not closed for
+    room, and the head deadline runs for it."""
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_CONNECTIONS="1", MMGATE_HEADER_TIMEOUT="0.5")
+    reader, writer = await _connect(proxy)
+    writer.write(first + b"GET /v1/mo")
+    assert (await _read_answer(reader))[0] == 200
+
+    other_reader, other_writer = await _connect(proxy)
+    other_writer.write(KEEPALIVE_REQUEST)
+    status, _headers, body = await _read_answer(other_reader)
+    assert status == 503 and json.loads(body)["error"]["code"] == "too_many_connections"
+    other_writer.close()
+    status, _headers, body = await _read_answer(reader)  # the pipelined head never ended
+    assert status == 408 and json.loads(body)["error"]["code"] == "header_timeout"
+    writer.close()
+    assert _idle_closed(proxy) == 0
+
+
 async def test_a_silent_new_connection_makes_way_like_an_idle_one(upstream: Upstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url, MMGATE_MAX_CONNECTIONS="2")
     guard = proxy.state.connections
