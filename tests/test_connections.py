@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -246,6 +250,24 @@ async def test_liveness_and_readiness_answer_on_the_main_port_while_every_connec
         assert rest == b"" if method == "HEAD" else json.loads(rest)
         writer.close()
         await _until(lambda: proxy.state.connections.over_the_cap == 0)
+    assert [await _finish_request(*conn) for conn in busy] == [200, 200]
+
+
+async def test_the_docker_healthcheck_passes_while_every_connection_is_busy(
+    upstream: Upstream, start_proxy: StartProxy
+) -> None:
+    """The Dockerfile's own HEALTHCHECK command, run as Docker runs it (no admin port: the main port)."""
+    dockerfile = (Path(__file__).parents[1] / "deploy" / "Dockerfile").read_text()
+    command = json.loads(re.search(r"^\s*CMD (\[.*\])\s*$", dockerfile.split("HEALTHCHECK", 1)[1], re.M)[1])
+    assert command[0] == "python"
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_CONNECTIONS="2")
+    busy = [await _mid_request(proxy) for _ in range(2)]
+    env = {**os.environ, "MMGATE_PORT": str(proxy.server.port)}
+    env.pop("MMGATE_ADMIN_PORT", None)
+    check = await asyncio.create_subprocess_exec(sys.executable, *command[1:], env=env,
+                                                 stderr=asyncio.subprocess.PIPE)
+    _out, err = await check.communicate()
+    assert check.returncode == 0, err.decode()
     assert [await _finish_request(*conn) for conn in busy] == [200, 200]
 
 
