@@ -462,7 +462,8 @@ def test_grafana_queries_use_exposed_metrics(grafana: dict[str, Any]) -> None:
                    "mmgate_gate_in_use", "mmgate_gate_waiting", "mmgate_media_bytes_inflight",
                    "mmgate_media_bytes_live", "process_resident_memory_bytes", "mmgate_cache_hits_total",
                    "mmgate_cache_misses_total", "mmgate_cache_bytes", "mmgate_image_tokens_inflight",
-                   "mmgate_image_tokens_bucket", "mmgate_fetches_total", "mmgate_decode_worker_exits_total"):
+                   "mmgate_image_tokens_bucket", "mmgate_fetches_total", "mmgate_decode_worker_exits_total",
+                   "mmgate_idle_connections_closed_total"):
         assert family in used, f"no panel shows {family}"
 
 
