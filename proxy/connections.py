@@ -143,7 +143,8 @@ class GuardedConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._awaiting_head = True  # no request in the handler's hands: the next bytes are a head
-        self._request: web.BaseRequest | None = None  # the request in the handler's hands
+        self._request: web.BaseRequest | None = None  # the request in the handler's hands, or its body draining
+        self._answered = False  # the handler is done with that request
         self._next_head_started = False  # a byte of the next request arrived
         # Bytes that arrived behind the end of the head not yet handed over (its body, and maybe the next head).
         self._after_head: int | None = None
@@ -175,11 +176,12 @@ class GuardedConnection(asyncio.Protocol):
                 self._sniff(data)
             return  # refused: whatever the client still sends is dropped with the connection
         request = self._request
+        if request is not None and self._answered and request.content.is_eof():
+            self._head_follows()  # the body aiohttp drained after the answer is all in
+            request = None
         body_done = request is not None and request.content.is_eof()
         if self._awaiting_head or body_done:
             self._next_request_started()
-            if self._awaiting_head and self._timer is None:
-                self._arm()
         if self._awaiting_head:
             self._follow_head(data)
         if request is None or body_done or request.content_length is None:
@@ -190,6 +192,8 @@ class GuardedConnection(asyncio.Protocol):
         self._handler.data_received(data)
         if request.content.is_eof() and request.content.total_bytes - before < len(data):
             self._next_request_started()
+            if self._answered:
+                self._head_follows()
 
     def eof_received(self) -> bool | None:
         if self._handler is not None:
@@ -281,12 +285,22 @@ class GuardedConnection(asyncio.Protocol):
     def _next_request_started(self) -> None:
         self._next_head_started = True
         self._guard._idle.pop(self, None)
+        if self._awaiting_head and self._timer is None:
+            self._arm()
+
+    def _head_follows(self) -> None:
+        """The answered request's body is all in: the next bytes are a head, under the head deadline."""
+        self._request = None
+        self._awaiting_head = True
+        if self._next_head_started and self._timer is None:
+            self._arm()
 
     # --- the head deadline ---
 
     def head_received(self, request: web.BaseRequest) -> None:
         self._awaiting_head = False
         self._request = request
+        self._answered = False
         # Bytes behind this head beyond its Content-Length are the next request's (a chunked body's end is
         # not known here: such a request counts as idle once answered).
         after_head = self._after_head or 0
@@ -298,15 +312,16 @@ class GuardedConnection(asyncio.Protocol):
 
     def response_done(self, body_read: bool) -> None:
         """The handler is done with a request. Its next bytes start a new head, unless this body was left
-        unread (aiohttp drains it, then closes the connection)."""
-        self._awaiting_head = body_read
-        self._request = None
-        if body_read and self._next_head_started and self._timer is None:
-            self._arm()  # a pipelined head already began: its deadline runs from now
+        unread: aiohttp drains it after the answer (lingering close) and closes the connection, or keeps it
+        when the body ends in time; the head deadline then starts with the first byte behind the body."""
+        self._answered = True
+        if body_read:
+            self._head_follows()  # a pipelined head that already began has its deadline run from now
 
     def request_finished(self) -> None:
-        """The answer is written: the connection may now wait idle for its next request."""
-        if self._handler is not None and self._awaiting_head and not self._next_head_started and not self.probe:
+        """The answer is written: the connection may now wait idle for its next request (``is_idle`` tells
+        when aiohttp is done draining an unread body)."""
+        if self._handler is not None and not self._next_head_started and not self.probe:
             self._guard._idle[self] = None
 
     def _arm(self) -> None:

@@ -203,6 +203,28 @@ async def test_a_connection_whose_next_request_began_is_not_idle(
     assert _idle_closed(proxy) == 0
 
 
+async def test_a_connection_quiet_after_its_refused_body_was_drained_makes_way(
+    upstream: Upstream, start_proxy: StartProxy
+) -> None:
+    """Refused before its body was read, the body arriving after the answer (aiohttp drains it and keeps the
+    connection): once the body is in and the client is quiet, the connection is idle like any other."""
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_CONNECTIONS="1", MMGATE_ALLOW_PATHS="/v1/")
+    guard = proxy.state.connections
+    reader, writer = await _connect(proxy)
+    writer.write(b"POST /admin HTTP/1.1\r\nHost: mmgate\r\nContent-Length: 10\r\n\r\n")
+    status, headers, _body = await _read_answer(reader)
+    assert status == 404 and headers.get("connection") != "close"
+    writer.write(b"0123456789")  # the body, after the answer
+    await _until(lambda: guard.idle == 1)
+
+    other_reader, other_writer = await _connect(proxy)
+    other_writer.write(KEEPALIVE_REQUEST)
+    assert (await _read_answer(other_reader))[0] == 200
+    assert await reader.read() == b""
+    writer.close()
+    other_writer.close()
+
+
 async def test_a_silent_new_connection_makes_way_like_an_idle_one(upstream: Upstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url, MMGATE_MAX_CONNECTIONS="2")
     guard = proxy.state.connections
