@@ -203,6 +203,23 @@ async def test_a_connection_whose_next_request_began_is_not_idle(
     assert _idle_closed(proxy) == 0
 
 
+async def test_a_pipelined_head_in_the_read_that_ends_a_body_is_seen(
+    upstream: Upstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_CONNECTIONS="1", MMGATE_HEADER_TIMEOUT="0.5")
+    reader, writer = await _mid_request(proxy)  # the head is in the proxy's hands, the body half sent
+    writer.write(CHAT_BODY[10:] + b"GET /v1/mo")
+    assert (await _read_answer(reader))[0] == 200
+
+    other_reader, other_writer = await _connect(proxy)
+    other_writer.write(KEEPALIVE_REQUEST)
+    assert (await _read_answer(other_reader))[0] == 503
+    other_writer.close()
+    status, _headers, body = await _read_answer(reader)
+    assert status == 408 and json.loads(body)["error"]["code"] == "header_timeout"
+    writer.close()
+
+
 async def test_a_connection_quiet_after_its_refused_body_was_drained_makes_way(
     upstream: Upstream, start_proxy: StartProxy
 ) -> None:
