@@ -40,12 +40,12 @@ from aiohttp.web_protocol import RequestHandler
 
 from .dialects import Dialect, error_headers
 from .errors import MmgateError
+from .settings import PROBE_RESERVE
 
 log = logging.getLogger("mmgate")
 
+
 PROBE_PATHS = frozenset({"/mmgate/health", "/mmgate/ready"})
-# Connections over the cap read for a probe, and served one, at once.
-PROBE_RESERVE = 8
 # The longest request line a probe sends: "GET /mmgate/ready?<query> HTTP/1.1".
 PROBE_LINE_MAX = 256
 PROBE_LINE = re.compile(rb"(?:GET|HEAD) /mmgate/(?:health|ready)(?:\?[^ ]*)? HTTP/1\.[01]\r?\n")
