@@ -72,7 +72,8 @@ def build_state(settings: Settings) -> AppState:
         geometry=model.geometry if model is not None else None,
     )
     connections = ConnectionGuard(settings.max_connections, settings.header_timeout,
-                                  lambda code: metrics.rejected.labels(code).inc())
+                                  lambda code: metrics.rejected.labels(code).inc(),
+                                  metrics.idle_connections_closed.inc)
     metrics.client_connections.set_function(lambda: connections.open)
     state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.max_audio_seconds),
                      trimmer, connections, lifecycle=lifecycle, model=model,

@@ -5,8 +5,17 @@ slowly holds a connection (and its buffers) as long as it likes, and nothing cap
 are open at once. ``GuardedSite`` listens like ``web.TCPSite`` but wraps every connection in a
 ``GuardedConnection`` that
 
-* refuses a connection beyond ``MMGATE_MAX_CONNECTIONS`` at once, with a complete 503 answer
-  (``too_many_connections``, ``Retry-After``) and a close, before aiohttp ever parses anything;
+* caps the connections open at once at ``MMGATE_MAX_CONNECTIONS``. At the cap, a new connection first
+  takes the place of the connection idle the longest: one between requests (aiohttp waiting for its next
+  head, no byte of it arrived, the last answer flushed) or opened without a byte sent yet, closed the way
+  aiohttp's own keep-alive timer closes it (RFC 9112 section 9.5: a server may close an idle connection
+  at any time, and clients retry on a new one). A connection in the middle of a request is never closed
+  for this. Only when every connection is busy is a new one over the cap: it is read just far enough to
+  see its request line (``PROBE_LINE_MAX`` bytes, within the head deadline). Liveness and readiness
+  (``GET``/``HEAD`` ``/mmgate/health`` or ``/mmgate/ready``) are served to it by the app, on a connection
+  that closes after the answer and never carries a body; anything else gets a complete 503
+  (``too_many_connections``, ``Retry-After``) and a close. At most ``PROBE_RESERVE`` connections are over
+  the cap at once; a new one replaces the oldest that has not shown its request line yet;
 * gives the request head ``MMGATE_HEADER_TIMEOUT`` seconds from the connection's opening, or from the
   first byte after an idle keep-alive pause: then it answers 408 ``header_timeout`` and closes (the
   role of nginx's ``client_header_timeout``). Idle keep-alive connections are closed by aiohttp after
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -30,8 +40,15 @@ from aiohttp.web_protocol import RequestHandler
 
 from .dialects import Dialect, error_headers
 from .errors import MmgateError
+from .settings import PROBE_RESERVE
 
 log = logging.getLogger("mmgate")
+
+
+PROBE_PATHS = frozenset({"/mmgate/health", "/mmgate/ready"})
+# The longest request line a probe sends: "GET /mmgate/ready?<query> HTTP/1.1".
+PROBE_LINE_MAX = 256
+PROBE_LINE = re.compile(rb"(?:GET|HEAD) /mmgate/(?:health|ready)(?:\?[^ ]*)? HTTP/1\.[01]\r?\n")
 
 
 def raw_error_response(error: MmgateError) -> bytes:
@@ -48,23 +65,72 @@ class ConnectionGuard:
     """The open client connections of one app, and the limits they live under."""
 
     def __init__(self, max_connections: int, header_timeout: float,
-                 on_refused: Callable[[str], None] = lambda code: None) -> None:
+                 on_refused: Callable[[str], None] = lambda code: None,
+                 on_idle_closed: Callable[[], None] = lambda: None) -> None:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
         self.on_refused = on_refused
+        self.on_idle_closed = on_idle_closed
         self.open = 0
         self._by_handler: dict[RequestHandler, GuardedConnection] = {}
+        # Connections that may be idle, the one idle the longest first (dicts keep insertion order).
+        self._idle: dict[GuardedConnection, None] = {}
+        # Over the cap: those whose request line has not arrived yet, and those served a probe.
+        self._sniffing: dict[GuardedConnection, None] = {}
+        self._probes = 0
 
     def connection_for(self, handler: Any) -> GuardedConnection | None:
         return self._by_handler.get(handler)
+
+    @property
+    def idle(self) -> int:
+        """Connections idle right now (between requests, nothing of the next one arrived)."""
+        return sum(conn.is_idle() for conn in self._idle)
+
+    @property
+    def over_the_cap(self) -> int:
+        """Connections beyond MMGATE_MAX_CONNECTIONS: read for their request line, or served a probe."""
+        return len(self._sniffing) + self._probes
+
+    def too_many(self) -> MmgateError:
+        return MmgateError(
+            503, "too_many_connections",
+            f"{self.open} client connections are open, the limit (MMGATE_MAX_CONNECTIONS); retry later",
+            headers={"Retry-After": "1"})
+
+    def _admit(self) -> bool:
+        """Whether a new connection fits: under the cap, or in the place of the connection idle the longest."""
+        if self.open < self.max_connections:
+            return True
+        for conn in self._idle:
+            if conn.is_idle():
+                conn.close_idle()
+                self.on_idle_closed()
+                return True
+        return False
+
+    def _room_over_the_cap(self, conn: GuardedConnection) -> bool:
+        """Room for one more connection over the cap, read for a probe; the oldest still silent makes way."""
+        if self.over_the_cap >= PROBE_RESERVE:
+            if not self._sniffing:
+                return False
+            next(iter(self._sniffing)).refuse()
+        self._sniffing[conn] = None
+        return True
 
     def _opened(self, conn: GuardedConnection, handler: RequestHandler) -> None:
         self.open += 1
         self._by_handler[handler] = conn
 
-    def _closed(self, handler: RequestHandler) -> None:
-        self.open -= 1
-        self._by_handler.pop(handler, None)
+    def _closed(self, conn: GuardedConnection, handler: RequestHandler | None) -> None:
+        """Idempotent: a connection closed for idleness is counted out at once, before its transport is gone."""
+        self._idle.pop(conn, None)
+        self._sniffing.pop(conn, None)
+        if handler is not None and self._by_handler.pop(handler, None) is not None:
+            if conn.probe:
+                self._probes -= 1
+            else:
+                self.open -= 1
 
 
 class GuardedConnection(asyncio.Protocol):
@@ -77,6 +143,14 @@ class GuardedConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._awaiting_head = True  # no request in the handler's hands: the next bytes are a head
+        self._request: web.BaseRequest | None = None  # the request in the handler's hands, or its body draining
+        self._answered = False  # the handler is done with that request
+        self._next_head_started = False  # a byte of the next request arrived
+        # Bytes that arrived behind the end of the head not yet handed over (its body, and maybe the next head).
+        self._after_head: int | None = None
+        self._head_tail = b""  # the last bytes of a head still arriving, to find its end across reads
+        self._sniffed: bytearray | None = None  # over the cap: the bytes read so far, request line not seen
+        self.probe = False  # over the cap, served one liveness or readiness probe
 
     # --- asyncio.Protocol, delegated to aiohttp's RequestHandler ---
 
@@ -84,25 +158,42 @@ class GuardedConnection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
         guard = self._guard
-        if guard.open >= guard.max_connections:
-            guard.on_refused("too_many_connections")
-            transport.write(raw_error_response(MmgateError(
-                503, "too_many_connections",
-                f"{guard.open} client connections are open, the limit (MMGATE_MAX_CONNECTIONS); retry later",
-                headers={"Retry-After": "1"})))
-            transport.close()
+        if guard._admit():
+            self._handler = self._make_handler()
+            guard._opened(self, self._handler)
+            guard._idle[self] = None  # nothing sent yet: the first to make way at the cap, if it stays silent
+            self._handler.connection_made(transport)
+        elif guard._room_over_the_cap(self):
+            self._sniffed = bytearray()
+        else:
+            self.refuse()
             return
-        self._handler = self._make_handler()
-        guard._opened(self, self._handler)
-        self._handler.connection_made(transport)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
         if self._handler is None:
+            if self._sniffed is not None:
+                self._sniff(data)
             return  # refused: whatever the client still sends is dropped with the connection
-        if self._awaiting_head and self._timer is None:
-            self._arm()
+        request = self._request
+        if request is not None and self._answered and request.content.is_eof():
+            self._head_follows()  # the body aiohttp drained after the answer is all in
+            request = None
+        body_done = request is not None and request.content.is_eof()
+        if self._awaiting_head or body_done:
+            self._next_request_started()
+        if self._awaiting_head:
+            self._follow_head(data)
+        if request is None or body_done or request.content_length is None:
+            self._handler.data_received(data)
+            return
+        # The chunk that ends a Content-Length body may carry the start of a pipelined request behind it.
+        before = request.content.total_bytes
         self._handler.data_received(data)
+        if request.content.is_eof() and request.content.total_bytes - before < len(data):
+            self._next_request_started()
+            if self._answered:
+                self._head_follows()
 
     def eof_received(self) -> bool | None:
         if self._handler is not None:
@@ -119,21 +210,119 @@ class GuardedConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._request = None
+        self._sniffed = None
         handler, self._handler = self._handler, None
+        self._guard._closed(self, handler)
         if handler is not None:
-            self._guard._closed(handler)
             handler.connection_lost(exc)
+
+    # --- idleness, and the connections over the cap ---
+
+    def is_idle(self) -> bool:
+        """Between requests: aiohttp waits for the next head (its keep-alive timer's own test), no byte of
+        it arrived, and the last answer left the process."""
+        handler, transport = self._handler, self._transport
+        if handler is None or transport is None or transport.is_closing() or self._next_head_started:
+            return False
+        waiter = handler._waiter
+        return waiter is not None and not waiter.done() and not transport.get_write_buffer_size()
+
+    def close_idle(self) -> None:
+        """Close an idle connection as aiohttp's keep-alive timer does, and count it out now."""
+        handler = self._handler
+        assert handler is not None
+        self._disarm()
+        self._guard._closed(self, handler)
+        handler.force_close()
+
+    def refuse(self) -> None:
+        """Over the cap and not a probe: a complete 503, then close."""
+        transport = self._transport
+        self._disarm()
+        self._sniffed = None
+        self._guard._closed(self, self._handler)
+        if transport is None or transport.is_closing():
+            return
+        self._guard.on_refused("too_many_connections")
+        transport.write(raw_error_response(self._guard.too_many()))
+        transport.close()
+
+    def _sniff(self, data: bytes) -> None:
+        sniffed = self._sniffed
+        assert sniffed is not None and self._transport is not None
+        sniffed += data
+        end = sniffed.find(b"\n", 0, PROBE_LINE_MAX)
+        if end < 0:
+            if len(sniffed) >= PROBE_LINE_MAX:
+                self.refuse()
+            return
+        if PROBE_LINE.fullmatch(sniffed, 0, end + 1) is None:
+            self.refuse()
+            return
+        guard = self._guard
+        guard._sniffing.pop(self, None)
+        guard._probes += 1
+        self.probe = True
+        self._sniffed = None
+        self._handler = self._make_handler()
+        guard._by_handler[self._handler] = self
+        self._handler.connection_made(self._transport)
+        self._handler.data_received(bytes(sniffed))
+
+    def _follow_head(self, data: bytes) -> None:
+        """Where the arriving head ends: what follows it in the same reads is its body, or the next request."""
+        if self._after_head is not None:
+            self._after_head += len(data)
+            return
+        seen = self._head_tail + data
+        end = seen.find(b"\r\n\r\n")
+        if end < 0:
+            self._head_tail = seen[-3:]
+        else:
+            self._after_head = len(seen) - end - 4
+
+    def _next_request_started(self) -> None:
+        self._next_head_started = True
+        self._guard._idle.pop(self, None)
+        if self._awaiting_head and self._timer is None:
+            self._arm()
+
+    def _head_follows(self) -> None:
+        """The answered request's body is all in: the next bytes are a head, under the head deadline."""
+        self._request = None
+        self._awaiting_head = True
+        if self._next_head_started and self._timer is None:
+            self._arm()
 
     # --- the head deadline ---
 
-    def head_received(self) -> None:
+    def head_received(self, request: web.BaseRequest) -> None:
         self._awaiting_head = False
+        self._request = request
+        self._answered = False
+        # Bytes behind this head beyond its Content-Length are the next request's (a chunked body's end is
+        # not known here: such a request counts as idle once answered).
+        after_head = self._after_head or 0
+        self._next_head_started = after_head > (request.content_length or 0) and "chunked" not in \
+            request.headers.get("Transfer-Encoding", "").lower()
+        self._after_head, self._head_tail = None, b""
+        self._guard._idle.pop(self, None)
         self._disarm()
 
     def response_done(self, body_read: bool) -> None:
         """The handler is done with a request. Its next bytes start a new head, unless this body was left
-        unread (aiohttp drains it, then closes the connection)."""
-        self._awaiting_head = body_read
+        unread: aiohttp drains it after the answer (lingering close) and closes the connection, or keeps it
+        when the body ends in time; the head deadline then starts with the first byte behind the body."""
+        self._answered = True
+        if body_read:
+            self._head_follows()  # a pipelined head that already began has its deadline run from now
+
+    def request_finished(self) -> None:
+        """The answer is written: the connection may now wait idle for its next request (``is_idle`` tells
+        when aiohttp is done draining an unread body)."""
+        if self._handler is not None and not self._next_head_started and not self.probe:
+            self._guard._idle[self] = None
 
     def _arm(self) -> None:
         loop = asyncio.get_running_loop()
@@ -156,6 +345,26 @@ class GuardedConnection(asyncio.Protocol):
         transport.close()
 
 
+async def _probe_over_the_cap(request: web.Request, handler: Any, guard: ConnectionGuard) -> web.StreamResponse:
+    """A connection over the cap gets liveness or readiness from the app, without a body, then a close."""
+    resource = request.match_info.route.resource
+    if resource is not None and resource.canonical in PROBE_PATHS and not request.body_exists:
+        response: web.StreamResponse = await handler(request)
+        response.force_close()
+        return response
+    error = guard.too_many()
+    guard.on_refused(error.code)
+    answer = web.Response(status=error.status, body=Dialect.OPENAI.error_body(error), content_type="application/json",
+                          headers=error_headers(error))
+    answer.force_close()
+    if request.content.is_eof():
+        return answer
+    await answer.prepare(request)  # a body is on its way: answer, then close without reading it
+    await answer.write_eof()
+    request.protocol.force_close()
+    return answer
+
+
 def mark_head_received(guard: ConnectionGuard) -> Any:
     """Middleware: tells the request's connection that its head is in, and when its handler is done."""
 
@@ -164,8 +373,13 @@ def mark_head_received(guard: ConnectionGuard) -> Any:
         conn = guard.connection_for(request.protocol)
         if conn is None:  # served by another site (a test server, the admin port)
             return await handler(request)
-        conn.head_received()
+        conn.head_received(request)
+        task = asyncio.current_task()
+        if task is not None:  # the request's own task: done once aiohttp has written the whole answer
+            task.add_done_callback(lambda _: conn.request_finished())
         try:
+            if conn.probe:
+                return await _probe_over_the_cap(request, handler, guard)
             return await handler(request)
         finally:
             conn.response_done(request.content.is_eof() or not request.body_exists)

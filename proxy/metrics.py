@@ -89,6 +89,10 @@ class Metrics:
             ["type"], registry=r,
         )
         self.client_connections = Gauge("mmgate_client_connections", "Open client connections", registry=r)
+        self.idle_connections_closed = Counter(
+            "mmgate_idle_connections_closed", "Idle keep-alive client connections closed to make room for a new "
+            "one at MMGATE_MAX_CONNECTIONS", registry=r,
+        )
         self.media_bytes = Counter(
             "mmgate_media_bytes", "Decoded media bytes in (from clients) and out (to the upstream)",
             ["direction"], registry=r,

@@ -21,6 +21,8 @@ MIB = 1 << 20
 # What one open client connection may hold outside any body: aiohttp's read buffer (256 KiB) and a
 # request head (up to 64 KiB of header fields).
 CONNECTION_BYTES = (256 + 64) << 10
+# Connections allowed beyond MMGATE_MAX_CONNECTIONS at once, read for a liveness or readiness probe.
+PROBE_RESERVE = 8
 
 
 class ConfigError(ValueError):
@@ -329,8 +331,9 @@ class Settings:
         processes:   process mode only: each worker process, its  = DECODE_WORKERS × (WORKER_PROCESS_BYTES
                      interpreter, and the payload twice: in the      + 2 × MAX_MEDIA_ITEM_MB × 4/3)
                      memfd and as the worker's decoded copy
-        connections: each open connection, its read buffer and   = MAX_CONNECTIONS × CONNECTION_BYTES
-                     a head (aiohttp's, outside the bodies)
+        connections: each open connection, its read buffer and   = (MAX_CONNECTIONS + PROBE_RESERVE)
+                     a head (aiohttp's, outside the bodies); a few     × CONNECTION_BYTES
+                     more over the cap for probes
         fetched:     with MEDIA_URLS=fetch, fetched bodies and     = 7/3 × MAX_MM_CONCURRENCY × MAX_MEDIA_PER_REQUEST
                      their base64 in the spliced body; each URL      × MAX_MEDIA_ITEM_MB (at most 7/3 × the
                      is charged the per-item cap at admission        byte budget when MAX_INFLIGHT_MEDIA_MB is set)
@@ -347,7 +350,7 @@ class Settings:
         processes = 0
         if self.decode_mode == "process":
             processes = self.decode_workers * (WORKER_PROCESS_BYTES + 2 * self.max_media_item_bytes * 4 // 3)
-        connections = self.max_connections * CONNECTION_BYTES
+        connections = (self.max_connections + PROBE_RESERVE) * CONNECTION_BYTES
         fetched = 0
         if self.media_urls == "fetch":
             charged = self.mm_concurrency_ceiling * self.max_media_per_request * self.max_media_item_bytes

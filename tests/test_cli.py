@@ -344,7 +344,9 @@ async def test_serve_tunes_allocators_at_start(upstream: Upstream, extra: dict[s
     assert [line[line.index("memory: "):] for line in lines] == ([expected] if expected else [])
 
 
-async def test_serve_caps_connections_and_times_out_slow_heads(upstream: Upstream) -> None:
+async def test_serve_caps_connections_answers_probes_over_the_cap_and_times_out_slow_heads(
+    upstream: Upstream,
+) -> None:
     """`mmgate serve` listens through the same guard the test fixtures use, not a plain TCPSite."""
     port = free_port()
     process = await _start_mmgate(_env(MMGATE_UPSTREAM=upstream.url, MMGATE_PORT=str(port),
@@ -361,9 +363,15 @@ async def test_serve_caps_connections_and_times_out_slow_heads(upstream: Upstrea
             assert early.startswith(b"HTTP/1.1 503"), early
             slow_writer.close()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: mmgate\r\n\r\n")  # the only place is busy
         refused = await reader.read()
         writer.close()
         assert refused.startswith(b"HTTP/1.1 503") and b"too_many_connections" in refused
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /mmgate/health HTTP/1.1\r\nHost: mmgate\r\n\r\n")  # liveness still answers
+        alive = await reader.read()
+        writer.close()
+        assert alive.startswith(b"HTTP/1.1 200") and b'"status":"ok"' in alive.replace(b" ", b"")
         timed_out = await slow_reader.read()
         assert timed_out.startswith(b"HTTP/1.1 408") and b"header_timeout" in timed_out
         slow_writer.close()

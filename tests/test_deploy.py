@@ -27,6 +27,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from bench import worst_case  # noqa: E402
+from proxy.connections import PROBE_LINE  # noqa: E402
 from proxy.metrics import Metrics  # noqa: E402
 from proxy.settings import Settings  # noqa: E402
 
@@ -275,6 +276,11 @@ def test_dockerfile_env_is_valid_and_consistent() -> None:
 # ---------------------------------------------------------------- Dockerfile
 
 
+def _survives_the_connection_cap(method: str, path: str) -> bool:
+    """Whether ``connections.GuardedConnection`` serves this probe when MMGATE_MAX_CONNECTIONS is reached."""
+    return PROBE_LINE.fullmatch(f"{method} {path} HTTP/1.1\r\n".encode()) is not None
+
+
 def test_dockerfile_base_user_port_healthcheck_entrypoint() -> None:
     instructions = dockerfile_instructions(DEPLOY / "Dockerfile")
     by = {}
@@ -293,6 +299,9 @@ def test_dockerfile_base_user_port_healthcheck_entrypoint() -> None:
     paths = set(re.findall(r"/mmgate/[a-z]+", healthcheck))
     assert paths == {"/mmgate/health"} and paths <= admin_paths()
     assert "urllib" in healthcheck and "MMGATE_ADMIN_PORT" in healthcheck
+    # Without an admin port it probes the main port: its request line is one answered over the connection cap.
+    assert "u.urlopen(" in healthcheck and "data=" not in healthcheck  # urllib: GET, HTTP/1.1
+    assert all(_survives_the_connection_cap("GET", path) for path in paths)
     for keyword, args in instructions:
         if keyword == "COPY":
             for source in shlex.split(args)[:-1]:
@@ -442,6 +451,8 @@ def test_k8s_probes_hit_admin_routes_on_the_right_port(k8s: dict[str, Any]) -> N
     readiness, liveness = mmgate["readinessProbe"]["httpGet"], mmgate["livenessProbe"]["httpGet"]
     assert readiness["path"] == "/mmgate/ready" and liveness["path"] == "/mmgate/health"
     assert {readiness["path"], liveness["path"]} <= admin_paths()
+    # httpGet sends GET over HTTP/1.1; on whichever port, these are answered over the connection cap.
+    assert all(_survives_the_connection_cap("GET", probe["path"]) for probe in (readiness, liveness))
     # With MMGATE_ADMIN_PORT set, /mmgate/* is served only there.
     expected = settings.admin_port or settings.port
     assert _port(mmgate, readiness["port"]) == expected
@@ -514,7 +525,8 @@ def test_grafana_queries_use_exposed_metrics(grafana: dict[str, Any]) -> None:
                    "mmgate_media_bytes_live", "process_resident_memory_bytes", "mmgate_cache_hits_total",
                    "mmgate_cache_misses_total", "mmgate_cache_bytes", "mmgate_image_tokens_inflight",
                    "mmgate_image_tokens_bucket", "mmgate_fetches_total", "mmgate_decode_worker_exits_total",
-                   "mmgate_requests_reading", "mmgate_gate_reading"):
+                   "mmgate_requests_reading", "mmgate_gate_reading",
+                   "mmgate_idle_connections_closed_total"):
         assert family in used, f"no panel shows {family}"
 
 
