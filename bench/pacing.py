@@ -35,7 +35,6 @@ import asyncio
 import datetime
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -152,8 +151,9 @@ def figures(rounds: list[dict[str, dict]]) -> dict[str, list[float]]:
 
 def goals(f: dict[str, list[float]]) -> list[R.Goal]:
     return [
-        R.goal("loaded text p99 over idle text p99, mmgate (default settings)", f.get("mmgate/text_p99_over_idle_ms", []),
-               f"≤ {GOAL_TEXT_MS:g}", lambda v: v <= GOAL_TEXT_MS, unit="ms"),
+        R.goal("loaded text p99 over idle text p99, mmgate (default settings)",
+               f.get("mmgate/text_p99_over_idle_ms", []), f"≤ {GOAL_TEXT_MS:g}", lambda v: v <= GOAL_TEXT_MS,
+               unit="ms"),
         R.goal("/mmgate/health p99 over the idle control server's p99, loaded", f.get(
             "mmgate/health_p99_over_control_ms", []), f"≤ {GOAL_HEALTH_MS:g}", lambda v: v <= GOAL_HEALTH_MS,
             unit="ms"),

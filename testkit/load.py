@@ -374,7 +374,8 @@ async def run_load(url: str, body: bytes, clients: int, *, requests_per_client: 
 
 # --- prober (own process) ------------------------------------------------------------------------------
 
-def probe(host: str, port: int, path: str, seconds: float, interval: float, body: bytes | None = None) -> dict[str, Any]:
+def probe(host: str, port: int, path: str, seconds: float, interval: float,
+          body: bytes | None = None) -> dict[str, Any]:
     """GET ``path`` every ``interval`` s for ``seconds`` over one keep-alive connection (blocking sockets); with
     ``body``, POST it as JSON instead (a small text request, answered with a Content-Length)."""
     sock = socket.create_connection((host, port))
