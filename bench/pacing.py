@@ -41,7 +41,7 @@ import time
 from typing import Any
 
 from bench import _results as R
-from bench.loop_latency import cpu_seconds
+from bench.loop_latency import cpu_seconds, minor_faults
 from proxy.settings import Settings
 from testkit import load as L
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
@@ -93,17 +93,19 @@ async def run_scenario(name: str, body: bytes, upstream: str, control_url: str, 
             load_task = asyncio.create_task(L.run_load(url, body, args.clients, stop_event=stop_load))
             await asyncio.sleep(args.ramp)
         cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()  # with its decode worker processes
+        faults0 = minor_faults(proc.pid)
         probers = {"text": L.start_prober(url, args.seconds, args.interval, "/v1/chat/completions", TEXT_BODY),
                    "control": L.start_prober(control_url, args.seconds, args.interval, "/health")}
         if name != "minimal":
             probers["health"] = L.start_prober(url, args.seconds, args.interval)
         probes = {k: await asyncio.to_thread(L.prober_result, *v) for k, v in probers.items()}
-        t1, cpu1 = time.perf_counter(), cpu_seconds(proc.pid)
+        t1, cpu1, faults1 = time.perf_counter(), cpu_seconds(proc.pid), minor_faults(proc.pid)
         stop_load.set()
         run = await load_task if load_task else None
     finally:
         log = L.stop(proc)
     media = [r for r in run.ok() if t0 <= r.ended <= t1] if run else []
+    hashed = {"hash_cpu_ms": hash_cpu_ms(body)} if name == "idle" else {}
     row: dict[str, Any] = {
         "name": name, "quiet_wait": quiet, "window_s": round(t1 - t0, 2),
         "probes": {k: L.summarize_ms(v["latencies"]) | {"statuses": v["statuses"]} for k, v in probes.items()},
@@ -111,9 +113,24 @@ async def run_scenario(name: str, body: bytes, upstream: str, control_url: str, 
         "load_statuses": run.statuses() if run else {},
         "cpu_ms_per_media_req": round(1000 * (cpu1 - cpu0) / len(media), 2) if media else None,
         "cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
+        "minor_faults_per_media_req": round((faults1 - faults0) / len(media)) if media else None,
         "log_problems": [line for line in log.splitlines() if any(w in line for w in ("ERROR", "Traceback"))][-10:],
-    }
+    } | hashed
     return row
+
+
+def hash_cpu_ms(body: bytes, repeats: int = 5) -> float:
+    """CPU (this thread) to SHA-256 the body's base64 payload as the cache keys it, median of ``repeats``."""
+    from proxy.cache import media_digest
+
+    start = body.index(b"base64,") + len(b"base64,")
+    payload = body[start:body.index(b'"', start)]
+    spent = []
+    for _ in range(repeats):
+        c0 = time.thread_time()
+        media_digest(payload, "base64")
+        spent.append((time.thread_time() - c0) * 1000)
+    return round(sorted(spent)[repeats // 2], 3)
 
 
 def figures(rounds: list[dict[str, dict]]) -> dict[str, list[float]]:
@@ -133,6 +150,7 @@ def figures(rounds: list[dict[str, dict]]) -> dict[str, list[float]]:
             add(f"{name}/media_req_per_s", row["media_req_per_s"])
             add(f"{name}/cpu_ms_per_media_req", row["cpu_ms_per_media_req"])
             add(f"{name}/cpu_pct", row["cpu_pct"])
+            add(f"{name}/minor_faults_per_media_req", row.get("minor_faults_per_media_req"))
         for name in ("mmgate", "mmgate_unpaced"):
             if name not in rnd:
                 continue
@@ -144,6 +162,8 @@ def figures(rounds: list[dict[str, dict]]) -> dict[str, list[float]]:
                 if row["cpu_ms_per_media_req"] and rnd["minimal"]["cpu_ms_per_media_req"]:
                     add(f"{name}/cpu_per_req_over_minimal",
                         row["cpu_ms_per_media_req"] / rnd["minimal"]["cpu_ms_per_media_req"])
+        if "hash_cpu_ms" in rnd.get("idle", {}):
+            add("sha256_cpu_ms_per_payload", rnd["idle"]["hash_cpu_ms"])
         if "minimal" in rnd:
             add("minimal/text_p99_over_idle_ms", rnd["minimal"]["probes"]["text"]["p99"] - idle_text)
     return out
@@ -160,6 +180,10 @@ def goals(f: dict[str, list[float]]) -> list[R.Goal]:
         R.goal("media req/s, mmgate ÷ minimal aiohttp proxy", f.get("mmgate/throughput_over_minimal", []),
                f"≥ {GOAL_THROUGHPUT:g}", lambda v: v >= GOAL_THROUGHPUT),
         R.goal("CPU per media request, mmgate ÷ minimal aiohttp proxy", f.get("mmgate/cpu_per_req_over_minimal", [])),
+        R.goal("SHA-256 of the photo's base64 (the cache key of a hit), CPU ms, in this process",
+               f.get("sha256_cpu_ms_per_payload", []), unit="ms"),
+        R.goal("minor page faults per media request, mmgate", f.get("mmgate/minor_faults_per_media_req", [])),
+        R.goal("minor page faults per media request, minimal proxy", f.get("minimal/minor_faults_per_media_req", [])),
         R.goal("pacing off: loaded text p99 over idle text p99", f.get("mmgate_unpaced/text_p99_over_idle_ms", []),
                unit="ms"),
         R.goal("pacing off: health p99 over the control's", f.get("mmgate_unpaced/health_p99_over_control_ms", []),
@@ -179,12 +203,13 @@ def table(f: dict[str, list[float]], names: list[str]) -> str:
         return f"{R.number(s['median'])} ({R.number(lo)}–{R.number(hi)})"
 
     lines = ["| scenario | text p50 ms | text p99 ms | health p99 ms | control p99 ms | media req/s "
-             "| CPU ms / media req | CPU % |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| CPU ms / media req | minor faults / media req | CPU % |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in names:
         lines.append(f"| {LABELS[name]} | {cell(name + '/text_p50_ms')} | {cell(name + '/text_p99_ms')} "
                      f"| {cell(name + '/health_p99_ms')} | {cell(name + '/control_p99_ms')} "
                      f"| {cell(name + '/media_req_per_s')} | {cell(name + '/cpu_ms_per_media_req')} "
-                     f"| {cell(name + '/cpu_pct')} |")
+                     f"| {cell(name + '/minor_faults_per_media_req')} | {cell(name + '/cpu_pct')} |")
     return "\n".join(lines)
 
 
@@ -204,7 +229,9 @@ def render(meta: dict[str, Any], f: dict[str, list[float]], names: list[str]) ->
         f"{meta['interval'] * 1000:g} ms): a {len(TEXT_BODY)}-byte text chat POSTed through the proxy, "
         "GET /mmgate/health, and GET /health of an idle control server (a bare aiohttp app). Each cell: the "
         "median over rounds (min–max). CPU: the proxy process and its children over the probe window, per media "
-        "request answered in it. Everything shares the machine's cores with other jobs.",
+        "request answered in it; minor page faults likewise (fresh memory: a 4 KiB page each). "
+        "SHA-256: this process hashing the photo's base64 as the cache keys a hit (mmgate does it in its "
+        "hasher threads), CPU per payload. Everything shares the machine's cores with other jobs.",
         "",
         table(f, names),
         "",
