@@ -32,6 +32,7 @@ from .lifecycle import Lifecycle
 from .memory import IdleTrimmer, release_freed_memory, worker_environment
 from .metrics import Metrics, watch_loop_lag
 from .model import Model, load_model
+from .pacing import Pacer
 from .pipeline import expect_continue, handle_request
 from .refusals import refusals_in_api_shape
 from .settings import MIB, ConfigError, Settings
@@ -79,6 +80,8 @@ def build_state(settings: Settings) -> AppState:
                      trimmer, connections, lifecycle=lifecycle, model=model,
                      video_policy=VideoPolicy(settings.max_video_pixels, settings.max_video_frames,
                                               settings.max_video_seconds))
+    state.pacer = Pacer(settings.loop_lag_target, metrics.upload_holds.inc)
+    metrics.uploads_held.set_function(lambda: state.pacer.held)
     metrics.media_bytes_live.set_function(lambda: state.buffers.bytes_live)
     metrics.requests_reading.set_function(lambda: state.reading)
     metrics.media_buffers_live.set_function(lambda: state.buffers.owners_live)

@@ -26,6 +26,7 @@ from typing import Literal
 
 from preprocessors.base import MediaError
 from preprocessors.job import Refusal, Verdict
+from preprocessors.pool import lower_priority
 
 from .settings import Settings
 
@@ -104,7 +105,9 @@ class MediaCache:
         self.waiting = 0  # requests waiting for another request's decode of the same media
         self._entries: OrderedDict[bytes, Verdict] = OrderedDict()
         self._leads: dict[bytes, asyncio.Future[Verdict | None]] = {}
-        self.hasher = ThreadPoolExecutor(max(1, hash_threads), thread_name_prefix="mmgate-hash")
+        # Hashing is media work: its threads yield the CPU to the event loop, as decode threads do.
+        self.hasher = ThreadPoolExecutor(max(1, hash_threads), thread_name_prefix="mmgate-hash",
+                                         initializer=lower_priority)
         self.count_hit, self.count_miss, self._count_evict = on_hit, on_miss, on_evict
 
     @property

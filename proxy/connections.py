@@ -151,6 +151,11 @@ class GuardedConnection(asyncio.Protocol):
         self._head_tail = b""  # the last bytes of a head still arriving, to find its end across reads
         self._sniffed: bytearray | None = None  # over the cap: the bytes read so far, request line not seen
         self.probe = False  # over the cap, served one liveness or readiness probe
+        # Pacing (proxy/pacing.py): reading held, what arrived since (aiohttp may resume the transport for its
+        # own flow control: that read waits here), and bytes received since the pacer last asked.
+        self._held = False
+        self._held_data: list[bytes] = []
+        self._bytes_read = 0
 
     # --- asyncio.Protocol, delegated to aiohttp's RequestHandler ---
 
@@ -175,6 +180,11 @@ class GuardedConnection(asyncio.Protocol):
             if self._sniffed is not None:
                 self._sniff(data)
             return  # refused: whatever the client still sends is dropped with the connection
+        if self._held:
+            self._held_data.append(data)
+            self._pause_transport()
+            return
+        self._bytes_read += len(data)
         request = self._request
         if request is not None and self._answered and request.content.is_eof():
             self._head_follows()  # the body aiohttp drained after the answer is all in
@@ -197,6 +207,8 @@ class GuardedConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         if self._handler is not None:
+            self._held = False  # the client has sent everything: what arrived before the end goes first
+            self._deliver_held()
             self._handler.eof_received()  # aiohttp's handler returns None: keep the transport's default close
         return None
 
@@ -212,10 +224,46 @@ class GuardedConnection(asyncio.Protocol):
         self._disarm()
         self._request = None
         self._sniffed = None
+        self._held, self._held_data = False, []
         handler, self._handler = self._handler, None
         self._guard._closed(self, handler)
         if handler is not None:
             handler.connection_lost(exc)
+
+    # --- pacing: a valve of proxy/pacing.py ---
+
+    def hold_reading(self) -> None:
+        """Stop reading from the client until ``release_reading``: its bytes wait in the socket buffer."""
+        self._held = True
+        self._pause_transport()
+
+    def release_reading(self) -> None:
+        """Read again: what arrived while held first, then the socket, unless aiohttp's own flow control
+        (a full body buffer or message queue) still wants the transport paused."""
+        if not self._held:
+            return
+        self._held = False
+        self._deliver_held()
+        handler, transport = self._handler, self._transport
+        if handler is None or transport is None or transport.is_closing() or self._held:
+            return
+        if not handler._reading_paused and not handler._buffer_paused:
+            transport.resume_reading()
+
+    def take_bytes_read(self) -> int:
+        """Bytes received from the client since the last call."""
+        count, self._bytes_read = self._bytes_read, 0
+        return count
+
+    def _deliver_held(self) -> None:
+        held, self._held_data = self._held_data, []
+        for data in held:
+            self.data_received(data)
+
+    def _pause_transport(self) -> None:
+        transport = self._transport
+        if transport is not None and not transport.is_closing() and transport.is_reading():
+            transport.pause_reading()
 
     # --- idleness, and the connections over the cap ---
 

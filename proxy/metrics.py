@@ -111,6 +111,14 @@ class Metrics:
             "mmgate_event_loop_lag_seconds", "How late the event loop runs a timer (loop blocked)",
             buckets=FAST_BUCKETS, registry=r,
         )
+        self.uploads_held = Gauge(
+            "mmgate_uploads_held", "Big request bodies whose reading is held while the event loop lags "
+            "(MMGATE_LOOP_LAG_TARGET)", registry=r,
+        )
+        self.upload_holds = Counter(
+            "mmgate_upload_holds", "Times the reading of a big request body was held because the event loop "
+            "lagged (MMGATE_LOOP_LAG_TARGET)", registry=r,
+        )
         self.fetches = Counter(
             "mmgate_fetches",
             "Media URLs fetched (MMGATE_MEDIA_URLS=fetch), by outcome: ok, cancelled or the refusal code",

@@ -15,9 +15,10 @@ from functools import partial
 from aiohttp import HttpVersion11, hdrs, web
 
 from .admission import flow_for
-from .body import joined, read_body
+from .body import HEAD_BYTES, joined, read_body
 from .buffers import MediaBuffer
 from .cached_media import run_fetched_plan_cached, run_plan_cached
+from .connections import GuardedConnection
 from .dialects import dialect_for_path, route_for
 from .errors import MmgateError, UpstreamError, draining, internal_error
 from .exchange import CLIENT_CLOSED, Exchange, log, record
@@ -93,7 +94,8 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     on_head = partial(_take_place_for_media, state, ex) if ex.route != "other" else None
     state.reading += 1
     try:
-        chunks = await read_body(request, settings.max_body_bytes, settings.body_read_timeout, on_head)
+        with state.pacer.upload(_big_upload(request, state)):
+            chunks = await read_body(request, settings.max_body_bytes, settings.body_read_timeout, on_head)
     finally:
         state.reading -= 1
     ex.watch.add("read", time.perf_counter() - started)
@@ -296,6 +298,14 @@ def _deadline_passed(request: web.Request, configured: float) -> MmgateError:
         limit, setting = configured, "MMGATE_REQUEST_TIMEOUT"
     return MmgateError(504, "request_timeout",
                        f"the request did not finish within its {limit:g} s deadline ({setting}); it was stopped")
+
+
+def _big_upload(request: web.Request, state: AppState) -> GuardedConnection | None:
+    """The connection of a body worth pacing (over ``HEAD_BYTES`` and still arriving), or None."""
+    length = request.content_length
+    if not request.body_exists or request.content.is_eof() or (length is not None and length <= HEAD_BYTES):
+        return None
+    return state.connections.connection_for(request.protocol)
 
 
 def _take_place_for_media(state: AppState, ex: Exchange, head: bytes) -> None:

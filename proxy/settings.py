@@ -212,6 +212,7 @@ class Settings:
     preprocess_timeout: float = 30.0
     request_timeout: float = 0.0
     body_read_timeout: float = 30.0
+    loop_lag_target: float = 0.005
     header_timeout: float = 10.0
     keepalive_timeout: float = 75.0
     max_connections: int = 1024
@@ -412,6 +413,9 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "preprocess_timeout": (_seconds(False), "seconds for one request's media work -> 504 [30]"),
     "request_timeout": (_seconds(True), "end-to-end deadline in seconds (0 = off) [0]"),
     "body_read_timeout": (_seconds(False), "seconds for the whole request body -> 408 [30]"),
+    "loop_lag_target": (_seconds(True), "event-loop lag in seconds over which the reading of big uploads is "
+                                        "held back, so small requests and probes keep their turn (0 = off) "
+                                        "[0.005]"),
     "header_timeout": (_seconds(False), "seconds for the request line and headers -> 408, connection closed [10]"),
     "keepalive_timeout": (_seconds(False), "seconds an idle client connection is kept open [75]"),
     "max_connections": (_int(1, 1_000_000), "open client connections; beyond -> 503 too_many_connections [1024]"),

@@ -20,6 +20,7 @@ from .lifecycle import Lifecycle
 from .memory import IdleTrimmer
 from .metrics import Metrics
 from .model import Model
+from .pacing import Pacer
 from .settings import Settings
 from .upstream_health import UpstreamHealth
 
@@ -43,6 +44,7 @@ class AppState:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # shared with the gate
     model: Model | None = None  # MMGATE_MODEL with a supported family: image tokens are counted
     video_policy: VideoPolicy = field(default_factory=VideoPolicy)
+    pacer: Pacer = field(default_factory=lambda: Pacer(0.0))  # big uploads held while the loop lags
     in_flight: int = 0
     reading: int = 0  # requests whose body is still being read (the read stage), text and media
     idle: asyncio.Event = field(default_factory=asyncio.Event)

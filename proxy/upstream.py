@@ -43,6 +43,7 @@ _NOT_FORWARDED = frozenset({"host", "content-length", "x-mmgate-timeout", "expec
 _NOT_RETURNED = frozenset({"content-length"})
 
 FIRST_WRITE = 16 << 10  # bytes of a request body sent together with the request head
+WRITE_PIECE = 256 << 10  # bytes of a request body written upstream at a time
 SMALL_ANSWER = 64 << 10  # bytes: answers up to this size with a Content-Length are sent in one write
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -128,7 +129,12 @@ class OneShotBody(Payload):
                         # write keeps that copy small.
                         await writer.write(view[:FIRST_WRITE])
                         view = view[FIRST_WRITE:]
-                    await writer.write(view)
+                    # In pieces, each written once the transport has sent the one before (aiohttp drains
+                    # after each): the socket takes a piece straight from the body, and the transport copies
+                    # at most a piece's remainder, never the whole rest of a big body (a copy into fresh
+                    # pages), and the loop does one piece's work per turn.
+                    for low in range(0, len(view), WRITE_PIECE):
+                        await writer.write(view[low : low + WRITE_PIECE])
                     del view
             del pieces
         finally:

@@ -374,11 +374,17 @@ async def run_load(url: str, body: bytes, clients: int, *, requests_per_client: 
 
 # --- prober (own process) ------------------------------------------------------------------------------
 
-def probe(host: str, port: int, path: str, seconds: float, interval: float) -> dict[str, Any]:
-    """GET ``path`` every ``interval`` s for ``seconds`` over one keep-alive connection (blocking sockets)."""
+def probe(host: str, port: int, path: str, seconds: float, interval: float,
+          body: bytes | None = None) -> dict[str, Any]:
+    """GET ``path`` every ``interval`` s for ``seconds`` over one keep-alive connection (blocking sockets); with
+    ``body``, POST it as JSON instead (a small text request, answered with a Content-Length)."""
     sock = socket.create_connection((host, port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    request = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    if body is None:
+        request = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    else:
+        request = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     latencies: list[float] = []
     lateness: list[float] = []
     statuses: dict[int, int] = {}
@@ -435,14 +441,16 @@ def probe(host: str, port: int, path: str, seconds: float, interval: float) -> d
             "elapsed": time.perf_counter() - start, "interval": interval}
 
 
-def start_prober(url: str, seconds: float, interval: float,
-                 path: str = "/mmgate/health") -> tuple[subprocess.Popen[bytes], Path]:
-    """The prober in its own process; read its result with ``prober_result``."""
+def start_prober(url: str, seconds: float, interval: float, path: str = "/mmgate/health",
+                 body: bytes | None = None) -> tuple[subprocess.Popen[bytes], Path]:
+    """The prober in its own process; read its result with ``prober_result``. With ``body``, it POSTs that."""
     host, port = url.removeprefix("http://").split(":")
     out = Path(tempfile.mkstemp(prefix="mmgate-probe-", suffix=".json")[1])
-    proc = subprocess.Popen([sys.executable, "-m", "testkit.load", "probe", "--host", host, "--port", port,
-                             "--path", path, "--seconds", str(seconds), "--interval", str(interval), "--out", str(out)],
-                            cwd=REPO)
+    argv = [sys.executable, "-m", "testkit.load", "probe", "--host", host, "--port", port,
+            "--path", path, "--seconds", str(seconds), "--interval", str(interval), "--out", str(out)]
+    if body is not None:
+        argv += ["--body", body.decode()]
+    proc = subprocess.Popen(argv, cwd=REPO)
     return proc, out
 
 
@@ -497,6 +505,7 @@ def _main() -> None:
     pr.add_argument("--seconds", type=float, default=10.0)
     pr.add_argument("--interval", type=float, default=0.01)
     pr.add_argument("--out", required=True)
+    pr.add_argument("--body", default=None, help="POST this (JSON text) instead of a GET")
     sub.add_parser("photo")
     cs = sub.add_parser("control-server")
     cs.add_argument("--port", type=int, required=True)
@@ -504,7 +513,8 @@ def _main() -> None:
     if args.cmd == "control-server":
         serve_control(args.port)
     elif args.cmd == "probe":
-        Path(args.out).write_text(json.dumps(probe(args.host, args.port, args.path, args.seconds, args.interval)))
+        Path(args.out).write_text(json.dumps(probe(args.host, args.port, args.path, args.seconds, args.interval,
+                                                  None if args.body is None else args.body.encode())))
     else:
         from .media import photo_jpeg  # only here: the prober and control server stay light processes
 
