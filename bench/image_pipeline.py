@@ -156,9 +156,9 @@ def pipeline_rows(sizes: list[float], repeat: int) -> list[dict[str, object]]:
                 "input_mb": round(len(data) / 1e6, 2),
                 "mmgate_output": out_size,
                 "model_output": f"{modelled.width}x{modelled.height}" if modelled is not None else "forwarded as is",
-                "model_mb": round(len(modelled.data) / 1e6, 2) if modelled is not None else None,
-                "model_psnr_db": (psnr(Image.open(BytesIO(modelled.data)), reference)
-                                  if modelled is not None and reference is not None else None),
+                "model_mb": round(len(modelled.data) / 1e6, 2) if modelled is not None else "–",
+                "model_psnr_db": (round(psnr(Image.open(BytesIO(modelled.data)), reference), 2)
+                                  if modelled is not None and reference is not None else "–"),
             }
             for name, fn in (("naive", naive), ("mmgate", mmgate), ("model", model)):
                 walls = [r[0] for r in runs[name]]
@@ -177,9 +177,9 @@ def pipeline_rows(sizes: list[float], repeat: int) -> list[dict[str, object]]:
 
 
 def high_detail(megapixels: float) -> Image.Image:
-    """The high-detail photo of ``bench/fidelity.py``: 1/f noise with colour detail, 4:3."""
+    """The high-detail photo of ``bench/fidelity.py`` (1/f noise with colour detail, 4:3)."""
     height = int(math.sqrt(megapixels * 1e6 * 3 / 4))
-    return detailed_photo(height * 4 // 3, height, seed=1, slope=1.2, contrast=40, shared=0.4)
+    return detailed_photo(height * 4 // 3, height, seed=1, slope=1.0, contrast=40, shared=0.4, optics=0.7)
 
 
 def _pillow(data: bytes, target: tuple[int, int], resample: Image.Resampling, draft: bool,
