@@ -151,11 +151,10 @@ def measure(photo: Photo, folder: Path, policy: ImagePolicy, rounds: int) -> dic
 
     geometry = policy.geometry
     assert geometry is not None
-    original = photo.make()
-    data = source_bytes(original, photo.fmt)
-    reference = idefics3_resize(folder, original)
+    data = source_bytes(photo.make(), photo.fmt)
+    original_image = backend_decode(data)  # the original as the backend reads the file
+    reference = idefics3_resize(folder, original_image)
     target = reference.size
-    del original
     resized = mmgate_resize(data, target, geometry.resample, _MODEL_REDUCING_GAP)
     processed = process_image(data, ImagePolicy(geometry=geometry, output_format="png"))
     assert processed is not None and psnr(backend_decode(processed.data), resized) == float("inf"), \
@@ -179,7 +178,6 @@ def measure(photo: Photo, folder: Path, policy: ImagePolicy, rounds: int) -> dic
     chosen_psnr = round(psnr(backend_decode(chosen.data), reference), 2)
     chosen_cpu = [cpu_ms(lambda: process_image(data, policy))[1] for _ in range(rounds)]
     original_decode = [cpu_ms(lambda: backend_decode(data))[1] for _ in range(rounds)]
-    original_image = backend_decode(data)
     backend_resize = [cpu_ms(lambda: original_image.resize(target, Image.Resampling(geometry.resample)))[1]
                       for _ in range(rounds)]
     # Without a model: the generic rule at the same pixel count, BICUBIC, JPEG q90 4:2:0.
