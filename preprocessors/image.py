@@ -18,6 +18,11 @@ Speed
     covers the target, so a 12 MP photo bound for 1 MP is decoded as 3 MP and resized from there.
   - How many freed memory blocks Pillow keeps for reuse is process-global: ``proxy/memory.py`` sets it.
   - The resize runs before the EXIF rotation and the alpha handling, on the fewest pixels possible.
+
+Fidelity (with a model)
+  - The resize uses the model processor's own filter, and the JPEG keeps full-resolution chroma (4:4:4) at
+    ``MODEL_JPEG_QUALITY``: what the backend receives stays close to what its processor makes of the
+    original (bench/fidelity.py; docs/architecture.md, "The served model").
 """
 
 from __future__ import annotations
