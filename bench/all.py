@@ -53,6 +53,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("sniff", "bench.sniff", quick=None, notes="always writes its result: no smoke mode"),
     Entry("locate", "bench.locate", quick=None, notes="always writes its result: no smoke mode"),
     Entry("image_pipeline", "bench.image_pipeline"),
+    Entry("fidelity", "bench.fidelity", quick=("--quick", "--out", "{out}"), notes="needs the model extra"),
     Entry("gil_hold", "bench.gil_hold", quick=("--smoke",)),
     Entry("fuzz", "bench.fuzz", ("--examples", "3000"), quick=None, notes="always writes its result: no smoke mode"),
     Entry("loop_latency", "bench.loop_latency", quick=("--seconds", "1", "--rounds", "1", "--no-write")),

@@ -48,7 +48,7 @@ from PIL import Image
 
 from bench import _results as R
 from preprocessors.base import AudioPolicy, ImagePolicy, no_checkpoint
-from preprocessors.image import _encode, _orientation
+from preprocessors.image import GENERIC_JPEG_QUALITY, _encode, _orientation
 from preprocessors.job import MediaJob, MediaTask, run_task
 from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool, _read_all, _write_all
@@ -134,7 +134,7 @@ def steps(jpeg: bytes) -> dict[str, Callable[[], object]]:
 
     def encode_bytesio() -> object:
         buf = io.BytesIO()
-        small.save(buf, "JPEG", quality=POLICY.jpeg_quality)
+        small.save(buf, "JPEG", quality=POLICY.jpeg_quality or GENERIC_JPEG_QUALITY)
         return buf.getvalue()
 
     task = MediaTask("image", "bench", 64 << 20, POLICY, AudioPolicy())

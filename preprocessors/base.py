@@ -68,7 +68,7 @@ class ImagePolicy:
     resize_max_pixels: int = 0  # 0 = no pixel-count limit
     resize_max_side: int = 0  # 0 = no side limit
     output_format: ImageFormat = "auto"
-    jpeg_quality: int = 90
+    jpeg_quality: int = 0  # 0 = auto: image.GENERIC_JPEG_QUALITY, or MODEL_JPEG_QUALITY with a geometry
     validate: Literal["full", "header"] = "full"
     # The served model's own geometry (MMGATE_MODEL): when set, it replaces the two resize limits above.
     geometry: Geometry | None = None

@@ -8,6 +8,11 @@ processor's, not a copy of them.
 Sizes are ``(width, height)`` of the image as the backend sees it: upright, after its EXIF orientation
 (vLLM applies it before the processor runs). ``resize_target`` turns that into what a decode worker does
 with the image as stored.
+
+Each also carries the processor's ``resample``, the filter its PIL backend resizes with (LANCZOS for
+Idefics3/SmolVLM, BICUBIC for Qwen and LLaVA, BILINEAR for Gemma 3): a decode worker resizes with that
+filter, so the image the backend receives is close to what the processor would make of the original
+(``docs/architecture.md``, "Fidelity").
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from .base import MediaError
 
 # EXIF orientations whose transpose swaps width and height.
 SWAPS_SIDES = frozenset((5, 6, 7, 8))
+# PIL.Image.Resampling.BICUBIC: what a processor that names no filter of its own resizes with.
+BICUBIC = 3
 
 
 class Geometry(Protocol):
@@ -28,6 +35,11 @@ class Geometry(Protocol):
 
     @property
     def family(self) -> str: ...
+
+    @property
+    def resample(self) -> int:
+        """The processor's resize filter, a ``PIL.Image.Resampling`` value."""
+        ...
 
     def backend_size(self, width: int, height: int) -> tuple[int, int]:
         """The ``(width, height)`` the processor resizes the image to (it may be larger: it upscales)."""
@@ -79,6 +91,7 @@ class QwenVL:
     merge_size: int
     min_pixels: int
     max_pixels: int
+    resample: int = BICUBIC
 
     def backend_size(self, width: int, height: int) -> tuple[int, int]:
         smart_resize = _helper("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl", "smart_resize")
@@ -98,6 +111,7 @@ class Idefics3:
     longest_edge: int
     tile: int
     split: bool
+    resample: int = BICUBIC
 
     def backend_size(self, width: int, height: int) -> tuple[int, int]:
         if not self.split:
@@ -134,6 +148,7 @@ class ShortestEdge:
     family: str
     shortest_edge: int
     pad_to_square: bool = False
+    resample: int = BICUBIC
 
     def backend_size(self, width: int, height: int) -> tuple[int, int]:
         if self.pad_to_square:  # the padded square is resized to shortest_edge; the image within it scales so
@@ -156,6 +171,7 @@ class Square:
     family: str
     width: int
     height: int
+    resample: int = BICUBIC
 
     def backend_size(self, width: int, height: int) -> tuple[int, int]:
         return self.width, self.height
@@ -178,6 +194,7 @@ class LlavaNext:
     tile: int  # the base square and the patch side (size.shortest_edge / crop_size)
     patch_size: int  # the vision tower's patch (14)
     extra_tokens: int  # num_additional_image_tokens, less the one the "default" feature strategy drops
+    resample: int = BICUBIC
 
     def _best(self, width: int, height: int) -> tuple[int, int]:
         select = _helper("transformers.image_processing_utils", "select_best_resolution")

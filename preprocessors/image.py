@@ -18,6 +18,11 @@ Speed
     covers the target, so a 12 MP photo bound for 1 MP is decoded as 3 MP and resized from there.
   - How many freed memory blocks Pillow keeps for reuse is process-global: ``proxy/memory.py`` sets it.
   - The resize runs before the EXIF rotation and the alpha handling, on the fewest pixels possible.
+
+Fidelity (with a model)
+  - The resize uses the model processor's own filter, and the JPEG keeps full-resolution chroma (4:4:4) at
+    ``MODEL_JPEG_QUALITY``: what the backend receives stays close to what its processor makes of the
+    original (bench/fidelity.py; docs/architecture.md, "The served model").
 """
 
 from __future__ import annotations
@@ -59,13 +64,23 @@ MIME_BY_FORMAT = {
 # guard. Set once here, at import: never per call, never from a worker thread.
 Image.MAX_IMAGE_PIXELS = None
 
-# After a draft decode BICUBIC is cheaper than LANCZOS and beats the naive full-resolution BICUBIC
-# pipeline's quality; BILINEAR/HAMMING are cheaper still but alias visibly (bench/image_pipeline.py).
+# Without a model: after a draft decode BICUBIC is cheaper than LANCZOS and beats the naive
+# full-resolution BICUBIC pipeline's quality; BILINEAR/HAMMING are cheaper still but alias visibly
+# (bench/image_pipeline.py). With a model, its processor's own filter (``Geometry.resample``).
 _RESAMPLE = Image.Resampling.BICUBIC
 # resize() first box-reduces by a whole factor while >= 1.5x the target remains: for PNG/WEBP/GIF/BMP
 # (no draft decode) that is most of the work saved on a large downscale, at about the JPEG draft path's
-# quality; it does nothing after a draft decode (less than 2x left there).
+# quality; it does nothing after a draft decode (less than 2x left there). With a model the box reduction
+# stops at 3x the target, which Pillow documents as indistinguishable from the full resample
+# (bench/fidelity.py measures it against the processor's own resize).
 _REDUCING_GAP = 1.5
+_MODEL_REDUCING_GAP = 3.0
+# JPEG quality where MMGATE_JPEG_QUALITY is auto (0). Without a model, 90 with 4:2:0 chroma: small files
+# at no visible cost. With a model, mmgate promises the backend what its own resize of the original would
+# give: 4:4:4 chroma (4:2:0 halves the colour resolution the processor keeps) at the quality that holds
+# the fidelity bound on high-detail photos (bench/fidelity.py: PSNR, bytes and CPU per encoding).
+GENERIC_JPEG_QUALITY = 90
+MODEL_JPEG_QUALITY = 100
 _PNG_COMPRESS_LEVEL = 1  # fast: the output is consumed once, by the backend, on the same network
 
 # EXIF orientation -> the transpose that makes the image upright (the table of ImageOps.exif_transpose).
@@ -146,8 +161,12 @@ def process_image(
             img.load()
         checkpoint()
         orientation = _orientation(img)
+        geometry = policy.geometry
         small = _to_working_mode(img).resize(
-            target, _RESAMPLE, box=draft[1] if draft else None, reducing_gap=_REDUCING_GAP
+            target,
+            _RESAMPLE if geometry is None else Image.Resampling(geometry.resample),
+            box=draft[1] if draft else None,
+            reducing_gap=_REDUCING_GAP if geometry is None else _MODEL_REDUCING_GAP,
         )
     finally:
         img.close()  # frees the decoded pixels now, not when the garbage collector gets to them
@@ -298,7 +317,9 @@ def _to_working_mode(img: Image.Image) -> Image.Image:
 
 
 def _encode(img: Image.Image, policy: ImagePolicy) -> tuple[bytes, str]:
-    """Encode ``img`` (RGB, RGBA, L or LA) as the policy says; returns the file bytes and MIME."""
+    """Encode ``img`` (RGB, RGBA, L or LA) as the policy says; returns the file bytes and MIME.
+
+    With a model a JPEG keeps full-resolution chroma (4:4:4); a WebP is always 4:2:0 when lossy."""
     if img.mode in ("RGBA", "LA") and img.getchannel("A").getextrema()[0] == 255:
         img = img.convert(img.mode[:-1])  # an alpha channel that is fully opaque carries nothing
     has_alpha = img.mode in ("RGBA", "LA")
@@ -311,13 +332,15 @@ def _encode(img: Image.Image, policy: ImagePolicy) -> tuple[bytes, str]:
         img = background
     img.info.clear()  # no EXIF, ICC, XMP, text chunks, dpi: metadata is stripped on re-encode
     out = _scratch_file()
+    model = policy.geometry is not None
+    quality = policy.jpeg_quality or (MODEL_JPEG_QUALITY if model else GENERIC_JPEG_QUALITY)
     try:
-        if fmt == "jpeg":
-            img.save(out, "JPEG", quality=policy.jpeg_quality)
+        if fmt == "jpeg":  # subsampling 0 is 4:4:4; -1 is Pillow's default, 4:2:0
+            img.save(out, "JPEG", quality=quality, subsampling=0 if model else -1)
         elif fmt == "png":
             img.save(out, "PNG", compress_level=_PNG_COMPRESS_LEVEL)
         else:
-            img.save(out, "WEBP", quality=policy.jpeg_quality)
+            img.save(out, "WEBP", quality=quality)
         return os.pread(out.fileno(), out.tell(), 0), MIME_BY_FORMAT[fmt.upper()]
     finally:
         os.ftruncate(out.fileno(), 0)  # its pages go back now; the file stays for this thread's next image

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,18 @@ def load_model(spec: str) -> Model:
     except Exception as error:
         raise ConfigError(f"MMGATE_MODEL={spec!r}: the image processor in {folder} could not be loaded "
                           f"offline ({type(error).__name__}: {str(error)[:200]})") from None
+    model = _family_model(spec, folder, image_type, processor)
+    if model.geometry is None:
+        return model
+    # The filter the processor's PIL backend resizes with: mmgate resizes with the same (image.process_image).
+    resample = getattr(processor, "resample", None)
+    if resample is None:
+        return model
+    return replace(model, geometry=replace(model.geometry, resample=int(resample)))  # type: ignore[type-var]
+
+
+def _family_model(spec: str, folder: Path, image_type: str, processor: Any) -> Model:
+    """The model of ``image_type``'s family, from its loaded image processor."""
     model_type = _model_type(folder)
     if image_type in _QWEN_TYPES:
         family = _QWEN_MODEL_TYPES.get(model_type, _QWEN_TYPES[image_type])

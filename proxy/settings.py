@@ -140,6 +140,18 @@ def _concurrency(raw: str) -> int:
         raise ValueError("an integer from 1 to 100000, or auto") from None
 
 
+AUTO_JPEG_QUALITY = 0  # jpeg_quality when MMGATE_JPEG_QUALITY=auto (preprocessors/image.py resolves it)
+
+
+def _jpeg_quality(raw: str) -> int:
+    if raw.strip().lower() == "auto":
+        return AUTO_JPEG_QUALITY
+    try:
+        return _int(1, 100)(raw)
+    except ValueError:
+        raise ValueError("an integer from 1 to 100, or auto") from None
+
+
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 section 5.1: a field name is a token
 
 
@@ -238,7 +250,7 @@ class Settings:
     resize_max_side: int = 0
     model: str = ""
     image_format: str = "auto"
-    jpeg_quality: int = 90
+    jpeg_quality: int = AUTO_JPEG_QUALITY
     release_at: str = "auto"
     media_urls: str = "forward"
     fetch_allow_hosts: tuple[str, ...] = ()
@@ -370,7 +382,8 @@ class Settings:
             value = getattr(self, f.name)
             if isinstance(value, tuple):
                 value = ",".join(value)
-            elif f.name == "max_mm_concurrency" and value == AUTO_CONCURRENCY:
+            elif ((f.name == "max_mm_concurrency" and value == AUTO_CONCURRENCY)
+                  or (f.name == "jpeg_quality" and value == AUTO_JPEG_QUALITY)):
                 value = "auto"
             elif isinstance(value, bool):
                 value = "on" if value else "off"
@@ -447,7 +460,8 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "model": (_model, "served model's folder or cached name: its resize and image tokens (needs the model "
                       "extra) [none]"),
     "image_format": (_choice("auto", "jpeg", "png", "webp"), "format of re-encoded images [auto]"),
-    "jpeg_quality": (_int(1, 100), "JPEG/WebP quality of re-encoded images [90]"),
+    "jpeg_quality": (_jpeg_quality, "JPEG/WebP quality of re-encoded images, or auto: 90 (4:2:0 chroma), and "
+                                    "with a model 100 with 4:4:4 chroma, its fidelity bound [auto]"),
     "release_at": (_choice("auto", "sent", "headers", "complete"), "when the gate lease ends [auto]"),
     "media_urls": (_choice("forward", "reject", "fetch"),
                    "media URLs: forward (the backend fetches), reject (400), fetch (mmgate fetches, checks, "

@@ -112,3 +112,21 @@ def llava_next_folder(path: Path, pinpoints: list[list[int]] | None = None) -> P
                        vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": "llava_next"}))
     return path
+
+
+def idefics3_resize(folder: Path, image: Any) -> Any:
+    """What an Idefics3/SmolVLM processor's own resize makes of a PIL ``image``: its two resize steps (the longest
+    edge to ``size``, then whole tiles), run by the processor itself (PIL backend, its own ``resample``). The
+    reference that mmgate's output is compared with for fidelity."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    from transformers.image_processing_utils import SizeDict
+
+    processor = AutoImageProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
+    pixels = np.asarray(image.convert("RGB")).transpose(2, 0, 1)  # the processor works channels-first
+    pixels = processor.resize(pixels, SizeDict(longest_edge=processor.size["longest_edge"]),
+                              resample=processor.resample)
+    pixels = processor.resize_for_vision_encoder(pixels, processor.max_image_size["longest_edge"],
+                                                 resample=processor.resample)
+    return Image.fromarray(np.ascontiguousarray(pixels.transpose(1, 2, 0)), "RGB")
