@@ -157,9 +157,8 @@ def find_media_steps(route: Route, body: bytes, max_depth: int = DEFAULT_MAX_DEP
         if not may_contain_media(body):
             return None, []
         raise MmgateError(400, "json_too_complex",
-                          f"the request's JSON has more than {over.limit // 1024} KiB outside its long strings (keys, "
-                          "numbers, short strings, brackets), over the limit (MMGATE_MAX_JSON_STRUCTURE_KB): send "
-                          "fewer parts or messages") from None
+                          f"the request's JSON has {over.what} (keys, numbers, short strings, brackets), over what "
+                          "mmgate parses (MMGATE_MAX_JSON_STRUCTURE_KB): send fewer parts or messages") from None
     return skeleton, locate(route, skeleton, max_depth, max_parts)
 
 

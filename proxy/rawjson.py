@@ -231,13 +231,18 @@ STEP_TOKENS = 1024
 _SPACES = re.compile(rb"[ \t\r\n]*")
 
 
+# orjson's time per byte is highest for a run of empty objects or arrays (each one an allocation): a skeleton
+# may hold at most one container per CONTAINER_BYTES of ``max_structure``.
+CONTAINER_BYTES = 8
+
+
 class StructureTooLarge(Exception):
     """The skeleton (the JSON left once long strings are placeholders) is bigger than the caller allows: parsing
-    it would hold the GIL for longer than one step may. ``seen`` is how many of its bytes were found."""
+    it would hold the GIL for longer than one step may. ``what`` says which bound it crossed."""
 
-    def __init__(self, seen: int, limit: int) -> None:
-        super().__init__(f"the JSON structure has more than {limit} bytes outside its long strings")
-        self.seen, self.limit = seen, limit
+    def __init__(self, what: str, limit: int) -> None:
+        super().__init__(what)
+        self.what, self.limit = what, limit
 
 
 def run_steps(steps: Steps[T]) -> T:
@@ -249,10 +254,11 @@ def run_steps(steps: Steps[T]) -> T:
             return done.value
 
 
-def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | None = None) -> Steps[Skeleton]:
+def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | None = None,
+                   step_bytes: int = STEP_BYTES, step_tokens: int = STEP_TOKENS) -> Steps[Skeleton]:
     """``skeletonize`` in bounded steps: a generator that yields between steps and returns the Skeleton.
 
-    Each step holds the GIL for a bounded time (``STEP_BYTES``, ``STEP_TOKENS``); the one call that cannot
+    Each step holds the GIL for a bounded time (``step_bytes``, ``step_tokens``); the one call that cannot
     be cut, orjson's parse of the skeleton, is bounded by ``max_structure``: once more bytes than that are
     left outside placeholders, ``StructureTooLarge`` is raised at the end of the step that found them, and
     no parse happens (None: no bound, for callers that are not on an event loop).
@@ -272,10 +278,10 @@ def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | N
 
     def check(at: int) -> None:
         if max_structure is not None and kept + at - copied > max_structure:
-            raise StructureTooLarge(kept + at - copied, max_structure)
+            raise StructureTooLarge(f"more than {max_structure // 1024} KiB outside its long strings", max_structure)
 
     while True:
-        step_end = min(pos + STEP_BYTES, size)
+        step_end = min(pos + step_bytes, size)
         start = skip_plain(body, pos, step_end).end()  # type: ignore[union-attr]
         if start >= step_end:  # this step's bytes are plain (the regex stops only outside a string)
             pos = step_end
@@ -304,7 +310,7 @@ def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | N
                 if end < 0:
                     raise InvalidJson("request body is not valid JSON: unterminated string")
                 tokens += 1
-                if tokens >= STEP_TOKENS:  # a string of many escaped quotes: its walk is cut into steps too
+                if tokens >= step_tokens:  # a string of many escaped quotes: its walk is cut into steps too
                     tokens = 0
                     yield
         pos = end + 1
@@ -315,7 +321,7 @@ def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | N
             if after in _WHITESPACE:  # a key only if a colon follows the blanks; their run is scanned in steps
                 blank = pos
                 while True:
-                    limit = min(blank + STEP_BYTES, size)
+                    limit = min(blank + step_bytes, size)
                     blank = _SPACES.match(body, blank, limit).end()  # type: ignore[union-attr]
                     if blank < limit or blank >= size:
                         break
@@ -331,7 +337,7 @@ def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | N
             kept += start - copied + len(head) + len(suffix)
             cuts.append((start, pos, escaped))
             copied = pos
-        if tokens >= STEP_TOKENS:
+        if tokens >= step_tokens:
             check(pos)
             tokens = 0
             yield
@@ -342,6 +348,10 @@ def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | N
     else:
         skeleton_bytes = body
     del pieces, view
+    if max_structure is not None:  # an upper bound: a bracket inside a short string counts too
+        containers = skeleton_bytes.count(b"{") + skeleton_bytes.count(b"[")
+        if containers > max_structure // CONTAINER_BYTES:
+            raise StructureTooLarge(f"more than {max_structure // CONTAINER_BYTES} objects and arrays", max_structure)
     return Skeleton(body, _parse(skeleton_bytes), cuts, "\x00" + nonce + ":")
 
 
