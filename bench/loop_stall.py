@@ -277,10 +277,10 @@ def main() -> None:
     ap.add_argument("--render", action="store_true", help="only rebuild the .md from the .json")
     args = ap.parse_args()
     if args.render:
-        data = json.loads((R.RESULTS / "loop_stall.json").read_text())
-        data |= R.kept_stamp(data, "loop_stall.py", WHAT, data.get("date"))
-        data["goals"] = goals(data)
-        R.write("loop_stall", data, render(data))
+        kept: dict[str, Any] = json.loads((R.RESULTS / "loop_stall.json").read_text())
+        kept |= R.kept_stamp(kept, "loop_stall.py", WHAT, kept.get("date"))
+        kept["goals"] = goals(kept)
+        R.write("loop_stall", kept, render(kept))
         return
     if args.quick:
         args.rounds, args.sizes, args.no_write = 1, "2,8", True
