@@ -5,7 +5,9 @@ GIL time and change bytes the client sent (big integers, ``1e2``, duplicate keys
 
 1. ``skeletonize`` walks the string tokens with ``bytes.find`` (C speed; base64 holds neither ``"``
    nor ``\\``, so even a huge body has few tokens), replaces long, escaped or media-looking string
-   *values* by short placeholders, and parses the small remainder with orjson.
+   *values* by short placeholders, and parses the small remainder with orjson. ``skeleton_steps`` is the
+   same walk cut into bounded steps, with a bound on the remainder orjson may be given, for a caller on an
+   event loop.
 2. A walker (``proxy/dialects.py``) reads that small document; a placeholder names the byte ``Span`` of
    its token.
 3. ``splice`` builds the outgoing body in one join: original bytes, with only the chosen tokens replaced.
