@@ -106,7 +106,7 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     outgoing: list[bytes] | MediaBuffer = chunks
     is_stream = False
     if ex.route != "other" and chunks_may_contain_media(chunks):
-        media = state.buffers.hold(joined(chunks))  # from here on the owner is the only holder of the bytes
+        media = state.buffers.hold(await joined(chunks))  # from here on the owner is the only holder of the bytes
         outgoing, ex.media = media, weakref.ref(media)
         is_stream = await _prepare_media(state, ex, media)
         del media
@@ -199,11 +199,11 @@ async def _in_steps(steps: Steps[T]) -> T:
     packet (a health probe, another request) run between two steps: one body holds the loop for one
     bounded step at a time, whatever its size or shape."""
     while True:
+        await asyncio.sleep(0)
         try:
             next(steps)
         except StopIteration as done:
             return done.value
-        await asyncio.sleep(0)
 
 
 async def _admit_fetch_and_run(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> Rewrites:

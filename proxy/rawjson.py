@@ -228,8 +228,8 @@ Steps = Generator[None, None, T]
 # One step of ``skeleton_steps`` scans at most STEP_BYTES with the regex engine or handles at most STEP_TOKENS
 # strings (or escaped quotes) in Python, so a caller on an event loop can let others run between steps
 # whatever the body's size or shape (``bench/loop_stall.py``).
-STEP_BYTES = 256 * 1024
-STEP_TOKENS = 1024
+STEP_BYTES = 64 * 1024
+STEP_TOKENS = 256
 _SPACES = re.compile(rb"[ \t\r\n]*")
 
 
@@ -282,16 +282,19 @@ def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | N
         if max_structure is not None and kept + at - copied > max_structure:
             raise StructureTooLarge(f"more than {max_structure // 1024} KiB outside its long strings", max_structure)
 
+    step_end = min(step_bytes, size)  # where this step's regex scan ends
     while True:
-        step_end = min(pos + step_bytes, size)
-        start = skip_plain(body, pos, step_end).end()  # type: ignore[union-attr]
-        if start >= step_end:  # this step's bytes are plain (the regex stops only outside a string)
-            pos = step_end
+        if pos >= step_end:  # the step is done: check the bound, let the caller run others, start the next
             check(pos)
             if pos >= size:
                 break
             tokens = 0
             yield
+            step_end = min(pos + step_bytes, size)
+            continue
+        start = skip_plain(body, pos, step_end).end()  # type: ignore[union-attr]
+        if start >= step_end:  # the rest of this step is plain (the regex stops only outside a string)
+            pos = step_end
             continue
         if body[start] != _QUOTE:
             raise InvalidJson("request body is not valid JSON: backslash outside a string")
@@ -343,6 +346,7 @@ def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | N
             check(pos)
             tokens = 0
             yield
+            step_end = min(pos + step_bytes, size)
 
     if cuts:
         pieces.append(view[copied:])
