@@ -13,14 +13,16 @@ Bodies, each at 8, 35 and 50 MB (decimal; under the default MMGATE_MAX_BODY_MB o
   it is decoded, not refused by size).
 
 Per round and tree: fresh stub backend (``python -m demo.backend``) and mmgate (``python -m proxy`` run from
-that tree, default settings, cache off, processed-media cache off), then each body in turn, sent by this
-process over a blocking socket, while a prober in its own process sends GET /mmgate/health every
-``--interval`` (2 ms) over one keep-alive connection, recording each probe's send and answer time
-(CLOCK_MONOTONIC, shared by both processes). A body's figure is the longest health latency among the probes
-that overlapped its handling (from its first byte sent to its answer read): the longest time the loop did
-not answer. The baseline tree is ``git archive`` of ``--baseline-ref`` into a temporary folder (nothing in a
-worktree is touched) and runs with this tree's virtual environment. Goal: after, the worst body of each size
-within 100 ms (median over rounds of each round's worst).
+that tree, default settings, processed-media cache off), then each body in turn, sent by this process over
+a blocking socket, while a prober in its own process sends GET /mmgate/health every ``--interval`` (2 ms)
+over one keep-alive connection, recording each probe's send and answer time (CLOCK_MONOTONIC, shared by all
+processes). A body's figure is the longest health latency among the probes that overlapped its handling
+(from its first byte sent to its answer read): the longest time the loop did not answer. A control server
+(a bare aiohttp app in its own process) is probed the same way at the same time: its worst in the same
+window is the machine's share (other jobs on the shared cores). The baseline tree is ``git archive`` of
+``--baseline-ref`` into a temporary folder (nothing in a worktree is touched) and runs with this tree's
+virtual environment. Goal: after, the worst body of each size within 100 ms (median over rounds of each
+round's worst).
 
     python -m bench.loop_stall [--rounds 3] [--baseline-ref main] [--sizes 8,35,50]
     python -m bench.loop_stall --quick        # 1 round, 2 and 8 MB, nothing written
@@ -101,12 +103,12 @@ def body_for(kind: str, size: int) -> bytes:
 
 # --- the prober (its own process) ---------------------------------------------------------------------------
 
-def probe_until(host: str, port: int, interval: float, stop: Path, out: Path, limit: float) -> None:
-    """GET /mmgate/health every ``interval`` s over one keep-alive connection until ``stop`` exists; writes
+def probe_until(host: str, port: int, path: str, interval: float, stop: Path, out: Path, limit: float) -> None:
+    """GET ``path`` every ``interval`` s over one keep-alive connection until ``stop`` exists; writes
     ``[[sent, answered], ...]`` (time.monotonic) to ``out``."""
     sock = socket.create_connection((host, port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    request = f"GET /mmgate/health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    request = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
     times: list[tuple[float, float]] = []
     buf = b""
     start = time.monotonic()
@@ -173,14 +175,23 @@ def send(port: int, body: bytes) -> tuple[float, float, int, str]:
     return t0, t1, status, code
 
 
-def run_tree(tree: Path, bodies: dict[tuple[str, int], bytes], interval: float) -> dict[str, dict[str, Any]]:
+def _worst_ms(probes: list[list[float]], t0: float, t1: float) -> tuple[float, int]:
+    """The longest latency among the probes that overlapped [t0, t1], in ms, and how many did."""
+    overlapping = [b - a for a, b in probes if b >= t0 and a <= t1]
+    return round(max(overlapping, default=float("nan")) * 1000, 2), len(overlapping)
+
+
+def run_tree(tree: Path, bodies: dict[tuple[str, int], bytes], interval: float,
+             control_port: int) -> dict[str, dict[str, Any]]:
     stub, stub_url = L.start_stub()
     proc, url = start_mmgate(tree, stub_url, "--max-media-item-mb", "64")
     port = int(url.rsplit(":", 1)[1])
     scratch = Path(tempfile.mkdtemp(prefix="mmgate-stall-"))
-    stop, out = scratch / "stop", scratch / "probes.json"
-    prober = subprocess.Popen([sys.executable, "-m", "bench.loop_stall", "--probe", str(port), str(interval),
-                               str(stop), str(out)], cwd=R.REPO)
+    stop = scratch / "stop"
+    probers = {name: (subprocess.Popen([sys.executable, "-m", "bench.loop_stall", "--probe", str(at), path,
+                                        str(interval), str(stop), str(scratch / f"{name}.json")], cwd=R.REPO),
+                      scratch / f"{name}.json")
+               for name, at, path in (("mmgate", port, "/mmgate/health"), ("control", control_port, "/health"))}
     rows: dict[str, dict[str, Any]] = {}
     try:
         time.sleep(0.5)
@@ -190,16 +201,20 @@ def run_tree(tree: Path, bodies: dict[tuple[str, int], bytes], interval: float) 
             windows[f"{kind}/{size}"] = (t0, t1, status, code)
             time.sleep(0.3)
         stop.touch()
-        prober.wait(60)
-        probes = json.loads(out.read_text())
+        probes = {}
+        for name, (prober, out) in probers.items():
+            prober.wait(60)
+            probes[name] = json.loads(out.read_text())
     finally:
-        if prober.poll() is None:
-            prober.kill()
+        for prober, _out in probers.values():
+            if prober.poll() is None:
+                prober.kill()
         log = L.stop(proc)
         L.stop(stub)
     for name, (t0, t1, status, code) in windows.items():
-        overlapping = [b - a for a, b in probes if b >= t0 and a <= t1]
-        rows[name] = {"worst_ms": round(max(overlapping, default=float("nan")) * 1000, 2), "probes": len(overlapping),
+        worst, n = _worst_ms(probes["mmgate"], t0, t1)
+        control, _ = _worst_ms(probes["control"], t0, t1)
+        rows[name] = {"worst_ms": worst, "probes": n, "control_worst_ms": control,
                       "handled_ms": round((t1 - t0) * 1000, 1), "status": status, "code": code}
     if "Traceback" in log:
         rows["_log"] = {"tail": log[-1500:]}
@@ -224,6 +239,10 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
             if tree == "after":
                 out.append(R.goal(f"worst health latency, {size} MB bodies, {words}", worst, f"≤ {GOAL_MS:g}",
                                   lambda v: v <= GOAL_MS, unit="ms"))
+                control = [max(r[f"{k}/{size}"]["control_worst_ms"] for k in data["kinds"])
+                           for r in data["rounds"][tree]]
+                out.append(R.goal(f"control server's worst in the same windows, {size} MB bodies (the machine's "
+                                  "share)", control, unit="ms"))
             else:
                 out.append(R.goal(f"worst health latency, {size} MB bodies, {words}", worst, unit="ms"))
     return out
@@ -235,8 +254,9 @@ def render(data: dict[str, Any]) -> str:
         answers = sorted({f"{r[name]['status']}{' ' + r[name]['code'] if r[name]['code'] else ''}"
                           for r in data["rounds"][tree]})
         handled = R.summary(r[name]["handled_ms"] for r in data["rounds"][tree])
+        control = R.summary(r[name]["control_worst_ms"] for r in data["rounds"][tree])
         return (f"{R.number(s['median'])} ({R.number(s['spread'][0])}–{R.number(s['spread'][1])}) | "
-                f"{R.number(handled['median'])} | {', '.join(answers)}")
+                f"{R.number(control['median'])} | {R.number(handled['median'])} | {', '.join(answers)}")
 
     lines = [
         "# One body and the event loop (/mmgate/health while a hostile body is handled)",
@@ -246,12 +266,14 @@ def render(data: dict[str, Any]) -> str:
         "",
         "Worst health latency: the longest /mmgate/health answer among the probes that overlapped the body's "
         "handling (first byte sent to answer read), median over rounds (min–max). Handled: how long that body "
-        "took, median. Answer: status and error code. Default settings, `--max-media-item-mb 64`, cache off, "
+        "took, median. Answer: status and error code. Control: a bare aiohttp server (its own process, doing "
+        "nothing else) probed the same way in the same windows, median of its worst: what the shared machine's "
+        "scheduling alone costs a loop that does nothing. Default settings, `--max-media-item-mb 64`, cache off, "
         "the machine's default decode mode.",
         "",
-        "| body | MB | before: worst ms (spread) | before: handled ms | before: answer "
-        "| after: worst ms (spread) | after: handled ms | after: answer |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| body | MB | before: worst ms (spread) | control | before: handled ms | before: answer "
+        "| after: worst ms (spread) | control | after: handled ms | after: answer |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for size in data["sizes"]:
         for kind in data["kinds"]:
@@ -263,8 +285,8 @@ def render(data: dict[str, Any]) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--probe":
-        port, interval, stop, out = sys.argv[2:6]
-        probe_until("127.0.0.1", int(port), float(interval), Path(stop), Path(out), limit=3600)
+        port, path, interval, stop, out = sys.argv[2:7]
+        probe_until("127.0.0.1", int(port), path, float(interval), Path(stop), Path(out), limit=3600)
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
@@ -297,14 +319,17 @@ def main() -> None:
         "body_bytes": {f"{k}/{s}": len(b) for (k, s), b in bodies.items()},
         "rounds": {"before": [], "after": []},
     }
+    control, control_url = L.start_control()
+    control_port = int(control_url.rsplit(":", 1)[1])
     try:
         for rnd in range(args.rounds):
-            for tree, path in trees.items():  # interleaved: both trees see the same machine in each round
-                rows = run_tree(path, bodies, args.interval)
+            for tree, where in trees.items():  # interleaved: both trees see the same machine in each round
+                rows = run_tree(where, bodies, args.interval, control_port)
                 data["rounds"][tree].append(rows)
                 for name, row in rows.items():
                     print(f"r{rnd} {tree:6s} {name:18s} {row}", flush=True)
     finally:
+        L.stop(control)
         subprocess.run(["rm", "-rf", str(base)], check=False)
     data["uptime_end"] = L.uptime()
     data["goals"] = goals(data)
