@@ -95,6 +95,17 @@ async def test_structure_under_the_bound_is_walked_as_before(upstream: Upstream,
     assert proxy.state.metrics.media_items.labels("image", "unchanged")._value.get() == 1
 
 
+async def test_a_body_joined_in_steps_is_forwarded_byte_for_byte(upstream: Upstream, start_proxy: StartProxy) -> None:
+    """A media body bigger than one join step is copied into its buffer in steps: every byte arrives."""
+    proxy = await start_proxy(upstream.url)
+    text = "an image of a cat, " * 400_000  # ~7.6 MB: two join steps and a half
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": TINY_PNG}}]}]})
+    status, _ = await post(proxy.url + "/v1/chat/completions", body)
+    assert status == 200 and upstream.seen[-1].body == body
+    assert proxy.state.metrics.media_items.labels("image", "unchanged")._value.get() == 1
+
+
 async def test_health_answers_while_a_long_string_walk_is_under_way(upstream: Upstream,
                                                                     start_proxy: StartProxy) -> None:
     """A text of many escaped quotes takes many steps to walk. Between the end of that request's read and its
