@@ -58,6 +58,8 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("fuzz", "bench.fuzz", ("--examples", "3000"), quick=None, notes="always writes its result: no smoke mode"),
     Entry("loop_latency", "bench.loop_latency", quick=("--seconds", "1", "--rounds", "1", "--no-write")),
     Entry("pacing", "bench.pacing", quick=("--quick",)),
+    Entry("loop_stall", "bench.loop_stall", quick=("--quick",),
+          notes="measures main (git archive) beside this tree"),
     Entry("scale", "bench.scale", quick=("--seconds", "1", "--rounds", "1", "--out", "{out}")),
     Entry("cache", "bench.cache", quick=("--small", "--rounds", "1", "--no-write")),
     Entry("passthrough", "bench.passthrough", quick=("--quick", "--out", "{out}"),

@@ -79,12 +79,34 @@ async def read_body(request: web.Request, limit: int, timeout: float,
     return chunks
 
 
-def joined(chunks: list[bytes]) -> bytes:
-    """The chunks as one buffer, the list emptied: one copy, made in one synchronous step, so at most one
-    body on the whole loop is ever held twice at once."""
-    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+JOIN_STEP = 4 << 20  # bytes copied by ``joined`` between two turns of the event loop
+
+
+async def joined(chunks: list[bytes]) -> bytes:
+    """The chunks as one buffer, the list emptied. Up to ``JOIN_STEP`` bytes in one copy (``b"".join``);
+    a bigger body is appended to one growing ``bytearray`` ``JOIN_STEP`` bytes at a time, letting the loop
+    serve others between two steps, and each chunk is let go once copied: the body is never held twice, a
+    chunk's worth at most. Growing costs no copy: glibc maps a buffer this big on its own
+    (``memory.tune_process``) and grows it with ``mremap``; ``bytearray(total)`` would zero it all first,
+    in one call."""
+    if len(chunks) == 1:
+        return chunks.pop()
+    total = sum(map(len, chunks))
+    if total <= JOIN_STEP:
+        body = b"".join(chunks)
+        chunks.clear()
+        return body
+    out = bytearray()
+    copied = 0
+    for i, chunk in enumerate(chunks):
+        out += chunk
+        chunks[i] = b""
+        copied += len(chunk)
+        if copied >= JOIN_STEP:
+            copied = 0
+            await asyncio.sleep(0)
     chunks.clear()
-    return body
+    return out  # a bytes-like buffer: everything downstream reads it through find, slices and memoryviews
 
 
 def _head(chunks: list[bytes], small: bytearray) -> bytes:

@@ -143,6 +143,24 @@ class MediaPart:
     audio_format: str | None = None  # OpenAI input_audio "format"
 
 
+class EnoughParts(Exception):
+    """Raised by ``Collected.append`` once the collection is full: the walk stops there."""
+
+
+class Collected(list[MediaPart]):
+    """The parts a walker finds, at most ``limit`` of them: the part that fills it ends the walk (a request
+    over a limit is refused at the first part past it, without visiting the rest of its document)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def append(self, part: MediaPart) -> None:
+        super().append(part)
+        if len(self) >= self.limit:
+            raise EnoughParts
+
+
 def _bad(message: str, path: str) -> MmgateError:
     return MmgateError(400, "invalid_request", message, param=path)
 

@@ -19,9 +19,9 @@ import hyperscan
 
 from preprocessors.dataurl import decoded_size, parse_data_url
 
-from .dialects import WALKERS, MediaPart, Route
+from .dialects import WALKERS, Collected, EnoughParts, MediaPart, Route
 from .errors import InvalidJson, MediaError, MmgateError
-from .rawjson import Skeleton, Span, parse_plain, skeletonize, string_value
+from .rawjson import Skeleton, Span, Steps, StructureTooLarge, parse_plain, run_steps, skeleton_steps, string_value
 
 # Every media part a walker can find sits under a key or a ``type`` value that contains "image", "audio"
 # or "video" (compared case-sensitively, after JSON unescaping). A JSON string can only hide those letters
@@ -105,41 +105,61 @@ def looks_text_heavy(body: bytes) -> bool:
     return counts[_SAMPLES // 2] > _TEXT_HEAVY_QUOTES_PER_KB
 
 
-def locate(route: Route, skeleton: Skeleton, max_depth: int = DEFAULT_MAX_DEPTH) -> list[MediaPart]:
+def locate(route: Route, skeleton: Skeleton, max_depth: int = DEFAULT_MAX_DEPTH,
+           max_parts: int | None = None) -> list[MediaPart]:
     """Every media part of the request, in document order. MmgateError 400 ``invalid_request`` (with the
     part's path as ``param``) only for a media part too malformed to process, ``json_too_deep`` for media
-    nested deeper than ``max_depth``."""
+    nested deeper than ``max_depth``. With ``max_parts``, the walk ends at the part that makes that many:
+    the rest of the document is not visited (nor checked)."""
     walker = WALKERS.get(route)
     doc = skeleton.doc
     if walker is None or not isinstance(doc, dict):
         return []
-    out: list[MediaPart] = []
-    walker(skeleton, doc, out, max_depth)
+    out: list[MediaPart] = [] if max_parts is None else Collected(max_parts)
+    try:
+        walker(skeleton, doc, out, max_depth)
+    except EnoughParts:
+        pass
     return out
 
 
 def find_media(route: Route, body: bytes,
                max_depth: int = DEFAULT_MAX_DEPTH) -> tuple[Skeleton | None, list[MediaPart]]:
-    """The skeleton and media parts of ``body`` (``(None, [])``: forward it as it is).
+    """The skeleton and media parts of ``body`` (``(None, [])``: forward it as it is), in one go: see
+    ``find_media_steps``."""
+    return run_steps(find_media_steps(route, body, max_depth))
 
-    Same outcome as sniff -> skeletonize -> locate, by the cheaper correct path. A text-heavy body is
-    parsed plainly (spans are needed only if it turns out to hold media, then it is skeletonized); a body
-    of few huge strings is skeletonized at once. The sniff decides only what invalid JSON means: no
-    marker -> forwarded untouched for the backend to judge, else 400.
+
+def find_media_steps(route: Route, body: bytes, max_depth: int = DEFAULT_MAX_DEPTH, max_parts: int | None = None,
+                     max_structure: int | None = None) -> Steps[tuple[Skeleton | None, list[MediaPart]]]:
+    """The skeleton and media parts of ``body`` (``(None, [])``: forward it as it is), in bounded steps.
+
+    Same outcome as sniff -> skeletonize -> locate, by the cheaper correct path. A text-heavy body no
+    bigger than ``max_structure`` is parsed plainly (spans are needed only if it turns out to hold media,
+    then it is skeletonized); any other body is skeletonized in steps (``rawjson.skeleton_steps``), and
+    one whose structure outside long strings exceeds ``max_structure`` bytes is refused with 400
+    ``json_too_complex`` before any parse. The walk stops at ``max_parts`` parts. The sniff decides only
+    what invalid JSON means: no marker -> forwarded untouched for the backend to judge, else 400.
     """
     if route == "other":
         return None, []
     try:
-        if looks_text_heavy(body):
+        if looks_text_heavy(body) and (max_structure is None or len(body) <= max_structure):
             plain = parse_plain(body)
-            if not locate(route, plain, max_depth):
+            if not locate(route, plain, max_depth, max_parts=1):
                 return plain, []
-        skeleton = skeletonize(body)
+        skeleton = yield from skeleton_steps(body, max_structure=max_structure)
     except InvalidJson:
         if not may_contain_media(body):
             return None, []
         raise
-    return skeleton, locate(route, skeleton, max_depth)
+    except StructureTooLarge as over:
+        if not may_contain_media(body):
+            return None, []
+        raise MmgateError(400, "json_too_complex",
+                          f"the request's JSON has {over.what} (keys, numbers, short strings, brackets), over what "
+                          "mmgate parses (MMGATE_MAX_JSON_STRUCTURE_KB): send fewer parts or messages") from None
+    return skeleton, locate(route, skeleton, max_depth, max_parts)
 
 
 def inline_value(body: bytes, part: MediaPart) -> bytes | memoryview:
@@ -199,13 +219,22 @@ class Limits:
     reject_urls: bool
     max_depth: int = DEFAULT_MAX_DEPTH
     fetch_urls: bool = False  # MMGATE_MEDIA_URLS=fetch: URL parts become items fetched before their job
+    max_structure: int | None = None  # bytes of JSON outside long strings parsed in one call (None: no bound)
 
 
 def plan_media(route: Route, body: bytes, limits: Limits) -> Plan:
-    """Find the media of ``body`` and measure it. Raises for a body whose media cannot even be walked
-    (invalid JSON, a malformed or too deeply nested part); a part that fails a limit ends the plan with
-    a ``refusal`` instead, so the parts seen before it are still accounted for."""
-    skeleton, parts = find_media(route, body, limits.max_depth)
+    """``plan_steps`` in one go."""
+    return run_steps(plan_steps(route, body, limits))
+
+
+def plan_steps(route: Route, body: bytes, limits: Limits) -> Steps[Plan]:
+    """Find the media of ``body`` and measure it, in bounded steps (a generator that returns the plan).
+    Raises for a body whose media cannot even be walked (invalid JSON, structure over
+    ``limits.max_structure``, a malformed or too deeply nested part); a part that fails a limit ends the
+    plan with a ``refusal`` instead, so the parts seen before it are still accounted for. The walk stops at
+    the first part over ``limits.max_parts``."""
+    skeleton, parts = yield from find_media_steps(route, body, limits.max_depth, limits.max_parts + 1,
+                                                  limits.max_structure)
     plan = Plan(is_stream=skeleton is not None and isinstance(skeleton.doc, dict)
                 and skeleton.doc.get("stream") is True)
     del skeleton  # it references the body; the spans in ``parts`` are all a plan keeps
@@ -213,7 +242,7 @@ def plan_media(route: Route, body: bytes, limits: Limits) -> Plan:
     if len(parts) > limits.max_parts:
         plan.refusal = MmgateError(
             400, "too_many_media",
-            f"the request has {len(parts)} media parts, over the limit of {limits.max_parts} "
+            f"the request has more than {limits.max_parts} media parts, the limit "
             "(MMGATE_MAX_MEDIA_PER_REQUEST): send fewer", param=parts[limits.max_parts].path)
         return plan
     try:

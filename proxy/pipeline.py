@@ -11,6 +11,7 @@ import asyncio
 import time
 import weakref
 from functools import partial
+from typing import TypeVar
 
 from aiohttp import HttpVersion11, hdrs, web
 
@@ -23,10 +24,10 @@ from .dialects import dialect_for_path, route_for
 from .errors import MmgateError, UpstreamError, draining, internal_error
 from .exchange import CLIENT_CLOSED, Exchange, log, record
 from .fetch import Fetched, fetch_plan
-from .locate import Limits, Plan, chunks_may_contain_media, may_contain_media, plan_media
+from .locate import Limits, Plan, chunks_may_contain_media, may_contain_media, plan_steps
 from .media import Rewrites, count_urls, run_plan
 from .paths import Target, is_allowed, normalise_target
-from .rawjson import splice
+from .rawjson import Steps, splice
 from .refusals import refuse
 from .settings import PRIORITY_MAX, PRIORITY_MIN
 from .state import STATE, AppState
@@ -45,6 +46,8 @@ from .upstream_health import upstream_down
 # Sent upstream with MMGATE_MODEL: the request's image tokens for the served model, for a router or scheduler.
 IMAGE_TOKENS_HEADER = "x-mmgate-image-tokens"
 VIDEO_TOKENS_HEADER = "x-mmgate-video-tokens"
+
+T = TypeVar("T")
 
 
 async def handle_request(request: web.Request) -> web.StreamResponse:
@@ -105,7 +108,7 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     outgoing: list[bytes] | MediaBuffer = chunks
     is_stream = False
     if ex.route != "other" and chunks_may_contain_media(chunks):
-        media = state.buffers.hold(joined(chunks))  # from here on the owner is the only holder of the bytes
+        media = state.buffers.hold(await joined(chunks))  # from here on the owner is the only holder of the bytes
         outgoing, ex.media = media, weakref.ref(media)
         is_stream = await _prepare_media(state, ex, media)
         del media
@@ -161,8 +164,9 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     settings = state.settings
     started = time.perf_counter()
     limits = Limits(settings.max_media_per_request, settings.max_media_item_bytes, settings.media_urls == "reject",
-                    settings.max_json_depth, fetch_urls=settings.media_urls == "fetch")
-    plan = plan_media(ex.route, media.data, limits)
+                    settings.max_json_depth, fetch_urls=settings.media_urls == "fetch",
+                    max_structure=settings.max_json_structure_bytes)
+    plan = await _in_steps(plan_steps(ex.route, media.data, limits))
     ex.watch.add("parse", time.perf_counter() - started)
     if not plan.parts:
         return plan.is_stream
@@ -190,6 +194,18 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     del rewrites
     ex.watch.add("splice", time.perf_counter() - started)
     return plan.is_stream
+
+
+async def _in_steps(steps: Steps[T]) -> T:
+    """Run ``steps`` (``locate.plan_steps``) on the loop, letting every other ready task and every arrived
+    packet (a health probe, another request) run between two steps: one body holds the loop for one
+    bounded step at a time, whatever its size or shape."""
+    while True:
+        await asyncio.sleep(0)
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 async def _admit_fetch_and_run(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> Rewrites:

@@ -5,7 +5,9 @@ GIL time and change bytes the client sent (big integers, ``1e2``, duplicate keys
 
 1. ``skeletonize`` walks the string tokens with ``bytes.find`` (C speed; base64 holds neither ``"``
    nor ``\\``, so even a huge body has few tokens), replaces long, escaped or media-looking string
-   *values* by short placeholders, and parses the small remainder with orjson.
+   *values* by short placeholders, and parses the small remainder with orjson. ``skeleton_steps`` is the
+   same walk cut into bounded steps, with a bound on the remainder orjson may be given, for a caller on an
+   event loop.
 2. A walker (``proxy/dialects.py``) reads that small document; a placeholder names the byte ``Span`` of
    its token.
 3. ``splice`` builds the outgoing body in one join: original bytes, with only the chosen tokens replaced.
@@ -19,9 +21,9 @@ import functools
 import json
 import re
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -31,7 +33,6 @@ from .errors import InvalidJson
 # whatever their length: media data (data: URI), the MIME beside Anthropic data, and web URLs, so that
 # every one of them has a span (a walker can name it, the pipeline can rewrite it).
 _MEDIA_PREFIXES: tuple[bytes, ...] = (b"data:", b"image/", b"audio/", b"video/", b"http:", b"https:")
-_KEY_TAIL = re.compile(rb"[ \t\r\n]*:")
 
 _QUOTE = 0x22
 _BACKSLASH = 0x5C
@@ -195,7 +196,7 @@ def parse_plain(body: bytes) -> Skeleton:
 
 
 @functools.lru_cache(maxsize=8)
-def _skip_plain(long_string: int) -> Callable[[bytes, int], re.Match[bytes] | None]:
+def _skip_plain(long_string: int) -> Callable[[bytes, int, int], re.Match[bytes] | None]:
     """A matcher for the run of bytes from ``pos`` that needs no placeholder: everything outside
     strings, and every string of at most ``long_string`` bytes with no backslash and no media prefix.
 
@@ -216,6 +217,53 @@ def skeletonize(body: bytes, *, long_string: int = 64) -> Skeleton:
     Raises ``InvalidJson`` for anything that is not JSON. The content of a
     placeholdered string is not validated here (that is what makes it cheap): ``string_value`` /
     ``Skeleton.text`` check it when it is used, and the media checks reject junk bytes anyway.
+    The same work as ``skeleton_steps``, in one go.
+    """
+    return run_steps(skeleton_steps(body, long_string=long_string))
+
+
+T = TypeVar("T")
+Steps = Generator[None, None, T]
+
+# One step of ``skeleton_steps`` scans at most STEP_BYTES with the regex engine or handles at most STEP_TOKENS
+# strings (or escaped quotes) in Python, so a caller on an event loop can let others run between steps
+# whatever the body's size or shape (``bench/loop_stall.py``).
+STEP_BYTES = 64 * 1024
+STEP_TOKENS = 256
+_SPACES = re.compile(rb"[ \t\r\n]*")
+
+
+# orjson's time per byte is highest for a run of empty objects or arrays (each one an allocation): a skeleton
+# may hold at most one container per CONTAINER_BYTES of ``max_structure``.
+CONTAINER_BYTES = 8
+
+
+class StructureTooLarge(Exception):
+    """The skeleton (the JSON left once long strings are placeholders) is bigger than the caller allows: parsing
+    it would hold the GIL for longer than one step may. ``what`` says which bound it crossed."""
+
+    def __init__(self, what: str, limit: int) -> None:
+        super().__init__(what)
+        self.what, self.limit = what, limit
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Drive a step generator to its end without pausing (where no event loop waits on it)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | None = None,
+                   step_bytes: int = STEP_BYTES, step_tokens: int = STEP_TOKENS) -> Steps[Skeleton]:
+    """``skeletonize`` in bounded steps: a generator that yields between steps and returns the Skeleton.
+
+    Each step holds the GIL for a bounded time (``step_bytes``, ``step_tokens``); the one call that cannot
+    be cut, orjson's parse of the skeleton, is bounded by ``max_structure``: once more bytes than that are
+    left outside placeholders, ``StructureTooLarge`` is raised at the end of the step that found them, and
+    no parse happens (None: no bound, for callers that are not on an event loop).
     """
     find = body.find
     skip_plain = _skip_plain(long_string)
@@ -226,12 +274,28 @@ def skeletonize(body: bytes, *, long_string: int = 64) -> Skeleton:
     pieces: list[bytes | memoryview] = []
     view = memoryview(body)
     copied = 0  # body[:copied] is already in pieces
+    kept = 0  # bytes of the skeleton in pieces (body[:copied] less its placeholdered strings, plus placeholders)
     pos = 0
+    tokens = 0  # strings and escaped quotes handled in Python since the last step
 
+    def check(at: int) -> None:
+        if max_structure is not None and kept + at - copied > max_structure:
+            raise StructureTooLarge(f"more than {max_structure // 1024} KiB outside its long strings", max_structure)
+
+    step_end = min(step_bytes, size)  # where this step's regex scan ends
     while True:
-        start = skip_plain(body, pos).end()  # type: ignore[union-attr]
-        if start >= size:
-            break
+        if pos >= step_end:  # the step is done: check the bound, let the caller run others, start the next
+            check(pos)
+            if pos >= size:
+                break
+            tokens = 0
+            yield
+            step_end = min(pos + step_bytes, size)
+            continue
+        start = skip_plain(body, pos, step_end).end()  # type: ignore[union-attr]
+        if start >= step_end:  # the rest of this step is plain (the regex stops only outside a string)
+            pos = step_end
+            continue
         if body[start] != _QUOTE:
             raise InvalidJson("request body is not valid JSON: backslash outside a string")
         end = find(b'"', start + 1)
@@ -250,18 +314,39 @@ def skeletonize(body: bytes, *, long_string: int = 64) -> Skeleton:
                 end = find(b'"', end + 1)
                 if end < 0:
                     raise InvalidJson("request body is not valid JSON: unterminated string")
+                tokens += 1
+                if tokens >= step_tokens:  # a string of many escaped quotes: its walk is cut into steps too
+                    tokens = 0
+                    yield
         pos = end + 1
         length = end - start - 1
+        tokens += 1
         if escaped or length > long_string or body[start + 1 : start + 7].lower().startswith(_MEDIA_PREFIXES):
             after = body[pos] if pos < size else 0
-            if after == _COLON or (after in _WHITESPACE and _KEY_TAIL.match(body, pos)):
+            if after in _WHITESPACE:  # a key only if a colon follows the blanks; their run is scanned in steps
+                blank = pos
+                while True:
+                    limit = min(blank + step_bytes, size)
+                    blank = _SPACES.match(body, blank, limit).end()  # type: ignore[union-attr]
+                    if blank < limit or blank >= size:
+                        break
+                    yield
+                after = body[blank] if blank < size else 0
+            if after == _COLON:
                 continue  # keys stay literal so dialects can look them up
             n = len(cuts)
+            suffix = _SUFFIXES[n] if n < len(_SUFFIXES) else b'%d"' % n
             pieces.append(view[copied:start])
             pieces.append(head)
-            pieces.append(_SUFFIXES[n] if n < len(_SUFFIXES) else b'%d"' % n)
+            pieces.append(suffix)
+            kept += start - copied + len(head) + len(suffix)
             cuts.append((start, pos, escaped))
             copied = pos
+        if tokens >= step_tokens:
+            check(pos)
+            tokens = 0
+            yield
+            step_end = min(pos + step_bytes, size)
 
     if cuts:
         pieces.append(view[copied:])
@@ -269,16 +354,23 @@ def skeletonize(body: bytes, *, long_string: int = 64) -> Skeleton:
     else:
         skeleton_bytes = body
     del pieces, view
+    if max_structure is not None:  # an upper bound: a bracket inside a short string counts too
+        containers = skeleton_bytes.count(b"{") + skeleton_bytes.count(b"[")
+        if containers > max_structure // CONTAINER_BYTES:
+            raise StructureTooLarge(f"more than {max_structure // CONTAINER_BYTES} objects and arrays", max_structure)
     return Skeleton(body, _parse(skeleton_bytes), cuts, "\x00" + nonce + ":")
 
 
 def _parse(data: bytes) -> Any:
-    """orjson; the stdlib as a fallback for JSON it refuses but Python backends accept (NaN, lone
-    surrogate escapes)."""
+    """orjson; the stdlib as a fallback for JSON it refuses but Python backends accept (NaN, Infinity, numbers
+    beyond a double, lone surrogate escapes), tried only where one of those could be why: the stdlib is
+    slower, and a second full parse of a body that is plain invalid would double the time the GIL is held."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         reason = exc.msg
+    if not ("surrogate" in reason or "infinity" in reason or b"NaN" in data or b"Infinity" in data):
+        raise InvalidJson(f"request body is not valid JSON: {reason}") from None
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):

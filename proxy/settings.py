@@ -238,6 +238,7 @@ class Settings:
     max_body_mb: int = 64
     max_media_per_request: int = 16
     max_json_depth: int = 64
+    max_json_structure_kb: int = 512
     max_media_item_mb: int = 32
     max_image_pixels: int = 64_000_000
     max_frames: int = 64
@@ -322,6 +323,10 @@ class Settings:
     @property
     def max_body_bytes(self) -> int:
         return self.max_body_mb * MIB
+
+    @property
+    def max_json_structure_bytes(self) -> int:
+        return self.max_json_structure_kb * 1024
 
     @property
     def max_media_item_bytes(self) -> int:
@@ -445,6 +450,8 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "max_body_mb": (_int(1, 4096), "request body limit in MiB -> 413 body_too_large [64]"),
     "max_media_per_request": (_int(1, 10_000), "media parts per request -> 400 too_many_media [16]"),
     "max_json_depth": (_int(8, 10_000), "nesting of the JSON mmgate walks -> 400 json_too_deep [64]"),
+    "max_json_structure_kb": (_int(16, 1_048_576), "KiB of a media body's JSON outside its long strings, parsed on "
+                                                   "the event loop in one call -> 400 json_too_complex [512]"),
     "max_media_item_mb": (_int(1, 4096), "one decoded media item in MiB -> 413 media_too_large [32]"),
     "max_image_pixels": (_int(1), "decompression-bomb guard, from the header -> 400 image_too_large [64000000]"),
     "max_frames": (_int(1, 100_000), "frames of an animated image -> 400 too_many_frames [64]"),
