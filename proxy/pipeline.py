@@ -28,6 +28,7 @@ from .paths import Target, is_allowed, normalise_target
 from .rawjson import splice
 from .refusals import refuse
 from .settings import PRIORITY_MAX, PRIORITY_MIN
+from .shared_gate import SharedGate
 from .state import STATE, AppState
 from .tokens import plan_image_tokens
 from .upstream import (
@@ -298,11 +299,12 @@ def _deadline_passed(request: web.Request, configured: float) -> MmgateError:
                        f"the request did not finish within its {limit:g} s deadline ({setting}); it was stopped")
 
 
-def _take_place_for_media(state: AppState, ex: Exchange, head: bytes) -> None:
+async def _take_place_for_media(state: AppState, ex: Exchange, head: bytes) -> None:
     """``read_body``'s look at the first bytes of a big body: if they name media, hold a place in line
     before reading the rest (or refuse now, with the rest unread)."""
     if may_contain_media(head):
-        ex.place = state.gate.take_place(ex.flow)
+        gate = state.gate
+        ex.place = await gate.take_shared_place(ex.flow) if isinstance(gate, SharedGate) else gate.take_place(ex.flow)
 
 
 async def expect_continue(request: web.Request) -> None:
