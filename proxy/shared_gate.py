@@ -390,7 +390,12 @@ class SharedGate(Gate):
             answer = await future
         except asyncio.CancelledError:
             self._answers.pop(rid, None)
-            if give_back is not None:
+            if future.done() and not future.cancelled():
+                # Answered in the same instant the request gave up: what the gate granted goes back.
+                granted = future.result()
+                if granted[0] == "ok" and give_back is not None:
+                    self.link.send([give_back, granted[2]])
+            elif give_back is not None:
                 self._abandoned[rid] = give_back
                 if give_back == "release":
                     self.link.send(["cancel", rid])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from functools import partial
@@ -21,7 +22,10 @@ import orjson
 import pytest
 from aiohttp import web
 
+from proxy.admission import Gate
 from proxy.cli import free_port
+from proxy.lifecycle import Lifecycle
+from proxy.shared_gate import GateServer, Link, SharedGate
 from testkit.media import chat_with_image, data_uri, image_bytes
 
 from .conftest import Upstream
@@ -262,3 +266,55 @@ def test_more_processes_than_decode_workers_is_refused() -> None:
                                      MMGATE_DECODE_WORKERS="2"), check=False, timeout=60)
     assert result.returncode == 2
     assert "MMGATE_PROCESSES=3 is above MMGATE_DECODE_WORKERS=2" in result.stderr
+
+
+async def _gate_over_a_socket_pair(limit: int, max_queue: int) -> tuple[Gate, SharedGate]:
+    """The supervisor's side (a Gate behind a GateServer) and a front's (a SharedGate), in this process, over a
+    real Unix socket pair."""
+    gate = Gate(limit, 0, max_queue)
+    server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    task = asyncio.create_task(GateServer(gate).serve(0, server_end, asyncio.Event()))
+    shared = SharedGate(await Link.over(front_end), limit, 0, max_queue, lambda gate: None, Lifecycle(), 0, 0,
+                        report=dict, on_lost=lambda: None)
+    shared.start()
+    shared.serving = task  # type: ignore[attr-defined]  # kept referenced for the test's length
+    return gate, shared
+
+
+async def _until(condition: Any, what: str) -> None:
+    for _ in range(POLLS):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_a_grant_that_crosses_a_cancelled_wait_is_given_back() -> None:
+    """The gate grants a waiting request just as the front gives up on it: the grant, arriving for a wait
+    nobody holds any more, is released at once, not leaked."""
+    gate, shared = await _gate_over_a_socket_pair(limit=1, max_queue=4)
+    first = await shared.acquire(1, 30)
+    waiting = asyncio.create_task(shared.acquire(1, 30))
+    await _until(lambda: gate.waiting == 1, "the second request queued at the gate")
+    first.release()  # the gate will grant the waiter ...
+    waiting.cancel()  # ... which has already given up
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await _until(lambda: (gate.in_use, gate.waiting) == (0, 0), "the crossed grant given back")
+    again = await shared.acquire(1, 30)
+    assert gate.in_use == 1
+    again.release()
+    await _until(lambda: gate.in_use == 0, "released")
+    await shared.close()
+
+
+async def test_refusals_cross_the_socket_in_the_gates_own_words() -> None:
+    gate, shared = await _gate_over_a_socket_pair(limit=1, max_queue=0)
+    held = await shared.acquire(1, 30)
+    with pytest.raises(Exception) as refused:
+        await shared.acquire(1, 30)
+    assert (refused.value.status, refused.value.code) == (429, "queue_full")  # type: ignore[attr-defined]
+    assert refused.value.headers["Retry-After"]  # type: ignore[attr-defined]
+    held.release()
+    await _until(lambda: gate.in_use == 0, "released")
+    await shared.close()
