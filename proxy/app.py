@@ -37,7 +37,7 @@ from .model import Model, load_model
 from .pipeline import expect_continue, handle_request
 from .refusals import refusals_in_api_shape
 from .settings import MIB, ConfigError, Settings
-from .shared_gate import Link, SharedGate, report_of
+from .shared_gate import Link, SharedGate, report_of, verdict_to_wire
 from .state import STATE, AppState
 
 log = logging.getLogger("mmgate")
@@ -100,6 +100,10 @@ def build_state(settings: Settings, link: Link | None = None,
         cache = state.cache = MediaCache(settings.cache_bytes, settings_fingerprint(settings),
                                          min(4, settings.decode_workers), metrics.cache_hits.inc,
                                          metrics.cache_misses.inc, metrics.cache_evictions.inc)
+        if isinstance(gate, SharedGate):  # a miss here is first asked of the other fronts' caches
+            cache.peers = gate.peer_verdicts
+            gate.cached = lambda keys: {key: verdict_to_wire(verdict) for key in keys
+                                        if (verdict := cache.get(bytes.fromhex(key))) is not None}
         metrics.cache_bytes.set_function(lambda: cache.bytes_held)
         metrics.cache_entries.set_function(lambda: cache.entries)
         metrics.cache_waiting.set_function(lambda: cache.waiting)

@@ -19,12 +19,15 @@ front -> gate::
     ["unplace", place]    ["release", lease]    ["handed_off", lease]
     ["collect", rid]                                   every front's metrics, merged
     ["counters", rid]                                  the gate's counters now
+    ["peek", rid, [key, ...]]                          cache entries another front holds (hex keys)
+    ["found", qid, {key: verdict}]                     the answer to the gate's "lookup"
     ["report", rid, report]                            the answer to the gate's "report"
 
 gate -> front::
 
     ["ok", rid, value, counters]    ["err", rid, status, code, message, headers, counters]
     ["report", rid]                                    this front's metrics, please
+    ["lookup", qid, [key, ...]]                        which of these cache entries do you hold?
 
 ``counters`` is the gate's ``[in_use, waiting, reading, preparing, bytes_in_use, tokens_in_use, limit]``
 after the operation: a front mirrors them in its gauges. A front that goes away (exit, crash, SIGKILL)
@@ -48,6 +51,8 @@ import orjson
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from preprocessors.job import Refusal, Verdict
+
 from .admission import DEFAULT_FLOW, Flow, Gate, Lease, Place
 from .errors import MmgateError, draining
 from .lifecycle import Lifecycle
@@ -57,6 +62,9 @@ log = logging.getLogger("mmgate")
 _LENGTH = struct.Struct(">I")
 MAX_FRAME = 64 << 20  # a report of every metric series is well under this; anything bigger is a fault
 REPORT_TIMEOUT = 5.0  # seconds a front has to answer "report"; one that does not is left out of the totals
+# Seconds the other fronts have to say which cache entries they hold: a busy front's answer may come later
+# than a decode would take, and then the asking front decodes.
+PEER_TIMEOUT = 0.5
 
 # Families whose value is the gate's own (one number for all fronts), not a sum of the fronts' mirrors.
 GATE_FAMILIES = ("mmgate_gate_in_use", "mmgate_gate_waiting", "mmgate_gate_reading", "mmgate_media_bytes_inflight",
@@ -187,10 +195,14 @@ class GateServer:
             task = asyncio.create_task(self._collect(front, message[1]))
             self._collecting.add(task)
             task.add_done_callback(self._collecting.discard)
-        elif op == "report":
+        elif op in ("report", "found"):
             found = self._reports.get(message[1])
             if found is not None and not found[0].done():
                 found[0].set_result(message[2])
+        elif op == "peek":
+            task = asyncio.create_task(self._peek(front, message[1], message[2]))
+            self._collecting.add(task)
+            task.add_done_callback(self._collecting.discard)
         elif op == "counters":
             front.link.send(["ok", message[1], None, counters(gate)])
         elif op == "ready":
@@ -232,23 +244,40 @@ class GateServer:
         front.leases.clear()
         front.link.close()
 
-    async def _collect(self, asking: _Front, rid: int) -> None:
-        """Ask every front for its metrics and send ``asking`` the merge."""
+    async def _ask_fronts(self, fronts: list[_Front], message: list[Any], timeout: float) -> list[Any]:
+        """Send ``message`` (its id filled in per front) to ``fronts``; the answers that came within
+        ``timeout``."""
         loop = asyncio.get_running_loop()
         pending = []
-        for front in [front for front in self._fronts if front.ready.is_set()]:  # those serving
-            report_id = next(self._ids)
+        for front in fronts:
+            query_id = next(self._ids)
             future: asyncio.Future[Any] = loop.create_future()
-            self._reports[report_id] = (future, front.index)
-            pending.append((report_id, future))
-            front.link.send(["report", report_id])
+            self._reports[query_id] = (future, front.index)
+            pending.append((query_id, future))
+            front.link.send([message[0], query_id, *message[1:]])
+        if not pending:
+            return []
         try:
-            done, _ = await asyncio.wait([future for _, future in pending], timeout=REPORT_TIMEOUT)
+            done, _ = await asyncio.wait([future for _, future in pending], timeout=timeout)
         finally:
-            for report_id, _ in pending:
-                self._reports.pop(report_id, None)
-        reports = [future.result() for _, future in pending if future in done]
+            for query_id, _ in pending:
+                self._reports.pop(query_id, None)
+        return [future.result() for _, future in pending if future in done]
+
+    async def _collect(self, asking: _Front, rid: int) -> None:
+        """Ask every front for its metrics and send ``asking`` the merge."""
+        serving = [front for front in self._fronts if front.ready.is_set()]
+        reports = await self._ask_fronts(serving, ["report"], REPORT_TIMEOUT)
         asking.link.send(["ok", rid, merge_reports(reports, counters(self.gate)), counters(self.gate)])
+
+    async def _peek(self, asking: _Front, rid: int, keys: list[str]) -> None:
+        """Ask every other front which of ``keys`` its cache holds; send ``asking`` the first of each found."""
+        others = [front for front in self._fronts if front is not asking and front.ready.is_set()]
+        found: dict[str, Any] = {}
+        for answer in await self._ask_fronts(others, ["lookup", keys], PEER_TIMEOUT):
+            for key, verdict in answer.items():
+                found.setdefault(key, verdict)
+        asking.link.send(["ok", rid, found, counters(self.gate)])
 
     @property
     def fronts(self) -> int:
@@ -335,6 +364,8 @@ class SharedGate(Gate):
         self._abandoned: dict[int, str] = {}  # rid -> what to give back if the gate grants it after all
         self.lost = False
         self._reader: asyncio.Task[None] | None = None
+        # hex keys -> the wire form of the verdicts this front's cache holds (``app.build_state`` sets it)
+        self.cached: Callable[[list[str]], dict[str, list[Any]]] | None = None
 
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read())
@@ -356,6 +387,10 @@ class SharedGate(Gate):
                     log.exception("metrics report failed")
                     continue
                 self.link.send(["report", message[1], report])
+                continue
+            if op == "lookup":
+                held = self.cached(message[2]) if self.cached is not None else {}
+                self.link.send(["found", message[1], held])
                 continue
             rid = message[1]
             self._mirror(message[-1])
@@ -441,9 +476,32 @@ class SharedGate(Gate):
         merged: dict[str, Any] = answer[2]
         return merged
 
+    async def peer_verdicts(self, keys: list[bytes]) -> dict[bytes, Verdict]:
+        """What the other fronts' caches hold of ``keys``: a miss here need not be a decode."""
+        if self.lost:
+            return {}
+        answer = await self._ask(["peek", 0, [key.hex() for key in keys]], None)
+        return {bytes.fromhex(key): verdict_from_wire(wire) for key, wire in answer[2].items()}
+
     async def refresh(self) -> None:
         """The gate's counters as of now, mirrored here (``waiting_media`` for ``MMGATE_BACKEND_METRICS``)."""
         await self._ask(["counters", 0], None)
+
+
+def verdict_to_wire(verdict: Verdict) -> list[Any]:
+    refusal = verdict.refusal
+    return [verdict.size_in, verdict.size_out, verdict.sniffed_mime.decode("latin-1"), verdict.mime.decode("latin-1"),
+            verdict.encoded.decode("latin-1") if verdict.encoded is not None else None,
+            [refusal.status, refusal.code, refusal.message] if refusal is not None else None,
+            list(verdict.video) if verdict.video is not None else None]
+
+
+def verdict_from_wire(wire: list[Any]) -> Verdict:
+    size_in, size_out, sniffed, mime, encoded, refusal, video = wire
+    return Verdict(size_in, size_out, sniffed.encode("latin-1"), mime.encode("latin-1"),
+                   encoded.encode("latin-1") if encoded is not None else None,
+                   Refusal(*refusal) if refusal is not None else None,
+                   (video[0], video[1], video[2]) if video is not None else None)
 
 
 def report_of(registry_families: list[Metric], extra: Mapping[str, float], front: Mapping[str, Any]) -> dict[str, Any]:

@@ -208,6 +208,21 @@ async def test_metrics_count_every_request_whichever_process_served_it(upstream:
         assert stats["limits"]["decode_workers"] == 2 and stats["pool"]["workers"] == 2
 
 
+async def test_an_image_decoded_by_one_front_is_a_hit_on_the_others(upstream: Upstream, start_mmgate: Any) -> None:
+    """Each front has its own cache; a miss there is first asked of the other fronts. The same image sent
+    again and again, each time on a fresh connection (whichever front takes it), is decoded once."""
+    mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url)
+    bodies = [_media_body(7) for _ in range(8)]
+    for body in bodies:
+        status, answer = await _post(mmgate.url, body)
+        assert status == 200, answer
+    metrics = await mmgate.get("/mmgate/metrics")
+    assert _counted(metrics, "mmgate_cache_misses_total") == 1
+    assert _counted(metrics, "mmgate_cache_hits_total") == 7
+    forwarded = {seen.body for seen in upstream.seen}
+    assert len(forwarded) == 1  # every front forwarded the very same processed body
+
+
 async def test_sigterm_drains_streams_on_every_process(upstream: Upstream, start_mmgate: Any) -> None:
     """Streams open on both fronts; SIGTERM: readiness fails, every stream ends normally, mmgate exits 0 and
     no front is left."""
