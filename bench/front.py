@@ -378,6 +378,7 @@ def main() -> None:
     args.clients = args.clients or max(1, min(8, cores // 2))
     args.upstreams = args.upstreams or max(1, cores // 8)
     args.decode_workers = max(max(processes), cores)
+    stamp = R.stamp("bench/front.py", WHAT)
     port = L.free_port()
     upstreams = [subprocess.Popen([*ROLE, "upstream", "--port", str(port), "--sse-tokens", str(SSE_TOKENS),
                                    "--sse-delay", str(args.sse_delay)], cwd=R.REPO) for _ in range(args.upstreams)]
@@ -407,7 +408,7 @@ def main() -> None:
             "conns": args.conns, "decode_workers": args.decode_workers, "upstreams": args.upstreams}
     if args.no_write:
         return None
-    data = R.stamp("bench/front.py", WHAT) | {"goals": goal_list, "settings": meta, "processes": processes,
+    data = stamp | {"goals": goal_list, "settings": meta, "processes": processes,
                                                "figures": {k: R.summary(v) for k, v in figs.items()},
                                                "rounds": [{str(k): v for k, v in c.items()} for c in rounds]}
     R.write("front", data, render(meta, figs, processes), args.out)
