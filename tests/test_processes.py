@@ -25,6 +25,7 @@ from aiohttp import web
 from proxy.admission import Gate
 from proxy.cli import free_port
 from proxy.lifecycle import Lifecycle
+from proxy.settings import Settings, auto_processes, usable_cpus
 from proxy.shared_gate import GateServer, Link, SharedGate
 from testkit.media import chat_with_image, data_uri, image_bytes
 
@@ -333,3 +334,21 @@ async def test_refusals_cross_the_socket_in_the_gates_own_words() -> None:
     held.release()
     await _until(lambda: gate.in_use == 0, "released")
     await shared.close()
+
+
+def test_the_fronts_shares_add_up_to_the_totals_configured() -> None:
+    """Decode workers, cache and connections are totals: split between the fronts, never multiplied."""
+    settings = Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:1", "MMGATE_PROCESSES": "3",
+                                  "MMGATE_DECODE_WORKERS": "4", "MMGATE_CACHE_MB": "256",
+                                  "MMGATE_MAX_CONNECTIONS": "1000"})
+    fronts = [settings.for_front(index) for index in range(3)]
+    assert [f.decode_workers for f in fronts] == [2, 1, 1]
+    assert sum(f.cache_mb for f in fronts) == 256 and sum(f.max_connections for f in fronts) == 1000
+    assert all(f.max_mm_concurrency == settings.max_mm_concurrency for f in fronts)  # the gate is one
+
+
+def test_auto_is_one_front_per_usable_cpu_at_most_one_per_decode_worker() -> None:
+    settings = Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:1", "MMGATE_PROCESSES": "auto",
+                                  "MMGATE_DECODE_WORKERS": "3"})
+    assert settings.processes == auto_processes(usable_cpus(), 3) == min(usable_cpus(), 3)
+    assert auto_processes(16, 64) == 16 and auto_processes(1, 8) == 1
