@@ -45,6 +45,7 @@ import socket
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
@@ -167,8 +168,9 @@ class GateServer:
         if op == "acquire":
             _, rid, cost, timeout, place_id, tokens, flow_id, band = message
             place = front.places.pop(place_id, None) if place_id is not None else None
-            front.waits[rid] = asyncio.create_task(
+            task = front.waits[rid] = asyncio.create_task(
                 self._acquire(front, rid, cost, timeout, place, tokens, Flow(flow_id, band)))
+            task.add_done_callback(partial(self._wait_ended, front, rid, place))
         elif op == "release":
             if (lease := front.leases.pop(message[1], None)) is not None:
                 lease.release()
@@ -189,8 +191,8 @@ class GateServer:
             if (place := front.places.pop(message[1], None)) is not None:
                 place.release()
         elif op == "cancel":
-            if (task := front.waits.get(message[1])) is not None:
-                task.cancel()
+            if (wait := front.waits.get(message[1])) is not None:
+                wait.cancel()
         elif op == "collect":
             task = asyncio.create_task(self._collect(front, message[1]))
             self._collecting.add(task)
@@ -215,17 +217,19 @@ class GateServer:
         except MmgateError as error:
             front.link.send(["err", rid, *_refusal(error), counters(self.gate)])
             return
-        except asyncio.CancelledError:  # the front's request gave up, or the front is gone
-            front.link.send(["err", rid, 499, "cancelled", "", {}, counters(self.gate)])
-            return
-        finally:
-            front.waits.pop(rid, None)
         if front.closed:
             lease.release()
             return
         lease_id = next(self._ids)
         front.leases[lease_id] = lease
         front.link.send(["ok", rid, lease_id, counters(self.gate)])
+
+    def _wait_ended(self, front: _Front, rid: int, place: Place | None, task: asyncio.Task[None]) -> None:
+        front.waits.pop(rid, None)
+        if task.cancelled():  # the front's request gave up, or the front is gone
+            if place is not None:
+                place.release()  # a wait cancelled before it began still held its place; else a no-op
+            front.link.send(["err", rid, 499, "cancelled", "", {}, counters(self.gate)])
 
     def _forget(self, front: _Front) -> None:
         front.closed = True

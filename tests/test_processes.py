@@ -352,3 +352,18 @@ def test_auto_is_one_front_per_usable_cpu_at_most_one_per_decode_worker() -> Non
                                   "MMGATE_DECODE_WORKERS": "3"})
     assert settings.processes == auto_processes(usable_cpus(), 3) == min(usable_cpus(), 3)
     assert auto_processes(16, 64) == 16 and auto_processes(1, 8) == 1
+
+
+async def test_a_wait_cancelled_before_it_began_gives_its_place_back() -> None:
+    """The front sends acquire (with the place its body held) and, its client gone at once, cancel: both
+    reach the gate in one read, before the wait has run. The place is given back all the same."""
+    gate, shared = await _gate_over_a_socket_pair(limit=1, max_queue=4)
+    place = await shared.take_shared_place()
+    await _until(lambda: gate.reading == 1, "the place held at the gate")
+    waiting = asyncio.create_task(shared.acquire(1, 30, place))
+    await asyncio.sleep(0)  # the acquire is written ...
+    waiting.cancel()  # ... and the cancel right behind it
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await _until(lambda: (gate.reading, gate.in_use, gate.waiting) == (0, 0, 0), "place and slot given back")
+    await shared.close()
