@@ -411,7 +411,7 @@ def main() -> None:
     args.clients = args.clients or max(1, min(8, cores // 2))
     args.upstreams = args.upstreams or max(1, cores // 8)
     args.decode_workers = max(max(processes), cores)
-    stamp = R.stamp("bench/front.py", WHAT)
+    stamp = R.stamp("front.py", WHAT)
     port = L.free_port()
     upstreams = [subprocess.Popen([*ROLE, "upstream", "--port", str(port), "--sse-tokens", str(SSE_TOKENS),
                                    "--sse-delay", str(args.sse_delay)], cwd=R.REPO) for _ in range(args.upstreams)]
