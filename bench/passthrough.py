@@ -375,7 +375,9 @@ def run_upstream(port: int, tokens: int, delay: float) -> None:
                 self.handle.cancel()
 
     async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(Server, "127.0.0.1", port, backlog=1024)
+        # reuse_port: bench.front starts several upstream processes on one port when one would be its limit
+        server = await asyncio.get_running_loop().create_server(Server, "127.0.0.1", port, backlog=1024,
+                                                                reuse_port=True)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         async with server:

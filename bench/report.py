@@ -71,6 +71,8 @@ def verdict(g: R.Goal) -> str:
     if g["target"] is None:
         return "– (reported)"
     worst = "" if g["met_on"] == "median" else f" ({g['met_on']})"
+    if g["median"] is None:  # e.g. a goal for a machine bigger than the one that ran the bench
+        return f"{g['target']}{' ' + g['unit'] if g['unit'] else ''}{worst}: not measured"
     return f"{g['target']}{' ' + g['unit'] if g['unit'] else ''}{worst}: {'met' if g['met'] else '**not met**'}"
 
 

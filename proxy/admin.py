@@ -14,9 +14,10 @@ from pathlib import Path
 import aiohttp
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from .backend_metrics import backend_metrics
+from .shared_gate import MergedFamilies, SharedGate
 from .state import STATE, AppState
 
 READY_CACHE_SECONDS = 1.0
@@ -70,7 +71,15 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = _state(request).metrics.exposition()
+    """Prometheus text; with several front processes, every front's series summed (whichever process serves
+    this request) and the gate's gauges from the one gate."""
+    state = _state(request)
+    if isinstance(state.gate, SharedGate):
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(MergedFamilies(await state.gate.collect()))
+        body = generate_latest(registry)
+    else:
+        body = state.metrics.exposition()
     response = web.Response(body=body)
     response.headers["Content-Type"] = CONTENT_TYPE_LATEST
     return response
@@ -80,7 +89,9 @@ async def stats(request: web.Request) -> web.Response:
     """A small JSON view for the dashboard (the same numbers as /mmgate/metrics)."""
     from .dashboard_stats import snapshot
 
-    return web.Response(body=orjson.dumps(snapshot(_state(request))), content_type="application/json")
+    state = _state(request)
+    merged = await state.gate.collect() if isinstance(state.gate, SharedGate) else None
+    return web.Response(body=orjson.dumps(snapshot(state, merged)), content_type="application/json")
 
 
 async def dashboard(request: web.Request) -> web.FileResponse:

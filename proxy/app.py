@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +28,7 @@ from .admission import Gate
 from .backend_metrics import METRICS_PATH, merged_metrics
 from .cache import MediaCache, settings_fingerprint
 from .connections import ConnectionGuard, mark_head_received
+from .dashboard_stats import rss_bytes
 from .fetch import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
 from .lifecycle import Lifecycle
 from .memory import IdleTrimmer, release_freed_memory, worker_environment
@@ -36,13 +38,18 @@ from .pacing import Pacer
 from .pipeline import expect_continue, handle_request
 from .refusals import refusals_in_api_shape
 from .settings import MIB, ConfigError, Settings
+from .shared_gate import Link, SharedGate, report_of, verdict_to_wire
 from .state import STATE, AppState
 
 log = logging.getLogger("mmgate")
 
 
-def build_state(settings: Settings) -> AppState:
-    """Everything the handlers share. ConfigError when MMGATE_MODEL cannot be loaded (cached: loaded once)."""
+def build_state(settings: Settings, link: Link | None = None,
+                on_gate_lost: Callable[[], None] = lambda: None, front_index: int = 0) -> AppState:
+    """Everything the handlers share. ConfigError when MMGATE_MODEL cannot be loaded (cached: loaded once).
+
+    With ``link`` (a front process of several) the gate is the supervisor's, reached through it
+    (``shared_gate.SharedGate``); ``on_gate_lost`` is called if the supervisor goes away."""
     model = served_model(settings)
     metrics = Metrics()
     trimmer = IdleTrimmer(settings.trim_idle, release_freed_memory(), metrics.memory_trims.inc)
@@ -59,9 +66,16 @@ def build_state(settings: Settings) -> AppState:
     lifecycle = Lifecycle()
     adaptive = (AdaptiveLimit(settings.min_mm_concurrency, settings.max_mm_concurrency_auto)
                 if settings.adaptive_concurrency else None)
-    gate = Gate(settings.max_mm_concurrency, settings.max_inflight_media_bytes, settings.max_queue, gate_changed,
-                lifecycle, token_budget=settings.max_inflight_image_tokens,
-                max_queue_per_flow=settings.max_queue_per_flow, adaptive=adaptive)
+    gate: Gate
+    if link is None:
+        gate = Gate(settings.max_mm_concurrency, settings.max_inflight_media_bytes, settings.max_queue, gate_changed,
+                    lifecycle, token_budget=settings.max_inflight_image_tokens,
+                    max_queue_per_flow=settings.max_queue_per_flow, adaptive=adaptive)
+    else:
+        gate = SharedGate(link, adaptive.limit if adaptive is not None else settings.max_mm_concurrency,
+                          settings.max_inflight_media_bytes, settings.max_queue, gate_changed, lifecycle,
+                          settings.max_inflight_image_tokens, settings.max_queue_per_flow,
+                          report=lambda: front_report(state, front_index), on_lost=on_gate_lost)
     image_policy = ImagePolicy(
         max_pixels=settings.max_image_pixels,
         max_frames=settings.max_frames,
@@ -89,12 +103,25 @@ def build_state(settings: Settings) -> AppState:
         cache = state.cache = MediaCache(settings.cache_bytes, settings_fingerprint(settings),
                                          min(4, settings.decode_workers), metrics.cache_hits.inc,
                                          metrics.cache_misses.inc, metrics.cache_evictions.inc)
+        if isinstance(gate, SharedGate):  # a miss here is first asked of the other fronts' caches
+            cache.peers = gate.peer_verdicts
+            gate.cached = lambda keys: {key: verdict_to_wire(verdict) for key in keys
+                                        if (verdict := cache.get(bytes.fromhex(key))) is not None}
         metrics.cache_bytes.set_function(lambda: cache.bytes_held)
         metrics.cache_entries.set_function(lambda: cache.entries)
         metrics.cache_waiting.set_function(lambda: cache.waiting)
     metrics.cache_limit_bytes.set(settings.cache_bytes)
     state.idle.set()
     return state
+
+
+def front_report(state: AppState, front_index: int) -> dict[str, Any]:
+    """This front's answer to the gate's "report": every metric, and the totals /mmgate/stats adds up."""
+    extra = {"in_flight": state.in_flight, "reading": state.reading, "rss_bytes": rss_bytes() or 0,
+             "decode_workers": state.pool.workers if state.pool is not None else state.settings.decode_workers,
+             "cache_mb": state.settings.cache_mb}
+    front = {"index": front_index, "pid": os.getpid(), "in_flight": state.in_flight}
+    return report_of(list(state.metrics.registry.collect()), extra, front)
 
 
 def served_model(settings: Settings) -> Model | None:
@@ -206,12 +233,15 @@ async def _idle_trimmer(app: web.Application) -> AsyncIterator[None]:
     app[STATE].trimmer.close()
 
 
-def build_app(settings: Settings, *, admin: bool | None = None, state: AppState | None = None) -> web.Application:
-    """The proxy application. ``admin`` serves /mmgate/* here too (default: unless MMGATE_ADMIN_PORT is set)."""
+def build_app(settings: Settings, *, admin: bool | None = None, state: AppState | None = None,
+              link: Link | None = None, on_gate_lost: Callable[[], None] = lambda: None,
+              front_index: int = 0) -> web.Application:
+    """The proxy application. ``admin`` serves /mmgate/* here too (default: unless MMGATE_ADMIN_PORT is set).
+    ``link``: this is one front process of several, sharing the supervisor's gate (``build_state``)."""
     # auto_decompress off: a compressed request body is forwarded as the client sent it (Content-Encoding
     # included), and refused on media routes where mmgate would have to look inside.
     shared = state is not None
-    state = state or build_state(settings)
+    state = state or build_state(settings, link, on_gate_lost, front_index)
     app = web.Application(client_max_size=settings.max_body_bytes,
                           handler_args={"max_field_size": 65536, "auto_decompress": False},
                           middlewares=[mark_head_received(state.connections), refusals_in_api_shape])

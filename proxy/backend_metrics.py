@@ -26,6 +26,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from .shared_gate import SharedGate
 from .state import STATE, AppState
 
 # The queue gauges of the model server protocol that endpoint pickers read, per server.
@@ -133,6 +134,8 @@ async def merged_metrics(request: web.Request) -> web.Response:
     if status == 200:
         openmetrics = content_type.startswith("application/openmetrics-text")
         own = _OwnFamilies(state.metrics.registry)
+        if isinstance(state.gate, SharedGate):
+            await state.gate.refresh()  # the one gate's count, not as of this front's last exchange with it
         merged = merge(body, state.gate.waiting_media,
                        generate_openmetrics(own) if openmetrics else generate_latest(own))
         if merged is not None:

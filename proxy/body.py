@@ -8,7 +8,7 @@ the limit, and a body that trickles is cut at the deadline (aiohttp has no body-
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -19,7 +19,7 @@ SMALL_PIECE = 16 << 10  # parser chunks smaller than this are gathered before th
 
 
 async def read_body(request: web.Request, limit: int, timeout: float,
-                    on_head: Callable[[bytes], None] | None = None) -> list[bytes]:
+                    on_head: Callable[[bytes], Awaitable[None]] | None = None) -> list[bytes]:
     """The whole body, as the chunks the HTTP parser delivered, refusing more than ``limit`` bytes (413 up
     front from Content-Length, or as soon as a chunked body crosses it) and more than ``timeout`` seconds (408:
     aiohttp has no body-read timeout). Only a caller that needs one buffer joins them (``joined``): a text
@@ -68,7 +68,7 @@ async def read_body(request: web.Request, limit: int, timeout: float,
                         small.clear()
                     chunks.append(chunk)
                 if on_head is not None and size >= HEAD_BYTES:
-                    on_head(_head(chunks, small))
+                    await on_head(_head(chunks, small))
                     on_head = None
     except TimeoutError:
         raise MmgateError(408, "body_read_timeout", f"the request body did not arrive within {timeout:g} s") from None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -109,6 +109,8 @@ class MediaCache:
         self.hasher = ThreadPoolExecutor(max(1, hash_threads), thread_name_prefix="mmgate-hash",
                                          initializer=lower_priority)
         self.count_hit, self.count_miss, self._count_evict = on_hit, on_miss, on_evict
+        # With several front processes: what the other fronts' caches hold of some keys (``SharedGate``).
+        self.peers: Callable[[list[bytes]], Awaitable[dict[bytes, Verdict]]] | None = None
 
     @property
     def entries(self) -> int:

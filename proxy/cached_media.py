@@ -58,6 +58,11 @@ async def run_plan_cached(state: AppState, ex: Exchange, plan: Plan, media: Medi
     keys = await _keys(cache, plan, media_ref, identity)
     verdicts: dict[bytes, Verdict] = {}
     misses = await _look_up(cache, keys, verdicts)
+    if misses and cache.peers is not None:  # another front process may have decoded them
+        for key, peer_verdict in (await cache.peers(misses)).items():
+            cache.put(key, peer_verdict)
+            verdicts[key] = peer_verdict
+        misses = await _look_up(cache, keys, verdicts)  # again: a lead may have started here meanwhile
     for item, key in zip(plan.items, keys, strict=True):  # a cached refusal: refused again, nothing decoded
         verdict = verdicts.get(key)
         if verdict is not None and verdict.refusal is not None:

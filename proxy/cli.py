@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import NoReturn
 
 import orjson
@@ -41,7 +43,9 @@ from .settings import (
     overrides_from_args,
     unknown_variables,
 )
+from .shared_gate import Link, SharedGate
 from .state import STATE, AppState
+from .supervisor import supervise
 from .upstream_health import loggable
 
 log = logging.getLogger("mmgate")
@@ -142,8 +146,20 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
         if settings.malloc_tuning:
             log.info("memory: %s",
                      " ".join(applied) if applied else "allocator settings left as the environment set them")
+        on_ready = print_demo_help if stub is not None else None
+        if settings.processes > 1:
+            try:
+                listen_sock = bound(settings.host, settings.port, "MMGATE_PORT / --port")
+                admin_sock = (bound(settings.host, settings.admin_port, "MMGATE_ADMIN_PORT / --admin-port")
+                              if settings.admin_port else None)
+            except ListenError as error:
+                exit_with(error)
+            status = supervise(settings, listen_sock, admin_sock, partial(announce, on_ready=on_ready))
+            if status:
+                raise SystemExit(status)
+            return
         try:
-            asyncio.run(serve(settings, on_ready=print_demo_help if stub is not None else None))
+            asyncio.run(serve(settings, on_ready=on_ready))
         except (ListenError, WorkerStartError) as error:
             exit_with(error)
     finally:
@@ -158,8 +174,21 @@ def exit_with(error: Exception) -> NoReturn:
     raise SystemExit(2) from None
 
 
-async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then drain (see the module docstring) and return."""
+@dataclass(frozen=True)
+class FrontSockets:
+    """What a front process of several (``MMGATE_PROCESSES``) is given by the supervisor: the listening
+    sockets it accepts on with the others, and its end of the link to the shared gate."""
+
+    index: int
+    listen: socket.socket
+    admin: socket.socket | None
+    gate: socket.socket
+
+
+async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | None = None, *,
+                front: FrontSockets | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain (see the module docstring) and return. With ``front``, as one
+    front process of several: on the supervisor's sockets, with its gate (``proxy.supervisor``)."""
     # Handlers first: a signal that arrives while the sockets open must not become a KeyboardInterrupt.
     stop = asyncio.Event()
     received: list[signal.Signals] = []
@@ -171,7 +200,12 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    app = build_app(settings)
+    link = await Link.over(front.gate) if front is not None else None
+    app = build_app(settings, link=link, on_gate_lost=lambda: on_signal(signal.SIGINT),
+                    front_index=front.index if front is not None else 0)
+    gate = app[STATE].gate
+    if isinstance(gate, SharedGate):
+        gate.start()
     runner = make_runner(app)
     try:
         await runner.setup()
@@ -181,19 +215,46 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
     admin_runner = None
     try:
         # Client connections are capped and their heads have a deadline (proxy/connections.py).
-        site = GuardedSite(runner, settings.host, settings.port, app[STATE].connections)
+        site = GuardedSite(runner, settings.host, settings.port, app[STATE].connections,
+                           sock=front.listen if front is not None else None)
         await listen(site, settings.host, settings.port, "MMGATE_PORT / --port")
         if settings.admin_port:
             admin_runner = web.AppRunner(build_admin_app(app[STATE]), access_log=None)
             await admin_runner.setup()
-            admin_site = web.TCPSite(admin_runner, settings.host, settings.admin_port)
+            admin_site: web.BaseSite
+            if front is not None and front.admin is not None:
+                admin_site = web.SockSite(admin_runner, front.admin)
+            else:
+                admin_site = web.TCPSite(admin_runner, settings.host, settings.admin_port)
             await listen(admin_site, settings.host, settings.admin_port, "MMGATE_ADMIN_PORT / --admin-port")
     except ListenError:
         await runner.cleanup()
         if admin_runner is not None:
             await admin_runner.cleanup()
         raise
-    port = site.port
+    if front is not None:
+        assert isinstance(gate, SharedGate)
+        gate.ready()
+        log.info("front process %d ready (pid %d)", front.index, os.getpid())
+        await stop.wait()
+        await drain(app[STATE], received[0])
+        await runner.cleanup()
+        if admin_runner is not None:
+            await admin_runner.cleanup()
+        await gate.close()
+        return
+    announce(settings, site.port, on_ready)
+
+    await stop.wait()
+    await drain(app[STATE], received[0])
+    await runner.cleanup()
+    if admin_runner is not None:
+        await admin_runner.cleanup()
+    log.info("mmgate stopped")
+
+
+def announce(settings: Settings, port: int, on_ready: Callable[[Settings, int], None] | None) -> None:
+    """The lines a person reads once mmgate listens (one process, or the supervisor of several)."""
     log.info("mmgate listening on http://%s:%s%s -> %s", settings.host, port, where_note(settings.host),
              loggable(settings.upstream))
     if settings.admin_port:
@@ -204,26 +265,41 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
     if on_ready is not None:
         on_ready(settings, port)
 
-    await stop.wait()
-    await drain(app[STATE], received[0])
-    await runner.cleanup()
-    if admin_runner is not None:
-        await admin_runner.cleanup()
-    log.info("mmgate stopped")
-
 
 async def listen(site: web.BaseSite, host: str, port: int, setting: str) -> None:
     """``site.start()``, with a socket that cannot be opened as one line naming the setting to change."""
     try:
         await site.start()
     except OSError as exc:
-        if exc.errno is not None and exc.errno > 0:
-            reason = os.strerror(exc.errno).lower()
-        else:  # a host name that does not resolve: no errno, the resolver's own words
-            reason = str(exc.strerror or exc).lower()
-        if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
-            setting = "MMGATE_HOST / --host"
-        raise ListenError(f"cannot listen on {host}:{port}: {reason} ({setting})") from None
+        raise listen_error(exc, host, port, setting) from None
+
+
+def listen_error(exc: OSError, host: str, port: int, setting: str) -> ListenError:
+    if exc.errno is not None and exc.errno > 0:
+        reason = os.strerror(exc.errno).lower()
+    else:  # a host name that does not resolve: no errno, the resolver's own words
+        reason = str(exc.strerror or exc).lower()
+    if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+        setting = "MMGATE_HOST / --host"
+    return ListenError(f"cannot listen on {host}:{port}: {reason} ({setting})")
+
+
+def bound(host: str, port: int, setting: str, backlog: int = 1024) -> socket.socket:
+    """A listening socket for the front processes to share (one accept queue), as ``listen`` would open."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+        except BaseException:
+            sock.close()
+            raise
+    except OSError as exc:
+        raise listen_error(exc, host, port, setting) from None
+    return sock
 
 
 def where_note(host: str) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -439,11 +440,12 @@ class GuardedSite(web.BaseSite):
     """``web.TCPSite`` whose connections go through a ``ConnectionGuard``."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard, *,
-                 backlog: int = 1024) -> None:
+                 backlog: int = 1024, sock: socket.socket | None = None) -> None:
         super().__init__(runner, backlog=backlog)
         self._host = host
         self._port = port
         self._guard = guard
+        self._sock = sock  # a listening socket shared with other front processes (MMGATE_PROCESSES)
 
     @property
     def name(self) -> str:
@@ -462,6 +464,11 @@ class GuardedSite(web.BaseSite):
         make_handler = self._runner.server
         assert make_handler is not None
         guard = self._guard
-        self._server = await asyncio.get_running_loop().create_server(
+        loop = asyncio.get_running_loop()
+        if self._sock is not None:
+            self._server = await loop.create_server(lambda: GuardedConnection(guard, make_handler),
+                                                    sock=self._sock, backlog=self._backlog)
+            return
+        self._server = await loop.create_server(
             lambda: GuardedConnection(guard, make_handler), self._host, self._port,
             backlog=self._backlog, reuse_address=True)

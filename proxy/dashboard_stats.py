@@ -15,9 +15,14 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client.metrics_core import Metric
+
+from .shared_gate import MergedFamilies
+
 if TYPE_CHECKING:
     from prometheus_client.metrics import MetricWrapperBase
 
+    from .metrics import Metrics
     from .state import AppState
 
 SCHEMA_VERSION = 1
@@ -78,7 +83,7 @@ def _histograms(metric: MetricWrapperBase, group_by: str | None) -> tuple[list[f
     return bounds, out
 
 
-def _rss_bytes() -> int | None:
+def rss_bytes() -> int | None:
     """Resident memory from /proc/self/statm (what process_resident_memory_bytes reports), or None."""
     try:
         with open("/proc/self/statm", "rb") as f:
@@ -98,11 +103,46 @@ def _process_start_time(state: AppState) -> float:
     return _start_time
 
 
-def snapshot(state: AppState) -> dict[str, Any]:
-    """Cumulative counters, histogram buckets, current gauges and effective limits, as one JSON-able dict."""
-    m = state.metrics
+class _MergedFamily:
+    """One merged family where ``snapshot`` expects a metric object: ``collect()`` and its bounds."""
+
+    def __init__(self, family: Metric | None, metric: MetricWrapperBase) -> None:
+        self._family = family
+        self._upper_bounds = getattr(metric, "_upper_bounds", [])
+
+    def collect(self) -> list[Metric]:
+        return [self._family] if self._family is not None else []
+
+
+class _MergedMetrics:
+    """Every front process's metrics, summed (``shared_gate.merge_reports``), read as ``Metrics`` is read."""
+
+    def __init__(self, metrics: Metrics, merged: dict[str, Any]) -> None:
+        self._metrics = metrics
+        self._families = MergedFamilies(merged).by_name
+
+    def __getattr__(self, name: str) -> _MergedFamily:
+        metric = getattr(self._metrics, name)
+        return _MergedFamily(self._families.get(metric._name), metric)
+
+    def started(self) -> float | None:
+        family = self._families.get("process_start_time_seconds")
+        return family.samples[0].value if family is not None and family.samples else None
+
+
+def snapshot(state: AppState, merged: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Cumulative counters, histogram buckets, current gauges and effective limits, as one JSON-able dict.
+
+    ``merged``: with several front processes, every front's metrics and totals (``SharedGate.collect``):
+    the numbers are mmgate's as a whole, not those of the process that answers."""
+    m: Any = state.metrics if merged is None else _MergedMetrics(state.metrics, merged)
     s = state.settings
     now = time.time()
+    totals: dict[str, float] = merged["extra"] if merged is not None else {
+        "in_flight": state.in_flight, "reading": state.reading, "rss_bytes": rss_bytes() or 0,
+        "decode_workers": state.pool.workers if state.pool is not None else s.decode_workers,
+        "cache_mb": s.cache_mb, "processes": 1}
+    started = m.started() if merged is not None else None
 
     by_code = {code: v for code, v in _counter_by(m.requests, "code").items()}
     by_class: dict[str, float] = {}
@@ -117,12 +157,14 @@ def snapshot(state: AppState) -> dict[str, Any]:
 
     media_bytes = _counter_by(m.media_bytes, "direction")
     bytes_in, bytes_out = media_bytes.get("in", 0.0), media_bytes.get("out", 0.0)
-    pool = state.pool
 
     return {
         "v": SCHEMA_VERSION,
         "time": now,
-        "uptime_seconds": max(0.0, now - _process_start_time(state)),
+        "uptime_seconds": max(0.0, now - (started or _process_start_time(state))),
+        "processes": int(totals["processes"]),
+        # each front process's own (MMGATE_PROCESSES > 1): index, pid, requests in flight
+        "fronts": merged["fronts"] if merged is not None else [],
         "requests": {
             "total": sum(by_code.values()),
             "by_class": by_class,
@@ -168,21 +210,21 @@ def snapshot(state: AppState) -> dict[str, Any]:
             "bytes": _gauge_value(m.cache_bytes),
             "entries": _gauge_value(m.cache_entries),
             "waiting": _gauge_value(m.cache_waiting),
-            "limit_bytes": s.cache_mb * (1 << 20),
+            "limit_bytes": totals["cache_mb"] * (1 << 20),
         },
         "pool": {
-            "workers": pool.workers if pool is not None else s.decode_workers,
+            "workers": int(totals["decode_workers"]),
             "queue_depth": _gauge_value(m.pool_queue_depth),
             "stuck_workers": _gauge_value(m.pool_stuck_workers),
         },
-        "process": {"rss_bytes": _rss_bytes(), "in_flight": state.in_flight, "reading": state.reading,
-                    "draining": not state.lifecycle.ready},
+        "process": {"rss_bytes": int(totals["rss_bytes"]) or None, "in_flight": int(totals["in_flight"]),
+                    "reading": int(totals["reading"]), "draining": not state.lifecycle.ready},
         "limits": {
             "max_mm_concurrency": "auto" if s.adaptive_concurrency else s.max_mm_concurrency,
             "max_queue": s.max_queue,
             "queue_timeout": s.queue_timeout,
             "max_inflight_media_mb": s.max_inflight_media_mb,
-            "decode_workers": s.decode_workers,
+            "decode_workers": int(totals["decode_workers"]),
             "max_body_mb": s.max_body_mb,
             "max_media_item_mb": s.max_media_item_mb,
             "resize_max_pixels": s.resize_max_pixels,
@@ -192,6 +234,6 @@ def snapshot(state: AppState) -> dict[str, Any]:
             "request_timeout": s.request_timeout,
             "upstream_read_timeout": s.upstream_read_timeout,
             "release_at": s.release_at,
-            "cache_mb": s.cache_mb,
+            "cache_mb": int(totals["cache_mb"]),
         },
     }

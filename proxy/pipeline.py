@@ -30,6 +30,7 @@ from .paths import Target, is_allowed, normalise_target
 from .rawjson import Steps, splice
 from .refusals import refuse
 from .settings import PRIORITY_MAX, PRIORITY_MIN
+from .shared_gate import SharedGate
 from .state import STATE, AppState
 from .tokens import plan_image_tokens
 from .upstream import (
@@ -324,11 +325,12 @@ def _big_upload(request: web.Request, state: AppState) -> GuardedConnection | No
     return state.connections.connection_for(request.protocol)
 
 
-def _take_place_for_media(state: AppState, ex: Exchange, head: bytes) -> None:
+async def _take_place_for_media(state: AppState, ex: Exchange, head: bytes) -> None:
     """``read_body``'s look at the first bytes of a big body: if they name media, hold a place in line
     before reading the rest (or refuse now, with the rest unread)."""
     if may_contain_media(head):
-        ex.place = state.gate.take_place(ex.flow)
+        gate = state.gate
+        ex.place = await gate.take_shared_place(ex.flow) if isinstance(gate, SharedGate) else gate.take_place(ex.flow)
 
 
 async def expect_continue(request: web.Request) -> None:

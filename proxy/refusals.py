@@ -66,6 +66,8 @@ async def refusals_in_api_shape(request: web.Request, handler: Any) -> web.Strea
                 normalise_target(request.raw_path)
             except MmgateError as invalid:
                 error = invalid
+    except ConnectionResetError:  # the client left mid-answer (handle_request counted it as 499): none to send
+        raise
     except Exception:
         request_id = request_id_for(None)
         log.exception("request %s (%s %s): internal error", request_id, request.method, loggable(request.path))

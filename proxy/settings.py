@@ -13,7 +13,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -129,6 +129,24 @@ def _prefixes(raw: str) -> tuple[str, ...]:
 # Priority bands (MMGATE_PRIORITY_HEADER): a value outside is clamped to the nearest end.
 PRIORITY_MIN, PRIORITY_MAX = -8, 8
 AUTO_CONCURRENCY = 0  # max_mm_concurrency when MMGATE_MAX_MM_CONCURRENCY=auto
+AUTO_PROCESSES = 0  # processes when MMGATE_PROCESSES=auto, until from_env resolves it
+MAX_PROCESSES = 64
+
+
+def _processes(raw: str) -> int:
+    if raw.strip().lower() == "auto":
+        return AUTO_PROCESSES
+    try:
+        return _int(1, MAX_PROCESSES)(raw)
+    except ValueError:
+        raise ValueError(f"an integer from 1 to {MAX_PROCESSES}, or auto") from None
+
+
+def auto_processes(cpus: int, decode_workers: int) -> int:
+    """``MMGATE_PROCESSES=auto``: one front process per usable CPU (one event loop uses at most one CPU, and
+    more loops than CPUs only add memory and context switches), at most one per decode worker (each front
+    decodes with its share of ``MMGATE_DECODE_WORKERS``, at least one)."""
+    return max(1, min(cpus, decode_workers))
 
 
 def _concurrency(raw: str) -> int:
@@ -209,6 +227,7 @@ class Settings:
     upstream_health_path: str = "/health"
     host: str = "0.0.0.0"
     port: int = 8080
+    processes: int = 1
     admin_port: int = 0
     max_mm_concurrency: int = 4
     max_queue: int = 64
@@ -306,6 +325,12 @@ class Settings:
                               "the adaptive limit needs a range")
         if "decode_mode" not in values:
             values["decode_mode"] = default_decode_mode(usable_cpus())
+        if values.get("processes") == AUTO_PROCESSES:
+            values["processes"] = auto_processes(usable_cpus(), values["decode_workers"])
+        elif values.get("processes", 1) > values["decode_workers"]:
+            raise ConfigError(f"{where['processes']}={values['processes']} is above MMGATE_DECODE_WORKERS="
+                              f"{values['decode_workers']}: each front process decodes with its share of the decode "
+                              "workers, at least one; raise MMGATE_DECODE_WORKERS or lower the processes")
         return cls(**values)
 
     # ----- derived values -----
@@ -349,7 +374,7 @@ class Settings:
         processes:   process mode only: each worker process, its  = DECODE_WORKERS × (WORKER_PROCESS_BYTES
                      interpreter, and the payload twice: in the      + 2 × MAX_MEDIA_ITEM_MB × 4/3)
                      memfd and as the worker's decoded copy
-        connections: each open connection, its read buffer and   = (MAX_CONNECTIONS + PROBE_RESERVE)
+        connections: each open connection, its read buffer and   = (MAX_CONNECTIONS + PROBE_RESERVE × PROCESSES)
                      a head (aiohttp's, outside the bodies); a few     × CONNECTION_BYTES
                      more over the cap for probes
         fetched:     with MEDIA_URLS=fetch, fetched bodies and     = 7/3 × MAX_MM_CONCURRENCY × MAX_MEDIA_PER_REQUEST
@@ -368,7 +393,7 @@ class Settings:
         processes = 0
         if self.decode_mode == "process":
             processes = self.decode_workers * (WORKER_PROCESS_BYTES + 2 * self.max_media_item_bytes * 4 // 3)
-        connections = (self.max_connections + PROBE_RESERVE) * CONNECTION_BYTES
+        connections = (self.max_connections + PROBE_RESERVE * self.processes) * CONNECTION_BYTES
         fetched = 0
         if self.media_urls == "fetch":
             charged = self.mm_concurrency_ceiling * self.max_media_per_request * self.max_media_item_bytes
@@ -379,6 +404,15 @@ class Settings:
         return {"queued": queued, "admitted": admitted, "decoding": decoding, "processes": processes,
                 "connections": connections, "fetched": fetched, "cache": cache,
                 "total": queued + admitted + decoding + processes + connections + fetched + cache}
+
+    def for_front(self, index: int) -> Settings:
+        """What front process ``index`` of ``processes`` runs with: its share of the decode workers, the cache
+        and the client connections, so that the totals, and the worst case above, stay those configured."""
+        def share(total: int) -> int:
+            return total // self.processes + (1 if index < total % self.processes else 0)
+
+        return replace(self, decode_workers=share(self.decode_workers), cache_mb=share(self.cache_mb),
+                       max_connections=max(1, share(self.max_connections)))
 
     def describe(self) -> str:
         """``--print-config``: every effective setting as ``MMGATE_X=value`` and the worst-case memory."""
@@ -411,6 +445,8 @@ _SPEC: dict[str, tuple[Callable[[str], Any], str]] = {
     "upstream_health_path": (_path, "path /mmgate/ready probes on the upstream [/health]"),
     "host": (_text, "listen address [0.0.0.0]"),
     "port": (_int(0, 65535), "listen port [8080]"),
+    "processes": (_processes, "front processes accepting on the one port, sharing one gate, the decode workers "
+                              "and the cache; auto = usable CPUs, at most MMGATE_DECODE_WORKERS [1]"),
     "admin_port": (_int(0, 65535), "serve /mmgate/* only on this port (0 = same port) [0]"),
     "max_mm_concurrency": (_concurrency, "media requests past admission at once, or auto: found from the "
                                          "backend's latency [4]"),

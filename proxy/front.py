@@ -1,0 +1,46 @@
+"""``python -m proxy.front``: one front process of several (``MMGATE_PROCESSES``), started by
+``proxy.supervisor`` with the listening sockets and its link to the shared gate as inherited file
+descriptors and its Settings on stdin. Not a command for people: ``mmgate --processes N`` starts these."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pickle
+import socket
+import sys
+
+from preprocessors.workers import WorkerStartError
+
+from .cli import FrontSockets, configure_logging, exit_with, serve
+from .memory import tune_process
+from .settings import Settings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m proxy.front")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--gate-fd", type=int, required=True)
+    parser.add_argument("--admin-fd", type=int, default=None)
+    args = parser.parse_args()
+    settings = pickle.loads(sys.stdin.buffer.read())  # from the supervisor, which started this process
+    assert isinstance(settings, Settings)
+    configure_logging(settings)
+    tune_process(dict(os.environ), memory_first=settings.malloc_tuning,
+                 decode_threads=settings.decode_workers if settings.decode_mode == "thread" else 0)
+    sockets = FrontSockets(
+        index=args.index,
+        listen=socket.socket(fileno=args.listen_fd),
+        admin=socket.socket(fileno=args.admin_fd) if args.admin_fd is not None else None,
+        gate=socket.socket(fileno=args.gate_fd),
+    )
+    try:
+        asyncio.run(serve(settings, front=sockets))
+    except WorkerStartError as error:
+        exit_with(error)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,536 @@
+"""One gate for several front processes (``MMGATE_PROCESSES`` > 1): the ``admission.Gate`` runs in the
+supervisor, and each front reaches it over a Unix socket pair with a tiny protocol.
+
+Why one place: a gate split across processes would admit N times its limits; a shared-memory counter
+cannot keep one FIFO across processes, nor per-flow turns and priority bands. So the very ``Gate`` class
+of a single process runs, unchanged, in the supervisor's event loop, and every guarantee it gives (exact
+slots, byte and token budgets, one FIFO per flow, bands, deadlines, release exactly once) holds for all
+fronts together. A front's ``SharedGate`` stands in for it: ``take_place`` and ``acquire`` are one round
+trip each; releases and hand-offs are one message, never waited for.
+
+Frames: a 4-byte big-endian length, then an orjson array whose first element names the message.
+
+front -> gate::
+
+    ["ready"]                                          the front listens
+    ["place", rid, flow id, band]                      Gate.take_place
+    ["acquire", rid, cost, timeout, place, tokens, flow id, band]
+    ["cancel", rid]                                    the request gave up waiting
+    ["unplace", place]    ["release", lease]    ["handed_off", lease]
+    ["collect", rid]                                   every front's metrics, merged
+    ["counters", rid]                                  the gate's counters now
+    ["peek", rid, [key, ...]]                          cache entries another front holds (hex keys)
+    ["found", qid, {key: verdict}]                     the answer to the gate's "lookup"
+    ["report", rid, report]                            the answer to the gate's "report"
+
+gate -> front::
+
+    ["ok", rid, value, counters]    ["err", rid, status, code, message, headers, counters]
+    ["report", rid]                                    this front's metrics, please
+    ["lookup", qid, [key, ...]]                        which of these cache entries do you hold?
+
+``counters`` is the gate's ``[in_use, waiting, reading, preparing, bytes_in_use, tokens_in_use, limit]``
+after the operation: a front mirrors them in its gauges. A front that goes away (exit, crash, SIGKILL)
+closes its end: the gate cancels its waits and gives back its places and leases at once. A gate that goes
+away (the supervisor died) tells a front to stop: it drains like on SIGINT and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import orjson
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from preprocessors.job import Refusal, Verdict
+
+from .admission import DEFAULT_FLOW, Flow, Gate, Lease, Place
+from .errors import MmgateError, draining
+from .lifecycle import Lifecycle
+
+log = logging.getLogger("mmgate")
+
+_LENGTH = struct.Struct(">I")
+MAX_FRAME = 64 << 20  # a report of every metric series is well under this; anything bigger is a fault
+REPORT_TIMEOUT = 5.0  # seconds a front has to answer "report"; one that does not is left out of the totals
+# Seconds the other fronts have to say which cache entries they hold: a busy front's answer may come later
+# than a decode would take, and then the asking front decodes.
+PEER_TIMEOUT = 0.5
+
+# Families whose value is the gate's own (one number for all fronts), not a sum of the fronts' mirrors.
+GATE_FAMILIES = ("mmgate_gate_in_use", "mmgate_gate_waiting", "mmgate_gate_reading", "mmgate_media_bytes_inflight",
+                 "mmgate_image_tokens_inflight", "mmgate_gate_limit")
+# Families merged by their smallest value (when the oldest front started), not summed.
+MIN_FAMILIES = ("process_start_time_seconds",)
+
+
+def counters(gate: Gate) -> list[int]:
+    return [gate.in_use, gate.waiting, gate.reading, gate.preparing, gate.bytes_in_use, gate.tokens_in_use,
+            gate.limit]
+
+
+def gate_values(snapshot: list[int]) -> dict[str, float]:
+    """``counters`` as the gauges that show them."""
+    in_use, waiting, reading, _preparing, bytes_in_use, tokens_in_use, limit = snapshot
+    return {"mmgate_gate_in_use": in_use, "mmgate_gate_waiting": waiting, "mmgate_gate_reading": reading,
+            "mmgate_media_bytes_inflight": bytes_in_use, "mmgate_image_tokens_inflight": tokens_in_use,
+            "mmgate_gate_limit": limit}
+
+
+class Link:
+    """One end of a front's socket pair: framed orjson messages, written at once, read by ``receive``."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def over(cls, sock: socket.socket) -> Link:
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        return cls(reader, writer)
+
+    def send(self, message: list[Any]) -> None:
+        if self.writer.is_closing():
+            return
+        data = orjson.dumps(message)
+        self.writer.write(_LENGTH.pack(len(data)) + data)
+
+    async def receive(self) -> list[Any] | None:
+        """The next message, or None once the other end is gone."""
+        try:
+            head = await self.reader.readexactly(_LENGTH.size)
+            (length,) = _LENGTH.unpack(head)
+            if length > MAX_FRAME:
+                raise ValueError(f"a frame of {length} bytes")
+            message = orjson.loads(await self.reader.readexactly(length))
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            return None
+        return message if isinstance(message, list) and message else None
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _refusal(error: MmgateError) -> list[Any]:
+    return [error.status, error.code, error.message, error.headers]
+
+
+# --- the gate's side (in the supervisor) --------------------------------------------------------------------
+
+
+class _Front:
+    """What one front holds at the gate; all of it is given back when its link closes."""
+
+    def __init__(self, index: int, link: Link) -> None:
+        self.index = index
+        self.link = link
+        self.places: dict[int, Place] = {}
+        self.leases: dict[int, Lease] = {}
+        self.waits: dict[int, asyncio.Task[None]] = {}
+        self.closed = False
+        self.ready = asyncio.Event()
+
+
+class GateServer:
+    """Serves one ``Gate`` to every front. Runs in the supervisor's event loop, like the Gate itself."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+        self._fronts: set[_Front] = set()
+        self._ids = itertools.count(1)
+        self._reports: dict[int, tuple[asyncio.Future[Any], int]] = {}
+        self._collecting: set[asyncio.Task[None]] = set()
+
+    async def serve(self, index: int, sock: socket.socket, ready: asyncio.Event) -> None:
+        """Serve one front until its link closes, then free everything it held."""
+        front = _Front(index, await Link.over(sock))
+        front.ready = ready
+        self._fronts.add(front)
+        try:
+            while (message := await front.link.receive()) is not None:
+                self._handle(front, message)
+        finally:
+            self._forget(front)
+
+    def _handle(self, front: _Front, message: list[Any]) -> None:
+        op = message[0]
+        gate = self.gate
+        if op == "acquire":
+            _, rid, cost, timeout, place_id, tokens, flow_id, band = message
+            place = front.places.pop(place_id, None) if place_id is not None else None
+            task = front.waits[rid] = asyncio.create_task(
+                self._acquire(front, rid, cost, timeout, place, tokens, Flow(flow_id, band)))
+            task.add_done_callback(partial(self._wait_ended, front, rid, place))
+        elif op == "release":
+            if (lease := front.leases.pop(message[1], None)) is not None:
+                lease.release()
+        elif op == "handed_off":
+            if (lease := front.leases.get(message[1])) is not None:
+                lease.handed_off()
+        elif op == "place":
+            _, rid, flow_id, band = message
+            try:
+                place = gate.take_place(Flow(flow_id, band))
+            except MmgateError as error:
+                front.link.send(["err", rid, *_refusal(error), counters(gate)])
+                return
+            place_id = next(self._ids)
+            front.places[place_id] = place
+            front.link.send(["ok", rid, place_id, counters(gate)])
+        elif op == "unplace":
+            if (place := front.places.pop(message[1], None)) is not None:
+                place.release()
+        elif op == "cancel":
+            if (wait := front.waits.get(message[1])) is not None:
+                wait.cancel()
+        elif op == "collect":
+            task = asyncio.create_task(self._collect(front, message[1]))
+            self._collecting.add(task)
+            task.add_done_callback(self._collecting.discard)
+        elif op in ("report", "found"):
+            found = self._reports.get(message[1])
+            if found is not None and not found[0].done():
+                found[0].set_result(message[2])
+        elif op == "peek":
+            task = asyncio.create_task(self._peek(front, message[1], message[2]))
+            self._collecting.add(task)
+            task.add_done_callback(self._collecting.discard)
+        elif op == "counters":
+            front.link.send(["ok", message[1], None, counters(gate)])
+        elif op == "ready":
+            front.ready.set()
+
+    async def _acquire(self, front: _Front, rid: int, cost: int, timeout: float, place: Place | None,
+                       tokens: int, flow: Flow) -> None:
+        try:
+            lease = await self.gate.acquire(cost, timeout, place, tokens, flow)
+        except MmgateError as error:
+            front.link.send(["err", rid, *_refusal(error), counters(self.gate)])
+            return
+        if front.closed:
+            lease.release()
+            return
+        lease_id = next(self._ids)
+        front.leases[lease_id] = lease
+        front.link.send(["ok", rid, lease_id, counters(self.gate)])
+
+    def _wait_ended(self, front: _Front, rid: int, place: Place | None, task: asyncio.Task[None]) -> None:
+        front.waits.pop(rid, None)
+        if task.cancelled():  # the front's request gave up, or the front is gone
+            if place is not None:
+                place.release()  # a wait cancelled before it began still held its place; else a no-op
+            front.link.send(["err", rid, 499, "cancelled", "", {}, counters(self.gate)])
+
+    def _forget(self, front: _Front) -> None:
+        front.closed = True
+        self._fronts.discard(front)
+        for task in front.waits.values():
+            task.cancel()
+        for place in front.places.values():
+            place.release()
+        for lease in front.leases.values():
+            lease.release()
+        held = len(front.places) + len(front.leases)
+        if held:
+            log.warning("front process %d went away holding %d lease(s) and place(s): given back", front.index,
+                        held)
+        front.places.clear()
+        front.leases.clear()
+        front.link.close()
+
+    async def _ask_fronts(self, fronts: list[_Front], message: list[Any], timeout: float) -> list[Any]:
+        """Send ``message`` (its id filled in per front) to ``fronts``; the answers that came within
+        ``timeout``."""
+        loop = asyncio.get_running_loop()
+        pending = []
+        for front in fronts:
+            query_id = next(self._ids)
+            future: asyncio.Future[Any] = loop.create_future()
+            self._reports[query_id] = (future, front.index)
+            pending.append((query_id, future))
+            front.link.send([message[0], query_id, *message[1:]])
+        if not pending:
+            return []
+        try:
+            done, _ = await asyncio.wait([future for _, future in pending], timeout=timeout)
+        finally:
+            for query_id, _ in pending:
+                self._reports.pop(query_id, None)
+        return [future.result() for _, future in pending if future in done]
+
+    async def _collect(self, asking: _Front, rid: int) -> None:
+        """Ask every front for its metrics and send ``asking`` the merge."""
+        serving = [front for front in self._fronts if front.ready.is_set()]
+        reports = await self._ask_fronts(serving, ["report"], REPORT_TIMEOUT)
+        asking.link.send(["ok", rid, merge_reports(reports, counters(self.gate)), counters(self.gate)])
+
+    async def _peek(self, asking: _Front, rid: int, keys: list[str]) -> None:
+        """Ask every other front which of ``keys`` its cache holds; send ``asking`` the first of each found."""
+        others = [front for front in self._fronts if front is not asking and front.ready.is_set()]
+        found: dict[str, Any] = {}
+        for answer in await self._ask_fronts(others, ["lookup", keys], PEER_TIMEOUT):
+            for key, verdict in answer.items():
+                found.setdefault(key, verdict)
+        asking.link.send(["ok", rid, found, counters(self.gate)])
+
+    @property
+    def fronts(self) -> int:
+        return len(self._fronts)
+
+
+def merge_reports(reports: list[dict[str, Any]], gate_counters: list[int]) -> dict[str, Any]:
+    """Every front's metric families summed series by series; the gate's own gauges from the gate;
+    ``extra`` (requests in flight, being read, resident memory, decode workers) summed; ``fronts``: each
+    front's own figures."""
+    families: dict[str, list[Any]] = {}
+    for report in reports:
+        for name, documentation, kind, unit, samples in report["families"]:
+            family = families.setdefault(name, [documentation, kind, unit, {}])
+            series = family[3]
+            for sample_name, labels, value in samples:
+                key = (sample_name, tuple(sorted(labels.items())))
+                if key not in series:
+                    series[key] = value
+                elif name in MIN_FAMILIES:
+                    series[key] = min(series[key], value)
+                else:
+                    series[key] += value
+    for name, value in gate_values(gate_counters).items():
+        if name in families:
+            families[name][3] = {(name, ()): value}
+    extra: dict[str, float] = {}
+    for report in reports:
+        for key, value in report["extra"].items():
+            extra[key] = extra.get(key, 0) + value
+    extra["processes"] = len(reports)
+    return {
+        "fronts": sorted((report["front"] for report in reports), key=lambda front: front["index"]),
+        "families": [[name, doc, kind, unit,
+                      [[sname, dict(labels), value] for (sname, labels), value in series.items()]]
+                     for name, (doc, kind, unit, series) in families.items()],
+        "extra": extra,
+    }
+
+
+# --- a front's side -----------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class SharedLease(Lease):
+    """A lease held at the supervisor's gate: releasing or handing it off is one message there."""
+
+    lease_id: int = 0
+
+    def handed_off(self) -> None:
+        if not self.forwarded:
+            self.forwarded = True
+            if not self.released:
+                assert isinstance(self.gate, SharedGate)
+                self.gate.link.send(["handed_off", self.lease_id])
+
+
+@dataclass(eq=False)
+class SharedPlace(Place):
+    place_id: int = 0
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            assert isinstance(self.gate, SharedGate)
+            self.gate.link.send(["unplace", self.place_id])
+
+
+class SharedGate(Gate):
+    """A front's stand-in for the supervisor's Gate. Its counters mirror the gate's as of the last answer
+    (for this front's gauges); every decision is the gate's."""
+
+    def __init__(self, link: Link, limit: int, byte_budget: int, max_queue: int,
+                 on_change: Callable[[Gate], None], lifecycle: Lifecycle, token_budget: int,
+                 max_queue_per_flow: int, report: Callable[[], dict[str, Any]],
+                 on_lost: Callable[[], None]) -> None:
+        super().__init__(limit, byte_budget, max_queue, on_change, lifecycle, token_budget=token_budget,
+                         max_queue_per_flow=max_queue_per_flow)
+        self.link = link
+        self._report = report
+        self._on_lost = on_lost
+        self._ids = itertools.count(1)
+        self._answers: dict[int, asyncio.Future[list[Any]]] = {}
+        self._abandoned: dict[int, str] = {}  # rid -> what to give back if the gate grants it after all
+        self.lost = False
+        self._reader: asyncio.Task[None] | None = None
+        # hex keys -> the wire form of the verdicts this front's cache holds (``app.build_state`` sets it)
+        self.cached: Callable[[list[str]], dict[str, list[Any]]] | None = None
+
+    def start(self) -> None:
+        self._reader = asyncio.create_task(self._read())
+
+    async def close(self) -> None:
+        self.link.close()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+
+    async def _read(self) -> None:
+        while (message := await self.link.receive()) is not None:
+            op = message[0]
+            if op == "report":
+                try:
+                    report = self._report()
+                except Exception:  # a front that cannot report is left out of the totals, not stopped
+                    log.exception("metrics report failed")
+                    continue
+                self.link.send(["report", message[1], report])
+                continue
+            if op == "lookup":
+                held = self.cached(message[2]) if self.cached is not None else {}
+                self.link.send(["found", message[1], held])
+                continue
+            rid = message[1]
+            self._mirror(message[-1])
+            future = self._answers.pop(rid, None)
+            if future is not None and not future.cancelled():
+                future.set_result(message)
+            elif op == "ok" and (kind := self._abandoned.pop(rid, None)) is not None:
+                self.link.send([kind, message[2]])  # granted after the request gave up: give it back
+            else:
+                self._abandoned.pop(rid, None)
+        self.lost = True
+        for future in self._answers.values():
+            if not future.done():
+                future.set_exception(draining())
+        self._answers.clear()
+        self._on_lost()
+
+    def _mirror(self, snapshot: list[int]) -> None:
+        (self.in_use, self._waiting, self.reading, self.preparing, self.bytes_in_use, self.tokens_in_use,
+         self.limit) = snapshot
+        self._on_change(self)
+
+    async def _ask(self, message: list[Any], give_back: str | None) -> list[Any]:
+        if self.lost:
+            raise draining()
+        rid = next(self._ids)
+        message[1] = rid
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._answers[rid] = future
+        self.link.send(message)
+        try:
+            answer = await future
+        except asyncio.CancelledError:
+            self._answers.pop(rid, None)
+            if future.done() and not future.cancelled():
+                # Answered in the same instant the request gave up: what the gate granted goes back.
+                granted = future.result()
+                if granted[0] == "ok" and give_back is not None:
+                    self.link.send([give_back, granted[2]])
+            elif give_back is not None:
+                self._abandoned[rid] = give_back
+                if give_back == "release":
+                    self.link.send(["cancel", rid])
+            raise
+        if answer[0] == "err":
+            _, _, status, code, text, headers, _ = answer
+            raise MmgateError(status, code, text, headers=headers)
+        return answer
+
+    async def take_shared_place(self, flow: Flow = DEFAULT_FLOW) -> Place:
+        """``Gate.take_place``, at the gate."""
+        if self.lifecycle.refusing:
+            raise draining()
+        answer = await self._ask(["place", 0, flow.id, flow.band], "unplace")
+        return SharedPlace(self, flow=flow, place_id=answer[2])
+
+    def take_place(self, flow: Flow = DEFAULT_FLOW) -> Place:
+        raise TypeError("a front process takes its place at the shared gate: await take_shared_place()")
+
+    async def acquire(self, cost: int, timeout: float, place: Place | None = None, tokens: int = 0,
+                      flow: Flow = DEFAULT_FLOW) -> Lease:
+        place_id = None
+        if isinstance(place, SharedPlace) and not place.released:
+            place.released = True  # the gate turns it into a queue entry
+            place_id = place.place_id
+        if self.lifecycle.refusing:
+            if place_id is not None:
+                self.link.send(["unplace", place_id])
+            raise draining()
+        answer = await self._ask(["acquire", 0, cost, timeout, place_id, tokens, flow.id, flow.band], "release")
+        return SharedLease(self, cost, tokens, lease_id=answer[2])
+
+    def _give_back(self, lease: Lease, sample: bool = True) -> None:
+        assert isinstance(lease, SharedLease)
+        self.link.send(["release", lease.lease_id])
+
+    def ready(self) -> None:
+        self.link.send(["ready"])
+
+    async def collect(self) -> dict[str, Any]:
+        """Every front's metrics, merged by the gate (``merge_reports``)."""
+        answer = await self._ask(["collect", 0], None)
+        merged: dict[str, Any] = answer[2]
+        return merged
+
+    async def peer_verdicts(self, keys: list[bytes]) -> dict[bytes, Verdict]:
+        """What the other fronts' caches hold of ``keys``: a miss here need not be a decode."""
+        if self.lost:
+            return {}
+        answer = await self._ask(["peek", 0, [key.hex() for key in keys]], None)
+        return {bytes.fromhex(key): verdict_from_wire(wire) for key, wire in answer[2].items()}
+
+    async def refresh(self) -> None:
+        """The gate's counters as of now, mirrored here (``waiting_media`` for ``MMGATE_BACKEND_METRICS``)."""
+        await self._ask(["counters", 0], None)
+
+
+def verdict_to_wire(verdict: Verdict) -> list[Any]:
+    refusal = verdict.refusal
+    return [verdict.size_in, verdict.size_out, verdict.sniffed_mime.decode("latin-1"), verdict.mime.decode("latin-1"),
+            verdict.encoded.decode("latin-1") if verdict.encoded is not None else None,
+            [refusal.status, refusal.code, refusal.message] if refusal is not None else None,
+            list(verdict.video) if verdict.video is not None else None]
+
+
+def verdict_from_wire(wire: list[Any]) -> Verdict:
+    size_in, size_out, sniffed, mime, encoded, refusal, video = wire
+    return Verdict(size_in, size_out, sniffed.encode("latin-1"), mime.encode("latin-1"),
+                   encoded.encode("latin-1") if encoded is not None else None,
+                   Refusal(*refusal) if refusal is not None else None,
+                   (video[0], video[1], video[2]) if video is not None else None)
+
+
+def report_of(registry_families: list[Metric], extra: Mapping[str, float], front: Mapping[str, Any]) -> dict[str, Any]:
+    """A front's answer to "report": its metric families as plain data, ``extra`` (summed over the fronts)
+    and ``front`` (this one's own: index, pid, requests in flight)."""
+    return {
+        "front": front,
+        "families": [[family.name, family.documentation, family.type, family.unit,
+                      [[s.name, s.labels, s.value] for s in family.samples]] for family in registry_families],
+        "extra": extra,
+    }
+
+
+class MergedFamilies(Collector):
+    """The merged families as a prometheus_client collector: ``generate_latest`` writes them as it would
+    one process's, and ``dashboard_stats`` reads them the same way."""
+
+    def __init__(self, merged: dict[str, Any]) -> None:
+        self.by_name: dict[str, Metric] = {}
+        for name, documentation, kind, unit, samples in merged["families"]:
+            family = Metric(name, documentation, kind, unit)
+            for sample_name, labels, value in samples:
+                family.add_sample(sample_name, labels, value)
+            self.by_name[name] = family
+
+    def collect(self) -> list[Metric]:
+        return list(self.by_name.values())
+
