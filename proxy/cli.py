@@ -35,6 +35,7 @@ from preprocessors.workers import WorkerStartError
 
 from .app import build_admin_app, build_app, make_runner, served_model
 from .connections import GuardedSite
+from .lifecycle import StopSignals
 from .memory import tune_process
 from .settings import (
     ConfigError,
@@ -189,19 +190,10 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
                 front: FrontSockets | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain (see the module docstring) and return. With ``front``, as one
     front process of several: on the supervisor's sockets, with its gate (``proxy.supervisor``)."""
-    # Handlers first: a signal that arrives while the sockets open must not become a KeyboardInterrupt.
-    stop = asyncio.Event()
-    received: list[signal.Signals] = []
-
-    def on_signal(signum: signal.Signals) -> None:
-        received.append(signum)
-        stop.set()
-
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
+    signals = StopSignals()
+    signals.install()
     link = await Link.over(front.gate) if front is not None else None
-    app = build_app(settings, link=link, on_gate_lost=lambda: on_signal(signal.SIGINT),
+    app = build_app(settings, link=link, on_gate_lost=lambda: signals(signal.SIGINT),
                     front_index=front.index if front is not None else 0)
     gate = app[STATE].gate
     if isinstance(gate, SharedGate):
@@ -236,21 +228,18 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
         assert isinstance(gate, SharedGate)
         gate.ready()
         log.info("front process %d ready (pid %d)", front.index, os.getpid())
-        await stop.wait()
-        await drain(app[STATE], received[0])
-        await runner.cleanup()
-        if admin_runner is not None:
-            await admin_runner.cleanup()
-        await gate.close()
-        return
-    announce(settings, site.port, on_ready)
+    else:
+        announce(settings, site.port, on_ready)
 
-    await stop.wait()
-    await drain(app[STATE], received[0])
+    await signals.stopped.wait()
+    await drain(app[STATE], signals.first)
     await runner.cleanup()
     if admin_runner is not None:
         await admin_runner.cleanup()
-    log.info("mmgate stopped")
+    if isinstance(gate, SharedGate):
+        await gate.close()
+    else:
+        log.info("mmgate stopped")
 
 
 def announce(settings: Settings, port: int, on_ready: Callable[[Settings, int], None] | None) -> None:

@@ -7,6 +7,8 @@ requests already accepted keep their place). ``cli.drain`` moves it forward; not
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from enum import Enum
 
 
@@ -38,3 +40,33 @@ class Lifecycle:
 
     def start_draining(self) -> None:
         self.phase = Phase.DRAINING
+
+
+class StopSignals:
+    """SIGTERM and SIGINT caught on the running loop. ``stopped`` is set by the first one; ``first`` says which,
+    since it decides how to drain (SIGINT skips the grace when nothing is in flight). Install it before
+    anything slow starts, so a signal that arrives meanwhile is not a ``KeyboardInterrupt``."""
+
+    CAUGHT = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.stopped = asyncio.Event()
+        self._received: list[signal.Signals] = []
+
+    def __call__(self, signum: signal.Signals) -> None:
+        self._received.append(signum)
+        self.stopped.set()
+
+    @property
+    def first(self) -> signal.Signals:
+        return self._received[0] if self._received else signal.SIGTERM
+
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in self.CAUGHT:
+            loop.add_signal_handler(signum, self, signum)
+
+    def remove(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in self.CAUGHT:
+            loop.remove_signal_handler(signum)

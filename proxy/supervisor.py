@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from .adaptive import AdaptiveLimit
 from .admission import Gate
+from .lifecycle import StopSignals
 from .settings import Settings
 from .shared_gate import GateServer
 
@@ -85,16 +86,9 @@ class Supervisor:
         return _Child(index, process, ready, link, time.monotonic())
 
     async def run(self, on_ready: Callable[[Settings, int], None] | None) -> int:
-        stop = asyncio.Event()
-        received: list[signal.Signals] = []
-
-        def on_signal(signum: signal.Signals) -> None:
-            received.append(signum)
-            stop.set()
-
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, on_signal, signum)
+        signals = StopSignals()
+        signals.install()
+        stop = signals.stopped
         try:
             self.children = [await self._start(index) for index in range(self.settings.processes)]
             for child in self.children:
@@ -112,10 +106,9 @@ class Supervisor:
                 log.info("%d front processes (pids %s) share the port and one gate", len(self.children),
                          " ".join(str(c.process.pid) for c in self.children))
                 await self._watch(stop)
-            return await self._stop(received[0] if received else signal.SIGTERM)
+            return await self._stop(signals.first)
         finally:
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(signum)
+            signals.remove()
 
     async def _watch(self, stop: asyncio.Event) -> None:
         """Replace every front that exits, until a signal."""
