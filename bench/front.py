@@ -201,15 +201,16 @@ async def chat_replay_hit_rate(url: str, photo: bytes, tag: str, count: int) -> 
     """``bench/cache.py``'s conversations, each request on a fresh connection; hits ÷ (hits + misses)."""
     import aiohttp
 
+    await _gate_idle(url)
     before = L.parse_prom(await _text(url + "/mmgate/metrics"))
     for name in ("one_photo", "new_photo_each_turn"):
         for body in turns(name, photo, tag, count):
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
                     s.post(url + "/v1/chat/completions", data=body,
                            headers={"Content-Type": "application/json"}) as r:
-                await r.read()
+                answer = await r.read()
                 if r.status != 200:
-                    raise RuntimeError(f"chat replay got {r.status}")
+                    raise RuntimeError(f"chat replay got {r.status}: {answer[:300]!r}")
     after = L.parse_prom(await _text(url + "/mmgate/metrics"))
 
     def delta(name: str) -> float:
@@ -217,6 +218,19 @@ async def chat_replay_hit_rate(url: str, photo: bytes, tag: str, count: int) -> 
 
     hits, misses = delta("mmgate_cache_hits_total"), delta("mmgate_cache_misses_total")
     return {"hits": hits, "misses": misses, "hit_rate": hits / max(hits + misses, 1)}
+
+
+async def _gate_idle(url: str, within: float = 120.0) -> None:
+    """Wait until the previous load's requests have left the gate: the replay measures hits, not a queue
+    that clients killed at the end of a window left behind (each waits out its own deadline)."""
+    deadline = time.monotonic() + within
+    while True:
+        gate = (await L.get_json(url, "/mmgate/stats"))["gate"]
+        if gate["in_use"] == 0 and gate["waiting"] == 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gate is not idle {within:.0f} s after the load: {gate}")
+        await asyncio.sleep(0.2)
 
 
 async def _text(url: str) -> str:
