@@ -365,7 +365,8 @@ class SharedGate(Gate):
         self._on_lost = on_lost
         self._ids = itertools.count(1)
         self._answers: dict[int, asyncio.Future[list[Any]]] = {}
-        self._abandoned: dict[int, str] = {}  # rid -> what to give back if the gate grants it after all
+        # rid -> what to send back if the gate's grant finds nobody waiting for it ("release", "unplace")
+        self._give_backs: dict[int, str] = {}
         self.lost = False
         self._reader: asyncio.Task[None] | None = None
         # hex keys -> the wire form of the verdicts this front's cache holds (``app.build_state`` sets it)
@@ -396,21 +397,27 @@ class SharedGate(Gate):
                 held = self.cached(message[2]) if self.cached is not None else {}
                 self.link.send(["found", message[1], held])
                 continue
-            rid = message[1]
-            self._mirror(message[-1])
-            future = self._answers.pop(rid, None)
-            if future is not None and not future.cancelled():
-                future.set_result(message)
-            elif op == "ok" and (kind := self._abandoned.pop(rid, None)) is not None:
-                self.link.send([kind, message[2]])  # granted after the request gave up: give it back
-            else:
-                self._abandoned.pop(rid, None)
+            self._answered(message)
         self.lost = True
         for future in self._answers.values():
             if not future.done():
                 future.set_exception(draining())
         self._answers.clear()
+        self._give_backs.clear()
         self._on_lost()
+
+    def _answered(self, message: list[Any]) -> None:
+        """The gate's answer (``ok`` or ``err``) to one of this front's questions."""
+        rid = message[1]
+        self._mirror(message[-1])
+        future = self._answers.pop(rid, None)
+        give_back = self._give_backs.pop(rid, None)
+        if future is not None and not future.cancelled():
+            future.set_result(message)
+        elif message[0] == "ok" and give_back is not None:
+            # Granted after the request gave up, or while its cancellation is on its way to ``_ask`` (the
+            # future is cancelled at once, the except clause runs on the task's next step): given back here.
+            self.link.send([give_back, message[2]])
 
     def _mirror(self, snapshot: list[int]) -> None:
         (self.in_use, self._waiting, self.reading, self.preparing, self.bytes_in_use, self.tokens_in_use,
@@ -424,6 +431,8 @@ class SharedGate(Gate):
         message[1] = rid
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         self._answers[rid] = future
+        if give_back is not None:
+            self._give_backs[rid] = give_back
         self.link.send(message)
         try:
             answer = await future
@@ -434,10 +443,10 @@ class SharedGate(Gate):
                 granted = future.result()
                 if granted[0] == "ok" and give_back is not None:
                     self.link.send([give_back, granted[2]])
-            elif give_back is not None:
-                self._abandoned[rid] = give_back
-                if give_back == "release":
-                    self.link.send(["cancel", rid])
+            elif give_back == "release" and rid in self._give_backs:
+                # Still waiting at the gate: stop the wait there. A grant that crosses this message is
+                # given back by ``_read``, which still knows what to send for it.
+                self.link.send(["cancel", rid])
             raise
         if answer[0] == "err":
             _, _, status, code, text, headers, _ = answer

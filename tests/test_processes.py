@@ -324,6 +324,26 @@ async def test_a_grant_that_crosses_a_cancelled_wait_is_given_back() -> None:
     await shared.close()
 
 
+async def test_a_grant_read_before_the_cancelled_wait_runs_again_is_given_back() -> None:
+    """The front's request is cancelled (its future at once, its except clause on the task's next step) and
+    the gate's grant is read in between: the grant is given back, not dropped. The supervisor's end is played
+    by the test over the real socket pair, so the order of the two is the test's own."""
+    server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    supervisor = await Link.over(server_end)
+    shared = SharedGate(await Link.over(front_end), 1, 0, 4, lambda gate: None, Lifecycle(), 0, 0,
+                        report=dict, on_lost=lambda: None)
+    waiting = asyncio.create_task(shared.acquire(1, 30))
+    asked = await supervisor.receive()
+    assert asked is not None and asked[0] == "acquire"
+    waiting.cancel()
+    shared._answered(["ok", asked[1], 42, [1, 0, 0, 1, 1, 0, 1]])  # the reader runs before the task does
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert await supervisor.receive() == ["release", 42]
+    supervisor.close()
+    await shared.close()
+
+
 async def test_refusals_cross_the_socket_in_the_gates_own_words() -> None:
     gate, shared = await _gate_over_a_socket_pair(limit=1, max_queue=0)
     held = await shared.acquire(1, 30)
