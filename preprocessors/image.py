@@ -112,8 +112,9 @@ def process_image(
 ) -> Processed | None:
     """Validate ``data``; downscale and re-encode it only when the policy's resize limits require it.
 
-    Returns None when the image is valid and needs no change: the caller forwards the original string
-    byte for byte (MIME and EXIF included), whatever ``policy.output_format`` says. Otherwise returns
+    Returns None when the image is valid and needs no change, or, with a served model, when its re-encode
+    would be no smaller than the original: the caller forwards the original string byte for byte (MIME and
+    EXIF included), whatever ``policy.output_format`` says. Otherwise returns
     the re-encoded file: upright (EXIF orientation applied), metadata stripped, in the policy's format.
 
     ``validate="full"`` decodes the pixels (catches truncation); with a resize, the (draft) decode
@@ -176,6 +177,10 @@ def process_image(
     if orientation in _SWAPS_SIDES:
         width, height = height, width
     out, mime = _encode(small, policy)
+    if policy.geometry is not None and len(out) >= len(data):
+        # The served model resizes the original to this very size itself: forwarding it loses nothing and
+        # costs fewer bytes than a re-encode at the quality fidelity needs.
+        return None
     return Processed(
         data=out,
         mime=mime,

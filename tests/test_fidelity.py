@@ -89,6 +89,21 @@ def test_a_model_resizes_with_its_processors_filter(idefics3: Path, high_detail_
     assert own > other
 
 
+def test_with_a_model_a_reencode_no_smaller_than_the_original_is_not_sent(idefics3: Path) -> None:
+    """A grainy photo compressed hard re-encodes bigger at the model's size than it came: the original goes
+    byte for byte instead (None), and the backend resizes it to that very size itself."""
+    import numpy as np
+
+    from proxy.model import load_model
+
+    geometry = load_model(str(idefics3)).geometry
+    grain = np.random.default_rng(7).integers(0, 256, (1500, 2000, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(grain).save(out, "JPEG", quality=25)
+    assert process_image(out.getvalue(), ImagePolicy(geometry=geometry)) is None
+    assert process_image(out.getvalue(), ImagePolicy(resize_max_pixels=1456 * 1092)) is not None  # no model
+
+
 def test_without_a_model_auto_quality_stays_90_with_subsampled_chroma(high_detail_jpeg: bytes) -> None:
     processed = process_image(high_detail_jpeg, ImagePolicy(resize_max_pixels=1456 * 1092))
     assert processed is not None

@@ -31,7 +31,7 @@ from proxy.app import build_state
 from proxy.cli import main
 from proxy.model import Model, load_model
 from proxy.settings import ConfigError, Settings
-from testkit.media import chat_with_image, data_uri, decode_uri
+from testkit.media import chat_with_image, data_uri, decode_uri, photo_sized
 
 from .conftest import StartProxy, Upstream
 
@@ -327,7 +327,9 @@ def test_a_rotated_photo_is_resized_upright_to_the_processor_size(
     assert found is not None and (found.width, found.height, found.orientation) == (2400, 1600, orientation)
     estimate = model.image_tokens(found.width, found.height, found.orientation)
 
-    processed = process_image(data, ImagePolicy(geometry=model.geometry))
+    # At quality 90 the re-encode is smaller than this smooth photo, so what is sent is the resize (at the
+    # model's own quality it would not be, and the original would go as it is).
+    processed = process_image(data, ImagePolicy(geometry=model.geometry, jpeg_quality=90))
     assert processed is not None
     out = Image.open(io.BytesIO(processed.data))
     seen = out.size  # upright: EXIF applied and stripped
@@ -464,7 +466,11 @@ async def test_the_upstream_gets_the_processor_size_and_the_token_count(
     folder = str(folders["qwen2-vl"])
     model: Model = load_model(folder)
     proxy = await start_proxy(upstream.url, MMGATE_MODEL=folder, MMGATE_ACCESS_LOG="on")
-    body = chat_with_image(data_uri(_png(1900, 1300)))
+    # A photo, not a flat colour: its re-encode at the model's size is smaller than it, so the resize is sent
+    # (a re-encode no smaller than the original is not: the original goes as it is).
+    photo = io.BytesIO()
+    photo_sized(1900, 1300).save(photo, "PNG")
+    body = chat_with_image(data_uri(photo.getvalue()))
     body["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": data_uri(_png(300, 200))}})
     with caplog.at_level(logging.INFO, logger="mmgate.access"):
         response = await _post(proxy.url, body, {"x-mmgate-image-tokens": "1"})

@@ -26,7 +26,7 @@ SIZES = {
     "upscaled_by_the_backend": (640, 480, 1),  # Idefics3 brings it to a 1456 px edge: forwarded as it is
     "resized_by_mmgate": (2000, 1500, 1),  # 1456x1092: three rows of 364 px tiles, a downscale
     "strip_enlarged_on_one_side": (3000, 300, 1),  # 1456x364 would be taller than 300 px: forwarded
-    "rotated_photo_resized_upright": (2400, 1800, 6),  # EXIF 6: the backend sees 1800x2400, mmgate sends upright
+    "rotated_photo_resized_upright": (2400, 1800, 6),  # EXIF 6: the backend sees 1800x2400 either way
 }
 
 
@@ -86,6 +86,7 @@ def test_prompt_tokens_equal_direct_and_through_mmgate(model_gate: h.Server, vll
     assert estimate - estimate_small == through - through_small
     assert estimate > 0
     if name.startswith(("resized", "rotated")):
-        assert bytes_out < bytes_in
+        # resized at the model's quality, or forwarded as it is when that re-encode would be no smaller
+        assert bytes_out <= bytes_in
     else:
         assert bytes_out == bytes_in  # forwarded byte for byte
