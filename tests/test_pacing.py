@@ -75,19 +75,27 @@ async def _metric(proxy: Proxy, name: str) -> float:
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
+async def _one_of_two_uploads_held(proxy: Proxy, seeds: tuple[int, int]) -> tuple[
+        asyncio.Event, ChunkedUpload, ChunkedUpload, list[asyncio.Task[None]]]:
+    """The loop made to lag (the returned event), a first upload read, then a second one held."""
+    pacer = proxy.state.pacer
+    lagging = asyncio.Event()
+    lagging.set()
+    pacer.measure = _lag_from(lagging)  # type: ignore[assignment]
+    first, second = ChunkedUpload(proxy, seeds[0]), ChunkedUpload(proxy, seeds[1])
+    tasks = [asyncio.create_task(first.run())]
+    await eventually(lambda: pacer.reading == 1, "the first upload is being read")
+    tasks.append(asyncio.create_task(second.run()))
+    await eventually(lambda: pacer.held == 1, "one of two busy uploads held while the loop lags")
+    return lagging, first, second, tasks
+
+
 async def test_a_big_upload_is_held_while_the_loop_lags_and_forwarded_byte_exact_after(
     upstream: Upstream, start_proxy: StartProxy
 ) -> None:
     proxy = await start_proxy(upstream.url)
     pacer = proxy.state.pacer
-    lagging = asyncio.Event()
-    lagging.set()
-    pacer.measure = _lag_from(lagging)  # type: ignore[assignment]
-    first, second = ChunkedUpload(proxy, 1), ChunkedUpload(proxy, 2)
-    tasks = [asyncio.create_task(first.run())]
-    await eventually(lambda: pacer.reading == 1, "the first upload is being read")
-    tasks.append(asyncio.create_task(second.run()))
-    await eventually(lambda: pacer.held == 1, "one of two busy uploads held while the loop lags")
+    lagging, first, second, tasks = await _one_of_two_uploads_held(proxy, (1, 2))
 
     # While an upload is held: liveness, readiness and a small text request are answered.
     async with aiohttp.ClientSession() as client:
@@ -139,14 +147,7 @@ async def test_a_client_that_disconnects_while_held_leaves_nothing_held(
 ) -> None:
     proxy = await start_proxy(upstream.url)
     pacer = proxy.state.pacer
-    lagging = asyncio.Event()
-    lagging.set()
-    pacer.measure = _lag_from(lagging)  # type: ignore[assignment]
-    first, second = ChunkedUpload(proxy, 3), ChunkedUpload(proxy, 4)
-    tasks = [asyncio.create_task(first.run())]
-    await eventually(lambda: pacer.reading == 1, "the first upload is being read")
-    tasks.append(asyncio.create_task(second.run()))
-    await eventually(lambda: pacer.held == 1, "an upload held")
+    *_, tasks = await _one_of_two_uploads_held(proxy, (3, 4))
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
