@@ -185,7 +185,7 @@ def hash_cost(payload_mb: float, repeats: int = 5) -> dict[str, float]:
     """Loop-thread CPU per MB to hash a payload through the cache's hasher threads, against on the loop."""
     import pybase64
 
-    from proxy.cache import MediaCache, media_digest
+    from proxy.media.cache import MediaCache, media_digest
 
     photo = photo_jpeg()
     data = pybase64.b64encode(photo * max(1, round(payload_mb * 1e6 / (len(photo) * 4 / 3))))

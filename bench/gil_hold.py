@@ -52,7 +52,7 @@ from preprocessors.image import GENERIC_JPEG_QUALITY, _encode, _orientation
 from preprocessors.job import MediaJob, MediaTask, run_task
 from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool, _read_all, _write_all
-from proxy.memory import tune_process, worker_environment
+from proxy.serve.memory import tune_process, worker_environment
 from testkit.media import photo_jpeg
 
 WHAT = "GIL held by media work: a 1 ms sleeper's late wake-ups beside each step and beside saturated pools"

@@ -36,8 +36,8 @@ import orjson
 import pybase64
 
 from bench import _results as R
-from proxy.locate import find_media, locate, looks_text_heavy, may_contain_media
-from proxy.rawjson import skeletonize
+from proxy.payload.locate import find_media, locate, looks_text_heavy, may_contain_media
+from proxy.payload.rawjson import skeletonize
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORDS = [

@@ -4,7 +4,7 @@
 Why: with the processed-media cache on (the default), a resent photo is a cache hit, and its work is moving
 the body through the one event loop: the loop, not the decoders, is then the limit, and a small request or a
 liveness probe queues behind megabytes of body. mmgate paces the reading of big uploads by the loop's lag
-(MMGATE_LOOP_LAG_TARGET, proxy/pacing.py); this measures what a small request and a prober see, and what the
+(MMGATE_LOOP_LAG_TARGET, proxy/edge/pacing.py); this measures what a small request and a prober see, and what the
 pacing costs media throughput, against a minimal aiohttp proxy forwarding the same bodies in the same run.
 
 Per round, fresh processes for each scenario (an idle control server runs throughout):
@@ -121,7 +121,7 @@ async def run_scenario(name: str, body: bytes, upstream: str, control_url: str, 
 
 def hash_cpu_ms(body: bytes, repeats: int = 5) -> float:
     """CPU (this thread) to SHA-256 the body's base64 payload as the cache keys it, median of ``repeats``."""
-    from proxy.cache import media_digest
+    from proxy.media.cache import media_digest
 
     start = body.index(b"base64,") + len(b"base64,")
     payload = body[start:body.index(b'"', start)]

@@ -799,7 +799,7 @@ def bench(args: argparse.Namespace) -> None:
     env["uptime_before"] = uptime_before
     print(f"# passthrough bench: {uptime_before}", flush=True)
 
-    from proxy.locate import may_contain_media  # the bodies must take mmgate's text fast path; not in the roles
+    from proxy.payload.locate import may_contain_media  # the bodies must take mmgate's text fast path; not in the roles
 
     procs = Procs()
     workdir = Path(tempfile.mkdtemp(prefix="mmgate-passthrough-"))

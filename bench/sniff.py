@@ -32,7 +32,7 @@ from typing import Any
 
 from bench import _results as R
 from bench.passthrough import chat_body
-from proxy.locate import MARKERS, may_contain_media
+from proxy.payload.locate import MARKERS, may_contain_media
 
 MiB = 1 << 20
 OLD_MARKERS = (b"image", b"audio", b"video", b"\\u")

@@ -30,7 +30,7 @@ class MmgateError(Exception):
 
     The root of mmgate's one exception tree (subclasses in ``proxy/errors.py``). It lives here, at the
     bottom of the import graph, so the media workers raise the same errors as every other layer without
-    this package importing the proxy; how an error looks on the wire is decided by ``proxy/dialects.py``.
+    this package importing the proxy; how an error looks on the wire is decided by ``proxy/payload/dialects.py``.
     """
 
     def __init__(self, status: int, code: str, message: str, *, param: str | None = None,

@@ -1,6 +1,6 @@
 """A served model's own image geometry: the size its processor resizes an image to, as plain data.
 
-With ``MMGATE_MODEL`` set, ``proxy/model.py`` reads the model's image processor configuration and builds one
+With ``MMGATE_MODEL`` set, ``proxy/media/model.py`` reads the model's image processor configuration and builds one
 of these. They are frozen dataclasses of integers (picklable, so a decode worker in another process can hold
 one) that call the resize helpers of ``transformers`` itself, imported when first used: the rules are the
 processor's, not a copy of them.

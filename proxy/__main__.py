@@ -1,5 +1,5 @@
 """`python -m proxy` is `mmgate`."""
 
-from .cli import main
+from proxy.cli import main
 
 main()

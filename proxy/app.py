@@ -21,25 +21,24 @@ from aiohttp import web
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool
-
-from .adaptive import AdaptiveLimit
-from .admin import add_admin_routes, probe_upstream
-from .admission import Gate
-from .backend_metrics import METRICS_PATH, merged_metrics
-from .cache import MediaCache, settings_fingerprint
-from .connections import ConnectionGuard, mark_head_received
-from .dashboard_stats import rss_bytes
-from .fetch import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
-from .lifecycle import Lifecycle
-from .memory import IdleTrimmer, release_freed_memory, worker_environment
-from .metrics import Metrics, watch_loop_lag
-from .model import Model, load_model
-from .pacing import Pacer
-from .pipeline import expect_continue, handle_request
-from .refusals import refusals_in_api_shape
-from .settings import MIB, ConfigError, Settings
-from .shared_gate import Link, SharedGate, report_of, verdict_to_wire
-from .state import STATE, AppState
+from proxy.admission.adaptive import AdaptiveLimit
+from proxy.admission.gate import Gate
+from proxy.admission.shared import Link, SharedGate, report_of, verdict_to_wire
+from proxy.edge.connections import ConnectionGuard, mark_head_received
+from proxy.edge.pacing import Pacer
+from proxy.edge.refusals import refusals_in_api_shape
+from proxy.fetch.fetcher import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
+from proxy.media.cache import MediaCache, settings_fingerprint
+from proxy.media.model import Model, load_model
+from proxy.ops.admin import add_admin_routes, probe_upstream
+from proxy.ops.backend_metrics import METRICS_PATH, merged_metrics
+from proxy.ops.dashboard_stats import rss_bytes
+from proxy.ops.metrics import Metrics, watch_loop_lag
+from proxy.pipeline import expect_continue, handle_request
+from proxy.serve.lifecycle import Lifecycle
+from proxy.serve.memory import IdleTrimmer, release_freed_memory, worker_environment
+from proxy.settings import MIB, ConfigError, Settings
+from proxy.state import STATE, AppState
 
 log = logging.getLogger("mmgate")
 

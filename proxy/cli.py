@@ -32,22 +32,21 @@ from aiohttp import web
 
 from preprocessors.video import pyav_available
 from preprocessors.workers import WorkerStartError
-
-from .app import build_admin_app, build_app, make_runner, served_model
-from .connections import GuardedSite
-from .lifecycle import StopSignals
-from .memory import tune_process
-from .settings import (
+from proxy.admission.shared import Link, SharedGate
+from proxy.app import build_admin_app, build_app, make_runner, served_model
+from proxy.edge.connections import GuardedSite
+from proxy.edge.upstream_health import loggable
+from proxy.serve.lifecycle import StopSignals
+from proxy.serve.memory import tune_process
+from proxy.serve.supervisor import supervise
+from proxy.settings import (
     ConfigError,
     Settings,
     add_arguments,
     overrides_from_args,
     unknown_variables,
 )
-from .shared_gate import Link, SharedGate
-from .state import STATE, AppState
-from .supervisor import supervise
-from .upstream_health import loggable
+from proxy.state import STATE, AppState
 
 log = logging.getLogger("mmgate")
 
@@ -206,7 +205,7 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
         raise
     admin_runner = None
     try:
-        # Client connections are capped and their heads have a deadline (proxy/connections.py).
+        # Client connections are capped and their heads have a deadline (proxy/edge/connections.py).
         site = GuardedSite(runner, settings.host, settings.port, app[STATE].connections,
                            sock=front.listen if front is not None else None)
         await listen(site, settings.host, settings.port, "MMGATE_PORT / --port")

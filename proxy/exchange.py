@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from .admission import DEFAULT_FLOW, Flow, Lease, Place
-from .buffers import MediaBuffer
-from .dialects import Dialect, Route
-from .metrics import Stopwatch, server_timing
-from .state import AppState
+from proxy.admission.gate import DEFAULT_FLOW, Flow, Lease, Place
+from proxy.media.buffers import MediaBuffer
+from proxy.ops.metrics import Stopwatch, server_timing
+from proxy.payload.dialects import Dialect, Route
+from proxy.state import AppState
 
 log = logging.getLogger("mmgate.access")
 

@@ -15,25 +15,13 @@ from typing import TypeVar
 
 from aiohttp import HttpVersion11, hdrs, web
 
-from .admission import flow_for
-from .body import HEAD_BYTES, joined, read_body
-from .buffers import MediaBuffer
-from .cached_media import run_fetched_plan_cached, run_plan_cached
-from .connections import GuardedConnection
-from .dialects import dialect_for_path, route_for
-from .errors import MmgateError, UpstreamError, draining, internal_error
-from .exchange import CLIENT_CLOSED, Exchange, log, record
-from .fetch import Fetched, fetch_plan
-from .locate import Limits, Plan, chunks_may_contain_media, may_contain_media, plan_steps
-from .media import Rewrites, count_urls, run_plan
-from .paths import Target, is_allowed, normalise_target
-from .rawjson import Steps, splice
-from .refusals import refuse
-from .settings import PRIORITY_MAX, PRIORITY_MIN
-from .shared_gate import SharedGate
-from .state import STATE, AppState
-from .tokens import plan_image_tokens
-from .upstream import (
+from proxy.admission.gate import flow_for
+from proxy.admission.shared import SharedGate
+from proxy.edge.body import HEAD_BYTES, joined, read_body
+from proxy.edge.connections import GuardedConnection
+from proxy.edge.paths import Target, is_allowed, normalise_target
+from proxy.edge.refusals import refuse
+from proxy.edge.upstream import (
     OneShotBody,
     close_upstream,
     open_upstream,
@@ -42,7 +30,19 @@ from .upstream import (
     request_id_for,
     upstream_headers,
 )
-from .upstream_health import upstream_down
+from proxy.edge.upstream_health import upstream_down
+from proxy.errors import MmgateError, UpstreamError, draining, internal_error
+from proxy.exchange import CLIENT_CLOSED, Exchange, log, record
+from proxy.fetch.fetcher import Fetched, fetch_plan
+from proxy.media.buffers import MediaBuffer
+from proxy.media.cached import run_fetched_plan_cached, run_plan_cached
+from proxy.media.step import Rewrites, count_urls, run_plan
+from proxy.media.tokens import plan_image_tokens
+from proxy.payload.dialects import dialect_for_path, route_for
+from proxy.payload.locate import Limits, Plan, chunks_may_contain_media, may_contain_media, plan_steps
+from proxy.payload.rawjson import Steps, splice
+from proxy.settings import PRIORITY_MAX, PRIORITY_MIN
+from proxy.state import STATE, AppState
 
 # Sent upstream with MMGATE_MODEL: the request's image tokens for the served model, for a router or scheduler.
 IMAGE_TOKENS_HEADER = "x-mmgate-image-tokens"
@@ -268,7 +268,7 @@ def _internal_error(ex: Exchange) -> MmgateError:
 
 
 def _checked_target(request: web.Request, allow_paths: tuple[str, ...]) -> Target:
-    """The one path decision (proxy/paths.py): the normalised target, if it may be forwarded at all."""
+    """The one path decision (proxy/edge/paths.py): the normalised target, if it may be forwarded at all."""
     target = normalise_target(request.raw_path)
     if target.path.startswith("/mmgate/") or not is_allowed(target.path, allow_paths):
         raise MmgateError(404, "path_not_allowed", f"{target.path[:200]} is not served by this proxy")

@@ -10,19 +10,18 @@ from aiohttp import web
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.pool import DecodePool
-
-from .admission import Gate
-from .buffers import BufferLedger
-from .cache import MediaCache
-from .connections import ConnectionGuard
-from .fetch import Fetcher
-from .lifecycle import Lifecycle
-from .memory import IdleTrimmer
-from .metrics import Metrics
-from .model import Model
-from .pacing import Pacer
-from .settings import Settings
-from .upstream_health import UpstreamHealth
+from proxy.admission.gate import Gate
+from proxy.edge.connections import ConnectionGuard
+from proxy.edge.pacing import Pacer
+from proxy.edge.upstream_health import UpstreamHealth
+from proxy.fetch.fetcher import Fetcher
+from proxy.media.buffers import BufferLedger
+from proxy.media.cache import MediaCache
+from proxy.media.model import Model
+from proxy.ops.metrics import Metrics
+from proxy.serve.lifecycle import Lifecycle
+from proxy.serve.memory import IdleTrimmer
+from proxy.settings import Settings
 
 
 @dataclass

@@ -15,9 +15,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
-from proxy.admin import PROBE_USER_AGENT
 from proxy.app import build_app, make_runner
-from proxy.connections import GuardedSite
+from proxy.edge.connections import GuardedSite
+from proxy.ops.admin import PROBE_USER_AGENT
 from proxy.settings import Settings
 from proxy.state import STATE, AppState
 

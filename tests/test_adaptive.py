@@ -11,8 +11,8 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.adaptive import MIN_WINDOW, AdaptiveLimit
-from proxy.admission import Gate
+from proxy.admission.adaptive import MIN_WINDOW, AdaptiveLimit
+from proxy.admission.gate import Gate
 from proxy.settings import ConfigError, Settings
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
 

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.backend_metrics import merge
+from proxy.ops.backend_metrics import merge
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
 
 from .conftest import StartProxy, Upstream, require_heavy

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from proxy.cache import (
+from proxy.media.cache import (
     ENTRY_OVERHEAD,
     MediaCache,
     Verdict,

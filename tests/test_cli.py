@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from proxy.cli import free_port, main, where_note
-from proxy.memory import tune_allocators
+from proxy.serve.memory import tune_allocators
 from proxy.settings import _SPEC, TOOLING_VARIABLES, ConfigError, Settings
 
 from .conftest import Upstream

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.connections import PROBE_RESERVE
+from proxy.edge.connections import PROBE_RESERVE
 
 from .conftest import Proxy, StartProxy, Upstream
 

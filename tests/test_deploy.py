@@ -27,8 +27,8 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from bench import worst_case  # noqa: E402
-from proxy.connections import PROBE_LINE  # noqa: E402
-from proxy.metrics import Metrics  # noqa: E402
+from proxy.edge.connections import PROBE_LINE  # noqa: E402
+from proxy.ops.metrics import Metrics  # noqa: E402
 from proxy.settings import Settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""proxy/dialects.py: where each API keeps its media, the paths we report, and what we refuse."""
+"""proxy/payload/dialects.py: where each API keeps its media, the paths we report, and what we refuse."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.dialects import MediaPart, Route, route_for
 from proxy.errors import MmgateError
-from proxy.locate import find_media, inline_value, locate
-from proxy.rawjson import parse_plain, skeletonize, splice, string_value
+from proxy.payload.dialects import MediaPart, Route, route_for
+from proxy.payload.locate import find_media, inline_value, locate
+from proxy.payload.rawjson import parse_plain, skeletonize, splice, string_value
 
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 URI = "data:image/png;base64," + PNG

@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from proxy.fetch import (
+from proxy.fetch.fetcher import (
     FETCH_OUTCOMES,
     AddressPolicy,
     CheckedResolver,

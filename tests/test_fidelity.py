@@ -75,7 +75,7 @@ async def test_the_upstream_gets_a_photo_within_40_db_of_the_processors_own_resi
 
 def test_a_model_resizes_with_its_processors_filter(idefics3: Path, high_detail_jpeg: bytes) -> None:
     """LANCZOS for Idefics3: the processor's filter is closer to the reference than the generic BICUBIC."""
-    from proxy.model import load_model
+    from proxy.media.model import load_model
 
     geometry = load_model(str(idefics3)).geometry
     assert geometry is not None and geometry.resample == Image.Resampling.LANCZOS
@@ -94,7 +94,7 @@ def test_with_a_model_a_reencode_no_smaller_than_the_original_is_not_sent(idefic
     byte for byte instead (None), and the backend resizes it to that very size itself."""
     import numpy as np
 
-    from proxy.model import load_model
+    from proxy.media.model import load_model
 
     geometry = load_model(str(idefics3)).geometry
     grain = np.random.default_rng(7).integers(0, 256, (1500, 2000, 3), dtype=np.uint8)
@@ -113,7 +113,7 @@ def test_without_a_model_auto_quality_stays_90_with_subsampled_chroma(high_detai
 
 
 def test_with_a_model_an_explicit_quality_is_kept_with_full_chroma(idefics3: Path, high_detail_jpeg: bytes) -> None:
-    from proxy.model import load_model
+    from proxy.media.model import load_model
 
     geometry = load_model(str(idefics3)).geometry
     for quality, expected in ((AUTO_JPEG_QUALITY, MODEL_JPEG_QUALITY), (85, 85)):

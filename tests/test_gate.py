@@ -9,7 +9,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from proxy.admission import Gate, Lease, Place
+from proxy.admission.gate import Gate, Lease, Place
 from proxy.errors import MmgateError
 
 

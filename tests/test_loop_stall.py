@@ -13,10 +13,10 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.dialects import Route
 from proxy.errors import MmgateError
-from proxy.locate import Limits, locate, plan_media
-from proxy.rawjson import run_steps, skeleton_steps, skeletonize
+from proxy.payload.dialects import Route
+from proxy.payload.locate import Limits, locate, plan_media
+from proxy.payload.rawjson import run_steps, skeleton_steps, skeletonize
 from testkit.media import data_uri, image_bytes
 
 from .conftest import StartProxy, Upstream

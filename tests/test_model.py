@@ -29,7 +29,7 @@ from preprocessors.geometry import resize_target, upright
 from preprocessors.image import process_image
 from proxy.app import build_state
 from proxy.cli import main
-from proxy.model import Model, load_model
+from proxy.media.model import Model, load_model
 from proxy.settings import ConfigError, Settings
 from testkit.media import chat_with_image, data_uri, decode_uri, photo_sized
 
@@ -587,8 +587,8 @@ def test_the_geometry_travels_to_a_worker_process_as_plain_data(
 def test_a_head_that_says_nothing_counts_as_the_largest_image(folders: dict[str, Path]) -> None:
     """The token budget errs on the safe side: an image whose size mmgate cannot read from its head counts the
     tokens of an image past the family's cap (and the decode worker then refuses it)."""
-    from proxy.locate import Limits, plan_media
-    from proxy.tokens import plan_image_tokens
+    from proxy.media.tokens import plan_image_tokens
+    from proxy.payload.locate import Limits, plan_media
 
     for family in ("qwen2-vl", "idefics3"):
         model = load_model(str(folders[family]))

@@ -11,7 +11,7 @@ import random
 import aiohttp
 import pytest
 
-from proxy.pacing import Pacer
+from proxy.edge.pacing import Pacer
 from testkit.media import eventually
 
 from .conftest import Proxy, StartProxy, Upstream

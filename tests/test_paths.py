@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from yarl import URL
 
+from proxy.edge.paths import is_allowed, normalise_target, remove_dot_segments
 from proxy.errors import MmgateError
-from proxy.paths import is_allowed, normalise_target, remove_dot_segments
 
 from .conftest import StartProxy, Upstream
 

@@ -26,7 +26,7 @@ from PIL import Image
 from preprocessors.base import AudioPolicy, ImagePolicy, no_checkpoint
 from preprocessors.job import MediaJob, MediaTask, run_task
 from preprocessors.workers import ProcessPool, WorkerStartError
-from proxy.admission import Gate
+from proxy.admission.gate import Gate
 from proxy.settings import PROCESS_MODE_FROM_CPUS, Settings, default_decode_mode
 from proxy.state import STATE
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes

@@ -22,11 +22,11 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.admission import Gate
+from proxy.admission.gate import Gate
+from proxy.admission.shared import GateServer, Link, SharedGate
 from proxy.cli import free_port
-from proxy.lifecycle import Lifecycle
+from proxy.serve.lifecycle import Lifecycle
 from proxy.settings import Settings, auto_processes, usable_cpus
-from proxy.shared_gate import GateServer, Link, SharedGate
 from testkit.media import chat_with_image, data_uri, image_bytes
 
 from .conftest import Upstream

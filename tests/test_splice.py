@@ -1,4 +1,4 @@
-"""proxy/rawjson.py and proxy/locate.py: string spans, skeletons, splicing; and the sniff / locate / splice properties.
+"""proxy/payload/rawjson.py and locate.py: string spans, skeletons, splicing; the sniff / locate / splice properties.
 
 The hypothesis tests serialise documents with a deliberately awkward JSON writer (random whitespace,
 random ``\\uXXXX`` and ``\\/`` escapes, raw big numbers) so the token walk meets what real clients
@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.dialects import MediaPart, Route
 from proxy.errors import MmgateError
-from proxy.locate import (
+from proxy.payload.dialects import MediaPart, Route
+from proxy.payload.locate import (
     MARKERS,
     chunks_may_contain_media,
     find_media,
@@ -31,7 +31,7 @@ from proxy.locate import (
     looks_text_heavy,
     may_contain_media,
 )
-from proxy.rawjson import (
+from proxy.payload.rawjson import (
     Skeleton,
     Span,
     parse_plain,

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from yarl import URL
 
-from .errors import UpstreamError
+from proxy.errors import UpstreamError
 
 log = logging.getLogger("mmgate")
 

@@ -53,10 +53,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from preprocessors.job import Refusal, Verdict
-
-from .admission import DEFAULT_FLOW, Flow, Gate, Lease, Place
-from .errors import MmgateError, draining
-from .lifecycle import Lifecycle
+from proxy.admission.gate import DEFAULT_FLOW, Flow, Gate, Lease, Place
+from proxy.errors import MmgateError, draining
+from proxy.serve.lifecycle import Lifecycle
 
 log = logging.getLogger("mmgate")
 

@@ -41,9 +41,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
-from .adaptive import AdaptiveLimit
-from .errors import MmgateError, draining
-from .lifecycle import Lifecycle
+from proxy.admission.adaptive import AdaptiveLimit
+from proxy.errors import MmgateError, draining
+from proxy.serve.lifecycle import Lifecycle
 
 RETRY_AFTER_MIN, RETRY_AFTER_MAX = 1, 60
 

@@ -23,14 +23,21 @@ from concurrent.futures import Future
 from functools import partial
 
 from preprocessors.base import Cancelled
-
-from .buffers import MediaBuffer
-from .cache import HASH_CHUNK, HASH_INLINE_BYTES, MediaCache, Verdict, cache_key, media_digest, new_hasher, refused
-from .errors import MediaError
-from .exchange import Exchange
-from .fetch import Fetched
-from .locate import Item, Plan
-from .media import (
+from proxy.errors import MediaError
+from proxy.exchange import Exchange
+from proxy.fetch.fetcher import Fetched
+from proxy.media.buffers import MediaBuffer
+from proxy.media.cache import (
+    HASH_CHUNK,
+    HASH_INLINE_BYTES,
+    MediaCache,
+    Verdict,
+    cache_key,
+    media_digest,
+    new_hasher,
+    refused,
+)
+from proxy.media.step import (
     Rewrites,
     count_items,
     media_job,
@@ -39,8 +46,9 @@ from .media import (
     refusal_for,
     rewrites_for,
 )
-from .media import _item_value as item_value
-from .state import AppState
+from proxy.media.step import _item_value as item_value
+from proxy.payload.locate import Item, Plan
+from proxy.state import AppState
 
 FOLLOW_ROUNDS = 3
 

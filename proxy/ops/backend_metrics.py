@@ -26,8 +26,8 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from .shared_gate import SharedGate
-from .state import STATE, AppState
+from proxy.admission.shared import SharedGate
+from proxy.state import STATE, AppState
 
 # The queue gauges of the model server protocol that endpoint pickers read, per server.
 QUEUE_GAUGES = frozenset({b"vllm:num_requests_waiting", b"sglang:num_queue_reqs", b"trtllm_num_requests_waiting"})

@@ -30,9 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from preprocessors.geometry import Geometry, Idefics3, LlavaNext, QwenVL, ShortestEdge, Square, model_size, upright
-
-from .errors import MediaError
-from .settings import ConfigError
+from proxy.errors import MediaError
+from proxy.settings import ConfigError
 
 log = logging.getLogger("mmgate")
 

@@ -14,10 +14,9 @@ An image the processor itself refuses (Qwen: an aspect ratio over 200) is 400 ``
 from __future__ import annotations
 
 from preprocessors.dimensions import peek_dimensions
-
-from .errors import MediaError
-from .locate import Plan, inline_value
-from .model import Model
+from proxy.errors import MediaError
+from proxy.media.model import Model
+from proxy.payload.locate import Plan, inline_value
 
 
 def plan_image_tokens(model: Model, plan: Plan, body: bytes) -> list[int]:

@@ -8,7 +8,7 @@ GIL time and change bytes the client sent (big integers, ``1e2``, duplicate keys
    *values* by short placeholders, and parses the small remainder with orjson. ``skeleton_steps`` is the
    same walk cut into bounded steps, with a bound on the remainder orjson may be given, for a caller on an
    event loop.
-2. A walker (``proxy/dialects.py``) reads that small document; a placeholder names the byte ``Span`` of
+2. A walker (``proxy/payload/dialects.py``) reads that small document; a placeholder names the byte ``Span`` of
    its token.
 3. ``splice`` builds the outgoing body in one join: original bytes, with only the chosen tokens replaced.
 
@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from .errors import InvalidJson
+from proxy.errors import InvalidJson
 
 # String values starting with one of these (ASCII case-insensitive) are always placeholdered,
 # whatever their length: media data (data: URI), the MIME beside Anthropic data, and web URLs, so that

@@ -12,10 +12,9 @@ import socket
 import sys
 
 from preprocessors.workers import WorkerStartError
-
-from .cli import FrontSockets, configure_logging, exit_with, serve
-from .memory import tune_process
-from .settings import Settings
+from proxy.cli import FrontSockets, configure_logging, exit_with, serve
+from proxy.serve.memory import tune_process
+from proxy.settings import Settings
 
 
 def main() -> None:

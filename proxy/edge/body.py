@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from .errors import MmgateError
+from proxy.errors import MmgateError
 
 HEAD_BYTES = 64 << 10  # how much of a body ``on_head`` sees; smaller bodies are not worth a place in line
 SMALL_PIECE = 16 << 10  # parser chunks smaller than this are gathered before they join the list

@@ -18,10 +18,18 @@ from dataclasses import dataclass, field
 import hyperscan
 
 from preprocessors.dataurl import decoded_size, parse_data_url
-
-from .dialects import WALKERS, Collected, EnoughParts, MediaPart, Route
-from .errors import InvalidJson, MediaError, MmgateError
-from .rawjson import Skeleton, Span, Steps, StructureTooLarge, parse_plain, run_steps, skeleton_steps, string_value
+from proxy.errors import InvalidJson, MediaError, MmgateError
+from proxy.payload.dialects import WALKERS, Collected, EnoughParts, MediaPart, Route
+from proxy.payload.rawjson import (
+    Skeleton,
+    Span,
+    Steps,
+    StructureTooLarge,
+    parse_plain,
+    run_steps,
+    skeleton_steps,
+    string_value,
+)
 
 # Every media part a walker can find sits under a key or a ``type`` value that contains "image", "audio"
 # or "video" (compared case-sensitively, after JSON unescaping). A JSON string can only hide those letters

@@ -11,12 +11,12 @@ from typing import Any
 
 from aiohttp import web
 
-from .dialects import Dialect, dialect_for_path, error_headers
-from .errors import MmgateError, internal_error
-from .exchange import log, loggable
-from .paths import normalise_target
-from .state import STATE
-from .upstream import request_id_for
+from proxy.edge.paths import normalise_target
+from proxy.edge.upstream import request_id_for
+from proxy.errors import MmgateError, internal_error
+from proxy.exchange import log, loggable
+from proxy.payload.dialects import Dialect, dialect_for_path, error_headers
+from proxy.state import STATE
 
 
 async def refuse(request: web.Request, error: MmgateError, dialect: Dialect, request_id: str,

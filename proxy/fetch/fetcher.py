@@ -39,9 +39,8 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
 from preprocessors.base import MediaKind
-
-from .errors import MmgateError
-from .locate import Plan
+from proxy.errors import MmgateError
+from proxy.payload.locate import Plan
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

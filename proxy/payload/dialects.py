@@ -24,9 +24,8 @@ from typing import Any, Literal
 import orjson
 
 from preprocessors.base import MediaKind
-
-from .errors import MmgateError
-from .rawjson import Skeleton, Span
+from proxy.errors import MmgateError
+from proxy.payload.rawjson import Skeleton, Span
 
 Route = Literal["chat", "responses", "messages", "generate", "other"]
 

@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .adaptive import AdaptiveLimit
-from .admission import Gate
-from .lifecycle import StopSignals
-from .settings import Settings
-from .shared_gate import GateServer
+from proxy.admission.adaptive import AdaptiveLimit
+from proxy.admission.gate import Gate
+from proxy.admission.shared import GateServer
+from proxy.serve.lifecycle import StopSignals
+from proxy.settings import Settings
 
 log = logging.getLogger("mmgate")
 
@@ -67,7 +67,7 @@ class Supervisor:
     async def _start(self, index: int) -> _Child:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = [self.listen.fileno(), child_end.fileno()]
-        argv = [sys.executable, "-m", "proxy.front", "--index", str(index), "--listen-fd", str(fds[0]),
+        argv = [sys.executable, "-m", "proxy.serve.front", "--index", str(index), "--listen-fd", str(fds[0]),
                 "--gate-fd", str(fds[1])]
         if self.admin is not None:
             fds.append(self.admin.fileno())

@@ -27,8 +27,7 @@ from typing import Literal
 from preprocessors.base import MediaError
 from preprocessors.job import Refusal, Verdict
 from preprocessors.pool import lower_priority
-
-from .settings import Settings
+from proxy.settings import Settings
 
 Encoding = Literal["base64", "raw"]
 

@@ -25,8 +25,8 @@ from aiohttp.payload import Payload
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from .buffers import MediaBuffer
-from .errors import UpstreamError
+from proxy.errors import UpstreamError
+from proxy.media.buffers import MediaBuffer
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -180,7 +180,7 @@ async def open_upstream(
     try:
         return await session.request(
             method,
-            URL(url, encoded=True),  # the checked target (proxy/paths.py), never re-encoded
+            URL(url, encoded=True),  # the checked target (proxy/edge/paths.py), never re-encoded
             data=payload,
             headers=headers,
             timeout=timeout,

@@ -39,9 +39,9 @@ from typing import Any, cast
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from .dialects import Dialect, error_headers
-from .errors import MmgateError
-from .settings import PROBE_RESERVE
+from proxy.errors import MmgateError
+from proxy.payload.dialects import Dialect, error_headers
+from proxy.settings import PROBE_RESERVE
 
 log = logging.getLogger("mmgate")
 
@@ -152,7 +152,7 @@ class GuardedConnection(asyncio.Protocol):
         self._head_tail = b""  # the last bytes of a head still arriving, to find its end across reads
         self._sniffed: bytearray | None = None  # over the cap: the bytes read so far, request line not seen
         self.probe = False  # over the cap, served one liveness or readiness probe
-        # Pacing (proxy/pacing.py): reading held, what arrived since (aiohttp may resume the transport for its
+        # Pacing (proxy/edge/pacing.py): reading held, what arrived since (aiohttp may resume the transport for its
         # own flow control: that read waits here), and bytes received since the pacer last asked.
         self._held = False
         self._held_data: list[bytes] = []
@@ -231,7 +231,7 @@ class GuardedConnection(asyncio.Protocol):
         if handler is not None:
             handler.connection_lost(exc)
 
-    # --- pacing: a valve of proxy/pacing.py ---
+    # --- pacing: a valve of proxy/edge/pacing.py ---
 
     def hold_reading(self) -> None:
         """Stop reading from the client until ``release_reading``: its bytes wait in the socket buffer."""

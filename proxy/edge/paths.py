@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
-from .errors import MmgateError
+from proxy.errors import MmgateError
 
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _HEX = frozenset(b"0123456789abcdefABCDEF")

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
 
-from .shared_gate import MergedFamilies
+from proxy.admission.shared import MergedFamilies
 
 if TYPE_CHECKING:
     from prometheus_client.metrics import MetricWrapperBase
 
-    from .metrics import Metrics
-    from .state import AppState
+    from proxy.ops.metrics import Metrics
+    from proxy.state import AppState
 
 SCHEMA_VERSION = 1
 _IMPORTED_AT = time.time()  # fallback "start time" when the process collector cannot read /proc

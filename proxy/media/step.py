@@ -17,15 +17,14 @@ from functools import partial
 from preprocessors.base import Cancelled
 from preprocessors.job import MediaJob, MediaTask, Verdict
 from preprocessors.pool import Batch
-
-from .admission import Lease
-from .buffers import MediaBuffer
-from .dialects import MediaPart
-from .errors import MediaError, MmgateError
-from .fetch import Fetched
-from .locate import Item, Plan
-from .rawjson import Span, string_value
-from .state import AppState
+from proxy.admission.gate import Lease
+from proxy.errors import MediaError, MmgateError
+from proxy.fetch.fetcher import Fetched
+from proxy.media.buffers import MediaBuffer
+from proxy.payload.dialects import MediaPart
+from proxy.payload.locate import Item, Plan
+from proxy.payload.rawjson import Span, string_value
+from proxy.state import AppState
 
 
 @dataclass(slots=True)

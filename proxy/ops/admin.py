@@ -16,9 +16,9 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from .backend_metrics import backend_metrics
-from .shared_gate import MergedFamilies, SharedGate
-from .state import STATE, AppState
+from proxy.admission.shared import MergedFamilies, SharedGate
+from proxy.ops.backend_metrics import backend_metrics
+from proxy.state import STATE, AppState
 
 READY_CACHE_SECONDS = 1.0
 READY_PROBE_TIMEOUT = 2.0
@@ -87,7 +87,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     """A small JSON view for the dashboard (the same numbers as /mmgate/metrics)."""
-    from .dashboard_stats import snapshot
+    from proxy.ops.dashboard_stats import snapshot
 
     state = _state(request)
     merged = await state.gate.collect() if isinstance(state.gate, SharedGate) else None

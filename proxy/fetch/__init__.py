@@ -1,0 +1,1 @@
+"""Media URLs fetched by mmgate itself: SSRF-safe resolution and bounded downloads."""

@@ -1,0 +1,1 @@
+"""Operations: Prometheus metrics, the admin endpoints, the dashboard and the backend's metrics."""

@@ -1,0 +1,1 @@
+"""Processes: the supervisor, each front process, signals and the process's memory tuning."""
