@@ -18,7 +18,7 @@ process and hands it its jobs. What changes against threads:
   the item, or, when the retry's worker dies too, the client gets 503 ``decoder_unavailable`` with
   ``Retry-After`` (``WorkerLost``, never cached).
 
-Workers are started with spawn semantics (``python -m preprocessors.workers``, a fresh interpreter that
+Workers are started with spawn semantics (``python -m preprocessors.worker_process``, a fresh interpreter that
 imports this package only: Pillow, pybase64, never aiohttp or the proxy). ``start()`` starts one per pool
 thread and waits until each has said it is ready (mmgate calls it at start-up, so the first request finds
 warm workers and a worker that cannot start stops mmgate with ``WorkerStartError``); a thread whose worker
@@ -32,24 +32,22 @@ segment: nothing can be left in ``/dev/shm``. It keeps up to ``KEEP_BYTES`` of p
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .base import Cancelled, MediaError, MmgateError, no_checkpoint
-from .job import MediaJob, Verdict, run_task, warm_up
-from .pool import Batch, DecodePool, Job, lower_priority
+from .base import Cancelled, MediaError, MmgateError
+from .job import MediaJob, Verdict
+from .pool import Batch, DecodePool, Job
+from .worker_process import write_all
 
 T = TypeVar("T")
 log = logging.getLogger("mmgate")
@@ -113,7 +111,7 @@ class _Worker:
         try:
             self.process = subprocess.Popen(
                 # -P: never a ``preprocessors`` from the working directory, only the one beside this file
-                [sys.executable, "-P", "-m", "preprocessors.workers", str(theirs.fileno()), str(self.memfd),
+                [sys.executable, "-P", "-m", "preprocessors.worker_process", str(theirs.fileno()), str(self.memfd),
                  repr(trim_idle)],
                 pass_fds=(theirs.fileno(), self.memfd), stdin=subprocess.DEVNULL, env=env, close_fds=True,
             )
@@ -189,7 +187,7 @@ class _Worker:
 
     def run(self, job: MediaJob) -> Verdict:
         """Hand ``job`` to the process and wait for its answer; ``WorkerGone`` when the process ended."""
-        length = _write_all(self.memfd, job.payload())
+        length = write_all(self.memfd, job.payload())
         self.wait_ready()
         try:
             self.conn.send((job.task, length))
@@ -421,14 +419,6 @@ def _describe_exit(returncode: int | None) -> str:
     return f"exit status {returncode}"
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> int:
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], done)
-    return done
-
-
 def _read_all(fd: int, length: int) -> bytes:
     if length == 0:
         return b""
@@ -441,92 +431,3 @@ def _read_all(fd: int, length: int) -> bytes:
         chunks.append(chunk)
         done += len(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-# ----- the worker process -----
-
-
-def serve(conn: Connection, memfd: int, trim_idle: float = 0.0) -> None:
-    """Answer tasks until the socket closes: ``(task, payload length)`` in, one reply out per task. After
-    items, once no task came for ``trim_idle`` seconds (0 = never), what the worker keeps for the next item
-    (Pillow's freed blocks, glibc's free heap) goes back to the OS."""
-    trim = _release_kept_memory() if trim_idle > 0 else None
-    worked = False
-    while True:
-        try:
-            if trim is not None and worked and not conn.poll(trim_idle):
-                trim()
-                worked = False
-            task, length = conn.recv()
-            worked = True
-        except EOFError:  # mmgate closed the socket, or ended
-            return
-        except Exception:  # a task this worker cannot unpickle: mmgate's fault, not the media's
-            conn.send(("fault", traceback.format_exc()))
-            continue
-        try:
-            if length:
-                with mmap.mmap(memfd, length, prot=mmap.PROT_READ) as mapped:
-                    view = memoryview(mapped)
-                    try:
-                        verdict = run_task(task, partial(_same, view), no_checkpoint)
-                    finally:
-                        view.release()  # an error's traceback may still name it: the map must close
-            else:
-                verdict = run_task(task, partial(_same, b""), no_checkpoint)
-        except MmgateError as error:
-            conn.send(("refused", error.status, error.code, error.message, error.param))
-            continue
-        except Exception:
-            conn.send(("fault", traceback.format_exc()))
-            continue
-        encoded = verdict.encoded
-        if encoded is not None:
-            _write_all(memfd, encoded)  # over the payload, which is no longer needed
-            verdict = replace(verdict, encoded=None)
-        conn.send(("done", verdict, -1 if encoded is None else len(encoded)))
-
-
-def _same(value: memoryview | bytes) -> memoryview | bytes:
-    return value
-
-
-def _release_kept_memory() -> Callable[[], None]:
-    """Pillow's freed blocks, then glibc's free pages (``malloc_trim``, where glibc is the C library)."""
-    import ctypes
-    import ctypes.util
-
-    from PIL import Image
-
-    try:
-        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-        malloc_trim.argtypes = [ctypes.c_size_t]
-    except (OSError, AttributeError, TypeError):  # not glibc
-        malloc_trim = None
-
-    def release() -> None:
-        Image.core.clear_cache()
-        if malloc_trim is not None:
-            malloc_trim(0)
-
-    return release
-
-
-def main(argv: list[str]) -> None:
-    # Ctrl-C reaches the whole process group, and a terminal's SIGTERM may too: the worker must outlive them
-    # while mmgate drains. mmgate ends it with SIGKILL, or by closing the socket.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    lower_priority()
-    conn = Connection(int(argv[0]))
-    try:
-        warm_up()
-    except Exception:  # mmgate's start-up fails with this, instead of every item failing later
-        conn.send(("fault", traceback.format_exc()))
-        return
-    conn.send(("ready", os.getpid()))  # mmgate's start-up waits for this
-    serve(conn, int(argv[1]), float(argv[2]) if len(argv) > 2 else 0.0)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
