@@ -23,7 +23,7 @@ from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool
 from proxy.admission.adaptive import AdaptiveLimit
 from proxy.admission.gate import Gate
-from proxy.admission.shared import Link, SharedGate, report_of, verdict_to_wire
+from proxy.admission.shared import Link, SharedGate, verdict_to_wire
 from proxy.edge.connections import ConnectionGuard, mark_head_received
 from proxy.edge.pacing import Pacer
 from proxy.edge.refusals import refusals_in_api_shape
@@ -33,6 +33,7 @@ from proxy.media.model import Model, load_model
 from proxy.ops.admin import add_admin_routes, probe_upstream
 from proxy.ops.backend_metrics import METRICS_PATH, merged_metrics
 from proxy.ops.dashboard_stats import rss_bytes
+from proxy.ops.merged_metrics import report_of
 from proxy.ops.metrics import Metrics, watch_loop_lag
 from proxy.pipeline import expect_continue, handle_request
 from proxy.serve.lifecycle import Lifecycle

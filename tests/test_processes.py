@@ -23,7 +23,8 @@ import pytest
 from aiohttp import web
 
 from proxy.admission.gate import Gate
-from proxy.admission.shared import GateServer, Link, SharedGate
+from proxy.admission.gate_server import GateServer
+from proxy.admission.shared import Link, SharedGate
 from proxy.cli import free_port
 from proxy.serve.lifecycle import Lifecycle
 from proxy.settings import Settings, auto_processes, usable_cpus

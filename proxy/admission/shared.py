@@ -43,14 +43,11 @@ import itertools
 import logging
 import socket
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import orjson
-from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector
 
 from preprocessors.job import Refusal, Verdict
 from proxy.admission.gate import DEFAULT_FLOW, Flow, Gate, Lease, Place
@@ -61,16 +58,6 @@ log = logging.getLogger("mmgate")
 
 _LENGTH = struct.Struct(">I")
 MAX_FRAME = 64 << 20  # a report of every metric series is well under this; anything bigger is a fault
-REPORT_TIMEOUT = 5.0  # seconds a front has to answer "report"; one that does not is left out of the totals
-# Seconds the other fronts have to say which cache entries they hold: a busy front's answer may come later
-# than a decode would take, and then the asking front decodes.
-PEER_TIMEOUT = 0.5
-
-# Families whose value is the gate's own (one number for all fronts), not a sum of the fronts' mirrors.
-GATE_FAMILIES = ("mmgate_gate_in_use", "mmgate_gate_waiting", "mmgate_gate_reading", "mmgate_media_bytes_inflight",
-                 "mmgate_image_tokens_inflight", "mmgate_gate_limit")
-# Families merged by their smallest value (when the oldest front started), not summed.
-MIN_FAMILIES = ("process_start_time_seconds",)
 
 
 def counters(gate: Gate) -> list[int]:
@@ -120,205 +107,7 @@ class Link:
         self.writer.close()
 
 
-def _refusal(error: MmgateError) -> list[Any]:
-    return [error.status, error.code, error.message, error.headers]
-
-
 # --- the gate's side (in the supervisor) --------------------------------------------------------------------
-
-
-class _Front:
-    """What one front holds at the gate; all of it is given back when its link closes."""
-
-    def __init__(self, index: int, link: Link) -> None:
-        self.index = index
-        self.link = link
-        self.places: dict[int, Place] = {}
-        self.leases: dict[int, Lease] = {}
-        self.waits: dict[int, asyncio.Task[None]] = {}
-        self.closed = False
-        self.ready = asyncio.Event()
-
-
-class GateServer:
-    """Serves one ``Gate`` to every front. Runs in the supervisor's event loop, like the Gate itself."""
-
-    def __init__(self, gate: Gate) -> None:
-        self.gate = gate
-        self._fronts: set[_Front] = set()
-        self._ids = itertools.count(1)
-        self._reports: dict[int, tuple[asyncio.Future[Any], int]] = {}
-        self._collecting: set[asyncio.Task[None]] = set()
-
-    async def serve(self, index: int, sock: socket.socket, ready: asyncio.Event) -> None:
-        """Serve one front until its link closes, then free everything it held."""
-        front = _Front(index, await Link.over(sock))
-        front.ready = ready
-        self._fronts.add(front)
-        try:
-            while (message := await front.link.receive()) is not None:
-                self._handle(front, message)
-        finally:
-            self._forget(front)
-
-    def _handle(self, front: _Front, message: list[Any]) -> None:
-        op = message[0]
-        gate = self.gate
-        if op == "acquire":
-            _, rid, cost, timeout, place_id, tokens, flow_id, band = message
-            place = front.places.pop(place_id, None) if place_id is not None else None
-            task = front.waits[rid] = asyncio.create_task(
-                self._acquire(front, rid, cost, timeout, place, tokens, Flow(flow_id, band)))
-            task.add_done_callback(partial(self._wait_ended, front, rid, place))
-        elif op == "release":
-            if (lease := front.leases.pop(message[1], None)) is not None:
-                lease.release()
-        elif op == "handed_off":
-            if (lease := front.leases.get(message[1])) is not None:
-                lease.handed_off()
-        elif op == "place":
-            _, rid, flow_id, band = message
-            try:
-                place = gate.take_place(Flow(flow_id, band))
-            except MmgateError as error:
-                front.link.send(["err", rid, *_refusal(error), counters(gate)])
-                return
-            place_id = next(self._ids)
-            front.places[place_id] = place
-            front.link.send(["ok", rid, place_id, counters(gate)])
-        elif op == "unplace":
-            if (place := front.places.pop(message[1], None)) is not None:
-                place.release()
-        elif op == "cancel":
-            if (wait := front.waits.get(message[1])) is not None:
-                wait.cancel()
-        elif op == "collect":
-            task = asyncio.create_task(self._collect(front, message[1]))
-            self._collecting.add(task)
-            task.add_done_callback(self._collecting.discard)
-        elif op in ("report", "found"):
-            found = self._reports.get(message[1])
-            if found is not None and not found[0].done():
-                found[0].set_result(message[2])
-        elif op == "peek":
-            task = asyncio.create_task(self._peek(front, message[1], message[2]))
-            self._collecting.add(task)
-            task.add_done_callback(self._collecting.discard)
-        elif op == "counters":
-            front.link.send(["ok", message[1], None, counters(gate)])
-        elif op == "ready":
-            front.ready.set()
-
-    async def _acquire(self, front: _Front, rid: int, cost: int, timeout: float, place: Place | None,
-                       tokens: int, flow: Flow) -> None:
-        try:
-            lease = await self.gate.acquire(cost, timeout, place, tokens, flow)
-        except MmgateError as error:
-            front.link.send(["err", rid, *_refusal(error), counters(self.gate)])
-            return
-        if front.closed:
-            lease.release()
-            return
-        lease_id = next(self._ids)
-        front.leases[lease_id] = lease
-        front.link.send(["ok", rid, lease_id, counters(self.gate)])
-
-    def _wait_ended(self, front: _Front, rid: int, place: Place | None, task: asyncio.Task[None]) -> None:
-        front.waits.pop(rid, None)
-        if task.cancelled():  # the front's request gave up, or the front is gone
-            if place is not None:
-                place.release()  # a wait cancelled before it began still held its place; else a no-op
-            front.link.send(["err", rid, 499, "cancelled", "", {}, counters(self.gate)])
-
-    def _forget(self, front: _Front) -> None:
-        front.closed = True
-        self._fronts.discard(front)
-        for task in front.waits.values():
-            task.cancel()
-        for place in front.places.values():
-            place.release()
-        for lease in front.leases.values():
-            lease.release()
-        held = len(front.places) + len(front.leases)
-        if held:
-            log.warning("front process %d went away holding %d lease(s) and place(s): given back", front.index,
-                        held)
-        front.places.clear()
-        front.leases.clear()
-        front.link.close()
-
-    async def _ask_fronts(self, fronts: list[_Front], message: list[Any], timeout: float) -> list[Any]:
-        """Send ``message`` (its id filled in per front) to ``fronts``; the answers that came within
-        ``timeout``."""
-        loop = asyncio.get_running_loop()
-        pending = []
-        for front in fronts:
-            query_id = next(self._ids)
-            future: asyncio.Future[Any] = loop.create_future()
-            self._reports[query_id] = (future, front.index)
-            pending.append((query_id, future))
-            front.link.send([message[0], query_id, *message[1:]])
-        if not pending:
-            return []
-        try:
-            done, _ = await asyncio.wait([future for _, future in pending], timeout=timeout)
-        finally:
-            for query_id, _ in pending:
-                self._reports.pop(query_id, None)
-        return [future.result() for _, future in pending if future in done]
-
-    async def _collect(self, asking: _Front, rid: int) -> None:
-        """Ask every front for its metrics and send ``asking`` the merge."""
-        serving = [front for front in self._fronts if front.ready.is_set()]
-        reports = await self._ask_fronts(serving, ["report"], REPORT_TIMEOUT)
-        asking.link.send(["ok", rid, merge_reports(reports, counters(self.gate)), counters(self.gate)])
-
-    async def _peek(self, asking: _Front, rid: int, keys: list[str]) -> None:
-        """Ask every other front which of ``keys`` its cache holds; send ``asking`` the first of each found."""
-        others = [front for front in self._fronts if front is not asking and front.ready.is_set()]
-        found: dict[str, Any] = {}
-        for answer in await self._ask_fronts(others, ["lookup", keys], PEER_TIMEOUT):
-            for key, verdict in answer.items():
-                found.setdefault(key, verdict)
-        asking.link.send(["ok", rid, found, counters(self.gate)])
-
-    @property
-    def fronts(self) -> int:
-        return len(self._fronts)
-
-
-def merge_reports(reports: list[dict[str, Any]], gate_counters: list[int]) -> dict[str, Any]:
-    """Every front's metric families summed series by series; the gate's own gauges from the gate;
-    ``extra`` (requests in flight, being read, resident memory, decode workers) summed; ``fronts``: each
-    front's own figures."""
-    families: dict[str, list[Any]] = {}
-    for report in reports:
-        for name, documentation, kind, unit, samples in report["families"]:
-            family = families.setdefault(name, [documentation, kind, unit, {}])
-            series = family[3]
-            for sample_name, labels, value in samples:
-                key = (sample_name, tuple(sorted(labels.items())))
-                if key not in series:
-                    series[key] = value
-                elif name in MIN_FAMILIES:
-                    series[key] = min(series[key], value)
-                else:
-                    series[key] += value
-    for name, value in gate_values(gate_counters).items():
-        if name in families:
-            families[name][3] = {(name, ()): value}
-    extra: dict[str, float] = {}
-    for report in reports:
-        for key, value in report["extra"].items():
-            extra[key] = extra.get(key, 0) + value
-    extra["processes"] = len(reports)
-    return {
-        "fronts": sorted((report["front"] for report in reports), key=lambda front: front["index"]),
-        "families": [[name, doc, kind, unit,
-                      [[sname, dict(labels), value] for (sname, labels), value in series.items()]]
-                     for name, (doc, kind, unit, series) in families.items()],
-        "extra": extra,
-    }
 
 
 # --- a front's side -----------------------------------------------------------------------------------------
@@ -515,30 +304,4 @@ def verdict_from_wire(wire: list[Any]) -> Verdict:
                    Refusal(*refusal) if refusal is not None else None,
                    (video[0], video[1], video[2]) if video is not None else None)
 
-
-def report_of(registry_families: list[Metric], extra: Mapping[str, float], front: Mapping[str, Any]) -> dict[str, Any]:
-    """A front's answer to "report": its metric families as plain data, ``extra`` (summed over the fronts)
-    and ``front`` (this one's own: index, pid, requests in flight)."""
-    return {
-        "front": front,
-        "families": [[family.name, family.documentation, family.type, family.unit,
-                      [[s.name, s.labels, s.value] for s in family.samples]] for family in registry_families],
-        "extra": extra,
-    }
-
-
-class MergedFamilies(Collector):
-    """The merged families as a prometheus_client collector: ``generate_latest`` writes them as it would
-    one process's, and ``dashboard_stats`` reads them the same way."""
-
-    def __init__(self, merged: dict[str, Any]) -> None:
-        self.by_name: dict[str, Metric] = {}
-        for name, documentation, kind, unit, samples in merged["families"]:
-            family = Metric(name, documentation, kind, unit)
-            for sample_name, labels, value in samples:
-                family.add_sample(sample_name, labels, value)
-            self.by_name[name] = family
-
-    def collect(self) -> list[Metric]:
-        return list(self.by_name.values())
 

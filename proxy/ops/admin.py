@@ -16,8 +16,9 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from proxy.admission.shared import MergedFamilies, SharedGate
+from proxy.admission.shared import SharedGate
 from proxy.ops.backend_metrics import backend_metrics
+from proxy.ops.merged_metrics import MergedFamilies
 from proxy.state import STATE, AppState
 
 READY_CACHE_SECONDS = 1.0

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
 
-from proxy.admission.shared import MergedFamilies
+from proxy.ops.merged_metrics import MergedFamilies
 
 if TYPE_CHECKING:
     from prometheus_client.metrics import MetricWrapperBase
@@ -115,7 +115,7 @@ class _MergedFamily:
 
 
 class _MergedMetrics:
-    """Every front process's metrics, summed (``shared_gate.merge_reports``), read as ``Metrics`` is read."""
+    """Every front process's metrics, summed (``merged_metrics.merge_reports``), read as ``Metrics`` is read."""
 
     def __init__(self, metrics: Metrics, merged: dict[str, Any]) -> None:
         self._metrics = metrics

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from proxy.admission.adaptive import AdaptiveLimit
 from proxy.admission.gate import Gate
-from proxy.admission.shared import GateServer
+from proxy.admission.gate_server import GateServer
 from proxy.serve.lifecycle import StopSignals
 from proxy.settings import Settings
 
