@@ -15,7 +15,7 @@ Reproducible, yet exploring (hypothesis settings below):
   ``derandomize=True``: that would fix the inputs forever (derived from the test's source) and CI would
   never see anything new. ``MMGATE_FUZZ_SEED=<int>`` pins a seed, ``MMGATE_FUZZ_SEED=random`` lets
   hypothesis pick one.
-- A failure prints its minimal example; ``MMGATE_FUZZ_SAVE=1 python -m pytest tests/test_fuzz.py`` also
+- A failure prints its minimal example; ``MMGATE_FUZZ_SAVE=1 python -m pytest tests/proxy/test_app_fuzz.py`` also
   writes it to the corpus (one file per property and fault signature).
 
 Budget: about 3,500 inputs, 15-25 s for the whole file on a 2-core machine when everything passes (the HTTP
