@@ -64,7 +64,7 @@ from testkit.fuzzing import (
 )
 from tests.conftest import Proxy, StartProxy, Upstream
 
-T = TypeVar("T")
+T = TypeVar("T", bound=Callable[..., Any])
 SEED = ci_seed()
 DIALECTS = ["chat", "responses", "messages", "generate"]
 

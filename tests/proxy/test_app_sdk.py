@@ -44,8 +44,8 @@ async def test_openai_async_client_and_stream(via_proxy: Proxy) -> None:
     client = openai.AsyncOpenAI(base_url=via_proxy.url + "/v1", api_key="k", max_retries=0)
     reply = await client.chat.completions.create(model="stub", messages=MESSAGES)  # type: ignore[arg-type]
     assert reply.usage is not None and reply.usage.completion_tokens == 8
-    stream = await client.chat.completions.create(
-        model="stub", messages=MESSAGES, stream=True, stream_options={"include_usage": True}  # type: ignore[arg-type]
+    stream = await client.chat.completions.create(  # type: ignore[call-overload]
+        model="stub", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
     )
     deltas = [chunk.choices[0].delta.content async for chunk in stream if chunk.choices]
     assert len(deltas) >= 8 and "".join(d or "" for d in deltas).startswith("stub answer")

@@ -209,7 +209,7 @@ async def _start_mmgate(env: dict[str, str]) -> asyncio.subprocess.Process:
                                                 stderr=asyncio.subprocess.PIPE)
 
 
-async def _stopped(process: asyncio.subprocess.Process, within: float = 30) -> tuple[int, str]:
+async def _stopped(process: asyncio.subprocess.Process, within: float = 30) -> tuple[int | None, str]:
     """Exit status and stderr; a process still running after ``within`` seconds fails the test (and is killed)."""
     try:
         async with asyncio.timeout(within):

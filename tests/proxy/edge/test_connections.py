@@ -296,7 +296,7 @@ async def test_the_docker_healthcheck_passes_while_every_connection_is_busy(
 ) -> None:
     """The Dockerfile's own HEALTHCHECK command, run as Docker runs it (no admin port: the main port)."""
     dockerfile = (Path(__file__).parents[3] / "deploy" / "Dockerfile").read_text()
-    command = json.loads(re.search(r"^\s*CMD (\[.*\])\s*$", dockerfile.split("HEALTHCHECK", 1)[1], re.M)[1])
+    command = json.loads(re.search(r"^\s*CMD (\[.*\])\s*$", dockerfile.split("HEALTHCHECK", 1)[1], re.M)[1])  # type: ignore[index]
     assert command[0] == "python"
     proxy = await start_proxy(upstream.url, MMGATE_MAX_CONNECTIONS="2")
     busy = [await _mid_request(proxy) for _ in range(2)]

@@ -46,8 +46,8 @@ async def test_an_anthropic_source_declared_text_plain_is_refused(upstream: Upst
     client = anthropic.AsyncAnthropic(base_url=proxy.url, api_key="unused", max_retries=0)
     source = {"type": "base64", "media_type": "text/plain", "data": base64.b64encode(PNG).decode()}
     with pytest.raises(anthropic.BadRequestError) as info:
-        await client.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": [
-            {"type": "image", "source": source}]}])  # type: ignore[typeddict-item]
+        await client.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": [  # type: ignore[misc, list-item]
+            {"type": "image", "source": source}]}])
     assert "invalid_media_type" in str(info.value)
     assert upstream.seen == []
 

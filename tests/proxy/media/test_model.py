@@ -354,7 +354,7 @@ def test_an_aspect_ratio_the_processor_refuses_is_a_media_error(folders: dict[st
 # dimensions from the first bytes
 
 
-VARIANTS = {
+VARIANTS: dict[str, tuple[str, str, dict[str, object]]] = {
     "PNG": ("PNG", "RGB", {}), "JPEG": ("JPEG", "RGB", {}),
     "JPEG progressive": ("JPEG", "RGB", {"progressive": True}), "JPEG grey": ("JPEG", "L", {}),
     "WEBP lossy": ("WEBP", "RGB", {}), "WEBP lossless": ("WEBP", "RGB", {"lossless": True}),
@@ -580,7 +580,7 @@ def test_the_geometry_travels_to_a_worker_process_as_plain_data(
     for folder in [*folders.values(), *constant_folders.values(), *llava_next_folders.values()]:
         policy = ImagePolicy(geometry=load_model(str(folder)).geometry)
         copy = pickle.loads(pickle.dumps(policy))
-        assert copy == policy and copy.geometry.backend_size(3000, 2000) == policy.geometry.backend_size(3000, 2000)
+        assert copy == policy and copy.geometry.backend_size(3000, 2000) == policy.geometry.backend_size(3000, 2000)  # type: ignore[union-attr]
 
 
 def test_a_head_that_says_nothing_counts_as_the_largest_image(folders: dict[str, Path]) -> None:

@@ -84,7 +84,7 @@ def test_openmetrics_exposition_keeps_one_eof_at_the_end() -> None:
     assert b"vllm:num_requests_waiting 3.0\n" in merged
 
 
-label_values = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=20)
+label_values = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=20)  # type: ignore[arg-type]
 
 
 # Label names as Prometheus allows them: "__" starts the names it reserves for itself.

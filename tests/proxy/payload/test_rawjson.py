@@ -593,8 +593,8 @@ def set_path(doc: Any, path: str, value: Any) -> None:
         keys.append(name if name else int(index))
     target = doc
     for key in keys[:-1]:
-        target = target[key]  # type: ignore[index]
-    target[keys[-1]] = value  # type: ignore[index]
+        target = target[key]
+    target[keys[-1]] = value
 
 
 def get_path(doc: Any, path: str) -> Any:
