@@ -65,8 +65,8 @@ class Photo:
 
 
 def high_detail(optics: float = 0.7) -> Image.Image:
-    """The high-detail photo (tests/test_fidelity.py asserts the bound on it): where JPEG q90 at the model's size
-    loses the most of the set."""
+    """The high-detail photo (tests/preprocessors/test_image_fidelity.py asserts the bound on it): where JPEG q90
+    at the model's size loses the most of the set."""
     return detailed_photo(*SIZE, seed=1, slope=1.0, contrast=40, shared=0.4, optics=optics)
 
 

@@ -1,4 +1,4 @@
-"""The fuzzing properties of ``tests/test_fuzz.py`` with a large budget, to find what CI's small one misses.
+"""The fuzzing properties of ``tests/proxy/test_app_fuzz.py`` with a large budget, to find what CI's small one misses.
 
 Same strategies and properties (``testkit/fuzzing.py``), run in rounds with fresh random seeds until each
 property has run ``--examples`` inputs or its share of ``--minutes`` is spent. Unlike CI, a failure whose

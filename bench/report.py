@@ -10,7 +10,7 @@ figures off as the current code's.
     python -m bench.report           # rewrite the section between the markers in README.md
     python -m bench.report --check   # only compare; exit 1 and show the difference when they disagree
 
-``tests/test_report.py`` runs the comparison, so a README edited by hand, a result file committed without
+``tests/bench/test_report.py`` runs the comparison, so a README edited by hand, a result file committed without
 regenerating the README, or a commit that makes a result stale fails the suite until this is run again.
 """
 

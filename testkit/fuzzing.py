@@ -1,5 +1,5 @@
-"""What the fuzzing suite is made of: strategies, properties, the corpus. Shared by ``tests/test_fuzz.py`` (CI,
-small budget) and ``bench/fuzz.py`` (large budget), so both run exactly the same properties.
+"""What the fuzzing suite is made of: strategies, properties, the corpus. Shared by ``tests/proxy/test_app_fuzz.py``
+(CI, small budget) and ``bench/fuzz.py`` (large budget), so both run exactly the same properties.
 
 Why in ``testkit``: the bench must not import the test suite, and neither edits ``sys.path``; ``python -m
 bench.fuzz`` from the repository root imports ``testkit.fuzzing`` like any module.
@@ -17,7 +17,7 @@ Layout:
   signature in square brackets (``[5xx:RecursionError@proxy/payload/dialects.py:_generate_item]``); the signature
   names the fault, so the corpus keeps one input per fault, not one per shrink step.
 - **Corpus**: ``tests/fuzz_corpus/*.json``, one minimal failing input per file (format in its README.md),
-  replayed by ``tests/test_fuzz.py::test_corpus_replay`` through the property it came from; written
+  replayed by ``tests/proxy/test_app_fuzz.py::test_corpus_replay`` through the property it came from; written
   automatically for hypothesis' final (minimal) example when ``MMGATE_FUZZ_SAVE=1``.
 """
 

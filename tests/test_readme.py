@@ -43,7 +43,7 @@ NOT_RUN = {
     "demo command's `mmgate demo` part, and the test command is this suite",
     "Deploy": "docker, docker compose and kubectl need an engine or a cluster this machine does not have",
     "The served model": "installs the model extra from the network and names a model folder this machine does not "
-    "have; tests/test_model.py runs the same settings against processor folders it builds",
+    "have; tests/proxy/media/test_model.py runs the same settings against processor folders it builds",
 }
 STUB_ANSWER = "stub answer: saw 1 image(s)"  # every client snippet of "Use it" sends one image to the stub
 SNIPPET_TIMEOUT = 120.0  # seconds; a bound on a hang, not a measure of speed

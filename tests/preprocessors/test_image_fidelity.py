@@ -1,0 +1,137 @@
+"""Fidelity with MMGATE_MODEL: what reaches the backend is close to what its own processor makes of the original.
+
+The bound is a quality bound, not a timing: a deterministic high-detail photo (seeded 1/f noise) goes through
+mmgate over HTTP with an Idefics3 processor folder (``testkit.models``), and the image the upstream received is
+decoded and compared with the processor's own resize of the decoded original: its PIL backend, its ``resample``
+(LANCZOS), run by the processor itself (``testkit.models.idefics3_resize``). That is the reference because it is
+what the backend computes when mmgate forwards the original untouched. Without a model nothing changes: JPEG
+quality 90 with 4:2:0 chroma, BICUBIC.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from PIL import Image, JpegImagePlugin
+
+from preprocessors.base import ImagePolicy
+from preprocessors.image import GENERIC_JPEG_QUALITY, MODEL_JPEG_QUALITY, process_image
+from proxy.app import build_state
+from proxy.settings import AUTO_JPEG_QUALITY, ConfigError, Settings
+from testkit.media import chat_with_image, data_uri, decode_uri, detailed_photo, psnr
+from tests.conftest import StartProxy, Upstream
+
+pytest.importorskip("transformers", reason="the model extra: pip install -e '.[model]'")
+
+from testkit.models import idefics3_folder, idefics3_resize, qwen_folder
+
+BOUND_DB = 40.0
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return idefics3_folder(tmp_path_factory.mktemp("idefics3"))
+
+
+@pytest.fixture(scope="module")
+def high_detail_jpeg() -> bytes:
+    """The high-detail photo of bench/fidelity.py: a 4000x3000 camera JPEG (quality 92) of 1/f noise with colour
+    detail, where JPEG q90 at the model's size loses the most; Idefics3 brings it to 1456x1092."""
+    buf = io.BytesIO()
+    detailed_photo(4000, 3000, seed=1, slope=1.0, contrast=40, shared=0.4, optics=0.7).save(buf, "JPEG", quality=92)
+    return buf.getvalue()
+
+
+def _jpeg(image: Image.Image, **options: Any) -> Image.Image:
+    buf = io.BytesIO()
+    image.save(buf, "JPEG", **options)
+    return Image.open(io.BytesIO(buf.getvalue()))
+
+
+async def test_the_upstream_gets_a_photo_within_40_db_of_the_processors_own_resize(
+        upstream: Upstream, start_proxy: StartProxy, idefics3: Path, high_detail_jpeg: bytes) -> None:
+    reference = idefics3_resize(idefics3, Image.open(io.BytesIO(high_detail_jpeg)))
+    # A quality bound, not a timing: a worker's first image imports transformers, slow on a loaded machine.
+    proxy = await start_proxy(upstream.url, MMGATE_MODEL=str(idefics3), MMGATE_PREPROCESS_TIMEOUT="300")
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(proxy.url + "/v1/chat/completions",
+                                      data=orjson.dumps(chat_with_image(data_uri(high_detail_jpeg, "image/jpeg"))),
+                                      headers={"Content-Type": "application/json"})
+        assert response.status == 200, await response.text()
+    content = orjson.loads(upstream.seen[-1].body)["messages"][0]["content"]
+    head, received = decode_uri(content[1]["image_url"]["url"])
+    assert head == "data:image/jpeg;base64"
+    assert received.size == reference.size == (1456, 1092)  # the processor's size: its own resize is a no-op
+    assert JpegImagePlugin.get_sampling(received) == 0  # 4:4:4: the chroma the processor keeps is kept
+    assert psnr(received, reference) >= BOUND_DB
+
+
+def test_a_model_resizes_with_its_processors_filter(idefics3: Path, high_detail_jpeg: bytes) -> None:
+    """LANCZOS for Idefics3: the processor's filter is closer to the reference than the generic BICUBIC."""
+    from proxy.media.model import load_model
+
+    geometry = load_model(str(idefics3)).geometry
+    assert geometry is not None and geometry.resample == Image.Resampling.LANCZOS
+    reference = idefics3_resize(idefics3, Image.open(io.BytesIO(high_detail_jpeg)))
+    lossless = process_image(high_detail_jpeg, ImagePolicy(geometry=geometry, output_format="png"))
+    assert lossless is not None
+    bicubic = replace(geometry, resample=Image.Resampling.BICUBIC)  # type: ignore[type-var]
+    as_bicubic = process_image(high_detail_jpeg, ImagePolicy(geometry=bicubic, output_format="png"))
+    assert as_bicubic is not None
+    own, other = (psnr(Image.open(io.BytesIO(p.data)), reference) for p in (lossless, as_bicubic))
+    assert own > other
+
+
+def test_with_a_model_a_reencode_no_smaller_than_the_original_is_not_sent(idefics3: Path) -> None:
+    """A grainy photo compressed hard re-encodes bigger at the model's size than it came: the original goes
+    byte for byte instead (None), and the backend resizes it to that very size itself."""
+    import numpy as np
+
+    from proxy.media.model import load_model
+
+    geometry = load_model(str(idefics3)).geometry
+    grain = np.random.default_rng(7).integers(0, 256, (1500, 2000, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(grain).save(out, "JPEG", quality=25)
+    assert process_image(out.getvalue(), ImagePolicy(geometry=geometry)) is None
+    assert process_image(out.getvalue(), ImagePolicy(resize_max_pixels=1456 * 1092)) is not None  # no model
+
+
+def test_without_a_model_auto_quality_stays_90_with_subsampled_chroma(high_detail_jpeg: bytes) -> None:
+    processed = process_image(high_detail_jpeg, ImagePolicy(resize_max_pixels=1456 * 1092))
+    assert processed is not None
+    out = Image.open(io.BytesIO(processed.data))
+    assert JpegImagePlugin.get_sampling(out) == 2  # 4:2:0
+    assert out.quantization == _jpeg(out.convert("RGB"), quality=GENERIC_JPEG_QUALITY).quantization
+
+
+def test_with_a_model_an_explicit_quality_is_kept_with_full_chroma(idefics3: Path, high_detail_jpeg: bytes) -> None:
+    from proxy.media.model import load_model
+
+    geometry = load_model(str(idefics3)).geometry
+    for quality, expected in ((AUTO_JPEG_QUALITY, MODEL_JPEG_QUALITY), (85, 85)):
+        processed = process_image(high_detail_jpeg, ImagePolicy(geometry=geometry, jpeg_quality=quality))
+        assert processed is not None
+        out = Image.open(io.BytesIO(processed.data))
+        assert JpegImagePlugin.get_sampling(out) == 0
+        assert out.quantization == _jpeg(out.convert("RGB"), quality=expected, subsampling=0).quantization
+
+
+def test_jpeg_quality_is_auto_by_default_and_takes_1_to_100(tmp_path: Path) -> None:
+    assert Settings.from_env({}).jpeg_quality == AUTO_JPEG_QUALITY
+    assert Settings.from_env({"MMGATE_JPEG_QUALITY": "Auto"}).jpeg_quality == AUTO_JPEG_QUALITY
+    assert Settings.from_env({"MMGATE_JPEG_QUALITY": "95"}).jpeg_quality == 95
+    for bad in ("0", "101", "high"):
+        with pytest.raises(ConfigError, match=r"MMGATE_JPEG_QUALITY.*from 1 to 100, or auto"):
+            Settings.from_env({"MMGATE_JPEG_QUALITY": bad})
+    assert "MMGATE_JPEG_QUALITY=auto" in Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:9"}).describe()
+    # The policy a decode worker gets keeps auto (0); the worker resolves it with or without a model.
+    state = build_state(Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:9",
+                                           "MMGATE_MODEL": str(qwen_folder(tmp_path))}))
+    assert state.image_policy.jpeg_quality == AUTO_JPEG_QUALITY and state.image_policy.geometry is not None

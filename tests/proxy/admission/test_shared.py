@@ -1,0 +1,104 @@
+"""The gate shared by several front processes: a front's SharedGate and the supervisor's GateServer over a
+real Unix socket pair, in this process. Grants and cancels that cross on the socket leak nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import pytest
+
+from proxy.admission.gate import Gate
+from proxy.admission.gate_server import GateServer
+from proxy.admission.shared import Link, SharedGate
+from proxy.serve.lifecycle import Lifecycle
+
+POLLS = 600  # bounded polls of the gate's counters, 10 ms apart: far more than a message over the socket needs
+
+
+async def _gate_over_a_socket_pair(limit: int, max_queue: int) -> tuple[Gate, SharedGate]:
+    """The supervisor's side (a Gate behind a GateServer) and a front's (a SharedGate), in this process, over a
+    real Unix socket pair."""
+    gate = Gate(limit, 0, max_queue)
+    server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    task = asyncio.create_task(GateServer(gate).serve(0, server_end, asyncio.Event()))
+    shared = SharedGate(await Link.over(front_end), limit, 0, max_queue, lambda gate: None, Lifecycle(), 0, 0,
+                        report=dict, on_lost=lambda: None)
+    shared.start()
+    shared.serving = task  # type: ignore[attr-defined]  # kept referenced for the test's length
+    return gate, shared
+
+
+async def _until(condition: Any, what: str) -> None:
+    for _ in range(POLLS):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_a_grant_that_crosses_a_cancelled_wait_is_given_back() -> None:
+    """The gate grants a waiting request just as the front gives up on it: the grant, arriving for a wait
+    nobody holds any more, is released at once, not leaked."""
+    gate, shared = await _gate_over_a_socket_pair(limit=1, max_queue=4)
+    first = await shared.acquire(1, 30)
+    waiting = asyncio.create_task(shared.acquire(1, 30))
+    await _until(lambda: gate.waiting == 1, "the second request queued at the gate")
+    first.release()  # the gate will grant the waiter ...
+    waiting.cancel()  # ... which has already given up
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await _until(lambda: (gate.in_use, gate.waiting) == (0, 0), "the crossed grant given back")
+    again = await shared.acquire(1, 30)
+    assert gate.in_use == 1
+    again.release()
+    await _until(lambda: gate.in_use == 0, "released")
+    await shared.close()
+
+
+async def test_a_grant_read_before_the_cancelled_wait_runs_again_is_given_back() -> None:
+    """The front's request is cancelled (its future at once, its except clause on the task's next step) and
+    the gate's grant is read in between: the grant is given back, not dropped. The supervisor's end is played
+    by the test over the real socket pair, so the order of the two is the test's own."""
+    server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    supervisor = await Link.over(server_end)
+    shared = SharedGate(await Link.over(front_end), 1, 0, 4, lambda gate: None, Lifecycle(), 0, 0,
+                        report=dict, on_lost=lambda: None)
+    waiting = asyncio.create_task(shared.acquire(1, 30))
+    asked = await supervisor.receive()
+    assert asked is not None and asked[0] == "acquire"
+    waiting.cancel()
+    shared._answered(["ok", asked[1], 42, [1, 0, 0, 1, 1, 0, 1]])  # the reader runs before the task does
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert await supervisor.receive() == ["release", 42]
+    supervisor.close()
+    await shared.close()
+
+
+async def test_refusals_cross_the_socket_in_the_gates_own_words() -> None:
+    gate, shared = await _gate_over_a_socket_pair(limit=1, max_queue=0)
+    held = await shared.acquire(1, 30)
+    with pytest.raises(Exception) as refused:
+        await shared.acquire(1, 30)
+    assert (refused.value.status, refused.value.code) == (429, "queue_full")  # type: ignore[attr-defined]
+    assert refused.value.headers["Retry-After"]  # type: ignore[attr-defined]
+    held.release()
+    await _until(lambda: gate.in_use == 0, "released")
+    await shared.close()
+
+
+async def test_a_wait_cancelled_before_it_began_gives_its_place_back() -> None:
+    """The front sends acquire (with the place its body held) and, its client gone at once, cancel: both
+    reach the gate in one read, before the wait has run. The place is given back all the same."""
+    gate, shared = await _gate_over_a_socket_pair(limit=1, max_queue=4)
+    place = await shared.take_shared_place()
+    await _until(lambda: gate.reading == 1, "the place held at the gate")
+    waiting = asyncio.create_task(shared.acquire(1, 30, place))
+    await asyncio.sleep(0)  # the acquire is written ...
+    waiting.cancel()  # ... and the cancel right behind it
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await _until(lambda: (gate.reading, gate.in_use, gate.waiting) == (0, 0, 0), "place and slot given back")
+    await shared.close()

@@ -1,0 +1,243 @@
+"""MMGATE_BACKEND_METRICS=merge: the backend's queue gauges carry mmgate's waiting media requests, read back with
+prometheus_client's parser and scraped by a real Prometheus."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.ops.backend_metrics import merge
+from testkit.media import chat_with_image, data_uri, eventually, image_bytes
+from tests.conftest import StartProxy, Upstream, require_heavy
+
+VLLM = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="ti}ny \\"q\\""} 2.0
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+"""
+SGLANG = b"""# HELP sglang:num_queue_reqs The number of requests in the waiting queue
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m"} 3.0
+"""
+TRTLLM = b"""# TYPE trtllm_num_requests_waiting gauge
+trtllm_num_requests_waiting 0 1700000000000
+"""
+OTHER = b"""# HELP http_requests_total Requests.
+# TYPE http_requests_total counter
+http_requests_total{code="200"} 7.0
+"""
+
+
+def _samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+
+
+@pytest.mark.parametrize("exposition, name", [(VLLM, "vllm:num_requests_waiting"), (SGLANG, "sglang:num_queue_reqs"),
+                                              (TRTLLM, "trtllm_num_requests_waiting")])
+def test_merge_adds_waiting_to_the_queue_gauge_and_keeps_its_labels(exposition: bytes, name: str) -> None:
+    own = b"# HELP mmgate_gate_waiting w\n# TYPE mmgate_gate_waiting gauge\nmmgate_gate_waiting 5.0\n"
+    merged = merge(exposition, 5, own)
+    assert merged is not None
+    before, after = _samples(exposition), _samples(merged)
+    for key, value in before.items():
+        assert after[key] == (value + 5 if key[0] == name else value)
+    assert after[("mmgate_gate_waiting", ())] == 5.0
+    # every line but the gauge's samples is kept byte for byte, in order
+    changed = [line for line in exposition.splitlines() if line.startswith(name.encode())]
+    kept = [line for line in exposition.splitlines() if not line.startswith(name.encode())]
+    assert [line for line in merged.splitlines() if line in kept] == kept
+    assert not set(changed) & set(merged.splitlines()) or before == after
+
+
+def test_merge_keeps_a_sample_timestamp() -> None:
+    merged = merge(TRTLLM, 3, b"")
+    assert merged is not None and b"trtllm_num_requests_waiting 3.0 1700000000000\n" in merged
+
+
+def test_backend_without_a_queue_gauge_is_not_merged() -> None:
+    assert merge(OTHER, 4, b"mmgate_x 1\n") is None
+
+
+def test_openmetrics_exposition_keeps_one_eof_at_the_end() -> None:
+    backend = b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 1.0\n# EOF\n"
+    own = b"# TYPE mmgate_gate_waiting gauge\nmmgate_gate_waiting 2.0\n# EOF\n"
+    merged = merge(backend, 2, own)
+    assert merged is not None and merged.endswith(b"mmgate_gate_waiting 2.0\n# EOF\n") and merged.count(b"# EOF") == 1
+    assert b"vllm:num_requests_waiting 3.0\n" in merged
+
+
+label_values = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=20)  # type: ignore[arg-type]
+
+
+# Label names as Prometheus allows them: "__" starts the names it reserves for itself.
+label_names = st.from_regex(r"([a-z]|_[a-z0-9])[a-z0-9_]{0,7}", fullmatch=True)
+
+
+@given(labels=st.dictionaries(label_names, label_values, max_size=4),
+       value=st.integers(0, 10_000), waiting=st.integers(0, 10_000))
+def test_merge_of_any_labels_parses_back_with_the_sum(labels: dict[str, str], value: int, waiting: int) -> None:
+    def escape(text: str) -> str:
+        return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+    label_text = ",".join(f'{k}="{escape(v)}"' for k, v in labels.items())
+    line = f"vllm:num_requests_waiting{{{label_text}}} {value}\n" if labels else f"vllm:num_requests_waiting {value}\n"
+    exposition = b"# TYPE vllm:num_requests_waiting gauge\n" + line.encode()
+    merged = merge(exposition, waiting, b"")
+    assert merged is not None
+    samples = _samples(merged)
+    assert samples == {("vllm:num_requests_waiting", tuple(sorted(labels.items()))): float(value + waiting)}
+
+
+# ----- over HTTP -----
+
+
+async def _metrics_backend(upstream: Upstream, exposition: bytes) -> None:
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=exposition, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def held(request: web.Request) -> web.Response:
+        await upstream.release.wait()
+        return web.json_response({"ok": True})
+
+    upstream.route("/metrics", metrics)
+    upstream.route("/v1/chat/completions", held)
+
+
+async def _hold_media(session: aiohttp.ClientSession, url: str, count: int) -> list[asyncio.Task[int]]:
+    body = chat_with_image(data_uri(image_bytes()))
+
+    async def post() -> int:
+        async with session.post(url + "/v1/chat/completions", json=body) as response:
+            await response.read()
+            return response.status
+
+    return [asyncio.create_task(post()) for _ in range(count)]
+
+
+async def test_merged_metrics_count_media_waiting_in_mmgate(upstream: Upstream, start_proxy: StartProxy) -> None:
+    await _metrics_backend(upstream, VLLM)
+    proxy = await start_proxy(upstream.url, MMGATE_BACKEND_METRICS="merge", MMGATE_MAX_MM_CONCURRENCY="1",
+                              MMGATE_RELEASE_AT="complete")
+    async with aiohttp.ClientSession() as session:
+        tasks = await _hold_media(session, proxy.url, 3)
+        await upstream.arrived.get()  # one request reached the backend, holding the only slot
+        await eventually(lambda: proxy.state.gate.waiting == 2, "two media requests queued in mmgate")
+        async with session.get(proxy.url + "/metrics") as response:
+            assert response.status == 200
+            merged = await response.read()
+        async with session.get(proxy.url + "/mmgate/backend/metrics") as response:
+            assert response.status == 200 and await response.read() == VLLM
+        upstream.release.set()
+        assert await asyncio.gather(*tasks) == [200, 200, 200]
+    samples = _samples(merged)
+    waiting_key = ("vllm:num_requests_waiting", (("engine", "0"), ("model_name", 'ti}ny "q"')))
+    assert samples[waiting_key] == 2.0 + 2  # the backend's 2 and mmgate's 2; the forwarded one is not counted
+    assert samples[("vllm:num_requests_running", (("engine", "0"), ("model_name", "tiny")))] == 1.0
+    assert samples[("mmgate_gate_waiting", ())] == 2.0
+    assert not any(name.startswith("process_") for name, _labels in samples)  # the backend's own, not repeated
+
+
+async def test_passthrough_forwards_the_backend_metrics_untouched(upstream: Upstream, start_proxy: StartProxy) -> None:
+    await _metrics_backend(upstream, VLLM)
+    proxy = await start_proxy(upstream.url)
+    async with aiohttp.ClientSession() as session, session.get(proxy.url + "/metrics") as response:
+        assert response.status == 200 and await response.read() == VLLM
+
+
+async def test_merge_passes_a_backend_without_queue_gauges_untouched(upstream: Upstream,
+                                                                     start_proxy: StartProxy) -> None:
+    await _metrics_backend(upstream, OTHER)
+    proxy = await start_proxy(upstream.url, MMGATE_BACKEND_METRICS="merge")
+    async with aiohttp.ClientSession() as session, session.get(proxy.url + "/metrics") as response:
+        assert response.status == 200 and await response.read() == OTHER
+
+
+async def test_merge_with_the_backend_down_is_a_bad_gateway(start_proxy: StartProxy) -> None:
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proxy = await start_proxy(f"http://127.0.0.1:{port}", MMGATE_BACKEND_METRICS="merge")
+    async with aiohttp.ClientSession() as session, session.get(proxy.url + "/metrics") as response:
+        assert response.status == 502
+    assert proxy.state.metrics.upstream_errors.labels("connect")._value.get() == 1
+
+
+def _prometheus() -> str | None:
+    found = shutil.which("prometheus")
+    if found is None and require_heavy():
+        pytest.fail("prometheus is not installed (apt-get install prometheus)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def test_real_prometheus_scrapes_the_merged_queue(upstream: Upstream, start_proxy: StartProxy) -> None:
+    binary = _prometheus()
+    if binary is None:
+        pytest.skip("prometheus is not installed")
+    await _metrics_backend(upstream, VLLM)
+    proxy = await start_proxy(upstream.url, MMGATE_BACKEND_METRICS="merge", MMGATE_MAX_MM_CONCURRENCY="1",
+                              MMGATE_RELEASE_AT="complete")
+    with tempfile.TemporaryDirectory() as workdir:
+        config = Path(workdir) / "prometheus.yml"
+        config.write_text(f"""global:
+  scrape_interval: 1s
+scrape_configs:
+  - job_name: mmgate
+    static_configs:
+      - targets: ["127.0.0.1:{proxy.server.port}"]
+""")
+        web_port = _free_port()
+        process = await asyncio.create_subprocess_exec(
+            binary, f"--config.file={config}", f"--storage.tsdb.path={workdir}/data",
+            f"--web.listen-address=127.0.0.1:{web_port}", "--log.level=warn",
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "HOME": workdir})
+        try:
+            async with aiohttp.ClientSession() as session:
+                tasks = await _hold_media(session, proxy.url, 4)
+                await upstream.arrived.get()
+                await eventually(lambda: proxy.state.gate.waiting == 3, "three media requests queued")
+                query = f"http://127.0.0.1:{web_port}/api/v1/query"
+                value = None
+                for _attempt in range(600):  # Prometheus starts, then scrapes every second
+                    try:
+                        async with session.get(query, params={"query": "vllm:num_requests_waiting"}) as response:
+                            result = (await response.json())["data"]["result"] if response.status == 200 else []
+                    except aiohttp.ClientConnectionError:
+                        result = []
+                    if result:
+                        value = result[0]
+                        break
+                    assert process.returncode is None, "prometheus exited"
+                    await asyncio.sleep(0.1)
+                upstream.release.set()
+                await asyncio.gather(*tasks)
+        finally:
+            process.terminate()
+            async with asyncio.timeout(10):
+                await process.wait()
+    assert value is not None, "Prometheus never stored the merged gauge"
+    assert value["metric"]["model_name"] == 'ti}ny "q"' and value["metric"]["job"] == "mmgate"
+    assert float(value["value"][1]) == 2.0 + 3

@@ -1,0 +1,397 @@
+"""The live dashboard: /mmgate/stats JSON and the page itself in a real headless Chromium.
+
+The servers are real (an upstream and the proxy from build_app(), both on 127.0.0.1), the traffic is real,
+and every wait is on an event: the upstream's arrival queue, or the page's own numbers (Playwright's
+wait_for_function on the data-value attributes the page renders). No sleeps. The browser test saves
+a screenshot (docs/dashboard.png with MMGATE_UPDATE_SCREENSHOT=1), taken while the gate is full and the queue holds
+requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pybase64
+import pytest
+from aiohttp import web
+from PIL import Image
+
+from proxy.app import build_app
+from proxy.settings import Settings
+from proxy.state import STATE, AppState
+
+ROOT = Path(__file__).resolve().parents[3]
+# Where the screenshot goes: a temporary file, or docs/dashboard.png with MMGATE_UPDATE_SCREENSHOT=1 (so a
+# test run never dirties the checkout).
+DOCS_SCREENSHOT = ROOT / "docs" / "dashboard.png"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+CHAT_COMPLETION = {
+    "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "stub",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "a cat"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+}
+PAGE_TIMEOUT_MS = 30_000  # an upper bound for a failure to show, never a synchronisation
+
+
+# ---------------------------------------------------------------- servers
+
+
+@dataclass
+class Servers:
+    """A real upstream whose answers a test can hold, and the real proxy in front of it."""
+
+    proxy_url: str
+    state: AppState
+    hold: asyncio.Event  # cleared: the upstream keeps chat requests waiting until it is set again
+    arrived: asyncio.Queue[None] = field(default_factory=asyncio.Queue)
+
+
+async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[Servers]:
+    async with _servers() as started:
+        yield started
+
+
+@contextlib.asynccontextmanager
+async def _servers(**env: str) -> AsyncIterator[Servers]:
+    hold = asyncio.Event()
+    hold.set()
+    arrived: asyncio.Queue[None] = asyncio.Queue()
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        arrived.put_nowait(None)
+        await hold.wait()
+        return web.json_response(CHAT_COMPLETION)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    upstream_app = web.Application(client_max_size=64 << 20)
+    upstream_app.router.add_post("/v1/chat/completions", chat)
+    upstream_app.router.add_get("/health", health)
+    upstream_runner, upstream_url = await _start(upstream_app)
+
+    settings = Settings.from_env({
+        "MMGATE_UPSTREAM": upstream_url,
+        "MMGATE_MAX_MM_CONCURRENCY": "2",
+        "MMGATE_MAX_QUEUE": "2",
+        "MMGATE_RELEASE_AT": "complete",  # a held upstream keeps the gate slot: the page sees the gate full
+        "MMGATE_RESIZE_MAX_SIDE": "64",  # 256 px images shrink: "saved by resizing" moves
+        "MMGATE_DECODE_WORKERS": "2",
+        "MMGATE_ACCESS_LOG": "off",
+        **env,
+    })
+    proxy_app = build_app(settings)
+    proxy_runner, proxy_url = await _start(proxy_app)
+    try:
+        yield Servers(proxy_url, proxy_app[STATE], hold, arrived)
+    finally:
+        hold.set()
+        await proxy_runner.cleanup()
+        await upstream_runner.cleanup()
+
+
+def _image_data_uri(side: int = 256) -> str:
+    """A noisy PNG (noise does not compress, so the resized JPEG is clearly smaller)."""
+    image = Image.frombytes("RGB", (side, side), os.urandom(side * side * 3))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + pybase64.b64encode(buffer.getvalue()).decode()
+
+
+IMAGE = _image_data_uri()
+
+
+def _chat(media: bool, image: str = IMAGE) -> bytes:
+    content: Any = "describe the weather"
+    if media:
+        content = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": image}}]
+    return orjson.dumps({"model": "stub", "messages": [{"role": "user", "content": content}]})
+
+
+async def _post(client: aiohttp.ClientSession, url: str, media: bool, image: str = IMAGE) -> int:
+    async with client.post(url + "/v1/chat/completions", data=_chat(media, image),
+                           headers={"Content-Type": "application/json"}) as response:
+        await response.read()
+        return response.status
+
+
+# ---------------------------------------------------------------- /mmgate/stats and the page file (no browser)
+
+
+async def test_stats_json_reflects_traffic_and_settings(servers: Servers) -> None:
+    async with aiohttp.ClientSession() as client:
+        assert await _post(client, servers.proxy_url, media=False) == 200
+        assert await _post(client, servers.proxy_url, media=True) == 200
+        async with client.get(servers.proxy_url + "/mmgate/stats") as response:
+            assert response.status == 200
+            assert response.content_type == "application/json"
+            stats = await response.json()
+
+    requests = stats["requests"]
+    assert requests["total"] == 2 and requests["by_class"] == {"2xx": 2}
+    assert requests["by_kind"] == {"text": 1, "media": 1}
+    assert requests["status_429"] == 0
+    request_hist = stats["latency"]["request"]
+    assert request_hist["all"]["count"] == 2
+    assert len(request_hist["all"]["counts"]) == len(request_hist["le"]) + 1
+    assert request_hist["all"]["counts"][-1] == 2  # +Inf bucket = count
+    assert request_hist["all"]["counts"] == sorted(request_hist["all"]["counts"])  # cumulative
+    stages = stats["latency"]["stages"]["by_stage"]
+    assert stages["total"]["count"] == 2
+    assert stages["preprocess"]["count"] == 1  # only the media request was preprocessed
+    assert stats["gate"] == {"in_use": 0, "limit": 2, "adaptive": False, "waiting": 0, "reading": 0, "max_queue": 2}
+    assert stats["process"]["reading"] == 0
+    media = stats["media"]
+    assert media["bytes_in"] > media["bytes_out"] > 0
+    assert media["bytes_saved"] == media["bytes_in"] - media["bytes_out"]
+    assert media["bytes_inflight"] == 0 and media["bytes_live"] == 0 and media["buffers_live"] == 0
+    assert stats["process"]["rss_bytes"] > 0
+    assert stats["uptime_seconds"] > 0
+    assert stats["limits"]["max_mm_concurrency"] == 2 and stats["limits"]["resize_max_side"] == 64
+    assert stats["limits"]["decode_workers"] == 2
+    assert stats["cache"] == {"hits": 0, "misses": 1, "evictions": 0, "bytes": servers.state.cache.bytes_held,  # type: ignore[union-attr]
+                              "entries": 1, "waiting": 0, "limit_bytes": 256 << 20}
+    assert len(stats["event_loop_lag"]["counts"]) == len(stats["event_loop_lag"]["le"]) + 1
+
+
+async def test_dashboard_page_is_self_contained(servers: Servers) -> None:
+    async with aiohttp.ClientSession() as client, client.get(servers.proxy_url + "/mmgate/dashboard") as response:
+        assert response.status == 200
+        assert response.content_type == "text/html"
+        html = await response.text()
+    # Works offline and behind any prefix or port: no external resource, and the stats URL is relative.
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
+    assert "@import" not in html and "<script src" not in html
+    assert 'fetch("stats"' in html
+    for testid in ("gate-in-use", "gate-limit", "gate-waiting", "reading", "gate-reading", "in-flight-reading",
+                   "req-rate", "requests-total", "rate-429",
+                   "media-inflight", "media-live", "media-buffers", "bytes-saved", "loop-lag-p99", "rss", "limits"):
+        assert f'data-testid="{testid}"' in html
+
+
+# ---------------------------------------------------------------- the page in headless Chromium
+
+
+def _skip_or_fail(reason: str) -> None:
+    if os.environ.get("MMGATE_REQUIRE_HEAVY") == "1":
+        pytest.fail(f"MMGATE_REQUIRE_HEAVY=1 and the dashboard browser test cannot run: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+async def page(tmp_path: Path) -> AsyncIterator[Any]:
+    """A page in Debian's Chromium (never a downloaded browser) with a fresh profile."""
+    if not os.access(CHROMIUM, os.X_OK):
+        _skip_or_fail(f"{CHROMIUM} not found (Debian: apt-get install --no-install-recommends chromium)")
+    try:
+        from playwright.async_api import async_playwright
+    except ImportError:
+        _skip_or_fail("the playwright Python package is not installed (pip install -e '.[test]')")
+    async with async_playwright() as p:
+        context = await p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
+            viewport={"width": 1440, "height": 1000}, device_scale_factor=1,
+        )
+        try:
+            yield context.pages[0] if context.pages else await context.new_page()
+        finally:
+            await context.close()
+
+
+def _value(testid: str) -> str:
+    """JS expression: the raw number a tile shows."""
+    return f'Number(document.querySelector(\'[data-testid="{testid}"]\').dataset.value)'
+
+
+@pytest.mark.browser
+async def test_dashboard_in_chromium_follows_live_traffic(servers: Servers, page: Any, tmp_path: Path) -> None:
+    screenshot = DOCS_SCREENSHOT if os.environ.get("MMGATE_UPDATE_SCREENSHOT") == "1" else tmp_path / "dashboard.png"
+    problems: list[str] = []
+    page.on("console", lambda msg: problems.append(f"console.{msg.type}: {msg.text}")
+            if msg.type in ("error", "warning") else None)
+    page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+    page.on("requestfailed", lambda req: problems.append(f"request failed: {req.url} {req.failure}"))
+
+    response = await page.goto(servers.proxy_url + "/mmgate/dashboard")
+    assert response is not None and response.status == 200
+    await page.wait_for_function("() => window.mmgateDashboard && window.mmgateDashboard.polls >= 1",
+                                 timeout=PAGE_TIMEOUT_MS)
+    assert await page.text_content('[data-testid="conn-status"]') == "live"
+    assert await page.get_attribute('[data-testid="limit-max_mm_concurrency"]', "data-value") == "2"
+    assert await page.get_attribute('[data-testid="limit-resize_max_side"]', "data-value") == "64"
+    assert await page.text_content('[data-testid="gate-limit"]') == "2"
+    assert await page.evaluate(_value("requests-total")) == 0
+
+    # Phase 1: bursts of text and media traffic; after each, wait until a poll has shown it, so the
+    # charts get several points and the rates a real delta.
+    sent = 0
+    async with aiohttp.ClientSession() as client:
+        for _ in range(5):
+            statuses = await asyncio.gather(*(_post(client, servers.proxy_url, media=i % 4 == 0) for i in range(12)))
+            assert statuses == [200] * 12
+            sent += 12
+            await page.wait_for_function(f"() => {_value('requests-total')} >= {sent}", timeout=PAGE_TIMEOUT_MS)
+        assert await page.evaluate(_value("req-rate")) > 0
+        assert await page.evaluate(_value("bytes-saved")) > 0
+        # The same image every time: decoded once, then answered from the cache.
+        await page.wait_for_function(f"() => {_value('cache-hits')} === 14 && {_value('cache-misses')} === 1",
+                                     timeout=PAGE_TIMEOUT_MS)
+        assert 0.9 < await page.evaluate(_value("cache-hit-ratio")) < 1
+        assert await page.evaluate(_value("cache-bytes")) > 0 and await page.evaluate(_value("cache-entries")) == 1
+
+        # Phase 2: the upstream holds its answers. 6 media requests, each with a new image (a cached one would
+        # weigh nothing on the byte budget): 2 take the gate's slots, 2 queue, 2 are refused at once with 429.
+        servers.hold.clear()
+        while not servers.arrived.empty():
+            servers.arrived.get_nowait()
+        held = [asyncio.create_task(_post(client, servers.proxy_url, media=True, image=_image_data_uri()))
+                for _ in range(6)]
+        for _ in range(2):
+            await servers.arrived.get()
+        await page.wait_for_function(
+            f"() => {_value('gate-in-use')} === 2 && {_value('gate-waiting')} === 2 && {_value('total-429')} === 2"
+            f" && {_value('rate-429')} > 0",
+            timeout=PAGE_TIMEOUT_MS,
+        )
+        assert await page.text_content('[data-testid="gate-in-use"]') == "2"
+        assert await page.evaluate(_value("media-inflight")) > 0  # the two admitted requests' bytes
+        assert await page.evaluate(_value("lat-request-count")) > 0
+        assert await page.evaluate(_value("lat-stage-preprocess-p50")) > 0
+        await page.screenshot(path=str(screenshot), full_page=True)
+
+        # Release: everything finishes, the page sees the gate and the queue empty again.
+        servers.hold.set()
+        statuses = await asyncio.gather(*held)
+        assert sorted(statuses) == [200, 200, 200, 200, 429, 429]
+        sent += 6
+        await page.wait_for_function(
+            f"() => {_value('requests-total')} === {sent} && {_value('gate-in-use')} === 0"
+            f" && {_value('gate-waiting')} === 0 && {_value('media-inflight')} === 0",
+            timeout=PAGE_TIMEOUT_MS,
+        )
+
+    assert await page.evaluate("window.mmgateDashboard.failures") == 0
+    assert screenshot.stat().st_size > 10_000
+    assert not problems, "\n".join(problems)
+
+
+async def _send_part_of_a_body(url: str, body: bytes, sent: int) -> asyncio.StreamWriter:
+    """A client that sends the head and the first ``sent`` bytes of ``body``, then goes quiet."""
+    host, port = url.removeprefix("http://").split(":")
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body[:sent])
+    await writer.drain()
+    return writer
+
+
+@pytest.mark.browser
+async def test_dashboard_in_chromium_shows_requests_whose_body_is_still_being_read(servers: Servers,
+                                                                                  page: Any) -> None:
+    """Requests still sending their body are in flight with the gate and the queue at 0: the page shows them
+    (and the media ones among them holding a place in line), as /mmgate/metrics does."""
+    await page.goto(servers.proxy_url + "/mmgate/dashboard")
+    await page.wait_for_function("() => window.mmgateDashboard && window.mmgateDashboard.polls >= 1",
+                                 timeout=PAGE_TIMEOUT_MS)
+    text = _chat(media=False) + b" " * 1000
+    media = b'{"model": "stub", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": ' \
+            b'{"url": "data:image/png;base64,' + b"A" * (200 << 10) + b'"}}]}]}'
+    writers = [await _send_part_of_a_body(servers.proxy_url, text, 20) for _ in range(2)]
+    writers.append(await _send_part_of_a_body(servers.proxy_url, media, 100 << 10))  # past the head: a place
+    try:
+        await page.wait_for_function(
+            f"() => {_value('in-flight-reading')} === 3 && {_value('reading')} === 3"
+            f" && {_value('gate-reading')} === 1",
+            timeout=PAGE_TIMEOUT_MS)
+        assert await page.evaluate(_value("gate-in-use")) == 0 and await page.evaluate(_value("gate-waiting")) == 0
+        assert await page.evaluate(_value("in-flight")) == 3
+        registry = servers.state.metrics.registry
+        assert registry.get_sample_value("mmgate_requests_reading") == 3
+        assert registry.get_sample_value("mmgate_gate_reading") == 1
+    finally:
+        for writer in writers:
+            writer.close()
+    await page.wait_for_function(
+        f"() => {_value('in-flight-reading')} === 0 && {_value('reading')} === 0 && {_value('gate-reading')} === 0"
+        f" && {_value('in-flight')} === 0",
+        timeout=PAGE_TIMEOUT_MS)
+    assert await page.evaluate("window.mmgateDashboard.failures") == 0
+
+
+@pytest.mark.browser
+async def test_dashboard_shows_image_tokens_in_flight_against_the_budget(page: Any, tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the model extra: pip install -e '.[model]'")
+    from proxy.media.model import load_model
+    from testkit.models import qwen_folder
+
+    folder = str(qwen_folder(tmp_path / "qwen2-vl"))
+    per_image = load_model(folder).image_tokens(256, 256)  # each request: one 256 px image (81 tokens)
+    budget = 2 * per_image + per_image // 2  # two fit, a third waits for tokens while slots are free
+    async with _servers(MMGATE_MODEL=folder, MMGATE_MAX_INFLIGHT_IMAGE_TOKENS=str(budget),
+                        MMGATE_MAX_MM_CONCURRENCY="4") as servers:
+        await page.goto(servers.proxy_url + "/mmgate/dashboard")
+        await page.wait_for_function("() => window.mmgateDashboard && window.mmgateDashboard.polls >= 1",
+                                     timeout=PAGE_TIMEOUT_MS)
+        assert await page.text_content('[data-testid="tokens-model"]') == "qwen2-vl"
+        assert await page.text_content('[data-testid="tokens-inflight-limit"]') == str(budget)
+        servers.hold.clear()
+        async with aiohttp.ClientSession() as client:
+            held = [asyncio.create_task(_post(client, servers.proxy_url, media=True)) for _ in range(3)]
+            for _ in range(2):
+                await servers.arrived.get()
+            await page.wait_for_function(
+                f"() => {_value('tokens-inflight')} === {2 * per_image} && {_value('gate-waiting')} === 1",
+                timeout=PAGE_TIMEOUT_MS)
+            assert await page.text_content('[data-testid="gate-in-use"]') == "2"
+            servers.hold.set()
+            assert await asyncio.gather(*held) == [200, 200, 200]
+            await page.wait_for_function(f"() => {_value('tokens-inflight')} === 0", timeout=PAGE_TIMEOUT_MS)
+
+
+@pytest.mark.browser
+async def test_dashboard_draws_the_adaptive_limit_as_it_moves(page: Any) -> None:
+    """MMGATE_MAX_MM_CONCURRENCY=auto: the page says auto, and its limit follows mmgate_gate_limit up."""
+    async with _servers(MMGATE_MAX_MM_CONCURRENCY="auto", MMGATE_MIN_MM_CONCURRENCY="1",
+                        MMGATE_MAX_MM_CONCURRENCY_AUTO="8") as servers:
+        await page.goto(servers.proxy_url + "/mmgate/dashboard")
+        await page.wait_for_function("() => window.mmgateDashboard && window.mmgateDashboard.polls >= 1",
+                                     timeout=PAGE_TIMEOUT_MS)
+        assert await page.text_content('[data-testid="gate-limit-mode"]') == "auto"
+        assert await page.text_content('[data-testid="limit-max_mm_concurrency"]') == "auto"
+        assert await page.text_content('[data-testid="gate-limit"]') == "1"
+        async with aiohttp.ClientSession() as client:
+            for _ in range(100):  # quick answers at a steady latency, with demand at the limit: it grows
+                limit = servers.state.gate.limit
+                statuses = await asyncio.gather(*(_post(client, servers.proxy_url, media=True)
+                                                  for _ in range(2 * limit)))
+                assert set(statuses) == {200}
+                if servers.state.gate.limit >= 2:
+                    break
+        grown = servers.state.gate.limit
+        assert grown >= 2
+        await page.wait_for_function(f"() => {_value('gate-limit')} >= 2", timeout=PAGE_TIMEOUT_MS)
+        assert await page.evaluate("window.mmgateDashboard.failures") == 0
