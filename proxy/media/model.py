@@ -223,7 +223,8 @@ def _qwen_video_count(folder: Path, image_processor: Any) -> Callable[[int, int,
     ``from_pretrained`` reads it: ``processor_config.json``'s ``video_processor``, else
     ``video_preprocessor_config.json``, else the image processor's file, with
     ``min_pixels``/``max_pixels`` over ``size``; what neither names is the image processor's
-    (tests/proxy/media/test_model.py checks the count against the video processor's own method, taken from its source and run without torch)."""
+    (tests/proxy/media/test_model.py checks the count against the video processor's own method, taken from its
+    source and run without torch)."""
     nested = (_read_json(folder / "processor_config.json") or {}).get("video_processor")
     config = (nested if isinstance(nested, dict) else None) or _read_json(folder / "video_preprocessor_config.json") \
         or _read_json(folder / _PROCESSOR_FILES[0]) or {}
