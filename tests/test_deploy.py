@@ -338,10 +338,11 @@ def test_dockerfile_copies_everything_the_package_installs() -> None:
                 return ROOT / source / ("" if inside == "." else inside)
         return None
 
-    wanted = ["pyproject.toml", project["project"]["readme"], *setuptools["packages"]]
+    packages = [name.replace(".", "/") for name in setuptools["packages"]]  # a subpackage is a folder inside
+    wanted = ["pyproject.toml", project["project"]["readme"], *packages]
     missing = [name for name in wanted if in_image(name) is None]
     assert not missing, f"pip install runs before these are copied: {missing}"
-    for package in setuptools["packages"]:
+    for package in packages:
         source = in_image(package)
         assert source is not None and (source / "__init__.py").is_file(), f"{package}: not a package where copied"
     for package, patterns in setuptools.get("package-data", {}).items():
