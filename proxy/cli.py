@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NoReturn
@@ -117,10 +117,12 @@ class ListenError(Exception):
     """A socket mmgate cannot listen on; ``str()`` is the one line the CLI prints before exiting with status 2."""
 
 
-def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None,
+         also_known: Collection[str] = ()) -> None:
+    """``mmgate``. ``also_known``: ``MMGATE_*`` names that are no setting but draw no warning (a tool's own)."""
     args = parse_args(argv)
     environ = dict(os.environ if environ is None else environ)
-    for warning in unknown_variables(environ):
+    for warning in unknown_variables(environ, also_known):
         print(f"mmgate: warning: {warning}", file=sys.stderr)
     overrides = overrides_from_args(args)
     stub: subprocess.Popen[bytes] | None = None

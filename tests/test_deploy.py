@@ -492,7 +492,7 @@ def test_readme_worst_case_figures_are_generated_from_the_code() -> None:
     texts = worst_case.current(readme)
     defaults = worst_case.default_settings()
     total = f"{defaults.worst_case_memory_bytes()['total'] / 2**20:.0f} MiB"
-    assert total in texts["defaults"] and defaults.decode_mode == "process"
+    assert total in texts["defaults"] and defaults.decode.decode_mode == "process"
     assert worst_case.main(["--check"]) == 0
 
 

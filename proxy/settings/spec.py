@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
@@ -303,8 +303,9 @@ def describe(settings: Settings) -> str:
     return "\n".join(lines)
 
 
-def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+def unknown_variables(environ: Mapping[str, str], also_known: Collection[str] = ()) -> list[str]:
     """One warning per ``MMGATE_*`` variable that is no setting, with the closest name when there is one.
+    ``also_known``: names a caller reads itself (the tests' and benchmarks' own switches), left alone.
 
     A misspelt variable would otherwise be ignored without a word, and the default it meant to change would
     silently stay in force. Only a warning: an unknown name must not stop a rollout.
@@ -312,7 +313,7 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     known = [name.upper() for name in SPEC]
     warnings = []
     for variable in sorted(environ):
-        if not variable.startswith("MMGATE_") or variable[7:] in known:
+        if not variable.startswith("MMGATE_") or variable[7:] in known or variable in also_known:
             continue
         # Compared without the prefix every name shares, which would make any two names look alike.
         close = difflib.get_close_matches(variable[7:], known, n=1)
