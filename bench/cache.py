@@ -43,14 +43,14 @@ from pathlib import Path
 from typing import Any
 
 from bench import _results as R
-from proxy.settings import Settings
+from proxy.settings import setting_default
 from testkit import load as L
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, photo_jpeg, photo_sized
 
 WHAT = "10-turn chat replay with one 12 MP photo (and with new photos): mmgate CPU, latency, RSS, cache on vs off"
 FLAGS = ("--resize-max-pixels", "1000000", "--max-body-mb", "256", "--max-inflight-media-mb", "4096",
          "--max-media-per-request", "64")
-MODES = {"off": ("--cache-mb", "0"), "on": ("--cache-mb", str(Settings.__dataclass_fields__["cache_mb"].default))}
+MODES = {"off": ("--cache-mb", "0"), "on": ("--cache-mb", str(setting_default('cache_mb')))}
 CONVERSATIONS = ("one_photo", "new_photo_each_turn", "all_new")
 GOAL_REPEAT_SHARE = 0.10
 GOAL_MISS_RATIO = 1.03

@@ -42,14 +42,14 @@ from typing import Any
 
 from bench import _results as R
 from bench.loop_latency import cpu_seconds, minor_faults
-from proxy.settings import Settings
+from proxy.settings import setting_default
 from testkit import load as L
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
 
 WHAT = "small text request and /mmgate/health latency while 16 clients resend one 12 MP photo (cache hits)"
 TEXT_BODY = json.dumps({"model": "stub-vlm", "max_tokens": 16,
                         "messages": [{"role": "user", "content": "Say hello in one short sentence."}]}).encode()
-CACHE_ON = ("--cache-mb", str(Settings.__dataclass_fields__["cache_mb"].default))  # the default, which L turns off
+CACHE_ON = ("--cache-mb", str(setting_default('cache_mb')))  # the default, which L turns off
 GOAL_TEXT_MS = 15.0
 GOAL_HEALTH_MS = 5.0
 GOAL_THROUGHPUT = 0.6

@@ -85,7 +85,7 @@ def render() -> dict[str, str]:
     limit = quantity_bytes(str(limits["memory"]))
     bound = sidecar.worst_case_memory_bytes()["total"]
     return {
-        "defaults": f"With the defaults on {DEFAULT_CPUS} CPUs (`MMGATE_DECODE_MODE={defaults.decode_mode}`) "
+        "defaults": f"With the defaults on {DEFAULT_CPUS} CPUs (`MMGATE_DECODE_MODE={defaults.decode.decode_mode}`) "
         f"`mmgate --print-config` prints {bound_line(defaults)},",
         "k8s": f"mmgate's memory limit ({limits['memory']}) is {limit / bound:.2f} × the worst case the ConfigMap's "
         f"limits allow on its {limits['cpu']} CPUs ({bound_line(sidecar)}; `mmgate --print-config` with them): "

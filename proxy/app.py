@@ -52,7 +52,7 @@ def build_state(settings: Settings, link: Link | None = None,
     (``shared_gate.SharedGate``); ``on_gate_lost`` is called if the supervisor goes away."""
     model = served_model(settings)
     metrics = Metrics()
-    trimmer = IdleTrimmer(settings.trim_idle, release_freed_memory(), metrics.memory_trims.inc)
+    trimmer = IdleTrimmer(settings.memory.trim_idle, release_freed_memory(), metrics.memory_trims.inc)
 
     def gate_changed(gate: Gate) -> None:
         metrics.gate_in_use.set(gate.in_use)
@@ -64,44 +64,44 @@ def build_state(settings: Settings, link: Link | None = None,
         trimmer.follow(running=gate.in_use, waiting=gate.waiting)
 
     lifecycle = Lifecycle()
-    adaptive = (AdaptiveLimit(settings.min_mm_concurrency, settings.max_mm_concurrency_auto)
-                if settings.adaptive_concurrency else None)
+    adaptive = (AdaptiveLimit(settings.gate.min_mm_concurrency, settings.gate.max_mm_concurrency_auto)
+                if settings.gate.adaptive_concurrency else None)
     gate: Gate
     if link is None:
-        gate = Gate(settings.max_mm_concurrency, settings.max_inflight_media_bytes, settings.max_queue, gate_changed,
-                    lifecycle, token_budget=settings.max_inflight_image_tokens,
-                    max_queue_per_flow=settings.max_queue_per_flow, adaptive=adaptive)
+        gate = Gate(settings.gate.max_mm_concurrency, settings.gate.max_inflight_media_bytes, settings.gate.max_queue,
+                    gate_changed, lifecycle, token_budget=settings.gate.max_inflight_image_tokens,
+                    max_queue_per_flow=settings.gate.max_queue_per_flow, adaptive=adaptive)
     else:
-        gate = SharedGate(link, adaptive.limit if adaptive is not None else settings.max_mm_concurrency,
-                          settings.max_inflight_media_bytes, settings.max_queue, gate_changed, lifecycle,
-                          settings.max_inflight_image_tokens, settings.max_queue_per_flow,
+        gate = SharedGate(link, adaptive.limit if adaptive is not None else settings.gate.max_mm_concurrency,
+                          settings.gate.max_inflight_media_bytes, settings.gate.max_queue, gate_changed, lifecycle,
+                          settings.gate.max_inflight_image_tokens, settings.gate.max_queue_per_flow,
                           report=lambda: front_report(state, front_index), on_lost=on_gate_lost)
     image_policy = ImagePolicy(
-        max_pixels=settings.max_image_pixels,
-        max_frames=settings.max_frames,
-        resize_max_pixels=settings.resize_max_pixels,
-        resize_max_side=settings.resize_max_side,
-        output_format=settings.image_format,  # type: ignore[arg-type]
-        jpeg_quality=settings.jpeg_quality,
-        validate=settings.validate,  # type: ignore[arg-type]
+        max_pixels=settings.limits.max_image_pixels,
+        max_frames=settings.limits.max_frames,
+        resize_max_pixels=settings.decode.resize_max_pixels,
+        resize_max_side=settings.decode.resize_max_side,
+        output_format=settings.decode.image_format,
+        jpeg_quality=settings.decode.jpeg_quality,
+        validate=settings.decode.validate,
         geometry=model.geometry if model is not None else None,
     )
-    connections = ConnectionGuard(settings.max_connections, settings.header_timeout,
+    connections = ConnectionGuard(settings.listen.max_connections, settings.timeouts.header_timeout,
                                   lambda code: metrics.rejected.labels(code).inc(),
                                   metrics.idle_connections_closed.inc)
     metrics.client_connections.set_function(lambda: connections.open)
-    state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.max_audio_seconds),
+    state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.limits.max_audio_seconds),
                      trimmer, connections, lifecycle=lifecycle, model=model,
-                     video_policy=VideoPolicy(settings.max_video_pixels, settings.max_video_frames,
-                                              settings.max_video_seconds))
-    state.pacer = Pacer(settings.loop_lag_target, metrics.upload_holds.inc)
+                     video_policy=VideoPolicy(settings.limits.max_video_pixels, settings.limits.max_video_frames,
+                                              settings.limits.max_video_seconds))
+    state.pacer = Pacer(settings.listen.loop_lag_target, metrics.upload_holds.inc)
     metrics.uploads_held.set_function(lambda: state.pacer.held)
     metrics.media_bytes_live.set_function(lambda: state.buffers.bytes_live)
     metrics.requests_reading.set_function(lambda: state.reading)
     metrics.media_buffers_live.set_function(lambda: state.buffers.owners_live)
-    if settings.cache_mb:
-        cache = state.cache = MediaCache(settings.cache_bytes, settings_fingerprint(settings),
-                                         min(4, settings.decode_workers), metrics.cache_hits.inc,
+    if settings.memory.cache_mb:
+        cache = state.cache = MediaCache(settings.memory.cache_bytes, settings_fingerprint(settings),
+                                         min(4, settings.decode.decode_workers), metrics.cache_hits.inc,
                                          metrics.cache_misses.inc, metrics.cache_evictions.inc)
         if isinstance(gate, SharedGate):  # a miss here is first asked of the other fronts' caches
             cache.peers = gate.peer_verdicts
@@ -110,7 +110,7 @@ def build_state(settings: Settings, link: Link | None = None,
         metrics.cache_bytes.set_function(lambda: cache.bytes_held)
         metrics.cache_entries.set_function(lambda: cache.entries)
         metrics.cache_waiting.set_function(lambda: cache.waiting)
-    metrics.cache_limit_bytes.set(settings.cache_bytes)
+    metrics.cache_limit_bytes.set(settings.memory.cache_bytes)
     state.idle.set()
     return state
 
@@ -118,8 +118,8 @@ def build_state(settings: Settings, link: Link | None = None,
 def front_report(state: AppState, front_index: int) -> dict[str, Any]:
     """This front's answer to the gate's "report": every metric, and the totals /mmgate/stats adds up."""
     extra = {"in_flight": state.in_flight, "reading": state.reading, "rss_bytes": rss_bytes() or 0,
-             "decode_workers": state.pool.workers if state.pool is not None else state.settings.decode_workers,
-             "cache_mb": state.settings.cache_mb}
+             "decode_workers": state.pool.workers if state.pool is not None else state.settings.decode.decode_workers,
+             "cache_mb": state.settings.memory.cache_mb}
     front = {"index": front_index, "pid": os.getpid(), "in_flight": state.in_flight}
     return report_of(list(state.metrics.registry.collect()), extra, front)
 
@@ -127,20 +127,20 @@ def front_report(state: AppState, front_index: int) -> dict[str, Any]:
 def served_model(settings: Settings) -> Model | None:
     """The model whose geometry and token count apply, or None (no MMGATE_MODEL, or a family mmgate has no
     geometry for: the generic rule, warned about by ``load_model``)."""
-    if not settings.model:
+    if not settings.decode.model:
         return None
-    model = load_model(settings.model)
+    model = load_model(settings.decode.model)
     if not model.supported:
-        if settings.max_inflight_image_tokens:
+        if settings.gate.max_inflight_image_tokens:
             raise ConfigError(f"MMGATE_MAX_INFLIGHT_IMAGE_TOKENS needs a model whose image tokens mmgate counts; "
-                              f"MMGATE_MODEL={settings.model!r} is a {model.family} model, which it does not")
+                              f"MMGATE_MODEL={settings.decode.model!r} is a {model.family} model, which it does not")
         return None
     return model
 
 
 async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
-    connector = aiohttp.TCPConnector(limit=state.settings.upstream_max_connections, limit_per_host=0,
+    connector = aiohttp.TCPConnector(limit=state.settings.backend.upstream_max_connections, limit_per_host=0,
                                      enable_cleanup_closed=True)
     state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                           cookie_jar=aiohttp.DummyCookieJar())
@@ -150,13 +150,13 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
 
 def make_pool(settings: Settings, metrics: Metrics) -> DecodePool:
     """The decode pool MMGATE_DECODE_MODE names: threads, or threads that each drive a worker process."""
-    if settings.decode_mode == "process":
-        return ProcessPool(settings.decode_workers, max_jobs=settings.worker_max_jobs,
-                           max_rss_bytes=settings.worker_max_rss_mb * MIB,
+    if settings.decode.decode_mode == "process":
+        return ProcessPool(settings.decode.decode_workers, max_jobs=settings.decode.worker_max_jobs,
+                           max_rss_bytes=settings.decode.worker_max_rss_mb * MIB,
                            on_exit=lambda reason: metrics.decode_worker_exits.labels(reason).inc(),
-                           environment=worker_environment(os.environ, memory_first=settings.malloc_tuning),
-                           trim_idle=settings.trim_idle)
-    return DecodePool(settings.decode_workers)
+                           environment=worker_environment(os.environ, memory_first=settings.memory.malloc_tuning),
+                           trim_idle=settings.memory.trim_idle)
+    return DecodePool(settings.decode.decode_workers)
 
 
 async def _fetch_session(app: web.Application) -> AsyncIterator[None]:
@@ -164,11 +164,11 @@ async def _fetch_session(app: web.Application) -> AsyncIterator[None]:
     upstream's; no cookies, no proxy from the environment, bodies read as sent."""
     state = app[STATE]
     settings = state.settings
-    if settings.media_urls != "fetch":
+    if settings.fetch.media_urls != "fetch":
         yield
         return
-    addresses = AddressPolicy.from_cidrs(settings.fetch_allow_addresses)
-    connector = aiohttp.TCPConnector(limit=settings.fetch_max_connections, limit_per_host=0,
+    addresses = AddressPolicy.from_cidrs(settings.fetch.fetch_allow_addresses)
+    connector = aiohttp.TCPConnector(limit=settings.fetch.fetch_max_connections, limit_per_host=0,
                                      resolver=CheckedResolver(addresses), use_dns_cache=False,
                                      enable_cleanup_closed=True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False,
@@ -181,8 +181,9 @@ async def _fetch_session(app: web.Application) -> AsyncIterator[None]:
         metrics.fetches.labels(outcome).inc()
         metrics.fetched_bytes.inc(nbytes)
 
-    limits = FetchLimits(settings.fetch_max_redirects, settings.fetch_timeout, settings.fetch_first_byte_timeout)
-    state.fetcher = Fetcher(session, HostPolicy.from_patterns(settings.fetch_allow_hosts), addresses, limits,
+    limits = FetchLimits(settings.fetch.fetch_max_redirects, settings.fetch.fetch_timeout,
+                         settings.fetch.fetch_first_byte_timeout)
+    state.fetcher = Fetcher(session, HostPolicy.from_patterns(settings.fetch.fetch_allow_hosts), addresses, limits,
                             counted)
     yield
     state.fetcher = None
@@ -242,16 +243,17 @@ def build_app(settings: Settings, *, admin: bool | None = None, state: AppState 
     # included), and refused on media routes where mmgate would have to look inside.
     shared = state is not None
     state = state or build_state(settings, link, on_gate_lost, front_index)
-    app = web.Application(client_max_size=settings.max_body_bytes,
+    app = web.Application(client_max_size=settings.limits.max_body_bytes,
                           handler_args={"max_field_size": 65536, "auto_decompress": False},
                           middlewares=[mark_head_received(state.connections), refusals_in_api_shape])
     app[STATE] = state
     if not shared:
         app.cleanup_ctx.extend([_upstream_session, _upstream_watcher, _fetch_session, _decode_pool, _loop_lag_watcher,
                                 _idle_trimmer])
-    if admin if admin is not None else not settings.admin_port:
+    if admin if admin is not None else not settings.listen.admin_port:
         add_admin_routes(app)
-    if settings.backend_metrics == "merge":  # what an endpoint picker scrapes: the backend's, with mmgate's queue
+    # What an endpoint picker scrapes: the backend's, with mmgate's queue.
+    if settings.backend.backend_metrics == "merge":
         app.router.add_get(METRICS_PATH, merged_metrics)
     app.router.add_route("*", "/{tail:.*}", handle_request, expect_handler=expect_continue)
     return app
@@ -262,7 +264,7 @@ def make_runner(app: web.Application) -> web.AppRunner:
     # drain() already waited for in-flight requests; the runner's own shutdown wait is only for stragglers,
     # so the whole stop stays within MMGATE_DRAIN_GRACE + MMGATE_DRAIN_TIMEOUT (+1 s).
     return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
-                         keepalive_timeout=app[STATE].settings.keepalive_timeout)
+                         keepalive_timeout=app[STATE].settings.timeouts.keepalive_timeout)
 
 
 def build_admin_app(state: AppState) -> web.Application:

@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NoReturn
@@ -66,13 +66,13 @@ class JsonFormatter(logging.Formatter):
 
 def configure_logging(settings: Settings) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    if settings.log_format == "json":
+    if settings.logs.log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(settings.log_level.upper())
+    root.setLevel(settings.logs.log_level.upper())
     logging.getLogger("aiohttp.access").disabled = True  # mmgate writes its own access log
 
 
@@ -117,10 +117,12 @@ class ListenError(Exception):
     """A socket mmgate cannot listen on; ``str()`` is the one line the CLI prints before exiting with status 2."""
 
 
-def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None,
+         also_known: Collection[str] = ()) -> None:
+    """``mmgate``. ``also_known``: ``MMGATE_*`` names that are no setting but draw no warning (a tool's own)."""
     args = parse_args(argv)
     environ = dict(os.environ if environ is None else environ)
-    for warning in unknown_variables(environ):
+    for warning in unknown_variables(environ, also_known):
         print(f"mmgate: warning: {warning}", file=sys.stderr)
     overrides = overrides_from_args(args)
     stub: subprocess.Popen[bytes] | None = None
@@ -130,7 +132,7 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
                 stub, upstream = start_stub_backend()
                 overrides.setdefault("upstream", upstream)
             settings = Settings.from_env(environ, **overrides)
-            if not settings.upstream:
+            if not settings.backend.upstream:
                 # --print-config too: the worst case it prints is for a proxy that could not start without one.
                 raise ConfigError("MMGATE_UPSTREAM is not set: point it at your backend (e.g. --upstream "
                                   "http://127.0.0.1:8000), or try `mmgate demo`")
@@ -141,17 +143,18 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
             print(settings.describe())
             return
         configure_logging(settings)
-        applied = tune_process(environ, memory_first=settings.malloc_tuning,
-                               decode_threads=settings.decode_workers if settings.decode_mode == "thread" else 0)
-        if settings.malloc_tuning:
+        decode = settings.decode
+        applied = tune_process(environ, memory_first=settings.memory.malloc_tuning,
+                               decode_threads=decode.decode_workers if decode.decode_mode == "thread" else 0)
+        if settings.memory.malloc_tuning:
             log.info("memory: %s",
                      " ".join(applied) if applied else "allocator settings left as the environment set them")
         on_ready = print_demo_help if stub is not None else None
-        if settings.processes > 1:
+        if settings.listen.processes > 1:
             try:
-                listen_sock = bound(settings.host, settings.port, "MMGATE_PORT / --port")
-                admin_sock = (bound(settings.host, settings.admin_port, "MMGATE_ADMIN_PORT / --admin-port")
-                              if settings.admin_port else None)
+                listen_sock = bound(settings.listen.host, settings.listen.port, "MMGATE_PORT / --port")
+                admin_sock = (bound(settings.listen.host, settings.listen.admin_port,
+                                    "MMGATE_ADMIN_PORT / --admin-port") if settings.listen.admin_port else None)
             except ListenError as error:
                 exit_with(error)
             status = supervise(settings, listen_sock, admin_sock, partial(announce, on_ready=on_ready))
@@ -206,18 +209,19 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
     admin_runner = None
     try:
         # Client connections are capped and their heads have a deadline (proxy/edge/connections.py).
-        site = GuardedSite(runner, settings.host, settings.port, app[STATE].connections,
+        site = GuardedSite(runner, settings.listen.host, settings.listen.port, app[STATE].connections,
                            sock=front.listen if front is not None else None)
-        await listen(site, settings.host, settings.port, "MMGATE_PORT / --port")
-        if settings.admin_port:
+        await listen(site, settings.listen.host, settings.listen.port, "MMGATE_PORT / --port")
+        if settings.listen.admin_port:
             admin_runner = web.AppRunner(build_admin_app(app[STATE]), access_log=None)
             await admin_runner.setup()
             admin_site: web.BaseSite
             if front is not None and front.admin is not None:
                 admin_site = web.SockSite(admin_runner, front.admin)
             else:
-                admin_site = web.TCPSite(admin_runner, settings.host, settings.admin_port)
-            await listen(admin_site, settings.host, settings.admin_port, "MMGATE_ADMIN_PORT / --admin-port")
+                admin_site = web.TCPSite(admin_runner, settings.listen.host, settings.listen.admin_port)
+            await listen(admin_site, settings.listen.host, settings.listen.admin_port,
+                         "MMGATE_ADMIN_PORT / --admin-port")
     except ListenError:
         await runner.cleanup()
         if admin_runner is not None:
@@ -243,10 +247,10 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
 
 def announce(settings: Settings, port: int, on_ready: Callable[[Settings, int], None] | None) -> None:
     """The lines a person reads once mmgate listens (one process, or the supervisor of several)."""
-    log.info("mmgate listening on http://%s:%s%s -> %s", settings.host, port, where_note(settings.host),
-             loggable(settings.upstream))
-    if settings.admin_port:
-        log.info("/mmgate/* only on the admin port: http://%s:%s", settings.host, settings.admin_port)
+    log.info("mmgate listening on http://%s:%s%s -> %s", settings.listen.host, port, where_note(settings.listen.host),
+             loggable(settings.backend.upstream))
+    if settings.listen.admin_port:
+        log.info("/mmgate/* only on the admin port: http://%s:%s", settings.listen.host, settings.listen.admin_port)
     if not pyav_available():
         log.info("video parts are refused (400 video_unavailable): probing them needs PyAV, "
                  "pip install 'mmgate[video]'")
@@ -303,24 +307,24 @@ async def drain(state: AppState, signum: signal.Signals = signal.SIGTERM) -> Non
     settings = state.settings
     state.lifecycle.start_grace()
     if signum == signal.SIGTERM:
-        log.info("SIGTERM: readiness now fails; serving for %g s more (MMGATE_DRAIN_GRACE)", settings.drain_grace)
-        await asyncio.sleep(settings.drain_grace)
+        log.info("SIGTERM: readiness now fails; serving for %g s more (MMGATE_DRAIN_GRACE)", settings.drain.drain_grace)
+        await asyncio.sleep(settings.drain.drain_grace)
     elif state.idle.is_set():
         log.info("%s: no request in flight; stopping now", signum.name)
     else:
         # Ctrl-C: no load balancer is still sending requests, so the grace only lets those in flight finish.
         log.info("%s: %d request(s) in flight; serving for up to %g s more while they finish (MMGATE_DRAIN_GRACE)",
-                 signum.name, state.in_flight, settings.drain_grace)
+                 signum.name, state.in_flight, settings.drain.drain_grace)
         try:
-            async with asyncio.timeout(settings.drain_grace):
+            async with asyncio.timeout(settings.drain.drain_grace):
                 await state.idle.wait()
         except TimeoutError:
             pass
     state.lifecycle.start_draining()
     if state.in_flight:
-        log.info("draining: %d request(s) in flight, waiting up to %g s", state.in_flight, settings.drain_timeout)
+        log.info("draining: %d request(s) in flight, waiting up to %g s", state.in_flight, settings.drain.drain_timeout)
     try:
-        async with asyncio.timeout(settings.drain_timeout):
+        async with asyncio.timeout(settings.drain.drain_timeout):
             await state.idle.wait()
     except TimeoutError:
         log.warning("drain timeout: %d request(s) still in flight are cut", state.in_flight)
@@ -356,7 +360,7 @@ def print_demo_help(settings: Settings, port: int) -> None:
     base = f"http://127.0.0.1:{port}"
     print(
         f"""
-mmgate demo: proxy on {base} -> stub backend at {settings.upstream}
+mmgate demo: proxy on {base} -> stub backend at {settings.backend.upstream}
 
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "stub", "messages": [{{"role": "user", "content": "Hello!"}}]}}'

@@ -84,7 +84,7 @@ def record(state: AppState, ex: Exchange, request: web.Request) -> None:
     for stage, seconds in ex.watch.stages.items():
         m.child(m.stage_duration, stage).observe(seconds)
     m.child(m.stage_duration, "total").observe(duration)
-    if state.settings.access_log:
+    if state.settings.logs.access_log:
         fields = {
             "request_id": ex.request_id, "method": request.method, "path": request.path, "route": ex.route,
             "kind": ex.kind, "status": status, "code": ex.code or None, "duration_ms": round(duration * 1000, 2),

@@ -39,7 +39,7 @@ from proxy.media.cached import run_fetched_plan_cached, run_plan_cached
 from proxy.media.step import Rewrites, count_urls, run_plan
 from proxy.media.tokens import plan_image_tokens
 from proxy.payload.dialects import dialect_for_path, route_for
-from proxy.payload.locate import Limits, Plan, chunks_may_contain_media, may_contain_media, plan_steps
+from proxy.payload.locate import Plan, chunks_may_contain_media, may_contain_media, plan_steps
 from proxy.payload.rawjson import Steps, splice
 from proxy.settings import PRIORITY_MAX, PRIORITY_MIN
 from proxy.state import STATE, AppState
@@ -59,7 +59,7 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
     try:
         if state.lifecycle.refusing:
             raise draining()
-        when = _request_deadline(request, state.settings.request_timeout)
+        when = _request_deadline(request, state.settings.timeouts.request_timeout)
         if when is None:  # the common case: no timer to arm and cancel for every request
             return await _serve(request, state, ex)
         deadline = asyncio.timeout_at(when)
@@ -68,7 +68,7 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
     except TimeoutError:
         if deadline is None or not deadline.expired():
             return await _answer(request, state, ex, _internal_error(ex))
-        return await _answer(request, state, ex, _deadline_passed(request, state.settings.request_timeout))
+        return await _answer(request, state, ex, _deadline_passed(request, state.settings.timeouts.request_timeout))
     except MmgateError as error:
         return await _answer(request, state, ex, error)
     except (asyncio.CancelledError, ConnectionResetError):
@@ -86,12 +86,12 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
 
 async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.StreamResponse:
     settings = state.settings
-    target = _checked_target(request, settings.allow_paths)
+    target = _checked_target(request, settings.backend.allow_paths)
     ex.dialect = dialect_for_path(target.path)
     ex.route = route_for(request.method, target.path)
     _check_headers(request, media_route=ex.route != "other")
     if ex.route != "other":
-        ex.flow = flow_for(request.headers, settings.fairness_header, settings.priority_header,
+        ex.flow = flow_for(request.headers, settings.gate.fairness_header, settings.gate.priority_header,
                            (PRIORITY_MIN, PRIORITY_MAX))
 
     started = time.perf_counter()
@@ -99,7 +99,8 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     state.reading += 1
     try:
         with state.pacer.upload(_big_upload(request, state)):
-            chunks = await read_body(request, settings.max_body_bytes, settings.body_read_timeout, on_head)
+            chunks = await read_body(request, settings.limits.max_body_bytes, settings.timeouts.body_read_timeout,
+                                     on_head)
     finally:
         state.reading -= 1
     ex.watch.add("read", time.perf_counter() - started)
@@ -119,8 +120,8 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
 
     # Where the gate lease ends (MMGATE_RELEASE_AT; auto: at the headers when streaming, else once sent).
     # The media bytes themselves are always let go at the handoff, by the payload.
-    release_at = settings.release_at
-    if release_at == "auto" and settings.adaptive_concurrency:
+    release_at = settings.gate.release_at
+    if release_at == "auto" and settings.gate.adaptive_concurrency:
         release_at = "complete"  # the adaptive limit learns from the backend's latency: the lease must span it
     elif release_at == "auto":
         release_at = "headers" if is_stream else "sent"
@@ -141,14 +142,14 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
                 headers.popall(VIDEO_TOKENS_HEADER, None)
         if lease is not None:
             lease.handed_off()
-        upstream = await open_upstream(state.session, request.method, settings.upstream + target.forwarded, payload,
-                                       headers, state.upstream_timeout())
+        upstream = await open_upstream(state.session, request.method, settings.backend.upstream + target.forwarded,
+                                       payload, headers, settings.timeouts.upstream_client)
         del payload
         state.upstream.reached()
         try:
             if lease is not None and release_at == "headers":
                 lease.release()
-            ex.response = await relay_head(request, upstream, ex.response_headers(settings.server_timing))
+            ex.response = await relay_head(request, upstream, ex.response_headers(settings.logs.server_timing))
             await relay_body(upstream, ex.response)
             return ex.response
         finally:
@@ -162,11 +163,8 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
 
     Only ``media`` holds the body: nothing here keeps the bytes in a local, so a released owner (the
     request ended) leaves nothing behind in a frame or a queued job."""
-    settings = state.settings
     started = time.perf_counter()
-    limits = Limits(settings.max_media_per_request, settings.max_media_item_bytes, settings.media_urls == "reject",
-                    settings.max_json_depth, fetch_urls=settings.media_urls == "fetch",
-                    max_structure=settings.max_json_structure_bytes)
+    limits = state.plan_limits
     plan = await _in_steps(plan_steps(ex.route, media.data, limits))
     ex.watch.add("parse", time.perf_counter() - started)
     if not plan.parts:
@@ -214,7 +212,7 @@ async def _admit_fetch_and_run(state: AppState, ex: Exchange, plan: Plan, media:
     the cache, by the fetched bytes, when there is one)."""
     settings = state.settings
     started = time.perf_counter()
-    ex.lease = await state.gate.acquire(plan.cost, settings.queue_timeout, ex.place, ex.image_tokens, ex.flow)
+    ex.lease = await state.gate.acquire(plan.cost, settings.timeouts.queue_timeout, ex.place, ex.image_tokens, ex.flow)
     ex.place = None
     ex.watch.add("queue", time.perf_counter() - started)
 
@@ -223,7 +221,7 @@ async def _admit_fetch_and_run(state: AppState, ex: Exchange, plan: Plan, media:
         # URL items were charged the per-item cap at admission; their bytes come now
         started, read = time.perf_counter(), [0]
         try:
-            fetched = await fetch_plan(state.fetcher, plan, settings.max_media_item_bytes, read)
+            fetched = await fetch_plan(state.fetcher, plan, settings.limits.max_media_item_bytes, read)
         finally:
             ex.watch.add("fetch", time.perf_counter() - started)
             ex.fetched = read[0]
@@ -344,10 +342,10 @@ async def expect_continue(request: web.Request) -> None:
         return  # answered with 417 by handle_request, in the client's API shape
     state = request.app[STATE]
     length = request.content_length
-    if state.lifecycle.refusing or (length is not None and length > state.settings.max_body_bytes):
+    if state.lifecycle.refusing or (length is not None and length > state.settings.limits.max_body_bytes):
         return
     try:
-        _checked_target(request, state.settings.allow_paths)
+        _checked_target(request, state.settings.backend.allow_paths)
     except MmgateError:
         return
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")

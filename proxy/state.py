@@ -19,6 +19,7 @@ from proxy.media.buffers import BufferLedger
 from proxy.media.cache import MediaCache
 from proxy.media.model import Model
 from proxy.ops.metrics import Metrics
+from proxy.payload.locate import Limits
 from proxy.serve.lifecycle import Lifecycle
 from proxy.serve.memory import IdleTrimmer
 from proxy.settings import Settings
@@ -49,9 +50,11 @@ class AppState:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")
     upstream: UpstreamHealth = field(init=False)  # from settings: known to be down, re-checked until it answers
+    plan_limits: Limits = field(init=False)  # from settings: what every media body's plan is checked against
 
     def __post_init__(self) -> None:
-        self.upstream = UpstreamHealth(self.settings.upstream, self.settings.upstream_health_path)
+        self.upstream = UpstreamHealth(self.settings.backend.upstream, self.settings.backend.upstream_health_path)
+        self.plan_limits = plan_limits(self.settings)
 
     def request_started(self) -> None:
         self.in_flight += 1
@@ -62,10 +65,13 @@ class AppState:
         if self.in_flight == 0:
             self.idle.set()
 
-    def upstream_timeout(self) -> aiohttp.ClientTimeout:
-        s = self.settings
-        return aiohttp.ClientTimeout(total=None, sock_connect=s.upstream_connect_timeout,
-                                     sock_read=s.upstream_read_timeout)
-
 
 STATE = web.AppKey("mmgate_state", AppState)
+
+
+def plan_limits(settings: Settings) -> Limits:
+    """The bounds a media body's plan is checked against, from the limits and the media URL mode."""
+    limits, media_urls = settings.limits, settings.fetch.media_urls
+    return Limits(limits.max_media_per_request, limits.max_media_item_bytes, media_urls == "reject",
+                  limits.max_json_depth, fetch_urls=media_urls == "fetch",
+                  max_structure=limits.max_json_structure_bytes)

@@ -75,7 +75,7 @@ def use_pool(app: web.Application, make_pool: Callable[[int], DecodePool]) -> No
         state = app[STATE]
         assert state.pool is not None
         state.pool.shutdown()
-        state.pool = make_pool(state.settings.decode_workers)
+        state.pool = make_pool(state.settings.decode.decode_workers)
         yield
 
     app.cleanup_ctx.append(swap)
@@ -92,10 +92,10 @@ async def serve(settings: Settings, variant: str) -> None:
     runner = make_runner(app)
     await runner.setup()
     try:
-        site = GuardedSite(runner, settings.host, settings.port, app[STATE].connections)
+        site = GuardedSite(runner, settings.listen.host, settings.listen.port, app[STATE].connections)
         await site.start()
         log.info("mmgate (%s decode pool, a benchmark baseline) listening on http://%s:%s -> %s", variant,
-                 settings.host, site.port, settings.upstream)
+                 settings.listen.host, site.port, settings.backend.upstream)
         await stop.wait()
     finally:
         await runner.cleanup()
@@ -107,12 +107,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not argv or argv[0] not in POOLS:
         raise SystemExit(f"usage: python -m testkit.variants {{{','.join(POOLS)}}} [mmgate flags]")
     settings = Settings.from_env(os.environ, **overrides_from_args(parse_args(argv[1:])))
-    if settings.admin_port:
+    if settings.listen.admin_port:
         raise SystemExit("testkit.variants: MMGATE_ADMIN_PORT is not supported here; /mmgate/* stays on the port")
     configure_logging(settings)
-    if settings.malloc_tuning:
+    if settings.memory.malloc_tuning:
         # the variants' pools are threads, whatever MMGATE_DECODE_MODE says
-        applied = tune_allocators(os.environ, kept_blocks=PILLOW_BLOCKS_PER_THREAD * settings.decode_workers)
+        applied = tune_allocators(os.environ, kept_blocks=PILLOW_BLOCKS_PER_THREAD * settings.decode.decode_workers)
         log.info("memory: %s", " ".join(applied) if applied else "allocator settings left as the environment set them")
     asyncio.run(serve(settings, argv[0]))
 

@@ -8,7 +8,6 @@ real file and compares it with the real code (Settings fields, build_app() route
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -29,7 +28,7 @@ yaml = pytest.importorskip("yaml")
 from bench import worst_case  # noqa: E402
 from proxy.edge.connections import PROBE_LINE  # noqa: E402
 from proxy.ops.metrics import Metrics  # noqa: E402
-from proxy.settings import Settings  # noqa: E402
+from proxy.settings import SPEC, Settings, env_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -53,7 +52,7 @@ def load_yaml_docs(path: Path) -> list[dict[str, Any]]:
 
 @cache
 def setting_env_names() -> frozenset[str]:
-    return frozenset("MMGATE_" + f.name.upper() for f in dataclasses.fields(Settings))
+    return frozenset(env_name(name) for name in SPEC)
 
 
 @cache
@@ -61,7 +60,7 @@ def admin_paths() -> frozenset[str]:
     """GET paths the real app answers locally (the proxy's catch-all route excluded)."""
     from proxy.app import build_app
 
-    app = build_app(Settings(upstream="http://127.0.0.1:9"), admin=True)
+    app = build_app(Settings.from_env({}, upstream="http://127.0.0.1:9"), admin=True)
     return frozenset(r.canonical for r in app.router.resources() if r.canonical.startswith("/mmgate/"))
 
 
@@ -263,7 +262,7 @@ def test_configmap_and_compose_values_are_accepted_by_settings(
     """The values themselves pass Settings' validation (a bad one would stop start-up with exit 2)."""
     for env in (k8s["env"], compose_env):
         settings = Settings.from_env(env)
-        assert settings.upstream
+        assert settings.backend.upstream
 
 
 def test_dockerfile_env_is_valid_and_consistent() -> None:
@@ -362,16 +361,16 @@ def test_compose_ports_upstream_and_mounts(compose: dict[str, Any], compose_env:
     assert mmgate["build"]["dockerfile"] == "deploy/Dockerfile"
     assert (DEPLOY / mmgate["build"]["context"] / mmgate["build"]["dockerfile"]).is_file()
     container_ports = {int(str(p).rsplit(":", 1)[1].split("/")[0]) for p in mmgate["ports"]}
-    assert container_ports == {settings.port}
+    assert container_ports == {settings.listen.port}
 
-    upstream = urlsplit(settings.upstream)
+    upstream = urlsplit(settings.backend.upstream)
     backend = services[upstream.hostname]  # MMGATE_UPSTREAM names a compose service ...
     assert backend["image"].startswith("vllm/vllm-openai")
     assert arg_value(backend["command"], "--port") == str(upstream.port)  # ... on the port it listens on
     assert "ports" not in backend, "the backend is reached through mmgate only"
     assert "SmolVLM" in (arg_value(backend["command"], "--model") or "")
     # The backend outlives mmgate's drain on `docker compose down`.
-    grace = settings.drain_grace + settings.drain_timeout
+    grace = settings.drain.drain_grace + settings.drain.drain_timeout
     assert float(str(backend["stop_grace_period"]).rstrip("s")) > grace
     assert float(str(mmgate["stop_grace_period"]).rstrip("s")) > grace
 
@@ -389,7 +388,7 @@ def test_prometheus_scrapes_mmgate_metrics_route(compose_env: dict[str, str]) ->
     job = jobs["mmgate"]  # alerts.yml selects job="mmgate"
     assert job["metrics_path"] in admin_paths() and job["metrics_path"] == "/mmgate/metrics"
     targets = [t for sc in job["static_configs"] for t in sc["targets"]]
-    assert targets == [f"mmgate:{settings.admin_port or settings.port}"]
+    assert targets == [f"mmgate:{settings.listen.admin_port or settings.listen.port}"]
     for rule_file in config["rule_files"]:
         assert (DEPLOY / "prometheus" / rule_file).is_file()
 
@@ -427,22 +426,22 @@ def test_k8s_ports_and_service(k8s: dict[str, Any]) -> None:
     settings = Settings.from_env(k8s["env"])
     mmgate = k8s["mmgate"]
     ports = {p["containerPort"] for p in mmgate["ports"]}
-    assert settings.port in ports
-    if settings.admin_port:
-        assert settings.admin_port in ports
+    assert settings.listen.port in ports
+    if settings.listen.admin_port:
+        assert settings.listen.admin_port in ports
     service = k8s["Service"]
     labels = k8s["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     for port in service["spec"]["ports"]:
-        assert _port(mmgate, port["targetPort"]) == settings.port, "the Service targets mmgate's proxy port"
+        assert _port(mmgate, port["targetPort"]) == settings.listen.port, "the Service targets mmgate's proxy port"
     # The backend listens where MMGATE_UPSTREAM points, on loopback only (mmgate is the only way in).
-    upstream = urlsplit(settings.upstream)
+    upstream = urlsplit(settings.backend.upstream)
     backend_args = k8s["backend"]["args"]
     assert arg_value(backend_args, "--port") == str(upstream.port)
     assert arg_value(backend_args, "--host") == upstream.hostname == "127.0.0.1"
     annotations = k8s["Deployment"]["spec"]["template"]["metadata"].get("annotations", {})
     if "prometheus.io/port" in annotations:
-        assert int(annotations["prometheus.io/port"]) == (settings.admin_port or settings.port)
+        assert int(annotations["prometheus.io/port"]) == (settings.listen.admin_port or settings.listen.port)
         assert annotations["prometheus.io/path"] in admin_paths()
 
 
@@ -455,7 +454,7 @@ def test_k8s_probes_hit_admin_routes_on_the_right_port(k8s: dict[str, Any]) -> N
     # httpGet sends GET over HTTP/1.1; on whichever port, these are answered over the connection cap.
     assert all(_survives_the_connection_cap("GET", probe["path"]) for probe in (readiness, liveness))
     # With MMGATE_ADMIN_PORT set, /mmgate/* is served only there.
-    expected = settings.admin_port or settings.port
+    expected = settings.listen.admin_port or settings.listen.port
     assert _port(mmgate, readiness["port"]) == expected
     assert _port(mmgate, liveness["port"]) == expected
 
@@ -464,7 +463,7 @@ def test_k8s_termination_grace_covers_the_drain(k8s: dict[str, Any]) -> None:
     """SIGKILL must not land mid-drain, and the backend must outlive every request mmgate still drains."""
     settings = Settings.from_env(k8s["env"])
     grace = float(k8s["pod"]["terminationGracePeriodSeconds"])
-    drain = settings.drain_grace + settings.drain_timeout
+    drain = settings.drain.drain_grace + settings.drain.drain_timeout
     assert grace >= sleep_seconds(k8s["mmgate"]) + drain + GRACE_MARGIN
     backend_sleep = sleep_seconds(k8s["backend"])
     assert backend_sleep >= sleep_seconds(k8s["mmgate"]) + drain, "the backend stops before mmgate drained"
@@ -478,10 +477,10 @@ def test_k8s_resources_fit_the_configured_limits(k8s: dict[str, Any]) -> None:
     settings, read_limits = worst_case.k8s_sidecar()
     assert read_limits == limits
     assert settings == worst_case.pod_settings(k8s["env"], quantity_cpus(str(limits["cpu"])))
-    assert settings.decode_mode == "process"  # the pod's 2 CPUs: worker processes, counted in the bound
+    assert settings.decode.decode_mode == "process"  # the pod's 2 CPUs: worker processes, counted in the bound
     bound = settings.worst_case_memory_bytes()["total"]
     assert quantity_bytes(limits["memory"]) >= worst_case.HEADROOM * bound
-    assert settings.decode_workers <= quantity_cpus(str(limits["cpu"]))
+    assert settings.decode.decode_workers <= quantity_cpus(str(limits["cpu"]))
     security = k8s["mmgate"]["securityContext"]
     assert security["runAsNonRoot"] is True and security["allowPrivilegeEscalation"] is False
 
@@ -494,7 +493,7 @@ def test_readme_worst_case_figures_are_generated_from_the_code() -> None:
     texts = worst_case.current(readme)
     defaults = worst_case.default_settings()
     total = f"{defaults.worst_case_memory_bytes()['total'] / 2**20:.0f} MiB"
-    assert total in texts["defaults"] and defaults.decode_mode == "process"
+    assert total in texts["defaults"] and defaults.decode.decode_mode == "process"
     assert worst_case.main(["--check"]) == 0
 
 
@@ -611,7 +610,7 @@ def test_inference_pool_targets_mmgate_on_the_deployments_pods(k8s: dict[str, An
     (pool,) = load_yaml_docs(DEPLOY / "k8s" / "inferencepool.yaml")
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["kind"] == "InferencePool"
     settings = Settings.from_env(k8s["env"])
-    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [settings.port]
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [settings.listen.port]
     labels = k8s["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    assert pool["spec"]["endpointPickerRef"]["port"]["number"] != settings.port
+    assert pool["spec"]["endpointPickerRef"]["port"]["number"] != settings.listen.port

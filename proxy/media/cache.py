@@ -60,10 +60,10 @@ def media_digest(data: bytes | memoryview, encoding: Encoding) -> bytes:
 def settings_fingerprint(settings: Settings) -> str:
     """Every setting that changes what a media item becomes (decode limit, image and audio policy)."""
     s = settings
-    return (f"v{_FORMAT};item={s.max_media_item_mb};px={s.max_image_pixels};frames={s.max_frames};"
-            f"validate={s.validate};resize={s.resize_max_pixels}x{s.resize_max_side};fmt={s.image_format};"
-            f"q={s.jpeg_quality};audio={s.max_audio_seconds!r};model={s.model};"
-            f"video={s.max_video_pixels}x{s.max_video_frames}x{s.max_video_seconds!r}")
+    return (f"v{_FORMAT};item={s.limits.max_media_item_mb};px={s.limits.max_image_pixels};frames={s.limits.max_frames};"
+            f"validate={s.decode.validate};resize={s.decode.resize_max_pixels}x{s.decode.resize_max_side};fmt={s.decode.image_format};"
+            f"q={s.decode.jpeg_quality};audio={s.limits.max_audio_seconds!r};model={s.decode.model};"
+            f"video={s.limits.max_video_pixels}x{s.limits.max_video_frames}x{s.limits.max_video_seconds!r}")
 
 
 def context_fingerprint(settings_print: str, kind: str, audio_format: str | None, extra: str = "") -> bytes:

@@ -84,7 +84,7 @@ async def run_plan_cached(state: AppState, ex: Exchange, plan: Plan, media: Medi
         first = {key: keys.index(key) for key in misses}
         started = time.perf_counter()
         ex.lease = await state.gate.acquire(sum(plan.items[index].size for index in first.values()),
-                                            settings.queue_timeout, ex.place, ex.image_tokens, ex.flow)
+                                            settings.timeouts.queue_timeout, ex.place, ex.image_tokens, ex.flow)
         ex.place = None
         ex.watch.add("queue", time.perf_counter() - started)
         if first:
@@ -278,7 +278,7 @@ async def _decode(state: AppState, ex: Exchange, plan: Plan, media_ref: weakref.
 
     jobs = [media_job(state, media_ref, plan.items[index], fetched.pop(index, None)) for index in first.values()]
     try:
-        await batch.run(jobs, state.settings.preprocess_timeout, record)
+        await batch.run(jobs, state.settings.timeouts.preprocess_timeout, record)
     except (MediaError, TimeoutError) as exc:
         # Raised from inside the clause, which unbinds ``exc``: a local holding it would make a cycle through
         # the traceback's frames that keeps the request's body alive until a GC pass.

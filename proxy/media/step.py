@@ -66,7 +66,7 @@ async def run_plan(state: AppState, plan: Plan, media: MediaBuffer, lease: Lease
     jobs = [media_job(state, media_ref, item, fetched.pop(i) if item.part.is_url else None)
             for i, item in enumerate(plan.items)]
     try:
-        verdicts = await batch.run(jobs, settings.preprocess_timeout)
+        verdicts = await batch.run(jobs, settings.timeouts.preprocess_timeout)
     except (MediaError, TimeoutError) as exc:
         lease.release_after(batch.stopped())
         raise refusal_for(state, plan, batch, exc) from None
@@ -84,7 +84,7 @@ def refusal_for(state: AppState, plan: Plan, batch: Batch, exc: MediaError | Tim
         count_items(state, plan.items, "rejected")
         return exc
     count_items(state, plan.items, "timeout")
-    timeout = state.settings.preprocess_timeout
+    timeout = state.settings.timeouts.preprocess_timeout
     if batch.started == 0:  # every decode worker stayed busy: not the client's media at fault
         return MmgateError(504, "preprocess_timeout",
                            f"no decode worker became free within {timeout:g} s "
@@ -165,7 +165,7 @@ def media_job(state: AppState, media_ref: weakref.ref[MediaBuffer], item: Item,
     the body for an inline item, the ``fetched`` body for a URL)."""
     part = item.part
     task = MediaTask(
-        kind=part.kind, path=part.path, max_bytes=state.settings.max_media_item_bytes,
+        kind=part.kind, path=part.path, max_bytes=state.settings.limits.max_media_item_bytes,
         image_policy=state.image_policy, audio_policy=state.audio_policy, audio_format=part.audio_format,
         fetched_mime=fetched.mime if fetched is not None else None, video_policy=state.video_policy,
     )

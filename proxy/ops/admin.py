@@ -45,7 +45,7 @@ async def probe_upstream(state: AppState) -> tuple[bool, str]:
     if now - checked_at < READY_CACHE_SECONDS:
         return ok, detail
     assert state.session is not None
-    url = state.settings.upstream + state.settings.upstream_health_path
+    url = state.settings.backend.upstream + state.settings.backend.upstream_health_path
     timeout = aiohttp.ClientTimeout(total=READY_PROBE_TIMEOUT, sock_connect=READY_PROBE_TIMEOUT)
     try:
         async with state.session.get(url, timeout=timeout, headers={"User-Agent": PROBE_USER_AGENT}) as response:

@@ -109,7 +109,7 @@ async def _fetch(state: AppState) -> tuple[int, bytes, str] | web.Response:
     """The backend's /metrics: status, body, content type; or the 502/504 to answer."""
     assert state.session is not None
     try:
-        async with state.session.get(state.settings.upstream + METRICS_PATH, headers={"Accept": ACCEPT},
+        async with state.session.get(state.settings.backend.upstream + METRICS_PATH, headers={"Accept": ACCEPT},
                                      timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT)) as response:
             body = await response.content.read(MAX_EXPOSITION_BYTES + 1)
             if len(body) > MAX_EXPOSITION_BYTES:

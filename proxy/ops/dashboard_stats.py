@@ -140,8 +140,8 @@ def snapshot(state: AppState, merged: dict[str, Any] | None = None) -> dict[str,
     now = time.time()
     totals: dict[str, float] = merged["extra"] if merged is not None else {
         "in_flight": state.in_flight, "reading": state.reading, "rss_bytes": rss_bytes() or 0,
-        "decode_workers": state.pool.workers if state.pool is not None else s.decode_workers,
-        "cache_mb": s.cache_mb, "processes": 1}
+        "decode_workers": state.pool.workers if state.pool is not None else s.decode.decode_workers,
+        "cache_mb": s.memory.cache_mb, "processes": 1}
     started = m.started() if merged is not None else None
 
     by_code = {code: v for code, v in _counter_by(m.requests, "code").items()}
@@ -183,14 +183,14 @@ def snapshot(state: AppState, merged: dict[str, Any] | None = None) -> dict[str,
         "gate": {
             "in_use": _gauge_value(m.gate_in_use),
             "limit": _gauge_value(m.gate_limit),
-            "adaptive": s.adaptive_concurrency,  # MMGATE_MAX_MM_CONCURRENCY=auto: the limit moves
+            "adaptive": s.gate.adaptive_concurrency,  # MMGATE_MAX_MM_CONCURRENCY=auto: the limit moves
             "waiting": _gauge_value(m.gate_waiting),
             "reading": _gauge_value(m.gate_reading),  # media bodies still arriving, each holding a place in line
-            "max_queue": s.max_queue,
+            "max_queue": s.gate.max_queue,
         },
         "media": {
             "bytes_inflight": _gauge_value(m.media_bytes_inflight),
-            "bytes_inflight_limit": s.max_inflight_media_bytes,
+            "bytes_inflight_limit": s.gate.max_inflight_media_bytes,
             "bytes_live": _gauge_value(m.media_bytes_live),
             "buffers_live": _gauge_value(m.media_buffers_live),
             "bytes_in": bytes_in,
@@ -200,7 +200,7 @@ def snapshot(state: AppState, merged: dict[str, Any] | None = None) -> dict[str,
         },
         "tokens": {
             "inflight": _gauge_value(m.image_tokens_inflight),
-            "inflight_limit": s.max_inflight_image_tokens,
+            "inflight_limit": s.gate.max_inflight_image_tokens,
             "model": state.model.family if state.model is not None else None,
         },
         "cache": {
@@ -220,20 +220,20 @@ def snapshot(state: AppState, merged: dict[str, Any] | None = None) -> dict[str,
         "process": {"rss_bytes": int(totals["rss_bytes"]) or None, "in_flight": int(totals["in_flight"]),
                     "reading": int(totals["reading"]), "draining": not state.lifecycle.ready},
         "limits": {
-            "max_mm_concurrency": "auto" if s.adaptive_concurrency else s.max_mm_concurrency,
-            "max_queue": s.max_queue,
-            "queue_timeout": s.queue_timeout,
-            "max_inflight_media_mb": s.max_inflight_media_mb,
+            "max_mm_concurrency": "auto" if s.gate.adaptive_concurrency else s.gate.max_mm_concurrency,
+            "max_queue": s.gate.max_queue,
+            "queue_timeout": s.timeouts.queue_timeout,
+            "max_inflight_media_mb": s.gate.max_inflight_media_mb,
             "decode_workers": int(totals["decode_workers"]),
-            "max_body_mb": s.max_body_mb,
-            "max_media_item_mb": s.max_media_item_mb,
-            "resize_max_pixels": s.resize_max_pixels,
-            "resize_max_side": s.resize_max_side,
-            "image_format": s.image_format,
-            "preprocess_timeout": s.preprocess_timeout,
-            "request_timeout": s.request_timeout,
-            "upstream_read_timeout": s.upstream_read_timeout,
-            "release_at": s.release_at,
+            "max_body_mb": s.limits.max_body_mb,
+            "max_media_item_mb": s.limits.max_media_item_mb,
+            "resize_max_pixels": s.decode.resize_max_pixels,
+            "resize_max_side": s.decode.resize_max_side,
+            "image_format": s.decode.image_format,
+            "preprocess_timeout": s.timeouts.preprocess_timeout,
+            "request_timeout": s.timeouts.request_timeout,
+            "upstream_read_timeout": s.timeouts.upstream_read_timeout,
+            "release_at": s.gate.release_at,
             "cache_mb": int(totals["cache_mb"]),
         },
     }

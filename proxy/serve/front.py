@@ -27,8 +27,8 @@ def main() -> None:
     settings = pickle.loads(sys.stdin.buffer.read())  # from the supervisor, which started this process
     assert isinstance(settings, Settings)
     configure_logging(settings)
-    tune_process(dict(os.environ), memory_first=settings.malloc_tuning,
-                 decode_threads=settings.decode_workers if settings.decode_mode == "thread" else 0)
+    tune_process(dict(os.environ), memory_first=settings.memory.malloc_tuning,
+                 decode_threads=settings.decode.decode_workers if settings.decode.decode_mode == "thread" else 0)
     sockets = FrontSockets(
         index=args.index,
         listen=socket.socket(fileno=args.listen_fd),

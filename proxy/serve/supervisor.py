@@ -55,11 +55,11 @@ class Supervisor:
         self.settings = settings
         self.listen = listen
         self.admin = admin
-        adaptive = (AdaptiveLimit(settings.min_mm_concurrency, settings.max_mm_concurrency_auto)
-                    if settings.adaptive_concurrency else None)
-        self.gate = Gate(settings.max_mm_concurrency, settings.max_inflight_media_bytes, settings.max_queue,
-                         token_budget=settings.max_inflight_image_tokens,
-                         max_queue_per_flow=settings.max_queue_per_flow, adaptive=adaptive)
+        adaptive = (AdaptiveLimit(settings.gate.min_mm_concurrency, settings.gate.max_mm_concurrency_auto)
+                    if settings.gate.adaptive_concurrency else None)
+        self.gate = Gate(settings.gate.max_mm_concurrency, settings.gate.max_inflight_media_bytes,
+                         settings.gate.max_queue, token_budget=settings.gate.max_inflight_image_tokens,
+                         max_queue_per_flow=settings.gate.max_queue_per_flow, adaptive=adaptive)
         self.server = GateServer(self.gate)
         self.children: list[_Child] = []
         self.restarts = 0
@@ -90,7 +90,7 @@ class Supervisor:
         signals.install()
         stop = signals.stopped
         try:
-            self.children = [await self._start(index) for index in range(self.settings.processes)]
+            self.children = [await self._start(index) for index in range(self.settings.listen.processes)]
             for child in self.children:
                 await _first(child.ready.wait(), child.process.wait(), stop.wait())
                 if not child.ready.is_set() and child.process.returncode is not None:
@@ -146,7 +146,7 @@ class Supervisor:
                 child.process.send_signal(signum)
             await child.process.wait()
 
-        bound = self.settings.drain_grace + self.settings.drain_timeout + STOP_MARGIN
+        bound = self.settings.drain.drain_grace + self.settings.drain.drain_timeout + STOP_MARGIN
         try:
             async with asyncio.timeout(bound):
                 await asyncio.gather(*(stopped(child) for child in self.children))

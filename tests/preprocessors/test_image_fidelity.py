@@ -124,9 +124,9 @@ def test_with_a_model_an_explicit_quality_is_kept_with_full_chroma(idefics3: Pat
 
 
 def test_jpeg_quality_is_auto_by_default_and_takes_1_to_100(tmp_path: Path) -> None:
-    assert Settings.from_env({}).jpeg_quality == AUTO_JPEG_QUALITY
-    assert Settings.from_env({"MMGATE_JPEG_QUALITY": "Auto"}).jpeg_quality == AUTO_JPEG_QUALITY
-    assert Settings.from_env({"MMGATE_JPEG_QUALITY": "95"}).jpeg_quality == 95
+    assert Settings.from_env({}).decode.jpeg_quality == AUTO_JPEG_QUALITY
+    assert Settings.from_env({"MMGATE_JPEG_QUALITY": "Auto"}).decode.jpeg_quality == AUTO_JPEG_QUALITY
+    assert Settings.from_env({"MMGATE_JPEG_QUALITY": "95"}).decode.jpeg_quality == 95
     for bad in ("0", "101", "high"):
         with pytest.raises(ConfigError, match=r"MMGATE_JPEG_QUALITY.*from 1 to 100, or auto"):
             Settings.from_env({"MMGATE_JPEG_QUALITY": bad})

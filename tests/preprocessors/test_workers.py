@@ -423,8 +423,8 @@ def test_the_default_mode_follows_the_usable_cpus() -> None:
     assert default_decode_mode(1) == default_decode_mode(PROCESS_MODE_FROM_CPUS - 1) == "thread"
     assert default_decode_mode(PROCESS_MODE_FROM_CPUS) == default_decode_mode(64) == "process"
     settings = Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:9"})
-    assert settings.decode_mode in ("thread", "process")
-    assert f"MMGATE_DECODE_MODE={settings.decode_mode}" in settings.describe()
+    assert settings.decode.decode_mode in ("thread", "process")
+    assert f"MMGATE_DECODE_MODE={settings.decode.decode_mode}" in settings.describe()
 
 
 def test_process_mode_counts_its_workers_in_the_worst_case_memory() -> None:

@@ -125,7 +125,7 @@ async def test_leases_that_never_reached_the_backend_teach_nothing() -> None:
 def test_settings_accept_auto_and_its_range() -> None:
     settings = Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:9", "MMGATE_MAX_MM_CONCURRENCY": "auto",
                                   "MMGATE_MIN_MM_CONCURRENCY": "2", "MMGATE_MAX_MM_CONCURRENCY_AUTO": "12"})
-    assert settings.adaptive_concurrency and settings.mm_concurrency_ceiling == 12
+    assert settings.gate.adaptive_concurrency and settings.gate.mm_concurrency_ceiling == 12
     assert "MMGATE_MAX_MM_CONCURRENCY=auto" in settings.describe()
     with pytest.raises(ConfigError, match="MMGATE_MAX_MM_CONCURRENCY='sometimes'"):
         Settings.from_env({"MMGATE_MAX_MM_CONCURRENCY": "sometimes"})

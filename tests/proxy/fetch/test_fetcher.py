@@ -656,8 +656,8 @@ def test_host_patterns() -> None:
 def test_fetch_settings_are_validated() -> None:
     s = Settings.from_env({"MMGATE_MEDIA_URLS": "fetch", "MMGATE_FETCH_ALLOW_HOSTS": "A.example.com, *.cdn.net",
                            "MMGATE_FETCH_ALLOW_ADDRESSES": "127.0.0.1,10.0.0.0/8"})
-    assert s.fetch_allow_hosts == ("a.example.com", "*.cdn.net")
-    assert s.fetch_allow_addresses == ("127.0.0.1/32", "10.0.0.0/8")
+    assert s.fetch.fetch_allow_hosts == ("a.example.com", "*.cdn.net")
+    assert s.fetch.fetch_allow_addresses == ("127.0.0.1/32", "10.0.0.0/8")
     assert s.worst_case_memory_bytes()["fetched"] > 0
     assert Settings.from_env({}).worst_case_memory_bytes()["fetched"] == 0
     for name, value in (("MMGATE_FETCH_ALLOW_HOSTS", "a b"), ("MMGATE_FETCH_ALLOW_HOSTS", "*.*.x"),

@@ -567,7 +567,7 @@ async def test_an_aspect_ratio_the_model_refuses_is_400_before_admission(
 
 def test_settings_name_the_new_variables() -> None:
     settings = Settings.from_env({"MMGATE_MODEL": " /models/x ", "MMGATE_MAX_INFLIGHT_IMAGE_TOKENS": "20000"})
-    assert settings.model == "/models/x" and settings.max_inflight_image_tokens == 20000
+    assert settings.decode.model == "/models/x" and settings.gate.max_inflight_image_tokens == 20000
     with pytest.raises(ConfigError, match="MMGATE_MODEL=''"):
         Settings.from_env({"MMGATE_MODEL": ""})
 

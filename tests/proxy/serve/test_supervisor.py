@@ -285,13 +285,13 @@ def test_the_fronts_shares_add_up_to_the_totals_configured() -> None:
                                   "MMGATE_DECODE_WORKERS": "4", "MMGATE_CACHE_MB": "256",
                                   "MMGATE_MAX_CONNECTIONS": "1000"})
     fronts = [settings.for_front(index) for index in range(3)]
-    assert [f.decode_workers for f in fronts] == [2, 1, 1]
-    assert sum(f.cache_mb for f in fronts) == 256 and sum(f.max_connections for f in fronts) == 1000
-    assert all(f.max_mm_concurrency == settings.max_mm_concurrency for f in fronts)  # the gate is one
+    assert [f.decode.decode_workers for f in fronts] == [2, 1, 1]
+    assert sum(f.memory.cache_mb for f in fronts) == 256 and sum(f.listen.max_connections for f in fronts) == 1000
+    assert all(f.gate.max_mm_concurrency == settings.gate.max_mm_concurrency for f in fronts)  # the gate is one
 
 
 def test_auto_is_one_front_per_usable_cpu_at_most_one_per_decode_worker() -> None:
     settings = Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:1", "MMGATE_PROCESSES": "auto",
                                   "MMGATE_DECODE_WORKERS": "3"})
-    assert settings.processes == auto_processes(usable_cpus(), 3) == min(usable_cpus(), 3)
+    assert settings.listen.processes == auto_processes(usable_cpus(), 3) == min(usable_cpus(), 3)
     assert auto_processes(16, 64) == 16 and auto_processes(1, 8) == 1

@@ -1,0 +1,158 @@
+"""Parsers of raw setting text: each returns the value or raises ``ValueError("what is allowed")``."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Callable
+from typing import Any, get_args
+from urllib.parse import urlsplit
+
+from proxy.settings.sections import AUTO_CONCURRENCY, AUTO_JPEG_QUALITY
+
+AUTO_PROCESSES = 0  # processes when MMGATE_PROCESSES=auto, until from_env resolves it
+MAX_PROCESSES = 64
+
+
+def integer(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+        if value is None or value < lo or (hi is not None and value > hi):
+            raise ValueError(f"an integer {'>= ' + str(lo) if hi is None else f'from {lo} to {hi}'}")
+        return value
+
+    return parse
+
+
+def seconds(allow_zero: bool) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not (value > 0 or (allow_zero and value == 0)) or value == float("inf"):
+            raise ValueError("a number of seconds " + (">= 0 (0 = off)" if allow_zero else "> 0"))
+        return value
+
+    return parse
+
+
+def choice(choices: Any) -> Callable[[str], str]:
+    """A parser for the values of the ``Literal`` type ``choices``, in its order."""
+    allowed: tuple[str, ...] = get_args(choices)
+
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in allowed:
+            raise ValueError("one of " + ", ".join(allowed))
+        return value
+
+    return parse
+
+
+def on_off(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("on or off")
+
+
+def base_url(raw: str) -> str:
+    parts = urlsplit(raw.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError("an http(s) base URL such as http://127.0.0.1:8000")
+    return raw.strip().rstrip("/")
+
+
+def path(raw: str) -> str:
+    if not raw.startswith("/"):
+        raise ValueError("a path starting with /")
+    return raw
+
+
+def path_prefixes(raw: str) -> tuple[str, ...]:
+    items = tuple(p.strip() for p in raw.split(",") if p.strip())
+    if any(not p.startswith("/") for p in items):
+        raise ValueError("comma-separated path prefixes, each starting with /")
+    return items
+
+
+def processes(raw: str) -> int:
+    if raw.strip().lower() == "auto":
+        return AUTO_PROCESSES
+    try:
+        return integer(1, MAX_PROCESSES)(raw)
+    except ValueError:
+        raise ValueError(f"an integer from 1 to {MAX_PROCESSES}, or auto") from None
+
+
+def concurrency(raw: str) -> int:
+    if raw.strip().lower() == "auto":
+        return AUTO_CONCURRENCY
+    try:
+        return integer(1, 100_000)(raw)
+    except ValueError:
+        raise ValueError("an integer from 1 to 100000, or auto") from None
+
+
+def jpeg_quality(raw: str) -> int:
+    if raw.strip().lower() == "auto":
+        return AUTO_JPEG_QUALITY
+    try:
+        return integer(1, 100)(raw)
+    except ValueError:
+        raise ValueError("an integer from 1 to 100, or auto") from None
+
+
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 section 5.1: a field name is a token
+
+
+def header_name(raw: str) -> str:
+    value = raw.strip().lower()
+    if not _TOKEN.fullmatch(value):
+        raise ValueError("an HTTP header name (RFC 9110 section 5.1)")
+    return value
+
+
+def text(raw: str) -> str:
+    return raw
+
+
+_HOST_NAME = re.compile(r"[a-z0-9_][a-z0-9_.-]{0,252}")
+
+
+def host_patterns(raw: str) -> tuple[str, ...]:
+    items = tuple(p.strip().lower() for p in raw.split(",") if p.strip())
+    for item in items:
+        name = item[2:] if item.startswith("*.") else item
+        try:
+            ipaddress.ip_address(name.strip("[]"))
+            continue
+        except ValueError:
+            pass
+        try:
+            ascii_name = name.encode("idna").decode("ascii")
+        except UnicodeError:
+            ascii_name = ""
+        if not _HOST_NAME.fullmatch(ascii_name):
+            raise ValueError("comma-separated host names and *.suffix patterns, e.g. images.example.com,*.cdn.net")
+    return items
+
+
+def cidrs(raw: str) -> tuple[str, ...]:
+    try:
+        return tuple(str(ipaddress.ip_network(p.strip(), strict=False)) for p in raw.split(",") if p.strip())
+    except ValueError:
+        raise ValueError("comma-separated addresses or CIDR networks, e.g. 127.0.0.1/32,10.1.0.0/16") from None
+
+
+def model_name(raw: str) -> str:
+    value = raw.strip()
+    if not value:
+        raise ValueError("a model folder or a model name in the Hugging Face cache")
+    return value
