@@ -244,8 +244,8 @@ class Gate:
     def _flow_full(self, flow: Flow) -> MmgateError | None:
         if self.max_queue_per_flow and self.flow_waiting(flow) >= self.max_queue_per_flow:
             return self._reject(QUEUE_FULL, f"{self.flow_waiting(flow)} media requests of this flow waiting "
-                                              f"(MMGATE_MAX_QUEUE_PER_FLOW={self.max_queue_per_flow}); retry "
-                                              "later", flow)
+                                            f"(MMGATE_MAX_QUEUE_PER_FLOW={self.max_queue_per_flow}); retry "
+                                            "later", flow)
         return None
 
     def take_place(self, flow: Flow = DEFAULT_FLOW) -> Place:
@@ -254,7 +254,7 @@ class Gate:
             raise draining()
         if self.in_use + self.waiting + self.reading >= self.limit + self.max_queue:
             raise self._reject(QUEUE_FULL, f"{self.in_use} media requests running, {self.waiting} waiting and "
-                                             f"{self.reading} arriving; retry later", flow)
+                                         f"{self.reading} arriving; retry later", flow)
         if (refusal := self._flow_full(flow)) is not None:
             raise refusal
         self.reading += 1
