@@ -284,8 +284,9 @@ class GuardedConnection(asyncio.Protocol):
         self._guard._closed(self, self._handler)
         if transport is None or transport.is_closing():
             return
-        self._guard.on_refused("too_many_connections")
-        transport.write(raw_error_response(self._guard.too_many()))
+        error = self._guard.too_many()
+        self._guard.on_refused(error.code)
+        transport.write(raw_error_response(error))
         transport.close()
 
     def _sniff(self, data: bytes) -> None:
@@ -378,9 +379,10 @@ class GuardedConnection(asyncio.Protocol):
         transport = self._transport
         if not self._awaiting_head or transport is None or transport.is_closing():
             return
-        self._guard.on_refused("header_timeout")
-        transport.write(raw_error_response(HEADER_TIMEOUT.error(
-            f"the request head did not arrive within {self._guard.header_timeout:g} s (MMGATE_HEADER_TIMEOUT)")))
+        error = HEADER_TIMEOUT.error(
+            f"the request head did not arrive within {self._guard.header_timeout:g} s (MMGATE_HEADER_TIMEOUT)")
+        self._guard.on_refused(error.code)
+        transport.write(raw_error_response(error))
         transport.close()
 
 

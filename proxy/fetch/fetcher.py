@@ -48,6 +48,7 @@ from preprocessors.errors import (
     FETCH_TOO_LARGE,
     FETCH_TOO_MANY_REDIRECTS,
     FETCH_URL_NOT_ALLOWED,
+    REGISTRY,
     FetchRefused,
     MmgateError,
 )
@@ -57,16 +58,7 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 # Refusal codes, one per rule; with "ok" and "cancelled" the ``outcome`` label of mmgate_fetches_total.
-FETCH_CODES = (
-    "fetch_url_not_allowed",  # scheme not http(s), or a URL that cannot be parsed
-    "fetch_host_not_allowed",
-    "fetch_address_forbidden",
-    "fetch_too_many_redirects",
-    "fetch_too_large",
-    "fetch_timeout",
-    "fetch_bad_content_type",
-    "fetch_failed",  # the remote answered an error status, or could not be reached
-)
+FETCH_CODES = tuple(entry.code for entry in REGISTRY.values() if entry.raised_as is FetchRefused)
 FETCH_OUTCOMES = ("ok", "cancelled", *FETCH_CODES)  # "cancelled": the request ended before the fetch did
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _SCHEMES = ("http", "https")
