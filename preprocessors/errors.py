@@ -20,7 +20,7 @@ Why here: this module imports nothing of mmgate, so it is the bottom of the impo
 cycle. A raise site names a registry entry (``raise INVALID_PATH.error("message", param=...)``), never a
 literal code; an error that crossed a process boundary as plain data is made again with ``rebuild``. How an
 error looks on the wire is decided by ``proxy/payload/dialects.py``; README's error table lists exactly
-``REGISTRY`` (tests/test_errors.py).
+``REGISTRY`` (tests/preprocessors/test_errors.py).
 """
 
 from __future__ import annotations

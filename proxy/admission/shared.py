@@ -49,7 +49,7 @@ from typing import Any
 
 import orjson
 
-from preprocessors.errors import MmgateError, draining, rebuild
+from preprocessors.errors import draining, rebuild
 from preprocessors.job import Refusal, Verdict
 from proxy.admission.gate import DEFAULT_FLOW, Flow, Gate, Lease, Place
 from proxy.serve.lifecycle import Lifecycle

@@ -17,10 +17,9 @@ from aiohttp.test_utils import TestServer
 import preprocessors.errors as errors
 from preprocessors.errors import REGISTRY, MediaError, MmgateError, UpstreamError, rebuild
 from proxy.app import build_admin_app
+from tests.conftest import Proxy, StartProxy, Upstream
 
-from .conftest import Proxy, StartProxy, Upstream
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TREE = {name for name, value in vars(errors).items() if isinstance(value, type) and issubclass(value, MmgateError)}
 
 
