@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import _results as R
-from preprocessors.base import MediaError, VideoPolicy, no_checkpoint
+from preprocessors.base import VideoPolicy, no_checkpoint
+from preprocessors.errors import MediaError
 from preprocessors.video import probe_video
 from testkit.media import video_clip
 

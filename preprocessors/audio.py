@@ -11,7 +11,8 @@ from __future__ import annotations
 import wave
 from io import BytesIO
 
-from .base import AudioPolicy, Checkpoint, MediaError, no_checkpoint
+from .base import AudioPolicy, Checkpoint, no_checkpoint
+from .errors import AUDIO_INVALID
 
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
 
@@ -47,27 +48,23 @@ def validate_audio(
     checkpoint()
     declared = declared_format.lower() if declared_format is not None else None
     if declared is not None and declared not in AUDIO_FORMATS:
-        raise MediaError(
-            "audio_invalid",
+        raise AUDIO_INVALID.error(
             f"audio format {declared_format!r} is not supported; use one of {', '.join(AUDIO_FORMATS)}",
         )
     actual = sniff_audio_format(data)
     if actual is None:
-        raise MediaError(
-            "audio_invalid",
+        raise AUDIO_INVALID.error(
             f"audio data is not {', '.join(AUDIO_FORMATS)} (unrecognised header {data[:4]!r})",
         )
     if declared is not None and declared != actual:
-        raise MediaError(
-            "audio_invalid",
+        raise AUDIO_INVALID.error(
             f"audio is declared as {declared!r} but the data is {actual}; "
             f"set \"format\": {actual!r} or send {declared} data",
         )
     if actual == "wav":
         seconds = _wav_seconds(data)
         if seconds > policy.max_seconds:
-            raise MediaError(
-                "audio_invalid",
+            raise AUDIO_INVALID.error(
                 f"audio is {seconds:.1f} s long, which exceeds the {policy.max_seconds:g} s limit; "
                 "send a shorter clip",
             )
@@ -88,11 +85,11 @@ def _wav_seconds(data: bytes) -> float:
     except wave.Error as e:
         if str(e).startswith("unknown format"):
             return 0.0
-        raise MediaError("audio_invalid", f"WAV header is invalid: {e}") from None
+        raise AUDIO_INVALID.error(f"WAV header is invalid: {e}") from None
     except EOFError:
-        raise MediaError("audio_invalid", "WAV header is truncated") from None
+        raise AUDIO_INVALID.error("WAV header is truncated") from None
     except RuntimeError:  # wave's chunk reader, when a chunk size points outside its parent
-        raise MediaError("audio_invalid", "WAV chunk sizes point past the end of the file") from None
+        raise AUDIO_INVALID.error("WAV chunk sizes point past the end of the file") from None
     if rate <= 0:
-        raise MediaError("audio_invalid", "WAV header has a sample rate of 0")
+        raise AUDIO_INVALID.error("WAV header has a sample rate of 0")
     return min(frames, len(data) // frame_bytes) / rate

@@ -24,37 +24,6 @@ def no_checkpoint() -> None:
     """A checkpoint that never cancels (benchmarks, unit tests)."""
 
 
-class MmgateError(Exception):
-    """A refusal as plain data: HTTP ``status``, stable machine ``code`` (README error table), a message for
-    a person, the JSON path of the part at fault (``param``) and any headers the answer must carry.
-
-    The root of mmgate's one exception tree (subclasses in ``proxy/errors.py``). It lives here, at the
-    bottom of the import graph, so the media workers raise the same errors as every other layer without
-    this package importing the proxy; how an error looks on the wire is decided by ``proxy/payload/dialects.py``.
-    """
-
-    def __init__(self, status: int, code: str, message: str, *, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(f"{status} {code}: {message}")
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
-        self.headers = headers if headers is not None else {}
-
-    def at(self, param: str) -> MmgateError:
-        """The same error naming the part at fault: a worker knows the bytes, its caller knows the path."""
-        self.param = param
-        return self
-
-
-class MediaError(MmgateError):
-    """The client's media is bad (400 unless said otherwise, 413 for size): the part is counted rejected."""
-
-    def __init__(self, code: str, message: str, status: int = 400) -> None:
-        super().__init__(status, code, message)
-
-
 class Cancelled(Exception):
     """Raised by a checkpoint: the request no longer wants this work (timeout or client gone)."""
 

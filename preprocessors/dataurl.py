@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pybase64
 
-from .base import MediaError
+from .errors import INVALID_BASE64, INVALID_DATA_URI, MEDIA_TOO_LARGE
 
 # "data:" + a MIME type with parameters fits easily; a longer header is not a media data URL.
 _HEADER_LIMIT = 256
@@ -46,23 +46,21 @@ def parse_data_url(value: bytes | memoryview) -> DataUrl | None:
         return None
     comma = head.find(b",")
     if comma < 0:
-        raise MediaError(
-            "invalid_data_uri",
+        raise INVALID_DATA_URI.error(
             f"data: URL has no ',' within its first {_HEADER_LIMIT} bytes; "
             "expected data:<mime>;base64,<payload>",
         )
     meta = head[5:comma]
     if not meta.lower().endswith(_BASE64_MARK):
-        raise MediaError(
-            "invalid_data_uri",
+        raise INVALID_DATA_URI.error(
             "data: URL is not base64-encoded; expected data:<mime>;base64,<payload>",
         )
     meta = meta[: -len(_BASE64_MARK)]
     try:
         text = meta.decode("ascii")
     except UnicodeDecodeError:
-        raise MediaError(
-            "invalid_data_uri", "data: URL header contains non-ASCII bytes before the comma"
+        raise INVALID_DATA_URI.error(
+            "data: URL header contains non-ASCII bytes before the comma"
         ) from None
     mime, sep, params = text.partition(";")
     return DataUrl(mime=mime.strip().lower(), params=sep + params, payload_offset=comma + 1)
@@ -84,20 +82,18 @@ def decode_base64(payload: bytes | memoryview | str, *, max_bytes: int) -> bytes
         payload = payload.encode("utf-8", "surrogatepass")
     length = len(payload)
     if length == 0:
-        raise MediaError("invalid_base64", "base64 payload is empty")
+        raise INVALID_BASE64.error("base64 payload is empty")
     size = decoded_size(length) - _padding(payload)
     if size > max_bytes:
-        raise MediaError(
-            "media_too_large",
+        raise MEDIA_TOO_LARGE.error(
             f"media item decodes to {size} bytes ({size / 2**20:.1f} MiB), over the limit of "
             f"{max_bytes} bytes ({max_bytes / 2**20:g} MiB, MMGATE_MAX_MEDIA_ITEM_MB)",
-            status=413,
         )
     try:
         return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         # binascii.Error for bad input; ValueError is what the stdlib decoder raises for some of it.
-        raise MediaError("invalid_base64", _describe_bad_base64(payload)) from None
+        raise INVALID_BASE64.error(_describe_bad_base64(payload)) from None
 
 
 def encode_base64(data: bytes) -> bytes:

@@ -20,8 +20,8 @@ from io import BytesIO
 import pybase64
 from PIL import Image
 
-from .base import MediaError
-from .image import _sniff
+from .errors import MediaError
+from .formats import sniff_image_format
 
 # Decoded bytes tried in turn: most headers fit the first; an EXIF thumbnail (up to 64 KiB) the second.
 HEAD_STEPS = (3 << 10, 96 << 10)
@@ -65,7 +65,7 @@ def header_dimensions(data: bytes) -> Dimensions | None:
 
 def _from_head(data: bytes) -> Dimensions | None:
     try:
-        fmt = _sniff(data)
+        fmt = sniff_image_format(data)
     except MediaError:
         return None
     if fmt == "JPEG":

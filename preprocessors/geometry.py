@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .base import MediaError
+from .errors import IMAGE_UNSUPPORTED_BY_MODEL
 
 # EXIF orientations whose transpose swaps width and height.
 SWAPS_SIDES = frozenset((5, 6, 7, 8))
@@ -73,8 +73,8 @@ def model_size(geometry: Geometry, width: int, height: int) -> tuple[int, int]:
     try:
         return geometry.backend_size(width, height)
     except ValueError as error:
-        raise MediaError("image_unsupported_by_model",
-                         f"the served model's processor refuses a {width}x{height} image: {error}") from None
+        raise IMAGE_UNSUPPORTED_BY_MODEL.error(
+            f"the served model's processor refuses a {width}x{height} image: {error}") from None
 
 
 def _helper(module: str, name: str) -> Any:

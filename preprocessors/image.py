@@ -48,17 +48,11 @@ from PIL import (
     WebPImagePlugin,  # noqa: F401
 )
 
-from .base import Checkpoint, ImagePolicy, MediaError, Processed, no_checkpoint
+from .base import Checkpoint, ImagePolicy, Processed, no_checkpoint
+from .dimensions import header_dimensions
+from .errors import IMAGE_DECODE_FAILED, IMAGE_TOO_LARGE, TOO_MANY_FRAMES
+from .formats import MIME_BY_FORMAT, sniff_image_format
 from .geometry import resize_target
-
-ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
-MIME_BY_FORMAT = {
-    "JPEG": "image/jpeg",
-    "PNG": "image/png",
-    "WEBP": "image/webp",
-    "GIF": "image/gif",
-    "BMP": "image/bmp",
-}
 
 # Our header check (exact, per policy, with a message naming the setting) replaces Pillow's global
 # guard. Set once here, at import: never per call, never from a worker thread.
@@ -95,18 +89,6 @@ _UPRIGHT = {
 }
 _SWAPS_SIDES = frozenset((5, 6, 7, 8))
 
-# Magic bytes of common formats we refuse, only to name them in the error message.
-_REFUSED_SIGNATURES = (
-    (0, b"II*\x00", "TIFF"),
-    (0, b"MM\x00*", "TIFF"),
-    (0, b"8BPS", "PSD"),
-    (0, b"\x00\x00\x01\x00", "ICO"),
-    (0, b"%PDF", "PDF"),
-    (4, b"ftyp", "HEIF/AVIF"),
-    (0, b"<", "SVG/XML"),
-)
-
-
 def process_image(
     data: bytes, policy: ImagePolicy, checkpoint: Checkpoint = no_checkpoint
 ) -> Processed | None:
@@ -127,22 +109,20 @@ def process_image(
     Thread-safe: no shared state is touched after import.
     """
     checkpoint()
-    fmt = _sniff(data)
+    fmt = sniff_image_format(data)
     with _decode_errors(fmt):
         img = Image.open(BytesIO(data), formats=(fmt,))
     try:
         width, height = img.size
         if width * height > policy.max_pixels:
-            raise MediaError(
-                "image_too_large",
+            raise IMAGE_TOO_LARGE.error(
                 f"image is {width}x{height} = {width * height} pixels, over the limit of "
                 f"{policy.max_pixels} (MMGATE_MAX_IMAGE_PIXELS); downscale it before sending",
             )
         with _decode_errors(fmt):
             frames = _count_frames(img, policy.max_frames)
         if frames > policy.max_frames:
-            raise MediaError(
-                "too_many_frames",
+            raise TOO_MANY_FRAMES.error(
                 f"image has more than {policy.max_frames} frames; "
                 "send a still image or a shorter animation",
             )
@@ -196,41 +176,11 @@ def _same_as_counted(data: bytes, fmt: str, width: int, height: int) -> None:
     whose size reads differently there and here (crafted to slip past the token budget) is refused. The
     orientation is not compared: Pillow also takes it from XMP, which the count does not read, and a swap of
     sides barely moves a count."""
-    from .dimensions import header_dimensions  # here: dimensions reads formats with this module's sniff
-
     counted = header_dimensions(data)
     if counted is None:  # counted as the largest image: nothing to undercount
         return
     if (counted.width, counted.height) != (width, height):
-        raise MediaError("image_decode_failed", f"{fmt} headers disagree about the image's size")
-
-
-def image_mime(data: bytes) -> str:
-    """The true MIME type of ``data`` from its magic bytes (what a declared type is checked against)."""
-    return MIME_BY_FORMAT[_sniff(data)]
-
-
-def _sniff(data: bytes) -> str:
-    """The allowed format ``data`` claims by its magic bytes; unsupported_media_type otherwise."""
-    if data[:3] == b"\xff\xd8\xff":
-        return "JPEG"
-    if data[:8] == b"\x89PNG\r\n\x1a\n":
-        return "PNG"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "WEBP"
-    if data[:6] in (b"GIF87a", b"GIF89a"):
-        return "GIF"
-    if data[:2] == b"BM":
-        return "BMP"
-    looks_like = next(
-        (name for at, magic, name in _REFUSED_SIGNATURES if data[at : at + len(magic)] == magic),
-        None,
-    )
-    found = f" (looks like {looks_like})" if looks_like else ""
-    raise MediaError(
-        "unsupported_media_type",
-        f"not an accepted image format{found}; send {', '.join(ALLOWED_FORMATS)}",
-    )
+        raise IMAGE_DECODE_FAILED.error(f"{fmt} headers disagree about the image's size")
 
 
 @contextmanager
@@ -241,14 +191,14 @@ def _decode_errors(fmt: str) -> Iterator[None]:
     except MemoryError:
         raise
     except Image.DecompressionBombError as e:  # only if something re-enabled Pillow's global guard
-        raise MediaError("image_too_large", str(e)) from None
+        raise IMAGE_TOO_LARGE.error(str(e)) from None
     except UnidentifiedImageError:  # the plugin rejected a header that had the right magic bytes
-        raise MediaError(
-            "image_decode_failed", f"{fmt} header is corrupt or truncated"
+        raise IMAGE_DECODE_FAILED.error(
+            f"{fmt} header is corrupt or truncated"
         ) from None
     except Exception as e:  # OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError...
-        raise MediaError(
-            "image_decode_failed", f"{fmt} image could not be decoded: {e or type(e).__name__}"
+        raise IMAGE_DECODE_FAILED.error(
+            f"{fmt} image could not be decoded: {e or type(e).__name__}"
         ) from None
 
 

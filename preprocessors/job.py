@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from .audio import sniff_audio_format, validate_audio
-from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaError, MediaKind, VideoPolicy, no_checkpoint
+from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaKind, VideoPolicy, no_checkpoint
 from .dataurl import decode_base64, encode_base64
-from .image import image_mime, process_image
+from .errors import MediaError, MmgateError, rebuild
+from .formats import image_mime
+from .image import process_image
 from .video import import_pyav, probe_video, pyav_available
 
 Payload = Callable[[], "bytes | memoryview"]
@@ -40,14 +42,15 @@ class MediaTask:
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """A ``MediaError`` as plain data; ``error()`` makes a fresh one each time (errors get a path)."""
+    """A ``MediaError`` as plain data; ``error()`` makes a fresh one each time (errors get a path), of the
+    class its registry entry names."""
 
     status: int
     code: str
     message: str
 
-    def error(self) -> MediaError:
-        return MediaError(self.code, self.message, self.status)
+    def error(self) -> MmgateError:
+        return rebuild(self.status, self.code, self.message)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,8 @@ from fractions import Fraction
 from io import BytesIO
 from typing import Any
 
-from .base import Checkpoint, MediaError, VideoPolicy
+from .base import Checkpoint, VideoPolicy
+from .errors import VIDEO_INVALID, VIDEO_TOO_LARGE, VIDEO_UNAVAILABLE
 
 # FFmpeg's demuxer names: MP4/QuickTime (one demuxer, "mov,mp4,m4a,3gp,3g2,mj2") and Matroska/WebM.
 ALLOWED_FORMATS = ("mov", "mp4", "matroska", "webm")
@@ -60,9 +61,9 @@ def import_pyav() -> Any:
     try:
         return importlib.import_module("av")
     except ImportError:
-        raise MediaError("video_unavailable",
-                         "this mmgate does not accept video: it checks every clip before the backend and needs "
-                         "PyAV for that (the operator installs it: pip install 'mmgate[video]')") from None
+        raise VIDEO_UNAVAILABLE.error(
+            "this mmgate does not accept video: it checks every clip before the backend and needs "
+            "PyAV for that (the operator installs it: pip install 'mmgate[video]')") from None
 
 
 def probe_video(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> VideoInfo:
@@ -76,8 +77,8 @@ def probe_video(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> Vid
     try:
         container = av.open(BytesIO(data), mode="r", options=options, metadata_errors="ignore")
     except (av.FFmpegError, ValueError, OSError) as error:
-        raise MediaError("video_invalid", f"the data is not a readable video in an accepted container "
-                         f"({', '.join(ALLOWED_FORMATS)}): {_reason(error)}") from None
+        raise VIDEO_INVALID.error(f"the data is not a readable video in an accepted container "
+                                  f"({', '.join(ALLOWED_FORMATS)}): {_reason(error)}") from None
     try:
         return _judge(av, container, policy, checkpoint)
     finally:
@@ -91,22 +92,24 @@ def _reason(error: Exception) -> str:
 def _judge(av: Any, container: Any, policy: VideoPolicy, checkpoint: Checkpoint) -> VideoInfo:
     names = str(container.format.name).split(",")
     if not any(name in ALLOWED_FORMATS for name in names):
-        raise MediaError("video_invalid", f"the container {container.format.name!r} is not accepted: send "
-                         f"{', '.join(ALLOWED_FORMATS)}")
+        raise VIDEO_INVALID.error(f"the container {container.format.name!r} is not accepted: send "
+                                  f"{', '.join(ALLOWED_FORMATS)}")
     if not container.streams.video:
-        raise MediaError("video_invalid", "the container holds no video stream")
+        raise VIDEO_INVALID.error("the container holds no video stream")
     stream = container.streams.video[0]
     codec = stream.codec_context.name if stream.codec_context is not None else ""
     if codec not in ALLOWED_CODECS:
-        raise MediaError("video_invalid", f"the video codec {codec or 'unknown'!r} is not accepted: send "
-                         f"{', '.join(ALLOWED_CODECS)}")
+        raise VIDEO_INVALID.error(f"the video codec {codec or 'unknown'!r} is not accepted: send "
+                                  f"{', '.join(ALLOWED_CODECS)}")
     width, height = int(stream.codec_context.width), int(stream.codec_context.height)
     if width <= 0 or height <= 0:
-        raise MediaError("video_invalid", "the video's frame size cannot be read without decoding a frame over "
-                         f"the pixel limit of {policy.max_pixels} (MMGATE_MAX_VIDEO_PIXELS), or it is unreadable")
+        raise VIDEO_INVALID.error(
+            "the video's frame size cannot be read without decoding a frame over "
+            f"the pixel limit of {policy.max_pixels} (MMGATE_MAX_VIDEO_PIXELS), or it is unreadable")
     if width * height > policy.max_pixels:
-        raise MediaError("video_too_large", f"the video's frames are {width}x{height} = {width * height} pixels, "
-                         f"over the limit of {policy.max_pixels} (MMGATE_MAX_VIDEO_PIXELS): send a smaller clip")
+        raise VIDEO_TOO_LARGE.error(
+            f"the video's frames are {width}x{height} = {width * height} pixels, "
+            f"over the limit of {policy.max_pixels} (MMGATE_MAX_VIDEO_PIXELS): send a smaller clip")
     rate = stream.average_rate or stream.guessed_rate
     fps = float(rate) if rate else 0.0
     frames = int(stream.frames or 0)
@@ -116,14 +119,14 @@ def _judge(av: Any, container: Any, policy: VideoPolicy, checkpoint: Checkpoint)
         frames, end = _demux_count(av, container, stream, policy.max_frames, checkpoint)
         seconds = max(seconds, end)
     if frames <= 0:
-        raise MediaError("video_invalid", "the video stream holds no frames")
+        raise VIDEO_INVALID.error("the video stream holds no frames")
     if frames > policy.max_frames:
         shown = f"{frames}" if indexed else f"more than {policy.max_frames}"  # demuxing stops one past it
-        raise MediaError("video_too_large", f"the video has {shown} frames, over the limit of {policy.max_frames} "
-                         "(MMGATE_MAX_VIDEO_FRAMES): send a shorter clip or fewer frames per second")
+        raise VIDEO_TOO_LARGE.error(f"the video has {shown} frames, over the limit of {policy.max_frames} "
+                                    "(MMGATE_MAX_VIDEO_FRAMES): send a shorter clip or fewer frames per second")
     if seconds > policy.max_seconds:
-        raise MediaError("video_too_large", f"the video lasts {seconds:.1f} s, over the limit of "
-                         f"{policy.max_seconds:g} s (MMGATE_MAX_VIDEO_SECONDS): send a shorter clip")
+        raise VIDEO_TOO_LARGE.error(f"the video lasts {seconds:.1f} s, over the limit of "
+                                    f"{policy.max_seconds:g} s (MMGATE_MAX_VIDEO_SECONDS): send a shorter clip")
     return VideoInfo(names[0], codec, width, height, frames, seconds, fps)
 
 
@@ -154,5 +157,5 @@ def _demux_count(av: Any, container: Any, stream: Any, max_frames: int, checkpoi
             if frames % _CHECK_EVERY == 0:
                 checkpoint()
     except av.FFmpegError as error:
-        raise MediaError("video_invalid", f"the video stream cannot be read: {_reason(error)}") from None
+        raise VIDEO_INVALID.error(f"the video stream cannot be read: {_reason(error)}") from None
     return frames, end

@@ -18,7 +18,8 @@ from dataclasses import replace
 from functools import partial
 from multiprocessing.connection import Connection
 
-from .base import MmgateError, no_checkpoint
+from .base import no_checkpoint
+from .errors import MmgateError
 from .job import run_task, warm_up
 from .pool import lower_priority
 

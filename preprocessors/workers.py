@@ -44,7 +44,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .base import Cancelled, MediaError, MmgateError
+from .base import Cancelled
+from .errors import DECODER_CRASHED, DECODER_UNAVAILABLE, rebuild
 from .job import MediaJob, Verdict
 from .pool import Batch, DecodePool, Job
 from .worker_process import write_all
@@ -66,26 +67,6 @@ CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal
                            signal.SIGSYS, signal.SIGTRAP})
 RETRY_AFTER_S = 1  # a worker lost to a kill from outside: its successor is already starting
 START_TIMEOUT = 60.0  # seconds for a fresh worker to say it is ready (an interpreter and Pillow's import)
-
-
-class WorkerCrashed(MediaError):
-    """The item crashed two worker processes, one after the other: the media's own fault."""
-
-    def __init__(self, how: str) -> None:
-        super().__init__("decoder_crashed",
-                         f"the decoder crashed twice while processing this media ({how}, on a fresh worker "
-                         "too); the file is most likely malformed or crafted, and was not forwarded")
-
-
-class WorkerLost(MmgateError):
-    """The item's worker and its retry's both ended without the media being shown at fault (a kill from
-    outside, the OOM killer, or a death the retry did not reproduce): retryable, never cached."""
-
-    def __init__(self, how: str) -> None:
-        super().__init__(503, "decoder_unavailable",
-                         f"the decode worker processing this media ended twice ({how}) without the media "
-                         "being at fault; retry",
-                         headers={"Retry-After": str(RETRY_AFTER_S), "x-should-retry": "true"})
 
 
 class WorkerStartError(Exception):
@@ -203,7 +184,8 @@ class _Worker:
                     verdict = replace(verdict, encoded=_read_all(self.memfd, encoded_length))
                 return verdict
             if kind == "refused":
-                raise _refusal(*reply[1:])  # never a local: the error's traceback holds this frame
+                # never a local: the error's traceback holds this frame
+                raise rebuild(reply[1], reply[2], reply[3], param=reply[4])
             raise WorkerFault(f"decode worker {self.pid} failed:\n{reply[1]}")
         finally:
             if os.fstat(self.memfd).st_size > KEEP_BYTES:
@@ -324,6 +306,7 @@ class ProcessPool(DecodePool):
         """A worker ended on ``job``'s item, not by the pool: once, the item is retried on the successor;
         twice, it is refused, as the media's fault only when both were crashes."""
         how = _describe_exit(deaths[-1])
+        both = " then ".join(map(_describe_exit, deaths))
         path = job.task.path
         if len(deaths) == 1:
             log.warning("decode worker %d ended while processing %s (%s); the item runs again on a fresh worker",
@@ -332,11 +315,15 @@ class ProcessPool(DecodePool):
         if all(_crashed(code) for code in deaths):
             log.warning("decode worker %d crashed on %s (%s), as its predecessor did on the same item; refused "
                         "as decoder_crashed", pid, path, how)
-            raise WorkerCrashed(" then ".join(_describe_exit(code) for code in deaths)).at(path)
+            raise DECODER_CRASHED.error(
+                f"the decoder crashed twice while processing this media ({both}, on a fresh worker too); the file is "
+                "most likely malformed or crafted, and was not forwarded", param=path)
         log.warning("decode worker %d ended while processing %s (%s), as its predecessor did (%s); the item "
                     "is not taken to be at fault: answered 503 decoder_unavailable", pid, path, how,
                     _describe_exit(deaths[0]))
-        raise WorkerLost(" then ".join(_describe_exit(code) for code in deaths)).at(path)
+        raise DECODER_UNAVAILABLE.error(
+            f"the decode worker processing this media ended twice ({both}) without the media being at fault; retry",
+            param=path, headers={"Retry-After": str(RETRY_AFTER_S), "x-should-retry": "true"})
 
     def _recycle_if_due(self, worker: _Worker) -> None:
         due = (self.max_jobs and worker.jobs >= self.max_jobs) or (
@@ -397,12 +384,6 @@ class ProcessPool(DecodePool):
             worker.close()
             with self._lock:
                 self._all.discard(worker)
-
-
-def _refusal(status: int, code: str, message: str, param: str | None) -> MediaError:
-    error = MediaError(code, message, status)
-    error.param = param
-    return error
 
 
 def _crashed(returncode: int | None) -> bool:

@@ -15,12 +15,24 @@ from typing import TypeVar
 
 from aiohttp import HttpVersion11, hdrs, web
 
+from preprocessors.errors import (
+    EXPECTATION_FAILED,
+    INVALID_TIMEOUT_HEADER,
+    PATH_NOT_ALLOWED,
+    REQUEST_TIMEOUT,
+    UNSUPPORTED_CONTENT_ENCODING,
+    UPSTREAM_UNAVAILABLE,
+    WEBSOCKET_NOT_SUPPORTED,
+    MmgateError,
+    UpstreamError,
+    draining,
+)
 from proxy.admission.gate import flow_for
 from proxy.admission.shared import SharedGate
 from proxy.edge.body import HEAD_BYTES, joined, read_body
 from proxy.edge.connections import GuardedConnection
 from proxy.edge.paths import Target, is_allowed, normalise_target
-from proxy.edge.refusals import refuse
+from proxy.edge.refusals import internal_error, refuse
 from proxy.edge.upstream import (
     OneShotBody,
     close_upstream,
@@ -31,8 +43,7 @@ from proxy.edge.upstream import (
     upstream_headers,
 )
 from proxy.edge.upstream_health import upstream_down
-from proxy.errors import MmgateError, UpstreamError, draining, internal_error
-from proxy.exchange import CLIENT_CLOSED, Exchange, log, record
+from proxy.exchange import CLIENT_CLOSED, Exchange, record
 from proxy.fetch.fetcher import Fetched, fetch_plan
 from proxy.media.buffers import MediaBuffer
 from proxy.media.cached import run_fetched_plan_cached, run_plan_cached
@@ -249,7 +260,7 @@ async def _answer(request: web.Request, state: AppState, ex: Exchange, error: Mm
     ex.status, ex.code = error.status, error.code
     if isinstance(error, UpstreamError):
         state.metrics.upstream_errors.labels(error.kind).inc()
-        if error.code == "upstream_unavailable":  # this request could not connect: the upstream is known down
+        if error.entry is UPSTREAM_UNAVAILABLE:  # this request could not connect: the upstream is known down
             state.upstream.unreachable(f"a request: {error.message}")
     else:
         state.metrics.rejected.labels(error.code).inc()
@@ -257,8 +268,7 @@ async def _answer(request: web.Request, state: AppState, ex: Exchange, error: Mm
 
 
 def _internal_error(ex: Exchange) -> MmgateError:
-    log.exception("request %s: internal error", ex.request_id)
-    return internal_error(ex.request_id)
+    return internal_error(ex.request_id, "")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -269,22 +279,22 @@ def _checked_target(request: web.Request, allow_paths: tuple[str, ...]) -> Targe
     """The one path decision (proxy/edge/paths.py): the normalised target, if it may be forwarded at all."""
     target = normalise_target(request.raw_path)
     if target.path.startswith("/mmgate/") or not is_allowed(target.path, allow_paths):
-        raise MmgateError(404, "path_not_allowed", f"{target.path[:200]} is not served by this proxy")
+        raise PATH_NOT_ALLOWED.error(f"{target.path[:200]} is not served by this proxy")
     return target
 
 
 def _check_headers(request: web.Request, *, media_route: bool) -> None:
     if request.headers.get(hdrs.UPGRADE, "").lower() == "websocket":
-        raise MmgateError(501, "websocket_not_supported", "WebSocket upgrades are not proxied")
+        raise WEBSOCKET_NOT_SUPPORTED.error("WebSocket upgrades are not proxied")
     expect = request.headers.get(hdrs.EXPECT)
     if expect is not None and expect.strip().lower() != "100-continue":
-        raise MmgateError(417, "expectation_failed",
-                          f"Expect: {expect[:64]!r} is not supported; only 100-continue is (RFC 9110 section 10.1.1)")
+        raise EXPECTATION_FAILED.error(
+            f"Expect: {expect[:64]!r} is not supported; only 100-continue is (RFC 9110 section 10.1.1)")
     if media_route:
         encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
         if encoding not in ("", "identity"):  # compressed media could slip past every check
-            raise MmgateError(415, "unsupported_content_encoding",
-                              f"Content-Encoding {encoding[:32]!r} is not accepted on a media route; send identity")
+            raise UNSUPPORTED_CONTENT_ENCODING.error(
+                f"Content-Encoding {encoding[:32]!r} is not accepted on a media route; send identity")
 
 
 def _request_deadline(request: web.Request, configured: float) -> float | None:
@@ -297,8 +307,8 @@ def _request_deadline(request: web.Request, configured: float) -> float | None:
         except ValueError:
             asked = float("nan")
         if not 0 < asked < float("inf"):
-            raise MmgateError(400, "invalid_timeout_header",
-                              f"X-MMGate-Timeout must be a positive number of seconds, got {raw[:32]!r}")
+            raise INVALID_TIMEOUT_HEADER.error(
+                f"X-MMGate-Timeout must be a positive number of seconds, got {raw[:32]!r}")
         limit = asked if limit is None else min(limit, asked)
     return None if limit is None else asyncio.get_running_loop().time() + limit
 
@@ -311,8 +321,8 @@ def _deadline_passed(request: web.Request, configured: float) -> MmgateError:
         limit, setting = asked, "the request's X-MMGate-Timeout header"
     else:
         limit, setting = configured, "MMGATE_REQUEST_TIMEOUT"
-    return MmgateError(504, "request_timeout",
-                       f"the request did not finish within its {limit:g} s deadline ({setting}); it was stopped")
+    return REQUEST_TIMEOUT.error(
+        f"the request did not finish within its {limit:g} s deadline ({setting}); it was stopped")
 
 
 def _big_upload(request: web.Request, state: AppState) -> GuardedConnection | None:

@@ -49,9 +49,8 @@ import aiohttp
 from hypothesis import strategies as st
 from PIL import Image
 
-from preprocessors.base import MediaError
 from preprocessors.dataurl import decode_base64, parse_data_url
-from proxy.errors import MmgateError
+from preprocessors.errors import MediaError, MmgateError
 from proxy.payload.rawjson import Span, skeletonize, splice
 
 from .media import video_clip

@@ -41,8 +41,18 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
+from preprocessors.errors import (
+    INVALID_FLOW_HEADER,
+    INVALID_PRIORITY_HEADER,
+    MEDIA_TOO_LARGE,
+    QUEUE_FULL,
+    QUEUE_TIMEOUT,
+    TOO_MANY_IMAGE_TOKENS,
+    ErrorCode,
+    MmgateError,
+    draining,
+)
 from proxy.admission.adaptive import AdaptiveLimit
-from proxy.errors import MmgateError, draining
 from proxy.serve.lifecycle import Lifecycle
 
 RETRY_AFTER_MIN, RETRY_AFTER_MAX = 1, 60
@@ -72,15 +82,13 @@ def flow_for(headers: Mapping[str, str], fairness_header: str, priority_header: 
     if not flow_id and raw is None:
         return DEFAULT_FLOW
     if len(flow_id) > MAX_FLOW_ID_CHARS or not flow_id.isprintable():
-        raise MmgateError(400, "invalid_flow_header",
-                          f"{fairness_header} must be at most {MAX_FLOW_ID_CHARS} printable characters")
+        raise INVALID_FLOW_HEADER.error(f"{fairness_header} must be at most {MAX_FLOW_ID_CHARS} printable characters")
     band = 0
     if raw is not None:
         try:
             band = int(raw.strip())
         except ValueError:
-            raise MmgateError(400, "invalid_priority_header",
-                              f"{priority_header} must be an integer, got {raw[:32]!r}") from None
+            raise INVALID_PRIORITY_HEADER.error(f"{priority_header} must be an integer, got {raw[:32]!r}") from None
         band = max(bands[0], min(bands[1], band))
     return Flow(flow_id, band)
 
@@ -228,16 +236,16 @@ class Gate:
         rounds = (self._ahead_of(flow) + 1) / self.limit
         return max(RETRY_AFTER_MIN, min(RETRY_AFTER_MAX, math.ceil(rounds * self._hold_seconds)))
 
-    def _reject(self, code: str, message: str, flow: Flow = DEFAULT_FLOW) -> MmgateError:
+    def _reject(self, refusal: ErrorCode[MmgateError], message: str, flow: Flow = DEFAULT_FLOW) -> MmgateError:
         if flow.id:
             message = f"{flow.named()}: {message}"
-        return MmgateError(429, code, message, headers={"Retry-After": str(self.retry_after(flow))})
+        return refusal.error(message, headers={"Retry-After": str(self.retry_after(flow))})
 
     def _flow_full(self, flow: Flow) -> MmgateError | None:
         if self.max_queue_per_flow and self.flow_waiting(flow) >= self.max_queue_per_flow:
-            return self._reject("queue_full", f"{self.flow_waiting(flow)} media requests of this flow waiting "
-                                              f"(MMGATE_MAX_QUEUE_PER_FLOW={self.max_queue_per_flow}); retry "
-                                              "later", flow)
+            return self._reject(QUEUE_FULL, f"{self.flow_waiting(flow)} media requests of this flow waiting "
+                                            f"(MMGATE_MAX_QUEUE_PER_FLOW={self.max_queue_per_flow}); retry "
+                                            "later", flow)
         return None
 
     def take_place(self, flow: Flow = DEFAULT_FLOW) -> Place:
@@ -245,8 +253,8 @@ class Gate:
         if self.lifecycle.refusing:
             raise draining()
         if self.in_use + self.waiting + self.reading >= self.limit + self.max_queue:
-            raise self._reject("queue_full", f"{self.in_use} media requests running, {self.waiting} waiting and "
-                                             f"{self.reading} arriving; retry later", flow)
+            raise self._reject(QUEUE_FULL, f"{self.in_use} media requests running, {self.waiting} waiting and "
+                                         f"{self.reading} arriving; retry later", flow)
         if (refusal := self._flow_full(flow)) is not None:
             raise refusal
         self.reading += 1
@@ -266,14 +274,12 @@ class Gate:
         if self.lifecycle.refusing:
             raise draining()
         if self.byte_budget and cost > self.byte_budget:
-            raise MmgateError(
-                413, "media_too_large",
+            raise MEDIA_TOO_LARGE.error(
                 f"the request's media decode to {cost} bytes, more than the whole in-flight budget of "
                 f"{self.byte_budget} bytes (MMGATE_MAX_INFLIGHT_MEDIA_MB): send smaller or fewer media",
             )
         if self.token_budget and tokens > self.token_budget:
-            raise MmgateError(
-                413, "too_many_image_tokens",
+            raise TOO_MANY_IMAGE_TOKENS.error(
                 f"the request's images make {tokens} image tokens for the served model, more than the whole "
                 f"in-flight budget of {self.token_budget} (MMGATE_MAX_INFLIGHT_IMAGE_TOKENS): send smaller or "
                 "fewer images",
@@ -282,7 +288,7 @@ class Gate:
             return self._grant(cost, tokens)
         if place is None:
             if self._waiting + self.reading >= self.max_queue:  # places count as queued
-                raise self._reject("queue_full",
+                raise self._reject(QUEUE_FULL,
                                    f"{self.in_use} media requests running and {self.waiting} waiting; retry later",
                                    flow)
             if (refusal := self._flow_full(flow)) is not None:
@@ -303,7 +309,7 @@ class Gate:
                 self._wake()  # the head may have been the one blocking smaller requests behind it
             self._on_change(self)
             if isinstance(exc, TimeoutError):
-                raise self._reject("queue_timeout", f"waited {timeout:g} s for admission; retry later",
+                raise self._reject(QUEUE_TIMEOUT, f"waited {timeout:g} s for admission; retry later",
                                    flow) from None
             raise
         return self._lease(cost, tokens)

@@ -10,9 +10,9 @@ import socket
 from functools import partial
 from typing import Any
 
+from preprocessors.errors import MmgateError
 from proxy.admission.gate import Flow, Gate, Lease, Place
 from proxy.admission.shared import Link, counters
-from proxy.errors import MmgateError
 from proxy.ops.merged_metrics import merge_reports
 
 log = logging.getLogger("mmgate")

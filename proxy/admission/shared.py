@@ -49,9 +49,9 @@ from typing import Any
 
 import orjson
 
+from preprocessors.errors import draining, rebuild
 from preprocessors.job import Refusal, Verdict
 from proxy.admission.gate import DEFAULT_FLOW, Flow, Gate, Lease, Place
-from proxy.errors import MmgateError, draining
 from proxy.serve.lifecycle import Lifecycle
 
 log = logging.getLogger("mmgate")
@@ -238,7 +238,7 @@ class SharedGate(Gate):
             raise
         if answer[0] == "err":
             _, _, status, code, text, headers, _ = answer
-            raise MmgateError(status, code, text, headers=headers)
+            raise rebuild(status, code, text, headers=headers)
         return answer
 
     async def take_shared_place(self, flow: Flow = DEFAULT_FLOW) -> Place:

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from proxy.errors import MmgateError
+from preprocessors.errors import BODY_READ_TIMEOUT, BODY_TOO_LARGE, INCOMPLETE_BODY
 
 HEAD_BYTES = 64 << 10  # how much of a body ``on_head`` sees; smaller bodies are not worth a place in line
 SMALL_PIECE = 16 << 10  # parser chunks smaller than this are gathered before they join the list
@@ -28,16 +28,15 @@ async def read_body(request: web.Request, limit: int, timeout: float,
     ``on_head`` is called once with the first ``HEAD_BYTES`` of a body bigger than that which has not fully
     arrived yet; it may raise to refuse the request before the rest is read."""
     if request.content_length is not None and request.content_length > limit:
-        raise MmgateError(413, "body_too_large",
-                          f"the body is {request.content_length} bytes, over the limit of {limit} (MMGATE_MAX_BODY_MB)")
+        raise BODY_TOO_LARGE.error(
+            f"the body is {request.content_length} bytes, over the limit of {limit} (MMGATE_MAX_BODY_MB)")
     if not request.body_exists:
         return []
     content = request.content
     if content.is_eof():  # the whole body came with the head (small requests): no wait, no timer
         body = content.read_nowait()
         if len(body) > limit:
-            raise MmgateError(413, "body_too_large",
-                              f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
+            raise BODY_TOO_LARGE.error(f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
         return [body] if body else []
     expected = request.content_length
     if expected is not None and expected <= HEAD_BYTES:
@@ -55,8 +54,7 @@ async def read_body(request: web.Request, limit: int, timeout: float,
             async for chunk, _end_of_http_chunk in content.iter_chunks():
                 size += len(chunk)
                 if size > limit:
-                    raise MmgateError(413, "body_too_large",
-                                      f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
+                    raise BODY_TOO_LARGE.error(f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
                 if len(chunk) < SMALL_PIECE:
                     small += chunk
                     if len(small) >= SMALL_PIECE:
@@ -71,11 +69,11 @@ async def read_body(request: web.Request, limit: int, timeout: float,
                     await on_head(_head(chunks, small))
                     on_head = None
     except TimeoutError:
-        raise MmgateError(408, "body_read_timeout", f"the request body did not arrive within {timeout:g} s") from None
+        raise BODY_READ_TIMEOUT.error(f"the request body did not arrive within {timeout:g} s") from None
     if small:
         chunks.append(bytes(small))
     if expected is not None and size != expected:  # pragma: no cover - aiohttp raises on a short body first
-        raise MmgateError(400, "incomplete_body", f"the body ended after {size} of {expected} bytes")
+        raise INCOMPLETE_BODY.error(f"the body ended after {size} of {expected} bytes")
     return chunks
 
 

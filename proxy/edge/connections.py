@@ -39,8 +39,10 @@ from typing import Any, cast
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from proxy.errors import MmgateError
-from proxy.payload.dialects import Dialect, error_headers
+from preprocessors.errors import HEADER_TIMEOUT, TOO_MANY_CONNECTIONS, MmgateError
+from proxy.edge.error_response import error_response, raw_error_response
+from proxy.edge.upstream import request_id_for
+from proxy.payload.dialects import dialect_for_path
 from proxy.settings import PROBE_RESERVE
 
 log = logging.getLogger("mmgate")
@@ -50,16 +52,6 @@ PROBE_PATHS = frozenset({"/mmgate/health", "/mmgate/ready"})
 # The longest request line a probe sends: "GET /mmgate/ready?<query> HTTP/1.1".
 PROBE_LINE_MAX = 256
 PROBE_LINE = re.compile(rb"(?:GET|HEAD) /mmgate/(?:health|ready)(?:\?[^ ]*)? HTTP/1\.[01]\r?\n")
-
-
-def raw_error_response(error: MmgateError) -> bytes:
-    """A complete HTTP/1.1 answer for a connection no request handler will ever see, then close."""
-    body = Dialect.OPENAI.error_body(error)
-    reason = {408: "Request Timeout", 503: "Service Unavailable"}.get(error.status, "Error")
-    head = [f"HTTP/1.1 {error.status} {reason}", "Content-Type: application/json",
-            f"Content-Length: {len(body)}", "Connection: close"]
-    head.extend(f"{name}: {value}" for name, value in error_headers(error).items())
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
 class ConnectionGuard:
@@ -94,8 +86,7 @@ class ConnectionGuard:
         return len(self._sniffing) + self._probes
 
     def too_many(self) -> MmgateError:
-        return MmgateError(
-            503, "too_many_connections",
+        return TOO_MANY_CONNECTIONS.error(
             f"{self.open} client connections are open, the limit (MMGATE_MAX_CONNECTIONS); retry later",
             headers={"Retry-After": "1"})
 
@@ -293,8 +284,9 @@ class GuardedConnection(asyncio.Protocol):
         self._guard._closed(self, self._handler)
         if transport is None or transport.is_closing():
             return
-        self._guard.on_refused("too_many_connections")
-        transport.write(raw_error_response(self._guard.too_many()))
+        error = self._guard.too_many()
+        self._guard.on_refused(error.code)
+        transport.write(raw_error_response(error))
         transport.close()
 
     def _sniff(self, data: bytes) -> None:
@@ -387,10 +379,10 @@ class GuardedConnection(asyncio.Protocol):
         transport = self._transport
         if not self._awaiting_head or transport is None or transport.is_closing():
             return
-        self._guard.on_refused("header_timeout")
-        transport.write(raw_error_response(MmgateError(
-            408, "header_timeout",
-            f"the request head did not arrive within {self._guard.header_timeout:g} s (MMGATE_HEADER_TIMEOUT)")))
+        error = HEADER_TIMEOUT.error(
+            f"the request head did not arrive within {self._guard.header_timeout:g} s (MMGATE_HEADER_TIMEOUT)")
+        self._guard.on_refused(error.code)
+        transport.write(raw_error_response(error))
         transport.close()
 
 
@@ -403,8 +395,7 @@ async def _probe_over_the_cap(request: web.Request, handler: Any, guard: Connect
         return response
     error = guard.too_many()
     guard.on_refused(error.code)
-    answer = web.Response(status=error.status, body=Dialect.OPENAI.error_body(error), content_type="application/json",
-                          headers=error_headers(error))
+    answer = error_response(error, dialect_for_path(request.path), request_id_for(request.headers.get("X-Request-Id")))
     answer.force_close()
     if request.content.is_eof():
         return answer

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
-from proxy.errors import MmgateError
+from preprocessors.errors import INVALID_PATH
 
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -55,25 +55,22 @@ class Target:
         return self.path + "?" + self.query if self.query else self.path
 
 
-def _invalid(message: str) -> MmgateError:
-    return MmgateError(400, "invalid_path", message)
-
-
 def normalise_target(raw: str) -> Target:
     """The checked form of ``raw`` (the request target as it arrived), or MmgateError 400 ``invalid_path``."""
     if _ABSOLUTE_FORM.match(raw):
         parts = urlsplit(raw)
         if parts.scheme.lower() not in ("http", "https"):
-            raise _invalid(f"request target scheme {parts.scheme[:16]!r} is not http(s)")
+            raise INVALID_PATH.error(f"request target scheme {parts.scheme[:16]!r} is not http(s)")
         raw = (parts.path or "/") + ("?" + parts.query if parts.query else "")
     elif not raw.startswith("/"):
-        raise _invalid("the request target must be a path starting with / (origin-form, RFC 9112 section 3.2.1)")
+        raise INVALID_PATH.error(
+            "the request target must be a path starting with / (origin-form, RFC 9112 section 3.2.1)")
     path, _, query = raw.partition("?")
     bad = _CONTROL_OR_UNSAFE.search(path)
     if bad is not None:
-        raise _invalid(f"the path contains {bad.group()!r}, which is not accepted in a path")
+        raise INVALID_PATH.error(f"the path contains {bad.group()!r}, which is not accepted in a path")
     if _CONTROL_OR_UNSAFE.search(query.replace("\\", "").replace("#", "")) is not None:
-        raise _invalid("the query contains control characters")
+        raise INVALID_PATH.error("the query contains control characters")
     if "%" in path or not path.isascii():
         path = _normalise_percent(path)
     if not query.isascii():
@@ -94,10 +91,10 @@ def _normalise_percent(path: str) -> str:
             continue
         pair = path[i + 1 : i + 3].encode("ascii", "replace")
         if len(pair) != 2 or pair[0] not in _HEX or pair[1] not in _HEX:
-            raise _invalid(f"malformed percent-encoding {path[i : i + 3]!r} in the path")
+            raise INVALID_PATH.error(f"malformed percent-encoding {path[i : i + 3]!r} in the path")
         byte = int(pair, 16)
         if byte in _UNSAFE_ENCODED:
-            raise _invalid(f"the path contains an encoded {chr(byte)!r} (%{byte:02X}), which is not accepted")
+            raise INVALID_PATH.error(f"the path contains an encoded {chr(byte)!r} (%{byte:02X}), which is not accepted")
         out.append(chr(byte) if byte in _UNRESERVED else "%" + pair.decode().upper())
         i += 3
     return "".join(out)

@@ -1,22 +1,38 @@
 """How a refusal reaches the client: in its API's shape before the headers went out, as a last SSE event or
-a cut connection after.
+a cut connection after; and where mmgate's own faults are logged.
 
 Every refusal mmgate makes goes through here: those of ``pipeline.handle_request``, and (through
-``refusals_in_api_shape``) those aiohttp gives before the handler runs or the admin routes raise.
+``refusals_in_api_shape``) those aiohttp gives before the handler runs or the admin routes raise. Each is
+written by ``error_response.error_response``, the one writer of error answers.
+
+A fault of mmgate's own (``internal_error``) is logged once, with its traceback, on the ``mmgate.error``
+logger, apart from the access log (``mmgate.access``), under the request id the client is told.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from aiohttp import web
 
+from preprocessors.errors import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_ALLOWED, PATH_NOT_ALLOWED, MmgateError
+from proxy.edge.error_response import error_response
 from proxy.edge.paths import normalise_target
 from proxy.edge.upstream import request_id_for
-from proxy.errors import MmgateError, internal_error
-from proxy.exchange import log, loggable
-from proxy.payload.dialects import Dialect, dialect_for_path, error_headers
+from proxy.exchange import loggable
+from proxy.payload.dialects import Dialect, dialect_for_path
 from proxy.state import STATE
+
+error_log = logging.getLogger("mmgate.error")
+
+
+def internal_error(request_id: str, where: str) -> MmgateError:
+    """500 for a fault of mmgate's own, called where it was caught: its traceback goes to ``mmgate.error``
+    under ``request_id``; the client learns the request id, never the traceback."""
+    error_log.exception("request %s%s: internal error", request_id, where)
+    return INTERNAL_ERROR.error(
+        f"mmgate failed on this request; its log has the details under request id {request_id}")
 
 
 async def refuse(request: web.Request, error: MmgateError, dialect: Dialect, request_id: str,
@@ -35,9 +51,7 @@ async def refuse(request: web.Request, error: MmgateError, dialect: Dialect, req
             if request.transport is not None:
                 request.transport.close()
         return started
-    answer = web.Response(status=error.status, body=dialect.error_body(error), content_type="application/json")
-    answer.headers["X-Request-Id"] = request_id
-    answer.headers.update(error_headers(error))
+    answer = error_response(error, dialect, request_id)
     if error.status in (408, 413) and not request.content.is_eof():
         # The rest of a body too big or too slow may still be on its way: answer, then close without
         # reading it (aiohttp's lingering close would read on for seconds, megabytes at a time).
@@ -53,27 +67,32 @@ async def refuse(request: web.Request, error: MmgateError, dialect: Dialect, req
 
 @web.middleware
 async def refusals_in_api_shape(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Answers aiohttp gives before ``handle_request`` runs (a target the router cannot match) or from the
-    admin routes, in the client's API shape like every other refusal; a fault is a 500, never a traceback."""
+    """Answers aiohttp gives before ``handle_request`` runs (a target the router cannot match, a method the
+    admin routes do not serve) or from the admin routes, in the client's API shape like every other refusal;
+    a fault is a 500, never a traceback."""
+    request_id = request_id_for(request.headers.get("X-Request-Id"))
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        error = MmgateError(exc.status, "path_not_allowed" if exc.status == 404 else "invalid_request", exc.reason)
-        if exc.status == 404:
-            try:  # a target the router cannot even match (a raw control character) is an invalid path
-                normalise_target(request.raw_path)
-            except MmgateError as invalid:
-                error = invalid
+        error = _refusal_for(request, exc)
     except ConnectionResetError:  # the client left mid-answer (handle_request counted it as 499): none to send
         raise
     except Exception:
-        request_id = request_id_for(None)
-        log.exception("request %s (%s %s): internal error", request_id, request.method, loggable(request.path))
-        error = internal_error(request_id)
+        error = internal_error(request_id, f" ({request.method} {loggable(request.path)})")
     request.app[STATE].metrics.rejected.labels(error.code).inc()
-    answer = web.Response(status=error.status, body=dialect_for_path(request.path).error_body(error),
-                          content_type="application/json")
-    answer.headers.update(error_headers(error))
-    return answer
+    return error_response(error, dialect_for_path(request.path), request_id)
+
+
+def _refusal_for(request: web.Request, exc: web.HTTPException) -> MmgateError:
+    """The registry's answer for an HTTP exception aiohttp raised: 404 from the router, 405 on the admin port."""
+    if exc.status == 404:
+        try:  # a target the router cannot even match (a raw control character) is an invalid path
+            normalise_target(request.raw_path)
+        except MmgateError as invalid:
+            return invalid
+        return PATH_NOT_ALLOWED.error(exc.reason)
+    if exc.status == 405:
+        return METHOD_NOT_ALLOWED.error(exc.reason)
+    return INVALID_REQUEST.error(exc.reason)

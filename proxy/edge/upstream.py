@@ -25,7 +25,7 @@ from aiohttp.payload import Payload
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from proxy.errors import UpstreamError
+from preprocessors.errors import UPSTREAM_RESET, UPSTREAM_TIMEOUT, UPSTREAM_UNAVAILABLE, UpstreamError
 from proxy.media.buffers import MediaBuffer
 
 HOP_BY_HOP = frozenset(
@@ -158,12 +158,11 @@ class OneShotBody(Payload):
 def _classify(exc: BaseException, *, headers_received: bool) -> UpstreamError:
     """A client-library failure as the error a client sees and the kind the metrics count."""
     if isinstance(exc, (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError)):
-        return UpstreamError(502, "upstream_unavailable", f"cannot connect to the upstream: {exc.__class__.__name__}",
-                             "connect")
+        return UPSTREAM_UNAVAILABLE.error(f"cannot connect to the upstream: {exc.__class__.__name__}")
     if isinstance(exc, (aiohttp.SocketTimeoutError, aiohttp.ServerTimeoutError, TimeoutError)):
         where = "while streaming" if headers_received else "before answering"
-        return UpstreamError(504, "upstream_timeout", f"the upstream sent nothing for too long {where}", "timeout")
-    return UpstreamError(502, "upstream_reset", f"the upstream connection failed: {exc.__class__.__name__}", "reset")
+        return UPSTREAM_TIMEOUT.error(f"the upstream sent nothing for too long {where}")
+    return UPSTREAM_RESET.error(f"the upstream connection failed: {exc.__class__.__name__}")
 
 
 async def open_upstream(

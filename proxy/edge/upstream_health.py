@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from yarl import URL
 
-from proxy.errors import UpstreamError
+from preprocessors.errors import UPSTREAM_DOWN, UpstreamError
 
 log = logging.getLogger("mmgate")
 
@@ -29,11 +29,9 @@ RECHECK_SECONDS = 1.0
 
 def upstream_down() -> UpstreamError:
     """503 for a media request while the upstream is known to be down: nothing was decoded, retry shortly."""
-    error = UpstreamError(503, "upstream_down",
-                          "the upstream cannot be reached at the moment; the request was not processed, retry shortly",
-                          "connect")
-    error.headers["Retry-After"] = str(int(RECHECK_SECONDS))
-    return error
+    return UPSTREAM_DOWN.error(
+        "the upstream cannot be reached at the moment; the request was not processed, retry shortly",
+        headers={"Retry-After": str(int(RECHECK_SECONDS))})
 
 
 def loggable(url: str) -> str:

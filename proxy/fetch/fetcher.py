@@ -39,23 +39,26 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
 from preprocessors.base import MediaKind
-from proxy.errors import MmgateError
+from preprocessors.errors import (
+    FETCH_ADDRESS_FORBIDDEN,
+    FETCH_BAD_CONTENT_TYPE,
+    FETCH_FAILED,
+    FETCH_HOST_NOT_ALLOWED,
+    FETCH_TIMEOUT,
+    FETCH_TOO_LARGE,
+    FETCH_TOO_MANY_REDIRECTS,
+    FETCH_URL_NOT_ALLOWED,
+    REGISTRY,
+    FetchRefused,
+    MmgateError,
+)
 from proxy.payload.locate import Plan
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 # Refusal codes, one per rule; with "ok" and "cancelled" the ``outcome`` label of mmgate_fetches_total.
-FETCH_CODES = (
-    "fetch_url_not_allowed",  # scheme not http(s), or a URL that cannot be parsed
-    "fetch_host_not_allowed",
-    "fetch_address_forbidden",
-    "fetch_too_many_redirects",
-    "fetch_too_large",
-    "fetch_timeout",
-    "fetch_bad_content_type",
-    "fetch_failed",  # the remote answered an error status, or could not be reached
-)
+FETCH_CODES = tuple(entry.code for entry in REGISTRY.values() if entry.raised_as is FetchRefused)
 FETCH_OUTCOMES = ("ok", "cancelled", *FETCH_CODES)  # "cancelled": the request ended before the fetch did
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _SCHEMES = ("http", "https")
@@ -77,13 +80,6 @@ _FORBIDDEN: tuple[tuple[str, tuple[IPNetwork, ...]], ...] = tuple(
                       "198.51.100.0/24", "203.0.113.0/24", "240.0.0.0/4", "::/8", "64:ff9b:1::/48", "100::/64",
                       "2001::/23", "2001:db8::/32", "3fff::/20", "5f00::/16")),
     ))
-
-
-class FetchRefused(MmgateError):
-    """A URL part mmgate will not fetch, or whose fetch failed: 400 with the rule's code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(400, code, message)
 
 
 class AddressForbidden(OSError):
@@ -301,14 +297,14 @@ class Fetcher:
                         return await self._body(response, kind, max_bytes, counted)
                     finally:
                         response.close()  # the rest (a redirect's body, a refused body) is never read
-                raise FetchRefused("fetch_too_many_redirects",
-                                   f"the media URL redirects more than {self.limits.max_redirects} times "
-                                   "(MMGATE_FETCH_MAX_REDIRECTS)")
+                raise FETCH_TOO_MANY_REDIRECTS.error(
+                    f"the media URL redirects more than {self.limits.max_redirects} times "
+                    "(MMGATE_FETCH_MAX_REDIRECTS)")
         except TimeoutError:
             if not deadline.expired():
                 raise
-            raise FetchRefused("fetch_timeout", f"fetching the media URL took longer than {total:g} s "
-                                                "(MMGATE_FETCH_TIMEOUT)") from None
+            raise FETCH_TIMEOUT.error(f"fetching the media URL took longer than {total:g} s "
+                                      "(MMGATE_FETCH_TIMEOUT)") from None
 
     def checked_url(self, raw: str, base: URL | None = None) -> URL:
         """``raw`` (resolved against ``base`` for a redirect) when its scheme, host and, for an address
@@ -319,22 +315,20 @@ class Fetcher:
                 url = base.join(url)
             host = url.raw_host
         except (ValueError, TypeError):
-            raise FetchRefused("fetch_url_not_allowed", "the media URL cannot be parsed") from None
+            raise FETCH_URL_NOT_ALLOWED.error("the media URL cannot be parsed") from None
         if url.scheme not in _SCHEMES or not host:
-            raise FetchRefused("fetch_url_not_allowed",
-                               f"only http and https media URLs are fetched, not {url.scheme[:16]!r}")
+            raise FETCH_URL_NOT_ALLOWED.error(f"only http and https media URLs are fetched, not {url.scheme[:16]!r}")
         if url.user is not None or url.password is not None:
-            raise FetchRefused("fetch_url_not_allowed", "a media URL must not carry credentials")
+            raise FETCH_URL_NOT_ALLOWED.error("a media URL must not carry credentials")
         if not self.hosts.allows(host):
-            raise FetchRefused("fetch_host_not_allowed",
-                               f"the host {host[:255]!r} is not in MMGATE_FETCH_ALLOW_HOSTS")
+            raise FETCH_HOST_NOT_ALLOWED.error(f"the host {host[:255]!r} is not in MMGATE_FETCH_ALLOW_HOSTS")
         address = literal_address(host)
         if address is not None:
             why = self.addresses.refusal(address)
             if why is not None:
-                raise FetchRefused("fetch_address_forbidden",
-                                   f"the media URL points at a {why} address; mmgate fetches only from public "
-                                   "addresses (MMGATE_FETCH_ALLOW_ADDRESSES)")
+                raise FETCH_ADDRESS_FORBIDDEN.error(
+                    f"the media URL points at a {why} address; mmgate fetches only from public "
+                    "addresses (MMGATE_FETCH_ALLOW_ADDRESSES)")
         return url.with_fragment(None)
 
     async def _head(self, url: URL, kind: MediaKind) -> aiohttp.ClientResponse:
@@ -348,32 +342,32 @@ class Fetcher:
         except TimeoutError:
             if not first_byte.expired():
                 raise
-            raise FetchRefused("fetch_timeout", f"the media URL's server sent no response within {wait:g} s "
-                                                "(MMGATE_FETCH_FIRST_BYTE_TIMEOUT)") from None
+            raise FETCH_TIMEOUT.error(f"the media URL's server sent no response within {wait:g} s "
+                                      "(MMGATE_FETCH_FIRST_BYTE_TIMEOUT)") from None
         except aiohttp.ClientConnectorError as error:
             if isinstance(error.os_error, AddressForbidden):
-                raise FetchRefused("fetch_address_forbidden",
-                                   f"the media URL's host resolves to a {error.os_error.why} address; mmgate "
-                                   "fetches only from public addresses (MMGATE_FETCH_ALLOW_ADDRESSES)") from None
-            raise FetchRefused("fetch_failed", f"the media URL's server could not be reached ({_brief(error)})") \
+                raise FETCH_ADDRESS_FORBIDDEN.error(
+                    f"the media URL's host resolves to a {error.os_error.why} address; mmgate "
+                    "fetches only from public addresses (MMGATE_FETCH_ALLOW_ADDRESSES)") from None
+            raise FETCH_FAILED.error(f"the media URL's server could not be reached ({_brief(error)})") \
                 from None
         except (aiohttp.ClientError, ValueError) as error:
-            raise FetchRefused("fetch_failed", f"fetching the media URL failed ({_brief(error)})") from None
+            raise FETCH_FAILED.error(f"fetching the media URL failed ({_brief(error)})") from None
 
     async def _body(self, response: aiohttp.ClientResponse, kind: MediaKind, max_bytes: int,
                     counted: list[int]) -> Fetched:
         if response.status not in (200, 203):
-            raise FetchRefused("fetch_failed", f"the media URL answered HTTP {response.status}")
+            raise FETCH_FAILED.error(f"the media URL answered HTTP {response.status}")
         declared = response.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if not _MEDIA_TYPE.fullmatch(declared) or not declared.startswith(kind + "/"):
-            raise FetchRefused("fetch_bad_content_type",
-                               f"the media URL serves {declared[:64] or 'no Content-Type'!r}, not {kind}/*")
+            raise FETCH_BAD_CONTENT_TYPE.error(
+                f"the media URL serves {declared[:64] or 'no Content-Type'!r}, not {kind}/*")
         coding = response.headers.get("Content-Encoding", "identity").strip().lower()
         if coding not in ("", "identity"):
-            raise FetchRefused("fetch_bad_content_type",
-                               f"the media URL serves Content-Encoding {coding[:32]!r}; only identity is read")
-        too_large = FetchRefused("fetch_too_large", f"the media URL's body is over the per-item limit of "
-                                                    f"{max_bytes} bytes (MMGATE_MAX_MEDIA_ITEM_MB)")
+            raise FETCH_BAD_CONTENT_TYPE.error(
+                f"the media URL serves Content-Encoding {coding[:32]!r}; only identity is read")
+        too_large = FETCH_TOO_LARGE.error(f"the media URL's body is over the per-item limit of "
+                                          f"{max_bytes} bytes (MMGATE_MAX_MEDIA_ITEM_MB)")
         length = response.content_length
         if length is not None and length > max_bytes:
             raise too_large
@@ -387,7 +381,7 @@ class Fetcher:
                     raise too_large
                 data += chunk
         except aiohttp.ClientError as error:
-            raise FetchRefused("fetch_failed", f"the media URL's body broke off ({_brief(error)})") from None
+            raise FETCH_FAILED.error(f"the media URL's body broke off ({_brief(error)})") from None
         return Fetched(data, declared)
 
 

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
-from preprocessors.base import MediaError
+from preprocessors.errors import MediaError
 from preprocessors.job import Refusal, Verdict
 from preprocessors.pool import lower_priority
 from proxy.settings import Settings

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from functools import partial
 
 from preprocessors.base import Cancelled
-from proxy.errors import MediaError
+from preprocessors.errors import MediaError
 from proxy.exchange import Exchange
 from proxy.fetch.fetcher import Fetched
 from proxy.media.buffers import MediaBuffer

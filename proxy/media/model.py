@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from preprocessors.errors import VIDEO_UNSUPPORTED_BY_MODEL
 from preprocessors.geometry import Geometry, Idefics3, LlavaNext, QwenVL, ShortestEdge, Square, model_size, upright
-from proxy.errors import MediaError
 from proxy.settings import ConfigError
 
 log = logging.getLogger("mmgate")
@@ -81,8 +81,8 @@ class Model:
         try:
             return self.video_count(frames, width, height)
         except ValueError as error:  # the processor's own refusal (an aspect ratio over 200)
-            raise MediaError("video_unsupported_by_model",
-                             f"the served model's processor refuses a {width}x{height} video: {error}") from None
+            raise VIDEO_UNSUPPORTED_BY_MODEL.error(
+                f"the served model's processor refuses a {width}x{height} video: {error}") from None
 
     def image_tokens(self, width: int, height: int, orientation: int = 1) -> int:
         """Tokens the backend's processor makes of a stored image of this size and EXIF orientation."""

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from functools import partial
 
 from preprocessors.base import Cancelled
+from preprocessors.errors import PREPROCESS_TIMEOUT, MediaError, MmgateError
 from preprocessors.job import MediaJob, MediaTask, Verdict
 from preprocessors.pool import Batch
 from proxy.admission.gate import Lease
-from proxy.errors import MediaError, MmgateError
 from proxy.fetch.fetcher import Fetched
 from proxy.media.buffers import MediaBuffer
 from proxy.payload.dialects import MediaPart
@@ -86,14 +86,12 @@ def refusal_for(state: AppState, plan: Plan, batch: Batch, exc: MediaError | Tim
     count_items(state, plan.items, "timeout")
     timeout = state.settings.timeouts.preprocess_timeout
     if batch.started == 0:  # every decode worker stayed busy: not the client's media at fault
-        return MmgateError(504, "preprocess_timeout",
-                           f"no decode worker became free within {timeout:g} s "
-                           "(MMGATE_PREPROCESS_TIMEOUT): the proxy is overloaded, retry later")
+        return PREPROCESS_TIMEOUT.error(f"no decode worker became free within {timeout:g} s "
+                                        "(MMGATE_PREPROCESS_TIMEOUT): the proxy is overloaded, retry later")
     # Slow media, a stalled or starved worker, a busy machine: the deadline cannot tell which, so it names
     # itself and blames nobody.
-    return MmgateError(504, "preprocess_timeout",
-                       f"media preprocessing did not finish within the {timeout:g} s deadline "
-                       "(MMGATE_PREPROCESS_TIMEOUT); the work was stopped and nothing was forwarded")
+    return PREPROCESS_TIMEOUT.error(f"media preprocessing did not finish within the {timeout:g} s deadline "
+                                    "(MMGATE_PREPROCESS_TIMEOUT); the work was stopped and nothing was forwarded")
 
 
 def rewrites_for(state: AppState, plan: Plan, outcomes: list[Outcome]) -> Rewrites:

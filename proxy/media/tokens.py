@@ -14,7 +14,7 @@ An image the processor itself refuses (Qwen: an aspect ratio over 200) is 400 ``
 from __future__ import annotations
 
 from preprocessors.dimensions import peek_dimensions
-from proxy.errors import MediaError
+from preprocessors.errors import MediaError
 from proxy.media.model import Model
 from proxy.payload.locate import Plan, inline_value
 

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from proxy.admission.shared import SharedGate
 from proxy.ops.backend_metrics import backend_metrics
+from proxy.ops.dashboard_stats import snapshot
 from proxy.ops.merged_metrics import MergedFamilies
 from proxy.state import STATE, AppState
 
@@ -88,8 +89,6 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     """A small JSON view for the dashboard (the same numbers as /mmgate/metrics)."""
-    from proxy.ops.dashboard_stats import snapshot
-
     state = _state(request)
     merged = await state.gate.collect() if isinstance(state.gate, SharedGate) else None
     return web.Response(body=orjson.dumps(snapshot(state, merged)), content_type="application/json")

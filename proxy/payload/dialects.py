@@ -24,7 +24,7 @@ from typing import Any, Literal
 import orjson
 
 from preprocessors.base import MediaKind
-from proxy.errors import MmgateError
+from preprocessors.errors import INVALID_REQUEST, JSON_TOO_DEEP, MmgateError
 from proxy.payload.rawjson import Skeleton, Span
 
 Route = Literal["chat", "responses", "messages", "generate", "other"]
@@ -161,7 +161,7 @@ class Collected(list[MediaPart]):
 
 
 def _bad(message: str, path: str) -> MmgateError:
-    return MmgateError(400, "invalid_request", message, param=path)
+    return INVALID_REQUEST.error(message, param=path)
 
 
 DEFAULT_MAX_DEPTH = 64
@@ -171,9 +171,8 @@ def _check_depth(depth: int, max_depth: int, path: str) -> None:
     """The walkers recurse into client-chosen nesting: bound it (MMGATE_MAX_JSON_DEPTH) instead of
     letting Python's recursion limit answer for it."""
     if depth > max_depth:
-        raise MmgateError(400, "json_too_deep",
-                         f"media is nested more than {max_depth} levels deep (MMGATE_MAX_JSON_DEPTH)",
-                         param=path[:200])
+        raise JSON_TOO_DEEP.error(f"media is nested more than {max_depth} levels deep (MMGATE_MAX_JSON_DEPTH)",
+                                  param=path[:200])
 
 
 def _short_text(sk: Skeleton, value: object, limit: int = 4096) -> str | None:

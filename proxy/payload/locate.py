@@ -18,7 +18,18 @@ from dataclasses import dataclass, field
 import hyperscan
 
 from preprocessors.dataurl import decoded_size, parse_data_url
-from proxy.errors import InvalidJson, MediaError, MmgateError
+from preprocessors.errors import (
+    FETCH_URL_NOT_ALLOWED,
+    INVALID_DATA_URI,
+    INVALID_MEDIA_TYPE,
+    JSON_TOO_COMPLEX,
+    MEDIA_TOO_LARGE,
+    MEDIA_URL_NOT_ALLOWED,
+    TOO_MANY_MEDIA,
+    InvalidJson,
+    MediaError,
+    MmgateError,
+)
 from proxy.payload.dialects import WALKERS, Collected, EnoughParts, MediaPart, Route
 from proxy.payload.rawjson import (
     Skeleton,
@@ -164,9 +175,9 @@ def find_media_steps(route: Route, body: bytes, max_depth: int = DEFAULT_MAX_DEP
     except StructureTooLarge as over:
         if not may_contain_media(body):
             return None, []
-        raise MmgateError(400, "json_too_complex",
-                          f"the request's JSON has {over.what} (keys, numbers, short strings, brackets), over what "
-                          "mmgate parses (MMGATE_MAX_JSON_STRUCTURE_KB): send fewer parts or messages") from None
+        raise JSON_TOO_COMPLEX.error(
+            f"the request's JSON has {over.what} (keys, numbers, short strings, brackets), over what "
+            "mmgate parses (MMGATE_MAX_JSON_STRUCTURE_KB): send fewer parts or messages") from None
     return skeleton, locate(route, skeleton, max_depth, max_parts)
 
 
@@ -248,8 +259,7 @@ def plan_steps(route: Route, body: bytes, limits: Limits) -> Steps[Plan]:
     del skeleton  # it references the body; the spans in ``parts`` are all a plan keeps
     plan.parts = len(parts)
     if len(parts) > limits.max_parts:
-        plan.refusal = MmgateError(
-            400, "too_many_media",
+        plan.refusal = TOO_MANY_MEDIA.error(
             f"the request has more than {limits.max_parts} media parts, the limit "
             "(MMGATE_MAX_MEDIA_PER_REQUEST): send fewer", param=parts[limits.max_parts].path)
         return plan
@@ -257,9 +267,9 @@ def plan_steps(route: Route, body: bytes, limits: Limits) -> Steps[Plan]:
         for part in parts:
             if part.is_url:
                 if limits.reject_urls:
-                    raise MmgateError(400, "media_url_not_allowed",
-                                      "media URLs are not accepted here (MMGATE_MEDIA_URLS=reject): send the media "
-                                      "inline as base64", param=part.path)
+                    raise MEDIA_URL_NOT_ALLOWED.error(
+                        "media URLs are not accepted here (MMGATE_MEDIA_URLS=reject): send the media "
+                        "inline as base64", param=part.path)
                 if limits.fetch_urls:
                     plan.items.append(_fetch_item(route, part, limits.max_item_bytes))
                     continue
@@ -289,7 +299,7 @@ def _measure(body: bytes, part: MediaPart, max_item: int) -> Item:
         except MediaError as error:
             raise error.at(part.path) from None
         if data_url is None:
-            raise MmgateError(400, "invalid_data_uri", "expected a data: URI or an http(s) URL", param=part.path)
+            raise INVALID_DATA_URI.error("expected a data: URI or an http(s) URL", param=part.path)
         offset = data_url.payload_offset
         declared = data_url.mime
         declared_span = None
@@ -299,14 +309,14 @@ def _measure(body: bytes, part: MediaPart, max_item: int) -> Item:
             mime_end = offset - 1 if mime_end < 0 else mime_end
             declared_span = Span(span.start + 6, span.start + 1 + mime_end, False)
     if (declared or part.declared_mime is not None) and not _declared_type_allowed(part, declared):
-        raise MmgateError(400, "invalid_media_type",
-                          f"the declared type {declared[:64]!r} is not an accepted {part.kind} type: declare "
-                          f"{part.kind}/<subtype> or leave it out", param=part.path)
+        raise INVALID_MEDIA_TYPE.error(
+            f"the declared type {declared[:64]!r} is not an accepted {part.kind} type: declare "
+            f"{part.kind}/<subtype> or leave it out", param=part.path)
     size = decoded_size(length - offset)
     if size > max_item:
-        raise MmgateError(413, "media_too_large",
-                          f"this {part.kind} decodes to about {size} bytes, over the per-item limit of {max_item} "
-                          "(MMGATE_MAX_MEDIA_ITEM_MB): send a smaller file", param=part.path)
+        raise MEDIA_TOO_LARGE.error(
+            f"this {part.kind} decodes to about {size} bytes, over the per-item limit of {max_item} "
+            "(MMGATE_MAX_MEDIA_ITEM_MB): send a smaller file", param=part.path)
     return Item(part, offset, size, declared, declared_span)
 
 
@@ -315,16 +325,16 @@ def _fetch_item(route: Route, part: MediaPart, max_item: int) -> Item:
     unknown until it is read; refused here when its fetched bytes could not take the URL's place."""
     url = part.url or ""
     if route == "messages":  # an Anthropic url source: a data URL in its place is no valid source
-        raise MmgateError(400, "media_url_not_allowed",
-                          "image URLs are not accepted here (MMGATE_MEDIA_URLS=fetch does not rewrite Anthropic "
-                          "url sources): send a base64 source", param=part.path)
+        raise MEDIA_URL_NOT_ALLOWED.error(
+            "image URLs are not accepted here (MMGATE_MEDIA_URLS=fetch does not rewrite Anthropic "
+            "url sources): send a base64 source", param=part.path)
     if part.kind == "video":
-        raise MmgateError(400, "media_url_not_allowed",
-                          "video URLs are not fetched (MMGATE_MEDIA_URLS=fetch reads images and audio): send the "
-                          "video inline", param=part.path)
+        raise MEDIA_URL_NOT_ALLOWED.error(
+            "video URLs are not fetched (MMGATE_MEDIA_URLS=fetch reads images and audio): send the "
+            "video inline", param=part.path)
     if part.span is None or not url[:8].lower().startswith(("http://", "https://")):
-        raise MmgateError(400, "fetch_url_not_allowed", "only http and https media URLs are fetched",
-                          param=part.path)
+        raise FETCH_URL_NOT_ALLOWED.error("only http and https media URLs are fetched",
+                                          param=part.path)
     return Item(part, 0, max_item)
 
 

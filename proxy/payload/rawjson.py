@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from proxy.errors import InvalidJson
+from preprocessors.errors import INVALID_JSON, InvalidJson
 
 # String values starting with one of these (ASCII case-insensitive) are always placeholdered,
 # whatever their length: media data (data: URI), the MIME beside Anthropic data, and web URLs, so that
@@ -63,9 +63,9 @@ def _loads_str(token: bytes | memoryview) -> str:
         try:
             value = json.loads(bytes(token).decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
-            raise InvalidJson(f"request body is not valid JSON: bad string ({exc})") from None
+            raise INVALID_JSON.error(f"request body is not valid JSON: bad string ({exc})") from None
     if not isinstance(value, str):  # cannot happen for a token found by skeletonize
-        raise InvalidJson("request body is not valid JSON: expected a string")
+        raise INVALID_JSON.error("request body is not valid JSON: expected a string")
     return value
 
 
@@ -81,7 +81,7 @@ def string_value(body: bytes, span: Span) -> bytes | memoryview:
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidJson("request body is not valid JSON: string has an unpaired surrogate") from None
+        raise INVALID_JSON.error("request body is not valid JSON: string has an unpaired surrogate") from None
 
 
 class Skeleton:
@@ -133,7 +133,7 @@ class Skeleton:
         try:
             return str(memoryview(self.body)[span.start + 1 : span.end - 1], "utf-8")
         except UnicodeDecodeError:
-            raise InvalidJson("request body is not valid JSON: string is not UTF-8") from None
+            raise INVALID_JSON.error("request body is not valid JSON: string is not UTF-8") from None
 
     def head(self, value: object, n: int) -> str | None:
         """The first ``n`` characters of ``value`` (cheap even for a placeholder of many megabytes)."""
@@ -156,7 +156,7 @@ class Skeleton:
                 return _loads_str(b'"' + chunk[:cut] + b'"')[:n]
             except InvalidJson:
                 continue
-        raise InvalidJson("request body is not valid JSON: bad string escape")
+        raise INVALID_JSON.error("request body is not valid JSON: bad string escape")
 
     def resolve(self, value: Any = ...) -> Any:
         """A deep copy of ``value`` (default: ``doc``) with every placeholder unescaped (tests, debugging).
@@ -297,10 +297,10 @@ def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | N
             pos = step_end
             continue
         if body[start] != _QUOTE:
-            raise InvalidJson("request body is not valid JSON: backslash outside a string")
+            raise INVALID_JSON.error("request body is not valid JSON: backslash outside a string")
         end = find(b'"', start + 1)
         if end < 0:
-            raise InvalidJson("request body is not valid JSON: unterminated string")
+            raise INVALID_JSON.error("request body is not valid JSON: unterminated string")
         escaped = find(b"\\", start + 1, end) >= 0
         if escaped:
             # The quote ends the string only after an even run of backslashes. body[start] is a
@@ -313,7 +313,7 @@ def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | N
                     break
                 end = find(b'"', end + 1)
                 if end < 0:
-                    raise InvalidJson("request body is not valid JSON: unterminated string")
+                    raise INVALID_JSON.error("request body is not valid JSON: unterminated string")
                 tokens += 1
                 if tokens >= step_tokens:  # a string of many escaped quotes: its walk is cut into steps too
                     tokens = 0
@@ -370,11 +370,11 @@ def _parse(data: bytes) -> Any:
     except orjson.JSONDecodeError as exc:
         reason = exc.msg
     if not ("surrogate" in reason or "infinity" in reason or b"NaN" in data or b"Infinity" in data):
-        raise InvalidJson(f"request body is not valid JSON: {reason}") from None
+        raise INVALID_JSON.error(f"request body is not valid JSON: {reason}") from None
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise InvalidJson(f"request body is not valid JSON: {reason}") from None
+        raise INVALID_JSON.error(f"request body is not valid JSON: {reason}") from None
 
 
 def splice(body: bytes, replacements: Iterable[tuple[Span, bytes]]) -> bytes:

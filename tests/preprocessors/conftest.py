@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 from PIL import Image, ImageFile
 
-from preprocessors.base import MediaError
+from preprocessors.errors import MediaError
 
 
 def encode(img: Image.Image, fmt: str, **params: object) -> bytes:

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from PIL import GifImagePlugin, Image, ImageDraw, ImageOps
 
 from preprocessors.base import Cancelled, ImagePolicy
-from preprocessors.image import ALLOWED_FORMATS, MIME_BY_FORMAT, _fit, process_image
+from preprocessors.formats import ALLOWED_FORMATS, MIME_BY_FORMAT
+from preprocessors.image import _fit, process_image
 from tests.preprocessors.conftest import decode, encode, expect_error, noisy
 
 RESIZE_SMALL = ImagePolicy(resize_max_pixels=10_000)

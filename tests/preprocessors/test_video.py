@@ -17,7 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from preprocessors.base import MediaError, VideoPolicy, no_checkpoint
+from preprocessors.base import VideoPolicy, no_checkpoint
+from preprocessors.errors import MediaError
 from preprocessors.video import probe_video
 from testkit.media import chat_with_video, data_uri, video_clip
 from tests.conftest import Proxy, StartProxy, Upstream
@@ -170,7 +171,8 @@ def test_without_pyav_a_video_part_is_refused_with_the_fix() -> None:
     """The video extra missing (the import fails): the worker refuses the part, naming what to install."""
     script = (
         "import sys; sys.modules['av'] = None\n"
-        "from preprocessors.base import AudioPolicy, ImagePolicy, MediaError, no_checkpoint\n"
+        "from preprocessors.base import AudioPolicy, ImagePolicy, no_checkpoint\n"
+        "from preprocessors.errors import MediaError\n"
         "from preprocessors.job import MediaTask, run_task\n"
         "import base64\n"
         "task = MediaTask('video', 'p', 1 << 20, ImagePolicy(), AudioPolicy())\n"

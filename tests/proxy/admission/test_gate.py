@@ -9,8 +9,8 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from preprocessors.errors import MmgateError
 from proxy.admission.gate import Gate, Lease, Place
-from proxy.errors import MmgateError
 
 
 async def _queued(gate: Gate, count: int) -> None:

@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from yarl import URL
 
+from preprocessors.errors import MmgateError
 from proxy.edge.paths import is_allowed, normalise_target, remove_dot_segments
-from proxy.errors import MmgateError
 from tests.conftest import StartProxy, Upstream
 
 # RFC 3986 section 5.2.4 (and the dot-segment cases of 5.4.2), for absolute paths.

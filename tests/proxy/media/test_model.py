@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from preprocessors.base import ImagePolicy, MediaError
+from preprocessors.base import ImagePolicy
 from preprocessors.dimensions import Dimensions, peek_dimensions
+from preprocessors.errors import MediaError
 from preprocessors.geometry import resize_target, upright
 from preprocessors.image import process_image
 from proxy.app import build_state

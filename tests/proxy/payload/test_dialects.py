@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.errors import MmgateError
+from preprocessors.errors import MmgateError
 from proxy.payload.dialects import MediaPart, Route, route_for
 from proxy.payload.locate import find_media, inline_value, locate
 from proxy.payload.rawjson import parse_plain, skeletonize, splice, string_value

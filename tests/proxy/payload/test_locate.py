@@ -13,7 +13,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.errors import MmgateError
+from preprocessors.errors import MmgateError
 from proxy.payload.dialects import Route
 from proxy.payload.locate import Limits, locate, plan_media
 from proxy.payload.rawjson import run_steps, skeleton_steps, skeletonize

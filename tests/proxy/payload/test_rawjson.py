@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.errors import MmgateError
+from preprocessors.errors import MmgateError
 from proxy.payload.dialects import MediaPart, Route
 from proxy.payload.locate import (
     MARKERS,
