@@ -51,8 +51,9 @@ from preprocessors.base import AudioPolicy, ImagePolicy, no_checkpoint
 from preprocessors.image import GENERIC_JPEG_QUALITY, _encode, _orientation
 from preprocessors.job import MediaJob, MediaTask, run_task
 from preprocessors.pool import DecodePool
+from preprocessors.worker_handle import read_all as _read_all
 from preprocessors.worker_process import write_all as _write_all
-from preprocessors.workers import ProcessPool, _read_all
+from preprocessors.workers import ProcessPool
 from proxy.serve.memory import tune_process, worker_environment
 from testkit.media import photo_jpeg
 

@@ -24,9 +24,10 @@ from preprocessors.workers import ProcessPool
 from proxy.admission.adaptive import AdaptiveLimit
 from proxy.admission.gate import Gate
 from proxy.admission.shared import Link, SharedGate, verdict_to_wire
-from proxy.edge.connections import ConnectionGuard, mark_head_received
+from proxy.edge.connections import ConnectionGuard
 from proxy.edge.pacing import Pacer
 from proxy.edge.refusals import refusals_in_api_shape
+from proxy.edge.site import mark_head_received
 from proxy.fetch.fetcher import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
 from proxy.media.cache import MediaCache, settings_fingerprint
 from proxy.media.model import Model, load_model

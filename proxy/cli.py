@@ -31,10 +31,10 @@ import orjson
 from aiohttp import web
 
 from preprocessors.video import pyav_available
-from preprocessors.workers import WorkerStartError
+from preprocessors.worker_handle import WorkerStartError
 from proxy.admission.shared import Link, SharedGate
 from proxy.app import build_admin_app, build_app, make_runner, served_model
-from proxy.edge.connections import GuardedSite
+from proxy.edge.site import GuardedSite
 from proxy.edge.upstream_health import loggable
 from proxy.serve.lifecycle import StopSignals
 from proxy.serve.memory import tune_process

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
 from proxy.app import build_app, make_runner
-from proxy.edge.connections import GuardedSite
+from proxy.edge.site import GuardedSite
 from proxy.ops.admin import PROBE_USER_AGENT
 from proxy.settings import Settings
 from proxy.state import STATE, AppState

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy.app import build_app, make_runner
-from proxy.edge.connections import GuardedSite
+from proxy.edge.site import GuardedSite
 from proxy.state import STATE
 from testkit.servers import Handler, Proxy, Seen, StartProxy, Upstream, proxy_settings
 

@@ -11,7 +11,7 @@ import pickle
 import socket
 import sys
 
-from preprocessors.workers import WorkerStartError
+from preprocessors.worker_handle import WorkerStartError
 from proxy.cli import FrontSockets, configure_logging, exit_with, serve
 from proxy.serve.memory import tune_process
 from proxy.settings import Settings

@@ -25,7 +25,8 @@ from PIL import Image
 
 from preprocessors.base import AudioPolicy, ImagePolicy, no_checkpoint
 from preprocessors.job import MediaJob, MediaTask, run_task
-from preprocessors.workers import ProcessPool, WorkerStartError
+from preprocessors.worker_handle import WorkerStartError
+from preprocessors.workers import ProcessPool
 from proxy.admission.gate import Gate
 from proxy.settings import PROCESS_MODE_FROM_CPUS, Settings, default_decode_mode
 from proxy.state import STATE
