@@ -21,9 +21,9 @@ from preprocessors.pool import Batch
 from proxy.admission.gate import Lease
 from proxy.fetch.fetcher import Fetched
 from proxy.media.buffers import MediaBuffer
-from proxy.payload.dialects import MediaPart
 from proxy.payload.locate import Item, Plan
 from proxy.payload.rawjson import Span, string_value
+from proxy.payload.walkers import MediaPart
 from proxy.state import AppState
 
 

@@ -30,7 +30,7 @@ from preprocessors.errors import (
     MediaError,
     MmgateError,
 )
-from proxy.payload.dialects import WALKERS, Collected, EnoughParts, MediaPart, Route
+from proxy.payload.dialects import Route
 from proxy.payload.rawjson import (
     Skeleton,
     Span,
@@ -41,6 +41,7 @@ from proxy.payload.rawjson import (
     skeleton_steps,
     string_value,
 )
+from proxy.payload.walkers import WALKERS, Collected, EnoughParts, MediaPart
 
 # Every media part a walker can find sits under a key or a ``type`` value that contains "image", "audio"
 # or "video" (compared case-sensitively, after JSON unescaping). A JSON string can only hide those letters

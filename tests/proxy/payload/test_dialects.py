@@ -8,9 +8,10 @@ import orjson
 import pytest
 
 from preprocessors.errors import MmgateError
-from proxy.payload.dialects import MediaPart, Route, route_for
+from proxy.payload.dialects import Route, route_for
 from proxy.payload.locate import find_media, inline_value, locate
 from proxy.payload.rawjson import parse_plain, skeletonize, splice, string_value
+from proxy.payload.walkers import MediaPart
 
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 URI = "data:image/png;base64," + PNG

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from preprocessors.errors import MmgateError
-from proxy.payload.dialects import MediaPart, Route
+from proxy.payload.dialects import Route
 from proxy.payload.locate import (
     MARKERS,
     chunks_may_contain_media,
@@ -39,6 +39,7 @@ from proxy.payload.rawjson import (
     splice,
     string_value,
 )
+from proxy.payload.walkers import MediaPart
 
 B64 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
