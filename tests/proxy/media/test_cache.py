@@ -23,6 +23,7 @@ from PIL import Image
 from proxy.media.cache import (
     ENTRY_OVERHEAD,
     MediaCache,
+    NoCache,
     Verdict,
     cache_key,
     context_fingerprint,
@@ -370,7 +371,7 @@ def _corpus() -> list[tuple[str, bytes]]:
 async def test_cache_off_is_exactly_the_behaviour_without_a_cache(upstream: Upstream, start_proxy: StartProxy) -> None:
     off = await start_proxy(upstream.url, MMGATE_CACHE_MB="0", **RESIZE)
     on = await start_proxy(upstream.url, **RESIZE)
-    assert off.state.cache is None and on.state.cache is not None
+    assert isinstance(off.state.cache, NoCache) and isinstance(on.state.cache, MediaCache)
     answers: dict[str, list[tuple[int, bytes | None]]] = {"off": [], "on": [], "on again": []}
     for name, proxy in (("off", off), ("on", on), ("on again", on)):
         for path, raw in _corpus():
