@@ -29,6 +29,7 @@ from proxy.admission.shared import Link, SharedGate, verdict_to_wire
 from proxy.edge.connections import ConnectionGuard, mark_head_received
 from proxy.edge.pacing import Pacer
 from proxy.edge.refusals import refusals_in_api_shape
+from proxy.edge.upstream_health import UpstreamHealth
 from proxy.fetch.fetcher import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
 from proxy.media.cache import MediaCache, NoCache, VerdictCache, settings_fingerprint
 from proxy.media.model import Model, load_model
@@ -98,7 +99,8 @@ def build_state(settings: Settings, link: Link | None = None,
                     video_policy=VideoPolicy(settings.max_video_pixels, settings.max_video_frames,
                                              settings.max_video_seconds),
                     trimmer=trimmer, connections=connections, lifecycle=lifecycle, model=model,
-                    pacer=Pacer(settings.loop_lag_target, metrics.upload_holds.inc))
+                    pacer=Pacer(settings.loop_lag_target, metrics.upload_holds.inc),
+                    upstream=UpstreamHealth(settings.upstream, settings.upstream_health_path))
     pacer, buffers, traffic = state.pacer, state.buffers, state.traffic
     metrics.uploads_held.set_function(lambda: pacer.held)
     metrics.media_bytes_live.set_function(lambda: buffers.bytes_live)

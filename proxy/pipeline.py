@@ -34,6 +34,7 @@ from proxy.edge.upstream_health import upstream_down
 from proxy.errors import MmgateError, UpstreamError, draining, internal_error
 from proxy.exchange import CLIENT_CLOSED, Exchange, log, record
 from proxy.media.buffers import MediaBuffer
+from proxy.media.model import Model
 from proxy.media.outcomes import count_urls
 from proxy.media.step import run_media_step
 from proxy.media.tokens import plan_image_tokens
@@ -177,7 +178,7 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
         raise upstream_down()
     if state.model is not None:  # MMGATE_MODEL: the image tokens, from the headers, before admission
         started = time.perf_counter()
-        _count_image_tokens(state, ex, plan, media)
+        _count_image_tokens(state, state.model, ex, plan, media)
         ex.watch.add("parse", time.perf_counter() - started)
 
     rewrites = await run_media_step(state, ex, plan, media)  # admits weighing only what the cache lacks
@@ -204,9 +205,8 @@ async def _in_steps(steps: Steps[T]) -> T:
             return done.value
 
 
-def _count_image_tokens(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> None:
-    assert state.model is not None
-    per_image = plan_image_tokens(state.model, plan, media.data)
+def _count_image_tokens(state: AppState, model: Model, ex: Exchange, plan: Plan, media: MediaBuffer) -> None:
+    per_image = plan_image_tokens(model, plan, media.data)
     ex.image_tokens = sum(per_image)
     for item, tokens in zip(plan.items, per_image, strict=True):
         if item.part.kind == "image":

@@ -61,12 +61,9 @@ class AppBase:
     lifecycle: Lifecycle  # shared with the gate
     model: Model | None  # MMGATE_MODEL with a supported family: image tokens are counted
     pacer: Pacer  # big uploads held while the loop lags
+    upstream: UpstreamHealth  # known to be down, re-checked until it answers
     buffers: BufferLedger = field(default_factory=BufferLedger)
     traffic: Traffic = field(default_factory=Traffic)
-    upstream: UpstreamHealth = field(init=False)  # known to be down, re-checked until it answers
-
-    def __post_init__(self) -> None:
-        self.upstream = UpstreamHealth(self.settings.upstream, self.settings.upstream_health_path)
 
     @property
     def in_flight(self) -> int:
@@ -96,7 +93,7 @@ class AppBase:
 
     def parts(self) -> dict[str, Any]:
         """The base's fields, to complete into an ``AppState`` (the same objects, shared)."""
-        return {f.name: getattr(self, f.name) for f in fields(AppBase) if f.init}
+        return {f.name: getattr(self, f.name) for f in fields(AppBase)}
 
 
 @dataclass(kw_only=True)
@@ -109,15 +106,11 @@ class AppState(AppBase):
     fetcher: Fetcher | None  # None unless MMGATE_MEDIA_URLS=fetch
     ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")
 
-    def __post_init__(self) -> None:
-        pass  # ``upstream`` comes from the base, shared
-
     @classmethod
     def completing(cls, base: AppBase, *, session: aiohttp.ClientSession, pool: DecodePool, cache: VerdictCache,
                    fetcher: Fetcher | None) -> AppState:
-        state = cls(**base.parts(), session=session, pool=pool, cache=cache, fetcher=fetcher)
-        state.upstream = base.upstream
-        return state
+        """``base`` (its very objects, shared with whatever already holds them) and the resources."""
+        return cls(**base.parts(), session=session, pool=pool, cache=cache, fetcher=fetcher)
 
 
 BASE = web.AppKey("mmgate_base", AppBase)
