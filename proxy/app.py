@@ -144,25 +144,26 @@ def make_pool(settings: Settings, metrics: Metrics) -> DecodePool:
 
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:
-    """Build every resource the handlers need once the loop runs, store the complete ``AppState``, and close
-    each at shutdown, in reverse order. A resource that fails to start (a decode worker) closes those
-    built before it."""
+    """Build every resource the handlers need once the loop runs, store the complete ``AppState``, start the
+    decode pool, and close each resource at shutdown, in reverse order (the pool before the cache); a pool
+    that fails to start closes them all."""
     base = app[BASE]
     async with contextlib.AsyncExitStack() as resources:
         session = await resources.enter_async_context(_upstream_session(base.settings))
         fetcher = await resources.enter_async_context(_fetch_client(base))
-        pool = make_pool(base.settings, base.metrics)
-        # the pool the state holds at shutdown: a bench may have swapped in its own (testkit.variants)
-        resources.callback(lambda: (app[STATE].pool if STATE in app else pool).shutdown())
-        # Every worker (a process in process mode) started and ready before the first request: the first
-        # media request is as fast as the next, and a worker that cannot start stops mmgate here.
-        await asyncio.to_thread(pool.start)
         cache = _media_cache(base)
         resources.callback(cache.close)
+        pool = make_pool(base.settings, base.metrics)
         app[STATE] = state = AppState.completing(base, session=session, pool=pool, cache=cache, fetcher=fetcher)
+        # the pool the state holds at shutdown: a bench may have swapped in its own (testkit.variants)
+        resources.callback(lambda: state.pool.shutdown())
         metrics = state.metrics
         metrics.pool_queue_depth.set_function(lambda: state.pool.queued)
         metrics.pool_stuck_workers.set_function(lambda: state.pool.stuck)
+        # Every worker (a process in process mode) started and ready before the first request: the first
+        # media request is as fast as the next, and a worker that cannot start stops mmgate here (the state
+        # stays, so what the failed start left can be inspected; nothing is served).
+        await asyncio.to_thread(pool.start)
         yield
 
 
