@@ -18,8 +18,9 @@ item's bytes come from (``pieces.Piece.source``: inline base64, or a fetched URL
    declared type) and look them up as in step 2: a hit, or a key another request is deciding, is not decoded
    again, so two identical first fetches decode once. Waiting is safe only while this request leads nothing;
    a request that already leads inline keys decodes such a fetched key itself rather than risk two requests
-   waiting on each other. The lease then weighs only what is still a miss (``Lease.lower``): a fetched hit
-   costs nothing at the gate once its bytes are known.
+   waiting on each other. (A fetched key's leader is past the gate and past every wait of its own, so a
+   waiter that holds a slot waits only on work already running.) The lease then weighs only what is still a
+   miss (``Lease.lower``): a fetched hit costs nothing at the gate once its bytes are known.
 5. **Decode** the misses in one batch within MMGATE_PREPROCESS_TIMEOUT (``outcomes.media_job``); each
    finished item settles its key, the refusal included, even when another item failed or the deadline passed.
    If the batch fails, the lease is given back only once its work has really stopped: a slot freed earlier
