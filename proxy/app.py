@@ -1,9 +1,11 @@
 """The composition root: ``build_app(settings)`` wires every part; tests use the very same factory.
 
-Resources live in ``cleanup_ctx`` (created on start-up, closed on shutdown, in reverse order): the upstream
-ClientSession, the decode pool (its workers started and ready at start-up; its worker processes killed and
-reaped at shutdown), the event-loop lag watcher. Shared
-state is one ``AppState`` under a typed ``web.AppKey``.
+What exists without an event loop is built with the app (``build_state``: settings, metrics, gate,
+policies) and stored under ``state.BASE``. The resources live in ``cleanup_ctx`` (created on start-up, closed
+on shutdown, in reverse order): ``_resources`` builds the upstream ClientSession, the fetch client, the decode
+pool (its workers started and ready; its worker processes killed and reaped at shutdown) and the media cache,
+each closed where it was built, and stores the complete ``AppState`` under ``state.STATE``; then the upstream
+watcher, the event-loop lag watcher and the idle trimmer.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from proxy.edge.connections import ConnectionGuard
 from proxy.edge.pacing import Pacer
 from proxy.edge.refusals import refusals_in_api_shape
 from proxy.edge.site import mark_head_received
+from proxy.edge.upstream_health import UpstreamHealth
 from proxy.fetch.fetcher import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
-from proxy.media.cache import MediaCache, settings_fingerprint
+from proxy.media.cache import MediaCache, NoCache, VerdictCache, settings_fingerprint
 from proxy.media.model import Model, load_model
 from proxy.ops.admin import add_admin_routes, probe_upstream
 from proxy.ops.backend_metrics import METRICS_PATH, merged_metrics
@@ -40,14 +43,15 @@ from proxy.pipeline import expect_continue, handle_request
 from proxy.serve.lifecycle import Lifecycle
 from proxy.serve.memory import IdleTrimmer, release_freed_memory, worker_environment
 from proxy.settings import MIB, ConfigError, Settings
-from proxy.state import STATE, AppState
+from proxy.state import BASE, STATE, AppBase, AppState
 
 log = logging.getLogger("mmgate")
 
 
 def build_state(settings: Settings, link: Link | None = None,
-                on_gate_lost: Callable[[], None] = lambda: None, front_index: int = 0) -> AppState:
-    """Everything the handlers share. ConfigError when MMGATE_MODEL cannot be loaded (cached: loaded once).
+                on_gate_lost: Callable[[], None] = lambda: None, front_index: int = 0) -> AppBase:
+    """Everything the handlers share that exists before start-up. ConfigError when MMGATE_MODEL cannot be
+    loaded (cached: loaded once).
 
     With ``link`` (a front process of several) the gate is the supervisor's, reached through it
     (``shared_gate.SharedGate``); ``on_gate_lost`` is called if the supervisor goes away."""
@@ -91,36 +95,26 @@ def build_state(settings: Settings, link: Link | None = None,
                                   lambda code: metrics.rejected.labels(code).inc(),
                                   metrics.idle_connections_closed.inc)
     metrics.client_connections.set_function(lambda: connections.open)
-    state = AppState(settings, metrics, gate, image_policy, AudioPolicy(max_seconds=settings.limits.max_audio_seconds),
-                     trimmer, connections, lifecycle=lifecycle, model=model,
-                     video_policy=VideoPolicy(settings.limits.max_video_pixels, settings.limits.max_video_frames,
-                                              settings.limits.max_video_seconds))
-    state.pacer = Pacer(settings.listen.loop_lag_target, metrics.upload_holds.inc)
-    metrics.uploads_held.set_function(lambda: state.pacer.held)
-    metrics.media_bytes_live.set_function(lambda: state.buffers.bytes_live)
-    metrics.requests_reading.set_function(lambda: state.reading)
-    metrics.media_buffers_live.set_function(lambda: state.buffers.owners_live)
-    if settings.memory.cache_mb:
-        cache = state.cache = MediaCache(settings.memory.cache_bytes, settings_fingerprint(settings),
-                                         min(4, settings.decode.decode_workers), metrics.cache_hits.inc,
-                                         metrics.cache_misses.inc, metrics.cache_evictions.inc)
-        if isinstance(gate, SharedGate):  # a miss here is first asked of the other fronts' caches
-            cache.peers = gate.peer_verdicts
-            gate.cached = lambda keys: {key: verdict_to_wire(verdict) for key in keys
-                                        if (verdict := cache.get(bytes.fromhex(key))) is not None}
-        metrics.cache_bytes.set_function(lambda: cache.bytes_held)
-        metrics.cache_entries.set_function(lambda: cache.entries)
-        metrics.cache_waiting.set_function(lambda: cache.waiting)
+    state = AppBase(settings=settings, metrics=metrics, gate=gate, image_policy=image_policy,
+                    audio_policy=AudioPolicy(max_seconds=settings.limits.max_audio_seconds),
+                    video_policy=VideoPolicy(settings.limits.max_video_pixels, settings.limits.max_video_frames,
+                                             settings.limits.max_video_seconds),
+                    trimmer=trimmer, connections=connections, lifecycle=lifecycle, model=model,
+                    pacer=Pacer(settings.listen.loop_lag_target, metrics.upload_holds.inc),
+                    upstream=UpstreamHealth(settings.backend.upstream, settings.backend.upstream_health_path))
+    pacer, buffers, traffic = state.pacer, state.buffers, state.traffic
+    metrics.uploads_held.set_function(lambda: pacer.held)
+    metrics.media_bytes_live.set_function(lambda: buffers.bytes_live)
+    metrics.requests_reading.set_function(lambda: traffic.reading)
+    metrics.media_buffers_live.set_function(lambda: buffers.owners_live)
     metrics.cache_limit_bytes.set(settings.memory.cache_bytes)
-    state.idle.set()
     return state
 
 
-def front_report(state: AppState, front_index: int) -> dict[str, Any]:
+def front_report(state: AppBase, front_index: int) -> dict[str, Any]:
     """This front's answer to the gate's "report": every metric, and the totals /mmgate/stats adds up."""
     extra = {"in_flight": state.in_flight, "reading": state.reading, "rss_bytes": rss_bytes() or 0,
-             "decode_workers": state.pool.workers if state.pool is not None else state.settings.decode.decode_workers,
-             "cache_mb": state.settings.memory.cache_mb}
+             "decode_workers": state.settings.decode.decode_workers, "cache_mb": state.settings.memory.cache_mb}
     front = {"index": front_index, "pid": os.getpid(), "in_flight": state.in_flight}
     return report_of(list(state.metrics.registry.collect()), extra, front)
 
@@ -139,16 +133,6 @@ def served_model(settings: Settings) -> Model | None:
     return model
 
 
-async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
-    state = app[STATE]
-    connector = aiohttp.TCPConnector(limit=state.settings.backend.upstream_max_connections, limit_per_host=0,
-                                     enable_cleanup_closed=True)
-    state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                          cookie_jar=aiohttp.DummyCookieJar())
-    yield
-    await state.session.close()
-
-
 def make_pool(settings: Settings, metrics: Metrics) -> DecodePool:
     """The decode pool MMGATE_DECODE_MODE names: threads, or threads that each drive a worker process."""
     if settings.decode.decode_mode == "process":
@@ -160,13 +144,46 @@ def make_pool(settings: Settings, metrics: Metrics) -> DecodePool:
     return DecodePool(settings.decode.decode_workers)
 
 
-async def _fetch_session(app: web.Application) -> AsyncIterator[None]:
-    """MMGATE_MEDIA_URLS=fetch: a client of its own (pool, resolver, limits) for media URLs, apart from the
-    upstream's; no cookies, no proxy from the environment, bodies read as sent."""
-    state = app[STATE]
-    settings = state.settings
-    if settings.fetch.media_urls != "fetch":
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    """Build every resource the handlers need once the loop runs, store the complete ``AppState``, start the
+    decode pool, and close each resource at shutdown, in reverse order (the pool before the cache); a pool
+    that fails to start closes them all."""
+    base = app[BASE]
+    async with contextlib.AsyncExitStack() as resources:
+        session = await resources.enter_async_context(_upstream_session(base.settings))
+        fetcher = await resources.enter_async_context(_fetch_client(base))
+        cache = _media_cache(base)
+        resources.callback(cache.close)
+        pool = make_pool(base.settings, base.metrics)
+        app[STATE] = state = AppState.completing(base, session=session, pool=pool, cache=cache, fetcher=fetcher)
+        # the pool the state holds at shutdown: a bench may have swapped in its own (testkit.variants)
+        resources.callback(lambda: state.pool.shutdown())
+        metrics = state.metrics
+        metrics.pool_queue_depth.set_function(lambda: state.pool.queued)
+        metrics.pool_stuck_workers.set_function(lambda: state.pool.stuck)
+        # Every worker (a process in process mode) started and ready before the first request: the first
+        # media request is as fast as the next, and a worker that cannot start stops mmgate here (the state
+        # stays, so what the failed start left can be inspected; nothing is served).
+        await asyncio.to_thread(pool.start)
         yield
+
+
+@contextlib.asynccontextmanager
+async def _upstream_session(settings: Settings) -> AsyncIterator[aiohttp.ClientSession]:
+    connector = aiohttp.TCPConnector(limit=settings.backend.upstream_max_connections, limit_per_host=0,
+                                     enable_cleanup_closed=True)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                     cookie_jar=aiohttp.DummyCookieJar()) as session:
+        yield session
+
+
+@contextlib.asynccontextmanager
+async def _fetch_client(base: AppBase) -> AsyncIterator[Fetcher | None]:
+    """MMGATE_MEDIA_URLS=fetch: a client of its own (pool, resolver, limits) for media URLs, apart from the
+    upstream's; no cookies, no proxy from the environment, bodies read as sent. None otherwise."""
+    settings = base.settings
+    if settings.fetch.media_urls != "fetch":
+        yield None
         return
     addresses = AddressPolicy.from_cidrs(settings.fetch.fetch_allow_addresses)
     connector = aiohttp.TCPConnector(limit=settings.fetch.fetch_max_connections, limit_per_host=0,
@@ -174,7 +191,7 @@ async def _fetch_session(app: web.Application) -> AsyncIterator[None]:
                                      enable_cleanup_closed=True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False,
                                     cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=None))
-    metrics = state.metrics
+    metrics = base.metrics
     for outcome in FETCH_OUTCOMES:  # every series from the start, at 0, so rates and alerts see them
         metrics.fetches.labels(outcome)
 
@@ -182,34 +199,29 @@ async def _fetch_session(app: web.Application) -> AsyncIterator[None]:
         metrics.fetches.labels(outcome).inc()
         metrics.fetched_bytes.inc(nbytes)
 
-    limits = FetchLimits(settings.fetch.fetch_max_redirects, settings.fetch.fetch_timeout,
-                         settings.fetch.fetch_first_byte_timeout)
-    state.fetcher = Fetcher(session, HostPolicy.from_patterns(settings.fetch.fetch_allow_hosts), addresses, limits,
-                            counted)
-    yield
-    state.fetcher = None
-    await session.close()
+    fetch = settings.fetch
+    limits = FetchLimits(fetch.fetch_max_redirects, fetch.fetch_timeout, fetch.fetch_first_byte_timeout)
+    async with session:
+        yield Fetcher(session, HostPolicy.from_patterns(fetch.fetch_allow_hosts), addresses, limits, counted)
 
 
-async def _decode_pool(app: web.Application) -> AsyncIterator[None]:
-    state = app[STATE]
-    state.pool = make_pool(state.settings, state.metrics)
-    try:
-        # Every worker (a process in process mode) started and ready before the first request: the first
-        # media request is as fast as the next, and a worker that cannot start stops mmgate here.
-        await asyncio.to_thread(state.pool.start)
-    except BaseException:
-        state.pool.shutdown()
-        if state.cache is not None:
-            state.cache.close()
-        raise
-    metrics = state.metrics
-    metrics.pool_queue_depth.set_function(lambda: state.pool.queued if state.pool else 0)
-    metrics.pool_stuck_workers.set_function(lambda: state.pool.stuck if state.pool else 0)
-    yield
-    state.pool.shutdown()
-    if state.cache is not None:
-        state.cache.close()
+def _media_cache(base: AppBase) -> VerdictCache:
+    """The processed-media cache (MMGATE_CACHE_MB), or a ``NoCache`` in its place; with several front
+    processes a miss here is first asked of the other fronts' caches."""
+    settings, metrics, gate = base.settings, base.metrics, base.gate
+    if not settings.memory.cache_mb:
+        return NoCache()
+    cache = MediaCache(settings.memory.cache_bytes, settings_fingerprint(settings),
+                       min(4, settings.decode.decode_workers),
+                       metrics.cache_hits.inc, metrics.cache_misses.inc, metrics.cache_evictions.inc)
+    if isinstance(gate, SharedGate):
+        cache.peers = gate.peer_verdicts
+        gate.cached = lambda keys: {key: verdict_to_wire(verdict) for key in keys
+                                    if (verdict := cache.get(bytes.fromhex(key))) is not None}
+    metrics.cache_bytes.set_function(lambda: cache.bytes_held)
+    metrics.cache_entries.set_function(lambda: cache.entries)
+    metrics.cache_waiting.set_function(lambda: cache.waiting)
+    return cache
 
 
 async def _upstream_watcher(app: web.Application) -> AsyncIterator[None]:
@@ -223,7 +235,7 @@ async def _upstream_watcher(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _loop_lag_watcher(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(watch_loop_lag(app[STATE].metrics))
+    task = asyncio.create_task(watch_loop_lag(app[BASE].metrics))
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -232,25 +244,22 @@ async def _loop_lag_watcher(app: web.Application) -> AsyncIterator[None]:
 
 async def _idle_trimmer(app: web.Application) -> AsyncIterator[None]:
     yield
-    app[STATE].trimmer.close()
+    app[BASE].trimmer.close()
 
 
-def build_app(settings: Settings, *, admin: bool | None = None, state: AppState | None = None,
+def build_app(settings: Settings, *, admin: bool | None = None,
               link: Link | None = None, on_gate_lost: Callable[[], None] = lambda: None,
               front_index: int = 0) -> web.Application:
     """The proxy application. ``admin`` serves /mmgate/* here too (default: unless MMGATE_ADMIN_PORT is set).
     ``link``: this is one front process of several, sharing the supervisor's gate (``build_state``)."""
     # auto_decompress off: a compressed request body is forwarded as the client sent it (Content-Encoding
     # included), and refused on media routes where mmgate would have to look inside.
-    shared = state is not None
-    state = state or build_state(settings, link, on_gate_lost, front_index)
+    state = build_state(settings, link, on_gate_lost, front_index)
     app = web.Application(client_max_size=settings.limits.max_body_bytes,
                           handler_args={"max_field_size": 65536, "auto_decompress": False},
                           middlewares=[mark_head_received(state.connections), refusals_in_api_shape])
-    app[STATE] = state
-    if not shared:
-        app.cleanup_ctx.extend([_upstream_session, _upstream_watcher, _fetch_session, _decode_pool, _loop_lag_watcher,
-                                _idle_trimmer])
+    app[BASE] = state
+    app.cleanup_ctx.extend([_resources, _upstream_watcher, _loop_lag_watcher, _idle_trimmer])
     if admin if admin is not None else not settings.listen.admin_port:
         add_admin_routes(app)
     # What an endpoint picker scrapes: the backend's, with mmgate's queue.
@@ -265,7 +274,7 @@ def make_runner(app: web.Application) -> web.AppRunner:
     # drain() already waited for in-flight requests; the runner's own shutdown wait is only for stragglers,
     # so the whole stop stays within MMGATE_DRAIN_GRACE + MMGATE_DRAIN_TIMEOUT (+1 s).
     return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
-                         keepalive_timeout=app[STATE].settings.timeouts.keepalive_timeout)
+                         keepalive_timeout=app[BASE].settings.timeouts.keepalive_timeout)
 
 
 def build_admin_app(state: AppState) -> web.Application:

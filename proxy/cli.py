@@ -46,7 +46,7 @@ from proxy.settings import (
     overrides_from_args,
     unknown_variables,
 )
-from proxy.state import STATE, AppState
+from proxy.state import BASE, STATE, AppState
 
 log = logging.getLogger("mmgate")
 
@@ -197,7 +197,7 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
     link = await Link.over(front.gate) if front is not None else None
     app = build_app(settings, link=link, on_gate_lost=lambda: signals(signal.SIGINT),
                     front_index=front.index if front is not None else 0)
-    gate = app[STATE].gate
+    gate = app[BASE].gate
     if isinstance(gate, SharedGate):
         gate.start()
     runner = make_runner(app)

@@ -44,10 +44,10 @@ from proxy.edge.upstream import (
 )
 from proxy.edge.upstream_health import upstream_down
 from proxy.exchange import CLIENT_CLOSED, Exchange, record
-from proxy.fetch.fetcher import Fetched, fetch_plan
 from proxy.media.buffers import MediaBuffer
-from proxy.media.cached import run_fetched_plan_cached, run_plan_cached
-from proxy.media.step import Rewrites, count_urls, run_plan
+from proxy.media.model import Model
+from proxy.media.outcomes import count_urls
+from proxy.media.step import run_media_step
 from proxy.media.tokens import plan_image_tokens
 from proxy.payload.dialects import dialect_for_path, route_for
 from proxy.payload.locate import Plan, chunks_may_contain_media, may_contain_media, plan_steps
@@ -107,13 +107,13 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
 
     started = time.perf_counter()
     on_head = partial(_take_place_for_media, state, ex) if ex.route != "other" else None
-    state.reading += 1
+    state.traffic.reading += 1
     try:
         with state.pacer.upload(_big_upload(request, state)):
             chunks = await read_body(request, settings.limits.max_body_bytes, settings.timeouts.body_read_timeout,
                                      on_head)
     finally:
-        state.reading -= 1
+        state.traffic.reading -= 1
     ex.watch.add("read", time.perf_counter() - started)
     ex.bytes_in = sum(map(len, chunks))
 
@@ -142,7 +142,6 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     del outgoing
 
     ex.upstream_started = time.perf_counter()
-    assert state.session is not None
     try:
         headers = upstream_headers(request, ex.request_id)
         if state.model is not None:  # the header is mmgate's to set: a client's own is never passed on
@@ -188,13 +187,10 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
         raise upstream_down()
     if state.model is not None:  # MMGATE_MODEL: the image tokens, from the headers, before admission
         started = time.perf_counter()
-        _count_image_tokens(state, ex, plan, media)
+        _count_image_tokens(state, state.model, ex, plan, media)
         ex.watch.add("parse", time.perf_counter() - started)
 
-    if state.cache is not None and not any(item.part.is_url for item in plan.items):
-        rewrites = await run_plan_cached(state, ex, plan, media)  # admits weighing only what the cache lacks
-    else:
-        rewrites = await _admit_fetch_and_run(state, ex, plan, media)
+    rewrites = await run_media_step(state, ex, plan, media)  # admits weighing only what the cache lacks
 
     started = time.perf_counter()
     ex.media_in, ex.media_out = rewrites.media_in, rewrites.media_out
@@ -218,37 +214,8 @@ async def _in_steps(steps: Steps[T]) -> T:
             return done.value
 
 
-async def _admit_fetch_and_run(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> Rewrites:
-    """Without the cache, or with media URLs to fetch: admit the whole plan, fetch its URLs, run it (through
-    the cache, by the fetched bytes, when there is one)."""
-    settings = state.settings
-    started = time.perf_counter()
-    ex.lease = await state.gate.acquire(plan.cost, settings.timeouts.queue_timeout, ex.place, ex.image_tokens, ex.flow)
-    ex.place = None
-    ex.watch.add("queue", time.perf_counter() - started)
-
-    fetched: dict[int, Fetched] = {}
-    if state.fetcher is not None and any(item.part.is_url for item in plan.items):
-        # URL items were charged the per-item cap at admission; their bytes come now
-        started, read = time.perf_counter(), [0]
-        try:
-            fetched = await fetch_plan(state.fetcher, plan, settings.limits.max_media_item_bytes, read)
-        finally:
-            ex.watch.add("fetch", time.perf_counter() - started)
-            ex.fetched = read[0]
-
-    if state.cache is not None:  # fetched media is cached by its bytes
-        return await run_fetched_plan_cached(state, ex, plan, media, fetched)
-    started = time.perf_counter()
-    try:
-        return await run_plan(state, plan, media, ex.lease, fetched)
-    finally:
-        ex.watch.add("preprocess", time.perf_counter() - started)
-
-
-def _count_image_tokens(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> None:
-    assert state.model is not None
-    per_image = plan_image_tokens(state.model, plan, media.data)
+def _count_image_tokens(state: AppState, model: Model, ex: Exchange, plan: Plan, media: MediaBuffer) -> None:
+    per_image = plan_image_tokens(model, plan, media.data)
     ex.image_tokens = sum(per_image)
     for item, tokens in zip(plan.items, per_image, strict=True):
         if item.part.kind == "image":

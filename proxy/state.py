@@ -1,9 +1,19 @@
-"""The state one mmgate app shares between its handlers, under a typed ``web.AppKey``."""
+"""The state one mmgate app shares between its handlers, in two typed ``web.AppKey``\\ s.
+
+``AppBase`` is what exists as soon as the app is built (settings, metrics, gate, policies, the request
+counters): ``build_app`` stores it under ``BASE``. ``AppState`` is that base completed with the resources
+that exist only once the event loop runs (the upstream session, the decode pool, the media cache, the fetch
+client): the start-up context that builds them stores it under ``STATE`` and closes them at shutdown. Every
+field is what it says from the moment the object exists; an optional one (``model``, ``fetcher``) is None
+because a setting turns it off, never because start-up has not happened yet.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -16,7 +26,7 @@ from proxy.edge.pacing import Pacer
 from proxy.edge.upstream_health import UpstreamHealth
 from proxy.fetch.fetcher import Fetcher
 from proxy.media.buffers import BufferLedger
-from proxy.media.cache import MediaCache
+from proxy.media.cache import VerdictCache
 from proxy.media.model import Model
 from proxy.ops.metrics import Metrics
 from proxy.payload.locate import Limits
@@ -26,46 +36,86 @@ from proxy.settings import Settings
 
 
 @dataclass
-class AppState:
-    """Everything a request handler needs, built once per app."""
+class Traffic:
+    """The requests in flight now, and those whose body is still being read; ``idle`` is set when none is in
+    flight (the drain waits for it)."""
+
+    in_flight: int = 0
+    reading: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+
+@dataclass(kw_only=True)
+class AppBase:
+    """Everything built with the app, before start-up (``app.build_state``)."""
 
     settings: Settings
     metrics: Metrics
     gate: Gate
     image_policy: ImagePolicy
     audio_policy: AudioPolicy
+    video_policy: VideoPolicy
     trimmer: IdleTrimmer
     connections: ConnectionGuard
+    lifecycle: Lifecycle  # shared with the gate
+    model: Model | None  # MMGATE_MODEL with a supported family: image tokens are counted
+    pacer: Pacer  # big uploads held while the loop lags
+    upstream: UpstreamHealth  # known to be down, re-checked until it answers
     buffers: BufferLedger = field(default_factory=BufferLedger)
-    session: aiohttp.ClientSession | None = None
-    pool: DecodePool | None = None
-    fetcher: Fetcher | None = None  # MMGATE_MEDIA_URLS=fetch only
-    cache: MediaCache | None = None  # MMGATE_CACHE_MB > 0
-    lifecycle: Lifecycle = field(default_factory=Lifecycle)  # shared with the gate
-    model: Model | None = None  # MMGATE_MODEL with a supported family: image tokens are counted
-    video_policy: VideoPolicy = field(default_factory=VideoPolicy)
-    pacer: Pacer = field(default_factory=lambda: Pacer(0.0))  # big uploads held while the loop lags
-    in_flight: int = 0
-    reading: int = 0  # requests whose body is still being read (the read stage), text and media
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")
-    upstream: UpstreamHealth = field(init=False)  # from settings: known to be down, re-checked until it answers
-    plan_limits: Limits = field(init=False)  # from settings: what every media body's plan is checked against
+    traffic: Traffic = field(default_factory=Traffic)
 
-    def __post_init__(self) -> None:
-        self.upstream = UpstreamHealth(self.settings.backend.upstream, self.settings.backend.upstream_health_path)
-        self.plan_limits = plan_limits(self.settings)
+    @property
+    def in_flight(self) -> int:
+        return self.traffic.in_flight
+
+    @property
+    def reading(self) -> int:
+        return self.traffic.reading
+
+    @property
+    def idle(self) -> asyncio.Event:
+        return self.traffic.idle
 
     def request_started(self) -> None:
-        self.in_flight += 1
-        self.idle.clear()
+        self.traffic.in_flight += 1
+        self.traffic.idle.clear()
 
     def request_finished(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self.idle.set()
+        self.traffic.in_flight -= 1
+        if self.traffic.in_flight == 0:
+            self.traffic.idle.set()
+
+    @cached_property
+    def plan_limits(self) -> Limits:
+        """What every media body's plan is checked against, built once from the settings."""
+        return plan_limits(self.settings)
+
+    def parts(self) -> dict[str, Any]:
+        """The base's fields, to complete into an ``AppState`` (the same objects, shared)."""
+        return {f.name: getattr(self, f.name) for f in fields(AppBase)}
 
 
+@dataclass(kw_only=True)
+class AppState(AppBase):
+    """Everything a request handler needs: the base and the resources built at start-up."""
+
+    session: aiohttp.ClientSession  # to the upstream
+    pool: DecodePool  # its workers started and ready
+    cache: VerdictCache  # a ``cache.NoCache`` when MMGATE_CACHE_MB is 0
+    fetcher: Fetcher | None  # None unless MMGATE_MEDIA_URLS=fetch
+    ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")
+
+    @classmethod
+    def completing(cls, base: AppBase, *, session: aiohttp.ClientSession, pool: DecodePool, cache: VerdictCache,
+                   fetcher: Fetcher | None) -> AppState:
+        """``base`` (its very objects, shared with whatever already holds them) and the resources."""
+        return cls(**base.parts(), session=session, pool=pool, cache=cache, fetcher=fetcher)
+
+
+BASE = web.AppKey("mmgate_base", AppBase)
 STATE = web.AppKey("mmgate_state", AppState)
 
 

@@ -73,7 +73,6 @@ def use_pool(app: web.Application, make_pool: Callable[[int], DecodePool]) -> No
 
     async def swap(app: web.Application) -> AsyncIterator[None]:
         state = app[STATE]
-        assert state.pool is not None
         state.pool.shutdown()
         state.pool = make_pool(state.settings.decode.decode_workers)
         yield

@@ -127,6 +127,12 @@ class Lease:
         if not self.released and not self.deferred:
             self._give_back()
 
+    def lower(self, cost: int) -> None:
+        """Weigh ``cost`` bytes from now on, when that is less than the lease holds: what turned out not to need
+        decoding (a cache hit known only once its bytes were fetched) gives its share of the budget back."""
+        if not self.released and 0 <= cost < self.cost:
+            self.gate._lower(self, cost)
+
     def release_after(self, work: Awaitable[object]) -> None:
         """Keep the slot until ``work`` (a decode batch) has really stopped, whatever calls ``release()``
         meanwhile: the answer may go out at once, but the slot stands for work still running."""
@@ -367,6 +373,12 @@ class Gate:
         # only requests that reached the backend say anything about its latency
         if self.adaptive is not None and sample and lease.forwarded and self.adaptive.observe(held, lease.epoch):
             self.limit = self.adaptive.limit
+        self._wake()
+        self._on_change(self)
+
+    def _lower(self, lease: Lease, cost: int) -> None:
+        self.bytes_in_use -= lease.cost - cost
+        lease.cost = cost
         self._wake()
         self._on_change(self)
 

@@ -73,6 +73,9 @@ class GateServer:
         elif op == "release":
             if (lease := front.leases.pop(message[1], None)) is not None:
                 lease.release()
+        elif op == "lower":
+            if (lease := front.leases.get(message[1])) is not None:
+                lease.lower(message[2])
         elif op == "handed_off":
             if (lease := front.leases.get(message[1])) is not None:
                 lease.handed_off()

@@ -17,6 +17,7 @@ front -> gate::
     ["acquire", rid, cost, timeout, place, tokens, flow id, band]
     ["cancel", rid]                                    the request gave up waiting
     ["unplace", place]    ["release", lease]    ["handed_off", lease]
+    ["lower", lease, cost]                             Lease.lower: the lease weighs fewer bytes from now on
     ["collect", rid]                                   every front's metrics, merged
     ["counters", rid]                                  the gate's counters now
     ["peek", rid, [key, ...]]                          cache entries another front holds (hex keys)
@@ -267,6 +268,11 @@ class SharedGate(Gate):
     def _give_back(self, lease: Lease, sample: bool = True) -> None:
         assert isinstance(lease, SharedLease)
         self.link.send(["release", lease.lease_id])
+
+    def _lower(self, lease: Lease, cost: int) -> None:
+        assert isinstance(lease, SharedLease)
+        lease.cost = cost
+        self.link.send(["lower", lease.lease_id, cost])
 
     def ready(self) -> None:
         self.link.send(["ready"])

@@ -4,7 +4,7 @@ turn pays for the decode once.
 Content-addressed. A key is the SHA-256 of the media (``media_digest``: the base64 text of inline media, or
 the raw bytes of fetched media; a fixed domain prefix keeps the two apart) joined with a fingerprint of
 everything else that shapes the answer (``context_fingerprint``: the settings, the part's kind and declared
-audio format, and any caller-supplied identity such as a model). A value is a ``Verdict``: the processed
+audio format, and a fetched body's declared type). A value is a ``Verdict``: the processed
 file as base64 (or "unchanged") with the true type, or the refusal, so a bomb is refused again without a
 decode. Entries are bounded by bytes (MMGATE_CACHE_MB) and evicted least recently used first.
 
@@ -13,6 +13,9 @@ future and waits. The leader ``settle``s it with the verdict, or with None when 
 that is not the media's (timeout, cancellation, client gone, refused admission): a waiter then looks again
 instead of inheriting a wrong answer. All methods run on the event loop; hashing runs in ``hasher`` threads
 (hashlib releases the GIL on buffers over 2 KiB).
+
+With MMGATE_CACHE_MB=0 a ``NoCache`` takes the cache's place: the same interface, holding nothing, so the
+media step runs one way whether the cache is on or off.
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ def settings_fingerprint(settings: Settings) -> str:
 
 
 def context_fingerprint(settings_print: str, kind: str, audio_format: str | None, extra: str = "") -> bytes:
-    """What a key adds to the media digest: the settings, how the part asks to be read, and ``extra`` (an
-    identity of the consumer, e.g. the model, when its processing differs)."""
+    """What a key adds to the media digest: the settings, how the part asks to be read, and ``extra`` (a
+    fetched body's declared type, which names an audio file's type when its bytes do not)."""
     text = "\x1f".join((settings_print, kind, audio_format or "", extra))
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:16]
 
@@ -163,3 +166,40 @@ class MediaCache:
         self.hasher.shutdown(wait=False, cancel_futures=True)
         for key in list(self._leads):
             self.settle(key, None)
+
+
+class NoCache:
+    """The cache's place when MMGATE_CACHE_MB is 0: holds nothing, so every look-up misses and every key is led
+    by the request that asks (each piece gets a key of its own, nothing is hashed: ``pieces.key_pieces``)."""
+
+    waiting = 0
+    bytes_held = 0
+    entries = 0
+    peers: Callable[[list[bytes]], Awaitable[dict[bytes, Verdict]]] | None = None
+
+    def get(self, key: bytes) -> Verdict | None:
+        return None
+
+    def in_flight(self, key: bytes) -> asyncio.Future[Verdict | None] | None:
+        return None
+
+    def lead(self, key: bytes) -> bool:
+        return True
+
+    def settle(self, key: bytes, verdict: Verdict | None) -> None:
+        pass
+
+    def put(self, key: bytes, verdict: Verdict) -> None:
+        pass
+
+    def count_hit(self) -> None:
+        pass
+
+    def count_miss(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+VerdictCache = MediaCache | NoCache

@@ -1,207 +1,227 @@
-"""Running a media plan on the decode pool: each item becomes a ``job.MediaJob`` (plain data and where its
-payload comes from), decoded, checked and maybe rewritten by a decode worker, thread or process; the answers
-come back as replacements for ``rawjson.splice``.
+"""The media step: every item of a plan decoded, checked and maybe rewritten once, behind the gate, on the
+decode pool (threads or worker processes), and turned into replacements for ``rawjson.splice``.
 
-The request's body has one owner (``buffers.MediaBuffer``) and the jobs reach it through a weak
-reference only: a job still queued, or finishing in its thread after the request moved on or ended,
-must not keep the bytes alive. Once the owner let go, the next read raises ``Cancelled`` and the job stops.
+One way through, whether the cache is on or off (off: ``cache.NoCache``, which holds nothing) and wherever an
+item's bytes come from (``pieces.Piece.source``: inline base64, or a fetched URL):
+
+1. **Key** every inline item (``pieces.key_pieces``: the payload's digest and the part's context).
+2. **Look up.** A cached verdict is a hit. A key another request is deciding is waited for *before* this
+   request leads anything, so two requests can never wait on each other. A leader that stopped for a reason not
+   the media's settles its key with None and the waiter looks again (at most ``FOLLOW_ROUNDS`` times, then
+   decodes for itself). With several front processes a miss is asked of the other fronts' caches. A cached
+   refusal refuses the request here, with nothing decoded or admitted.
+3. **Lead and admit.** Every inline key still missing is led (a key twice in one request is decoded once),
+   then the gate weighs those misses and each URL item at the per-item cap: a URL's bytes are unknown until
+   read, and they are read only once admitted, so the cap bounds what the fetch may bring in. Hits hold a
+   slot (the request is still forwarded) but nothing of the byte budget.
+4. **Fetch** the URL items (``fetch.fetcher``), then key them by the bytes fetched (the raw bytes and their
+   declared type) and look them up as in step 2: a hit, or a key another request is deciding, is not decoded
+   again, so two identical first fetches decode once. Waiting is safe only while this request leads nothing;
+   a request that already leads inline keys decodes such a fetched key itself rather than risk two requests
+   waiting on each other. (A fetched key's leader is past the gate and past every wait of its own, so a
+   waiter that holds a slot waits only on work already running.) The lease then weighs only what is still a
+   miss (``Lease.lower``): a fetched hit costs nothing at the gate once its bytes are known.
+5. **Decode** the misses in one batch within MMGATE_PREPROCESS_TIMEOUT (``outcomes.media_job``); each
+   finished item settles its key, the refusal included, even when another item failed or the deadline passed.
+   If the batch fails, the lease is given back only once its work has really stopped: a slot freed earlier
+   would let more decode work run than the gate allows.
+6. **Apply** each verdict to its part (``outcomes.outcome_for``) and count the items.
+
+The request's body has one owner (``buffers.MediaBuffer``); hashes and jobs reach it through a weak reference
+only, so a request that ended stops them instead of being kept alive by them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
+from concurrent.futures import Future
 from functools import partial
 
-from preprocessors.base import Cancelled
-from preprocessors.errors import PREPROCESS_TIMEOUT, MediaError, MmgateError
-from preprocessors.job import MediaJob, MediaTask, Verdict
-from preprocessors.pool import Batch
+from preprocessors.errors import MediaError
+from preprocessors.job import Verdict
 from proxy.admission.gate import Lease
-from proxy.fetch.fetcher import Fetched
+from proxy.exchange import Exchange
+from proxy.fetch.fetcher import fetch_plan
 from proxy.media.buffers import MediaBuffer
-from proxy.payload.locate import Item, Plan
-from proxy.payload.rawjson import Span, string_value
-from proxy.payload.walkers import MediaPart
+from proxy.media.cache import VerdictCache, refused
+from proxy.media.outcomes import Rewrites, count_items, media_job, outcome_for, refusal_for, rewrites_for
+from proxy.media.pieces import BodyRef, Piece, key_pieces
+from proxy.payload.locate import Plan
 from proxy.state import AppState
 
-
-@dataclass(slots=True)
-class Outcome:
-    """A verdict applied to one part: the new JSON string token (None = forward unchanged), its MIME, and the
-    decoded sizes in and out (for the media byte counters)."""
-
-    size_in: int
-    size_out: int
-    token: bytes | None = None
-    mime: bytes = b""
-    true_mime: bytes = b""  # set when the bytes are not the type the client declared
-    video: tuple[int, int, int] | None = None  # a probed clip's (frames, width, height)
+FOLLOW_ROUNDS = 3
 
 
-@dataclass(slots=True)
-class Rewrites:
-    """What the media step hands back: the body's new tokens and the media bytes seen in and out."""
-
-    replacements: list[tuple[Span, bytes]]
-    media_in: int
-    media_out: int
-    video_tokens: int = 0  # with MMGATE_MODEL: what the probed clips make for the served model
-
-
-async def run_plan(state: AppState, plan: Plan, media: MediaBuffer, lease: Lease,
-                   fetched: dict[int, Fetched] | None = None) -> Rewrites:
-    """Decode and check every item of ``plan`` on the pool, within MMGATE_PREPROCESS_TIMEOUT; a URL item
-    (MMGATE_MEDIA_URLS=fetch) takes its bytes from ``fetched`` (by item index) instead of the body.
-
-    If the batch fails (a bad item, the deadline, the request cancelled) the error goes out at once, but
-    ``lease`` is given back only when the batch's work has really stopped: a slot freed earlier would let
-    more decode work run than the gate allows."""
-    settings = state.settings
-    assert state.pool is not None
-    batch = state.pool.batch()
-    media_ref = weakref.ref(media)
-    fetched = fetched or {}
-    jobs = [media_job(state, media_ref, item, fetched.pop(i) if item.part.is_url else None)
-            for i, item in enumerate(plan.items)]
+async def run_media_step(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> Rewrites:
+    """Admit ``plan`` (into ``ex.lease``) weighing only its misses, fetch its URLs, decode the misses once,
+    and return the replacements."""
+    cache = state.cache
+    body = weakref.ref(media)
+    pieces = [Piece(index, item) for index, item in enumerate(plan.items)]
+    inline = [piece for piece in pieces if piece.source == "inline"]
+    urls = [piece for piece in pieces if piece.source == "fetched"]
+    verdicts: dict[bytes, Verdict] = {}
+    led: list[bytes] = []
     try:
-        verdicts = await batch.run(jobs, settings.timeouts.preprocess_timeout)
-    except (MediaError, TimeoutError) as exc:
-        lease.release_after(batch.stopped())
-        raise refusal_for(state, plan, batch, exc) from None
-    except BaseException:
-        lease.release_after(batch.stopped())
-        raise
-    outcomes = [outcome_for(item, verdict, partial(payload_text, media_ref, item))
-                for item, verdict in zip(plan.items, verdicts, strict=True)]
+        started = time.perf_counter()
+        await key_pieces(cache, inline, body)
+        misses = await _look_up(cache, inline, verdicts, may_wait=True)
+        _refuse_cached(state, plan, inline, verdicts)
+        # From here to the gate nothing awaits: a leader is in line before any request that could wait on it.
+        led += [key for key in misses if cache.lead(key)]
+        ex.watch.add("preprocess", time.perf_counter() - started)
+
+        started = time.perf_counter()
+        ex.lease = await state.gate.acquire(_weight(inline, misses) + sum(piece.size for piece in urls),
+                                            state.settings.timeouts.queue_timeout, ex.place, ex.image_tokens, ex.flow)
+        ex.place = None
+        ex.watch.add("queue", time.perf_counter() - started)
+
+        if urls:
+            await _fetch(state, ex, plan, urls)
+            started = time.perf_counter()
+            await key_pieces(cache, urls, body)
+            fetched_misses = await _look_up(cache, urls, verdicts, may_wait=not led)
+            _refuse_cached(state, plan, urls, verdicts)
+            led += [key for key in fetched_misses if cache.lead(key)]
+            misses += fetched_misses
+            ex.lease.lower(_weight(pieces, misses))
+            ex.watch.add("preprocess", time.perf_counter() - started)
+
+        if misses:
+            started = time.perf_counter()
+            try:
+                await _decode(state, ex.lease, plan, _first_of_each(pieces, misses), body, verdicts)
+            finally:
+                ex.watch.add("preprocess", time.perf_counter() - started)
+    finally:
+        for key in led:  # whatever did not finish: the waiters look again
+            cache.settle(key, None)
+    for _hit in range(len(pieces) - len(misses)):  # every item this request did not decode itself
+        cache.count_hit()
+    outcomes = [outcome_for(piece.item, verdicts[piece.key], partial(piece.text, body)) for piece in pieces]
     return rewrites_for(state, plan, outcomes)
 
 
-def refusal_for(state: AppState, plan: Plan, batch: Batch, exc: MediaError | TimeoutError) -> MmgateError:
-    """What the client is told when an item was bad or the deadline passed; the items are counted by why."""
-    if isinstance(exc, MediaError):
-        count_items(state, plan.items, "rejected")
-        return exc
-    count_items(state, plan.items, "timeout")
-    timeout = state.settings.timeouts.preprocess_timeout
-    if batch.started == 0:  # every decode worker stayed busy: not the client's media at fault
-        return PREPROCESS_TIMEOUT.error(f"no decode worker became free within {timeout:g} s "
-                                        "(MMGATE_PREPROCESS_TIMEOUT): the proxy is overloaded, retry later")
-    # Slow media, a stalled or starved worker, a busy machine: the deadline cannot tell which, so it names
-    # itself and blames nobody.
-    return PREPROCESS_TIMEOUT.error(f"media preprocessing did not finish within the {timeout:g} s deadline "
-                                    "(MMGATE_PREPROCESS_TIMEOUT); the work was stopped and nothing was forwarded")
+async def _look_up(cache: VerdictCache, pieces: Sequence[Piece], verdicts: dict[bytes, Verdict], *,
+                   may_wait: bool) -> list[bytes]:
+    """Fill ``verdicts`` from the cache (and the other fronts' caches); return the keys still missing, each
+    once, in plan order. Waits for the leaders of keys being decoded now only when ``may_wait``."""
+    keys = [piece.key for piece in pieces]
+    misses = await _follow(cache, keys, verdicts, may_wait)
+    if misses and cache.peers is not None:  # another front process may have decoded them
+        for key, peer_verdict in (await cache.peers(misses)).items():
+            cache.put(key, peer_verdict)
+            verdicts[key] = peer_verdict
+        misses = await _follow(cache, keys, verdicts, may_wait)  # again: a lead may have started meanwhile
+    return misses
 
 
-def rewrites_for(state: AppState, plan: Plan, outcomes: list[Outcome]) -> Rewrites:
-    metrics = state.metrics
-    rewrites = Rewrites([], 0, 0)
-    model = state.model
-    for item, outcome in zip(plan.items, outcomes, strict=True):
-        rewrites.media_in += outcome.size_in
-        rewrites.media_out += outcome.size_out
-        if outcome.video is not None and model is not None and model.counts_video:
-            try:
-                rewrites.video_tokens += model.video_tokens(*outcome.video)
-            except MediaError as error:
-                raise error.at(item.part.path) from None
-        kind = item.part.kind
-        if outcome.true_mime:
-            metrics.media_type_corrected.labels(kind).inc()
-        if outcome.token is None:
-            metrics.media_items.labels(kind, "unchanged").inc()
-            if outcome.true_mime and item.declared_span is not None:
-                rewrites.replacements.append((item.declared_span, _mime_text(item, outcome.true_mime)))
-            continue
-        metrics.media_items.labels(kind, "rewritten").inc()
-        assert item.part.span is not None
-        rewrites.replacements.append((item.part.span, outcome.token))
-        if item.part.mime_span is not None:
-            rewrites.replacements.append((item.part.mime_span, b'"' + outcome.mime + b'"'))
-    metrics.media_bytes.labels("in").inc(rewrites.media_in)
-    metrics.media_bytes.labels("out").inc(rewrites.media_out)
-    return rewrites
+async def _follow(cache: VerdictCache, keys: list[bytes], verdicts: dict[bytes, Verdict],
+                  may_wait: bool) -> list[bytes]:
+    """One look at the cache, and while leaders decode some of the keys (and ``may_wait``), a wait for them
+    and another look. Leads nothing, so it can wait on anyone."""
+    for round_ in range(FOLLOW_ROUNDS + 1):
+        missing: list[bytes] = []
+        waits: set[asyncio.Future[Verdict | None]] = set()
+        for key in dict.fromkeys(keys):
+            if key in verdicts:
+                continue
+            verdict = cache.get(key)
+            if verdict is not None:
+                verdicts[key] = verdict
+                continue
+            missing.append(key)
+            future = cache.in_flight(key)
+            if future is not None:
+                waits.add(future)
+        if not waits or not may_wait or round_ == FOLLOW_ROUNDS:
+            return missing
+        # asyncio.wait never cancels what it waits for: a waiter that leaves does not stop its leader.
+        cache.waiting += 1
+        try:
+            await asyncio.wait(waits)
+        finally:
+            cache.waiting -= 1
+    raise AssertionError("unreachable")
 
 
-def count_urls(state: AppState, plan: Plan) -> None:
-    """URL parts are forwarded as they are (MMGATE_MEDIA_URLS=forward): counted, never fetched."""
-    for part in plan.urls:
-        state.metrics.media_items.labels(part.kind, "url").inc()
+def _refuse_cached(state: AppState, plan: Plan, pieces: Sequence[Piece], verdicts: dict[bytes, Verdict]) -> None:
+    """A cached refusal refuses the request again, nothing decoded."""
+    for piece in pieces:
+        verdict = verdicts.get(piece.key)
+        if verdict is not None and verdict.refusal is not None:
+            state.cache.count_hit()
+            count_items(state, plan.items, "rejected")
+            raise verdict.refusal.error().at(piece.item.part.path)
 
 
-def count_items(state: AppState, items: list[Item], outcome: str) -> None:
-    for item in items:
-        state.metrics.media_items.labels(item.part.kind, outcome).inc()
+def _first_of_each(pieces: Sequence[Piece], keys: list[bytes]) -> list[Piece]:
+    """For each key, the first piece that has it: the one decoded for all."""
+    first: dict[bytes, Piece] = {}
+    for piece in pieces:
+        first.setdefault(piece.key, piece)
+    return [first[key] for key in keys if key in first]
 
 
-def _mime_text(item: Item, mime: bytes) -> bytes:
-    """What replaces ``item.declared_span``: a whole JSON string (Anthropic ``media_type``) or, inside a data
-    URI, just the type's characters."""
-    return mime if item.part.encoding == "data_uri" else b'"' + mime + b'"'
+def _weight(pieces: Sequence[Piece], misses: list[bytes]) -> int:
+    """What the gate weighs: the decoded bytes of each missing key, once."""
+    return sum(piece.size for piece in _first_of_each(pieces, misses))
 
 
-def _item_value(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes | memoryview:
-    """The item's base64 payload (a view into the body when possible); Cancelled once the request let go."""
-    media = media_ref()
-    if media is None:
-        raise Cancelled()
-    part = item.part
-    if part.span is not None:
-        return string_value(media.data, part.span)[item.payload_offset :]
-    assert part.literal is not None  # a plan holds inline parts only
-    return part.literal.encode("utf-8")[item.payload_offset :]
+async def _fetch(state: AppState, ex: Exchange, plan: Plan, urls: list[Piece]) -> None:
+    """Read every URL piece's bytes (concurrently; the first refusal cancels the rest)."""
+    fetcher = state.fetcher
+    assert fetcher is not None  # a plan holds URL items only with MMGATE_MEDIA_URLS=fetch, which builds it
+    started, read = time.perf_counter(), [0]
+    try:
+        fetched = await fetch_plan(fetcher, plan, state.settings.limits.max_media_item_bytes, read)
+    finally:
+        ex.watch.add("fetch", time.perf_counter() - started)
+        ex.fetched = read[0]
+    for piece in urls:
+        piece.fetched = fetched.pop(piece.index)
 
 
-def _fetched_value(fetched: Fetched) -> bytes:
-    return fetched.data
+async def _decode(state: AppState, lease: Lease, plan: Plan, missed: list[Piece], body: BodyRef,
+                  verdicts: dict[bytes, Verdict]) -> None:
+    """Decode ``missed`` on the pool; settle each key as its piece finishes (refusals too)."""
+    cache = state.cache
+    batch = state.pool.batch()
+    done: dict[bytes, Verdict] = {}  # filled in the decode threads: a dict store is atomic
+
+    def record(index: int, future: Future[Verdict]) -> None:
+        if future.cancelled():
+            return
+        piece = missed[index]
+        error = future.exception()
+        if error is None:
+            done[piece.key] = future.result()
+        elif isinstance(error, MediaError):  # the media's own fault: kept, so it is refused again undecoded
+            done[piece.key] = refused(error, piece.item.size)
+
+    jobs = [media_job(state, piece, body) for piece in missed]
+    try:
+        await batch.run(jobs, state.settings.timeouts.preprocess_timeout, record)
+    except (MediaError, TimeoutError) as exc:
+        # Raised from inside the clause, which unbinds ``exc``: a local holding it would make a cycle through
+        # the traceback's frames that keeps the request's body alive until a GC pass.
+        lease.release_after(batch.stopped())
+        _settle(cache, done)
+        raise refusal_for(state, plan, batch, exc) from None
+    except BaseException:
+        lease.release_after(batch.stopped())
+        _settle(cache, done)
+        raise
+    _settle(cache, done)
+    verdicts.update(done)
 
 
-def media_job(state: AppState, media_ref: weakref.ref[MediaBuffer], item: Item,
-              fetched: Fetched | None) -> MediaJob:
-    """The item as a job for either pool: the task as plain data, the payload read on demand (the base64 from
-    the body for an inline item, the ``fetched`` body for a URL)."""
-    part = item.part
-    task = MediaTask(
-        kind=part.kind, path=part.path, max_bytes=state.settings.limits.max_media_item_bytes,
-        image_policy=state.image_policy, audio_policy=state.audio_policy, audio_format=part.audio_format,
-        fetched_mime=fetched.mime if fetched is not None else None, video_policy=state.video_policy,
-    )
-    if fetched is not None:
-        return MediaJob(task, partial(_fetched_value, fetched))
-    return MediaJob(task, partial(_item_value, media_ref, item))
-
-
-def payload_text(media_ref: weakref.ref[MediaBuffer], item: Item) -> bytes:
-    """The part's own base64, as sent: rewrites a whole escaped token without decoding (its characters are the
-    base64 alphabet only, as the strict decode accepted them)."""
-    return bytes(_item_value(media_ref, item))
-
-
-def outcome_for(item: Item, verdict: Verdict, original: Callable[[], bytes]) -> Outcome:
-    """A verdict applied to one part: its true type against the declared one, and the token to write.
-    ``original`` gives the part's media as base64, needed only to rewrite a whole escaped token."""
-    if verdict.video is not None:  # a probed clip goes as it came
-        return Outcome(verdict.size_in, verdict.size_in, video=verdict.video)
-    part = item.part
-    true_mime = verdict.sniffed_mime
-    if item.declared_mime.encode() in (true_mime, b""):
-        true_mime = b""
-    if verdict.encoded is None:
-        if true_mime and item.declared_span is None and part.span is not None:
-            # The declared type is inside an escaped token: the whole token is written anew.
-            return Outcome(verdict.size_in, verdict.size_in, _token(part, true_mime, original()), true_mime,
-                           true_mime)
-        return Outcome(verdict.size_in, verdict.size_in, true_mime=true_mime)
-    if part.span is None:
-        return Outcome(verdict.size_in, verdict.size_in, true_mime=true_mime)
-    return Outcome(verdict.size_in, verdict.size_out, _token(part, verdict.mime, verdict.encoded), verdict.mime,
-                   true_mime)
-
-
-def _token(part: MediaPart, mime: bytes, encoded: bytes) -> bytes:
-    """The JSON string token for rewritten media: a data URI when the client sent one (and for a fetched URL),
-    else bare base64."""
-    if part.encoding == "data_uri":
-        return b"".join((b'"data:', mime, b";base64,", encoded, b'"'))
-    return b"".join((b'"', encoded, b'"'))
+def _settle(cache: VerdictCache, done: dict[bytes, Verdict]) -> None:
+    # A copy taken in one C call: after a timeout, a worker still running may add to ``done`` meanwhile.
+    for key, verdict in list(done.items()):
+        cache.count_miss()
+        cache.settle(key, verdict)

@@ -45,7 +45,6 @@ async def probe_upstream(state: AppState) -> tuple[bool, str]:
     now = time.monotonic()
     if now - checked_at < READY_CACHE_SECONDS:
         return ok, detail
-    assert state.session is not None
     url = state.settings.backend.upstream + state.settings.backend.upstream_health_path
     timeout = aiohttp.ClientTimeout(total=READY_PROBE_TIMEOUT, sock_connect=READY_PROBE_TIMEOUT)
     try:

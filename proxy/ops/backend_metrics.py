@@ -107,7 +107,6 @@ def merge(exposition: bytes, waiting: int, own: bytes) -> bytes | None:
 
 async def _fetch(state: AppState) -> tuple[int, bytes, str] | web.Response:
     """The backend's /metrics: status, body, content type; or the 502/504 to answer."""
-    assert state.session is not None
     try:
         async with state.session.get(state.settings.backend.upstream + METRICS_PATH, headers={"Accept": ACCEPT},
                                      timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT)) as response:

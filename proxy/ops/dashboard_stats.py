@@ -140,7 +140,7 @@ def snapshot(state: AppState, merged: dict[str, Any] | None = None) -> dict[str,
     now = time.time()
     totals: dict[str, float] = merged["extra"] if merged is not None else {
         "in_flight": state.in_flight, "reading": state.reading, "rss_bytes": rss_bytes() or 0,
-        "decode_workers": state.pool.workers if state.pool is not None else s.decode.decode_workers,
+        "decode_workers": state.pool.workers,
         "cache_mb": s.memory.cache_mb, "processes": 1}
     started = m.started() if merged is not None else None
 

@@ -42,7 +42,8 @@ from proxy.fetch.fetcher import (
     forbidden_class,
 )
 from proxy.settings import ConfigError, Settings
-from testkit.media import chat_with_image, eventually, image_bytes, photo_jpeg
+from testkit.load import scrape
+from testkit.media import BlockedPool, chat_with_image, data_uri, eventually, image_bytes, photo_jpeg
 from tests.conftest import Proxy, StartProxy, Upstream, scriptable_server
 
 # ----------------------------------------------------------------------------------------------------------
@@ -220,6 +221,81 @@ async def test_fetched_media_is_cached_by_its_bytes(remote: Upstream, upstream: 
         status, doc, _h = await post(proxy, chat_with_image(remote.url + "/bomb.png"))
         assert (status, doc["error"]["code"]) == (400, "image_too_large")
     assert (sample(proxy, "mmgate_cache_misses_total"), sample(proxy, "mmgate_cache_hits_total")) == (1, 1)
+
+
+async def decodes_and_hits(proxy: Proxy) -> tuple[float, float]:
+    """The cache's misses (each one decode) and hits, as /mmgate/metrics reports them."""
+    prom = await scrape(proxy.url)
+    return prom.get(("mmgate_cache_misses_total", ()), -1.0), prom.get(("mmgate_cache_hits_total", ()), -1.0)
+
+
+async def test_a_url_part_does_not_take_single_flight_from_the_inline_part_beside_it(
+        remote: Upstream, upstream: Upstream, start_proxy: StartProxy) -> None:
+    """The first request decodes an inline image; the second sends that image inline beside a URL part while
+    the first still decodes: it waits for the first's verdict instead of decoding the inline image again."""
+    inline = data_uri(image_bytes(64, 48, color="green"), "image/png")
+    remote.route("/blue.png", serve(image_bytes(32, 32, color="blue")))
+    proxy = await fetching(start_proxy, upstream)
+    both = chat_with_image(inline)
+    both["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": f"{remote.url}/blue.png"}})
+    blocked = BlockedPool(proxy.state.pool)
+    try:
+        leader = asyncio.create_task(post(proxy, chat_with_image(inline)))
+        await eventually(lambda: proxy.state.pool.queued == 1, "the first request's item queued")
+        follower = asyncio.create_task(post(proxy, both))
+        await eventually(lambda: proxy.state.cache.waiting == 1, "the second waits for the first's decode")
+    finally:
+        blocked.release()
+    assert (await leader)[0] == 200 and (await follower)[0] == 200
+    assert await decodes_and_hits(proxy) == (2, 1)  # the inline image once, the fetched one once
+
+
+async def test_two_identical_first_fetches_decode_once(remote: Upstream, upstream: Upstream,
+                                                       start_proxy: StartProxy) -> None:
+    png = image_bytes(48, 48, color="red")
+    remote.route("/a.png", serve(png))
+    remote.route("/same-bytes-elsewhere.png", serve(png))
+    proxy = await fetching(start_proxy, upstream)
+    blocked = BlockedPool(proxy.state.pool)
+    try:
+        first = asyncio.create_task(post(proxy, chat_with_image(f"{remote.url}/a.png")))
+        await eventually(lambda: proxy.state.pool.queued == 1, "the first fetch's item queued")
+        second = asyncio.create_task(post(proxy, chat_with_image(f"{remote.url}/same-bytes-elsewhere.png")))
+        await eventually(lambda: proxy.state.cache.waiting == 1, "the second fetch waits for the first's decode")
+    finally:
+        blocked.release()
+    assert (await first)[0] == 200 and (await second)[0] == 200
+    assert sent_image_url(upstream, 0) == sent_image_url(upstream, 1)
+    assert sample(proxy, "mmgate_fetches_total", outcome="ok") == 2  # each request reads its own URL
+    assert await decodes_and_hits(proxy) == (1, 1)
+
+
+async def test_a_cache_hit_of_a_fetched_item_costs_nothing_at_the_gate(
+        remote: Upstream, upstream: Upstream, start_proxy: StartProxy) -> None:
+    """Charged the per-item cap while it is fetched; once its bytes are known, a miss weighs what it is and
+    a hit nothing, for as long as the request holds its slot."""
+    png = image_bytes(40, 40, color="white")
+    remote.route("/w.png", serve(png))
+    arrived = asyncio.Event()
+
+    async def held(request: web.Request) -> web.StreamResponse:
+        arrived.set()
+        await upstream.release.wait()
+        return web.json_response({"ok": True})
+
+    upstream.route("/v1/chat/completions", held)
+    proxy = await fetching(start_proxy, upstream, MMGATE_RELEASE_AT="complete")
+    gate = proxy.state.gate
+    for weighs in (len(png), 0):  # a miss, then a hit
+        arrived.clear()
+        upstream.release.clear()
+        sending = asyncio.create_task(post(proxy, chat_with_image(f"{remote.url}/w.png")))
+        await arrived.wait()
+        assert (gate.in_use, gate.bytes_in_use) == (1, weighs)
+        upstream.release.set()
+        assert (await sending)[0] == 200
+        await eventually(lambda: gate.in_use == 0, "the lease released")
+    assert await decodes_and_hits(proxy) == (1, 1)
 
 
 def _wav(seconds: float) -> bytes:

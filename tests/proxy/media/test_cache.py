@@ -23,6 +23,7 @@ from PIL import Image
 from proxy.media.cache import (
     ENTRY_OVERHEAD,
     MediaCache,
+    NoCache,
     Verdict,
     cache_key,
     context_fingerprint,
@@ -75,7 +76,7 @@ async def test_a_resent_image_is_a_hit_forwarded_with_the_same_rewritten_bytes(
     body = chat_with_image(data_uri(PHOTO))
     assert (await post(proxy, body))[0] == 200
     assert await cache_metrics(proxy) == {"hits_total": 0, "misses_total": 1, "evictions_total": 0,
-                                          "bytes": pytest.approx(proxy.state.cache.bytes_held),  # type: ignore[union-attr]
+                                          "bytes": pytest.approx(proxy.state.cache.bytes_held),
                                           "entries": 1, "waiting": 0, "limit_bytes": 256 * MIB}
     assert (await post(proxy, body))[0] == 200
     first, second = (seen.body for seen in upstream.seen)
@@ -206,9 +207,9 @@ async def leader_and_waiter(proxy: Proxy, body: dict[str, Any]) -> tuple[asyncio
     """Two requests for the same new image, with every decode thread blocked: the first's item queued in the
     pool, the second waiting in the cache for the first's verdict."""
     leader = asyncio.create_task(post(proxy, body))
-    await eventually(lambda: proxy.state.pool.queued == 1, "the leader's item queued")  # type: ignore[union-attr]
+    await eventually(lambda: proxy.state.pool.queued == 1, "the leader's item queued")
     waiter = asyncio.create_task(post(proxy, body))
-    await eventually(lambda: proxy.state.cache.waiting == 1, "the second waits for the first")  # type: ignore[union-attr]
+    await eventually(lambda: proxy.state.cache.waiting == 1, "the second waits for the first")
     return leader, waiter
 
 
@@ -271,9 +272,9 @@ async def test_a_waiter_does_not_inherit_a_failure_that_is_not_the_medias(
         async with aiohttp.ClientSession() as client:
             headers = {"X-MMGate-Timeout": "2"} if how == "deadline" else {}
             leader = asyncio.create_task(client.post(proxy.url + CHAT, data=body, headers=headers))
-            await eventually(lambda: proxy.state.pool.queued == 1, "the leader's item queued")  # type: ignore[union-attr]
+            await eventually(lambda: proxy.state.pool.queued == 1, "the leader's item queued")
             waiter = asyncio.create_task(post(proxy, body))
-            await eventually(lambda: proxy.state.cache.waiting == 1, "the second waits")  # type: ignore[union-attr]
+            await eventually(lambda: proxy.state.cache.waiting == 1, "the second waits")
             if how == "client_gone":
                 leader.cancel()
             else:
@@ -281,7 +282,7 @@ async def test_a_waiter_does_not_inherit_a_failure_that_is_not_the_medias(
                 assert response.status == 504
                 response.release()
             # The waiter takes the lead: its own item reaches the (still blocked) pool.
-            await eventually(lambda: proxy.state.cache.waiting == 0 and proxy.state.pool.queued == 1,  # type: ignore[union-attr]
+            await eventually(lambda: proxy.state.cache.waiting == 0 and proxy.state.pool.queued == 1,
                              "the waiter leads")
     finally:
         blocked.release()
@@ -370,7 +371,7 @@ def _corpus() -> list[tuple[str, bytes]]:
 async def test_cache_off_is_exactly_the_behaviour_without_a_cache(upstream: Upstream, start_proxy: StartProxy) -> None:
     off = await start_proxy(upstream.url, MMGATE_CACHE_MB="0", **RESIZE)
     on = await start_proxy(upstream.url, **RESIZE)
-    assert off.state.cache is None and on.state.cache is not None
+    assert isinstance(off.state.cache, NoCache) and isinstance(on.state.cache, MediaCache)
     answers: dict[str, list[tuple[int, bytes | None]]] = {"off": [], "on": [], "on again": []}
     for name, proxy in (("off", off), ("on", on), ("on again", on)):
         for path, raw in _corpus():
@@ -438,7 +439,7 @@ async def test_a_big_payload_is_hashed_off_the_loop_and_a_request_that_leaves_le
 
     proxy = await start_proxy(upstream.url, **RESIZE)
     cache = proxy.state.cache
-    assert cache is not None
+    assert isinstance(cache, MediaCache)
     body = chat_with_image(data_uri(noisy_png(300, 4)))
     assert len(json.dumps(body)) > 64 << 10
     go = threading.Event()

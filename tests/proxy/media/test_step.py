@@ -202,7 +202,7 @@ async def test_preprocess_timeout_frees_slot_when_work_stopped(upstream: Upstrea
     try:
         got, answer = await post(proxy.url + "/v1/chat/completions", chat_with_image(data_uri(image_bytes())))
         assert (got, answer["error"]["code"]) == (504, "preprocess_timeout")
-        assert proxy.state.pool.queued == 0  # type: ignore[union-attr]  # the item that never started was dropped
+        assert proxy.state.pool.queued == 0  # the item that never started was dropped
     finally:
         blocked.release()
     await eventually(lambda: proxy.state.gate.in_use == 0, "lease released")
@@ -215,16 +215,16 @@ async def test_client_disconnect_during_preprocessing_frees_the_pool(upstream: U
     blocked = BlockedPool(proxy.state.pool)
     try:
         task = asyncio.create_task(post(proxy.url + "/v1/chat/completions", chat_with_image(data_uri(image_bytes()))))
-        await eventually(lambda: proxy.state.pool.queued == 1, "item queued")  # type: ignore[union-attr]
+        await eventually(lambda: proxy.state.pool.queued == 1, "item queued")
         async with aiohttp.ClientSession() as client:  # the loop is free while every worker is busy
             async with client.get(proxy.url + "/mmgate/health") as health:
                 assert health.status == 200
         task.cancel()
-        await eventually(lambda: proxy.state.pool.queued == 0, "queued item dropped")  # type: ignore[union-attr]
+        await eventually(lambda: proxy.state.pool.queued == 0, "queued item dropped")
         await eventually(lambda: proxy.state.gate.in_use == 0, "lease released")
     finally:
         blocked.release()
-    assert proxy.state.pool.stuck == 0 and upstream.seen == []  # type: ignore[union-attr]
+    assert proxy.state.pool.stuck == 0 and upstream.seen == []
 
 
 async def test_text_request_does_not_wait_for_busy_pool(upstream: Upstream, start_proxy: StartProxy) -> None:
@@ -232,7 +232,7 @@ async def test_text_request_does_not_wait_for_busy_pool(upstream: Upstream, star
     blocked = BlockedPool(proxy.state.pool)
     try:
         task = asyncio.create_task(post(proxy.url + "/v1/chat/completions", chat_with_image(data_uri(image_bytes()))))
-        await eventually(lambda: proxy.state.pool.queued == 1, "item queued")  # type: ignore[union-attr]
+        await eventually(lambda: proxy.state.pool.queued == 1, "item queued")
         status, _ = await post(proxy.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
         assert status == 200 and len(upstream.seen) == 1
     finally:

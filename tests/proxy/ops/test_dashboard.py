@@ -173,7 +173,7 @@ async def test_stats_json_reflects_traffic_and_settings(servers: Servers) -> Non
     assert stats["uptime_seconds"] > 0
     assert stats["limits"]["max_mm_concurrency"] == 2 and stats["limits"]["resize_max_side"] == 64
     assert stats["limits"]["decode_workers"] == 2
-    assert stats["cache"] == {"hits": 0, "misses": 1, "evictions": 0, "bytes": servers.state.cache.bytes_held,  # type: ignore[union-attr]
+    assert stats["cache"] == {"hits": 0, "misses": 1, "evictions": 0, "bytes": servers.state.cache.bytes_held,
                               "entries": 1, "waiting": 0, "limit_bytes": 256 << 20}
     assert len(stats["event_loop_lag"]["counts"]) == len(stats["event_loop_lag"]["le"]) + 1
 
