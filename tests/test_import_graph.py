@@ -6,8 +6,10 @@ a function (an import deferred to run time still ties the two modules together, 
 the reader) and inside ``if TYPE_CHECKING:`` (a type one module names is part of what it depends on; mypy and
 the reader follow it like any other). Names imported from a package count as an import of the submodule of
 that name where there is one (``from proxy.edge import paths``), else of the package. Importing a module also
-runs its packages' ``__init__``, so those count too. ``importlib.import_module`` with a computed name is not
-seen; the product uses it only for third-party modules (transformers, numpy, av).
+runs its packages' ``__init__``, so those count too, except a module's own packages: they are being imported
+already when it runs (a package's ``__init__`` that re-exports its submodules is no cycle).
+``importlib.import_module`` with a computed name is not seen; the product uses it only for third-party modules
+(transformers, numpy, av).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         for target in targets:
             found.update(_with_packages(target, known))
     found.discard(name)
-    return found
+    return found - set(_with_packages(name, known))
 
 
 def import_graph() -> dict[str, set[str]]:

@@ -1,9 +1,10 @@
 """One frozen ``Settings``, built from ``MMGATE_*`` environment variables and CLI flags of the same names.
 
-``sections`` holds the dataclasses (each field's default is declared there once); ``spec`` holds how each
-variable is parsed, checked, helped and printed.
+``sections`` holds the section dataclasses (each field's default is declared there once); ``spec`` how each
+variable is parsed, checked, helped and printed; ``frozen`` the ``Settings`` they make together.
 """
 
+from proxy.settings.frozen import Settings
 from proxy.settings.parsers import AUTO_PROCESSES, MAX_PROCESSES
 from proxy.settings.sections import (
     AUTO_CONCURRENCY,
@@ -24,7 +25,6 @@ from proxy.settings.sections import (
     Listen,
     Logs,
     Memory,
-    Settings,
     Timeouts,
     default_decode_mode,
     usable_cpus,

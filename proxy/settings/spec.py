@@ -11,7 +11,7 @@ import argparse
 import difflib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 from proxy.settings.parsers import (
     AUTO_PROCESSES,
@@ -38,6 +38,7 @@ from proxy.settings.sections import (
     PRIORITY_MAX,
     PRIORITY_MIN,
     PROCESS_MODE_FROM_CPUS,
+    SECTION_TYPES,
     BackendMetrics,
     DecodeMode,
     ImageFormat,
@@ -45,11 +46,17 @@ from proxy.settings.sections import (
     LogLevel,
     MediaUrls,
     ReleaseAt,
-    Settings,
     Validate,
     default_decode_mode,
     usable_cpus,
 )
+
+
+class Configured(Protocol):
+    """What ``describe`` reads of a ``Settings`` (``frozen``, which builds on this module): its sections by
+    name, and the worst-case memory they allow."""
+
+    def worst_case_memory_bytes(self) -> dict[str, int]: ...
 
 
 class ConfigError(ValueError):
@@ -174,8 +181,7 @@ SPEC: dict[str, Spec] = {
     "log_format": Spec("logs", choice(LogFormat), "text or json (one object per line)"),
 }
 
-# Section name -> its dataclass, from Settings' own fields.
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Settings)}  # type: ignore[misc]
+SECTIONS = SECTION_TYPES
 
 
 def _check_spec() -> None:
@@ -229,9 +235,9 @@ def help_text(name: str) -> str:
     return f"{spec.help} [{shown}]" if shown else spec.help
 
 
-def settings_from_env(environ: Mapping[str, str], overrides: Mapping[str, str]) -> Settings:
-    """``Settings.from_env``: every value parsed and cross-checked, ``auto`` and unset computed defaults resolved
-    (decode workers, decode mode, processes), then placed in its section."""
+def sections_from_env(environ: Mapping[str, str], overrides: Mapping[str, str]) -> dict[str, Any]:
+    """``Settings.from_env``'s sections by name: every value parsed and cross-checked, ``auto`` and unset computed
+    defaults resolved (decode workers, decode mode, processes), then placed in its section."""
     values: dict[str, Any] = {}
     where: dict[str, str] = {}  # setting -> how the user spelt it, so an error names what they typed
     for name, spec in SPEC.items():
@@ -271,15 +277,15 @@ def settings_from_env(environ: Mapping[str, str], overrides: Mapping[str, str]) 
     by_section: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     for name, value in values.items():
         by_section[SPEC[name].section][name] = value
-    return Settings(**{section: SECTIONS[section](**kwargs) for section, kwargs in by_section.items()})
+    return {section: SECTIONS[section](**kwargs) for section, kwargs in by_section.items()}
 
 
-def setting_value(settings: Settings, name: str) -> Any:
+def setting_value(settings: Configured, name: str) -> Any:
     """The effective value of setting ``name``, e.g. ``setting_value(settings, "max_queue")``."""
     return getattr(getattr(settings, SPEC[name].section), name)
 
 
-def describe(settings: Settings) -> str:
+def describe(settings: Configured) -> str:
     """``--print-config``: every effective setting as ``MMGATE_X=value`` and the worst-case memory."""
     lines = []
     for name in SPEC:
