@@ -31,7 +31,8 @@ from proxy.edge.pacing import Pacer
 from proxy.edge.refusals import refusals_in_api_shape
 from proxy.edge.site import mark_head_received
 from proxy.edge.upstream_health import UpstreamHealth
-from proxy.fetch.fetcher import FETCH_OUTCOMES, AddressPolicy, CheckedResolver, Fetcher, FetchLimits, HostPolicy
+from proxy.fetch.fetcher import FETCH_OUTCOMES, Fetcher, FetchLimits
+from proxy.fetch.policy import AddressPolicy, CheckedResolver, HostPolicy
 from proxy.media.cache import MediaCache, NoCache, VerdictCache, settings_fingerprint
 from proxy.media.model import Model, load_model
 from proxy.ops.admin import add_admin_routes, probe_upstream

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from proxy.admission.gate import DEFAULT_FLOW, Flow, Lease, Place
+from proxy.admission.flows import DEFAULT_FLOW, Flow
+from proxy.admission.gate import Lease, Place
 from proxy.media.buffers import MediaBuffer
 from proxy.ops.metrics import Stopwatch, server_timing
 from proxy.payload.dialects import Dialect, Route

@@ -27,7 +27,7 @@ from preprocessors.errors import (
     UpstreamError,
     draining,
 )
-from proxy.admission.gate import flow_for
+from proxy.admission.flows import flow_for
 from proxy.admission.shared import SharedGate
 from proxy.edge.body import HEAD_BYTES, joined, read_body
 from proxy.edge.connections import GuardedConnection

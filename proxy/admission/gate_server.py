@@ -11,7 +11,8 @@ from functools import partial
 from typing import Any
 
 from preprocessors.errors import MmgateError
-from proxy.admission.gate import Flow, Gate, Lease, Place
+from proxy.admission.flows import Flow
+from proxy.admission.gate import Gate, Lease, Place
 from proxy.admission.shared import Link, counters
 from proxy.ops.merged_metrics import merge_reports
 

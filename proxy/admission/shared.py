@@ -52,7 +52,8 @@ import orjson
 
 from preprocessors.errors import draining, rebuild
 from preprocessors.job import Refusal, Verdict
-from proxy.admission.gate import DEFAULT_FLOW, Flow, Gate, Lease, Place
+from proxy.admission.flows import DEFAULT_FLOW, Flow
+from proxy.admission.gate import Gate, Lease, Place
 from proxy.serve.lifecycle import Lifecycle
 
 log = logging.getLogger("mmgate")

@@ -105,6 +105,14 @@ def _inline_or_url(
     return MediaPart(path, kind, True, url=sk.text(value), span=span)
 
 
+def _base64_part(sk: Skeleton, data: str, path: str, kind: MediaKind, **declared: Any) -> MediaPart:
+    """An inline part whose field holds bare base64 (no ``data:`` header): its span, or the text itself when the
+    skeleton kept the string (a short one)."""
+    span = sk.span_of(data)
+    return MediaPart(path, kind, False, span=span, literal=None if span is not None else data, encoding="base64",
+                     **declared)
+
+
 def _url_field(sk: Skeleton, value: object, path: str, kind: MediaKind, field: str) -> MediaPart:
     """``{"url": ...}`` or (vLLM) a bare string."""
     if value is None:
@@ -122,16 +130,7 @@ def _input_audio(sk: Skeleton, value: object, path: str) -> MediaPart:
     data = value.get("data")
     if not isinstance(data, str):
         raise _bad("input_audio.data must be a base64 string", path)
-    span = sk.span_of(data)
-    return MediaPart(
-        path,
-        "audio",
-        False,
-        span=span,
-        literal=None if span is not None else data,
-        encoding="base64",
-        audio_format=_short_text(sk, value.get("format")),
-    )
+    return _base64_part(sk, data, path, "audio", audio_format=_short_text(sk, value.get("format")))
 
 
 def _input_image(sk: Skeleton, part: dict[str, Any], path: str) -> MediaPart | None:
@@ -264,20 +263,9 @@ def _anthropic_block(sk: Skeleton, block: object, path: str, out: list[MediaPart
         data = source.get("data")
         if not isinstance(data, str):
             raise _bad("image source of type base64 needs a data string", path)
-        span = sk.span_of(data)
         media_type = source.get("media_type")
-        out.append(
-            MediaPart(
-                path,
-                "image",
-                False,
-                span=span,
-                literal=None if span is not None else data,
-                encoding="base64",
-                declared_mime=_short_text(sk, media_type),
-                mime_span=sk.span_of(media_type),
-            )
-        )
+        out.append(_base64_part(sk, data, path, "image", declared_mime=_short_text(sk, media_type),
+                                mime_span=sk.span_of(media_type)))
     elif source_type == "url":
         url = source.get("url")
         if not isinstance(url, str):

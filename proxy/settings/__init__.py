@@ -16,16 +16,6 @@ from proxy.settings.sections import (
     PROBE_RESERVE,
     PROCESS_MODE_FROM_CPUS,
     WORKER_PROCESS_BYTES,
-    Backend,
-    Decode,
-    Drain,
-    Fetch,
-    Gate,
-    Limits,
-    Listen,
-    Logs,
-    Memory,
-    Timeouts,
     default_decode_mode,
     usable_cpus,
 )
@@ -46,7 +36,7 @@ from proxy.settings.spec import (
 __all__ = [
     "AUTO_CONCURRENCY", "AUTO_JPEG_QUALITY", "AUTO_PROCESSES", "CONNECTION_BYTES", "MAX_PROCESSES", "MIB",
     "PRIORITY_MAX", "PRIORITY_MIN", "PROBE_RESERVE", "PROCESS_MODE_FROM_CPUS", "SPEC", "WORKER_PROCESS_BYTES",
-    "Backend", "ConfigError", "Decode", "Drain", "Fetch", "Gate", "Limits", "Listen", "Logs", "Memory", "Settings",
-    "Timeouts", "add_arguments", "auto_processes", "default_decode_mode", "env_name", "flag_name",
+    "ConfigError", "Settings",
+    "add_arguments", "auto_processes", "default_decode_mode", "env_name", "flag_name",
     "help_text", "overrides_from_args", "setting_default", "setting_value", "unknown_variables", "usable_cpus",
 ]

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from preprocessors.errors import MmgateError
-from proxy.admission.gate import DEFAULT_FLOW, Flow, Gate, Lease, Place, flow_for
+from proxy.admission.flows import DEFAULT_FLOW, Flow, flow_for
+from proxy.admission.gate import Gate, Lease, Place
 from proxy.settings import PRIORITY_MAX, PRIORITY_MIN
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
 from tests.conftest import StartProxy, Upstream

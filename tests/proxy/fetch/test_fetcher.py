@@ -30,17 +30,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from proxy.fetch.fetcher import (
-    FETCH_OUTCOMES,
-    AddressPolicy,
-    CheckedResolver,
-    Fetcher,
-    FetchLimits,
-    FetchRefused,
-    HostPolicy,
-    embedded_ipv4,
-    forbidden_class,
-)
+from proxy.fetch.fetcher import FETCH_OUTCOMES, Fetcher, FetchLimits, FetchRefused
+from proxy.fetch.policy import AddressPolicy, CheckedResolver, HostPolicy, embedded_ipv4, forbidden_class
 from proxy.settings import ConfigError, Settings
 from testkit.load import scrape
 from testkit.media import BlockedPool, chat_with_image, data_uri, eventually, image_bytes, photo_jpeg
