@@ -145,7 +145,10 @@ async def vllm_part(vllm: h.Server, gate: h.Server, rounds: int, requests: int, 
     """Per size and mode: every round's latencies, prompt tokens, bytes vLLM received and wall time."""
     cells: dict[str, dict[str, dict[str, list[Any]]]] = {}
     modes = {"direct": vllm.url, "mmgate --model": gate.url}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    # A new connection per request: a keep-alive connection the server closes as the next request starts
+    # (uvicorn's 5 s idle timeout) would fail that POST, and aiohttp never retries one.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as session:
         for size, (width, height, orientation) in VLLM_SIZES.items():
             body = chat(photo(width, height, "JPEG", orientation))
             for _round in range(rounds):
