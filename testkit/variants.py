@@ -46,9 +46,19 @@ class LoopBatch(Batch):
     async def run(self, jobs: Sequence[Callable[[Checkpoint], T]], timeout: float,
                   on_each: Callable[[int, Future[T]], None] | None = None) -> list[T]:
         """Each job in turn, blocking the loop meanwhile: that stall is what the baseline measures. ``timeout``
-        cannot apply: nothing else runs on the loop to notice it; nor can ``on_each`` hear of anything a failed
-        batch finished (callers of this baseline pass none)."""
-        return [job(self.checkpoint) for job in jobs]
+        cannot apply: nothing else runs on the loop to notice it. ``on_each`` hears of each job as it ends, as
+        the real pool's callers expect; the first failure ends the batch."""
+        results: list[T] = []
+        for index, job in enumerate(jobs):
+            done: Future[T] = Future()
+            try:
+                done.set_result(job(self.checkpoint))
+            except Exception as error:
+                done.set_exception(error)
+            if on_each is not None:
+                on_each(index, done)
+            results.append(done.result())  # raises the job's error
+        return results
 
 
 class LoopPool(DecodePool):
