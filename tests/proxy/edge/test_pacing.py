@@ -76,16 +76,32 @@ async def _metric(proxy: Proxy, name: str) -> float:
 
 async def _one_of_two_uploads_held(proxy: Proxy, seeds: tuple[int, int]) -> tuple[
         asyncio.Event, ChunkedUpload, ChunkedUpload, list[asyncio.Task[None]]]:
-    """The loop made to lag (the returned event), a first upload read, then a second one held."""
+    """The loop made to lag (the returned event), a first upload read, then a second one held.
+
+    Which of the two is held may change at every tick (one that delivered nothing during a tick takes no
+    share), so this awaits the hold itself rather than polling for a moment when one is held."""
     pacer = proxy.state.pacer
     lagging = asyncio.Event()
     lagging.set()
     pacer.measure = _lag_from(lagging)  # type: ignore[assignment]
+    held = asyncio.Event()
+    count_hold = pacer.on_hold
+
+    def on_hold() -> None:
+        count_hold()
+        held.set()
+
+    pacer.on_hold = on_hold
     first, second = ChunkedUpload(proxy, seeds[0]), ChunkedUpload(proxy, seeds[1])
     tasks = [asyncio.create_task(first.run())]
     await eventually(lambda: pacer.reading == 1, "the first upload is being read")
     tasks.append(asyncio.create_task(second.run()))
-    await eventually(lambda: pacer.held == 1, "one of two busy uploads held while the loop lags")
+    await eventually(lambda: pacer.reading == 2, "the second upload is being read")
+    try:
+        await asyncio.wait_for(held.wait(), 10)
+    except TimeoutError:
+        raise AssertionError(f"neither of two busy uploads was held while the loop lagged (allowed="
+                             f"{pacer.allowed}, held={pacer.held})") from None
     return lagging, first, second, tasks
 
 
