@@ -17,13 +17,13 @@ from proxy.serve.lifecycle import Lifecycle
 POLLS = 600  # bounded polls of the gate's counters, 10 ms apart: far more than a message over the socket needs
 
 
-async def _gate_over_a_socket_pair(limit: int, max_queue: int) -> tuple[Gate, SharedGate]:
+async def _gate_over_a_socket_pair(limit: int, max_queue: int, byte_budget: int = 0) -> tuple[Gate, SharedGate]:
     """The supervisor's side (a Gate behind a GateServer) and a front's (a SharedGate), in this process, over a
     real Unix socket pair."""
-    gate = Gate(limit, 0, max_queue)
+    gate = Gate(limit, byte_budget, max_queue)
     server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     task = asyncio.create_task(GateServer(gate).serve(0, server_end, asyncio.Event()))
-    shared = SharedGate(await Link.over(front_end), limit, 0, max_queue, lambda gate: None, Lifecycle(), 0, 0,
+    shared = SharedGate(await Link.over(front_end), limit, byte_budget, max_queue, lambda gate: None, Lifecycle(), 0, 0,
                         report=dict, on_lost=lambda: None)
     shared.start()
     shared.serving = task  # type: ignore[attr-defined]  # kept referenced for the test's length
@@ -101,4 +101,22 @@ async def test_a_wait_cancelled_before_it_began_gives_its_place_back() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiting
     await _until(lambda: (gate.reading, gate.in_use, gate.waiting) == (0, 0, 0), "place and slot given back")
+    await shared.close()
+
+
+async def test_a_lease_lowered_at_a_front_gives_its_bytes_back_at_the_supervisors_gate() -> None:
+    """A front learns, once a URL's bytes are fetched, that its lease weighs less (a cache hit): the bytes it
+    no longer needs are given back at the supervisor's gate, so a request waiting there for budget goes in."""
+    gate, shared = await _gate_over_a_socket_pair(limit=4, max_queue=4, byte_budget=100)
+    first = await shared.acquire(80, 30)
+    waiting = asyncio.create_task(shared.acquire(50, 30))
+    await _until(lambda: gate.waiting == 1, "the second request waits for byte budget")
+    first.lower(20)
+    await _until(lambda: gate.in_use == 2, "the waiting request admitted with the bytes given back")
+    second = await waiting
+    assert gate.bytes_in_use == 70 and first.cost == 20
+    first.lower(30)  # a lease never weighs more than it was granted
+    first.release()
+    second.release()
+    await _until(lambda: (gate.in_use, gate.bytes_in_use) == (0, 0), "both released, every byte given back")
     await shared.close()
