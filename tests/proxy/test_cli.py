@@ -364,9 +364,10 @@ async def test_serve_tunes_allocators_at_start(upstream: Upstream, extra: dict[s
 async def test_serve_caps_connections_answers_probes_over_the_cap_and_times_out_slow_heads(
     upstream: Upstream,
 ) -> None:
-    """`mmgate serve` listens through the same guard the test fixtures use, not a plain TCPSite."""
+    """`mmgate serve` listens through the same guard the test fixtures use, not a plain TCPSite. One front
+    process: with several, the kernel spreads the connections over fronts that each hold a share of the cap."""
     port = free_port()
-    process = await _start_mmgate(_env(MMGATE_UPSTREAM=upstream.url, MMGATE_PORT=str(port),
+    process = await _start_mmgate(_env(MMGATE_UPSTREAM=upstream.url, MMGATE_PORT=str(port), MMGATE_PROCESSES="1",
                                        MMGATE_HEADER_TIMEOUT="3", MMGATE_MAX_CONNECTIONS="1"))
     try:
         await _wait_listening(f"http://127.0.0.1:{port}", process)
