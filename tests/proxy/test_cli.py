@@ -214,7 +214,7 @@ def test_settings_are_frozen_and_injectable() -> None:
 def _env(**settings: str) -> dict[str, str]:
     """This process's environment without its MMGATE_* (a developer's own would change what is tested), but
     for MMGATE_DECODE_MODE, with which CI runs the whole suite once per mode, and MMGATE_PROCESSES, with
-    which CI runs the signal tests again on several front processes."""
+    which CI runs these tests again on several front processes."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("MMGATE_") or k in ("MMGATE_DECODE_MODE", "MMGATE_PROCESSES")}
     return env | {"MMGATE_HOST": "127.0.0.1", **settings}
