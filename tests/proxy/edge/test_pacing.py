@@ -76,7 +76,7 @@ async def _metric(proxy: Proxy, name: str) -> float:
 
 async def _one_of_two_uploads_held(proxy: Proxy, seeds: tuple[int, int]) -> tuple[
         asyncio.Event, ChunkedUpload, ChunkedUpload, list[asyncio.Task[None]]]:
-    """The loop made to lag (the returned event), a first upload read, then a second one held.
+    """The loop made to lag (the returned event), a first upload read, then a second, and one of them held.
 
     Which of the two is held may change at every tick (one that delivered nothing during a tick takes no
     share), so this awaits the hold itself rather than polling for a moment when one is held."""
