@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from hypothesis import settings as hypothesis_settings
 
 from proxy.app import build_app, make_runner
 from proxy.edge.site import GuardedSite
@@ -23,6 +24,11 @@ from proxy.state import STATE
 from testkit.servers import Handler, Proxy, Seen, StartProxy, Upstream, proxy_settings
 
 __all__ = ["Handler", "Proxy", "Seen", "StartProxy", "Upstream", "require_heavy", "scriptable_server"]
+
+# Hypothesis's per-example deadline is a timing assertion, and the tests assert none (speed belongs in bench/):
+# on a loaded CI machine it would fail examples that are merely slow.
+hypothesis_settings.register_profile("no-deadline", deadline=None)
+hypothesis_settings.load_profile("no-deadline")
 
 
 @contextlib.asynccontextmanager
