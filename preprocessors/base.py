@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .geometry import Geometry
 
 MediaKind = Literal["image", "audio", "video"]
-ImageFormat = Literal["auto", "jpeg", "png", "webp"]
+ImageFormat = Literal["auto", "jpeg", "png", "webp", "bmp"]
 Checkpoint = Callable[[], None]
 
 

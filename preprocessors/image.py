@@ -19,10 +19,17 @@ Speed
   - How many freed memory blocks Pillow keeps for reuse is process-global: ``proxy/serve/memory.py`` sets it.
   - The resize runs before the EXIF rotation and the alpha handling, on the fewest pixels possible.
 
-Fidelity (with a model)
-  - The resize uses the model processor's own filter, and the JPEG keeps full-resolution chroma (4:4:4) at
-    ``MODEL_JPEG_QUALITY``: what the backend receives stays close to what its processor makes of the
-    original (bench/fidelity.py; docs/architecture.md, "The served model").
+The handoff (with a model)
+  - An image the model would shrink always reaches the backend at the model's size: what the backend pays
+    for an image is mostly its pixels, so an original forwarded because its file is smaller costs the
+    backend the decode and resize mmgate already did.
+  - The resize uses the model processor's own filter, and the file is lossless: an uncompressed BMP (a
+    PNG where alpha must survive, which 32-bit BMP does not carry through Pillow). BMP is chosen by what the
+    whole path pays (mmgate's encode, the bytes, the backend's decode): a small fraction of a JPEG q100
+    4:4:4 re-encode's CPU, for a few more bytes on the sidecar's loopback, and the resize is then the only
+    difference from the backend's own processing of the original (bench/fidelity.py; docs/architecture.md,
+    "The served model"). ``MMGATE_IMAGE_FORMAT`` still picks another format; a JPEG then keeps 4:4:4 chroma
+    at ``MODEL_JPEG_QUALITY``.
 """
 
 from __future__ import annotations
@@ -70,9 +77,10 @@ _RESAMPLE = Image.Resampling.BICUBIC
 _REDUCING_GAP = 1.5
 _MODEL_REDUCING_GAP = 3.0
 # JPEG quality where MMGATE_JPEG_QUALITY is auto (0). Without a model, 90 with 4:2:0 chroma: small files
-# at no visible cost. With a model, mmgate promises the backend what its own resize of the original would
-# give: 4:4:4 chroma (4:2:0 halves the colour resolution the processor keeps) at the quality that holds
-# the fidelity bound on high-detail photos (bench/fidelity.py: PSNR, bytes and CPU per encoding).
+# at no visible cost. With a model and MMGATE_IMAGE_FORMAT=jpeg, mmgate promises the backend what its own
+# resize of the original would give: 4:4:4 chroma (4:2:0 halves the colour resolution the processor keeps)
+# at the quality that holds the fidelity bound on high-detail photos (bench/fidelity.py: PSNR, bytes and
+# CPU per encoding).
 GENERIC_JPEG_QUALITY = 90
 MODEL_JPEG_QUALITY = 100
 _PNG_COMPRESS_LEVEL = 1  # fast: the output is consumed once, by the backend, on the same network
@@ -94,10 +102,11 @@ def process_image(
 ) -> Processed | None:
     """Validate ``data``; downscale and re-encode it only when the policy's resize limits require it.
 
-    Returns None when the image is valid and needs no change, or, with a served model, when its re-encode
-    would be no smaller than the original: the caller forwards the original string byte for byte (MIME and
-    EXIF included), whatever ``policy.output_format`` says. Otherwise returns
-    the re-encoded file: upright (EXIF orientation applied), metadata stripped, in the policy's format.
+    Returns None when the image is valid and needs no change: the caller forwards the original string byte
+    for byte (MIME and EXIF included), whatever ``policy.output_format`` says. Otherwise returns the
+    re-encoded file: upright (EXIF orientation applied), metadata stripped, in the policy's format. Whether
+    it will be re-encoded is decided from the header, before any pixel is decoded, and a re-encode is always
+    what is sent: no work is done whose result is thrown away.
 
     ``validate="full"`` decodes the pixels (catches truncation); with a resize, the (draft) decode
     done for the resize is that validation. Animated images (GIF, WEBP, APNG) are checked from their
@@ -157,10 +166,6 @@ def process_image(
     if orientation in _SWAPS_SIDES:
         width, height = height, width
     out, mime = _encode(small, policy)
-    if policy.geometry is not None and len(out) >= len(data):
-        # The served model resizes the original to this very size itself: forwarding it loses nothing and
-        # costs fewer bytes than a re-encode at the quality fidelity needs.
-        return None
     return Processed(
         data=out,
         mime=mime,
@@ -274,26 +279,30 @@ def _to_working_mode(img: Image.Image) -> Image.Image:
 def _encode(img: Image.Image, policy: ImagePolicy) -> tuple[bytes, str]:
     """Encode ``img`` (RGB, RGBA, L or LA) as the policy says; returns the file bytes and MIME.
 
-    With a model a JPEG keeps full-resolution chroma (4:4:4); a WebP is always 4:2:0 when lossy."""
+    ``auto``: with a model, BMP (lossless, the cheapest to write and to read), without one JPEG; PNG for
+    either where alpha must survive. With a model a JPEG keeps full-resolution chroma (4:4:4); a WebP is
+    always 4:2:0 when lossy."""
     if img.mode in ("RGBA", "LA") and img.getchannel("A").getextrema()[0] == 255:
         img = img.convert(img.mode[:-1])  # an alpha channel that is fully opaque carries nothing
     has_alpha = img.mode in ("RGBA", "LA")
+    model = policy.geometry is not None
     fmt = policy.output_format
     if fmt == "auto":
-        fmt = "png" if has_alpha else "jpeg"
-    if fmt == "jpeg" and has_alpha:
+        fmt = "png" if has_alpha else "bmp" if model else "jpeg"
+    if fmt in ("jpeg", "bmp") and has_alpha:  # neither carries alpha (Pillow reads a 32-bit BMP as RGB)
         background = Image.new(img.mode[:-1], img.size, "white")
         background.paste(img, mask=img.getchannel("A"))
         img = background
     img.info.clear()  # no EXIF, ICC, XMP, text chunks, dpi: metadata is stripped on re-encode
     out = _scratch_file()
-    model = policy.geometry is not None
     quality = policy.jpeg_quality or (MODEL_JPEG_QUALITY if model else GENERIC_JPEG_QUALITY)
     try:
         if fmt == "jpeg":  # subsampling 0 is 4:4:4; -1 is Pillow's default, 4:2:0
             img.save(out, "JPEG", quality=quality, subsampling=0 if model else -1)
         elif fmt == "png":
             img.save(out, "PNG", compress_level=_PNG_COMPRESS_LEVEL)
+        elif fmt == "bmp":
+            img.save(out, "BMP")
         else:
             img.save(out, "WEBP", quality=quality)
         return os.pread(out.fileno(), out.tell(), 0), MIME_BY_FORMAT[fmt.upper()]

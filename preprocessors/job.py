@@ -11,7 +11,7 @@ pool copies it into the worker's memfd when a worker is free, so a queued job ho
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from .audio import sniff_audio_format, validate_audio
@@ -133,19 +133,25 @@ def _judge(task: MediaTask, data: bytes, checkpoint: Checkpoint) -> Verdict:
     return Verdict(size, size)  # audio is validated and forwarded unchanged
 
 
-def warm_up() -> None:
-    """One tiny image of each common format through the whole job (decode, resize, encode), so Pillow's
-    plugins and codecs are loaded at start-up and not on the first client's item; PyAV too, where installed."""
+def warm_up(policy: ImagePolicy | None = None) -> None:
+    """One tiny image of each common format through the whole job (decode, resize, encode, each output format),
+    so Pillow's plugins and codecs are loaded at start-up and not on the first client's item; PyAV too, where
+    installed. With the served model's ``policy``, its geometry runs once too: the processor's helpers are
+    imported here, not on the first image the model would shrink."""
     from io import BytesIO
 
     from PIL import Image
 
-    policy = ImagePolicy(resize_max_side=8)
+    generic = ImagePolicy(resize_max_side=8)
+    policies = [replace(generic, output_format=fmt) for fmt in ("auto", "png", "bmp")]
+    if policy is not None and policy.geometry is not None:  # a tiny image the model enlarges: its helpers load
+        policies.append(replace(generic, geometry=policy.geometry))
     for fmt in ("JPEG", "PNG", "WEBP"):
         buf = BytesIO()
         Image.new("RGB", (16, 12), "teal").save(buf, fmt)
         payload = encode_base64(buf.getvalue())
-        run_task(MediaTask("image", "warm-up", 1 << 20, policy, AudioPolicy()), partial(bytes, payload),
-                 no_checkpoint)
+        for each in policies:
+            run_task(MediaTask("image", "warm-up", 1 << 20, each, AudioPolicy()), partial(bytes, payload),
+                     no_checkpoint)
     if pyav_available():
         import_pyav()

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TypeVar
 
-from .base import Cancelled, Checkpoint
+from .base import Cancelled, Checkpoint, ImagePolicy
 from .job import warm_up
 
 T = TypeVar("T")
@@ -49,8 +49,9 @@ class DecodePool:
     are read by the metrics at scrape time.
     """
 
-    def __init__(self, workers: int, *, lower_priority: bool = True) -> None:
+    def __init__(self, workers: int, *, lower_priority: bool = True, warm_policy: ImagePolicy | None = None) -> None:
         self.workers = workers
+        self.warm_policy = warm_policy  # the image policy the threads (or worker processes) warm up with
         self._lower_priority = lower_priority
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="mmgate-decode",
                                             initializer=self._thread_started)
@@ -84,7 +85,7 @@ class DecodePool:
         with self._lock:
             first, self._warmed = not self._warmed, True
         if first:
-            warm_up()
+            warm_up(self.warm_policy)
 
     def _thread_started(self) -> None:
         """Runs once in each pool thread as it starts."""

@@ -1,8 +1,9 @@
-"""One decode worker process: ``python -m preprocessors.worker_process SOCKET_FD MEMFD [TRIM_IDLE]``.
+"""One decode worker process: ``python -m preprocessors.worker_process SOCKET_FD MEMFD TRIM_IDLE WARM_POLICY``.
 
 The other end of ``workers.ProcessPool``. A fresh interpreter that imports this package only (Pillow,
-pybase64, never aiohttp or the proxy): it says it is ready once warmed up, then answers one task at a time.
-The task comes pickled over the socket; the payload lies in the memfd, which the answer's encoded bytes
+pybase64, never aiohttp or the proxy): it says it is ready once warmed up (``job.warm_up`` with the image
+policy its tasks will carry, pickled in hex), then answers one task at a time. The task comes pickled over
+the socket; the payload lies in the memfd, which the answer's encoded bytes
 overwrite.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickle
 import signal
 import sys
 import traceback
@@ -106,12 +108,12 @@ def main(argv: list[str]) -> None:
     lower_priority()
     conn = Connection(int(argv[0]))
     try:
-        warm_up()
+        warm_up(pickle.loads(bytes.fromhex(argv[3])))
     except Exception:  # mmgate's start-up fails with this, instead of every item failing later
         conn.send(("fault", traceback.format_exc()))
         return
     conn.send(("ready", os.getpid()))  # mmgate's start-up waits for this
-    serve(conn, int(argv[1]), float(argv[2]) if len(argv) > 2 else 0.0)
+    serve(conn, int(argv[1]), float(argv[2]))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from .base import Cancelled
+from .base import Cancelled, ImagePolicy
 from .errors import DECODER_CRASHED, DECODER_UNAVAILABLE
 from .job import MediaJob
 from .pool import Batch, DecodePool, Job
@@ -69,7 +69,8 @@ class ProcessPool(DecodePool):
 
     def __init__(self, workers: int, *, max_jobs: int = 0, max_rss_bytes: int = 0,
                  on_exit: Callable[[str], None] = lambda reason: None,
-                 environment: Mapping[str, str] | None = None, trim_idle: float = 0.0) -> None:
+                 environment: Mapping[str, str] | None = None, trim_idle: float = 0.0,
+                 warm_policy: ImagePolicy | None = None) -> None:
         self.max_jobs = max_jobs
         self.trim_idle = trim_idle  # a worker gives back what it keeps after this many idle seconds (0 = never)
         self._environment = dict(environment or {})  # added to each worker's environment (allocator tuning)
@@ -81,7 +82,8 @@ class ProcessPool(DecodePool):
         self._local = threading.local()
         self._all: set[WorkerHandle] = set()
         self._closed = False
-        super().__init__(workers, lower_priority=False)  # the threads only wait; the processes lower theirs
+        # the threads only wait; the processes lower their priority and warm up with ``warm_policy`` themselves
+        super().__init__(workers, lower_priority=False, warm_policy=warm_policy)
 
     def worker_pids(self) -> list[int]:
         """The pids of the worker processes alive now (tests, the bench)."""
@@ -107,7 +109,7 @@ class ProcessPool(DecodePool):
         if worker is None:
             if self._closed:
                 raise Cancelled()
-            worker = WorkerHandle(self._environment, self.trim_idle)
+            worker = WorkerHandle(self._environment, self.trim_idle, self.warm_policy)
             with self._lock:
                 self._all.add(worker)
                 closed = self._closed

@@ -134,15 +134,16 @@ def served_model(settings: Settings) -> Model | None:
     return model
 
 
-def make_pool(settings: Settings, metrics: Metrics) -> DecodePool:
-    """The decode pool MMGATE_DECODE_MODE names: threads, or threads that each drive a worker process."""
+def make_pool(settings: Settings, metrics: Metrics, image_policy: ImagePolicy) -> DecodePool:
+    """The decode pool MMGATE_DECODE_MODE names: threads, or threads that each drive a worker process; either
+    warms up with ``image_policy`` (the served model's geometry included) before the first request."""
     if settings.decode.decode_mode == "process":
         return ProcessPool(settings.decode.decode_workers, max_jobs=settings.decode.worker_max_jobs,
                            max_rss_bytes=settings.decode.worker_max_rss_mb * MIB,
                            on_exit=lambda reason: metrics.decode_worker_exits.labels(reason).inc(),
                            environment=worker_environment(os.environ, memory_first=settings.memory.malloc_tuning),
-                           trim_idle=settings.memory.trim_idle)
-    return DecodePool(settings.decode.decode_workers)
+                           trim_idle=settings.memory.trim_idle, warm_policy=image_policy)
+    return DecodePool(settings.decode.decode_workers, warm_policy=image_policy)
 
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:
@@ -155,7 +156,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         fetcher = await resources.enter_async_context(_fetch_client(base))
         cache = _media_cache(base)
         resources.callback(cache.close)
-        pool = make_pool(base.settings, base.metrics)
+        pool = make_pool(base.settings, base.metrics, base.image_policy)
         app[STATE] = state = AppState.completing(base, session=session, pool=pool, cache=cache, fetcher=fetcher)
         # the pool the state holds at shutdown: a bench may have swapped in its own (testkit.variants)
         resources.callback(lambda: state.pool.shutdown())

@@ -31,7 +31,7 @@ AUTO_JPEG_QUALITY = 0  # jpeg_quality when MMGATE_JPEG_QUALITY=auto (preprocesso
 BackendMetrics = Literal["passthrough", "merge"]
 DecodeMode = Literal["thread", "process"]
 Validate = Literal["full", "header"]
-ImageFormat = Literal["auto", "jpeg", "png", "webp"]
+ImageFormat = Literal["auto", "jpeg", "png", "webp", "bmp"]
 ReleaseAt = Literal["auto", "sent", "headers", "complete"]
 MediaUrls = Literal["forward", "reject", "fetch"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -175,7 +175,7 @@ class Decode:
     decode_mode: DecodeMode = field(default_factory=_default_decode_mode)
     worker_max_jobs: int = 1000
     worker_max_rss_mb: int = 1024
-    validate: Validate = "full"
+    validate: Validate = "header"
     resize_max_pixels: int = 0
     resize_max_side: int = 0
     model: str = ""

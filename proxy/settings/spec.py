@@ -145,12 +145,15 @@ SPEC: dict[str, Spec] = {
     "max_video_frames": Spec("limits", integer(1, 10_000_000), "frames of a video, from its index or packets -> "
                                                             "400 video_too_large"),
     "max_video_seconds": Spec("limits", seconds(False), "duration of a video -> 400 video_too_large"),
-    "validate": Spec("decode", choice(Validate), "full = decode every image; header = header only"),
+    "validate": Spec("decode", choice(Validate), "header = format, size and frames from the header (the backend "
+                                                "decodes the image anyway); full = also decode every image"),
     "resize_max_pixels": Spec("decode", integer(0), "downscale to at most this many pixels (0 = never)"),
     "resize_max_side": Spec("decode", integer(0), "downscale so the longer side fits (0 = never)"),
     "model": Spec("decode", model_name, "served model's folder or cached name: its resize and image tokens (needs "
                                     "the model extra)", shown="none"),
-    "image_format": Spec("decode", choice(ImageFormat), "format of re-encoded images"),
+    "image_format": Spec("decode", choice(ImageFormat), "format of re-encoded images; auto = BMP with a model "
+                                                         "(lossless, cheapest for the backend), else JPEG; PNG "
+                                                         "where alpha must survive"),
     "jpeg_quality": Spec("decode", jpeg_quality, "JPEG/WebP quality of re-encoded images, or auto: 90 (4:2:0 "
                                                   "chroma), and with a model 100 with 4:4:4 chroma, its fidelity "
                                                   "bound"),

@@ -4,8 +4,8 @@ The bound is a quality bound, not a timing: a deterministic high-detail photo (s
 mmgate over HTTP with an Idefics3 processor folder (``testkit.models``), and the image the upstream received is
 decoded and compared with the processor's own resize of the decoded original: its PIL backend, its ``resample``
 (LANCZOS), run by the processor itself (``testkit.models.idefics3_resize``). That is the reference because it is
-what the backend computes when mmgate forwards the original untouched. Without a model nothing changes: JPEG
-quality 90 with 4:2:0 chroma, BICUBIC.
+what the backend computes when mmgate forwards the original untouched. With a model the file is a lossless BMP
+(the resize is the only difference); without one nothing changes: JPEG quality 90 with 4:2:0 chroma, BICUBIC.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from PIL import Image, JpegImagePlugin
 from preprocessors.base import ImagePolicy
 from preprocessors.image import GENERIC_JPEG_QUALITY, MODEL_JPEG_QUALITY, process_image
 from proxy.app import build_state
+from proxy.media.model import load_model
 from proxy.settings import AUTO_JPEG_QUALITY, ConfigError, Settings
 from testkit.media import chat_with_image, data_uri, decode_uri, detailed_photo, psnr
 from tests.conftest import StartProxy, Upstream
@@ -66,16 +67,16 @@ async def test_the_upstream_gets_a_photo_within_40_db_of_the_processors_own_resi
         assert response.status == 200, await response.text()
     content = orjson.loads(upstream.seen[-1].body)["messages"][0]["content"]
     head, received = decode_uri(content[1]["image_url"]["url"])
-    assert head == "data:image/jpeg;base64"
+    assert head == "data:image/bmp;base64" and received.format == "BMP"
     assert received.size == reference.size == (1456, 1092)  # the processor's size: its own resize is a no-op
-    assert JpegImagePlugin.get_sampling(received) == 0  # 4:4:4: the chroma the processor keeps is kept
+    lossless = process_image(high_detail_jpeg, ImagePolicy(geometry=load_model(str(idefics3)).geometry,
+                                                           output_format="png"))
+    assert lossless is not None and psnr(received, Image.open(io.BytesIO(lossless.data))) == float("inf")
     assert psnr(received, reference) >= BOUND_DB
 
 
 def test_a_model_resizes_with_its_processors_filter(idefics3: Path, high_detail_jpeg: bytes) -> None:
     """LANCZOS for Idefics3: the processor's filter is closer to the reference than the generic BICUBIC."""
-    from proxy.media.model import load_model
-
     geometry = load_model(str(idefics3)).geometry
     assert geometry is not None and geometry.resample == Image.Resampling.LANCZOS
     reference = idefics3_resize(idefics3, Image.open(io.BytesIO(high_detail_jpeg)))
@@ -88,19 +89,39 @@ def test_a_model_resizes_with_its_processors_filter(idefics3: Path, high_detail_
     assert own > other
 
 
-def test_with_a_model_a_reencode_no_smaller_than_the_original_is_not_sent(idefics3: Path) -> None:
-    """A grainy photo compressed hard re-encodes bigger at the model's size than it came: the original goes
-    byte for byte instead (None), and the backend resizes it to that very size itself."""
+def test_with_a_model_an_image_it_would_shrink_is_never_sent_as_its_original(idefics3: Path) -> None:
+    """A grainy photo compressed hard makes a bigger file at the model's size than it came as; it is still sent
+    at the model's size, so the backend never decodes and resizes more pixels than the model uses."""
     import numpy as np
-
-    from proxy.media.model import load_model
 
     geometry = load_model(str(idefics3)).geometry
     grain = np.random.default_rng(7).integers(0, 256, (1500, 2000, 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(grain).save(out, "JPEG", quality=25)
-    assert process_image(out.getvalue(), ImagePolicy(geometry=geometry)) is None
-    assert process_image(out.getvalue(), ImagePolicy(resize_max_pixels=1456 * 1092)) is not None  # no model
+    processed = process_image(out.getvalue(), ImagePolicy(geometry=geometry))
+    assert processed is not None and (processed.mime, processed.width, processed.height) == ("image/bmp", 1456, 1092)
+    assert len(processed.data) > len(out.getvalue())
+
+
+def test_with_a_model_a_camera_jpeg_and_its_reencode_get_the_same_treatment(idefics3: Path,
+                                                                            high_detail_jpeg: bytes) -> None:
+    """A camera writes quality 90 with 4:2:0 chroma; a client re-encodes at its own settings: both reach the
+    backend at the model's size, in the same format."""
+    geometry = load_model(str(idefics3)).geometry
+    camera = io.BytesIO()
+    Image.open(io.BytesIO(high_detail_jpeg)).save(camera, "JPEG", quality=90, subsampling=2)
+    sent = [process_image(data, ImagePolicy(geometry=geometry)) for data in (camera.getvalue(), high_detail_jpeg)]
+    assert [(p.mime, p.width, p.height) for p in sent if p is not None] == [("image/bmp", 1456, 1092)] * 2
+
+
+def test_with_a_model_alpha_is_kept_losslessly_as_png(idefics3: Path) -> None:
+    geometry = load_model(str(idefics3)).geometry
+    buf = io.BytesIO()
+    Image.new("RGBA", (2000, 1500), (10, 200, 30, 128)).save(buf, "PNG")
+    processed = process_image(buf.getvalue(), ImagePolicy(geometry=geometry))
+    assert processed is not None and processed.mime == "image/png"
+    received = Image.open(io.BytesIO(processed.data))
+    assert received.mode == "RGBA" and received.getpixel((5, 5))[3] == 128
 
 
 def test_without_a_model_auto_quality_stays_90_with_subsampled_chroma(high_detail_jpeg: bytes) -> None:
@@ -111,12 +132,11 @@ def test_without_a_model_auto_quality_stays_90_with_subsampled_chroma(high_detai
     assert out.quantization == _jpeg(out.convert("RGB"), quality=GENERIC_JPEG_QUALITY).quantization
 
 
-def test_with_a_model_an_explicit_quality_is_kept_with_full_chroma(idefics3: Path, high_detail_jpeg: bytes) -> None:
-    from proxy.media.model import load_model
-
+def test_with_a_model_an_explicit_jpeg_keeps_full_chroma(idefics3: Path, high_detail_jpeg: bytes) -> None:
     geometry = load_model(str(idefics3)).geometry
     for quality, expected in ((AUTO_JPEG_QUALITY, MODEL_JPEG_QUALITY), (85, 85)):
-        processed = process_image(high_detail_jpeg, ImagePolicy(geometry=geometry, jpeg_quality=quality))
+        processed = process_image(high_detail_jpeg, ImagePolicy(geometry=geometry, jpeg_quality=quality,
+                                                                output_format="jpeg"))
         assert processed is not None
         out = Image.open(io.BytesIO(processed.data))
         assert JpegImagePlugin.get_sampling(out) == 0

@@ -494,3 +494,25 @@ async def test_a_worker_outlives_ctrl_c(process_pool: ProcessPool) -> None:
     os.kill(pid, signal.SIGINT)
     os.kill(pid, signal.SIGTERM)
     assert await started(process_pool) == pid and process_pool.crashed == 0
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+async def test_the_pool_warms_up_with_the_served_models_geometry(mode: str) -> None:
+    """The first image the model would shrink must not pay for importing the processor's helpers: the pool runs
+    the policy's geometry while it starts. A geometry whose processor module cannot be imported therefore
+    stops the start, in threads and in worker processes alike."""
+    from preprocessors.geometry import Idefics3
+    from preprocessors.pool import DecodePool
+
+    broken = ImagePolicy(geometry=Idefics3("idefics3", "no_such_processor_module", 1456, 364, True))
+    working = ImagePolicy(geometry=Idefics3("idefics3", "preprocessors.geometry", 1456, 364, False))
+    for policy, fails in ((broken, True), (working, False)):
+        pool = ProcessPool(1, warm_policy=policy) if mode == "process" else DecodePool(1, warm_policy=policy)
+        try:
+            if fails:
+                with pytest.raises((WorkerStartError, ModuleNotFoundError), match="no_such_processor_module"):
+                    await asyncio.to_thread(pool.start)
+            else:
+                await asyncio.to_thread(pool.start)
+        finally:
+            pool.shutdown()

@@ -141,7 +141,7 @@ async def test_entries_are_evicted_least_recently_used_first_within_the_bound(
 def test_every_setting_that_shapes_the_output_changes_the_key_and_others_do_not() -> None:
     base = Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:1"})
     shaping = {"MMGATE_MAX_MEDIA_ITEM_MB": "7", "MMGATE_MAX_IMAGE_PIXELS": "1000", "MMGATE_MAX_FRAMES": "3",
-               "MMGATE_VALIDATE": "header", "MMGATE_RESIZE_MAX_PIXELS": "1000", "MMGATE_RESIZE_MAX_SIDE": "30",
+               "MMGATE_VALIDATE": "full", "MMGATE_RESIZE_MAX_PIXELS": "1000", "MMGATE_RESIZE_MAX_SIDE": "30",
                "MMGATE_IMAGE_FORMAT": "webp", "MMGATE_JPEG_QUALITY": "50", "MMGATE_MAX_AUDIO_SECONDS": "9"}
     prints = {settings_fingerprint(base)}
     for name, value in shaping.items():
