@@ -16,7 +16,10 @@ decode, the processor's filter) and the bench then encodes the same pixels with 
   encoding reaches);
 * bytes to the backend (the file; base64 in the JSON adds a third);
 * mmgate CPU ms: decode and resize (shared by every candidate) plus the candidate's encode, thread CPU;
-* backend decode CPU ms: ``Image.open`` + ``load`` + ``convert("RGB")`` of what it receives, thread CPU.
+* backend decode CPU ms: ``Image.open`` + ``load`` + ``convert("RGB")`` of what it receives, thread CPU;
+* handoff CPU ms: what the choice of encoding costs the whole path, thread CPU: mmgate's encode and base64,
+  then the backend's base64 decode and its decode, as above (the resize, the same for every candidate, left
+  out). The bytes themselves cross the sidecar's loopback.
 
 "original" is the other way: forward the file untouched; the backend then decodes 12 MP and resizes itself.
 A self-check asserts the bench's resize is pixel for pixel ``process_image``'s (PNG output).
@@ -24,7 +27,7 @@ A self-check asserts the bench's resize is pixel for pixel ``process_image``'s (
 Without a model (the generic rule, ``MMGATE_RESIZE_MAX_PIXELS`` at the same pixel count): BICUBIC, JPEG q90
 4:2:0, its PSNR against Pillow's BICUBIC of the original at that size and the bytes it saves.
 
-Goal: every image ≥ 40 dB with the encoding mmgate uses with a model (``image.MODEL_JPEG_QUALITY``, 4:4:4).
+Goal: every image ≥ 40 dB with the encoding mmgate uses with a model (``MMGATE_IMAGE_FORMAT=auto``: BMP).
 Timings are the median of ``--rounds`` (≥ 3) with their spread; PSNR and bytes are deterministic.
 
     python -m bench.fidelity [--rounds N] [--quick] [--out PATH]
@@ -42,11 +45,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pybase64
 from PIL import Image
 
 from bench import _results as R
 from preprocessors.base import ImagePolicy
-from preprocessors.image import GENERIC_JPEG_QUALITY, MODEL_JPEG_QUALITY, process_image
+from preprocessors.image import GENERIC_JPEG_QUALITY, process_image
 from testkit.media import detailed_photo, photo_sized, psnr
 from testkit.models import idefics3_folder, idefics3_resize
 
@@ -102,8 +106,9 @@ ENCODINGS = (
     Encoding("WebP lossless, method 0", "WEBP", {"lossless": True, "method": 0, "quality": 0}),
     Encoding("WebP near-lossless 60, method 0", "WEBP", {"lossless": True, "near_lossless": 60, "method": 0,
                                                           "quality": 0}),
+    Encoding("BMP, uncompressed", "BMP", {}),
 )
-CHOSEN = f"JPEG q{MODEL_JPEG_QUALITY} 4:4:4"
+CHOSEN = "BMP, uncompressed"  # what process_image sends with a model and MMGATE_IMAGE_FORMAT=auto
 
 
 def cpu_ms(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -134,6 +139,16 @@ def encode(image: Image.Image, encoding: Encoding) -> bytes:
     buf = io.BytesIO()
     image.save(buf, encoding.fmt, **encoding.options)
     return buf.getvalue()
+
+
+def handoff(image: Image.Image, encoding: Encoding) -> bytes:
+    """mmgate's side of the handoff: the file and its base64."""
+    return pybase64.b64encode(encode(image, encoding))
+
+
+def backend_receive(text: bytes) -> Image.Image:
+    """The backend's side: its base64 decode and its decode."""
+    return backend_decode(pybase64.b64decode(text, validate=True))
 
 
 def backend_decode(data: bytes) -> Image.Image:
@@ -169,8 +184,12 @@ def measure(photo: Photo, folder: Path, policy: ImagePolicy, rounds: int) -> dic
         got = backend_decode(out)
         encode_cpu = [cpu_ms(partial(encode, resized, encoding))[1] for _ in range(rounds)]
         decode_cpu = [cpu_ms(partial(backend_decode, out))[1] for _ in range(rounds)]
+        text = handoff(resized, encoding)
+        path_cpu = [cpu_ms(partial(handoff, resized, encoding))[1] + cpu_ms(partial(backend_receive, text))[1]
+                    for _ in range(rounds)]
         rows.append({"encoding": encoding.name, "psnr_db": round(psnr(got, reference), 2),
                      "encode_only_psnr_db": round(psnr(got, resized), 2), "bytes": len(out),
+                     "base64_bytes": len(text), "handoff_cpu_ms": summary(path_cpu),
                      "mmgate_cpu_ms": summary([r + e for r, e in zip(resize_cpu, encode_cpu, strict=True)]),
                      "backend_decode_cpu_ms": summary(decode_cpu)})
     # The chosen encoding, end to end through process_image as a model makes it.
@@ -247,13 +266,14 @@ def report(data: dict[str, Any]) -> str:
         f"`python -m bench.fidelity`: Idefics3 (LANCZOS, {SIZE[0]}x{SIZE[1]} → its 1456x1092), "
         f"{data['rounds']} rounds per timing (median, min–max), thread CPU. Reference: the processor's own resize "
         "of the fully decoded original. PSNR over RGB, 8 bits. The chosen encoding is what mmgate sends with a "
-        f"model and `MMGATE_JPEG_QUALITY=auto`: {CHOSEN}.",
+        f"model and `MMGATE_IMAGE_FORMAT=auto`: {CHOSEN}. Handoff CPU: mmgate's encode and base64, plus the "
+        "backend's base64 decode and decode (the resize, the same for all, left out).",
         "",
         "## Summary over the photos",
         "",
         "| encoding | PSNR dB, lowest | PSNR dB, median | bytes, median | mmgate CPU ms, median | "
-        "backend decode CPU ms, median |",
-        "|---|---|---|---|---|---|",
+        "backend decode CPU ms, median | handoff CPU ms, median |",
+        "|---|---|---|---|---|---|---|",
     ]
     names = [e.name for e in ENCODINGS]
     for name in names:
@@ -262,16 +282,18 @@ def report(data: dict[str, Any]) -> str:
         by = sorted(r["bytes"] for r in rows)
         cpu = sorted(r["mmgate_cpu_ms"]["median"] for r in rows)
         dec = sorted(r["backend_decode_cpu_ms"]["median"] for r in rows)
+        path = sorted(r["handoff_cpu_ms"]["median"] for r in rows)
         mid = len(rows) // 2
         lines.append(f"| {name}{' (chosen)' if name == CHOSEN else ''} | {ps[0]} | {ps[mid]} | "
-                     f"{by[mid] / 1e6:.2f} MB | {R.number(cpu[mid])} | {R.number(dec[mid])} |")
+                     f"{by[mid] / 1e6:.2f} MB | {R.number(cpu[mid])} | {R.number(dec[mid])} | "
+                     f"{R.number(path[mid])} |")
     originals = data["photos"]
     mid = len(originals) // 2
     decode = sorted(p["original"]["backend_decode_cpu_ms"]["median"] for p in originals)[mid]
     resize = sorted(p["original"]["backend_resize_cpu_ms"]["median"] for p in originals)[mid]
     lines.append(f"| original, forwarded (the backend decodes 12 MP and resizes) | exact | exact | "
                  f"{sorted(p['source_bytes'] for p in originals)[mid] / 1e6:.2f} MB | validate only | "
-                 f"{R.number(decode)} + resize {R.number(resize)} |")
+                 f"{R.number(decode)} + resize {R.number(resize)} | – |")
     for photo in data["photos"]:
         lines += [
             "",
@@ -289,13 +311,14 @@ def report(data: dict[str, Any]) -> str:
             f"{cell(photo['original']['backend_decode_cpu_ms'])} ms and resizes it in "
             f"{cell(photo['original']['backend_resize_cpu_ms'])} ms.",
             "",
-            "| encoding | PSNR dB | encode-only PSNR dB | bytes | mmgate CPU ms | backend decode CPU ms |",
-            "|---|---|---|---|---|---|",
+            "| encoding | PSNR dB | encode-only PSNR dB | bytes | mmgate CPU ms | backend decode CPU ms | "
+            "handoff CPU ms |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in photo["encodings"]:
             lines.append(f"| {r['encoding']} | {r['psnr_db']} | {r['encode_only_psnr_db']} | "
                          f"{r['bytes'] / 1e6:.2f} MB | {cell(r['mmgate_cpu_ms'])} | "
-                         f"{cell(r['backend_decode_cpu_ms'])} |")
+                         f"{cell(r['backend_decode_cpu_ms'])} | {cell(r['handoff_cpu_ms'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -21,9 +21,10 @@ Images, every request its own (so no cache on either side answers one from an ea
 * ``camera``: 4000x3000 high-detail photos (``bench/fidelity.py``'s hard case) as cameras write them, JPEG
   quality 90 with 4:2:0 chroma; sent through the client's ``custom_image`` dataset as data URLs.
 
-Modes: ``direct``; ``defaults`` (mmgate as installed); ``model`` (``MMGATE_MODEL`` = the tiny Idefics3's
-folder). mmgate starts afresh for every cell. In ``model`` its cache is off: the client sends its first request
-twice (an initial test, then in the run), and a cached second one would be work mmgate did not do.
+Modes: ``direct``; ``defaults`` (mmgate as installed: header validation); ``full`` (``MMGATE_VALIDATE=full``:
+every image decoded in mmgate too, the trade the README documents); ``model`` (``MMGATE_MODEL`` = the tiny
+Idefics3's folder). mmgate starts afresh for every cell. In ``model`` its cache is off: the client sends its
+first request twice (an initial test, then in the run), and a cached second one would be work mmgate did not do.
 
 Each cell runs ``--rounds`` times (≥ 3), the modes taking turns within a round, and each figure is the median
 of the rounds with its spread; ratios are through mmgate ÷ direct, round by round.
@@ -60,7 +61,7 @@ from testkit.media import detailed_photo
 
 SCRIPT = "peer_client.py"
 WHAT = "req/s and TTFT seen by vllm bench serve, directly and through mmgate, with the backend's CPU per request"
-MODES = ("direct", "defaults", "model")
+MODES = ("direct", "defaults", "full", "model")
 OUTPUT_TOKENS = 8
 NOISE_SIZE = (3000, 2000)
 SINGLE_TILE = ("--mm-processor-kwargs", '{"do_image_splitting": false}')
@@ -184,6 +185,8 @@ def backend(name: str) -> Iterator[tuple[str, int]]:
 
 
 def mmgate_flags(mode: str) -> tuple[str, ...]:
+    if mode == "full":
+        return ("--validate", "full")
     if mode == "model":
         return ("--model", str(h.DEFAULT_DIR / "tiny-idefics3"), "--cache-mb", "0")
     return ()
@@ -256,7 +259,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
-def _rows(data: dict[str, Any]) -> dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]]:
+def rows_of(data: dict[str, Any]) -> dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]]:
     """(backend, images, clients) → mode → round → cell."""
     rows: dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]] = {}
     for cell in data["cells"]:
@@ -290,7 +293,7 @@ def ttft_excess(modes: dict[str, dict[int, dict[str, Any]]], mode: str) -> list[
 
 def goals(data: dict[str, Any]) -> list[R.Goal]:
     out: list[R.Goal] = []
-    rows = _rows(data)
+    rows = rows_of(data)
     for (backend_name, images, clients), modes in sorted(rows.items()):
         where = f"{backend_name}, {images}, {clients} client{'s' if clients > 1 else ''}"
         if clients > 1:
@@ -338,14 +341,15 @@ def report(data: dict[str, Any]) -> str:
         "rounds (min–max). CPU: the process tree's user + system time per completed request.",
         "",
         "Modes: **direct** (client → backend); **defaults** (mmgate as installed: header validation, no resize); "
-        "**model** (`MMGATE_MODEL` = the tiny Idefics3's folder: images resized to the model's size and sent as "
-        "BMP; cache off, see the script).",
+        "**full** (`MMGATE_VALIDATE=full`: every image decoded in mmgate too); **model** (`MMGATE_MODEL` = the "
+        "tiny Idefics3's folder: images resized to the model's size and sent as BMP; cache off, see the script).",
         "",
-        "| backend | images | clients | req/s direct / defaults / model | mean TTFT ms direct / defaults / model "
-        "| backend CPU ms/req direct / defaults / model | mmgate CPU ms/req defaults / model |",
+        "| backend | images | clients | req/s direct / defaults / full / model | mean TTFT ms direct / defaults / "
+        "full / model | backend CPU ms/req direct / defaults / full / model | mmgate CPU ms/req defaults / full / "
+        "model |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for (backend_name, images, clients), modes in sorted(_rows(data).items()):
+    for (backend_name, images, clients), modes in sorted(rows_of(data).items()):
         cols = [" / ".join(_cell_text(modes, m, key) for m in MODES)
                 for key in ("request_throughput", "mean_ttft_ms", "backend_cpu_ms")]
         lines.append(f"| {backend_name} | {images} | {clients} | {cols[0]} | {cols[1]} | {cols[2]} | "

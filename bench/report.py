@@ -121,6 +121,30 @@ def scaling_table(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def peer_table(data: dict[str, Any]) -> list[str]:
+    """What each mode costs and gains with a peer's client (``peer_client.json``), for the README."""
+    from bench.peer_client import ratios, rows_of
+
+    _, when = freshness(data)
+    lines = [
+        f"A peer's client (`bench/peer_client.py` → `peer_client.json`; {when}; {machine(data)}): `vllm bench "
+        "serve`, one image per streaming chat request, through mmgate ÷ directly to the backend, median (min–max) "
+        f"of {data['settings']['rounds']} rounds: req/s at several clients, mean TTFT at one.",
+        "",
+        "| backend | images | clients | figure | defaults ÷ direct | `MMGATE_VALIDATE=full` ÷ direct "
+        "| `MMGATE_MODEL` ÷ direct |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for (backend, images, clients), modes in sorted(rows_of(data).items()):
+        key, words = ("request_throughput", "req/s") if clients > 1 else ("mean_ttft_ms", "mean TTFT")
+        cells = []
+        for mode in ("defaults", "full", "model"):
+            s = R.summary(ratios(modes, mode, key))
+            cells.append("–" if s["median"] is None else _median(s))
+        lines.append(f"| {backend} | {images} | {clients} | {words} | {' | '.join(cells)} |")
+    return lines
+
+
 def render_section(results: Path = R.RESULTS) -> str:
     """The generated section, markers included."""
     files = load_results(results)
@@ -137,6 +161,7 @@ def render_section(results: Path = R.RESULTS) -> str:
          if stale else "Every result was measured on the code as committed."),
         "",
         *((*scaling_table(files["scale"]), "") if "scale" in files else ()),
+        *((*peer_table(files["peer_client"]), "") if "peer_client" in files else ()),
         END,
     ]
     return "\n".join(lines)

@@ -80,6 +80,12 @@ def decode_base64(payload: bytes | memoryview | str, *, max_bytes: int) -> bytes
     """
     if isinstance(payload, str):  # any non-ASCII character is then reported as invalid base64 below
         payload = payload.encode("utf-8", "surrogatepass")
+    checked_size(payload, max_bytes)
+    return _strict(payload)
+
+
+def checked_size(payload: bytes | memoryview, max_bytes: int) -> int:
+    """The decoded size of the base64 ``payload``, from its length: refused when empty or over ``max_bytes``."""
     length = len(payload)
     if length == 0:
         raise INVALID_BASE64.error("base64 payload is empty")
@@ -89,6 +95,17 @@ def decode_base64(payload: bytes | memoryview | str, *, max_bytes: int) -> bytes
             f"media item decodes to {size} bytes ({size / 2**20:.1f} MiB), over the limit of "
             f"{max_bytes} bytes ({max_bytes / 2**20:g} MiB, MMGATE_MAX_MEDIA_ITEM_MB)",
         )
+    return size
+
+
+def decode_head(payload: bytes | memoryview, head_bytes: int) -> bytes:
+    """The first ``head_bytes`` (rounded down to whole base64 quanta) of what ``payload`` decodes to, strictly;
+    all of it when it is shorter. The rest of the payload is not read."""
+    chars = head_bytes // 3 * 4
+    return _strict(payload if len(payload) <= chars else payload[:chars])
+
+
+def _strict(payload: bytes | memoryview) -> bytes:
     try:
         return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):

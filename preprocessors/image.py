@@ -38,7 +38,7 @@ import io
 import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from io import BytesIO
 
@@ -56,7 +56,7 @@ from PIL import (
 )
 
 from .base import Checkpoint, ImagePolicy, Processed, no_checkpoint
-from .dimensions import header_dimensions
+from .dimensions import HEAD_STEPS, MAX_HEAD_BYTES, header_dimensions
 from .errors import IMAGE_DECODE_FAILED, IMAGE_TOO_LARGE, TOO_MANY_FRAMES
 from .formats import MIME_BY_FORMAT, sniff_image_format
 from .geometry import resize_target
@@ -83,6 +83,8 @@ _MODEL_REDUCING_GAP = 3.0
 # CPU per encoding).
 GENERIC_JPEG_QUALITY = 90
 MODEL_JPEG_QUALITY = 100
+# Formats whose size and frame count Pillow reads from the header alone (``judge_header``).
+_HEADER_FORMATS = frozenset(("JPEG", "PNG", "BMP"))
 _PNG_COMPRESS_LEVEL = 1  # fast: the output is consumed once, by the backend, on the same network
 
 # EXIF orientation -> the transpose that makes the image upright (the table of ImageOps.exif_transpose).
@@ -123,24 +125,8 @@ def process_image(
         img = Image.open(BytesIO(data), formats=(fmt,))
     try:
         width, height = img.size
-        if width * height > policy.max_pixels:
-            raise IMAGE_TOO_LARGE.error(
-                f"image is {width}x{height} = {width * height} pixels, over the limit of "
-                f"{policy.max_pixels} (MMGATE_MAX_IMAGE_PIXELS); downscale it before sending",
-            )
-        with _decode_errors(fmt):
-            frames = _count_frames(img, policy.max_frames)
-        if frames > policy.max_frames:
-            raise TOO_MANY_FRAMES.error(
-                f"image has more than {policy.max_frames} frames; "
-                "send a still image or a shorter animation",
-            )
+        target = _checked_target(img, data, fmt, policy)
         checkpoint()
-        if policy.geometry is None:
-            target = _fit(width, height, policy)
-        else:
-            _same_as_counted(data, fmt, width, height)
-            target = resize_target(policy.geometry, width, height, _orientation(img))
         if target is None:
             if policy.validate == "full":
                 with _decode_errors(fmt):
@@ -174,6 +160,56 @@ def process_image(
         source_width=width,
         source_height=height,
     )
+
+
+def judge_header(head: Callable[[int], bytes], policy: ImagePolicy) -> str | None:
+    """With header validation, the MIME type of an image that its header alone decides: valid, and left as it
+    is. ``head(n)`` gives the file's first ``n`` bytes (fewer: the whole file); heads of
+    ``dimensions.HEAD_STEPS`` and then ``MAX_HEAD_BYTES`` are tried, as the token count reads them. None where
+    the header does not decide: an image to resize, a GIF or WebP (their frames, and Pillow's WebP opener, need
+    the whole file), or a header past the longest head; ``process_image`` then judges the whole file, in a
+    decode worker. Raises what ``process_image`` raises for the same header. Thread-safe, and cheap enough
+    for the event loop (a Pillow open of a few KiB)."""
+    if policy.validate != "header":
+        return None
+    for head_bytes in (*HEAD_STEPS, MAX_HEAD_BYTES):
+        data = head(head_bytes)
+        whole = len(data) < head_bytes // 3 * 3
+        fmt = sniff_image_format(data)
+        if fmt not in _HEADER_FORMATS:
+            return None
+        try:
+            img = Image.open(BytesIO(data), formats=(fmt,))
+        except Exception:
+            if not whole:
+                continue  # the header goes on past this head
+            with _decode_errors(fmt):
+                raise
+        with img:
+            return MIME_BY_FORMAT[fmt] if _checked_target(img, data, fmt, policy) is None else None
+    return None
+
+
+def _checked_target(img: Image.Image, data: bytes, fmt: str, policy: ImagePolicy) -> tuple[int, int] | None:
+    """The header's checks (pixels, frames; with a model, the size the token count read) on the opened
+    ``img``, and the size to resize it to: None to keep it as it is."""
+    width, height = img.size
+    if width * height > policy.max_pixels:
+        raise IMAGE_TOO_LARGE.error(
+            f"image is {width}x{height} = {width * height} pixels, over the limit of "
+            f"{policy.max_pixels} (MMGATE_MAX_IMAGE_PIXELS); downscale it before sending",
+        )
+    with _decode_errors(fmt):
+        frames = _count_frames(img, policy.max_frames)
+    if frames > policy.max_frames:
+        raise TOO_MANY_FRAMES.error(
+            f"image has more than {policy.max_frames} frames; "
+            "send a still image or a shorter animation",
+        )
+    if policy.geometry is None:
+        return _fit(width, height, policy)
+    _same_as_counted(data, fmt, width, height)
+    return resize_target(policy.geometry, width, height, _orientation(img))
 
 
 def _same_as_counted(data: bytes, fmt: str, width: int, height: int) -> None:

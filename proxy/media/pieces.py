@@ -50,6 +50,12 @@ class Piece:
         per-item cap before that."""
         return len(self.fetched.data) if self.fetched is not None else self.item.size
 
+    @property
+    def own_key(self) -> bytes:
+        """A key of this piece's own: unique in its request, and shorter than every cache key, so no lookup
+        ever finds it (the cache off, or an item judged without the cache)."""
+        return self.index.to_bytes(4, "big")
+
     def payload(self, body: BodyRef) -> bytes | memoryview:
         """The bytes a decode job reads: the fetched body, or the inline base64 (a view into the request body
         when possible). ``Cancelled`` once the request let go of its body."""
@@ -75,7 +81,7 @@ async def key_pieces(cache: VerdictCache, pieces: Sequence[Piece], body: BodyRef
     enough that a thread hop costs more; with the cache off nothing is hashed."""
     if not isinstance(cache, MediaCache):
         for piece in pieces:
-            piece.key = piece.index.to_bytes(4, "big")
+            piece.key = piece.own_key
         return
     if sum(piece.size for piece in pieces) * 4 // 3 > HASH_INLINE_BYTES:
         digests = await asyncio.get_running_loop().run_in_executor(cache.hasher, _digests, body, pieces)

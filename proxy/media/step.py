@@ -4,28 +4,31 @@ decode pool (threads or worker processes), and turned into replacements for ``ra
 One way through, whether the cache is on or off (off: ``cache.NoCache``, which holds nothing) and wherever an
 item's bytes come from (``pieces.Piece.source``: inline base64, or a fetched URL):
 
-1. **Key** every inline item (``pieces.key_pieces``: the payload's digest and the part's context).
-2. **Look up.** A cached verdict is a hit. A key another request is deciding is waited for *before* this
+1. **Judge by the header** every inline image its header decides (header validation, nothing to resize:
+   ``job.judge_head``), here on the loop from the head of its base64: hashing it would cost more than judging
+   it, so it is never keyed, cached or sent to the pool. It is weighed at the gate all the same.
+2. **Key** every other inline item (``pieces.key_pieces``: the payload's digest and the part's context).
+3. **Look up.** A cached verdict is a hit. A key another request is deciding is waited for *before* this
    request leads anything, so two requests can never wait on each other. A leader that stopped for a reason not
    the media's settles its key with None and the waiter looks again (at most ``FOLLOW_ROUNDS`` times, then
    decodes for itself). With several front processes a miss is asked of the other fronts' caches. A cached
    refusal refuses the request here, with nothing decoded or admitted.
-3. **Lead and admit.** Every inline key still missing is led (a key twice in one request is decoded once),
+4. **Lead and admit.** Every inline key still missing is led (a key twice in one request is decoded once),
    then the gate weighs those misses and each URL item at the per-item cap: a URL's bytes are unknown until
    read, and they are read only once admitted, so the cap bounds what the fetch may bring in. Hits hold a
    slot (the request is still forwarded) but nothing of the byte budget.
-4. **Fetch** the URL items (``fetch.fetcher``), then key them by the bytes fetched (the raw bytes and their
-   declared type) and look them up as in step 2: a hit, or a key another request is deciding, is not decoded
+5. **Fetch** the URL items (``fetch.fetcher``), then key them by the bytes fetched (the raw bytes and their
+   declared type) and look them up as in step 3: a hit, or a key another request is deciding, is not decoded
    again, so two identical first fetches decode once. Waiting is safe only while this request leads nothing;
    a request that already leads inline keys decodes such a fetched key itself rather than risk two requests
    waiting on each other. (A fetched key's leader is past the gate and past every wait of its own, so a
    waiter that holds a slot waits only on work already running.) The lease then weighs only what is still a
    miss (``Lease.lower``): a fetched hit costs nothing at the gate once its bytes are known.
-5. **Decode** the misses in one batch within MMGATE_PREPROCESS_TIMEOUT (``outcomes.media_job``); each
+6. **Decode** the misses in one batch within MMGATE_PREPROCESS_TIMEOUT (``outcomes.media_job``); each
    finished item settles its key, the refusal included, even when another item failed or the deadline passed.
    If the batch fails, the lease is given back only once its work has really stopped: a slot freed earlier
    would let more decode work run than the gate allows.
-6. **Apply** each verdict to its part (``outcomes.outcome_for``) and count the items.
+7. **Apply** each verdict to its part (``outcomes.outcome_for``) and count the items.
 
 The request's body has one owner (``buffers.MediaBuffer``); hashes and jobs reach it through a weak reference
 only, so a request that ended stops them instead of being kept alive by them.
@@ -41,7 +44,7 @@ from concurrent.futures import Future
 from functools import partial
 
 from preprocessors.errors import MediaError
-from preprocessors.job import Verdict
+from preprocessors.job import Verdict, judge_head
 from proxy.admission.gate import Lease
 from proxy.exchange import Exchange
 from proxy.fetch.fetcher import fetch_plan
@@ -67,6 +70,8 @@ async def run_media_step(state: AppState, ex: Exchange, plan: Plan, media: Media
     led: list[bytes] = []
     try:
         started = time.perf_counter()
+        headed = _judge_heads(state, plan, inline, body, verdicts)
+        inline = [piece for piece in inline if piece.key not in verdicts]
         await key_pieces(cache, inline, body)
         misses = await _look_up(cache, inline, verdicts, may_wait=True)
         _refuse_cached(state, plan, inline, verdicts)
@@ -75,7 +80,8 @@ async def run_media_step(state: AppState, ex: Exchange, plan: Plan, media: Media
         ex.watch.add("preprocess", time.perf_counter() - started)
 
         started = time.perf_counter()
-        ex.lease = await state.gate.acquire(_weight(inline, misses) + sum(piece.size for piece in urls),
+        judged = sum(piece.size for piece in headed)
+        ex.lease = await state.gate.acquire(judged + _weight(inline, misses) + sum(piece.size for piece in urls),
                                             state.settings.timeouts.queue_timeout, ex.place, ex.image_tokens, ex.flow)
         ex.place = None
         ex.watch.add("queue", time.perf_counter() - started)
@@ -88,7 +94,7 @@ async def run_media_step(state: AppState, ex: Exchange, plan: Plan, media: Media
             _refuse_cached(state, plan, urls, verdicts)
             led += [key for key in fetched_misses if cache.lead(key)]
             misses += fetched_misses
-            ex.lease.lower(_weight(pieces, misses))
+            ex.lease.lower(judged + _weight(pieces, misses))
             ex.watch.add("preprocess", time.perf_counter() - started)
 
         if misses:
@@ -100,10 +106,29 @@ async def run_media_step(state: AppState, ex: Exchange, plan: Plan, media: Media
     finally:
         for key in led:  # whatever did not finish: the waiters look again
             cache.settle(key, None)
-    for _hit in range(len(pieces) - len(misses)):  # every item this request did not decode itself
+    for _hit in range(len(pieces) - len(misses) - len(headed)):  # every item the cache answered
         cache.count_hit()
     outcomes = [outcome_for(piece.item, verdicts[piece.key], partial(piece.text, body)) for piece in pieces]
     return rewrites_for(state, plan, outcomes)
+
+
+def _judge_heads(state: AppState, plan: Plan, inline: list[Piece], body: BodyRef,
+                 verdicts: dict[bytes, Verdict]) -> list[Piece]:
+    """The inline images whose header alone decides them (``job.judge_head``), judged here on the loop from the
+    head of their base64: nothing to hash, cache or decode. Each gets a key of its own and its verdict; a
+    refusal refuses the request."""
+    headed = []
+    for piece in inline:
+        try:
+            verdict = judge_head(media_job(state, piece, body).task, piece.payload(body))
+        except MediaError:
+            count_items(state, plan.items, "rejected")
+            raise
+        if verdict is not None:
+            piece.key = piece.own_key
+            verdicts[piece.key] = verdict
+            headed.append(piece)
+    return headed
 
 
 async def _look_up(cache: VerdictCache, pieces: Sequence[Piece], verdicts: dict[bytes, Verdict], *,

@@ -150,20 +150,21 @@ def test_resized_image_still_works(start_gate: Callable[..., h.Server], vllm: h.
     assert vllm_chat_requests(vllm)["2xx"] == before["2xx"] + 2  # the image request and the text baseline
 
 
+TRUNCATED_PNG = h.data_uri(h.encode(h.photo_like(320, 240), "png")[:20_000], "image/png")
 INVALID = {
-    # name: (data URI, mmgate codes accepted)
+    # name: (data URI, mmgate codes accepted, mmgate's flags)
     "not_an_image": (h.data_uri(b"this is not an image at all" * 10, "image/png"),
-                     {"image_decode_failed", "unsupported_media_type"}),
-    "bad_base64": ("data:image/png;base64,@@@not-base64@@@", {"invalid_base64"}),
-    "truncated_png": (h.data_uri(h.encode(h.photo_like(320, 240), "png")[:20_000], "image/png"),
-                      {"image_decode_failed"}),
+                     {"image_decode_failed", "unsupported_media_type"}, ()),
+    "bad_base64": ("data:image/png;base64,@@@not-base64@@@", {"invalid_base64"}, ()),
+    "truncated_png": (TRUNCATED_PNG, {"image_decode_failed"}, ("--validate", "full")),
 }
 
 
 @pytest.mark.parametrize("case", sorted(INVALID))
-def test_invalid_image_refused_before_vllm(gate: h.Server, vllm: h.Server, case: str) -> None:
+def test_invalid_image_refused_before_vllm(start_gate: Callable[..., h.Server], vllm: h.Server, case: str) -> None:
     """mmgate answers 400 and vLLM never sees the request; sent direct, vLLM answers 400 too (its own shape)."""
-    uri, codes = INVALID[case]
+    uri, codes, flags = INVALID[case]
+    gate = start_gate(*flags)
     before = vllm_chat_requests(vllm)
     with pytest.raises(openai.BadRequestError) as via_gate:
         client(gate).chat.completions.create(model=MODEL, max_tokens=4, messages=image_messages(uri))
@@ -180,6 +181,18 @@ def test_invalid_image_refused_before_vllm(gate: h.Server, vllm: h.Server, case:
     assert after["4xx"] == before["4xx"] + 1 and after["2xx"] == before["2xx"]
     assert via_gate.value.status_code == direct.value.status_code == 400
     print(f"\n[{case}] mmgate: {err}\n[{case}] vLLM:   {direct.value.body}")
+
+
+def test_with_header_validation_a_truncated_image_is_refused_by_vllm_in_its_own_shape(gate: h.Server,
+                                                                                     vllm: h.Server) -> None:
+    """The default reads headers only: a truncated PNG (a valid header) goes on, and vLLM, which decodes every
+    image anyway, refuses it; the client gets vLLM's 400 through mmgate, in the API's shape."""
+    before = vllm_chat_requests(vllm)
+    with pytest.raises(openai.BadRequestError) as via_gate:
+        client(gate).chat.completions.create(model=MODEL, max_tokens=4, messages=image_messages(TRUNCATED_PNG))
+    after = vllm_chat_requests(vllm)
+    assert after["4xx"] == before["4xx"] + 1 and after["2xx"] == before["2xx"]
+    assert via_gate.value.status_code == 400 and isinstance(via_gate.value.body, dict)
 
 
 async def test_burst_beyond_gate_gets_429_while_vllm_stays_healthy(

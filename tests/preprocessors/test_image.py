@@ -6,7 +6,9 @@ calls, frame-header walks), never by durations.
 
 from __future__ import annotations
 
+import base64
 import io
+import random
 import struct
 import threading
 import zlib
@@ -18,9 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import GifImagePlugin, Image, ImageDraw, ImageOps
 
-from preprocessors.base import Cancelled, ImagePolicy
+from preprocessors.base import AudioPolicy, Cancelled, ImagePolicy, no_checkpoint
+from preprocessors.errors import MediaError
 from preprocessors.formats import ALLOWED_FORMATS, MIME_BY_FORMAT
 from preprocessors.image import _fit, process_image
+from preprocessors.job import MediaTask, Verdict, judge_head, run_task
+from testkit.media import image_bytes
 from tests.preprocessors.conftest import decode, encode, expect_error, noisy
 
 RESIZE_SMALL = ImagePolicy(resize_max_pixels=10_000)
@@ -471,3 +476,54 @@ def test_concurrent_calls_give_the_sequential_results() -> None:
 
 def test_mime_table_covers_formats() -> None:
     assert set(MIME_BY_FORMAT) == set(ALLOWED_FORMATS)
+
+
+def _task(policy: ImagePolicy, max_bytes: int = 1 << 24) -> MediaTask:
+    return MediaTask("image", "messages[0].content[1]", max_bytes, policy, AudioPolicy())
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "BMP"])
+def test_an_image_is_judged_from_the_head_of_its_base64_where_its_header_decides(fmt: str) -> None:
+    data = image_bytes(640, 480, fmt)
+    verdict = judge_head(_task(ImagePolicy(validate="header")), base64.b64encode(data))
+    assert verdict == Verdict(len(data), len(data), f"image/{fmt.lower()}".encode())
+    # what the pool makes of the whole file is the same verdict
+    assert run_task(_task(ImagePolicy(validate="header")), lambda: base64.b64encode(data), no_checkpoint) == verdict
+
+
+def test_a_header_past_the_first_head_is_read_from_a_longer_one() -> None:
+    """A camera's EXIF block (with its thumbnail) pushes a JPEG's frame header past the first 3 KiB."""
+    exif = Image.Exif()
+    exif[0x010E] = "x" * 40_000  # ImageDescription: a 40 KB APP1 before the frame header
+    buf = io.BytesIO()
+    Image.new("RGB", (640, 480), "teal").save(buf, "JPEG", exif=exif.tobytes())
+    verdict = judge_head(_task(ImagePolicy(validate="header")), base64.b64encode(buf.getvalue()))
+    assert verdict is not None and verdict.sniffed_mime == b"image/jpeg"
+
+
+@pytest.mark.parametrize("policy", [ImagePolicy(validate="full"), ImagePolicy(validate="header", resize_max_side=100)],
+                         ids=["full", "resize"])
+def test_an_image_whose_pixels_are_needed_is_left_to_the_pool(policy: ImagePolicy) -> None:
+    assert judge_head(_task(policy), base64.b64encode(image_bytes(640, 480, "JPEG"))) is None
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "WEBP"])
+def test_formats_whose_frames_need_the_whole_file_are_left_to_the_pool(fmt: str) -> None:
+    assert judge_head(_task(ImagePolicy(validate="header")), base64.b64encode(image_bytes(64, 48, fmt))) is None
+
+
+def test_the_head_judges_what_the_header_says_and_leaves_the_rest_to_the_backend() -> None:
+    """Header validation reads the header: a truncated file, or a base64 tail the backend will refuse, passes;
+    a bomb, a size over the item limit and base64 broken inside the head are refused as the pool refuses them."""
+    grain = io.BytesIO()
+    Image.frombytes("RGB", (640, 480), random.Random(5).randbytes(640 * 480 * 3)).save(grain, "PNG")
+    data = grain.getvalue()  # far longer than the head read
+    policy = ImagePolicy(validate="header", max_pixels=640 * 480)
+    assert judge_head(_task(policy), base64.b64encode(data[:-30])) is not None
+    assert judge_head(_task(policy), base64.b64encode(data)[:-8] + b"!!!!====") is not None
+    for payload, max_bytes, code in ((base64.b64encode(image_bytes(641, 480, "PNG")), 1 << 24, "image_too_large"),
+                                     (base64.b64encode(data), 100, "media_too_large"),
+                                     (b"iVBOR!" + base64.b64encode(data)[6:], 1 << 24, "invalid_base64")):
+        with pytest.raises(MediaError) as refused:
+            judge_head(_task(policy, max_bytes), payload)
+        assert (refused.value.code, refused.value.param) == (code, "messages[0].content[1]")

@@ -21,6 +21,10 @@ from demo.backend import StubConfig, create_stub_app
 from testkit.media import BlockedPool, chat_with_image, data_uri, decode_uri, eventually, image_bytes
 from tests.conftest import Proxy, StartProxy, Upstream
 
+# Full validation: every image is decoded in the pool (with the default, header validation, an image its header
+# decides never reaches the pool), for the tests of what a busy or stopped pool does to a request.
+POOLED = {"MMGATE_VALIDATE": "full"}
+
 
 async def post(url: str, body: dict | bytes, **headers: str) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else orjson.dumps(body)
@@ -199,7 +203,7 @@ async def test_compressed_body_on_media_route_refused(upstream: Upstream, proxy:
 
 
 async def test_preprocess_timeout_frees_slot_when_work_stopped(upstream: Upstream, start_proxy: StartProxy) -> None:
-    proxy = await start_proxy(upstream.url, MMGATE_DECODE_WORKERS="1", MMGATE_PREPROCESS_TIMEOUT="0.05")
+    proxy = await start_proxy(upstream.url, MMGATE_DECODE_WORKERS="1", **POOLED, MMGATE_PREPROCESS_TIMEOUT="0.05")
     blocked = BlockedPool(proxy.state.pool)
     try:
         got, answer = await post(proxy.url + "/v1/chat/completions", chat_with_image(data_uri(image_bytes())))
@@ -213,7 +217,7 @@ async def test_preprocess_timeout_frees_slot_when_work_stopped(upstream: Upstrea
 
 async def test_client_disconnect_during_preprocessing_frees_the_pool(upstream: Upstream,
                                                                     start_proxy: StartProxy) -> None:
-    proxy = await start_proxy(upstream.url, MMGATE_DECODE_WORKERS="1")
+    proxy = await start_proxy(upstream.url, MMGATE_DECODE_WORKERS="1", **POOLED)
     blocked = BlockedPool(proxy.state.pool)
     try:
         task = asyncio.create_task(post(proxy.url + "/v1/chat/completions", chat_with_image(data_uri(image_bytes()))))
@@ -230,7 +234,7 @@ async def test_client_disconnect_during_preprocessing_frees_the_pool(upstream: U
 
 
 async def test_text_request_does_not_wait_for_busy_pool(upstream: Upstream, start_proxy: StartProxy) -> None:
-    proxy = await start_proxy(upstream.url, MMGATE_DECODE_WORKERS="1")
+    proxy = await start_proxy(upstream.url, MMGATE_DECODE_WORKERS="1", **POOLED)
     blocked = BlockedPool(proxy.state.pool)
     try:
         task = asyncio.create_task(post(proxy.url + "/v1/chat/completions", chat_with_image(data_uri(image_bytes()))))
@@ -240,3 +244,56 @@ async def test_text_request_does_not_wait_for_busy_pool(upstream: Upstream, star
     finally:
         blocked.release()
     assert (await task)[0] == 200
+
+
+async def test_with_header_validation_an_image_its_header_decides_never_waits_for_the_pool(
+        upstream: Upstream, start_proxy: StartProxy) -> None:
+    """The defaults: a JPEG, PNG or BMP that needs no resize is judged on the loop from the head of its base64,
+    so it is forwarded byte for byte with every decode thread busy, and nothing of it is hashed or cached. A
+    GIF (its frames are counted over the whole file) still goes to the pool, and waits there."""
+    proxy = await start_proxy(upstream.url, MMGATE_PREPROCESS_TIMEOUT="0.3", MMGATE_DECODE_MODE="thread")
+    blocked = BlockedPool(proxy.state.pool)
+    try:
+        for fmt in ("JPEG", "PNG", "BMP"):
+            body = orjson.dumps(chat_with_image(data_uri(image_bytes(640, 480, fmt), f"image/{fmt.lower()}")))
+            assert (await post(proxy.url + "/v1/chat/completions", body))[0] == 200
+            assert upstream.seen[-1].body == body
+        status, answer = await post(proxy.url + "/v1/chat/completions",
+                                    chat_with_image(data_uri(image_bytes(64, 48, "GIF"), "image/gif")))
+        assert (status, answer["error"]["code"]) == (504, "preprocess_timeout")
+    finally:
+        blocked.release()
+    assert proxy.state.cache.entries == 0
+    assert proxy.state.metrics.media_items.labels("image", "unchanged")._value.get() == 3
+    assert proxy.state.gate.in_use == 0
+
+
+@pytest.mark.parametrize(("setting", "value"), [("MMGATE_VALIDATE", "full"), ("MMGATE_RESIZE_MAX_SIDE", "100")])
+async def test_an_image_whose_pixels_are_needed_goes_to_the_pool(upstream: Upstream, start_proxy: StartProxy,
+                                                                 setting: str, value: str) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_PREPROCESS_TIMEOUT="0.3", MMGATE_DECODE_MODE="thread",
+                              **{setting: value})
+    blocked = BlockedPool(proxy.state.pool)
+    try:
+        status, answer = await post(proxy.url + "/v1/chat/completions",
+                                    chat_with_image(data_uri(image_bytes(640, 480, "JPEG"), "image/jpeg")))
+    finally:
+        blocked.release()
+    assert (status, answer["error"]["code"]) == (504, "preprocess_timeout")
+
+
+@pytest.mark.parametrize(("uri", "status", "code"), [
+    ("data:image/png;base64,not base64!", 400, "invalid_base64"),
+    ("data:image/png;base64," + base64.b64encode(_png_bomb(20000, 20000)).decode(), 400, "image_too_large"),
+    ("data:image/png;base64," + "A" * (2 * 1024 * 1024), 413, "media_too_large"),
+], ids=["invalid_base64", "bomb", "item_too_large"])
+async def test_a_header_refusal_on_the_loop_is_the_same_as_the_pools(upstream: Upstream, start_proxy: StartProxy,
+                                                                     uri: str, status: int, code: str) -> None:
+    answers = []
+    for validate in ("header", "full"):
+        proxy = await start_proxy(upstream.url, MMGATE_MAX_MEDIA_ITEM_MB="1", MMGATE_VALIDATE=validate)
+        got, body = await post(proxy.url + "/v1/chat/completions", chat_with_image(uri))
+        answers.append((got, body["error"]["code"], body["error"]["param"]))
+        assert proxy.state.gate.in_use == 0
+    assert answers == [(status, code, "messages[0].content[1]")] * 2
+    assert upstream.seen == []
