@@ -40,7 +40,7 @@ from proxy.ops.backend_metrics import METRICS_PATH, merged_metrics
 from proxy.ops.dashboard_stats import rss_bytes
 from proxy.ops.merged_metrics import report_of
 from proxy.ops.metrics import Metrics, watch_loop_lag
-from proxy.pipeline import expect_continue, handle_request
+from proxy.pipeline import expect_continue, handle_request, warm_up_request_path
 from proxy.serve.lifecycle import Lifecycle
 from proxy.serve.memory import IdleTrimmer, release_freed_memory, worker_environment
 from proxy.settings import MIB, ConfigError, Settings
@@ -167,6 +167,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         # media request is as fast as the next, and a worker that cannot start stops mmgate here (the state
         # stays, so what the failed start left can be inspected; nothing is served).
         await asyncio.to_thread(pool.start)
+        warm_up_request_path(state)
         yield
 
 

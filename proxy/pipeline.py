@@ -27,6 +27,7 @@ from preprocessors.errors import (
     UpstreamError,
     draining,
 )
+from preprocessors.job import MediaTask, judge_head
 from proxy.admission.flows import flow_for
 from proxy.admission.shared import SharedGate
 from proxy.edge.body import HEAD_BYTES, joined, read_body
@@ -50,7 +51,7 @@ from proxy.media.outcomes import count_urls
 from proxy.media.step import run_media_step
 from proxy.media.tokens import plan_image_tokens
 from proxy.payload.dialects import dialect_for_path, route_for
-from proxy.payload.locate import Plan, chunks_may_contain_media, may_contain_media, plan_steps
+from proxy.payload.locate import Plan, chunks_may_contain_media, may_contain_media, plan_media, plan_steps
 from proxy.payload.rawjson import Steps, splice
 from proxy.settings import PRIORITY_MAX, PRIORITY_MIN
 from proxy.state import STATE, AppState
@@ -200,6 +201,20 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     del rewrites
     ex.watch.add("splice", time.perf_counter() - started)
     return plan.is_stream
+
+
+def warm_up_request_path(state: AppState) -> None:
+    """A tiny image request's body through what a media request runs on the loop (the sniff, the plan, the
+    header judge), once at start: the first call of each costs more than every later one, and the first client
+    should not pay it."""
+    image = b"iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGNgYGAAAAAEAAH2FzhVAAAAAElFTkSuQmCC"  # 1x1 PNG
+    body = b'{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,' \
+        + image + b'"}}]}]}'
+    chunks_may_contain_media([body])
+    plan = plan_media("chat", body, state.plan_limits)
+    for item in plan.items:
+        judge_head(MediaTask("image", item.part.path, state.settings.limits.max_media_item_bytes, state.image_policy,
+                             state.audio_policy), image)
 
 
 async def _in_steps(steps: Steps[T]) -> T:

@@ -226,7 +226,8 @@ async def test_a_url_part_does_not_take_single_flight_from_the_inline_part_besid
     the first still decodes: it waits for the first's verdict instead of decoding the inline image again."""
     inline = data_uri(image_bytes(64, 48, color="green"), "image/png")
     remote.route("/blue.png", serve(image_bytes(32, 32, color="blue")))
-    proxy = await fetching(start_proxy, upstream)
+    # full validation: the inline image is decoded in the pool (a header-judged one never is)
+    proxy = await fetching(start_proxy, upstream, MMGATE_VALIDATE="full")
     both = chat_with_image(inline)
     both["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": f"{remote.url}/blue.png"}})
     blocked = BlockedPool(proxy.state.pool)

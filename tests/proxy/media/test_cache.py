@@ -38,6 +38,9 @@ from tests.conftest import Proxy, StartProxy, Upstream
 
 CHAT = "/v1/chat/completions"
 RESIZE = {"MMGATE_RESIZE_MAX_SIDE": "32"}
+# Full validation: every image is decoded in the pool, so its verdict is cached (with header validation, the default,
+# an image its header decides is judged from its head and never hashed or cached).
+POOLED = {"MMGATE_VALIDATE": "full"}
 
 
 def noisy_png(side: int, seed: int) -> bytes:
@@ -182,7 +185,7 @@ async def test_a_setting_change_misses(upstream: Upstream, start_proxy: StartPro
 
 async def test_one_verdict_serves_parts_that_declare_differently(upstream: Upstream, start_proxy: StartProxy) -> None:
     """The cached verdict is the media's; the declared type, the dialect and the part's place are each request's."""
-    proxy = await start_proxy(upstream.url)
+    proxy = await start_proxy(upstream.url, **POOLED)
     png = image_bytes(16, 16, "PNG")
     wrong = chat_with_image(data_uri(png, "image/jpeg"))
     right = chat_with_image(data_uri(png, "image/png"))
@@ -296,7 +299,7 @@ async def test_a_waiter_does_not_inherit_a_failure_that_is_not_the_medias(
 
 
 async def test_a_waiter_inherits_the_refusal_of_bad_media(upstream: Upstream, start_proxy: StartProxy) -> None:
-    proxy = await start_proxy(upstream.url)
+    proxy = await start_proxy(upstream.url, **POOLED)
     body = chat_with_image(data_uri(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64, "image/png"))  # a PNG that is no PNG
     blocked = BlockedPool(proxy.state.pool)
     try:
@@ -327,7 +330,7 @@ def bomb_png(width: int, height: int) -> bytes:
 
 async def test_a_refusal_is_cached_and_names_each_requests_own_part(upstream: Upstream,
                                                                    start_proxy: StartProxy) -> None:
-    proxy = await start_proxy(upstream.url)
+    proxy = await start_proxy(upstream.url, **POOLED)
     uri = data_uri(bomb_png(20000, 20000))
     first = chat_with_image(uri)
     second = chat_with_image(uri)
@@ -369,8 +372,8 @@ def _corpus() -> list[tuple[str, bytes]]:
 
 
 async def test_cache_off_is_exactly_the_behaviour_without_a_cache(upstream: Upstream, start_proxy: StartProxy) -> None:
-    off = await start_proxy(upstream.url, MMGATE_CACHE_MB="0", **RESIZE)
-    on = await start_proxy(upstream.url, **RESIZE)
+    off = await start_proxy(upstream.url, MMGATE_CACHE_MB="0", **RESIZE, **POOLED)
+    on = await start_proxy(upstream.url, **RESIZE, **POOLED)
     assert isinstance(off.state.cache, NoCache) and isinstance(on.state.cache, MediaCache)
     answers: dict[str, list[tuple[int, bytes | None]]] = {"off": [], "on": [], "on again": []}
     for name, proxy in (("off", off), ("on", on), ("on again", on)):

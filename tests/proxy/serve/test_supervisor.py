@@ -207,7 +207,8 @@ async def test_metrics_count_every_request_whichever_process_served_it(upstream:
 async def test_an_image_decoded_by_one_front_is_a_hit_on_the_others(upstream: Upstream, start_mmgate: Any) -> None:
     """Each front has its own cache; a miss there is first asked of the other fronts. The same image sent
     again and again, each time on a fresh connection (whichever front takes it), is decoded once."""
-    mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url)
+    # full validation: the image is decoded, so its verdict is cached (a header-judged one is never cached)
+    mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url, MMGATE_VALIDATE="full")
     bodies = [_media_body(7) for _ in range(8)]
     for body in bodies:
         status, answer = await _post(mmgate.url, body)
