@@ -614,3 +614,27 @@ def test_inference_pool_targets_mmgate_on_the_deployments_pods(k8s: dict[str, An
     labels = k8s["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert pool["spec"]["endpointPickerRef"]["port"]["number"] != settings.listen.port
+
+
+def test_dockerignore_keeps_the_context_to_what_the_image_copies() -> None:
+    """A local .venv (hundreds of MB) or .git never goes into the build context, and nothing the Dockerfile
+    copies is left out of it."""
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert {".git", ".venv"} <= set(patterns)
+    copied = [source for keyword, args in dockerfile_instructions(DEPLOY / "Dockerfile") if keyword == "COPY"
+              for source in shlex.split(args)[:-1]]
+    assert copied
+    for source in copied:
+        assert not any(Path(source).match(pattern) or source.startswith(pattern.rstrip("/") + "/")
+                       for pattern in patterns), f"{source} is copied but .dockerignore leaves it out"
+
+
+def test_the_readme_builds_the_image_the_manifest_runs_and_reaches_the_host(k8s: dict[str, Any]) -> None:
+    readme = (ROOT / "README.md").read_text()
+    tags = re.findall(r"docker build -f deploy/Dockerfile -t (\S+) \.", readme)
+    assert tags and set(tags) == {k8s["mmgate"]["image"]}
+    for command in re.findall(r"docker run [^\n]*(?:\\\n[^\n]*)*", readme):
+        if "host.docker.internal" in command and "--print-config" not in command:
+            assert "--add-host=host.docker.internal:host-gateway" in command, command
+    assert "kubectl port-forward" in readme and "/mmgate/dashboard" in readme
