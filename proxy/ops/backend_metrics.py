@@ -17,6 +17,7 @@ escapes, so the label set is skipped quote-aware rather than up to the first ``}
 
 from __future__ import annotations
 
+import logging
 import re
 
 import aiohttp
@@ -36,6 +37,7 @@ FETCH_TIMEOUT = 5.0  # seconds for the backend's exposition: a scrape must not h
 MAX_EXPOSITION_BYTES = 16 << 20
 ACCEPT = "text/plain;version=0.0.4;q=1.0, application/openmetrics-text;version=1.0.0;q=0.5"
 _NAME_END = re.compile(rb"[{ \t]")
+log = logging.getLogger("mmgate")
 
 
 class _OwnFamilies(Collector):
@@ -106,21 +108,41 @@ def merge(exposition: bytes, waiting: int, own: bytes) -> bytes | None:
 
 
 async def _fetch(state: AppState) -> tuple[int, bytes, str] | web.Response:
-    """The backend's /metrics: status, body, content type; or the 502/504 to answer."""
+    """The backend's /metrics, read to its end: status, body, content type; or the 502/504 to answer (logged)
+    when it does not answer in time, fails, is cut short or exceeds ``MAX_EXPOSITION_BYTES``: a scraper must
+    never get part of an exposition, which it would parse as series gone missing."""
+    url = state.settings.backend.upstream + METRICS_PATH
     try:
-        async with state.session.get(state.settings.backend.upstream + METRICS_PATH, headers={"Accept": ACCEPT},
+        async with state.session.get(url, headers={"Accept": ACCEPT},
                                      timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT)) as response:
-            body = await response.content.read(MAX_EXPOSITION_BYTES + 1)
-            if len(body) > MAX_EXPOSITION_BYTES:
-                return web.Response(status=502, text=f"the backend's metrics exceed {MAX_EXPOSITION_BYTES} bytes\n")
+            body = await _read_whole(response.content, MAX_EXPOSITION_BYTES)
+            if body is None:
+                return _refused(502, f"the backend's metrics exceed {MAX_EXPOSITION_BYTES} bytes")
             return response.status, body, response.headers.get("Content-Type", "text/plain")
     except TimeoutError:
         state.metrics.upstream_errors.labels("timeout").inc()
-        return web.Response(status=504, text="the backend's /metrics did not answer in time\n")
+        return _refused(504, "the backend's /metrics did not answer in time")
     except aiohttp.ClientError as exc:
         kind = "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "reset"
         state.metrics.upstream_errors.labels(kind).inc()
-        return web.Response(status=502, text=f"the backend's /metrics failed: {exc.__class__.__name__}\n")
+        return _refused(502, f"the backend's /metrics failed: {exc.__class__.__name__}")
+
+
+async def _read_whole(content: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """Every byte of a response body (``read(n)`` answers with what is buffered, not with ``n`` bytes), or None
+    as soon as it passes ``limit``. A body cut short raises aiohttp's ``ClientPayloadError``."""
+    chunks, size = [], 0
+    async for chunk in content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _refused(status: int, reason: str) -> web.Response:
+    log.warning("GET %s answered %d: %s", METRICS_PATH, status, reason)
+    return web.Response(status=status, text=reason + "\n")
 
 
 async def merged_metrics(request: web.Request) -> web.Response:

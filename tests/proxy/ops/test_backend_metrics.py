@@ -241,3 +241,60 @@ scrape_configs:
     assert value is not None, "Prometheus never stored the merged gauge"
     assert value["metric"]["model_name"] == 'ti}ny "q"' and value["metric"]["job"] == "mmgate"
     assert float(value["value"][1]) == 2.0 + 3
+
+
+def _big_exposition(series: int) -> bytes:
+    """A vLLM-like exposition of ``series`` histogram buckets after the queue gauge: past what one read returns."""
+    lines = [b"# HELP vllm:e2e_request_latency_seconds Latency.", b"# TYPE vllm:e2e_request_latency_seconds histogram"]
+    lines += [b'vllm:e2e_request_latency_seconds_bucket{engine="0",model_name="tiny",le="%d.0"} %d.0' % (n, n)
+              for n in range(series)]
+    lines += [b'vllm:e2e_request_latency_seconds_bucket{engine="0",model_name="tiny",le="+Inf"} %d.0' % series,
+              b'vllm:e2e_request_latency_seconds_count{engine="0",model_name="tiny"} %d.0' % series,
+              b'vllm:e2e_request_latency_seconds_sum{engine="0",model_name="tiny"} 1.0']
+    return VLLM + b"\n".join(lines) + b"\n"
+
+
+async def test_a_large_exposition_is_merged_whole(upstream: Upstream, start_proxy: StartProxy) -> None:
+    """A real vLLM's exposition can pass 128 KiB, where one read of the body stops: the merge reads to the end."""
+    exposition = _big_exposition(4000)
+    assert len(exposition) > 300_000
+    await _metrics_backend(upstream, exposition)
+    proxy = await start_proxy(upstream.url, MMGATE_BACKEND_METRICS="merge")
+    async with aiohttp.ClientSession() as session, session.get(proxy.url + "/metrics") as response:
+        assert response.status == 200
+        merged = await response.read()
+    samples = _samples(merged)
+    backend = _samples(exposition)
+    assert {key: samples[key] for key in backend} == backend  # every series, each value (no queue waiting now)
+    assert samples[("mmgate_gate_waiting", ())] == 0.0
+
+
+async def test_an_exposition_over_the_cap_or_cut_short_is_a_bad_gateway(
+        upstream: Upstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture) -> None:
+    from proxy.ops.backend_metrics import MAX_EXPOSITION_BYTES
+
+    async def too_big(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/plain; version=0.0.4"})
+        await response.prepare(request)
+        line = b'vllm:num_requests_waiting{n="%d"} 1.0\n'
+        for n in range(MAX_EXPOSITION_BYTES // 1000 + 2):
+            await response.write(b"".join(line % (n * 100 + k) for k in range(30)))
+        return response
+
+    async def cut_short(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/plain; version=0.0.4"})
+        response.content_length = len(VLLM) * 2
+        await response.prepare(request)
+        await response.write(VLLM)
+        assert request.transport is not None
+        request.transport.close()  # half the body it announced
+        return response
+
+    proxy = await start_proxy(upstream.url, MMGATE_BACKEND_METRICS="merge")
+    for handler, reason in ((too_big, f"exceed {MAX_EXPOSITION_BYTES} bytes"), (cut_short, "failed")):
+        upstream.route("/metrics", handler)
+        caplog.clear()
+        async with aiohttp.ClientSession() as session, session.get(proxy.url + "/metrics") as response:
+            assert response.status == 502
+            assert reason in await response.text()
+        assert any(reason in record.getMessage() for record in caplog.records)
