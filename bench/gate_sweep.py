@@ -73,8 +73,9 @@ def _timing(header: str | None, name: str) -> float | None:
 
 def mmgate_flags(limit: int, queue: int, release_at: str, preprocess_timeout: float,
                  extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    return ("--max-mm-concurrency", str(limit), "--max-queue", str(queue), "--queue-timeout", "600",
-            "--preprocess-timeout", str(preprocess_timeout), "--release-at", release_at, *extra)
+    # validate full: every image decoded (what the memory model weighs); ``extra`` may say header instead
+    return ("--validate", "full", "--max-mm-concurrency", str(limit), "--max-queue", str(queue), "--queue-timeout",
+            "600", "--preprocess-timeout", str(preprocess_timeout), "--release-at", release_at, *extra)
 
 
 async def run_cell(gate: str, release_at: str, body: bytes, args: argparse.Namespace, *, queue: int = OFF,

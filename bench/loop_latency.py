@@ -125,7 +125,9 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
         os.sched_setaffinity(control.pid, rest_cpus)
     try:
         stub, stub_url = L.start_stub(cpus=rest_cpus)
-        gate, url = L.start_mmgate(stub_url, *sc.flags, env=dict(sc.env), variant=sc.variant, cpus=gate_cpus)
+        # --validate full: every image is decoded, in the pool or on the loop, which is what the scenarios compare
+        gate, url = L.start_mmgate(stub_url, "--validate", "full", *sc.flags, env=dict(sc.env), variant=sc.variant,
+                                   cpus=gate_cpus)
         warm = await L.run_load(url, body, 1, requests_per_client=2)  # starts the decode threads, warms caches
         if warm.statuses() != {"200": 2}:
             raise RuntimeError(f"{sc.name}: warm-up answered {warm.statuses()}")
@@ -317,7 +319,8 @@ def main() -> None:
                   "body_bytes": len(body)},
         "stub": "python -m demo.backend (defaults: 1 decode thread, no cpu-ms-per-mp, no hold, 16 tokens, "
                 "no delays)",
-        "mmgate": "python -m proxy --access-log off (+ scenario flags); gate defaults: --max-mm-concurrency 4, "
+        "mmgate": "python -m proxy --access-log off --validate full (+ scenario flags); gate defaults: "
+                  "--max-mm-concurrency 4, "
                   "--max-queue 64; decode workers default = usable CPUs",
         "wall_s": round(time.monotonic() - started, 1),
     }

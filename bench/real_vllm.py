@@ -7,8 +7,8 @@ tests/e2e/setup_vllm.sh) receives 4 MP and 12 MP photo-like PNG and JPEG images 
 clients, four ways:
 
   direct   client → vLLM
-  gate     client → mmgate (defaults: every image fully decoded to validate it, forwarded byte-identical) → vLLM
-  header   client → mmgate --validate header (header checks only, forwarded byte-identical) → vLLM
+  gate     client → mmgate --validate full (every image fully decoded to validate it, forwarded byte-identical) → vLLM
+  header   client → mmgate --validate header (the default: header checks only, forwarded byte-identical) → vLLM
   resize   client → mmgate --resize-max-side 1456 → vLLM. 1456 px is the tiny model's (and Idefics3's) processor
            longest_edge: vLLM resizes every image to it anyway, so the model sees no less than before.
 
@@ -56,7 +56,8 @@ SIZES = {"4MP": (2304, 1728), "12MP": (4000, 3000)}
 FORMATS = ("png", "jpeg")
 RESIZE_FLAGS = ("--resize-max-side", "1456")
 MODES = ("direct", "gate", "header", "resize")
-GATE_FLAGS: dict[str, tuple[str, ...]] = {"gate": (), "header": ("--validate", "header"), "resize": RESIZE_FLAGS}
+GATE_FLAGS: dict[str, tuple[str, ...]] = {"gate": ("--validate", "full"), "header": ("--validate", "header"),
+                                          "resize": RESIZE_FLAGS}
 # requests per cell by concurrency: bounded so the whole run stays near 10 min on 2 shared cores
 REQUESTS = {1: 4, 4: 12, 16: 16}
 ROUNDS = {1: 2, 4: 3, 16: 1}  # interleaved rounds per cell (c=16: one wave of 16 is all the budget allows)
@@ -254,8 +255,8 @@ def report(cells: list[Cell], meta: dict[str, Any]) -> str:
         f"p99 of so few requests is about the max. Bench run {meta['total_seconds']:.0f} s "
         f"(+ vLLM start {meta['vllm_start_seconds']:.0f} s).",
         "",
-        "Modes: **direct** = client → vLLM; **gate** = mmgate defaults (full decode to validate, image forwarded "
-        "byte-identical); **header** = mmgate `--validate header`; **resize** = mmgate "
+        "Modes: **direct** = client → vLLM; **gate** = mmgate `--validate full` (full decode to validate, image "
+        "forwarded byte-identical); **header** = mmgate `--validate header` (the default); **resize** = mmgate "
         f"`{' '.join(RESIZE_FLAGS)}` (the model's processor longest_edge: vLLM resizes every image to it anyway).",
         "",
         "## Latency and throughput",
@@ -303,7 +304,7 @@ def report(cells: list[Cell], meta: dict[str, Any]) -> str:
             f"- resize on, p50 latency >= 20% lower: p50 vs direct {-max(faster):+.0%} to {-min(faster):+.0%} "
             f"-> met in {sum(f >= 0.2 for f in faster)} of {len(faster)} rows",
             f"- resize off, overhead within noise: p50 vs direct {min(over_full):+.0%} to {max(over_full):+.0%} "
-            f"with full validation (default), {min(over_header):+.0%} to {max(over_header):+.0%} with "
+            f"with full validation, {min(over_header):+.0%} to {max(over_header):+.0%} with "
             "`--validate header`",
         ]
     lines += [

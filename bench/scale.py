@@ -175,7 +175,8 @@ def measure(mode: str, resize: bool, workers: int, args: argparse.Namespace, mod
     from testkit.media import chat_body, photo_jpeg
 
     clients = 2 * workers + 2
-    flags = ["--decode-workers", str(workers), "--max-mm-concurrency", str(2 * workers),
+    # --validate full: with resize off each image is still decoded and checked, the pool's work being measured
+    flags = ["--validate", "full", "--decode-workers", str(workers), "--max-mm-concurrency", str(2 * workers),
              "--max-queue", str(4 * clients), "--queue-timeout", "120", "--max-inflight-media-mb", "8192",
              *(RESIZE_FLAGS if resize else ())]
     env = {MODE_VARIABLE: mode} if mode_env else {}
