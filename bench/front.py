@@ -251,7 +251,8 @@ def small_photo() -> bytes:
 def one_cell(processes: int, upstream: str, args: argparse.Namespace, round_no: int,
              photo: bytes) -> dict[str, Any]:
     L.wait_quiet(10)
-    flags = ["--processes", str(processes), "--decode-workers", str(args.decode_workers),
+    # --validate full: the media requests are decoded once and then cached (a header-judged image never is)
+    flags = ["--processes", str(processes), "--decode-workers", str(args.decode_workers), "--validate", "full",
              "--max-body-mb", "16", "--max-connections", "4096", "--drain-timeout", "5"]
     proc, url = L.start_mmgate(upstream, *flags, "--cache-mb", "256")
     try:
