@@ -7,6 +7,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Literal
 
 from aiohttp import web
 
@@ -21,6 +22,13 @@ log = logging.getLogger("mmgate.access")
 
 CLIENT_CLOSED = 499  # nginx's convention for "client went away"; metrics label only
 
+Kind = Literal["text", "media"]
+
+# A media route's body declared bigger than this is counted as media when it is refused before a byte of it
+# is read (413 from its Content-Length): 4 MiB of text is about a million tokens, more than a text prompt
+# plausibly is, while an image or two is that big.
+TEXT_BODY_MAX_BYTES = 4 << 20
+
 
 @dataclass
 class Exchange:
@@ -29,7 +37,9 @@ class Exchange:
     request_id: str
     route: Route
     dialect: Dialect
-    kind: str = "text"
+    declared_length: int | None = None  # the body's Content-Length, if it has one
+    sniffed_media: bool | None = None  # the sniff of the body read so far (its head, then all of it) names media
+    parsed_media: bool | None = None  # the parse found media parts in the body
     status: int = 0
     code: str = ""
     watch: Stopwatch = field(default_factory=Stopwatch)
@@ -45,6 +55,22 @@ class Exchange:
     image_tokens: int = 0  # with MMGATE_MODEL: the request's image tokens for the served model
     video_tokens: int = 0  # with MMGATE_MODEL and a family with video tokens: its clips', once probed
     upstream_started: float = 0.0
+
+    @property
+    def kind(self) -> Kind:
+        """What the request is counted, logged and drawn as, whatever stage ends it: the last thing known of
+        its body wins. Off the media routes: text. Parsed: media when it holds media parts. Sniffed (the
+        head of a big body still arriving, or the whole body): media when its bytes name media, as the gate
+        and the parse took it. Nothing read yet: media when its declared length is over
+        ``TEXT_BODY_MAX_BYTES``."""
+        if self.route == "other":
+            return "text"
+        media = self.parsed_media
+        if media is None:
+            media = self.sniffed_media
+        if media is None:
+            media = self.declared_length is not None and self.declared_length > TEXT_BODY_MAX_BYTES
+        return "media" if media else "text"
 
     def response_headers(self, with_timing: bool) -> dict[str, str]:
         """The headers mmgate adds to the upstream's answer (``Server-Timing`` with MMGATE_SERVER_TIMING)."""

@@ -101,6 +101,7 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     target = _checked_target(request, settings.backend.allow_paths)
     ex.dialect = dialect_for_path(target.path)
     ex.route = route_for(request.method, target.path)
+    ex.declared_length = request.content_length
     _check_headers(request, media_route=ex.route != "other")
     if ex.route != "other":
         ex.flow = flow_for(request.headers, settings.gate.fairness_header, settings.gate.priority_header,
@@ -121,7 +122,9 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     # A text body leaves as the chunks it came in: the sniff is the only pass over it, nothing copies it.
     outgoing: list[bytes] | MediaBuffer = chunks
     is_stream = False
-    if ex.route != "other" and chunks_may_contain_media(chunks):
+    if ex.route != "other":
+        ex.sniffed_media = chunks_may_contain_media(chunks)
+    if ex.sniffed_media:
         media = state.buffers.hold(await joined(chunks))  # from here on the owner is the only holder of the bytes
         outgoing, ex.media = media, weakref.ref(media)
         is_stream = await _prepare_media(state, ex, media)
@@ -178,9 +181,9 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     limits = state.plan_limits
     plan = await _in_steps(plan_steps(ex.route, media.data, limits))
     ex.watch.add("parse", time.perf_counter() - started)
+    ex.parsed_media = bool(plan.parts)
     if not plan.parts:
         return plan.is_stream
-    ex.kind = "media"
     count_urls(state, plan)
     if plan.refusal is not None:
         raise plan.take_refusal()
@@ -318,7 +321,8 @@ def _big_upload(request: web.Request, state: AppState) -> GuardedConnection | No
 async def _take_place_for_media(state: AppState, ex: Exchange, head: bytes) -> None:
     """``read_body``'s look at the first bytes of a big body: if they name media, hold a place in line
     before reading the rest (or refuse now, with the rest unread)."""
-    if may_contain_media(head):
+    ex.sniffed_media = may_contain_media(head)
+    if ex.sniffed_media:
         gate = state.gate
         ex.place = await gate.take_shared_place(ex.flow) if isinstance(gate, SharedGate) else gate.take_place(ex.flow)
 

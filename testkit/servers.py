@@ -11,9 +11,11 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import build_app, make_runner
 from proxy.edge.site import GuardedSite
@@ -105,6 +107,29 @@ class Proxy:
 
 
 StartProxy = Callable[..., Awaitable[Proxy]]
+
+
+@dataclass(frozen=True)
+class Counted:
+    """The requests mmgate says it answered, as an operator reads them over HTTP."""
+
+    by_kind: dict[str, float]  # /mmgate/stats ``requests.by_kind``: what the dashboard draws
+    by_kind_and_code: dict[tuple[str, str], float]  # ``mmgate_requests_total`` from /mmgate/metrics
+
+
+async def counted(proxy: Proxy) -> Counted:
+    async with aiohttp.ClientSession() as client:
+        async with client.get(proxy.url + "/mmgate/stats") as response:
+            by_kind = (await response.json())["requests"]["by_kind"]
+        async with client.get(proxy.url + "/mmgate/metrics") as response:
+            exposition = await response.text()
+    by_kind_and_code: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == "mmgate_requests_total":
+                key = (sample.labels["kind"], sample.labels["code"])
+                by_kind_and_code[key] = by_kind_and_code.get(key, 0.0) + sample.value
+    return Counted(by_kind, by_kind_and_code)
 
 
 def proxy_settings(upstream_url: str, **env: str) -> Settings:

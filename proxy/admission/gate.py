@@ -213,9 +213,11 @@ class Gate:
 
     def _flow_full(self, flow: Flow) -> MmgateError | None:
         if self.max_queue_per_flow and self.flow_waiting(flow) >= self.max_queue_per_flow:
-            return self._reject(QUEUE_FULL, f"{self.flow_waiting(flow)} media requests of this flow waiting "
-                                            f"(MMGATE_MAX_QUEUE_PER_FLOW={self.max_queue_per_flow}); retry "
-                                            "later", flow)
+            reading = self._reading_by_flow.get(flow.id, 0)
+            return self._reject(QUEUE_FULL, f"this flow's share of the media queue is full "
+                                            f"(MMGATE_MAX_QUEUE_PER_FLOW={_places(self.max_queue_per_flow)}): "
+                                            f"{_held_by(None, self.flow_waiting(flow) - reading, reading)}; "
+                                            "retry later", flow)
         return None
 
     def take_place(self, flow: Flow = DEFAULT_FLOW) -> Place:
@@ -223,8 +225,10 @@ class Gate:
         if self.lifecycle.refusing:
             raise draining()
         if self.in_use + self.waiting + self.reading >= self.limit + self.max_queue:
-            raise self._reject(QUEUE_FULL, f"{self.in_use} media requests running, {self.waiting} waiting and "
-                                         f"{self.reading} arriving; retry later", flow)
+            slots = f"{self.limit} slot" if self.limit == 1 else f"{self.limit} slots"
+            raise self._reject(QUEUE_FULL, f"the media queue is full ({_places(self.limit + self.max_queue)}: "
+                                         f"{slots} + MMGATE_MAX_QUEUE={self.max_queue}): "
+                                         f"{_held_by(self.in_use, self.waiting, self.reading)}; retry later", flow)
         if (refusal := self._flow_full(flow)) is not None:
             raise refusal
         self.reading += 1
@@ -258,9 +262,10 @@ class Gate:
             return self._grant(cost, tokens)
         if place is None:
             if self._waiting + self.reading >= self.max_queue:  # places count as queued
-                raise self._reject(QUEUE_FULL,
-                                   f"{self.in_use} media requests running and {self.waiting} waiting; retry later",
-                                   flow)
+                raise self._reject(QUEUE_FULL, f"the media queue is full (MMGATE_MAX_QUEUE="
+                                               f"{_places(self.max_queue)}): "
+                                               f"{_held_by(None, self.waiting, self.reading)}, behind "
+                                               f"{self.in_use} running; retry later", flow)
             if (refusal := self._flow_full(flow)) is not None:
                 raise refusal
         waiter = _Waiter(cost, asyncio.get_running_loop().create_future(), tokens, flow)
@@ -279,8 +284,9 @@ class Gate:
                 self._wake()  # the head may have been the one blocking smaller requests behind it
             self._on_change(self)
             if isinstance(exc, TimeoutError):
-                raise self._reject(QUEUE_TIMEOUT, f"waited {timeout:g} s for admission; retry later",
-                                   flow) from None
+                raise self._reject(QUEUE_TIMEOUT, f"waited {timeout:g} s in the media queue, the longest "
+                                                  f"allowed (MMGATE_QUEUE_TIMEOUT={timeout:g}), behind "
+                                                  f"{self.in_use} running; retry later", flow) from None
             raise
         return self._lease(cost, tokens)
 
@@ -369,3 +375,17 @@ class Gate:
                 del self._bands[head.flow.band]
             self._take(head.cost, head.tokens)
             head.future.set_result(None)
+
+
+def _held_by(running: int | None, waiting: int, arriving: int) -> str:
+    """Who holds the places of a full queue, in words: a request whose body is still arriving holds its place
+    before it can wait, so a full queue may show none waiting."""
+    held = [] if running is None else [f"{running} running"]
+    held.append(f"{waiting} waiting")
+    if arriving:
+        held.append(f"{arriving} still arriving (a body being read holds its place)")
+    return ", ".join(held[:-1]) + " and " + held[-1] if len(held) > 1 else held[0]
+
+
+def _places(count: int) -> str:
+    return f"{count} place" if count == 1 else f"{count} places"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import aiohttp
@@ -11,6 +12,8 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
+from testkit.media import chat_with_image, data_uri, image_bytes
+from testkit.servers import counted
 from tests.conftest import Proxy, StartProxy, Upstream
 
 
@@ -147,6 +150,56 @@ async def test_chunked_body_cut_at_limit(upstream: Upstream, start_proxy: StartP
         except aiohttp.ClientOSError:
             pytest.fail("the 413 must reach the client")
     assert upstream.seen == []
+
+
+@pytest.mark.parametrize(("framing", "kind"), [
+    ("content-length", "media"), ("chunked", "media"), ("content-length", "text"), ("chunked", "text")])
+async def test_a_body_too_large_is_counted_by_what_it_carries(upstream: Upstream, start_proxy: StartProxy,
+                                                              caplog: pytest.LogCaptureFixture, framing: str,
+                                                              kind: str) -> None:
+    """413 before the body is parsed: a chunked body is known by the sniff of its head, one refused from its
+    Content-Length alone by that length (over 4 MiB on a media route: more than a text prompt is)."""
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_BODY_MB="1", MMGATE_ACCESS_LOG="on")
+    size = (5 << 20) if (framing, kind) == ("content-length", "media") else (2 << 20)
+    if kind == "media":
+        body = orjson.dumps(chat_with_image(data_uri(image_bytes(64, 48) + bytes(size))))
+    else:
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "words " * (size // 6)}]})
+
+    async def pieces():
+        for at in range(0, len(body), 65536):
+            yield body[at:at + 65536]
+
+    with caplog.at_level(logging.INFO, logger="mmgate.access"):
+        async with aiohttp.ClientSession() as client:
+            if framing == "chunked":
+                request = client.post(proxy.url + "/v1/chat/completions", data=pieces())
+            else:  # the body is never sent: the 413 comes instead of the 100 Continue
+                request = client.post(proxy.url + "/v1/chat/completions", data=body, expect100=True)
+            async with request as response:
+                assert response.status == 413
+                assert (await response.json())["error"]["code"] == "body_too_large"
+
+    [line] = [r.fields for r in caplog.records if r.name == "mmgate.access"]  # type: ignore[attr-defined]
+    assert (line["kind"], line["status"], line["code"]) == (kind, 413, "body_too_large")
+    counts = await counted(proxy)
+    assert counts.by_kind == {kind: 1}
+    assert counts.by_kind_and_code == {(kind, "413"): 1}
+    assert upstream.seen == []
+
+
+async def test_an_image_body_refused_by_its_parse_is_counted_as_media(
+        upstream: Upstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture) -> None:
+    proxy = await start_proxy(upstream.url, MMGATE_ACCESS_LOG="on")
+    body = orjson.dumps(chat_with_image(data_uri(image_bytes())))[:-2]  # cut short: no parse finds its parts
+    with caplog.at_level(logging.INFO, logger="mmgate.access"):
+        async with aiohttp.ClientSession() as client:
+            async with client.post(proxy.url + "/v1/chat/completions", data=body) as response:
+                assert response.status == 400
+                assert (await response.json())["error"]["code"] == "invalid_json"
+    [line] = [r.fields for r in caplog.records if r.name == "mmgate.access"]  # type: ignore[attr-defined]
+    assert (line["kind"], line["code"]) == ("media", "invalid_json")
+    assert (await counted(proxy)).by_kind_and_code == {("media", "400"): 1}
 
 
 async def test_anthropic_route_errors_in_anthropic_shape(upstream: Upstream, start_proxy: StartProxy) -> None:

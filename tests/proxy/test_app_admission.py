@@ -7,6 +7,7 @@ is decided by the gate alone, never by timing.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 import orjson
@@ -14,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
+from testkit.servers import counted
 from tests.conftest import Proxy, StartProxy, Upstream
 
 IMAGE = data_uri(image_bytes(32, 32))
@@ -65,6 +67,8 @@ async def test_storm(upstream: Upstream, start_proxy: StartProxy) -> None:
     refused = await asyncio.gather(*(send(proxy, f"refused{i}") for i in range(4)))
     for status, body, headers in refused:
         assert (status, body["error"]["code"], body["error"]["type"]) == (429, "queue_full", "rate_limit_error")
+        assert body["error"]["message"] == ("the media queue is full (MMGATE_MAX_QUEUE=3 places): 3 waiting, "
+                                            "behind 2 running; retry later")
         assert 1 <= int(headers["Retry-After"]) <= 60
     assert (gate.in_use, gate.waiting, len(upstream.seen)) == (2, 3, 2)
     for admitted in range(2, 5):  # each finished request lets exactly the next one in
@@ -88,6 +92,8 @@ async def test_queue_timeout(upstream: Upstream, start_proxy: StartProxy) -> Non
     await eventually(lambda: len(upstream.seen) == 1, "admitted")
     status, body, headers = await send(proxy, "second")
     assert (status, body["error"]["code"]) == (429, "queue_timeout") and "Retry-After" in headers
+    assert body["error"]["message"] == ("waited 0.05 s in the media queue, the longest allowed "
+                                        "(MMGATE_QUEUE_TIMEOUT=0.05), behind 1 running; retry later")
     upstream.release.set()
     assert (await first)[0] == 200
 
@@ -230,6 +236,12 @@ class Upload:
         headers = dict(line.split(": ", 1) for line in lines[1:] if line)
         return int(lines[0].split()[1]), headers
 
+    async def refusal(self) -> tuple[int, dict]:
+        """The answer to a request refused before its body was read: its status and its JSON error."""
+        status, headers = await self.answer()
+        body = await asyncio.wait_for(self.reader.readexactly(int(headers["Content-Length"])), 30)
+        return status, orjson.loads(body)["error"]
+
 
 async def test_burst_refused_before_its_bodies_are_read(upstream: Upstream, start_proxy: StartProxy) -> None:
     """One slot + one queue place: two big media bodies still arriving hold both, so a third is refused with
@@ -264,3 +276,50 @@ async def test_burst_refused_before_its_bodies_are_read(upstream: Upstream, star
     for upload in (a, b, c, t):
         upload.writer.close()
     await eventually(lambda: (gate.reading, gate.in_use, gate.waiting) == (0, 0, 0), "gate empty")
+
+
+async def test_refused_image_requests_are_counted_logged_and_drawn_as_media(
+        upstream: Upstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture) -> None:
+    """Eight clients sending only images at a gate of 2 and a queue of 4: the six places go to six bodies still
+    arriving, and the last two are refused at their head. Every one is media in the access log, in
+    /mmgate/stats (the dashboard) and in Prometheus, and the 429 names the limit that refused it."""
+    hold(upstream)
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_MM_CONCURRENCY="2", MMGATE_MAX_QUEUE="4",
+                              MMGATE_RELEASE_AT="complete", MMGATE_ACCESS_LOG="on")
+    gate = proxy.state.gate
+    image = data_uri(image_bytes(300, 300, "BMP"), "image/bmp")  # ~360 KB of base64, its head naming the image
+    body = orjson.dumps({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}]})
+
+    with caplog.at_level(logging.INFO, logger="mmgate.access"):
+        uploads = [await Upload.start(proxy, body, 100_000) for _ in range(8)]
+        answers = [asyncio.create_task(upload.refusal()) for upload in uploads]
+        await eventually(lambda: sum(answer.done() for answer in answers) == 2, "two refused at their head")
+        assert (gate.reading, gate.in_use, gate.waiting) == (6, 0, 0)
+        refused = [answer.result() for answer in answers if answer.done()]
+        for status, error in refused:
+            assert (status, error["code"]) == (429, "queue_full")
+            assert error["message"] == (
+                "the media queue is full (6 places: 2 slots + MMGATE_MAX_QUEUE=4): 0 running, 0 waiting and 6 "
+                "still arriving (a body being read holds its place); retry later")
+
+        holding = [upload for upload, answer in zip(uploads, answers, strict=True) if not answer.done()]
+        for upload, answer in zip(uploads, answers, strict=True):
+            answer.cancel()
+            if upload not in holding:
+                upload.writer.close()
+        for upload in holding:
+            await upload.finish()
+        await eventually(lambda: (gate.reading, gate.in_use, gate.waiting) == (0, 2, 4), "two admitted, four wait")
+        upstream.release.set()
+        assert [(await upload.answer())[0] for upload in holding] == [200] * 6
+        for upload in holding:
+            upload.writer.close()
+        await eventually(lambda: len([r for r in caplog.records if r.name == "mmgate.access"]) == 8, "all logged")
+
+    lines = [(r.fields["kind"], r.fields["status"], r.fields["code"])  # type: ignore[attr-defined]
+             for r in caplog.records if r.name == "mmgate.access"]
+    assert sorted(lines) == [("media", 200, None)] * 6 + [("media", 429, "queue_full")] * 2
+    counts = await counted(proxy)
+    assert counts.by_kind == {"media": 8}
+    assert counts.by_kind_and_code == {("media", "200"): 6, ("media", "429"): 2}

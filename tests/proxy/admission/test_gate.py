@@ -224,6 +224,9 @@ async def test_places_count_against_the_line() -> None:
     with pytest.raises(MmgateError) as refused:
         gate.take_place()  # slot + queue place both taken by bodies still arriving
     assert refused.value.status == 429 and refused.value.code == "queue_full"
+    assert refused.value.message == ("the media queue is full (2 places: 1 slot + MMGATE_MAX_QUEUE=1): 0 running, "
+                                     "0 waiting and 2 still arriving (a body being read holds its place); retry "
+                                     "later")
     assert "Retry-After" in refused.value.headers
     small = await gate.acquire(1, 5)  # a small request, ready now, takes the free slot: ready first, served first
     with pytest.raises(MmgateError):
