@@ -210,7 +210,8 @@ class FlowGateMachine(RuleBasedStateMachine):
             if not task.cancelled() and task.exception() is None:
                 self.leases.append(task.result())
 
-    flows = st.builds(Flow, st.sampled_from(["", "a", "b"]), st.integers(-1, 1))
+    flows = st.one_of(st.builds(Flow, st.sampled_from(["", "a", "b"]), st.integers(-1, 1)),
+                      st.builds(Flow, st.just(""), st.integers(-1, 1), st.sampled_from(["a", "192.0.2.7"])))
 
     @rule(cost=st.integers(0, 120), timeout=st.sampled_from([0.0, 60.0]), flow=flows)
     def acquire(self, cost: int, timeout: float, flow: Flow) -> None:
