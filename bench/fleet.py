@@ -150,7 +150,8 @@ def convergence(trace: list[tuple[float, int]], best: int, share: float = 0.9) -
 async def fairness_cell(fair: bool) -> dict[str, Any]:
     backend = ModelBackend(FAIR_SERVICE, knee=1000)
     proxy, stop = await start_proxy_server(await backend.start(), MMGATE_MAX_MM_CONCURRENCY=str(FAIR_LIMIT),
-                                           MMGATE_RELEASE_AT="complete", MMGATE_MAX_QUEUE="64")
+                                           MMGATE_RELEASE_AT="complete", MMGATE_MAX_QUEUE="64",
+                                           MMGATE_TRUST_FLOW_HEADERS_FROM="127.0.0.1/32")
     image = data_uri(image_bytes())
     gate = proxy.state.gate
     waits: dict[str, float] = {}

@@ -53,7 +53,6 @@ from proxy.media.tokens import plan_image_tokens
 from proxy.payload.dialects import dialect_for_path, route_for
 from proxy.payload.locate import Plan, chunks_may_contain_media, may_contain_media, plan_media, plan_steps
 from proxy.payload.rawjson import Steps, splice
-from proxy.settings import PRIORITY_MAX, PRIORITY_MIN
 from proxy.state import STATE, AppState
 
 # Sent upstream with MMGATE_MODEL: the request's image tokens for the served model, for a router or scheduler.
@@ -104,8 +103,7 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     ex.declared_length = request.content_length
     _check_headers(request, media_route=ex.route != "other")
     if ex.route != "other":
-        ex.flow = flow_for(request.headers, settings.gate.fairness_header, settings.gate.priority_header,
-                           (PRIORITY_MIN, PRIORITY_MAX))
+        ex.flow = flow_for(request.headers, request.remote, state.flow_rules)
 
     started = time.perf_counter()
     on_head = partial(_take_place_for_media, state, ex) if ex.route != "other" else None

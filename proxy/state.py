@@ -20,6 +20,7 @@ from aiohttp import web
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.pool import DecodePool
+from proxy.admission.flows import FlowRules
 from proxy.admission.gate import Gate
 from proxy.edge.connections import ConnectionGuard
 from proxy.edge.pacing import Pacer
@@ -32,7 +33,7 @@ from proxy.ops.metrics import Metrics
 from proxy.payload.locate import Limits
 from proxy.serve.lifecycle import Lifecycle
 from proxy.serve.memory import IdleTrimmer
-from proxy.settings import Settings
+from proxy.settings import PRIORITY_MAX, PRIORITY_MIN, Settings
 
 
 @dataclass
@@ -92,6 +93,13 @@ class AppBase:
     def plan_limits(self) -> Limits:
         """What every media body's plan is checked against, built once from the settings."""
         return plan_limits(self.settings)
+
+    @cached_property
+    def flow_rules(self) -> FlowRules:
+        """How every media request's flow is found, built once from the settings."""
+        gate = self.settings.gate
+        return FlowRules.of(gate.fairness_header, gate.priority_header, (PRIORITY_MIN, PRIORITY_MAX),
+                            gate.trust_flow_headers_from)
 
     def parts(self) -> dict[str, Any]:
         """The base's fields, to complete into an ``AppState`` (the same objects, shared)."""

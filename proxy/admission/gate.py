@@ -20,13 +20,14 @@ media takes a ``Place`` before the rest is read; places count against the same
 429 ``queue_full`` at once, its body unread. ``acquire(place=...)`` turns the place into a queue entry.
 
 Fair and prioritised waiting (GIE's flow control): each request belongs to a ``Flow``, a flow id from
-``MMGATE_FAIRNESS_HEADER`` and a priority band from ``MMGATE_PRIORITY_HEADER``. Waiters queue per flow; the
+``MMGATE_FAIRNESS_HEADER`` or else its client's address, and a priority band from ``MMGATE_PRIORITY_HEADER``
+(the headers are read from trusted peers only: ``flows.flow_for``). Waiters queue per flow; the
 next request served is the head of the first flow of the highest band that has waiters, and a flow served
 goes to the back of its band's turn, so flows within a band take turns and a higher band always goes first.
 The head-of-line rule holds for that next request: it holds the line until it fits. A flow may hold at most
 ``max_queue_per_flow`` places in line (waiting or reading); its 429 names the flow and its Retry-After counts
-what is ahead of that flow only. Requests without the headers are all one flow in one band: one FIFO, as
-before. Every other guarantee (budgets, deadlines, release exactly once) is per request and so per flow.
+what is ahead of that flow only. The requests of one client without a fairness id are one flow: one FIFO.
+Every other guarantee (budgets, deadlines, release exactly once) is per request and so per flow.
 
 With ``MMGATE_MAX_MM_CONCURRENCY=auto`` an ``adaptive.AdaptiveLimit`` moves ``limit`` from the latency of
 released leases; budgets apply as ever.
@@ -124,9 +125,9 @@ class Place:
         if not self.released:
             self.released = True
             self.gate.reading -= 1
-            self.gate._reading_by_flow[self.flow.id] -= 1
-            if not self.gate._reading_by_flow[self.flow.id]:
-                del self.gate._reading_by_flow[self.flow.id]
+            self.gate._reading_by_flow[self.flow.key] -= 1
+            if not self.gate._reading_by_flow[self.flow.key]:
+                del self.gate._reading_by_flow[self.flow.key]
             self.gate._on_change(self.gate)
 
 
@@ -157,10 +158,10 @@ class Gate:
         self.bytes_in_use = 0
         self.reading = 0  # places held by requests whose body is still arriving
         self.lifecycle = lifecycle if lifecycle is not None else Lifecycle()  # refuses new arrivals once draining
-        # band -> flow id -> that flow's waiters; a dict keeps the flows' turn order (served: to the back)
-        self._bands: dict[int, dict[str, deque[_Waiter]]] = {}
+        # band -> flow key -> that flow's waiters; a dict keeps the flows' turn order (served: to the back)
+        self._bands: dict[int, dict[tuple[str, str], deque[_Waiter]]] = {}
         self._waiting = 0
-        self._reading_by_flow: dict[str, int] = {}
+        self._reading_by_flow: dict[tuple[str, str], int] = {}
         self._on_change = on_change
         self._hold_seconds = 1.0  # moving average of how long a lease is held; seeds Retry-After
         on_change(self)
@@ -177,8 +178,8 @@ class Gate:
 
     def flow_waiting(self, flow: Flow) -> int:
         """Places one flow holds in line: its waiters in every band, and its bodies still arriving."""
-        return sum(len(flows.get(flow.id, ())) for flows in self._bands.values()) + self._reading_by_flow.get(
-            flow.id, 0)
+        return sum(len(flows.get(flow.key, ())) for flows in self._bands.values()) + self._reading_by_flow.get(
+            flow.key, 0)
 
     def _fits(self, cost: int, tokens: int) -> bool:
         if self.in_use >= self.limit:
@@ -191,13 +192,13 @@ class Gate:
         """Requests served before a new arrival of ``flow``: every waiter in a higher band, and in its own
         band, as the flows take turns, each other flow's waiters up to one more than ``flow`` has. Bodies
         still arriving count as ahead. With one flow this is the whole line."""
-        mine = len(self._bands.get(flow.band, {}).get(flow.id, ()))
+        mine = len(self._bands.get(flow.band, {}).get(flow.key, ()))
         ahead = self.reading + mine
         for band, flows in self._bands.items():
             if band > flow.band:
                 ahead += sum(map(len, flows.values()))
             elif band == flow.band:
-                ahead += sum(min(len(queue), mine + 1) for flow_id, queue in flows.items() if flow_id != flow.id)
+                ahead += sum(min(len(queue), mine + 1) for key, queue in flows.items() if key != flow.key)
         return ahead
 
     def retry_after(self, flow: Flow = DEFAULT_FLOW) -> int:
@@ -207,7 +208,7 @@ class Gate:
         return max(RETRY_AFTER_MIN, min(RETRY_AFTER_MAX, math.ceil(rounds * self._hold_seconds)))
 
     def _reject(self, refusal: ErrorCode[MmgateError], message: str, flow: Flow = DEFAULT_FLOW) -> MmgateError:
-        if flow.id:
+        if flow.key != DEFAULT_FLOW.key:
             message = f"{flow.named()}: {message}"
         return refusal.error(message, headers={"Retry-After": str(self.retry_after(flow))})
 
@@ -232,7 +233,7 @@ class Gate:
         if (refusal := self._flow_full(flow)) is not None:
             raise refusal
         self.reading += 1
-        self._reading_by_flow[flow.id] = self._reading_by_flow.get(flow.id, 0) + 1
+        self._reading_by_flow[flow.key] = self._reading_by_flow.get(flow.key, 0) + 1
         self._on_change(self)
         return Place(self, flow=flow)
 
@@ -296,13 +297,13 @@ class Gate:
             # bands kept highest first, so the next request is always in the first band
             self._bands[waiter.flow.band] = flows = {}
             self._bands = dict(sorted(self._bands.items(), reverse=True))
-        flows.setdefault(waiter.flow.id, deque()).append(waiter)
+        flows.setdefault(waiter.flow.key, deque()).append(waiter)
         self._waiting += 1
 
     def _dequeue(self, waiter: _Waiter) -> None:
         """Take a waiter out of line wherever it stands (it timed out or was cancelled)."""
         flows = self._bands.get(waiter.flow.band)
-        queue = flows.get(waiter.flow.id) if flows is not None else None
+        queue = flows.get(waiter.flow.key) if flows is not None else None
         if queue is None or waiter not in queue:
             return
         queue.remove(waiter)
@@ -311,8 +312,8 @@ class Gate:
 
     def _forget_if_empty(self, flow: Flow) -> None:
         flows = self._bands[flow.band]
-        if not flows[flow.id]:
-            del flows[flow.id]
+        if not flows[flow.key]:
+            del flows[flow.key]
             if not flows:
                 del self._bands[flow.band]
 
@@ -357,7 +358,7 @@ class Gate:
         served goes to the back of its band's turn."""
         while self._bands:
             flows = next(iter(self._bands.values()))
-            flow_id, queue = next(iter(flows.items()))
+            key, queue = next(iter(flows.items()))
             head = queue[0]
             if head.future.done():  # its task was cancelled or timed out: it no longer holds the line
                 queue.popleft()
@@ -368,9 +369,9 @@ class Gate:
                 break
             queue.popleft()
             self._waiting -= 1
-            del flows[flow_id]
+            del flows[key]
             if queue:
-                flows[flow_id] = queue  # to the back of the band's turn
+                flows[key] = queue  # to the back of the band's turn
             elif not flows:
                 del self._bands[head.flow.band]
             self._take(head.cost, head.tokens)

@@ -66,10 +66,10 @@ class GateServer:
         op = message[0]
         gate = self.gate
         if op == "acquire":
-            _, rid, cost, timeout, place_id, tokens, flow_id, band = message
+            _, rid, cost, timeout, place_id, tokens, flow_id, band, client = message
             place = front.places.pop(place_id, None) if place_id is not None else None
             task = front.waits[rid] = asyncio.create_task(
-                self._acquire(front, rid, cost, timeout, place, tokens, Flow(flow_id, band)))
+                self._acquire(front, rid, cost, timeout, place, tokens, Flow(flow_id, band, client)))
             task.add_done_callback(partial(self._wait_ended, front, rid, place))
         elif op == "release":
             if (lease := front.leases.pop(message[1], None)) is not None:
@@ -81,9 +81,9 @@ class GateServer:
             if (lease := front.leases.get(message[1])) is not None:
                 lease.handed_off()
         elif op == "place":
-            _, rid, flow_id, band = message
+            _, rid, flow_id, band, client = message
             try:
-                place = gate.take_place(Flow(flow_id, band))
+                place = gate.take_place(Flow(flow_id, band, client))
             except MmgateError as error:
                 front.link.send(["err", rid, *_refusal(error), counters(gate)])
                 return

@@ -13,8 +13,8 @@ Frames: a 4-byte big-endian length, then an orjson array whose first element nam
 front -> gate::
 
     ["ready"]                                          the front listens
-    ["place", rid, flow id, band]                      Gate.take_place
-    ["acquire", rid, cost, timeout, place, tokens, flow id, band]
+    ["place", rid, flow id, band, client]              Gate.take_place
+    ["acquire", rid, cost, timeout, place, tokens, flow id, band, client]
     ["cancel", rid]                                    the request gave up waiting
     ["unplace", place]    ["release", lease]    ["handed_off", lease]
     ["lower", lease, cost]                             Lease.lower: the lease weighs fewer bytes from now on
@@ -247,7 +247,7 @@ class SharedGate(Gate):
         """``Gate.take_place``, at the gate."""
         if self.lifecycle.refusing:
             raise draining()
-        answer = await self._ask(["place", 0, flow.id, flow.band], "unplace")
+        answer = await self._ask(["place", 0, flow.id, flow.band, flow.client], "unplace")
         return SharedPlace(self, flow=flow, place_id=answer[2])
 
     def take_place(self, flow: Flow = DEFAULT_FLOW) -> Place:
@@ -263,7 +263,8 @@ class SharedGate(Gate):
             if place_id is not None:
                 self.link.send(["unplace", place_id])
             raise draining()
-        answer = await self._ask(["acquire", 0, cost, timeout, place_id, tokens, flow.id, flow.band], "release")
+        answer = await self._ask(["acquire", 0, cost, timeout, place_id, tokens, flow.id, flow.band,
+                                   flow.client], "release")
         return SharedLease(self, cost, tokens, lease_id=answer[2])
 
     def _give_back(self, lease: Lease, sample: bool = True) -> None:

@@ -119,6 +119,16 @@ def header_name(raw: str) -> str:
     return value
 
 
+def header_names(raw: str) -> tuple[str, ...]:
+    try:
+        items = tuple(header_name(p) for p in raw.split(",") if p.strip())
+    except ValueError:
+        items = ()
+    if not items:
+        raise ValueError("comma-separated HTTP header names (RFC 9110 section 5.1)")
+    return items
+
+
 def text(raw: str) -> str:
     return raw
 

@@ -96,8 +96,9 @@ class Gate:
     max_queue: int = 64
     max_inflight_media_mb: int = 1024
     max_inflight_image_tokens: int = 0
-    fairness_header: str = "x-gateway-inference-fairness-id"
+    fairness_header: tuple[str, ...] = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
     priority_header: str = "x-mmgate-priority"
+    trust_flow_headers_from: tuple[str, ...] = ()
     max_queue_per_flow: int = 0
     min_mm_concurrency: int = 1
     max_mm_concurrency_auto: int = 64

@@ -20,6 +20,7 @@ from proxy.settings.parsers import (
     cidrs,
     concurrency,
     header_name,
+    header_names,
     host_patterns,
     integer,
     jpeg_quality,
@@ -99,9 +100,13 @@ SPEC: dict[str, Spec] = {
     "queue_timeout": Spec("timeouts", seconds(False), "seconds a media request may wait -> 429 queue_timeout"),
     "max_inflight_media_mb": Spec("gate", integer(0), "decoded inline media MiB past admission (0 = off)"),
     "max_inflight_image_tokens": Spec("gate", integer(0), "image tokens past admission, needs MMGATE_MODEL (0 = off)"),
-    "fairness_header": Spec("gate", header_name, "header naming a media request's flow; flows wait in turn"),
+    "fairness_header": Spec("gate", header_names, "comma-separated headers naming a media request's flow, the "
+                                                   "first present wins; flows wait in turn"),
     "priority_header": Spec("gate", header_name, f"integer header: a media request's priority band, clamped to "
                                                   f"{PRIORITY_MIN}..{PRIORITY_MAX}; higher bands first"),
+    "trust_flow_headers_from": Spec("gate", cidrs, "CIDRs of the TCP peers (the gateway in front) whose fairness "
+                                                   "and priority headers are read; from others they are ignored "
+                                                   "and a client's address is its flow", shown="none"),
     "max_queue_per_flow": Spec("gate", integer(0, 1_000_000), "places in line one flow may hold; beyond -> 429 "
                                                            "queue_full (0 = only MMGATE_MAX_QUEUE)"),
     "min_mm_concurrency": Spec("gate", integer(1, 100_000), "with MAX_MM_CONCURRENCY=auto: the lowest limit"),
@@ -233,6 +238,8 @@ def help_text(name: str) -> str:
             shown = "on" if value else "off"
         elif isinstance(value, float):
             shown = f"{value:g}"
+        elif isinstance(value, tuple):
+            shown = ",".join(value)
         else:
             shown = str(value)
     return f"{spec.help} [{shown}]" if shown else spec.help

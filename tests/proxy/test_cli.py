@@ -47,6 +47,8 @@ TOOLING_VARIABLES: frozenset[str] = frozenset({
         ({"MMGATE_UPSTREAM": "ftp://x"}, "MMGATE_UPSTREAM='ftp://x'"),
         ({"MMGATE_DECODE_WORKERS": "0"}, "benchmark baseline"),
         ({"MMGATE_PORT": "70000"}, "from 0 to 65535"),
+        ({"MMGATE_TRUST_FLOW_HEADERS_FROM": "the-gateway"}, "comma-separated addresses or CIDR networks"),
+        ({"MMGATE_FAIRNESS_HEADER": "x-tenant,bad name"}, "comma-separated HTTP header names"),
     ],
 )
 def test_bad_value_exits_2_with_one_line(env: dict[str, str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -209,6 +211,15 @@ def test_settings_are_frozen_and_injectable() -> None:
         settings.gate.max_queue = 3  # type: ignore[misc]
     with pytest.raises(ConfigError):
         Settings.from_env({"MMGATE_MAX_BODY_MB": "0"})
+
+
+def test_the_fairness_header_setting_takes_one_name_or_several() -> None:
+    default = Settings.from_env({"MMGATE_UPSTREAM": "http://h:1"}).gate
+    assert default.fairness_header == ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+    assert default.trust_flow_headers_from == ()
+    one = Settings.from_env({"MMGATE_UPSTREAM": "http://h:1", "MMGATE_FAIRNESS_HEADER": "X-Tenant",
+                             "MMGATE_TRUST_FLOW_HEADERS_FROM": "10.0.0.0/8, 192.0.2.7"}).gate
+    assert one.fairness_header == ("x-tenant",) and one.trust_flow_headers_from == ("10.0.0.0/8", "192.0.2.7/32")
 
 
 def _env(**settings: str) -> dict[str, str]:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 import aiohttp
 import pytest
@@ -14,11 +16,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from preprocessors.errors import MmgateError
-from proxy.admission.flows import DEFAULT_FLOW, Flow, flow_for
+from proxy.admission.flows import DEFAULT_FLOW, Flow, FlowRules, flow_for
 from proxy.admission.gate import Gate, Lease, Place
 from proxy.settings import PRIORITY_MAX, PRIORITY_MIN
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
-from tests.conftest import StartProxy, Upstream
+from tests.conftest import Proxy, StartProxy, Upstream
 
 HEADERS = ("x-gateway-inference-fairness-id", "x-mmgate-priority")
 
@@ -135,19 +137,37 @@ async def test_a_waiter_timing_out_leaves_its_flow_clean() -> None:
     held.release()
 
 
-def test_flow_from_headers() -> None:
-    bands = (PRIORITY_MIN, PRIORITY_MAX)
-    assert flow_for({}, *HEADERS, bands) is DEFAULT_FLOW
-    assert flow_for({HEADERS[0]: " t1 "}, *HEADERS, bands) == Flow("t1", 0)
-    assert flow_for({HEADERS[1]: "1000"}, *HEADERS, bands) == Flow("", PRIORITY_MAX)
-    assert flow_for({HEADERS[1]: "-1000"}, *HEADERS, bands) == Flow("", PRIORITY_MIN)
+RULES = FlowRules.of(("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id"), "x-mmgate-priority",
+                     (PRIORITY_MIN, PRIORITY_MAX), ("10.0.0.0/8", "fd00::/64"))
+
+
+def test_flow_from_a_trusted_peer_s_headers() -> None:
+    gateway = "10.1.2.3"
+    assert flow_for({}, gateway, RULES) == Flow(client=gateway)
+    assert flow_for({HEADERS[0]: " t1 "}, gateway, RULES) == Flow("t1", 0)
+    assert flow_for({"x-llm-d-inference-fairness-id": "t2", HEADERS[0]: "t1"}, gateway, RULES) == Flow("t2", 0)
+    assert flow_for({HEADERS[1]: "1000"}, gateway, RULES) == Flow("", PRIORITY_MAX, gateway)
+    assert flow_for({HEADERS[1]: "-1000"}, "::ffff:10.1.2.3", RULES) == Flow("", PRIORITY_MIN, gateway)
+    assert flow_for({HEADERS[1]: "2"}, "fd00::7", RULES) == Flow("", 2, "fd00::/64")
     for bad in ("high", "1.5", ""):
         with pytest.raises(MmgateError) as refused:
-            flow_for({HEADERS[1]: bad}, *HEADERS, bands)
+            flow_for({HEADERS[1]: bad}, gateway, RULES)
         assert refused.value.status == 400 and refused.value.code == "invalid_priority_header"
     with pytest.raises(MmgateError) as refused:
-        flow_for({HEADERS[0]: "x" * 129}, *HEADERS, bands)
+        flow_for({HEADERS[0]: "x" * 129}, gateway, RULES)
     assert refused.value.code == "invalid_flow_header"
+
+
+def test_an_untrusted_peer_s_headers_are_not_read() -> None:
+    """Outside ``MMGATE_TRUST_FLOW_HEADERS_FROM`` the flow is the client's address (an IPv6 client's /64),
+    band 0, whatever the headers say, invalid values included."""
+    headers = {HEADERS[0]: "x" * 129, HEADERS[1]: "high", "x-llm-d-inference-fairness-id": "minted"}
+    assert flow_for(headers, "192.0.2.7", RULES) == Flow(client="192.0.2.7")
+    assert flow_for(headers, "2001:db8:1:2:3:4:5:6", RULES) == Flow(client="2001:db8:1:2::/64")
+    assert flow_for(headers, None, RULES) == DEFAULT_FLOW  # a Unix socket: no address to tell clients apart
+    nobody = FlowRules.of(RULES.fairness_headers, RULES.priority_header, RULES.bands, ())
+    assert flow_for({HEADERS[1]: "8"}, "10.1.2.3", nobody) == Flow(client="10.1.2.3")
+    assert Flow("10.1.2.3").key != Flow(client="10.1.2.3").key  # an id never stands for an address
 
 
 arrivals_strategy = st.lists(st.tuples(st.sampled_from("abcd"), st.integers(-1, 1)), min_size=1, max_size=30)
@@ -192,7 +212,8 @@ class FlowGateMachine(RuleBasedStateMachine):
             if not task.cancelled() and task.exception() is None:
                 self.leases.append(task.result())
 
-    flows = st.builds(Flow, st.sampled_from(["", "a", "b"]), st.integers(-1, 1))
+    flows = st.one_of(st.builds(Flow, st.sampled_from(["", "a", "b"]), st.integers(-1, 1)),
+                      st.builds(Flow, st.just(""), st.integers(-1, 1), st.sampled_from(["a", "192.0.2.7"])))
 
     @rule(cost=st.integers(0, 120), timeout=st.sampled_from([0.0, 60.0]), flow=flows)
     def acquire(self, cost: int, timeout: float, flow: Flow) -> None:
@@ -278,7 +299,7 @@ async def _held_backend(upstream: Upstream) -> asyncio.Queue[str]:
 async def test_http_flows_take_turns_and_bands_go_first(upstream: Upstream, start_proxy: StartProxy) -> None:
     forwarded = await _held_backend(upstream)
     proxy = await start_proxy(upstream.url, MMGATE_MAX_MM_CONCURRENCY="1", MMGATE_RELEASE_AT="complete",
-                              MMGATE_CACHE_MB="0")
+                              MMGATE_CACHE_MB="0", MMGATE_TRUST_FLOW_HEADERS_FROM="127.0.0.1/32")
     image = data_uri(image_bytes())
 
     async def post(session: aiohttp.ClientSession, name: str, headers: dict[str, str]) -> int:
@@ -309,7 +330,8 @@ async def test_http_flows_take_turns_and_bands_go_first(upstream: Upstream, star
 async def test_http_refusal_names_the_flow(upstream: Upstream, start_proxy: StartProxy) -> None:
     await _held_backend(upstream)
     proxy = await start_proxy(upstream.url, MMGATE_MAX_MM_CONCURRENCY="1", MMGATE_RELEASE_AT="complete",
-                              MMGATE_MAX_QUEUE_PER_FLOW="1", MMGATE_CACHE_MB="0")
+                              MMGATE_MAX_QUEUE_PER_FLOW="1", MMGATE_CACHE_MB="0",
+                              MMGATE_TRUST_FLOW_HEADERS_FROM="127.0.0.1/32")
     body = chat_with_image(data_uri(image_bytes()))
     async with aiohttp.ClientSession() as session:
         async def post(headers: dict[str, str]) -> aiohttp.ClientResponse:
@@ -332,3 +354,137 @@ async def test_http_refusal_names_the_flow(upstream: Upstream, start_proxy: Star
         upstream.go.put_nowait(None)  # type: ignore[attr-defined]
         upstream.go.put_nowait(None)  # type: ignore[attr-defined]
         assert (await running).status == 200 and (await queued).status == 200
+
+
+# A second loopback address for a second client: the proxy tells clients apart by their TCP peer address.
+OTHER_CLIENT = "127.0.0.2"
+
+
+def _client_from(address: str) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(address, 0)))
+
+
+class _Chats:
+    """Chat requests with an image, each tagged by its text, posted from one client session."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.url = proxy.url + "/v1/chat/completions"
+        self.image = data_uri(image_bytes())
+
+    async def post(self, session: aiohttp.ClientSession, name: str,
+                   headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+        async with session.post(self.url, json=chat_with_image(self.image, text=name),
+                                headers=headers or {}) as response:
+            return response.status, await response.json()
+
+
+async def _queue(proxy: Proxy, tasks: list[asyncio.Task[Any]], post: Coroutine[Any, Any, Any]) -> None:
+    """Send one more request and wait until it waits in the gate."""
+    tasks.append(asyncio.create_task(post))
+    count = len(tasks) - 1  # the first one is at the backend
+    await eventually(lambda: proxy.state.gate.waiting == count, f"{count} queued")
+
+
+async def _forward_order(upstream: Upstream, forwarded: asyncio.Queue[str], count: int) -> list[str]:
+    """Let the backend answer one request at a time: the order mmgate forwards the next ``count`` in."""
+    order = []
+    for _ in range(count):
+        upstream.go.put_nowait(None)  # type: ignore[attr-defined]
+        order.append(await forwarded.get())
+    upstream.go.put_nowait(None)  # type: ignore[attr-defined]
+    return order
+
+
+async def test_http_an_untrusted_priority_cannot_jump_the_line(upstream: Upstream, start_proxy: StartProxy) -> None:
+    """By default no peer is trusted: a client's priority header (an invalid one too) is not read, so a
+    request asking for band 99 waits behind the one sent before it."""
+    forwarded = await _held_backend(upstream)
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_MM_CONCURRENCY="1", MMGATE_RELEASE_AT="complete",
+                              MMGATE_CACHE_MB="0")
+    chats = _Chats(proxy)
+    async with aiohttp.ClientSession() as session, _client_from(OTHER_CLIENT) as other:
+        tasks = [asyncio.create_task(chats.post(session, "first"))]
+        assert await forwarded.get() == "first"
+        await _queue(proxy, tasks, chats.post(other, "honest"))
+        await _queue(proxy, tasks, chats.post(session, "greedy", {HEADERS[1]: "99"}))
+        await _queue(proxy, tasks, chats.post(session, "junk", {HEADERS[1]: "urgent", HEADERS[0]: "x" * 200}))
+        assert await _forward_order(upstream, forwarded, 3) == ["honest", "greedy", "junk"]
+        assert [status for status, _ in await asyncio.gather(*tasks)] == [200] * 4
+
+
+async def test_http_a_trusted_peer_s_headers_are_honoured(upstream: Upstream, start_proxy: StartProxy) -> None:
+    """Only the peer in MMGATE_TRUST_FLOW_HEADERS_FROM picks a band; another peer's priority is not read."""
+    forwarded = await _held_backend(upstream)
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_MM_CONCURRENCY="1", MMGATE_RELEASE_AT="complete",
+                              MMGATE_CACHE_MB="0", MMGATE_TRUST_FLOW_HEADERS_FROM=f"{OTHER_CLIENT}/32")
+    chats = _Chats(proxy)
+    async with aiohttp.ClientSession() as session, _client_from(OTHER_CLIENT) as gateway:
+        tasks = [asyncio.create_task(chats.post(session, "first"))]
+        assert await forwarded.get() == "first"
+        await _queue(proxy, tasks, chats.post(session, "plain"))
+        await _queue(proxy, tasks, chats.post(session, "spoofed", {HEADERS[1]: "5"}))
+        await _queue(proxy, tasks, chats.post(gateway, "gateway", {HEADERS[1]: "3"}))
+        status, body = await chats.post(gateway, "bad", {HEADERS[1]: "urgent"})  # read, so judged
+        assert status == 400 and body["error"]["code"] == "invalid_priority_header"
+        assert await _forward_order(upstream, forwarded, 3) == ["gateway", "plain", "spoofed"]
+        assert [status for status, _ in await asyncio.gather(*tasks)] == [200] * 4
+
+
+async def test_http_the_per_flow_cap_is_per_client_address(upstream: Upstream, start_proxy: StartProxy) -> None:
+    """Clients without a trusted fairness id are one flow each, by address: one client filling its places
+    leaves another's free."""
+    await _held_backend(upstream)
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_MM_CONCURRENCY="1", MMGATE_RELEASE_AT="complete",
+                              MMGATE_MAX_QUEUE_PER_FLOW="2", MMGATE_CACHE_MB="0")
+    chats = _Chats(proxy)
+    async with aiohttp.ClientSession() as session, _client_from(OTHER_CLIENT) as other:
+        tasks = [asyncio.create_task(chats.post(session, "first"))]
+        await upstream.arrived.get()
+        await _queue(proxy, tasks, chats.post(session, "mine0"))
+        await _queue(proxy, tasks, chats.post(session, "mine1"))
+        status, body = await chats.post(session, "mine2")
+        assert status == 429 and body["error"]["code"] == "queue_full"
+        assert "the flow of client 127.0.0.1" in body["error"]["message"]
+        await _queue(proxy, tasks, chats.post(other, "theirs"))
+        for _ in tasks:
+            upstream.go.put_nowait(None)  # type: ignore[attr-defined]
+        assert [status for status, _ in await asyncio.gather(*tasks)] == [200] * 4
+
+
+async def test_http_minted_ids_from_an_untrusted_client_share_its_flow(upstream: Upstream,
+                                                                      start_proxy: StartProxy) -> None:
+    """A new fairness id per request buys an untrusted client no more places than its one flow's."""
+    await _held_backend(upstream)
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_MM_CONCURRENCY="1", MMGATE_RELEASE_AT="complete",
+                              MMGATE_MAX_QUEUE_PER_FLOW="2", MMGATE_CACHE_MB="0")
+    chats = _Chats(proxy)
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(chats.post(session, "first"))]
+        await upstream.arrived.get()
+        await _queue(proxy, tasks, chats.post(session, "a", {HEADERS[0]: "id-a"}))
+        await _queue(proxy, tasks, chats.post(session, "b", {"x-llm-d-inference-fairness-id": "id-b"}))
+        status, body = await chats.post(session, "c", {HEADERS[0]: "id-c"})
+        assert status == 429 and "the flow of client 127.0.0.1" in body["error"]["message"]
+        for _ in tasks:
+            upstream.go.put_nowait(None)  # type: ignore[attr-defined]
+        assert [status for status, _ in await asyncio.gather(*tasks)] == [200] * 3
+
+
+async def test_http_both_fairness_header_names_name_the_flow(upstream: Upstream, start_proxy: StartProxy) -> None:
+    """llm-d's x-llm-d-inference-fairness-id and its older x-gateway-inference-fairness-id are read by default:
+    the same id under either name is the same flow."""
+    await _held_backend(upstream)
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_MM_CONCURRENCY="1", MMGATE_RELEASE_AT="complete",
+                              MMGATE_MAX_QUEUE_PER_FLOW="1", MMGATE_CACHE_MB="0",
+                              MMGATE_TRUST_FLOW_HEADERS_FROM="127.0.0.1/32")
+    chats = _Chats(proxy)
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(chats.post(session, "first"))]
+        await upstream.arrived.get()
+        await _queue(proxy, tasks, chats.post(session, "new", {"x-llm-d-inference-fairness-id": "tenant-1"}))
+        status, body = await chats.post(session, "old", {"x-gateway-inference-fairness-id": "tenant-1"})
+        assert status == 429 and "flow 'tenant-1'" in body["error"]["message"]
+        await _queue(proxy, tasks, chats.post(session, "old", {"x-gateway-inference-fairness-id": "tenant-2"}))
+        for _ in tasks:
+            upstream.go.put_nowait(None)  # type: ignore[attr-defined]
+        assert [status for status, _ in await asyncio.gather(*tasks)] == [200] * 3

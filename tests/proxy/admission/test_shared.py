@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from proxy.admission.flows import Flow
 from proxy.admission.gate import Gate
 from proxy.admission.gate_server import GateServer
 from proxy.admission.shared import Link, SharedGate
@@ -86,6 +87,24 @@ async def test_refusals_cross_the_socket_in_the_gates_own_words() -> None:
     assert refused.value.headers["Retry-After"]  # type: ignore[attr-defined]
     held.release()
     await _until(lambda: gate.in_use == 0, "released")
+    await shared.close()
+
+
+async def test_a_flow_crosses_the_socket_whole() -> None:
+    """The supervisor's gate keeps the flow a front found: the client's address and the band as well as an id."""
+    gate, shared = await _gate_over_a_socket_pair(limit=1, max_queue=4)
+    held = await shared.acquire(1, 30)
+    waiting = [asyncio.create_task(shared.acquire(1, 30, flow=flow))
+               for flow in (Flow(client="192.0.2.7"), Flow("192.0.2.7", 2))]
+    place = await shared.take_shared_place(Flow(client="192.0.2.8"))
+    await _until(lambda: gate.waiting == 2, "both queued")
+    assert sorted(gate._bands) == [0, 2] and list(gate._bands[0]) == [("", "192.0.2.7")]
+    assert list(gate._bands[2]) == [("192.0.2.7", "")] and list(gate._reading_by_flow) == [("", "192.0.2.8")]
+    place.release()
+    held.release()
+    for task in reversed(waiting):  # the higher band first
+        (await task).release()
+    await _until(lambda: gate.in_use == gate.reading == 0, "released")
     await shared.close()
 
 
