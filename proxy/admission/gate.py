@@ -207,18 +207,21 @@ class Gate:
         rounds = (self._ahead_of(flow) + 1) / self.limit
         return max(RETRY_AFTER_MIN, min(RETRY_AFTER_MAX, math.ceil(rounds * self._hold_seconds)))
 
-    def _reject(self, refusal: ErrorCode[MmgateError], message: str, flow: Flow = DEFAULT_FLOW) -> MmgateError:
-        if flow.key != DEFAULT_FLOW.key:
+    def _reject(self, refusal: ErrorCode[MmgateError], message: str, flow: Flow = DEFAULT_FLOW,
+                named: bool = False) -> MmgateError:
+        """A refusal whose Retry-After is ``flow``'s wait. The message names a flow its fairness id named, or
+        one whose own share refused it (``named``); a client's address flow is not news to the client."""
+        if named or flow.id:
             message = f"{flow.named()}: {message}"
         return refusal.error(message, headers={"Retry-After": str(self.retry_after(flow))})
 
     def _flow_full(self, flow: Flow) -> MmgateError | None:
         if self.max_queue_per_flow and self.flow_waiting(flow) >= self.max_queue_per_flow:
-            reading = self._reading_by_flow.get(flow.id, 0)
+            reading = self._reading_by_flow.get(flow.key, 0)
             return self._reject(QUEUE_FULL, f"this flow's share of the media queue is full "
                                             f"(MMGATE_MAX_QUEUE_PER_FLOW={_places(self.max_queue_per_flow)}): "
                                             f"{_held_by(None, self.flow_waiting(flow) - reading, reading)}; "
-                                            "retry later", flow)
+                                            "retry later", flow, named=True)
         return None
 
     def take_place(self, flow: Flow = DEFAULT_FLOW) -> Place:
