@@ -95,7 +95,7 @@ def probe_video(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> Vid
                "skip_frame": "all", "max_pixels": str(policy.max_pixels)}
     try:
         container = av.open(BytesIO(data), mode="r", options=options, metadata_errors="ignore")
-    except MemoryError:  # the MP4 demuxer's answer to a stream past max_streams; the data is bounded
+    except av.MemoryError:  # the MP4 demuxer's answer to a stream past max_streams; the data is bounded
         raise _too_many_streams() from None
     except (av.FFmpegError, ValueError, OSError) as error:
         raise VIDEO_INVALID.error(f"the data is not a readable video in an accepted container "
@@ -121,7 +121,7 @@ def _judge(av: Any, container: Any, policy: VideoPolicy, checkpoint: Checkpoint)
         raise VIDEO_INVALID.error(f"the container {container.format.name!r} is not accepted: send "
                                   f"{', '.join(ALLOWED_FORMATS)}")
     stream = _the_video_stream(container)
-    codec = stream.codec_context.name if stream.codec_context is not None else ""
+    codec = _codec_name(stream)
     if codec not in ALLOWED_CODECS:
         raise VIDEO_INVALID.error(f"the video codec {codec or 'unknown'!r} is not accepted: send "
                                   f"{', '.join(ALLOWED_CODECS)}")
@@ -156,7 +156,7 @@ def _the_video_stream(container: Any) -> Any:
         raise _too_many_streams()
     for other in streams:
         if other.type == "audio":
-            name = other.codec_context.name if other.codec_context is not None else ""
+            name = _codec_name(other)
             if name not in ALLOWED_AUDIO_CODECS:
                 raise VIDEO_INVALID.error(f"the clip's audio codec {name or 'unknown'!r} is not accepted: send "
                                           f"{', '.join(ALLOWED_AUDIO_CODECS)}")
@@ -168,6 +168,12 @@ def _the_video_stream(container: Any) -> Any:
         raise VIDEO_INVALID.error(f"the clip holds {len(streams.video)} video streams (cover art counts): "
                                   "send one, so that what is checked is what the backend decodes")
     return streams.video[0]
+
+
+def _codec_name(stream: Any) -> str:
+    """The codec's own name (``av1``, ``mp3``), not the decoder's FFmpeg picked for it (``libdav1d``)."""
+    context = stream.codec_context
+    return str(context.codec.canonical_name) if context is not None else ""
 
 
 def _check_pixels(width: int, height: int, policy: VideoPolicy, where: str = "") -> None:

@@ -41,7 +41,7 @@ async def post(proxy: Proxy, body: dict[str, Any]) -> tuple[int, dict[str, Any]]
 
 
 @pytest.mark.parametrize(("codec", "container"), [("libx264", "mp4"), ("libvpx-vp9", "webm"),
-                                                  ("libx264", "matroska")])
+                                                  ("libx264", "matroska"), ("libsvtav1", "mp4")])
 async def test_a_valid_clip_reaches_the_upstream_byte_for_byte(upstream: Upstream, proxy: Proxy, codec: str,
                                                                container: str) -> None:
     mime = "video/webm" if container == "webm" else "video/mp4"
