@@ -20,14 +20,16 @@ whole, not by its first stream or its first bytes:
 - Every packet of the video stream is demuxed, never more than one past the frame limit, whatever the
   index says: a fragmented MP4's index lists only the samples before its first fragment. The count is the
   larger of the two, so a clip is over the limit if either says so.
-- A clip may change its frame size mid-stream (a new sequence header, a VP9 keyframe of another size), so
-  every keyframe packet goes to a decoder that refuses a picture over ``max_pixels`` before it allocates
-  one, and whose frame size is read after each. H.264 and HEVC honour ``skip_frame=all`` and only parse the
-  headers; VP8, VP9 and AV1 decode the keyframe itself, within the pixel limit. The request's checkpoint
-  (its deadline) is called as the packets go by, so the work per clip is bounded by the frame limit, the
-  pixel limit and the deadline, and memory by one frame of the pixel limit and ``MAX_STREAMS`` streams.
-  Inter frames are not decoded: a size change that only an inter frame states (VP9's and AV1's reference
-  scaling) is left to the backend's own limits.
+- A clip may change its frame size mid-stream (a new sequence parameter set, a VP9 key frame of another
+  size), so the size of every frame that states one is checked as the packets go by. VP8 and VP9 state it
+  in a header read without decoding (``vpx``); H.264, HEVC and AV1 packets go to the stream's decoder with
+  ``skip_frame=nokey`` and ``max_pixels``: it parses every packet's headers, by the bitstream's own idea of
+  a key frame rather than the container's flag (which the sender sets), reconstructs key frames only, and
+  refuses one over the pixel limit before it allocates it. A size that only a VP9 or AV1 inter frame states
+  (reference scaling) is left to the backend's own limits.
+- The request's checkpoint (its deadline) is called every ``_CHECK_EVERY`` packets and after every picture
+  decoded, so the work per clip is bounded by the frame limit, the pixel limit and the deadline, and its
+  memory by ``MAX_STREAMS`` streams' discovery and pictures within the pixel limit.
 
 PyAV is imported on the first video item a worker sees; without it a video part is refused
 (``video_unavailable``), since an unchecked clip is what this module exists to keep from the backend.
@@ -35,8 +37,10 @@ PyAV is imported on the first video item a worker sees; without it a video part 
 
 from __future__ import annotations
 
+import errno
 import importlib
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from io import BytesIO
@@ -44,6 +48,7 @@ from typing import Any, NoReturn
 
 from .base import Checkpoint, VideoPolicy
 from .errors import VIDEO_INVALID, VIDEO_TOO_LARGE, VIDEO_UNAVAILABLE, MediaError
+from .vpx import vp8_sizes, vp9_sizes
 
 # FFmpeg's demuxer names: MP4/QuickTime (one demuxer, "mov,mp4,m4a,3gp,3g2,mj2") and Matroska/WebM.
 ALLOWED_FORMATS = ("mov", "mp4", "matroska", "webm")
@@ -55,7 +60,7 @@ _FORMAT_WHITELIST = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm"
 _PROBE_BYTES = 5_000_000  # FFmpeg's default: what it reads to find the streams
 _PROBE_MICROSECONDS = 5_000_000
 _CHECK_EVERY = 64  # packets demuxed between two checkpoints
-_EINVAL = 22  # what a decoder answers for a picture over ``max_pixels`` (av_image_check_size2)
+_OVER_MAX_PIXELS = (errno.EINVAL, errno.ERANGE)  # a picture over max_pixels: FFmpeg's own decoders, dav1d
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,41 +205,58 @@ def _seconds(container: Any, stream: Any) -> float:
 
 def _walk(av: Any, container: Any, stream: Any, policy: VideoPolicy, checkpoint: Checkpoint) -> tuple[int, float]:
     """Packets of ``stream`` (one frame each for the allowed codecs) and the end time of the last, stopping one
-    past ``max_frames``; each keyframe's frame size is checked on the way."""
+    past ``max_frames``; the frame size of every frame that states one is checked on the way."""
     frames, end = 0, 0.0
     time_base = Fraction(stream.time_base) if stream.time_base else None
-    decoder = stream.codec_context
-    decoder.options = {"skip_frame": "all", "max_pixels": str(policy.max_pixels), "threads": "1"}
+    sizes = _sizes_reader(av, stream, policy)
     try:
         for packet in container.demux(stream):
             if packet.size == 0:  # the flush packet at the end
                 continue
             frames += 1
+            if frames > policy.max_frames:
+                break
             start = float(packet.pts * time_base) if time_base is not None and packet.pts is not None else 0.0
             if time_base is not None and packet.pts is not None:
                 end = max(end, float((packet.pts + (packet.duration or 0)) * time_base))
-            if frames > policy.max_frames:
-                break
-            if packet.is_keyframe:
-                _check_keyframe(av, decoder, packet, policy, f" from {start:.1f} s")
-                checkpoint()
-            elif frames % _CHECK_EVERY == 0:
+            if sizes(packet, f" from {start:.1f} s") or frames % _CHECK_EVERY == 0:
                 checkpoint()
     except av.FFmpegError as error:
         raise VIDEO_INVALID.error(f"the video stream cannot be read: {_reason(error)}") from None
     return frames, end
 
 
-def _check_keyframe(av: Any, decoder: Any, packet: Any, policy: VideoPolicy, where: str) -> None:
-    """The keyframe decoded within the pixel limit (H.264 and HEVC: its headers only), its frame size read."""
-    try:
-        pictures = decoder.decode(packet)
-    except av.FFmpegError as error:
-        if getattr(error, "errno", None) == _EINVAL:
-            raise VIDEO_TOO_LARGE.error(
-                f"the video's frame size changes{where} to one the decoder refuses: over the limit of "
-                f"{policy.max_pixels} pixels (MMGATE_MAX_VIDEO_PIXELS): send a smaller clip") from None
-        raise
-    _check_pixels(int(decoder.width), int(decoder.height), policy, where)
-    for picture in pictures:
-        _check_pixels(int(picture.width), int(picture.height), policy, where)
+def _sizes_reader(av: Any, stream: Any, policy: VideoPolicy) -> Callable[[Any, str], bool]:
+    """What checks a packet's frame sizes against the pixel limit, saying whether it decoded a picture.
+
+    VP8 and VP9 state a key frame's size in a header read without decoding (``vpx``). H.264, HEVC and AV1 go
+    to the stream's decoder with ``skip_frame=nokey``: it parses every packet's headers, by the bitstream's
+    own idea of a key frame (not the container's flag, which the sender sets), and reconstructs key frames
+    only, refusing one over ``max_pixels`` before it allocates it."""
+    codec = _codec_name(stream)
+    if codec in ("vp8", "vp9"):
+        stated = vp8_sizes if codec == "vp8" else vp9_sizes
+
+        def header_sizes(packet: Any, where: str) -> bool:
+            for width, height in stated(memoryview(packet)):
+                _check_pixels(width, height, policy, where)
+            return False
+        return header_sizes
+
+    decoder = stream.codec_context
+    decoder.options = {"skip_frame": "nokey", "max_pixels": str(policy.max_pixels), "threads": "1"}
+
+    def decoded_sizes(packet: Any, where: str) -> bool:
+        try:
+            pictures = decoder.decode(packet)
+        except av.FFmpegError as error:
+            if getattr(error, "errno", None) in _OVER_MAX_PIXELS:
+                raise VIDEO_TOO_LARGE.error(
+                    f"the video's frame size changes{where} to one over the limit of {policy.max_pixels} "
+                    "pixels (MMGATE_MAX_VIDEO_PIXELS): send a smaller clip") from None
+            raise
+        _check_pixels(int(decoder.width), int(decoder.height), policy, where)
+        for picture in pictures:
+            _check_pixels(int(picture.width), int(picture.height), policy, where)
+        return bool(pictures)
+    return decoded_sizes

@@ -256,21 +256,23 @@ def muxed(container: str, tracks: list[tuple[str, int, int, int]], options: dict
     return buffer.getvalue()
 
 
-def vp9_switching_size(small: int, large: int, small_frames: int) -> bytes:
-    """A WebM VP9 stream of ``small`` square frames, then a keyframe of ``large`` square ones: each VP9
-    keyframe states its own size, so the container's header only knows the first."""
+def switching_size(codec: str, container: str, small: int, large: int, small_frames: int) -> bytes:
+    """A stream of ``small`` square frames, then a key frame of ``large`` ones, from a second encoder: a VP9
+    key frame states its own size, an H.264 one carries a new sequence parameter set in-band (an encoder of its
+    own writes no global header), so the container's header only knows the first size."""
     import av
 
-    options = {"deadline": "realtime", "cpu-used": "8"}
-    encoder = av.CodecContext.create("libvpx-vp9", "w")
+    options = ({"deadline": "realtime", "cpu-used": "8"} if codec == "libvpx-vp9"
+               else {"preset": "ultrafast", "tune": "zerolatency"})
+    encoder = av.CodecContext.create(codec, "w")
     assert isinstance(encoder, av.VideoCodecContext)
     encoder.width = encoder.height = large
-    encoder.pix_fmt, encoder.time_base, encoder.options = "yuv420p", Fraction(1, 10), options
+    encoder.pix_fmt, encoder.time_base, encoder.options = "yuv420p", Fraction(1, 10), dict(options)
     later = [packet for frame in flat_frames(large, large, 1) for packet in encoder.encode(frame)]
     later += encoder.encode(None)
     buffer = io.BytesIO()
-    with av.open(buffer, "w", format="webm") as output:
-        stream = output.add_stream("libvpx-vp9", rate=10)
+    with av.open(buffer, "w", format=container) as output:
+        stream = output.add_stream(codec, rate=10)
         assert isinstance(stream, av.VideoStream)
         stream.width = stream.height = small
         stream.pix_fmt, stream.options = "yuv420p", dict(options)
@@ -336,12 +338,17 @@ async def test_frames_in_the_fragments_of_an_mp4_count_against_the_frame_limit(u
     assert len(upstream.seen) == 1
 
 
-async def test_a_keyframe_that_changes_to_a_size_over_the_pixel_limit_is_refused(upstream: Upstream,
-                                                                               start_proxy: StartProxy) -> None:
-    """The header says 64x64 for the first frames; a later VP9 keyframe says 256x256, over the limit."""
+@pytest.mark.parametrize(("codec", "container"), [("libvpx-vp9", "webm"), ("libx264", "matroska"),
+                                                  ("libx264", "mp4")])
+async def test_a_key_frame_that_changes_to_a_size_over_the_pixel_limit_is_refused(
+        upstream: Upstream, start_proxy: StartProxy, codec: str, container: str) -> None:
+    """The header says 64x64 for the first frames; a later key frame says 256x256, over the limit."""
     proxy = await start_proxy(upstream.url, MMGATE_MAX_VIDEO_PIXELS=str(128 * 128))
-    status, doc = await post(proxy, chat_with_video(data_uri(vp9_switching_size(64, 256, 12), "video/webm")))
+    clip = switching_size(codec, container, 64, 256, 12)
+    status, doc = await post(proxy, chat_with_video(data_uri(clip, "video/mp4")))
     assert status == 400 and doc["error"]["code"] == "video_too_large"
-    assert "MMGATE_MAX_VIDEO_PIXELS" in doc["error"]["message"] and "1.2 s" in doc["error"]["message"]
-    status, _doc = await post(proxy, chat_with_video(data_uri(vp9_switching_size(64, 96, 12), "video/webm")))
+    message = doc["error"]["message"]
+    assert "MMGATE_MAX_VIDEO_PIXELS" in message and "256x256" in message and "from 1.2 s" in message
+    status, _doc = await post(proxy, chat_with_video(data_uri(switching_size(codec, container, 64, 96, 12),
+                                                              "video/mp4")))
     assert status == 200 and len(upstream.seen) == 1
