@@ -47,7 +47,7 @@ from io import BytesIO
 from typing import Any, NoReturn
 
 from .base import Checkpoint, VideoPolicy
-from .errors import VIDEO_INVALID, VIDEO_TOO_LARGE, VIDEO_UNAVAILABLE, MediaError
+from .errors import VIDEO_INVALID, VIDEO_TOO_LARGE, VIDEO_UNAVAILABLE
 from .vpx import vp8_sizes, vp9_sizes
 
 # FFmpeg's demuxer names: MP4/QuickTime (one demuxer, "mov,mp4,m4a,3gp,3g2,mj2") and Matroska/WebM.
@@ -100,8 +100,9 @@ def probe_video(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> Vid
                "skip_frame": "all", "max_pixels": str(policy.max_pixels)}
     try:
         container = av.open(BytesIO(data), mode="r", options=options, metadata_errors="ignore")
-    except av.MemoryError:  # the MP4 demuxer's answer to a stream past max_streams; the data is bounded
-        raise _too_many_streams() from None
+    except av.MemoryError:  # the MP4 demuxer's answer to a stream past max_streams
+        raise VIDEO_INVALID.error(f"the clip holds more than {MAX_STREAMS} streams, or tables out of proportion "
+                                  "to its size: send one video stream, with its audio if it has any") from None
     except (av.FFmpegError, ValueError, OSError) as error:
         raise VIDEO_INVALID.error(f"the data is not a readable video in an accepted container "
                                   f"({', '.join(ALLOWED_FORMATS)}): {_reason(error)}") from None
@@ -113,11 +114,6 @@ def probe_video(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> Vid
 
 def _reason(error: Exception) -> str:
     return str(getattr(error, "strerror", None) or error)[:120]
-
-
-def _too_many_streams() -> MediaError:
-    return VIDEO_INVALID.error(f"the clip holds more than {MAX_STREAMS} streams: send one video stream, "
-                               "with its audio if it has any")
 
 
 def _judge(av: Any, container: Any, policy: VideoPolicy, checkpoint: Checkpoint) -> VideoInfo:
@@ -158,7 +154,8 @@ def _the_video_stream(container: Any) -> Any:
     """The clip's one video stream, once every stream is known to be allowed."""
     streams = container.streams
     if len(streams) > MAX_STREAMS:
-        raise _too_many_streams()
+        raise VIDEO_INVALID.error(f"the clip holds more than {MAX_STREAMS} streams: send one video stream, "
+                                  "with its audio if it has any")
     for other in streams:
         if other.type == "audio":
             name = _codec_name(other)
@@ -216,8 +213,9 @@ def _walk(av: Any, container: Any, stream: Any, policy: VideoPolicy, checkpoint:
             frames += 1
             if frames > policy.max_frames:
                 break
-            start = float(packet.pts * time_base) if time_base is not None and packet.pts is not None else 0.0
+            start = 0.0
             if time_base is not None and packet.pts is not None:
+                start = float(packet.pts * time_base)
                 end = max(end, float((packet.pts + (packet.duration or 0)) * time_base))
             if sizes(packet, f" from {start:.1f} s") or frames % _CHECK_EVERY == 0:
                 checkpoint()
