@@ -8,10 +8,10 @@ Two parts:
            ``av`` in a fresh interpreter beside those of ``proxy.app`` (everything mmgate imports to serve)
            and ``PIL.Image`` (``python -X importtime``, the cumulative time of the top-level import).
            This is what decides core dependency or optional extra (docs/architecture.md, "Video").
-  probe    thread CPU per ``preprocessors.video.probe_video`` call (in a decode worker, nothing decoded):
-           a small MP4 (frames from its index), a 300-frame 720p MP4 (index) and the same as WebM (packets
-           demuxed and counted, no index), and an 8K MP4 refused on its pixel count. Clips are encoded with
-           PyAV in memory.
+  probe    thread CPU per ``preprocessors.video.probe_video`` call (in a decode worker; every packet
+           demuxed, H.264 key frames decoded, VP9 frame headers read): a small MP4, a 300-frame 720p MP4
+           (index and packets) and the same as WebM (packets only), and an 8K MP4 refused on its pixel
+           count. Clips are encoded with PyAV in memory.
 
 Each figure is the median of ``--rounds`` (≥ 3) rounds with its spread.
 

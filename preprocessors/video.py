@@ -1,18 +1,35 @@
 """The video probe: what a clip is, read from its container, before the backend decodes a frame of it.
 
 A video part is forwarded byte for byte; what mmgate adds is a look at it with FFmpeg's own demuxers (PyAV,
-the optional ``video`` extra): the container and codec against an allowlist, the frame size, the frame count,
-the duration and the frame rate against ``VideoPolicy``'s limits. Nothing is decoded for it:
+the optional ``video`` extra): the container, its streams and their codecs against allowlists, the frame size,
+the frame count, the duration and the frame rate against ``VideoPolicy``'s limits. The clip is judged as a
+whole, not by its first stream or its first bytes:
 
 - FFmpeg reads from the bytes in memory (``av.open`` on a ``BytesIO``), only through the demuxers of the
   allowed containers (``format_whitelist``), with ``probesize``/``analyzeduration`` bounding what it reads
-  to find the streams.
+  to find the streams and ``max_streams`` bounding how many it opens: one past ``MAX_STREAMS``, so that a
+  clip with more is seen and refused (each stream costs a decoder context while the streams are found).
+- Exactly one video stream. A backend picks the stream it decodes by its own rule (FFmpeg's best stream
+  favours the largest picture and the ``default`` disposition; others take the first), so a second video
+  stream would be one the probe did not choose; refusing it leaves no choice to disagree on. Audio streams
+  are allowed in ``ALLOWED_AUDIO_CODECS`` (the clip is forwarded with them, and some models hear them), data
+  streams (timecodes, camera metadata) since nothing decodes them; anything else is refused.
 - ``avformat_find_stream_info`` may open a decoder to fill in what a header leaves out; it is told to skip
   every frame (``skip_frame=all``) and to refuse a picture over the pixel limit (``max_pixels``), so the
   probe never holds a full-size frame. A stream whose frame size stays unknown is refused.
-- The frame count comes from the container's index (MP4's sample table) or, where the container has none
-  (Matroska/WebM), by demuxing the packets without decoding them, stopping one past the limit and calling
-  the job's checkpoint as it goes (the request's deadline).
+- Every packet of the video stream is demuxed, never more than one past the frame limit, whatever the
+  index says: a fragmented MP4's index lists only the samples before its first fragment. The count is the
+  larger of the two, so a clip is over the limit if either says so.
+- A clip may change its frame size mid-stream (a new sequence parameter set, a VP9 key frame of another
+  size), so the size of every frame that states one is checked as the packets go by. VP8 and VP9 state it
+  in a header read without decoding (``vpx``); H.264, HEVC and AV1 packets go to the stream's decoder with
+  ``skip_frame=nokey`` and ``max_pixels``: it parses every packet's headers, by the bitstream's own idea of
+  a key frame rather than the container's flag (which the sender sets), reconstructs key frames only, and
+  refuses one over the pixel limit before it allocates it. A size that only a VP9 or AV1 inter frame states
+  (reference scaling) is left to the backend's own limits.
+- The request's checkpoint (its deadline) is called every ``_CHECK_EVERY`` packets and after every picture
+  decoded, so the work per clip is bounded by the frame limit, the pixel limit and the deadline, and its
+  memory by ``MAX_STREAMS`` streams' discovery and pictures within the pixel limit.
 
 PyAV is imported on the first video item a worker sees; without it a video part is refused
 (``video_unavailable``), since an unchecked clip is what this module exists to keep from the backend.
@@ -20,23 +37,30 @@ PyAV is imported on the first video item a worker sees; without it a video part 
 
 from __future__ import annotations
 
+import errno
 import importlib
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from io import BytesIO
-from typing import Any
+from typing import Any, NoReturn
 
 from .base import Checkpoint, VideoPolicy
 from .errors import VIDEO_INVALID, VIDEO_TOO_LARGE, VIDEO_UNAVAILABLE
+from .vpx import vp8_sizes, vp9_sizes
 
 # FFmpeg's demuxer names: MP4/QuickTime (one demuxer, "mov,mp4,m4a,3gp,3g2,mj2") and Matroska/WebM.
 ALLOWED_FORMATS = ("mov", "mp4", "matroska", "webm")
 ALLOWED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1")
+ALLOWED_AUDIO_CODECS = ("aac", "mp3", "opus", "vorbis", "flac", "alac", "pcm_s16le", "pcm_s16be", "pcm_s24le",
+                        "pcm_s24be", "pcm_f32le")
+MAX_STREAMS = 8  # a video, its audio and a camera's metadata tracks fit
 _FORMAT_WHITELIST = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm"
 _PROBE_BYTES = 5_000_000  # FFmpeg's default: what it reads to find the streams
 _PROBE_MICROSECONDS = 5_000_000
 _CHECK_EVERY = 64  # packets demuxed between two checkpoints
+_OVER_MAX_PIXELS = (errno.EINVAL, errno.ERANGE)  # a picture over max_pixels: FFmpeg's own decoders, dav1d
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +96,13 @@ def probe_video(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> Vid
     av = import_pyav()
     checkpoint()
     options = {"format_whitelist": _FORMAT_WHITELIST, "probesize": str(_PROBE_BYTES),
-               "analyzeduration": str(_PROBE_MICROSECONDS), "skip_frame": "all",
-               "max_pixels": str(policy.max_pixels)}
+               "analyzeduration": str(_PROBE_MICROSECONDS), "max_streams": str(MAX_STREAMS + 1),
+               "skip_frame": "all", "max_pixels": str(policy.max_pixels)}
     try:
         container = av.open(BytesIO(data), mode="r", options=options, metadata_errors="ignore")
+    except av.MemoryError:  # the MP4 demuxer's answer to a stream past max_streams
+        raise VIDEO_INVALID.error(f"the clip holds more than {MAX_STREAMS} streams, or tables out of proportion "
+                                  "to its size: send one video stream, with its audio if it has any") from None
     except (av.FFmpegError, ValueError, OSError) as error:
         raise VIDEO_INVALID.error(f"the data is not a readable video in an accepted container "
                                   f"({', '.join(ALLOWED_FORMATS)}): {_reason(error)}") from None
@@ -94,10 +121,8 @@ def _judge(av: Any, container: Any, policy: VideoPolicy, checkpoint: Checkpoint)
     if not any(name in ALLOWED_FORMATS for name in names):
         raise VIDEO_INVALID.error(f"the container {container.format.name!r} is not accepted: send "
                                   f"{', '.join(ALLOWED_FORMATS)}")
-    if not container.streams.video:
-        raise VIDEO_INVALID.error("the container holds no video stream")
-    stream = container.streams.video[0]
-    codec = stream.codec_context.name if stream.codec_context is not None else ""
+    stream = _the_video_stream(container)
+    codec = _codec_name(stream)
     if codec not in ALLOWED_CODECS:
         raise VIDEO_INVALID.error(f"the video codec {codec or 'unknown'!r} is not accepted: send "
                                   f"{', '.join(ALLOWED_CODECS)}")
@@ -106,28 +131,63 @@ def _judge(av: Any, container: Any, policy: VideoPolicy, checkpoint: Checkpoint)
         raise VIDEO_INVALID.error(
             "the video's frame size cannot be read without decoding a frame over "
             f"the pixel limit of {policy.max_pixels} (MMGATE_MAX_VIDEO_PIXELS), or it is unreadable")
-    if width * height > policy.max_pixels:
-        raise VIDEO_TOO_LARGE.error(
-            f"the video's frames are {width}x{height} = {width * height} pixels, "
-            f"over the limit of {policy.max_pixels} (MMGATE_MAX_VIDEO_PIXELS): send a smaller clip")
+    _check_pixels(width, height, policy)
     rate = stream.average_rate or stream.guessed_rate
     fps = float(rate) if rate else 0.0
-    frames = int(stream.frames or 0)
-    indexed = frames > 0
-    seconds = _seconds(container, stream)
-    if not indexed:  # no index (Matroska/WebM): count the packets, decoding none
-        frames, end = _demux_count(av, container, stream, policy.max_frames, checkpoint)
-        seconds = max(seconds, end)
+    indexed = int(stream.frames or 0)
+    if indexed > policy.max_frames:
+        _over_frames(f"{indexed}", policy)
+    demuxed, end = _walk(av, container, stream, policy, checkpoint)
+    frames = max(indexed, demuxed)
+    seconds = max(_seconds(container, stream), end)
     if frames <= 0:
         raise VIDEO_INVALID.error("the video stream holds no frames")
     if frames > policy.max_frames:
-        shown = f"{frames}" if indexed else f"more than {policy.max_frames}"  # demuxing stops one past it
-        raise VIDEO_TOO_LARGE.error(f"the video has {shown} frames, over the limit of {policy.max_frames} "
-                                    "(MMGATE_MAX_VIDEO_FRAMES): send a shorter clip or fewer frames per second")
+        _over_frames(f"more than {policy.max_frames}", policy)  # demuxing stops one past it
     if seconds > policy.max_seconds:
         raise VIDEO_TOO_LARGE.error(f"the video lasts {seconds:.1f} s, over the limit of "
                                     f"{policy.max_seconds:g} s (MMGATE_MAX_VIDEO_SECONDS): send a shorter clip")
     return VideoInfo(names[0], codec, width, height, frames, seconds, fps)
+
+
+def _the_video_stream(container: Any) -> Any:
+    """The clip's one video stream, once every stream is known to be allowed."""
+    streams = container.streams
+    if len(streams) > MAX_STREAMS:
+        raise VIDEO_INVALID.error(f"the clip holds more than {MAX_STREAMS} streams: send one video stream, "
+                                  "with its audio if it has any")
+    for other in streams:
+        if other.type == "audio":
+            name = _codec_name(other)
+            if name not in ALLOWED_AUDIO_CODECS:
+                raise VIDEO_INVALID.error(f"the clip's audio codec {name or 'unknown'!r} is not accepted: send "
+                                          f"{', '.join(ALLOWED_AUDIO_CODECS)}")
+        elif other.type not in ("video", "data"):
+            raise VIDEO_INVALID.error(f"the clip holds a {other.type} stream: send video, with its audio")
+    if not streams.video:
+        raise VIDEO_INVALID.error("the container holds no video stream")
+    if len(streams.video) > 1:
+        raise VIDEO_INVALID.error(f"the clip holds {len(streams.video)} video streams (cover art counts): "
+                                  "send one, so that what is checked is what the backend decodes")
+    return streams.video[0]
+
+
+def _codec_name(stream: Any) -> str:
+    """The codec's own name (``av1``, ``mp3``), not the decoder's FFmpeg picked for it (``libdav1d``)."""
+    context = stream.codec_context
+    return str(context.codec.canonical_name) if context is not None else ""
+
+
+def _check_pixels(width: int, height: int, policy: VideoPolicy, where: str = "") -> None:
+    if width * height > policy.max_pixels:
+        raise VIDEO_TOO_LARGE.error(
+            f"the video's frames are {width}x{height} = {width * height} pixels{where}, "
+            f"over the limit of {policy.max_pixels} (MMGATE_MAX_VIDEO_PIXELS): send a smaller clip")
+
+
+def _over_frames(shown: str, policy: VideoPolicy) -> NoReturn:
+    raise VIDEO_TOO_LARGE.error(f"the video has {shown} frames, over the limit of {policy.max_frames} "
+                                "(MMGATE_MAX_VIDEO_FRAMES): send a shorter clip or fewer frames per second")
 
 
 def _seconds(container: Any, stream: Any) -> float:
@@ -140,22 +200,61 @@ def _seconds(container: Any, stream: Any) -> float:
     return seconds
 
 
-def _demux_count(av: Any, container: Any, stream: Any, max_frames: int, checkpoint: Checkpoint) -> tuple[int, float]:
+def _walk(av: Any, container: Any, stream: Any, policy: VideoPolicy, checkpoint: Checkpoint) -> tuple[int, float]:
     """Packets of ``stream`` (one frame each for the allowed codecs) and the end time of the last, stopping one
-    past ``max_frames``; packets are read, never decoded."""
+    past ``max_frames``; the frame size of every frame that states one is checked on the way."""
     frames, end = 0, 0.0
     time_base = Fraction(stream.time_base) if stream.time_base else None
+    sizes = _sizes_reader(av, stream, policy)
     try:
         for packet in container.demux(stream):
             if packet.size == 0:  # the flush packet at the end
                 continue
             frames += 1
-            if time_base is not None and packet.pts is not None:
-                end = max(end, float((packet.pts + (packet.duration or 0)) * time_base))
-            if frames > max_frames:
+            if frames > policy.max_frames:
                 break
-            if frames % _CHECK_EVERY == 0:
+            start = 0.0
+            if time_base is not None and packet.pts is not None:
+                start = float(packet.pts * time_base)
+                end = max(end, float((packet.pts + (packet.duration or 0)) * time_base))
+            if sizes(packet, f" from {start:.1f} s") or frames % _CHECK_EVERY == 0:
                 checkpoint()
     except av.FFmpegError as error:
         raise VIDEO_INVALID.error(f"the video stream cannot be read: {_reason(error)}") from None
     return frames, end
+
+
+def _sizes_reader(av: Any, stream: Any, policy: VideoPolicy) -> Callable[[Any, str], bool]:
+    """What checks a packet's frame sizes against the pixel limit, saying whether it decoded a picture.
+
+    VP8 and VP9 state a key frame's size in a header read without decoding (``vpx``). H.264, HEVC and AV1 go
+    to the stream's decoder with ``skip_frame=nokey``: it parses every packet's headers, by the bitstream's
+    own idea of a key frame (not the container's flag, which the sender sets), and reconstructs key frames
+    only, refusing one over ``max_pixels`` before it allocates it."""
+    codec = _codec_name(stream)
+    if codec in ("vp8", "vp9"):
+        stated = vp8_sizes if codec == "vp8" else vp9_sizes
+
+        def header_sizes(packet: Any, where: str) -> bool:
+            for width, height in stated(memoryview(packet)):
+                _check_pixels(width, height, policy, where)
+            return False
+        return header_sizes
+
+    decoder = stream.codec_context
+    decoder.options = {"skip_frame": "nokey", "max_pixels": str(policy.max_pixels), "threads": "1"}
+
+    def decoded_sizes(packet: Any, where: str) -> bool:
+        try:
+            pictures = decoder.decode(packet)
+        except av.FFmpegError as error:
+            if getattr(error, "errno", None) in _OVER_MAX_PIXELS:
+                raise VIDEO_TOO_LARGE.error(
+                    f"the video's frame size changes{where} to one over the limit of {policy.max_pixels} "
+                    "pixels (MMGATE_MAX_VIDEO_PIXELS): send a smaller clip") from None
+            raise
+        _check_pixels(int(decoder.width), int(decoder.height), policy, where)
+        for picture in pictures:
+            _check_pixels(int(picture.width), int(picture.height), policy, where)
+        return bool(pictures)
+    return decoded_sizes

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import base64
 import functools
+import io
 import subprocess
 import sys
+from collections.abc import Iterator
+from fractions import Fraction
 from typing import Any
 
 import aiohttp
@@ -19,7 +22,7 @@ from hypothesis import strategies as st
 
 from preprocessors.base import VideoPolicy, no_checkpoint
 from preprocessors.errors import MediaError
-from preprocessors.video import probe_video
+from preprocessors.video import MAX_STREAMS, probe_video
 from testkit.media import chat_with_video, data_uri, video_clip
 from tests.conftest import Proxy, StartProxy, Upstream
 
@@ -38,7 +41,7 @@ async def post(proxy: Proxy, body: dict[str, Any]) -> tuple[int, dict[str, Any]]
 
 
 @pytest.mark.parametrize(("codec", "container"), [("libx264", "mp4"), ("libvpx-vp9", "webm"),
-                                                  ("libx264", "matroska")])
+                                                  ("libx264", "matroska"), ("libsvtav1", "mp4")])
 async def test_a_valid_clip_reaches_the_upstream_byte_for_byte(upstream: Upstream, proxy: Proxy, codec: str,
                                                                container: str) -> None:
     mime = "video/webm" if container == "webm" else "video/mp4"
@@ -208,3 +211,144 @@ def test_a_damaged_clip_is_a_video_or_a_media_error(which: int, cut: int, flips:
         return
     assert info.width * info.height <= policy.max_pixels and 0 < info.frames <= policy.max_frames
     assert info.seconds <= policy.max_seconds
+
+
+def flat_frames(width: int, height: int, count: int) -> Iterator[Any]:
+    import av
+    import numpy
+
+    plane = numpy.zeros((height * 3 // 2, width), numpy.uint8)
+    for index in range(count):
+        frame = av.VideoFrame.from_ndarray(plane, format="yuv420p")
+        frame.pts = index
+        yield frame
+
+
+def muxed(container: str, tracks: list[tuple[str, int, int, int]], options: dict[str, str] | None = None,
+          audio: str | None = None) -> bytes:
+    """A clip of several tracks, each ``(codec, width, height, frames)`` of flat frames, and an audio track."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=container, options=options or {}) as output:
+        streams = []  # every stream is added before the first packet writes the header
+        for codec, width, height, _frames in tracks:
+            stream = output.add_stream(codec, rate=10)
+            assert isinstance(stream, av.VideoStream)
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            if codec == "libx264":
+                stream.options = {"preset": "ultrafast", "tune": "zerolatency"}
+                stream.codec_context.gop_size = 1  # a fragment per frame where the muxer cuts at keyframes
+            streams.append(stream)
+        sound = output.add_stream(audio, rate=16000) if audio is not None else None
+        for stream, (_codec, width, height, frames) in zip(streams, tracks, strict=True):
+            for frame in flat_frames(width, height, frames):
+                output.mux(stream.encode(frame))
+            output.mux(stream.encode(None))
+        if sound is not None:
+            assert isinstance(sound, av.AudioStream)
+            samples = av.AudioFrame(format=sound.format.name, layout="mono", samples=sound.frame_size or 1024)
+            samples.sample_rate, samples.pts = 16000, 0
+            for plane in samples.planes:
+                plane.update(bytes(plane.buffer_size))
+            output.mux(sound.encode(samples))
+            output.mux(sound.encode(None))
+    return buffer.getvalue()
+
+
+def switching_size(codec: str, container: str, small: int, large: int, small_frames: int) -> bytes:
+    """A stream of ``small`` square frames, then a key frame of ``large`` ones, from a second encoder: a VP9
+    key frame states its own size, an H.264 or AV1 one carries a new sequence header in-band (an encoder of its
+    own writes no global header), so the container's header only knows the first size."""
+    import av
+
+    options = {"libvpx-vp9": {"deadline": "realtime", "cpu-used": "8"},
+               "libx264": {"preset": "ultrafast", "tune": "zerolatency"}}.get(codec, {})
+    encoder = av.CodecContext.create(codec, "w")
+    assert isinstance(encoder, av.VideoCodecContext)
+    encoder.width = encoder.height = large
+    encoder.pix_fmt, encoder.time_base, encoder.options = "yuv420p", Fraction(1, 10), dict(options)
+    later = [packet for frame in flat_frames(large, large, 1) for packet in encoder.encode(frame)]
+    later += encoder.encode(None)
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=container) as output:
+        stream = output.add_stream(codec, rate=10)
+        assert isinstance(stream, av.VideoStream)
+        stream.width = stream.height = small
+        stream.pix_fmt, stream.options = "yuv420p", dict(options)
+        for frame in flat_frames(small, small, small_frames):
+            output.mux(stream.encode(frame))
+        output.mux(stream.encode(None))
+        for packet in later:
+            assert packet.pts is not None
+            packet.pts = packet.dts = packet.pts + small_frames
+            packet.stream, packet.time_base = stream, Fraction(1, 10)
+            output.mux(packet)
+    return buffer.getvalue()
+
+
+async def test_a_clip_of_more_streams_than_the_bound_is_refused(upstream: Upstream, proxy: Proxy) -> None:
+    """Every stream costs the demuxer a decoder context while it finds them: a small clip of many tiny tracks
+    would hold hundreds of MB in a worker. The demuxer opens one past the bound, and the clip is refused."""
+    for container in ("matroska", "mp4"):
+        clip = muxed(container, [("libx264", 16, 16, 1)] * (MAX_STREAMS * 3))
+        status, doc = await post(proxy, chat_with_video(data_uri(clip, "video/mp4")))
+        assert status == 400 and doc["error"]["code"] == "video_invalid"
+        assert f"more than {MAX_STREAMS} streams" in doc["error"]["message"]
+    assert not upstream.seen
+
+
+async def test_a_second_video_stream_is_refused_whatever_its_size_or_codec(upstream: Upstream,
+                                                                          start_proxy: StartProxy) -> None:
+    """A small stream 0 beside a large stream 1 (which FFmpeg's best-stream choice would decode), or beside
+    a codec outside the allowlist: one clip is one video stream."""
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_VIDEO_PIXELS=str(64 * 64))
+    for second in (("libx264", 256, 256, 1), ("mpeg4", 32, 32, 1)):
+        clip = muxed("matroska", [("libx264", 32, 32, 2), second])
+        status, doc = await post(proxy, chat_with_video(data_uri(clip, "video/mp4")))
+        assert status == 400 and doc["error"]["code"] == "video_invalid"
+        assert "2 video streams" in doc["error"]["message"]
+    assert not upstream.seen
+
+
+async def test_audio_in_an_allowed_codec_goes_through_and_another_is_refused(upstream: Upstream,
+                                                                            proxy: Proxy) -> None:
+    body = chat_with_video(data_uri(muxed("matroska", [("libx264", 32, 32, 2)], audio="aac"), "video/mp4"))
+    status, _doc = await post(proxy, body)
+    assert status == 200 and upstream.seen[-1].body == orjson.dumps(body)
+    clip = muxed("matroska", [("libx264", 32, 32, 2)], audio="mp2")
+    status, doc = await post(proxy, chat_with_video(data_uri(clip, "video/mp4")))
+    assert status == 400 and doc["error"]["code"] == "video_invalid" and "mp2" in doc["error"]["message"]
+    assert len(upstream.seen) == 1
+
+
+async def test_frames_in_the_fragments_of_an_mp4_count_against_the_frame_limit(upstream: Upstream,
+                                                                             start_proxy: StartProxy) -> None:
+    """A fragmented MP4's index lists only the samples before its first fragment (one here): the frames
+    are counted from the packets too."""
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_VIDEO_FRAMES="8")
+    fragmented = {"movflags": "frag_keyframe"}
+    status, _doc = await post(proxy, chat_with_video(data_uri(
+        muxed("mp4", [("libx264", 16, 16, 8)], fragmented), "video/mp4")))
+    assert status == 200
+    status, doc = await post(proxy, chat_with_video(data_uri(
+        muxed("mp4", [("libx264", 16, 16, 40)], fragmented), "video/mp4")))
+    assert status == 400 and doc["error"]["code"] == "video_too_large"
+    assert "MMGATE_MAX_VIDEO_FRAMES" in doc["error"]["message"]
+    assert len(upstream.seen) == 1
+
+
+@pytest.mark.parametrize(("codec", "container"), [("libvpx-vp9", "webm"), ("libx264", "matroska"),
+                                                  ("libx264", "mp4"), ("libsvtav1", "matroska")])
+async def test_a_key_frame_that_changes_to_a_size_over_the_pixel_limit_is_refused(
+        upstream: Upstream, start_proxy: StartProxy, codec: str, container: str) -> None:
+    """The header says 64x64 for the first frames; a later key frame says 256x256, over the limit."""
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_VIDEO_PIXELS=str(128 * 128))
+    clip = switching_size(codec, container, 64, 256, 12)
+    status, doc = await post(proxy, chat_with_video(data_uri(clip, "video/mp4")))
+    assert status == 400 and doc["error"]["code"] == "video_too_large"
+    message = doc["error"]["message"]
+    assert "MMGATE_MAX_VIDEO_PIXELS" in message and "from 1.2 s" in message
+    status, _doc = await post(proxy, chat_with_video(data_uri(switching_size(codec, container, 64, 96, 12),
+                                                              "video/mp4")))
+    assert status == 200 and len(upstream.seen) == 1
