@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from proxy.admission.shared import SharedGate
+from proxy.edge.upstream import local_shortage
 from proxy.ops.backend_scrapes import Scrape, Scraped, ScrapeFailed
 from proxy.state import STATE, AppState
 
@@ -130,6 +131,9 @@ async def _fetch(state: AppState) -> Scraped:
         state.metrics.upstream_errors.labels("timeout").inc()
         return _failed(504, "the backend's /metrics did not answer in time")
     except aiohttp.ClientError as exc:
+        shortage = local_shortage(exc)
+        if shortage is not None:  # mmgate's own: not counted as the upstream's error
+            return _failed(503, f"mmgate could not connect to the backend: {shortage}")
         kind = "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "reset"
         state.metrics.upstream_errors.labels(kind).inc()
         return _failed(502, f"the backend's /metrics failed: {exc.__class__.__name__}")
