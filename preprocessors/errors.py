@@ -201,6 +201,10 @@ TOO_MANY_CONNECTIONS = _define(503, "too_many_connections", MmgateError,
                                "every one of MMGATE_MAX_CONNECTIONS is busy")
 UPSTREAM_DOWN = _define(503, "upstream_down", UpstreamError,
                         "a media request while the upstream is known to be down, before any decoding")
+LOCAL_RESOURCES_EXHAUSTED = _define(503, "local_resources_exhausted", MmgateError,
+                                    "mmgate itself had no file descriptor, port or socket buffer left to connect "
+                                    "to the upstream (EMFILE, ENFILE, EADDRNOTAVAIL, ENOBUFS): not the upstream's "
+                                    "fault")
 DECODER_UNAVAILABLE = _define(503, "decoder_unavailable", WorkerLost,
                               "two decode worker processes ended on the item without it being at fault")
 PREPROCESS_TIMEOUT = _define(504, "preprocess_timeout", MmgateError,

@@ -266,7 +266,7 @@ def build_app(settings: Settings, *, admin: bool | None = None,
     if admin if admin is not None else not settings.listen.admin_port:
         add_admin_routes(app)
     # What an endpoint picker scrapes: the backend's, with mmgate's queue.
-    if settings.backend.backend_metrics == "merge":
+    if settings.backend.backend_metrics == "merge":  # merge-admin: on the admin port (``build_admin_app``)
         app.router.add_get(METRICS_PATH, merged_metrics)
     app.router.add_route("*", "/{tail:.*}", handle_request, expect_handler=expect_continue)
     return app
@@ -281,8 +281,11 @@ def make_runner(app: web.Application) -> web.AppRunner:
 
 
 def build_admin_app(state: AppState) -> web.Application:
-    """The admin-only app for MMGATE_ADMIN_PORT: /mmgate/* and nothing else, sharing the proxy's state."""
+    """The admin-only app for MMGATE_ADMIN_PORT: /mmgate/* and nothing else, sharing the proxy's state; with
+    MMGATE_BACKEND_METRICS=merge-admin also the merged /metrics."""
     app = web.Application(middlewares=[refusals_in_api_shape])
     app[STATE] = state
     add_admin_routes(app)
+    if state.settings.backend.backend_metrics == "merge-admin":
+        app.router.add_get(METRICS_PATH, merged_metrics)
     return app

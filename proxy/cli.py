@@ -36,6 +36,7 @@ from proxy.admission.shared import Link, SharedGate
 from proxy.app import build_admin_app, build_app, make_runner, served_model
 from proxy.edge.site import GuardedSite
 from proxy.edge.upstream_health import loggable
+from proxy.serve.fd_limit import fit_fd_limit
 from proxy.serve.lifecycle import StopSignals
 from proxy.serve.memory import tune_process
 from proxy.serve.supervisor import supervise
@@ -163,7 +164,7 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
             return
         try:
             asyncio.run(serve(settings, on_ready=on_ready))
-        except (ListenError, WorkerStartError) as error:
+        except (ListenError, WorkerStartError, ConfigError) as error:
             exit_with(error)
     finally:
         if stub is not None:
@@ -192,6 +193,7 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
                 front: FrontSockets | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain (see the module docstring) and return. With ``front``, as one
     front process of several: on the supervisor's sockets, with its gate (``proxy.supervisor``)."""
+    settings = fit_fd_limit(settings)  # before the first connection: the cap the descriptors allow
     signals = StopSignals()
     signals.install()
     link = await Link.over(front.gate) if front is not None else None

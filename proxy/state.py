@@ -29,6 +29,7 @@ from proxy.fetch.fetcher import Fetcher
 from proxy.media.buffers import BufferLedger
 from proxy.media.cache import VerdictCache
 from proxy.media.model import Model
+from proxy.ops.backend_scrapes import BackendScrapes
 from proxy.ops.metrics import Metrics
 from proxy.payload.locate import Limits
 from proxy.serve.lifecycle import Lifecycle
@@ -67,6 +68,7 @@ class AppBase:
     upstream: UpstreamHealth  # known to be down, re-checked until it answers
     buffers: BufferLedger = field(default_factory=BufferLedger)
     traffic: Traffic = field(default_factory=Traffic)
+    backend_scrapes: BackendScrapes = field(default_factory=BackendScrapes)  # the backend's /metrics, reused briefly
 
     @property
     def in_flight(self) -> int:

@@ -1,9 +1,10 @@
 """Talking to the upstream: header hygiene, a request body that lets go of itself, the answer relayed back.
 
 ``open_upstream`` sends the request and returns the upstream's response once its headers arrived, or raises
-``UpstreamError``; ``relay_head`` and ``relay_body`` write that response to the client. The answer is never
-buffered whole on the way back (except a small one of known length): each chunk is written as it arrives,
-so SSE tokens keep their timing. Header rules:
+``UpstreamError`` (or 503 ``local_resources_exhausted`` when mmgate's own descriptors or ports ran out);
+``relay_head`` and ``relay_body`` write that response to the client. The answer is never buffered whole on the
+way back (except a small one of known length): each chunk is written as it arrives, so SSE tokens keep their
+timing. Header rules:
 
 * RFC 9110 section 7.6.1: hop-by-hop fields (``Connection`` and every field it names, Keep-Alive,
   Proxy-Connection, Proxy-Authenticate, Proxy-Authorization, TE, Trailer, Transfer-Encoding, Upgrade)
@@ -14,6 +15,9 @@ so SSE tokens keep their timing. Header rules:
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import random
 import re
 from collections.abc import Callable
@@ -25,7 +29,13 @@ from aiohttp.payload import Payload
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from preprocessors.errors import UPSTREAM_RESET, UPSTREAM_TIMEOUT, UPSTREAM_UNAVAILABLE, UpstreamError
+from preprocessors.errors import (
+    LOCAL_RESOURCES_EXHAUSTED,
+    UPSTREAM_RESET,
+    UPSTREAM_TIMEOUT,
+    UPSTREAM_UNAVAILABLE,
+    MmgateError,
+)
 from proxy.media.buffers import MediaBuffer
 
 HOP_BY_HOP = frozenset(
@@ -45,6 +55,15 @@ _NOT_RETURNED = frozenset({"content-length"})
 FIRST_WRITE = 16 << 10  # bytes of a request body sent together with the request head
 WRITE_PIECE = 256 << 10  # bytes of a request body written upstream at a time
 SMALL_ANSWER = 64 << 10  # bytes: answers up to this size with a Content-Length are sent in one write
+
+# A connect that fails with one of these failed for want of mmgate's own resources (descriptors, local ports,
+# socket buffers), not because of the upstream: it is answered and logged as mmgate's, and never marks the
+# upstream down.
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EADDRNOTAVAIL, errno.ENOBUFS})
+# Seconds a client is asked to wait after a local shortage: descriptors free up as connections end.
+LOCAL_RETRY_AFTER = 1
+
+log = logging.getLogger("mmgate")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -155,8 +174,29 @@ class OneShotBody(Payload):
         self._on_sent = None
 
 
-def _classify(exc: BaseException, *, headers_received: bool) -> UpstreamError:
+def local_shortage(exc: BaseException) -> str | None:
+    """``"EMFILE (too many open files)"`` when ``exc`` is a connect that failed for want of mmgate's own
+    resources (``LOCAL_ERRNOS``), else None."""
+    number = getattr(getattr(exc, "os_error", None), "errno", None) if isinstance(
+        exc, aiohttp.ClientConnectorError) else None
+    if number not in LOCAL_ERRNOS:
+        return None
+    return f"{errno.errorcode[number]} ({os.strerror(number).lower()})"
+
+
+def local_resources_exhausted(shortage: str) -> MmgateError:
+    """503 for a request mmgate could not forward for want of its own resources (logged as mmgate's own)."""
+    log.error("mmgate could not open a connection to the upstream: %s; mmgate's own shortage, not the upstream's "
+              "fault: raise the file descriptor limit (ulimit -n) or lower MMGATE_MAX_CONNECTIONS", shortage)
+    return LOCAL_RESOURCES_EXHAUSTED.error(
+        "mmgate has no resources left to open a connection to the upstream; the request was not forwarded, "
+        "retry shortly", headers={"Retry-After": str(LOCAL_RETRY_AFTER)})
+
+
+def _classify(exc: BaseException, *, headers_received: bool) -> MmgateError:
     """A client-library failure as the error a client sees and the kind the metrics count."""
+    if (shortage := local_shortage(exc)) is not None:
+        return local_resources_exhausted(shortage)
     if isinstance(exc, (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError)):
         return UPSTREAM_UNAVAILABLE.error(f"cannot connect to the upstream: {exc.__class__.__name__}")
     if isinstance(exc, (aiohttp.SocketTimeoutError, aiohttp.ServerTimeoutError, TimeoutError)):
@@ -173,7 +213,8 @@ async def open_upstream(
     headers: CIMultiDict[str],
     timeout: aiohttp.ClientTimeout,
 ) -> aiohttp.ClientResponse:
-    """Send the request; the upstream's response once its headers arrived. Raises ``UpstreamError``.
+    """Send the request; the upstream's response once its headers arrived. Raises ``UpstreamError``, or
+    ``LOCAL_RESOURCES_EXHAUSTED`` when mmgate itself could not open the connection.
 
     The caller must ``close_upstream`` what it gets, whatever happens next."""
     try:

@@ -3,7 +3,8 @@
 The upstream is *known to be down* once a check (``admin.probe_upstream``, the same probe /mmgate/ready
 runs) or a forwarded request could not connect to it; it is up again as soon as a check or a request gets
 any answer from it. Only a failed connect counts: an upstream that answers, even 404 or 503 on its health
-path, is reachable, and its requests are forwarded for it to answer.
+path, is reachable, and its requests are forwarded for it to answer. A connect that failed for want of mmgate's
+own resources (``upstream.LOCAL_ERRNOS``: no descriptor, port or buffer left) does not count either.
 
 While it is down, media requests are refused before any decoding with 503 ``upstream_down`` and
 ``Retry-After`` (RFC 9110 section 10.2.3): decoding a request whose forward cannot connect would spend the

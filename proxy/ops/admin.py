@@ -7,6 +7,7 @@ upstream (cached about a second, so a probe storm never becomes an upstream stor
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proxy.admission.shared import SharedGate
+from proxy.edge.upstream import local_shortage
 from proxy.ops.backend_metrics import backend_metrics
 from proxy.ops.dashboard_stats import snapshot
 from proxy.ops.merged_metrics import MergedFamilies
@@ -27,6 +29,7 @@ READY_PROBE_TIMEOUT = 2.0
 # The probe says who it is, so an upstream's access log (and a test's upstream) can tell it from client traffic.
 PROBE_USER_AGENT = "mmgate-upstream-check"
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
+log = logging.getLogger("mmgate")
 
 
 def _state(request: web.Request) -> AppState:
@@ -40,7 +43,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def probe_upstream(state: AppState) -> tuple[bool, str]:
     """Whether the upstream's health endpoint answers 2xx; reused for about a second. Also what
-    ``state.upstream`` knows: a failed connect marks the upstream down, any answer marks it up."""
+    ``state.upstream`` knows: a failed connect marks the upstream down (unless mmgate's own resources failed
+    it, ``upstream.LOCAL_ERRNOS``), any answer marks it up."""
     checked_at, ok, detail = state.ready_cache
     now = time.monotonic()
     if now - checked_at < READY_CACHE_SECONDS:
@@ -54,9 +58,15 @@ async def probe_upstream(state: AppState) -> tuple[bool, str]:
         state.upstream.reached()
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
         ok, detail = False, f"upstream health failed: {exc.__class__.__name__}"
-        number = getattr(getattr(exc, "os_error", None), "errno", None)
-        state.upstream.unreachable(os.strerror(number).lower() if isinstance(number, int) and number > 0
-                                   else exc.__class__.__name__)  # "connection refused"
+        shortage = local_shortage(exc)
+        if shortage is not None:  # mmgate's own want of descriptors or ports: the upstream is not known down
+            log.error("the upstream check could not open a connection: %s; mmgate's own shortage, not the upstream's "
+                      "fault", shortage)
+            detail = f"mmgate could not connect: {shortage}"
+        else:
+            number = getattr(getattr(exc, "os_error", None), "errno", None)
+            state.upstream.unreachable(os.strerror(number).lower() if isinstance(number, int) and number > 0
+                                       else exc.__class__.__name__)  # "connection refused"
     except (aiohttp.ClientError, TimeoutError) as exc:  # connected, then failed: not known to be down
         ok, detail = False, f"upstream health failed: {exc.__class__.__name__}"
     state.ready_cache = (time.monotonic(), ok, detail)

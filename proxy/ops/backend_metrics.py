@@ -9,6 +9,12 @@ fetches the backend's ``/metrics`` and adds that count to every series of each k
 "model server protocol" (labels, order and every other line kept byte for byte), then appends mmgate's own
 ``mmgate_*`` families. A backend exposing none of those gauges is passed through untouched. The backend's
 own exposition stays reachable, unmodified, at ``/mmgate/backend/metrics`` (and on the backend's port).
+``MMGATE_BACKEND_METRICS=merge-admin`` answers the merged ``/metrics`` on ``MMGATE_ADMIN_PORT`` only; the
+main port then forwards ``/metrics`` as any other path (``MMGATE_ALLOW_PATHS`` decides).
+
+A scrape of the backend is reused for a second and concurrent scrapes share the one fetch in flight
+(``backend_scrapes.BackendScrapes``): many scrapers cost the backend one exposition a second at most. mmgate's
+own numbers (the waiting count, its families) are read afresh for every scrape.
 
 Exposition formats: Prometheus text 0.0.4 (asked for) and OpenMetrics 1.0 (mmgate's families then go before
 ``# EOF``). A sample line is ``name[{labels}] value [timestamp]``; label values are quoted with backslash
@@ -28,6 +34,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from proxy.admission.shared import SharedGate
+from proxy.edge.upstream import local_shortage
+from proxy.ops.backend_scrapes import Scrape, Scraped, ScrapeFailed
 from proxy.state import STATE, AppState
 
 # The queue gauges of the model server protocol that endpoint pickers read, per server.
@@ -107,25 +115,28 @@ def merge(exposition: bytes, waiting: int, own: bytes) -> bytes | None:
     return b"\n".join(lines) + b"\n" + own
 
 
-async def _fetch(state: AppState) -> tuple[int, bytes, str] | web.Response:
-    """The backend's /metrics, read to its end: status, body, content type; or the 502/504 to answer (logged)
-    when it does not answer in time, fails, is cut short or exceeds ``MAX_EXPOSITION_BYTES``: a scraper must
-    never get part of an exposition, which it would parse as series gone missing."""
+async def _fetch(state: AppState) -> Scraped:
+    """The backend's /metrics, read to its end; or the 502/504 to answer (logged) when it does not answer in
+    time, fails, is cut short or exceeds ``MAX_EXPOSITION_BYTES``: a scraper must never get part of an
+    exposition, which it would parse as series gone missing."""
     url = state.settings.backend.upstream + METRICS_PATH
     try:
         async with state.session.get(url, headers={"Accept": ACCEPT},
                                      timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT)) as response:
             body = await _read_whole(response.content, MAX_EXPOSITION_BYTES)
             if body is None:
-                return _refused(502, f"the backend's metrics exceed {MAX_EXPOSITION_BYTES} bytes")
-            return response.status, body, response.headers.get("Content-Type", "text/plain")
+                return _failed(502, f"the backend's metrics exceed {MAX_EXPOSITION_BYTES} bytes")
+            return Scrape(response.status, body, response.headers.get("Content-Type", "text/plain"))
     except TimeoutError:
         state.metrics.upstream_errors.labels("timeout").inc()
-        return _refused(504, "the backend's /metrics did not answer in time")
+        return _failed(504, "the backend's /metrics did not answer in time")
     except aiohttp.ClientError as exc:
+        shortage = local_shortage(exc)
+        if shortage is not None:  # mmgate's own: not counted as the upstream's error
+            return _failed(503, f"mmgate could not connect to the backend: {shortage}")
         kind = "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "reset"
         state.metrics.upstream_errors.labels(kind).inc()
-        return _refused(502, f"the backend's /metrics failed: {exc.__class__.__name__}")
+        return _failed(502, f"the backend's /metrics failed: {exc.__class__.__name__}")
 
 
 async def _read_whole(content: aiohttp.StreamReader, limit: int) -> bytes | None:
@@ -140,19 +151,23 @@ async def _read_whole(content: aiohttp.StreamReader, limit: int) -> bytes | None
     return b"".join(chunks)
 
 
-def _refused(status: int, reason: str) -> web.Response:
+def _failed(status: int, reason: str) -> ScrapeFailed:
     log.warning("GET %s answered %d: %s", METRICS_PATH, status, reason)
-    return web.Response(status=status, text=reason + "\n")
+    return ScrapeFailed(status, reason)
+
+
+async def _scrape(state: AppState) -> Scraped:
+    return await state.backend_scrapes.get(lambda: _fetch(state))
 
 
 async def merged_metrics(request: web.Request) -> web.Response:
-    """``GET /metrics`` with ``MMGATE_BACKEND_METRICS=merge``."""
+    """``GET /metrics`` with ``MMGATE_BACKEND_METRICS=merge`` (main port) or ``merge-admin`` (admin port)."""
     state = request.app[STATE]
-    fetched = await _fetch(state)
-    if isinstance(fetched, web.Response):
-        return fetched
-    status, body, content_type = fetched
-    if status == 200:
+    scraped = await _scrape(state)
+    if isinstance(scraped, ScrapeFailed):
+        return web.Response(status=scraped.status, text=scraped.reason + "\n")
+    body, content_type = scraped.body, scraped.content_type
+    if scraped.status == 200:
         openmetrics = content_type.startswith("application/openmetrics-text")
         own = _OwnFamilies(state.metrics.registry)
         if isinstance(state.gate, SharedGate):
@@ -162,17 +177,16 @@ async def merged_metrics(request: web.Request) -> web.Response:
         if merged is not None:
             body = merged
             content_type = content_type if openmetrics else CONTENT_TYPE_LATEST
-    response = web.Response(status=status, body=body)
+    response = web.Response(status=scraped.status, body=body)
     response.headers["Content-Type"] = content_type
     return response
 
 
 async def backend_metrics(request: web.Request) -> web.Response:
     """``GET /mmgate/backend/metrics``: the backend's own exposition, unmodified."""
-    fetched = await _fetch(request.app[STATE])
-    if isinstance(fetched, web.Response):
-        return fetched
-    status, body, content_type = fetched
-    response = web.Response(status=status, body=body)
-    response.headers["Content-Type"] = content_type
+    scraped = await _scrape(request.app[STATE])
+    if isinstance(scraped, ScrapeFailed):
+        return web.Response(status=scraped.status, text=scraped.reason + "\n")
+    response = web.Response(status=scraped.status, body=scraped.body)
+    response.headers["Content-Type"] = scraped.content_type
     return response

@@ -14,7 +14,7 @@ import sys
 from preprocessors.worker_handle import WorkerStartError
 from proxy.cli import FrontSockets, configure_logging, exit_with, serve
 from proxy.serve.memory import tune_process
-from proxy.settings import Settings
+from proxy.settings import ConfigError, Settings
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     )
     try:
         asyncio.run(serve(settings, front=sockets))
-    except WorkerStartError as error:
+    except (WorkerStartError, ConfigError) as error:
         exit_with(error)
 
 

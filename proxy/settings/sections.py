@@ -28,7 +28,7 @@ PRIORITY_MIN, PRIORITY_MAX = -8, 8
 AUTO_CONCURRENCY = 0  # max_mm_concurrency when MMGATE_MAX_MM_CONCURRENCY=auto
 AUTO_JPEG_QUALITY = 0  # jpeg_quality when MMGATE_JPEG_QUALITY=auto (preprocessors/image.py resolves it)
 
-BackendMetrics = Literal["passthrough", "merge"]
+BackendMetrics = Literal["passthrough", "merge", "merge-admin"]
 DecodeMode = Literal["thread", "process"]
 Validate = Literal["full", "header"]
 ImageFormat = Literal["auto", "jpeg", "png", "webp", "bmp"]

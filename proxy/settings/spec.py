@@ -112,7 +112,8 @@ SPEC: dict[str, Spec] = {
     "min_mm_concurrency": Spec("gate", integer(1, 100_000), "with MAX_MM_CONCURRENCY=auto: the lowest limit"),
     "max_mm_concurrency_auto": Spec("gate", integer(1, 100_000), "with MAX_MM_CONCURRENCY=auto: the highest limit"),
     "backend_metrics": Spec("backend", choice(BackendMetrics), "GET /metrics: the backend's as is, or with "
-                                                                "mmgate's waiting media requests in its queue gauges"),
+                                                                "mmgate's waiting media requests in its queue gauges "
+                                                                "(merge-admin: on MMGATE_ADMIN_PORT only)"),
     "preprocess_timeout": Spec("timeouts", seconds(False), "seconds for one request's media work -> 504"),
     "request_timeout": Spec("timeouts", seconds(True), "end-to-end deadline in seconds (0 = off)"),
     "body_read_timeout": Spec("timeouts", seconds(False), "seconds for the whole request body -> 408"),
@@ -276,6 +277,9 @@ def sections_from_env(environ: Mapping[str, str], overrides: Mapping[str, str]) 
             > values.get("max_mm_concurrency_auto", setting_default("max_mm_concurrency_auto"))):
         raise ConfigError(f"{where['min_mm_concurrency']} is above {where['max_mm_concurrency_auto']}: "
                           "the adaptive limit needs a range")
+    if values.get("backend_metrics") == "merge-admin" and not values.get("admin_port"):
+        raise ConfigError(f"{where['backend_metrics']}='merge-admin' needs MMGATE_ADMIN_PORT: the merged /metrics "
+                          "is served on the admin port only")
     if "decode_mode" not in values:
         values["decode_mode"] = default_decode_mode(usable_cpus())
     if values.get("processes") == AUTO_PROCESSES:

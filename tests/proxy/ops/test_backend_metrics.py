@@ -10,6 +10,7 @@ import socket
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -18,8 +19,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.app import build_admin_app
 from proxy.ops.backend_metrics import merge
+from proxy.ops.backend_scrapes import SCRAPE_REUSE_SECONDS
+from proxy.settings import ConfigError
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
+from testkit.servers import proxy_settings
 from tests.conftest import StartProxy, Upstream, require_heavy
 
 VLLM = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -298,3 +303,92 @@ async def test_an_exposition_over_the_cap_or_cut_short_is_a_bad_gateway(
             assert response.status == 502
             assert reason in await response.text()
         assert any(reason in record.getMessage() for record in caplog.records)
+
+
+# ----- merge-admin, and one backend scrape shared -----
+
+
+async def _admin_site(proxy_state: Any) -> tuple[web.AppRunner, str]:
+    """The admin app ``mmgate serve`` starts on MMGATE_ADMIN_PORT, on a free loopback port."""
+    runner = web.AppRunner(build_admin_app(proxy_state), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_merge_admin_serves_the_merged_metrics_on_the_admin_port_only(upstream: Upstream,
+                                                                             start_proxy: StartProxy) -> None:
+    await _metrics_backend(upstream, VLLM)
+    proxy = await start_proxy(upstream.url, MMGATE_BACKEND_METRICS="merge-admin", MMGATE_ADMIN_PORT="1",
+                              MMGATE_ALLOW_PATHS="/v1")
+    runner, admin_url = await _admin_site(proxy.state)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(admin_url + "/metrics") as response:
+                assert response.status == 200
+                merged = _samples(await response.read())
+            async with session.get(proxy.url + "/metrics") as response:  # outside MMGATE_ALLOW_PATHS: refused
+                assert response.status == 404
+                assert (await response.json())["error"]["code"] == "path_not_allowed"
+    finally:
+        await runner.cleanup()
+    assert ("mmgate_gate_waiting", ()) in merged
+    assert [seen.path for seen in upstream.seen] == ["/metrics"]  # the admin port's scrape only
+
+
+async def test_merge_admin_leaves_the_main_port_metrics_to_the_backend(upstream: Upstream,
+                                                                       start_proxy: StartProxy) -> None:
+    await _metrics_backend(upstream, VLLM)
+    proxy = await start_proxy(upstream.url, MMGATE_BACKEND_METRICS="merge-admin", MMGATE_ADMIN_PORT="1")
+    async with aiohttp.ClientSession() as session, session.get(proxy.url + "/metrics") as response:
+        assert response.status == 200 and await response.read() == VLLM  # forwarded as any allowed path
+
+
+def test_merge_admin_without_an_admin_port_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"merge-admin.*needs MMGATE_ADMIN_PORT"):
+        proxy_settings("http://127.0.0.1:9", MMGATE_BACKEND_METRICS="merge-admin")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_scrapes_within_the_interval_share_one_backend_scrape(upstream: Upstream,
+                                                                    start_proxy: StartProxy) -> None:
+    release, scrapes = asyncio.Event(), []
+
+    async def held_metrics(request: web.Request) -> web.Response:
+        scrapes.append(request.path)
+        await release.wait()
+        return web.Response(body=VLLM, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    upstream.route("/metrics", held_metrics)
+    proxy = await start_proxy(upstream.url, MMGATE_BACKEND_METRICS="merge")
+    clock = _Clock()
+    proxy.state.backend_scrapes.clock = clock
+
+    async def scrape(path: str) -> bytes:
+        async with session.get(proxy.url + path) as response:
+            assert response.status == 200
+            return await response.read()
+
+    async with aiohttp.ClientSession() as session:
+        concurrent = [asyncio.create_task(scrape("/metrics")), asyncio.create_task(scrape("/metrics")),
+                      asyncio.create_task(scrape("/mmgate/backend/metrics"))]
+        await eventually(lambda: len(scrapes) == 1, "the first scrape reached the backend")
+        release.set()
+        first, second, backend = await asyncio.gather(*concurrent)
+        clock.now += SCRAPE_REUSE_SECONDS / 2
+        within = await scrape("/metrics")
+        assert len(scrapes) == 1  # three at once and one within the interval: one backend scrape
+        clock.now += SCRAPE_REUSE_SECONDS
+        await scrape("/metrics")
+        assert len(scrapes) == 2  # past the interval: scraped afresh
+    assert backend == VLLM
+    assert _samples(first) == _samples(second) == _samples(within)
