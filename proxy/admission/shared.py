@@ -23,17 +23,26 @@ front -> gate::
     ["peek", rid, [key, ...]]                          cache entries another front holds (hex keys)
     ["found", qid, {key: verdict}]                     the answer to the gate's "lookup"
     ["report", rid, report]                            the answer to the gate's "report"
+    ["pong", qid]                                      the answer to the gate's "ping"
 
 gate -> front::
 
     ["ok", rid, value, counters]    ["err", rid, status, code, message, headers, counters]
     ["report", rid]                                    this front's metrics, please
     ["lookup", qid, [key, ...]]                        which of these cache entries do you hold?
+    ["ping", qid]                                      are you there? (answered by the front's event loop)
 
 ``counters`` is the gate's ``[in_use, waiting, reading, preparing, bytes_in_use, tokens_in_use, limit]``
 after the operation: a front mirrors them in its gauges. A front that goes away (exit, crash, SIGKILL)
 closes its end: the gate cancels its waits and gives back its places and leases at once. A gate that goes
 away (the supervisor died) tells a front to stop: it drains like on SIGINT and exits.
+
+Neither side waits on the other without a deadline. The supervisor pings every front; one that leaves two
+pings in a row unanswered (``MMGATE_PROCESS_TIMEOUT`` for both) is hung: it is killed, everything it held given
+back, and another started. A front's every round trip has a deadline: a place, the counters, ``MMGATE_PROCESS_TIMEOUT``;
+a wait for a slot, its queue timeout plus that; a question the gate puts to the other fronts (``collect``, ``peek``),
+the gate's own bound on their answers plus that. A round trip past its deadline is 503 ``gate_unavailable``
+(a ``peek``: no peer holds it), and /mmgate/ready fails until the gate answers again.
 """
 
 from __future__ import annotations
@@ -50,13 +59,20 @@ from typing import Any
 
 import orjson
 
-from preprocessors.errors import draining, rebuild
+from preprocessors.errors import MmgateError, draining, gate_unavailable, rebuild
 from preprocessors.job import Refusal, Verdict
 from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.admission.gate import Gate, Lease, Place
 from proxy.serve.lifecycle import Lifecycle
 
 log = logging.getLogger("mmgate")
+
+# Seconds a front has to answer "report"; one that does not counts with its last report and is not asked again
+# until it answers a ping.
+REPORT_TIMEOUT = 2.0
+# Seconds the other fronts have to say which cache entries they hold: a busy front's answer may come later
+# than a decode would take, and then the asking front decodes.
+PEER_TIMEOUT = 0.5
 
 _LENGTH = struct.Struct(">I")
 MAX_FRAME = 64 << 20  # a report of every metric series is well under this; anything bigger is a fault
@@ -147,7 +163,7 @@ class SharedGate(Gate):
     def __init__(self, link: Link, limit: int, byte_budget: int, max_queue: int,
                  on_change: Callable[[Gate], None], lifecycle: Lifecycle, token_budget: int,
                  max_queue_per_flow: int, report: Callable[[], dict[str, Any]],
-                 on_lost: Callable[[], None]) -> None:
+                 on_lost: Callable[[], None], answer_timeout: float = 10.0) -> None:
         super().__init__(limit, byte_budget, max_queue, on_change, lifecycle, token_budget=token_budget,
                          max_queue_per_flow=max_queue_per_flow)
         self.link = link
@@ -158,6 +174,11 @@ class SharedGate(Gate):
         # rid -> what to send back if the gate's grant finds nobody waiting for it ("release", "unplace")
         self._give_backs: dict[int, str] = {}
         self.lost = False
+        # MMGATE_PROCESS_TIMEOUT: how long the gate may take to answer a question that needs no wait
+        self.answer_timeout = answer_timeout
+        # False from a round trip past its deadline until the gate's next message: the gate is hung
+        self.answering = True
+        self._heard = 0.0  # the loop's time of the gate's last message
         self._reader: asyncio.Task[None] | None = None
         # hex keys -> the wire form of the verdicts this front's cache holds (``app.build_state`` sets it)
         self.cached: Callable[[list[str]], dict[str, list[Any]]] | None = None
@@ -174,7 +195,12 @@ class SharedGate(Gate):
 
     async def _read(self) -> None:
         while (message := await self.link.receive()) is not None:
+            self.answering = True
+            self._heard = asyncio.get_running_loop().time()
             op = message[0]
+            if op == "ping":
+                self.link.send(["pong", message[1]])
+                continue
             if op == "report":
                 try:
                     report = self._report()
@@ -214,7 +240,9 @@ class SharedGate(Gate):
          self.limit) = snapshot
         self._on_change(self)
 
-    async def _ask(self, message: list[Any], give_back: str | None) -> list[Any]:
+    async def _ask(self, message: list[Any], give_back: str | None, deadline: float) -> list[Any]:
+        """Send ``message`` and await the gate's answer; 503 ``gate_unavailable`` if none came within
+        ``deadline`` seconds (what the gate grants later is given back, as for a request that gave up)."""
         if self.lost:
             raise draining()
         rid = next(self._ids)
@@ -224,6 +252,38 @@ class SharedGate(Gate):
         if give_back is not None:
             self._give_backs[rid] = give_back
         self.link.send(message)
+        try:
+            async with asyncio.timeout(deadline):
+                return await self._answer(rid, future, give_back)
+        except TimeoutError:
+            self.answering = False
+            log.warning("the shared gate did not answer %r within %g s", message[0], deadline)
+            raise gate_unavailable() from None
+
+    async def _wait(self, message: list[Any], give_back: str, deadline: float) -> list[Any]:
+        """``_ask`` for a wait at the gate, which may rightly last up to the queue timeout: meanwhile, once the
+        gate has been silent for ``answer_timeout``, it is asked for its counters; if that goes unanswered the
+        gate is hung, and the wait ends at once with 503 ``gate_unavailable``, not at its deadline."""
+        loop = asyncio.get_running_loop()
+        asking = asyncio.ensure_future(self._ask(message, give_back, deadline))
+        try:
+            while not asking.done():
+                await asyncio.wait([asking], timeout=self.answer_timeout)
+                if (asking.done() or loop.time() - self._heard < self.answer_timeout
+                        or await self.reachable(self.answer_timeout)):
+                    continue
+                asking.cancel()  # the wait is called off at the gate; a grant that crosses it is given back
+                await asyncio.wait([asking])
+                if asking.cancelled():
+                    raise gate_unavailable()
+        except asyncio.CancelledError:  # this request gave up (its client left): so does its wait at the gate
+            if asking.done() and not asking.cancelled() and asking.exception() is None:
+                self.link.send([give_back, asking.result()[2]])  # granted in the same instant: given back
+            asking.cancel()
+            raise
+        return asking.result()
+
+    async def _answer(self, rid: int, future: asyncio.Future[list[Any]], give_back: str | None) -> list[Any]:
         try:
             answer = await future
         except asyncio.CancelledError:
@@ -247,7 +307,7 @@ class SharedGate(Gate):
         """``Gate.take_place``, at the gate."""
         if self.lifecycle.refusing:
             raise draining()
-        answer = await self._ask(["place", 0, flow.id, flow.band], "unplace")
+        answer = await self._ask(["place", 0, flow.id, flow.band], "unplace", self.answer_timeout)
         return SharedPlace(self, flow=flow, place_id=answer[2])
 
     def take_place(self, flow: Flow = DEFAULT_FLOW) -> Place:
@@ -263,7 +323,8 @@ class SharedGate(Gate):
             if place_id is not None:
                 self.link.send(["unplace", place_id])
             raise draining()
-        answer = await self._ask(["acquire", 0, cost, timeout, place_id, tokens, flow.id, flow.band], "release")
+        answer = await self._wait(["acquire", 0, cost, timeout, place_id, tokens, flow.id, flow.band], "release",
+                                  timeout + self.answer_timeout)
         return SharedLease(self, cost, tokens, lease_id=answer[2])
 
     def _give_back(self, lease: Lease, sample: bool = True) -> None:
@@ -280,20 +341,31 @@ class SharedGate(Gate):
 
     async def collect(self) -> dict[str, Any]:
         """Every front's metrics, merged by the gate (``merge_reports``)."""
-        answer = await self._ask(["collect", 0], None)
+        answer = await self._ask(["collect", 0], None, REPORT_TIMEOUT + self.answer_timeout)
         merged: dict[str, Any] = answer[2]
         return merged
 
     async def peer_verdicts(self, keys: list[bytes]) -> dict[bytes, Verdict]:
         """What the other fronts' caches hold of ``keys``: a miss here need not be a decode."""
-        if self.lost:
+        if self.lost or not self.answering:
             return {}
-        answer = await self._ask(["peek", 0, [key.hex() for key in keys]], None)
+        try:
+            answer = await self._ask(["peek", 0, [key.hex() for key in keys]], None, 2 * PEER_TIMEOUT)
+        except MmgateError:  # the gate is hung or gone: this front decodes
+            return {}
         return {bytes.fromhex(key): verdict_from_wire(wire) for key, wire in answer[2].items()}
 
     async def refresh(self) -> None:
         """The gate's counters as of now, mirrored here (``waiting_media`` for ``MMGATE_BACKEND_METRICS``)."""
-        await self._ask(["counters", 0], None)
+        await self._ask(["counters", 0], None, self.answer_timeout)
+
+    async def reachable(self, timeout: float) -> bool:
+        """Whether the gate answers within ``timeout`` (for /mmgate/ready)."""
+        try:
+            await self._ask(["counters", 0], None, timeout)
+        except MmgateError:
+            return False
+        return True
 
 
 def verdict_to_wire(verdict: Verdict) -> list[Any]:
