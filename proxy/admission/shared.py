@@ -37,12 +37,14 @@ after the operation: a front mirrors them in its gauges. A front that goes away 
 closes its end: the gate cancels its waits and gives back its places and leases at once. A gate that goes
 away (the supervisor died) tells a front to stop: it drains like on SIGINT and exits.
 
-Neither side waits on the other without a deadline. The supervisor pings every front; one that leaves two
-pings in a row unanswered (``MMGATE_PROCESS_TIMEOUT`` for both) is hung: it is killed, everything it held given
-back, and another started. A front's every round trip has a deadline: a place, the counters, ``MMGATE_PROCESS_TIMEOUT``;
-a wait for a slot, its queue timeout plus that; a question the gate puts to the other fronts (``collect``, ``peek``),
-the gate's own bound on their answers plus that. A round trip past its deadline is 503 ``gate_unavailable``
-(a ``peek``: no peer holds it), and /mmgate/ready fails until the gate answers again.
+Neither side waits on the other without a deadline (``MMGATE_PROCESS_TIMEOUT``, "the bound"). The supervisor
+pings every front; one that leaves two pings in a row unanswered, each within half the bound, is hung: it is
+killed, everything it held given back, and another started. A front's round trips: a place or the counters
+within the bound; ``collect`` within the gate's own bound on the fronts' reports plus it; ``peek`` within
+twice ``PEER_TIMEOUT`` (past it, no peer holds the item: the front decodes); a wait for a slot may last its
+queue timeout, but once the gate has been silent for the bound the front asks it for its counters, and
+unanswered the wait is called off. A round trip past its deadline is 503 ``gate_unavailable``, and
+/mmgate/ready fails until the gate answers again.
 """
 
 from __future__ import annotations
@@ -256,8 +258,10 @@ class SharedGate(Gate):
             async with asyncio.timeout(deadline):
                 return await self._answer(rid, future, give_back)
         except TimeoutError:
+            if self.answering:  # once per silence, not once per request
+                log.warning("the shared gate did not answer %r within %g s: refusing with 503 gate_unavailable "
+                            "until it does", message[0], deadline)
             self.answering = False
-            log.warning("the shared gate did not answer %r within %g s", message[0], deadline)
             raise gate_unavailable() from None
 
     async def _wait(self, message: list[Any], give_back: str, deadline: float) -> list[Any]:
