@@ -230,11 +230,12 @@ class SharedGate(Gate):
         self._mirror(message[-1])
         future = self._answers.pop(rid, None)
         give_back = self._give_backs.pop(rid, None)
-        if future is not None and not future.cancelled():
+        if future is not None:
+            # Still asked for. If the request was cancelled meanwhile, ``_given_up`` (on the task's next step)
+            # finds the future done and gives the grant back.
             future.set_result(message)
         elif message[0] == "ok" and give_back is not None:
-            # Granted after the request gave up, or while its cancellation is on its way to ``_ask`` (the
-            # future is cancelled at once, the except clause runs on the task's next step): given back here.
+            # Granted after the request gave up (or after its deadline): given back here.
             self.link.send([give_back, message[2]])
 
     def _mirror(self, snapshot: list[int]) -> None:
@@ -242,9 +243,8 @@ class SharedGate(Gate):
          self.limit) = snapshot
         self._on_change(self)
 
-    async def _ask(self, message: list[Any], give_back: str | None, deadline: float) -> list[Any]:
-        """Send ``message`` and await the gate's answer; 503 ``gate_unavailable`` if none came within
-        ``deadline`` seconds (what the gate grants later is given back, as for a request that gave up)."""
+    def _send(self, message: list[Any], give_back: str | None) -> tuple[int, asyncio.Future[list[Any]]]:
+        """Put ``message`` on the wire now (its id filled in); the future its answer will resolve."""
         if self.lost:
             raise draining()
         rid = next(self._ids)
@@ -254,54 +254,65 @@ class SharedGate(Gate):
         if give_back is not None:
             self._give_backs[rid] = give_back
         self.link.send(message)
+        return rid, future
+
+    async def _ask(self, message: list[Any], give_back: str | None, deadline: float) -> list[Any]:
+        """Send ``message`` and await the gate's answer; 503 ``gate_unavailable`` if none came within
+        ``deadline`` seconds (what the gate grants later is given back, as for a request that gave up)."""
+        rid, future = self._send(message, give_back)
         try:
-            async with asyncio.timeout(deadline):
-                return await self._answer(rid, future, give_back)
-        except TimeoutError:
-            if self.answering:  # once per silence, not once per request
-                log.warning("the shared gate did not answer %r within %g s: refusing with 503 gate_unavailable "
-                            "until it does", message[0], deadline)
-            self.answering = False
-            raise gate_unavailable() from None
+            await asyncio.wait([future], timeout=deadline)
+        except asyncio.CancelledError:
+            self._given_up(rid, future, give_back)
+            raise
+        if not future.done():
+            self._given_up(rid, future, give_back)
+            raise self._silent(message[0], deadline)
+        return self._outcome(future)
 
     async def _wait(self, message: list[Any], give_back: str, deadline: float) -> list[Any]:
         """``_ask`` for a wait at the gate, which may rightly last up to the queue timeout: meanwhile, once the
         gate has been silent for ``answer_timeout``, it is asked for its counters; if that goes unanswered the
         gate is hung, and the wait ends at once with 503 ``gate_unavailable``, not at its deadline."""
         loop = asyncio.get_running_loop()
-        asking = asyncio.ensure_future(self._ask(message, give_back, deadline))
+        end = loop.time() + deadline
+        rid, future = self._send(message, give_back)
         try:
-            while not asking.done():
-                await asyncio.wait([asking], timeout=self.answer_timeout)
-                if (asking.done() or loop.time() - self._heard < self.answer_timeout
-                        or await self.reachable(self.answer_timeout)):
-                    continue
-                asking.cancel()  # the wait is called off at the gate; a grant that crosses it is given back
-                await asyncio.wait([asking])
-                if asking.cancelled():
-                    raise gate_unavailable()
-        except asyncio.CancelledError:  # this request gave up (its client left): so does its wait at the gate
-            if asking.done() and not asking.cancelled() and asking.exception() is None:
-                self.link.send([give_back, asking.result()[2]])  # granted in the same instant: given back
-            asking.cancel()
-            raise
-        return asking.result()
-
-    async def _answer(self, rid: int, future: asyncio.Future[list[Any]], give_back: str | None) -> list[Any]:
-        try:
-            answer = await future
+            while not future.done() and (left := end - loop.time()) > 0:
+                await asyncio.wait([future], timeout=min(left, self.answer_timeout))
+                if (not future.done() and loop.time() - self._heard >= self.answer_timeout
+                        and not await self.reachable(self.answer_timeout)):
+                    break
         except asyncio.CancelledError:
-            self._answers.pop(rid, None)
-            if future.done() and not future.cancelled():
-                # Answered in the same instant the request gave up: what the gate granted goes back.
-                granted = future.result()
-                if granted[0] == "ok" and give_back is not None:
-                    self.link.send([give_back, granted[2]])
-            elif give_back == "release" and rid in self._give_backs:
-                # Still waiting at the gate: stop the wait there. A grant that crosses this message is
-                # given back by ``_read``, which still knows what to send for it.
-                self.link.send(["cancel", rid])
+            self._given_up(rid, future, give_back)
             raise
+        if not future.done():
+            self._given_up(rid, future, give_back)
+            raise self._silent(message[0], deadline)
+        return self._outcome(future)
+
+    def _given_up(self, rid: int, future: asyncio.Future[list[Any]], give_back: str | None) -> None:
+        """The asking request gave up (its client left, or the gate was silent past the deadline)."""
+        self._answers.pop(rid, None)
+        if future.done():
+            # Answered in the same instant the request gave up: what the gate granted goes back.
+            granted = future.result() if future.exception() is None else None
+            if granted is not None and granted[0] == "ok" and give_back is not None:
+                self.link.send([give_back, granted[2]])
+        elif give_back == "release" and rid in self._give_backs:
+            # Still waiting at the gate: stop the wait there. A grant that crosses this message is given
+            # back by ``_read``, which still knows what to send for it.
+            self.link.send(["cancel", rid])
+
+    def _silent(self, op: str, deadline: float) -> MmgateError:
+        if self.answering:  # once per silence, not once per request
+            log.warning("the shared gate did not answer %r within %g s", op, deadline)
+        self.answering = False
+        return gate_unavailable()
+
+    @staticmethod
+    def _outcome(future: asyncio.Future[list[Any]]) -> list[Any]:
+        answer = future.result()  # draining() once the gate is gone
         if answer[0] == "err":
             _, _, status, code, text, headers, _ = answer
             raise rebuild(status, code, text, headers=headers)
