@@ -41,6 +41,31 @@ class Mmgate:
     def __init__(self, process: asyncio.subprocess.Process, port: int) -> None:
         self.process = process
         self.url = f"http://127.0.0.1:{port}"
+        self.log: list[str] = []  # with ``log=True``: what the supervisor and its fronts wrote on stderr
+        self.reading_log = asyncio.create_task(self._read_log()) if process.stderr is not None else None
+
+    async def _read_log(self) -> None:
+        assert self.process.stderr is not None
+        async for line in self.process.stderr:
+            self.log.append(line.decode(errors="replace"))
+            sys.stderr.write(self.log[-1])  # still in the test's captured output
+
+    async def gone(self, pid: int) -> None:
+        """Wait (bounded) until process ``pid`` is gone. (With ``log=True``, ``process.wait()`` would also wait
+        for the fronts to close the log pipe they share.)"""
+        for _ in range(POLLS):
+            if not self.alive(pid):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"process {pid} still running")
+
+    async def logged(self, text: str) -> None:
+        """Wait (bounded) until a line of the log holds ``text``."""
+        for _ in range(POLLS):
+            if any(text in line for line in self.log):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"never logged: {text!r}")
 
     async def get(self, path: str) -> Any:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
@@ -99,9 +124,11 @@ async def _wait_listening(url: str, process: asyncio.subprocess.Process) -> None
 async def start_mmgate() -> AsyncIterator[Any]:
     started: list[Mmgate] = []
 
-    async def start(**settings: str) -> Mmgate:
+    async def start(log: bool = False, **settings: str) -> Mmgate:
+        """mmgate with ``settings``; ``log``: its stderr read into ``Mmgate.log``."""
         port = free_port()
         process = await asyncio.create_subprocess_exec(sys.executable, "-m", "proxy",
+                                                       stderr=asyncio.subprocess.PIPE if log else None,
                                                        env=_env(MMGATE_PORT=str(port), **settings))
         mmgate = Mmgate(process, port)
         started.append(mmgate)
@@ -112,7 +139,10 @@ async def start_mmgate() -> AsyncIterator[Any]:
     for mmgate in started:
         if mmgate.process.returncode is None:
             mmgate.process.kill()
-            await mmgate.process.wait()
+        if mmgate.reading_log is not None:  # the log pipe ends once the last front has gone too
+            async with asyncio.timeout(60):
+                await mmgate.reading_log
+        await mmgate.process.wait()
 
 
 def _media_body(seed: int) -> bytes:
@@ -284,7 +314,8 @@ async def test_a_hung_front_is_killed_and_replaced_and_its_slot_given_back(upstr
     the gate gives the slot back at once, another front starts, and the next media request is admitted."""
     upstream.route("/v1/chat/completions", partial(upstream.held_stream, last=b"data: [DONE]\n\n"))
     mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url, MMGATE_MAX_MM_CONCURRENCY="1",
-                                MMGATE_RELEASE_AT="complete", MMGATE_CACHE_MB="0", MMGATE_PROCESS_TIMEOUT="1")
+                                MMGATE_RELEASE_AT="complete", MMGATE_CACHE_MB="0", MMGATE_PROCESS_TIMEOUT="1",
+                                log=True)
     holding = asyncio.create_task(_post(mmgate.url, _media_body(1)))
     await upstream.arrived.get()
     stats = await mmgate.until("the slot held", lambda s: s["gate"]["in_use"] == 1)
@@ -295,6 +326,7 @@ async def test_a_hung_front_is_killed_and_replaced_and_its_slot_given_back(upstr
                                    and hung not in {front["pid"] for front in s["fronts"]}
                                    and s["gate"]["in_use"] == 0)
         assert not mmgate.alive(hung)
+        await mmgate.logged(f"(pid {hung}) answered no ping")
     finally:
         if mmgate.alive(hung):
             os.kill(hung, signal.SIGKILL)
@@ -369,9 +401,9 @@ async def test_a_hung_supervisor_gets_503s_and_failed_readiness_not_hangs(upstre
 
 async def test_with_the_gate_lost_stats_and_metrics_are_503_not_500(upstream: Upstream, start_mmgate: Any) -> None:
     """SIGKILL to the supervisor while both fronts hold a stream: each drains, and meanwhile /mmgate/stats and
-    /mmgate/metrics answer 503 in the error's own shape, not 500."""
+    /mmgate/metrics answer 503 in the error's own shape, not 500 with a traceback logged."""
     upstream.route("/v1/chat/completions", partial(upstream.held_stream, last=b"data: last\n\n"))
-    mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url)
+    mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url, log=True)
     streams: list[tuple[aiohttp.ClientSession, aiohttp.ClientResponse]] = []
     try:
         for _ in range(40):  # until every front holds one: whichever answers below is draining
@@ -384,11 +416,12 @@ async def test_with_the_gate_lost_stats_and_metrics_are_503_not_500(upstream: Up
                 break
         assert all(front["in_flight"] >= 1 for front in stats["fronts"]), stats["fronts"]
         mmgate.process.kill()
-        await mmgate.process.wait()
+        await mmgate.gone(mmgate.process.pid)
         for path in ("/mmgate/stats", "/mmgate/metrics"):
             status, body = await mmgate.answer(path)
             assert status == 503, body
             assert body["error"]["code"] == "draining"
+        assert not [line for line in mmgate.log if "Traceback" in line]
         upstream.release.set()
         for _, response in streams:
             assert await response.content.read() == b"data: last\n\n"
