@@ -199,6 +199,8 @@ UPSTREAM_RESET = _define(502, "upstream_reset", UpstreamError, "the upstream con
 DRAINING = _define(503, "draining", MmgateError, "after SIGTERM: mmgate takes no new work")
 TOO_MANY_CONNECTIONS = _define(503, "too_many_connections", MmgateError,
                                "every one of MMGATE_MAX_CONNECTIONS is busy")
+GATE_UNAVAILABLE = _define(503, "gate_unavailable", MmgateError,
+                           "MMGATE_PROCESSES > 1: the supervisor holding the shared gate did not answer in time")
 UPSTREAM_DOWN = _define(503, "upstream_down", UpstreamError,
                         "a media request while the upstream is known to be down, before any decoding")
 LOCAL_RESOURCES_EXHAUSTED = _define(503, "local_resources_exhausted", MmgateError,
@@ -217,6 +219,12 @@ UPSTREAM_TIMEOUT = _define(504, "upstream_timeout", UpstreamError,
 _UPSTREAM_FAILURES: dict[ErrorCode[UpstreamError], UpstreamFailure] = {
     UPSTREAM_UNAVAILABLE: "connect", UPSTREAM_DOWN: "connect", UPSTREAM_TIMEOUT: "timeout", UPSTREAM_RESET: "reset",
 }
+
+
+def gate_unavailable() -> MmgateError:
+    """503 for a front's round trip to the shared gate that got no answer within MMGATE_PROCESS_TIMEOUT."""
+    return GATE_UNAVAILABLE.error("mmgate's admission gate did not answer in time; retry shortly",
+                                  headers={"Retry-After": "1"})
 
 
 def draining() -> MmgateError:

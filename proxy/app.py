@@ -81,7 +81,8 @@ def build_state(settings: Settings, link: Link | None = None,
         gate = SharedGate(link, adaptive.limit if adaptive is not None else settings.gate.max_mm_concurrency,
                           settings.gate.max_inflight_media_bytes, settings.gate.max_queue, gate_changed, lifecycle,
                           settings.gate.max_inflight_image_tokens, settings.gate.max_queue_per_flow,
-                          report=lambda: front_report(state, front_index), on_lost=on_gate_lost)
+                          report=lambda: front_report(state, front_index), on_lost=on_gate_lost,
+                          answer_timeout=settings.listen.process_timeout)
     image_policy = ImagePolicy(
         max_pixels=settings.limits.max_image_pixels,
         max_frames=settings.limits.max_frames,

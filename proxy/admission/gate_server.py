@@ -13,15 +13,10 @@ from typing import Any
 from preprocessors.errors import MmgateError
 from proxy.admission.flows import Flow
 from proxy.admission.gate import Gate, Lease, Place
-from proxy.admission.shared import Link, counters
-from proxy.ops.merged_metrics import merge_reports
+from proxy.admission.shared import PEER_TIMEOUT, REPORT_TIMEOUT, Link, counters
+from proxy.ops.merged_metrics import departed, merge_reports
 
 log = logging.getLogger("mmgate")
-
-REPORT_TIMEOUT = 5.0  # seconds a front has to answer "report"; one that does not is left out of the totals
-# Seconds the other fronts have to say which cache entries they hold: a busy front's answer may come later
-# than a decode would take, and then the asking front decodes.
-PEER_TIMEOUT = 0.5
 
 
 def _refusal(error: MmgateError) -> list[Any]:
@@ -39,6 +34,10 @@ class _Front:
         self.waits: dict[int, asyncio.Task[None]] = {}
         self.closed = False
         self.ready = asyncio.Event()
+        # False once it left a question ("ping", "report", "lookup") unanswered, until it sends anything:
+        # a hung front is not asked again (nobody waits on it), and its last report stands in for it.
+        self.answering = True
+        self.last_report: dict[str, Any] | None = None
 
 
 class GateServer:
@@ -50,6 +49,7 @@ class GateServer:
         self._ids = itertools.count(1)
         self._reports: dict[int, tuple[asyncio.Future[Any], int]] = {}
         self._collecting: set[asyncio.Task[None]] = set()
+        self._departed: dict[str, Any] | None = None  # the counts of every front gone (``merged_metrics.departed``)
 
     async def serve(self, index: int, sock: socket.socket, ready: asyncio.Event) -> None:
         """Serve one front until its link closes, then free everything it held."""
@@ -58,6 +58,7 @@ class GateServer:
         self._fronts.add(front)
         try:
             while (message := await front.link.receive()) is not None:
+                front.answering = True
                 self._handle(front, message)
         finally:
             self._forget(front)
@@ -100,10 +101,10 @@ class GateServer:
             task = asyncio.create_task(self._collect(front, message[1]))
             self._collecting.add(task)
             task.add_done_callback(self._collecting.discard)
-        elif op in ("report", "found"):
+        elif op in ("report", "found", "pong"):
             found = self._reports.get(message[1])
             if found is not None and not found[0].done():
-                found[0].set_result(message[2])
+                found[0].set_result(message[2] if len(message) > 2 else None)
         elif op == "peek":
             task = asyncio.create_task(self._peek(front, message[1], message[2]))
             self._collecting.add(task)
@@ -135,7 +136,11 @@ class GateServer:
             front.link.send(["err", rid, 499, "cancelled", "", {}, counters(self.gate)])
 
     def _forget(self, front: _Front) -> None:
+        if front.closed:
+            return
         front.closed = True
+        if front.last_report is not None:
+            self._departed = departed(self._departed, front.last_report)
         self._fronts.discard(front)
         for task in front.waits.values():
             task.cancel()
@@ -151,40 +156,70 @@ class GateServer:
         front.leases.clear()
         front.link.close()
 
-    async def _ask_fronts(self, fronts: list[_Front], message: list[Any], timeout: float) -> list[Any]:
+    async def _ask_fronts(self, fronts: list[_Front], message: list[Any],
+                          timeout: float) -> list[tuple[_Front, Any]]:
         """Send ``message`` (its id filled in per front) to ``fronts``; the answers that came within
-        ``timeout``."""
+        ``timeout``, each with its front. A front that did not answer is marked not ``answering``."""
         loop = asyncio.get_running_loop()
         pending = []
         for front in fronts:
             query_id = next(self._ids)
             future: asyncio.Future[Any] = loop.create_future()
             self._reports[query_id] = (future, front.index)
-            pending.append((query_id, future))
+            pending.append((query_id, future, front))
             front.link.send([message[0], query_id, *message[1:]])
         if not pending:
             return []
         try:
-            done, _ = await asyncio.wait([future for _, future in pending], timeout=timeout)
+            done, _ = await asyncio.wait([future for _, future, _ in pending], timeout=timeout)
         finally:
-            for query_id, _ in pending:
+            for query_id, _, _ in pending:
                 self._reports.pop(query_id, None)
-        return [future.result() for _, future in pending if future in done]
+        for _, future, front in pending:
+            if future not in done:
+                front.answering = False
+        return [(front, future.result()) for _, future, front in pending if future in done]
 
     async def _collect(self, asking: _Front, rid: int) -> None:
-        """Ask every front for its metrics and send ``asking`` the merge."""
+        """Ask every answering front for its metrics and send ``asking`` the merge. A front that does not
+        answer (hung) counts with its last report, as does every front gone, so no total ever goes down."""
         serving = [front for front in self._fronts if front.ready.is_set()]
-        reports = await self._ask_fronts(serving, ["report"], REPORT_TIMEOUT)
-        asking.link.send(["ok", rid, merge_reports(reports, counters(self.gate)), counters(self.gate)])
+        answered = await self._ask_fronts([front for front in serving if front.answering], ["report"],
+                                          REPORT_TIMEOUT)
+        for front, report in answered:
+            front.last_report = report
+        reported = {front for front, _ in answered}
+        silent = [front.last_report for front in serving if front not in reported and front.last_report is not None]
+        if self._departed is not None:
+            silent.append(self._departed)
+        merged = merge_reports([report for _, report in answered], counters(self.gate), silent)
+        asking.link.send(["ok", rid, merged, counters(self.gate)])
 
     async def _peek(self, asking: _Front, rid: int, keys: list[str]) -> None:
-        """Ask every other front which of ``keys`` its cache holds; send ``asking`` the first of each found."""
-        others = [front for front in self._fronts if front is not asking and front.ready.is_set()]
+        """Ask every other answering front which of ``keys`` its cache holds; send ``asking`` the first of each
+        found. A hung front is asked once: until it speaks again, a miss does not wait on it."""
+        others = [front for front in self._fronts
+                  if front is not asking and front.ready.is_set() and front.answering]
         found: dict[str, Any] = {}
-        for answer in await self._ask_fronts(others, ["lookup", keys], PEER_TIMEOUT):
+        for _, answer in await self._ask_fronts(others, ["lookup", keys], PEER_TIMEOUT):
             for key, verdict in answer.items():
                 found.setdefault(key, verdict)
         asking.link.send(["ok", rid, found, counters(self.gate)])
+
+    async def ping(self, index: int, timeout: float) -> bool | None:
+        """Whether front ``index`` answers a ping within ``timeout`` (its event loop runs); None if it is gone."""
+        front = self._front(index)
+        if front is None:
+            return None
+        return bool(await self._ask_fronts([front], ["ping"], timeout))
+
+    def drop(self, index: int) -> None:
+        """Give back at once everything front ``index`` holds: it is being killed."""
+        if (front := self._front(index)) is not None:
+            self._forget(front)
+
+    def _front(self, index: int) -> _Front | None:
+        return next((front for front in self._fronts if front.index == index), None)
 
     @property
     def fronts(self) -> int:

@@ -79,6 +79,8 @@ async def refusals_in_api_shape(request: web.Request, handler: Any) -> web.Strea
         error = _refusal_for(request, exc)
     except ConnectionResetError:  # the client left mid-answer (handle_request counted it as 499): none to send
         raise
+    except MmgateError as refused:  # an admin route's own refusal (the shared gate hung or gone: 503)
+        error = refused
     except Exception:
         error = internal_error(request_id, f" ({request.method} {loggable(request.path)})")
     request.app[STATE].metrics.rejected.labels(error.code).inc()

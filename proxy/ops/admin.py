@@ -1,8 +1,9 @@
 """Admin endpoints under /mmgate/: liveness, readiness, Prometheus metrics, the dashboard and its JSON.
 
-Liveness is answered from the loop alone: it never waits on media work or the upstream, and stays 200
-while draining (the process is alive; Kubernetes must not restart it mid-drain). Readiness probes the
-upstream (cached about a second, so a probe storm never becomes an upstream storm) and fails while draining.
+Liveness is answered from the loop alone: it never waits on media work, the upstream or the shared gate, and
+stays 200 while draining (the process is alive; Kubernetes must not restart it mid-drain). Readiness probes the
+upstream (cached about a second, so a probe storm never becomes an upstream storm) and fails while draining;
+with several front processes it also fails while the supervisor's gate does not answer (hung or gone).
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ async def ready(request: web.Request) -> web.Response:
     state = _state(request)
     if not state.lifecycle.ready:
         return web.json_response({"ready": False, "reason": "draining"}, status=503)
+    if isinstance(state.gate, SharedGate) and not await state.gate.reachable(
+            min(READY_PROBE_TIMEOUT, state.settings.listen.process_timeout)):
+        return web.json_response({"ready": False, "reason": "the shared gate did not answer"}, status=503)
     ok, detail = await probe_upstream(state)
     return web.json_response({"ready": ok, "reason": detail}, status=200 if ok else 503)
 

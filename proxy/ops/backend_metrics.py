@@ -23,6 +23,7 @@ escapes, so the label set is skipped quote-aware rather than up to the first ``}
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
@@ -33,6 +34,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from preprocessors.errors import MmgateError
 from proxy.admission.shared import SharedGate
 from proxy.edge.upstream import local_shortage
 from proxy.ops.backend_scrapes import Scrape, Scraped, ScrapeFailed
@@ -171,7 +173,9 @@ async def merged_metrics(request: web.Request) -> web.Response:
         openmetrics = content_type.startswith("application/openmetrics-text")
         own = _OwnFamilies(state.metrics.registry)
         if isinstance(state.gate, SharedGate):
-            await state.gate.refresh()  # the one gate's count, not as of this front's last exchange with it
+            # The one gate's count, not as of this front's last exchange with it; if the gate is hung, as of that.
+            with contextlib.suppress(MmgateError):
+                await state.gate.refresh()
         merged = merge(body, state.gate.waiting_media,
                        generate_openmetrics(own) if openmetrics else generate_latest(own))
         if merged is not None:

@@ -13,12 +13,19 @@ from proxy.admission.shared import gate_values
 
 # Families merged by their smallest value (when the oldest front started), not summed.
 MIN_FAMILIES = ("process_start_time_seconds",)
+# Kinds whose values only grow: a front that stopped answering, or is gone, still counts with its last values,
+# so that no sum ever goes down (Prometheus would read that as a counter reset).
+COUNT_KINDS = ("counter", "histogram", "summary")
 
 
-def merge_reports(reports: list[dict[str, Any]], gate_counters: list[int]) -> dict[str, Any]:
-    """Every front's metric families summed series by series; the gate's own gauges from the gate;
-    ``extra`` (requests in flight, being read, resident memory, decode workers) summed; ``fronts``: each
-    front's own figures."""
+def counts_of(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` less what is only true now (gauges, ``extra``): what a front that no longer answers still
+    adds to the totals."""
+    return {"front": report["front"], "families": [family for family in report["families"]
+                                                   if family[2] in COUNT_KINDS], "extra": {}}
+
+
+def _summed(reports: list[dict[str, Any]]) -> dict[str, list[Any]]:
     families: dict[str, list[Any]] = {}
     for report in reports:
         for name, documentation, kind, unit, samples in report["families"]:
@@ -32,6 +39,30 @@ def merge_reports(reports: list[dict[str, Any]], gate_counters: list[int]) -> di
                     series[key] = min(series[key], value)
                 else:
                     series[key] += value
+    return families
+
+
+def _as_data(families: dict[str, list[Any]]) -> list[list[Any]]:
+    return [[name, doc, kind, unit, [[sname, dict(labels), value] for (sname, labels), value in series.items()]]
+            for name, (doc, kind, unit, series) in families.items()]
+
+
+def departed(so_far: dict[str, Any] | None, report: dict[str, Any]) -> dict[str, Any]:
+    """The counts of every front gone so far, ``report``'s (its last) added: one report, however many came
+    and went."""
+    return {"front": None, "families": _as_data(_summed([counts_of(report)] + ([so_far] if so_far else []))),
+            "extra": {}}
+
+
+def merge_reports(reports: list[dict[str, Any]], gate_counters: list[int],
+                  silent: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every front's metric families summed series by series; the gate's own gauges from the gate;
+    ``extra`` (requests in flight, being read, resident memory, decode workers) summed; ``fronts``: each
+    front's own figures. ``silent``: the last reports of fronts that did not answer this time (hung) and of
+    those gone (``departed``, no ``front``): only their counts are added, and a hung front is listed with
+    ``answering`` false."""
+    silent = [counts_of(report) for report in silent or []]
+    families = _summed(reports + silent)
     for name, value in gate_values(gate_counters).items():
         if name in families:
             families[name][3] = {(name, ()): value}
@@ -39,12 +70,12 @@ def merge_reports(reports: list[dict[str, Any]], gate_counters: list[int]) -> di
     for report in reports:
         for key, value in report["extra"].items():
             extra[key] = extra.get(key, 0) + value
-    extra["processes"] = len(reports)
+    fronts = [{**report["front"], "answering": True} for report in reports]
+    fronts += [{**report["front"], "answering": False} for report in silent if report["front"] is not None]
+    extra["processes"] = len(fronts)
     return {
-        "fronts": sorted((report["front"] for report in reports), key=lambda front: front["index"]),
-        "families": [[name, doc, kind, unit,
-                      [[sname, dict(labels), value] for (sname, labels), value in series.items()]]
-                     for name, (doc, kind, unit, series) in families.items()],
+        "fronts": sorted(fronts, key=lambda front: front["index"]),
+        "families": _as_data(families),
         "extra": extra,
     }
 

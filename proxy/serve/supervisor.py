@@ -8,6 +8,10 @@ connections, bodies, decoding with its share of the decode workers, the cache, f
 
 - A front that exits while mmgate serves (a crash, SIGKILL, the OOM killer) is replaced; the gate gives back
   its leases and places as soon as its end of the pair closes, so the limits stay exact.
+- A front that hangs (SIGSTOP, a blocked event loop) is found as uvicorn's supervisor finds one, by a ping over
+  the link its event loop must answer: two pings in a row unanswered, each given half of MMGATE_PROCESS_TIMEOUT,
+  and it is killed (SIGKILL), what it held given back at once, and replaced. Two, so that a supervisor that
+  was itself stopped a while does not take the answer still unread on its socket for silence.
 - SIGTERM / SIGINT are passed to every front, which drains as a single process does (``cli.drain``: its
   streams finish); the supervisor waits for all of them, kills any still running after
   MMGATE_DRAIN_GRACE + MMGATE_DRAIN_TIMEOUT + ``STOP_MARGIN``, and exits 0 when every front did.
@@ -27,7 +31,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxy.admission.adaptive import AdaptiveLimit
 from proxy.admission.gate import Gate
@@ -39,6 +43,7 @@ log = logging.getLogger("mmgate")
 
 STOP_MARGIN = 10.0  # seconds past the drain's own bounds before a front that has not exited is killed
 RESTART_DELAY_MAX = 5.0  # a front that keeps dying right after start is restarted at most this often
+PING_INTERVAL = 1.0  # seconds between two pings of a front that answered
 
 
 @dataclass
@@ -48,6 +53,7 @@ class _Child:
     ready: asyncio.Event
     link: asyncio.Task[None]
     started: float
+    watchdog: asyncio.Task[None] = field(init=False)  # ``Supervisor._watchdog``
 
 
 class Supervisor:
@@ -83,7 +89,28 @@ class Supervisor:
         process.stdin.close()
         ready = asyncio.Event()
         link = asyncio.create_task(self.server.serve(index, parent_end, ready))
-        return _Child(index, process, ready, link, time.monotonic())
+        child = _Child(index, process, ready, link, time.monotonic())
+        child.watchdog = asyncio.create_task(self._watchdog(child))
+        return child
+
+    async def _watchdog(self, child: _Child) -> None:
+        """Ping ``child`` once it is ready; kill it when two pings in a row go unanswered (module docstring)."""
+        await child.ready.wait()
+        bound = self.settings.listen.process_timeout / 2
+        missed = 0
+        while missed < 2:
+            answered = await self.server.ping(child.index, bound)
+            if answered is None:  # gone: ``_watch`` replaces it
+                return
+            if answered:
+                missed = 0
+                await asyncio.sleep(PING_INTERVAL)
+            else:
+                missed += 1
+        log.error("front process %d (pid %d) answered no ping for %g s: killed, what it held given back",
+                  child.index, child.process.pid, 2 * bound)
+        self.server.drop(child.index)
+        child.process.kill()
 
     async def run(self, on_ready: Callable[[Settings, int], None] | None) -> int:
         signals = StopSignals()
@@ -123,6 +150,7 @@ class Supervisor:
                 return
             for task in done:
                 child = exits[task]
+                child.watchdog.cancel()
                 await child.link  # the gate has given back what the front held
                 quick_exits = quick_exits + 1 if time.monotonic() - child.started < 1.0 else 0
                 delay = min(RESTART_DELAY_MAX, 0.1 * 2 ** quick_exits) if quick_exits else 0.0
@@ -139,6 +167,8 @@ class Supervisor:
 
     async def _stop(self, signum: signal.Signals) -> int:
         """Pass ``signum`` to every front, wait for each to drain and exit (bounded), reap them all."""
+        for child in self.children:  # a front draining its last streams is not pinged: the drain has a bound
+            child.watchdog.cancel()
         async def stopped(child: _Child) -> None:
             # A front still starting has no handler for the signal yet: it is told once it is ready.
             await _first(child.ready.wait(), child.process.wait())

@@ -72,6 +72,7 @@ class Listen:
     host: str = "0.0.0.0"
     port: int = 8080
     processes: int = 1
+    process_timeout: float = 10.0
     admin_port: int = 0
     max_connections: int = 1024
     loop_lag_target: float = 0.005

@@ -93,6 +93,9 @@ SPEC: dict[str, Spec] = {
     "processes": Spec("listen", processes, "front processes accepting on the one port, sharing one gate, the "
                                             "decode workers and the cache; auto = usable CPUs, at most "
                                             "MMGATE_DECODE_WORKERS"),
+    "process_timeout": Spec("listen", seconds(False), "with several processes: seconds a front or the supervisor "
+                                                      "may leave the other unanswered before it counts as hung "
+                                                      "(a front is killed and replaced; requests get 503)"),
     "admin_port": Spec("listen", integer(0, 65535), "serve /mmgate/* only on this port (0 = same port)"),
     "max_mm_concurrency": Spec("gate", concurrency, "media requests past admission at once, or auto: found from "
                                                      "the backend's latency"),

@@ -1,5 +1,6 @@
 """The gate shared by several front processes: a front's SharedGate and the supervisor's GateServer over a
-real Unix socket pair, in this process. Grants and cancels that cross on the socket leak nothing."""
+real Unix socket pair, in this process. Grants and cancels that cross on the socket leak nothing, and no side
+waits on a silent other without a deadline."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from typing import Any
 
 import pytest
 
+from preprocessors.errors import MmgateError
+from preprocessors.job import Verdict
 from proxy.admission.flows import Flow
 from proxy.admission.gate import Gate
 from proxy.admission.gate_server import GateServer
-from proxy.admission.shared import Link, SharedGate
+from proxy.admission.shared import Link, SharedGate, verdict_to_wire
 from proxy.serve.lifecycle import Lifecycle
 
 POLLS = 600  # bounded polls of the gate's counters, 10 ms apart: far more than a message over the socket needs
@@ -139,3 +142,93 @@ async def test_a_lease_lowered_at_a_front_gives_its_bytes_back_at_the_supervisor
     second.release()
     await _until(lambda: (gate.in_use, gate.bytes_in_use) == (0, 0), "both released, every byte given back")
     await shared.close()
+
+
+async def _next(link: Link) -> list[Any]:
+    """The next message on ``link``, which must come."""
+    message = await link.receive()
+    assert message is not None
+    return message
+
+
+async def _front_and_a_silent_gate(answer_timeout: float) -> tuple[Link, SharedGate]:
+    """A front's SharedGate over a real socket pair whose other end (the supervisor's) the test plays: it
+    answers only when the test says so, as a hung supervisor would not."""
+    server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    supervisor = await Link.over(server_end)
+    shared = SharedGate(await Link.over(front_end), 1, 0, 4, lambda gate: None, Lifecycle(), 0, 0,
+                        report=dict, on_lost=lambda: None, answer_timeout=answer_timeout)
+    shared.start()
+    return supervisor, shared
+
+
+async def test_a_place_the_gate_does_not_answer_is_503_and_a_late_grant_is_given_back() -> None:
+    supervisor, shared = await _front_and_a_silent_gate(answer_timeout=0.2)
+    with pytest.raises(MmgateError) as refused:
+        await shared.take_shared_place()
+    assert (refused.value.status, refused.value.code) == (503, "gate_unavailable")
+    assert refused.value.headers["Retry-After"]
+    asked = await _next(supervisor)
+    assert asked[0] == "place"
+    assert not await shared.reachable(0.2)  # what /mmgate/ready asks
+    supervisor.send(["ok", asked[1], 7, [0, 0, 1, 0, 0, 0, 1]])  # the gate, resumed, grants it after all
+    assert (await _next(supervisor))[0] == "counters"  # reachable's question
+    assert await supervisor.receive() == ["unplace", 7]
+    supervisor.close()
+    await shared.close()
+
+
+async def test_a_wait_at_a_silent_gate_ends_503_before_its_queue_timeout_and_a_late_grant_is_released() -> None:
+    """The gate takes the wait, then goes silent: the front asks it for its counters, gets no answer, and
+    ends the wait at once with 503 (not after its queue timeout of an hour), calling the wait off there;
+    the grant the gate sends once it runs again is released."""
+    supervisor, shared = await _front_and_a_silent_gate(answer_timeout=0.2)
+    async with asyncio.timeout(60):  # a test runner's patience: far below the queue timeout
+        with pytest.raises(MmgateError) as refused:
+            await shared.acquire(1, 3600)
+    assert (refused.value.status, refused.value.code) == (503, "gate_unavailable")
+    asked = [await _next(supervisor) for _ in range(3)]
+    assert [message[0] for message in asked] == ["acquire", "counters", "cancel"]
+    supervisor.send(["ok", asked[0][1], 9, [1, 0, 0, 0, 0, 0, 1]])
+    assert await supervisor.receive() == ["release", 9]
+    supervisor.close()
+    await shared.close()
+
+
+async def test_a_peer_that_leaves_a_lookup_unanswered_is_not_asked_again_until_it_speaks() -> None:
+    """Two fronts at one gate: the asking one (a SharedGate) and a hung peer, played by the test over its own
+    socket pair. A miss asks the peer once; the next miss does not wait on it; once the peer speaks again it
+    is asked again, and its answer is the asking front's."""
+    server = GateServer(Gate(4, 0, 4))
+    serving = []
+    ends = []
+    for index in range(2):
+        server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        serving.append(asyncio.create_task(server.serve(index, server_end, asyncio.Event())))
+        ends.append(front_end)
+    shared = SharedGate(await Link.over(ends[0]), 4, 0, 4, lambda gate: None, Lifecycle(), 0, 0,
+                        report=dict, on_lost=lambda: None)
+    shared.start()
+    peer = await Link.over(ends[1])
+    shared.ready()
+    peer.send(["ready"])
+    await _until(lambda: server.fronts == 2, "both fronts at the gate")
+    await shared.refresh()  # the asking front's "ready" has been read
+    peer.send(["counters", 1])
+    assert (await _next(peer))[:2] == ["ok", 1]  # and the peer's
+    key = bytes(32)
+    assert await shared.peer_verdicts([key]) == {}  # the peer never answered
+    assert (await _next(peer))[0] == "lookup"
+    assert await shared.peer_verdicts([key]) == {}
+    peer.send(["counters", 2])  # the peer speaks: the next message it gets is the answer, no second lookup
+    assert (await _next(peer))[:2] == ["ok", 2]
+    asking = asyncio.create_task(shared.peer_verdicts([key]))
+    lookup = await _next(peer)
+    assert lookup[0] == "lookup"
+    verdict = Verdict(3, 3, b"image/png", b"image/png", None, None, None)
+    peer.send(["found", lookup[1], {key.hex(): verdict_to_wire(verdict)}])
+    assert await asking == {key: verdict}
+    peer.close()
+    await shared.close()
+    for task in serving:
+        task.cancel()

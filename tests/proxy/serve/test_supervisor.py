@@ -41,12 +41,45 @@ class Mmgate:
     def __init__(self, process: asyncio.subprocess.Process, port: int) -> None:
         self.process = process
         self.url = f"http://127.0.0.1:{port}"
+        self.log: list[str] = []  # with ``log=True``: what the supervisor and its fronts wrote on stderr
+        self.reading_log = asyncio.create_task(self._read_log()) if process.stderr is not None else None
+
+    async def _read_log(self) -> None:
+        assert self.process.stderr is not None
+        async for line in self.process.stderr:
+            self.log.append(line.decode(errors="replace"))
+            sys.stderr.write(self.log[-1])  # still in the test's captured output
+
+    async def gone(self, pid: int) -> None:
+        """Wait (bounded) until process ``pid`` is gone. (With ``log=True``, ``process.wait()`` would also wait
+        for the fronts to close the log pipe they share.)"""
+        for _ in range(POLLS):
+            if not self.alive(pid):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"process {pid} still running")
+
+    async def logged(self, text: str) -> None:
+        """Wait (bounded) until a line of the log holds ``text``."""
+        for _ in range(POLLS):
+            if any(text in line for line in self.log):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"never logged: {text!r}")
 
     async def get(self, path: str) -> Any:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
             async with client.get(self.url + path) as response:
                 assert response.status == 200, await response.text()
                 return await response.json() if path != "/mmgate/metrics" else await response.text()
+
+    async def answer(self, path: str) -> tuple[int, Any]:
+        """``path``'s status and body (JSON where it is), whatever the status."""
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
+            async with client.get(self.url + path) as response:
+                body = await response.read()
+                is_json = response.content_type == "application/json"
+                return response.status, orjson.loads(body) if is_json else body.decode()
 
     async def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = await self.get("/mmgate/stats")
@@ -91,9 +124,11 @@ async def _wait_listening(url: str, process: asyncio.subprocess.Process) -> None
 async def start_mmgate() -> AsyncIterator[Any]:
     started: list[Mmgate] = []
 
-    async def start(**settings: str) -> Mmgate:
+    async def start(log: bool = False, **settings: str) -> Mmgate:
+        """mmgate with ``settings``; ``log``: its stderr read into ``Mmgate.log``."""
         port = free_port()
         process = await asyncio.create_subprocess_exec(sys.executable, "-m", "proxy",
+                                                       stderr=asyncio.subprocess.PIPE if log else None,
                                                        env=_env(MMGATE_PORT=str(port), **settings))
         mmgate = Mmgate(process, port)
         started.append(mmgate)
@@ -104,7 +139,10 @@ async def start_mmgate() -> AsyncIterator[Any]:
     for mmgate in started:
         if mmgate.process.returncode is None:
             mmgate.process.kill()
-            await mmgate.process.wait()
+        if mmgate.reading_log is not None:  # the log pipe ends once the last front has gone too
+            async with asyncio.timeout(60):
+                await mmgate.reading_log
+        await mmgate.process.wait()
 
 
 def _media_body(seed: int) -> bytes:
@@ -268,6 +306,129 @@ async def test_no_front_outlives_a_killed_supervisor(upstream: Upstream, start_m
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"front processes {fronts} still running")
+
+
+async def test_a_hung_front_is_killed_and_replaced_and_its_slot_given_back(upstream: Upstream,
+                                                                          start_mmgate: Any) -> None:
+    """SIGSTOP to the front whose request holds the only slot: it answers no ping, so the supervisor kills it,
+    the gate gives the slot back at once, another front starts, and the next media request is admitted."""
+    upstream.route("/v1/chat/completions", partial(upstream.held_stream, last=b"data: [DONE]\n\n"))
+    mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url, MMGATE_MAX_MM_CONCURRENCY="1",
+                                MMGATE_RELEASE_AT="complete", MMGATE_CACHE_MB="0", MMGATE_PROCESS_TIMEOUT="1",
+                                log=True)
+    holding = asyncio.create_task(_post(mmgate.url, _media_body(1)))
+    await upstream.arrived.get()
+    stats = await mmgate.until("the slot held", lambda s: s["gate"]["in_use"] == 1)
+    hung = next(front["pid"] for front in stats["fronts"] if front["in_flight"] == 1)
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        stats = await mmgate.until("the hung front replaced, the slot free", lambda s: s["processes"] == PROCESSES
+                                   and hung not in {front["pid"] for front in s["fronts"]}
+                                   and s["gate"]["in_use"] == 0)
+        assert not mmgate.alive(hung)
+        await mmgate.logged(f"(pid {hung}) answered no ping")
+    finally:
+        if mmgate.alive(hung):
+            os.kill(hung, signal.SIGKILL)
+    with pytest.raises(aiohttp.ClientError):
+        await holding  # its front was killed mid-answer
+    upstream.release.set()
+    status, _ = await _post(mmgate.url, _media_body(2))
+    assert status == 200
+    assert mmgate.process.returncode is None
+
+
+async def test_summed_counts_skip_a_hung_front_and_never_go_backwards(upstream: Upstream,
+                                                                      start_mmgate: Any) -> None:
+    """Each front stopped in turn (so whichever served requests is among them): /mmgate/metrics and
+    /mmgate/stats still answer, the stopped front listed as not answering, and the count of requests served
+    stays what it was: the stopped front counts with its last report. Then both are killed and replaced: the
+    count stays what it was, their last reports kept."""
+    mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url, MMGATE_PROCESS_TIMEOUT="60")
+    for _ in range(20):
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
+            async with client.get(mmgate.url + "/v1/models") as response:
+                assert response.status == 200
+    assert (await mmgate.stats())["requests"]["total"] == 20
+    fronts = [front["pid"] for front in (await mmgate.stats())["fronts"]]
+    for pid in fronts:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stats = await mmgate.stats()
+            assert stats["requests"]["total"] == 20
+            assert [front["answering"] for front in stats["fronts"] if front["pid"] == pid] == [False]
+            assert _counted(await mmgate.get("/mmgate/metrics"), "mmgate_requests_total{") == 20
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await mmgate.until("the front answering again", lambda s: all(front["answering"] for front in s["fronts"]))
+    for pid in fronts:  # both: every request was served by one of them
+        os.kill(pid, signal.SIGKILL)
+    stats = await mmgate.until("both killed fronts replaced", lambda s: s["processes"] == PROCESSES
+                               and not {front["pid"] for front in s["fronts"]} & set(fronts))
+    assert stats["requests"]["total"] == 20
+    assert _counted(await mmgate.get("/mmgate/metrics"), "mmgate_requests_total{") == 20
+
+
+async def test_a_hung_supervisor_gets_503s_and_failed_readiness_not_hangs(upstream: Upstream,
+                                                                         start_mmgate: Any) -> None:
+    """SIGSTOP to the supervisor: a media request is 503 gate_unavailable with Retry-After, readiness and the
+    summed metrics 503, liveness 200, each answered well within the client's own timeout; SIGCONT and all is
+    served again."""
+    mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url, MMGATE_PROCESS_TIMEOUT="1", MMGATE_QUEUE_TIMEOUT="60")
+    os.kill(mmgate.process.pid, signal.SIGSTOP)
+    try:
+        async with asyncio.timeout(30):  # the client's patience, far above any bound involved
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
+                async with client.post(mmgate.url + "/v1/chat/completions", data=_media_body(3),
+                                       headers={"Content-Type": "application/json"}) as response:
+                    assert response.status == 503
+                    assert (await response.json())["error"]["code"] == "gate_unavailable"
+                    assert response.headers["Retry-After"]
+            answers = await asyncio.gather(*(mmgate.answer(path) for path in (
+                "/mmgate/ready", "/mmgate/stats", "/mmgate/metrics", "/mmgate/health")))
+        assert [status for status, _ in answers] == [503, 503, 503, 200]
+        assert answers[1][1]["error"]["code"] == "gate_unavailable"
+    finally:
+        os.kill(mmgate.process.pid, signal.SIGCONT)
+    for _ in range(POLLS):
+        if (await mmgate.answer("/mmgate/ready"))[0] == 200:
+            break
+        await asyncio.sleep(0.05)
+    status, body = await _post(mmgate.url, _media_body(4))
+    assert status == 200, body
+    assert (await mmgate.stats())["processes"] == PROCESSES  # no front was taken for hung meanwhile
+
+
+async def test_with_the_gate_lost_stats_and_metrics_are_503_not_500(upstream: Upstream, start_mmgate: Any) -> None:
+    """SIGKILL to the supervisor while both fronts hold a stream: each drains, and meanwhile /mmgate/stats and
+    /mmgate/metrics answer 503 in the error's own shape, not 500 with a traceback logged."""
+    upstream.route("/v1/chat/completions", partial(upstream.held_stream, last=b"data: last\n\n"))
+    mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url, log=True)
+    streams: list[tuple[aiohttp.ClientSession, aiohttp.ClientResponse]] = []
+    try:
+        for _ in range(40):  # until every front holds one: whichever answers below is draining
+            client = aiohttp.ClientSession()
+            response = await client.post(mmgate.url + "/v1/chat/completions", data=b'{"stream": true}')
+            streams.append((client, response))
+            assert await response.content.readuntil(b"\n\n") == b"data: first\n\n"
+            stats = await mmgate.stats()
+            if all(front["in_flight"] >= 1 for front in stats["fronts"]):
+                break
+        assert all(front["in_flight"] >= 1 for front in stats["fronts"]), stats["fronts"]
+        mmgate.process.kill()
+        await mmgate.gone(mmgate.process.pid)
+        for path in ("/mmgate/stats", "/mmgate/metrics"):
+            status, body = await mmgate.answer(path)
+            assert status == 503, body
+            assert body["error"]["code"] == "draining"
+        assert not [line for line in mmgate.log if "Traceback" in line]
+        upstream.release.set()
+        for _, response in streams:
+            assert await response.content.read() == b"data: last\n\n"
+    finally:
+        for client, response in streams:
+            response.release()
+            await client.close()
 
 
 def test_more_processes_than_decode_workers_is_refused() -> None:
