@@ -160,6 +160,27 @@ def _counted(metrics: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name))
 
 
+async def _stream_on_every_front(mmgate: Mmgate,
+                                 streams: list[tuple[aiohttp.ClientSession, aiohttp.ClientResponse]]) -> None:
+    """Open one held stream on each front. The fronts share one listening socket and the kernel picks which
+    accepts, so the others are stopped (SIGSTOP) while a stream opens: only the chosen one can take it."""
+    fronts = [front["pid"] for front in (await mmgate.stats())["fronts"]]
+    for chosen in fronts:
+        others = [pid for pid in fronts if pid != chosen]
+        for pid in others:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            client = aiohttp.ClientSession()
+            response = await client.post(mmgate.url + "/v1/chat/completions", data=b'{"stream": true}')
+            streams.append((client, response))
+            assert await response.content.readuntil(b"\n\n") == b"data: first\n\n"
+        finally:
+            for pid in others:
+                os.kill(pid, signal.SIGCONT)
+    stats = await mmgate.stats()
+    assert all(front["in_flight"] == 1 for front in stats["fronts"]), stats["fronts"]
+
+
 async def test_two_processes_do_not_admit_twice_the_gate(upstream: Upstream, start_mmgate: Any) -> None:
     """Gate 2, queue 2, ten media requests at once on fresh connections: four served, six 429, and the upstream
     never sees more than two at once (the lease spans the upstream answer: MMGATE_RELEASE_AT=complete)."""
@@ -266,15 +287,7 @@ async def test_sigterm_drains_streams_on_every_process(upstream: Upstream, start
     fronts = [front["pid"] for front in (await mmgate.stats())["fronts"]]
     streams: list[tuple[aiohttp.ClientSession, aiohttp.ClientResponse]] = []
     try:
-        for _ in range(40):  # until every front holds at least one (the kernel picks the front)
-            client = aiohttp.ClientSession()
-            response = await client.post(mmgate.url + "/v1/chat/completions", data=b'{"stream": true}')
-            streams.append((client, response))
-            assert await response.content.readuntil(b"\n\n") == b"data: first\n\n"
-            stats = await mmgate.stats()
-            if all(front["in_flight"] >= 1 for front in stats["fronts"]):
-                break
-        assert all(front["in_flight"] >= 1 for front in stats["fronts"]), stats["fronts"]
+        await _stream_on_every_front(mmgate, streams)
         mmgate.process.send_signal(signal.SIGTERM)
         for _ in range(POLLS):
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
@@ -406,15 +419,7 @@ async def test_with_the_gate_lost_stats_and_metrics_are_503_not_500(upstream: Up
     mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url, log=True)
     streams: list[tuple[aiohttp.ClientSession, aiohttp.ClientResponse]] = []
     try:
-        for _ in range(40):  # until every front holds one: whichever answers below is draining
-            client = aiohttp.ClientSession()
-            response = await client.post(mmgate.url + "/v1/chat/completions", data=b'{"stream": true}')
-            streams.append((client, response))
-            assert await response.content.readuntil(b"\n\n") == b"data: first\n\n"
-            stats = await mmgate.stats()
-            if all(front["in_flight"] >= 1 for front in stats["fronts"]):
-                break
-        assert all(front["in_flight"] >= 1 for front in stats["fronts"]), stats["fronts"]
+        await _stream_on_every_front(mmgate, streams)
         mmgate.process.kill()
         await mmgate.gone(mmgate.process.pid)
         for path in ("/mmgate/stats", "/mmgate/metrics"):
