@@ -25,7 +25,6 @@ from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool
 from proxy.admission.adaptive import AdaptiveLimit
 from proxy.admission.gate import Gate
-from proxy.admission.shared import Link, SharedGate, verdict_to_wire
 from proxy.edge.connections import ConnectionGuard
 from proxy.edge.pacing import Pacer
 from proxy.edge.refusals import refusals_in_api_shape
@@ -38,9 +37,10 @@ from proxy.media.model import Model, load_model
 from proxy.ops.admin import add_admin_routes, probe_upstream
 from proxy.ops.backend_metrics import METRICS_PATH, merged_metrics
 from proxy.ops.dashboard_stats import rss_bytes
-from proxy.ops.merged_metrics import report_of
 from proxy.ops.metrics import Metrics, watch_loop_lag
 from proxy.pipeline import expect_continue, handle_request, warm_up_request_path
+from proxy.processes.merged_metrics import report_of
+from proxy.processes.remote_gate import Link, SharedGate, verdict_to_wire
 from proxy.serve.lifecycle import Lifecycle
 from proxy.serve.memory import IdleTrimmer, release_freed_memory, worker_environment
 from proxy.settings import MIB, ConfigError, Settings

@@ -29,7 +29,6 @@ from preprocessors.errors import (
 )
 from preprocessors.job import MediaTask, judge_head
 from proxy.admission.flows import flow_for
-from proxy.admission.shared import SharedGate
 from proxy.edge.body import HEAD_BYTES, joined, read_body
 from proxy.edge.connections import GuardedConnection
 from proxy.edge.paths import Target, is_allowed, normalise_target
@@ -53,6 +52,7 @@ from proxy.media.tokens import plan_image_tokens
 from proxy.payload.dialects import dialect_for_path, route_for
 from proxy.payload.locate import Plan, chunks_may_contain_media, may_contain_media, plan_media, plan_steps
 from proxy.payload.rawjson import Steps, splice
+from proxy.processes.remote_gate import SharedGate
 from proxy.state import STATE, AppState
 
 # Sent upstream with MMGATE_MODEL: the request's image tokens for the served model, for a router or scheduler.

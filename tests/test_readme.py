@@ -30,7 +30,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.cli import free_port
+from proxy.serve.demo import free_port
 
 from .conftest import require_heavy
 

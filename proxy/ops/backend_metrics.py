@@ -35,9 +35,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from preprocessors.errors import MmgateError
-from proxy.admission.shared import SharedGate
 from proxy.edge.upstream import local_shortage
 from proxy.ops.backend_scrapes import Scrape, Scraped, ScrapeFailed
+from proxy.processes.remote_gate import SharedGate
 from proxy.state import STATE, AppState
 
 # The queue gauges of the model server protocol that endpoint pickers read, per server.

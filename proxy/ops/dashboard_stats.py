@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
 
-from proxy.ops.merged_metrics import MergedFamilies
+from proxy.processes.merged_metrics import MergedFamilies
 
 if TYPE_CHECKING:
     from prometheus_client.metrics import MetricWrapperBase

@@ -1,1 +1,2 @@
-"""Processes: the supervisor, each front process, signals and the process's memory tuning."""
+"""Serving one process: the server's start and drain, signals, the process's memory and descriptor limits, and
+the demo's stub backend."""

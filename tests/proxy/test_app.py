@@ -214,7 +214,7 @@ async def test_anthropic_route_errors_in_anthropic_shape(upstream: Upstream, sta
 
 
 async def test_upstream_down_is_502(start_proxy: StartProxy) -> None:
-    from proxy.cli import free_port
+    from proxy.serve.demo import free_port
 
     proxy = await start_proxy(f"http://127.0.0.1:{free_port()}")
     async with aiohttp.ClientSession() as client:

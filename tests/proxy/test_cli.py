@@ -16,8 +16,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.cli import free_port, main, where_note
+from proxy.cli import main
+from proxy.serve.demo import free_port
 from proxy.serve.memory import tune_allocators
+from proxy.serve.server import where_note
 from proxy.settings import SPEC, ConfigError, Settings
 from tests.conftest import Upstream
 

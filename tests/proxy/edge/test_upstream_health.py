@@ -14,7 +14,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.cli import free_port
+from proxy.serve.demo import free_port
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
 from tests.conftest import StartProxy, Upstream
 

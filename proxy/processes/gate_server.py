@@ -1,5 +1,5 @@
 """The supervisor's side of the shared gate: the one ``admission.Gate`` of all front processes, served over
-each front's socket pair (the protocol is drawn in ``admission.shared``)."""
+each front's socket pair (the protocol is drawn in ``processes.remote_gate``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 from preprocessors.errors import MmgateError
 from proxy.admission.flows import Flow
 from proxy.admission.gate import Gate, Lease, Place
-from proxy.admission.shared import PEER_TIMEOUT, REPORT_TIMEOUT, Link, counters
-from proxy.ops.merged_metrics import departed, merge_reports
+from proxy.processes.merged_metrics import departed, merge_reports
+from proxy.processes.remote_gate import PEER_TIMEOUT, REPORT_TIMEOUT, Link, counters
 
 log = logging.getLogger("mmgate")
 

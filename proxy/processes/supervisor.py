@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from proxy.admission.adaptive import AdaptiveLimit
 from proxy.admission.gate import Gate
-from proxy.admission.gate_server import GateServer
+from proxy.processes.gate_server import GateServer
 from proxy.serve.lifecycle import StopSignals
 from proxy.settings import Settings
 
@@ -73,7 +73,7 @@ class Supervisor:
     async def _start(self, index: int) -> _Child:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = [self.listen.fileno(), child_end.fileno()]
-        argv = [sys.executable, "-m", "proxy.serve.front", "--index", str(index), "--listen-fd", str(fds[0]),
+        argv = [sys.executable, "-m", "proxy.processes.front", "--index", str(index), "--listen-fd", str(fds[0]),
                 "--gate-fd", str(fds[1])]
         if self.admin is not None:
             fds.append(self.admin.fileno())

@@ -1,5 +1,5 @@
-"""``python -m proxy.front``: one front process of several (``MMGATE_PROCESSES``), started by
-``proxy.supervisor`` with the listening sockets and its link to the shared gate as inherited file
+"""``python -m proxy.processes.front``: one front process of several (``MMGATE_PROCESSES``), started by
+``proxy.processes.supervisor`` with the listening sockets and its link to the shared gate as inherited file
 descriptors and its Settings on stdin. Not a command for people: ``mmgate --processes N`` starts these."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import socket
 import sys
 
 from preprocessors.worker_handle import WorkerStartError
-from proxy.cli import FrontSockets, configure_logging, exit_with, serve
 from proxy.serve.memory import tune_process
+from proxy.serve.server import FrontSockets, configure_logging, exit_with, serve
 from proxy.settings import ConfigError, Settings
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m proxy.front")
+    parser = argparse.ArgumentParser(prog="python -m proxy.processes.front")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--listen-fd", type=int, required=True)
     parser.add_argument("--gate-fd", type=int, required=True)

@@ -14,8 +14,8 @@ from preprocessors.errors import MmgateError
 from preprocessors.job import Verdict
 from proxy.admission.flows import Flow
 from proxy.admission.gate import Gate
-from proxy.admission.gate_server import GateServer
-from proxy.admission.shared import Link, SharedGate, verdict_to_wire
+from proxy.processes.gate_server import GateServer
+from proxy.processes.remote_gate import Link, SharedGate, verdict_to_wire
 from proxy.serve.lifecycle import Lifecycle
 
 POLLS = 600  # bounded polls of the gate's counters, 10 ms apart: far more than a message over the socket needs

@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from proxy.admission.shared import gate_values
+from proxy.processes.remote_gate import gate_values
 
 # Families merged by their smallest value (when the oldest front started), not summed.
 MIN_FAMILIES = ("process_start_time_seconds",)

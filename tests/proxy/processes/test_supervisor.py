@@ -21,7 +21,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.cli import free_port
+from proxy.serve.demo import free_port
 from proxy.settings import Settings, auto_processes, usable_cpus
 from testkit.media import chat_with_image, data_uri, image_bytes
 from tests.conftest import Upstream
