@@ -1,12 +1,12 @@
 """What every bench writes beside its own tables: a stamp, goal records, and the same lines printed and written.
 
-Why one module: the README's benchmark section is generated from ``bench/results/*.json`` by
-``bench/report.py``, so every result file must carry the same few fields, computed the same way:
+Why one module: docs/benchmarks.md and the README's headline figures are generated from ``bench/results/*.json``
+by ``bench/report.py``, so every result file must carry the same few fields, computed the same way:
 
 * a **stamp**: the script that wrote it, what it measures, the commit it ran on (``git rev-parse HEAD``)
   and whether the measured paths had uncommitted changes, the machine (platform, CPU model, usable cores)
-  and the date. The report compares the commit with ``git log`` of the measured paths to mark results older
-  than the code they measure;
+  and the date. The report compares the code the result measures (``bench.staleness``) at that commit and
+  at HEAD to mark results older than the code they measure;
 * **goals**: ``{name, target, unit, median, spread, n, over, met}``, the median of at least
   ``MIN_ROUNDS`` rounds and their spread (min–max), so one lucky or unlucky round cannot carry a claim.
   A goal without a target is a reported figure (``met`` is ``None``).
@@ -27,10 +27,11 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import staleness
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 RESULTS = BENCH / "results"
-MEASURED = ("proxy", "preprocessors")  # the product code every bench measures, besides the script itself
 MIN_ROUNDS = 3
 STAMP_KEYS = ("script", "what", "measures", "commit", "dirty", "date", "machine")
 
@@ -48,8 +49,8 @@ def git(*args: str) -> str | None:
 
 
 def measured_paths(script: str) -> list[str]:
-    """The paths whose changes make a result of ``script`` stale: the product and the script itself."""
-    return [*MEASURED, f"bench/{script}"]
+    """The paths whose code a result of ``script`` measures, at HEAD: its rooms and the script itself."""
+    return list(staleness.measured_paths(script, REPO))
 
 
 def cpu_model() -> str:

@@ -1,9 +1,10 @@
-"""Run every benchmark that writes a result file, one after another, then regenerate the README's section.
+"""Run every benchmark that writes a result file, one after another, then regenerate docs/benchmarks.md.
 
 Each entry below is one result file and the command that writes it, as the bench's own ``--help`` describes.
 Results are written where each bench writes them (``bench/results/``); ``--quick`` instead runs each bench's own
 smoke mode with its output sent to a temporary folder, so a quick run proves the benches work and changes no
-result. ``--stale`` runs only the entries whose result the README marks stale (``bench.report.freshness``).
+result. ``--stale`` runs only the entries whose result is stale: the code it measures changed since it ran
+(``bench.report.freshness``, the rule docs/benchmarks.md marks rows by).
 
     python -m bench.all --list            # every entry, its command, and whether its result is stale
     python -m bench.all --stale           # refresh what is stale, then python -m bench.report
@@ -111,7 +112,7 @@ def chosen(args: argparse.Namespace) -> list[Entry]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="each bench's smoke mode; writes no result")
-    ap.add_argument("--stale", action="store_true", help="only results the README marks stale")
+    ap.add_argument("--stale", action="store_true", help="only stale results (the code they measure changed since)")
     ap.add_argument("--only", default="", help="comma-separated result names")
     ap.add_argument("--skip", default="", help="comma-separated result names")
     ap.add_argument("--no-vllm", action="store_true", help="skip the entries that start a real vLLM")

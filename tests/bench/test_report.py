@@ -1,5 +1,6 @@
-"""The README's benchmark section is what ``bench/report.py`` makes of the committed results, and the
-report's rules (staleness, goal verdicts, spreads) hold. No timing is asserted: figures come from files."""
+"""docs/benchmarks.md and the README's headline figures are what ``bench/report.py`` makes of the committed
+results, and the report's rules (staleness, goal verdicts, spreads) hold. No timing is asserted: figures come
+from files."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 from bench import _results as R
 from bench import report
 
+from .conftest import TREE, Repo
+
 
 def _git_or_skip() -> str:
     head = R.git("rev-parse", "HEAD")
@@ -19,11 +22,49 @@ def _git_or_skip() -> str:
     return head
 
 
-def test_readme_section_is_generated_from_the_results() -> None:
+def test_generated_files_match_the_results() -> None:
     _git_or_skip()
-    readme = report.README.read_text()
-    assert report.current_section(readme) == report.render_section(), (
-        "README.md's benchmark section disagrees with bench/results/*.json: run python -m bench.report")
+    wanted = report.expected()
+    assert report.PAGE in wanted
+    for path, text in wanted.items():
+        assert path.read_text() == text, f"{path} disagrees with bench/results/*.json: run python -m bench.report"
+
+
+def test_the_headline_block_is_written_between_the_markers_and_checked(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    _git_or_skip()
+    readme, page = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md"
+    readme.write_text(f"# x\n\nbefore\n\n{report.HEADLINE_BEGIN}\nold figures\n{report.HEADLINE_END}\n\nafter\n")
+    assert report.sync(check=True, page=page, readme=readme) == 1
+    assert report.sync(check=False, page=page, readme=readme) == 0
+    text = readme.read_text()
+    assert text.startswith("# x\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "old figures" not in text
+    assert report.render_headline() in text and page.read_text() == report.render_page()
+    files = report.load_results()
+    for result, name in report.HEADLINES:
+        goal = report.headline_goal(files, result, name)
+        assert report.cell(report.figure(goal)) in text and report.cell(report.verdict(goal)) in text
+    assert text.count("(docs/benchmarks.md)") >= len(report.HEADLINES)
+    assert report.sync(check=True, page=page, readme=readme) == 0
+    readme.write_text(text.replace("met |", "met, by hand |", 1))
+    assert report.sync(check=True, page=page, readme=readme) == 1
+    capsys.readouterr()
+
+
+def test_a_readme_without_the_markers_is_left_alone_and_said_so(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    _git_or_skip()
+    readme, page = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md"
+    readme.write_text("# x\n")
+    assert report.sync(check=False, page=page, readme=readme) == 0
+    assert readme.read_text() == "# x\n" and page.read_text() == report.render_page()
+    assert "no <!-- bench:headline -->" in capsys.readouterr().out
+
+
+def test_a_headline_naming_a_goal_no_result_has_stops_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(report, "HEADLINES", (("passthrough", "a goal nobody measured"),))
+    with pytest.raises(SystemExit, match="a goal nobody measured"):
+        report.render_headline()
 
 
 def test_every_result_file_names_its_script_and_goals() -> None:
@@ -91,3 +132,52 @@ def test_downsample_keeps_the_peak() -> None:
     series = [[t, float(t % 7)] for t in range(1000)] + [[1000, 99.0]]
     small = R.downsample(series, column=1, points=50)
     assert len(small) == 50 and max(r[1] for r in small) == 99.0
+
+
+def _measured_at(commit: str, script: str = "x.py") -> dict[str, object]:
+    return {"script": script, "commit": commit, "dirty": False, "date": "2026-01-02"}
+
+
+def test_a_docstring_or_comment_change_leaves_a_result_fresh(repo: Repo) -> None:
+    measured = repo.git("rev-parse", "HEAD")
+    repo.commit({
+        "proxy/media/helper.py": '"""Helper, reworded."""\n\n\ndef scale(x):\n    """Twice x."""\n'
+                                 "    return x * 2  # why\n",
+        "bench/x.py": '"""What x measures."""\n\n' + TREE["bench/x.py"],
+    })
+    for script in ("x.py", "starts.py"):
+        assert report.freshness(_measured_at(measured, script), repo.root) == (False, f"`{measured[:7]}`, 2026-01-02")
+
+
+def test_a_code_change_in_a_room_makes_a_result_stale(repo: Repo) -> None:
+    measured = repo.git("rev-parse", "HEAD")
+    repo.commit({"proxy/media/helper.py": TREE["proxy/media/helper.py"].replace("x * 2", "x * 3")})
+    assert report.freshness(_measured_at(measured), repo.root) == (
+        True, f"**stale** (measured at `{measured[:7]}`, 2026-01-02; the measured code changed since)")
+
+
+def test_a_change_to_the_script_itself_makes_its_result_stale(repo: Repo) -> None:
+    measured = repo.git("rev-parse", "HEAD")
+    repo.commit({"bench/x.py": TREE["bench/x.py"].replace("run(CAP)", "run(CAP + 1)")})
+    assert report.freshness(_measured_at(measured), repo.root)[0]
+    assert not report.freshness(_measured_at(measured, "starts.py"), repo.root)[0]
+
+
+def test_a_change_outside_the_rooms_leaves_a_result_fresh_but_not_one_that_starts_mmgate(repo: Repo) -> None:
+    measured = repo.git("rev-parse", "HEAD")
+    repo.commit({"proxy/edge.py": "def serve():\n    return 2\n"})
+    assert not report.freshness(_measured_at(measured), repo.root)[0]
+    assert report.freshness(_measured_at(measured, "starts.py"), repo.root)[0]
+
+
+def test_a_file_that_is_not_python_counts_as_changed(repo: Repo) -> None:
+    measured = repo.git("rev-parse", "HEAD")
+    repo.commit({"preprocessors/table.json": "{}\n"})
+    assert report.freshness(_measured_at(measured, "starts.py"), repo.root)[0]
+    assert not report.freshness(_measured_at(measured), repo.root)[0]
+
+
+def test_a_moved_module_makes_a_result_stale(repo: Repo) -> None:
+    measured = repo.git("rev-parse", "HEAD")
+    repo.move("proxy/limits.py", "proxy/limits/__init__.py")  # the same code and the same import, moved
+    assert report.freshness(_measured_at(measured), repo.root)[0]
