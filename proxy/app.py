@@ -43,7 +43,7 @@ from proxy.processes.merged_metrics import report_of
 from proxy.processes.remote_gate import Link, SharedGate, verdict_to_wire
 from proxy.serve.lifecycle import Lifecycle
 from proxy.serve.memory import IdleTrimmer, release_freed_memory, worker_environment
-from proxy.settings import MIB, ConfigError, Settings
+from proxy.settings import AUTO, MIB, ConfigError, Settings
 from proxy.state import BASE, STATE, AppBase, AppState
 
 log = logging.getLogger("mmgate")
@@ -74,11 +74,11 @@ def build_state(settings: Settings, link: Link | None = None,
                 if settings.gate.adaptive_concurrency else None)
     gate: Gate
     if link is None:
-        gate = Gate(settings.gate.max_mm_concurrency, settings.gate.max_inflight_media_bytes, settings.gate.max_queue,
+        gate = Gate(settings.gate.mm_concurrency_start, settings.gate.max_inflight_media_bytes, settings.gate.max_queue,
                     gate_changed, lifecycle, token_budget=settings.gate.max_inflight_image_tokens,
                     max_queue_per_flow=settings.gate.max_queue_per_flow, adaptive=adaptive)
     else:
-        gate = SharedGate(link, adaptive.limit if adaptive is not None else settings.gate.max_mm_concurrency,
+        gate = SharedGate(link, adaptive.limit if adaptive is not None else settings.gate.mm_concurrency_start,
                           settings.gate.max_inflight_media_bytes, settings.gate.max_queue, gate_changed, lifecycle,
                           settings.gate.max_inflight_image_tokens, settings.gate.max_queue_per_flow,
                           report=lambda: front_report(state, front_index), on_lost=on_gate_lost,
@@ -89,7 +89,7 @@ def build_state(settings: Settings, link: Link | None = None,
         resize_max_pixels=settings.decode.resize_max_pixels,
         resize_max_side=settings.decode.resize_max_side,
         output_format=settings.decode.image_format,
-        jpeg_quality=settings.decode.jpeg_quality,
+        jpeg_quality=0 if settings.decode.jpeg_quality is AUTO else settings.decode.jpeg_quality,  # worker: 0 = auto
         validate=settings.decode.validate,
         geometry=model.geometry if model is not None else None,
     )

@@ -63,7 +63,7 @@ class Supervisor:
         self.admin = admin
         adaptive = (AdaptiveLimit(settings.gate.min_mm_concurrency, settings.gate.max_mm_concurrency_auto)
                     if settings.gate.adaptive_concurrency else None)
-        self.gate = Gate(settings.gate.max_mm_concurrency, settings.gate.max_inflight_media_bytes,
+        self.gate = Gate(settings.gate.mm_concurrency_start, settings.gate.max_inflight_media_bytes,
                          settings.gate.max_queue, token_budget=settings.gate.max_inflight_image_tokens,
                          max_queue_per_flow=settings.gate.max_queue_per_flow, adaptive=adaptive)
         self.server = GateServer(self.gate)

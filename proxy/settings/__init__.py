@@ -1,32 +1,26 @@
 """One frozen ``Settings``, built from ``MMGATE_*`` environment variables and CLI flags of the same names.
 
-``sections`` holds the section dataclasses (each field's default is declared there once); ``spec`` how each
-variable is parsed, checked, helped and printed; ``frozen`` the ``Settings`` they make together.
+``declare`` says how a setting is declared (``setting(...)``, ``AUTO``); ``sections`` declares every setting, once,
+as a field of its section; ``spec`` reads them (``SPEC``, made from those fields); ``frozen`` holds the
+``Settings`` they make together (``Settings.describe`` is ``--print-config``); ``reference`` makes ``--help``'s
+flags and docs/configuration.md from the declarations (imported on its own: ``python -m`` runs it).
 """
 
+from proxy.settings.cpus import PROCESS_MODE_FROM_CPUS, auto_processes, default_decode_mode, usable_cpus
+from proxy.settings.declare import AUTO, Auto, ConfigError, Info, env_name, flag_name, setting
 from proxy.settings.frozen import Settings
-from proxy.settings.parsers import AUTO_PROCESSES, MAX_PROCESSES
+from proxy.settings.parsers import MAX_PROCESSES
 from proxy.settings.sections import (
-    AUTO_CONCURRENCY,
-    AUTO_JPEG_QUALITY,
     CONNECTION_BYTES,
     MIB,
     PRIORITY_MAX,
     PRIORITY_MIN,
     PROBE_RESERVE,
-    PROCESS_MODE_FROM_CPUS,
+    SECTIONS,
     WORKER_PROCESS_BYTES,
-    default_decode_mode,
-    usable_cpus,
 )
 from proxy.settings.spec import (
     SPEC,
-    ConfigError,
-    add_arguments,
-    auto_processes,
-    env_name,
-    flag_name,
-    help_text,
     overrides_from_args,
     setting_default,
     setting_value,
@@ -34,9 +28,9 @@ from proxy.settings.spec import (
 )
 
 __all__ = [
-    "AUTO_CONCURRENCY", "AUTO_JPEG_QUALITY", "AUTO_PROCESSES", "CONNECTION_BYTES", "MAX_PROCESSES", "MIB",
-    "PRIORITY_MAX", "PRIORITY_MIN", "PROBE_RESERVE", "PROCESS_MODE_FROM_CPUS", "SPEC", "WORKER_PROCESS_BYTES",
-    "ConfigError", "Settings",
-    "add_arguments", "auto_processes", "default_decode_mode", "env_name", "flag_name",
-    "help_text", "overrides_from_args", "setting_default", "setting_value", "unknown_variables", "usable_cpus",
+    "AUTO", "CONNECTION_BYTES", "MAX_PROCESSES", "MIB", "PRIORITY_MAX", "PRIORITY_MIN", "PROBE_RESERVE",
+    "PROCESS_MODE_FROM_CPUS", "SECTIONS", "SPEC", "WORKER_PROCESS_BYTES",
+    "Auto", "ConfigError", "Info", "Settings",
+    "auto_processes", "default_decode_mode", "env_name", "flag_name",
+    "overrides_from_args", "setting", "setting_default", "setting_value", "unknown_variables", "usable_cpus",
 ]

@@ -2,7 +2,8 @@
 
 A field is named as its variable without the prefix: ``settings.limits.max_body_mb`` is ``MMGATE_MAX_BODY_MB``
 and ``--max-body-mb``. ``spec`` reads each variable into its section; this module puts the sections together and
-answers the questions about the whole (the worst-case memory, a front process's share).
+answers the questions about the whole (the worst-case memory, a front process's share). Its fields are the
+sections of ``sections.SECTIONS``, in that order, each named as its class in lower case.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from proxy.settings.declare import env_name
 from proxy.settings.sections import (
     CONNECTION_BYTES,
+    MIB,
     PROBE_RESERVE,
+    SECTIONS,
     WORKER_PROCESS_BYTES,
     Backend,
     Decode,
@@ -26,15 +30,15 @@ from proxy.settings.sections import (
     Memory,
     Timeouts,
 )
-from proxy.settings.spec import describe, sections_from_env
+from proxy.settings.spec import sections_from_env, setting_value, settings_of, spelt
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Effective configuration: ``Settings.from_env`` builds it from the environment and CLI flags."""
 
-    listen: Listen = field(default_factory=Listen)
     backend: Backend = field(default_factory=Backend)
+    listen: Listen = field(default_factory=Listen)
     gate: Gate = field(default_factory=Gate)
     timeouts: Timeouts = field(default_factory=Timeouts)
     limits: Limits = field(default_factory=Limits)
@@ -51,7 +55,7 @@ class Settings:
         return cls(**sections_from_env(os.environ if environ is None else environ, overrides))
 
     def worst_case_memory_bytes(self) -> dict[str, int]:
-        """Upper bound of request payload memory the limits allow (README "Tuning").
+        """Upper bound of request payload memory the limits allow (docs/tuning.md).
 
         queued:      every waiting request holds its raw body    = MAX_QUEUE × MAX_BODY_MB
         admitted:    requests past the gate hold body + output   = MAX_MM_CONCURRENCY × 2 × MAX_BODY_MB
@@ -104,5 +108,26 @@ class Settings:
                        listen=replace(self.listen, max_connections=max(1, share(self.listen.max_connections))))
 
     def describe(self) -> str:
-        """``--print-config``: every effective setting as ``MMGATE_X=value`` and the worst-case memory."""
-        return describe(self)
+        """``--print-config``: every effective setting as ``MMGATE_X=value``, section by section, followed by
+        ``  # default: Y`` where it differs from its default; then the worst-case memory, always the last line."""
+        lines: list[str] = []
+        for section in SECTIONS:
+            lines += ["", f"# {section.__name__}"] if lines else [f"# {section.__name__}"]
+            for setting in settings_of(section):
+                value = setting_value(self, setting.name)
+                line = f"{env_name(setting.name)}={spelt(value)}"
+                if setting.info.required and not value:
+                    line += "  # not set: required to serve"
+                elif value != (default := setting.default):
+                    line += f"  # default: {spelt(default) or setting.info.shown or 'none'}"
+                lines.append(line)
+        memory = self.worst_case_memory_bytes()
+        mib = {k: v / MIB for k, v in memory.items()}
+        lines.append(
+            f"# worst-case payload memory: {mib['total']:.0f} MiB = queued {mib['queued']:.0f} MiB"
+            f" + admitted {mib['admitted']:.0f} MiB + decoding {mib['decoding']:.0f} MiB"
+            + (f" + worker processes {mib['processes']:.0f} MiB" if memory["processes"] else "")
+            + f" + connections {mib['connections']:.0f} MiB + cache {mib['cache']:.0f} MiB"
+            + (f" + fetched {mib['fetched']:.0f} MiB" if memory["fetched"] else "")
+        )
+        return "\n".join(lines)

@@ -6,11 +6,8 @@ import ipaddress
 import re
 from collections.abc import Callable
 from typing import Any, get_args
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
-from proxy.settings.sections import AUTO_CONCURRENCY, AUTO_JPEG_QUALITY
-
-AUTO_PROCESSES = 0  # processes when MMGATE_PROCESSES=auto, until from_env resolves it
 MAX_PROCESSES = 64
 
 
@@ -40,32 +37,47 @@ def seconds(allow_zero: bool) -> Callable[[str], float]:
     return parse
 
 
-def choice(choices: Any) -> Callable[[str], str]:
-    """A parser for the values of the ``Literal`` type ``choices``, in its order."""
-    allowed: tuple[str, ...] = get_args(choices)
+class Choice:
+    """A parser for the values of the ``Literal`` type it is given; ``values`` lists them, in its order."""
 
-    def parse(raw: str) -> str:
+    def __init__(self, choices: Any) -> None:
+        self.values: tuple[str, ...] = get_args(choices)
+
+    def __call__(self, raw: str) -> str:
         value = raw.strip().lower()
-        if value not in allowed:
-            raise ValueError("one of " + ", ".join(allowed))
+        if value not in self.values:
+            raise ValueError("one of " + ", ".join(self.values))
         return value
 
-    return parse
+
+class OnOff:
+    """A switch: on or off (also 1/0, true/false, yes/no); ``values`` are the two words help shows."""
+
+    values = ("on", "off")
+
+    def __call__(self, raw: str) -> bool:
+        value = raw.strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("on or off")
 
 
-def on_off(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("on or off")
+on_off = OnOff()
 
 
 def base_url(raw: str) -> str:
+    """An http(s) URL of the backend itself, without the API's ``/v1``: clients send ``/v1/...`` paths and
+    mmgate forwards each path as it comes, so a ``/v1`` here would make every path ``/v1/v1/...``."""
     parts = urlsplit(raw.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
         raise ValueError("an http(s) base URL such as http://127.0.0.1:8000")
+    prefix = parts.path.rstrip("/")
+    if prefix.lower().endswith("/v1"):
+        corrected = urlunsplit((parts.scheme, parts.netloc, prefix[:-3], "", ""))
+        raise ValueError(f"the backend's base URL without /v1 (clients send /v1/... paths and mmgate forwards "
+                         f"them as they come): {corrected}")
     return raw.strip().rstrip("/")
 
 
@@ -80,33 +92,6 @@ def path_prefixes(raw: str) -> tuple[str, ...]:
     if any(not p.startswith("/") for p in items):
         raise ValueError("comma-separated path prefixes, each starting with /")
     return items
-
-
-def processes(raw: str) -> int:
-    if raw.strip().lower() == "auto":
-        return AUTO_PROCESSES
-    try:
-        return integer(1, MAX_PROCESSES)(raw)
-    except ValueError:
-        raise ValueError(f"an integer from 1 to {MAX_PROCESSES}, or auto") from None
-
-
-def concurrency(raw: str) -> int:
-    if raw.strip().lower() == "auto":
-        return AUTO_CONCURRENCY
-    try:
-        return integer(1, 100_000)(raw)
-    except ValueError:
-        raise ValueError("an integer from 1 to 100000, or auto") from None
-
-
-def jpeg_quality(raw: str) -> int:
-    if raw.strip().lower() == "auto":
-        return AUTO_JPEG_QUALITY
-    try:
-        return integer(1, 100)(raw)
-    except ValueError:
-        raise ValueError("an integer from 1 to 100, or auto") from None
 
 
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 section 5.1: a field name is a token

@@ -24,7 +24,7 @@ from preprocessors.base import ImagePolicy
 from preprocessors.image import GENERIC_JPEG_QUALITY, MODEL_JPEG_QUALITY, process_image
 from proxy.app import build_state
 from proxy.media.model import load_model
-from proxy.settings import AUTO_JPEG_QUALITY, ConfigError, Settings
+from proxy.settings import AUTO, ConfigError, Settings
 from testkit.media import chat_with_image, data_uri, decode_uri, detailed_photo, psnr
 from tests.conftest import StartProxy, Upstream
 
@@ -134,7 +134,7 @@ def test_without_a_model_auto_quality_stays_90_with_subsampled_chroma(high_detai
 
 def test_with_a_model_an_explicit_jpeg_keeps_full_chroma(idefics3: Path, high_detail_jpeg: bytes) -> None:
     geometry = load_model(str(idefics3)).geometry
-    for quality, expected in ((AUTO_JPEG_QUALITY, MODEL_JPEG_QUALITY), (85, 85)):
+    for quality, expected in ((0, MODEL_JPEG_QUALITY), (85, 85)):  # 0: the worker's auto
         processed = process_image(high_detail_jpeg, ImagePolicy(geometry=geometry, jpeg_quality=quality,
                                                                 output_format="jpeg"))
         assert processed is not None
@@ -144,8 +144,8 @@ def test_with_a_model_an_explicit_jpeg_keeps_full_chroma(idefics3: Path, high_de
 
 
 def test_jpeg_quality_is_auto_by_default_and_takes_1_to_100(tmp_path: Path) -> None:
-    assert Settings.from_env({}).decode.jpeg_quality == AUTO_JPEG_QUALITY
-    assert Settings.from_env({"MMGATE_JPEG_QUALITY": "Auto"}).decode.jpeg_quality == AUTO_JPEG_QUALITY
+    assert Settings.from_env({}).decode.jpeg_quality is AUTO
+    assert Settings.from_env({"MMGATE_JPEG_QUALITY": "Auto"}).decode.jpeg_quality is AUTO
     assert Settings.from_env({"MMGATE_JPEG_QUALITY": "95"}).decode.jpeg_quality == 95
     for bad in ("0", "101", "high"):
         with pytest.raises(ConfigError, match=r"MMGATE_JPEG_QUALITY.*from 1 to 100, or auto"):
@@ -154,4 +154,4 @@ def test_jpeg_quality_is_auto_by_default_and_takes_1_to_100(tmp_path: Path) -> N
     # The policy a decode worker gets keeps auto (0); the worker resolves it with or without a model.
     state = build_state(Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:9",
                                            "MMGATE_MODEL": str(qwen_folder(tmp_path))}))
-    assert state.image_policy.jpeg_quality == AUTO_JPEG_QUALITY and state.image_policy.geometry is not None
+    assert state.image_policy.jpeg_quality == 0 and state.image_policy.geometry is not None
