@@ -21,13 +21,8 @@ from proxy.processes.supervisor import supervise
 from proxy.serve.demo import print_demo_help, start_stub_backend
 from proxy.serve.memory import tune_process
 from proxy.serve.server import ListenError, announce, bound, configure_logging, exit_with, serve
-from proxy.settings import (
-    ConfigError,
-    Settings,
-    add_arguments,
-    overrides_from_args,
-    unknown_variables,
-)
+from proxy.settings import ConfigError, Settings, overrides_from_args, unknown_variables
+from proxy.settings.reference import add_arguments
 
 log = logging.getLogger("mmgate")
 
@@ -84,8 +79,7 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
                 stub, upstream = start_stub_backend()
                 overrides.setdefault("upstream", upstream)
             settings = Settings.from_env(environ, **overrides)
-            if not settings.backend.upstream:
-                # --print-config too: the worst case it prints is for a proxy that could not start without one.
+            if not settings.backend.upstream and not args.print_config:  # printed as not set, every other checked
                 raise ConfigError("MMGATE_UPSTREAM is not set: point it at your backend (e.g. --upstream "
                                   "http://127.0.0.1:8000), or try `mmgate demo`")
             served_model(settings)  # loaded once here (cached), so a bad MMGATE_MODEL stops now with status 2

@@ -116,8 +116,8 @@ class Settings:
             for setting in settings_of(section):
                 value = setting_value(self, setting.name)
                 line = f"{env_name(setting.name)}={spelt(value)}"
-                if setting.info.required and not value:
-                    line += "  # not set: required to serve"
+                if setting.info.required:  # no default to differ from
+                    line += "" if value else "  # not set: required to serve"
                 elif value != (default := setting.default):
                     line += f"  # default: {spelt(default) or setting.info.shown or 'none'}"
                 lines.append(line)

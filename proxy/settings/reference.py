@@ -19,8 +19,6 @@ from proxy.settings.sections import SECTIONS
 from proxy.settings.spec import SPEC, Setting, section_name, settings_of
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGURATION_MD = REPO / "docs" / "configuration.md"
-README = REPO / "README.md"
 ESSENTIALS_BEGIN, ESSENTIALS_END = "<!-- settings:essentials -->", "<!-- /settings:essentials -->"
 
 INTRO = """\
@@ -114,17 +112,20 @@ def with_essentials(readme: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m proxy.settings.reference", description=__doc__)
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file is not up to date")
+    parser.add_argument("--root", type=Path, default=REPO, help="the repository to write in (default: this one)")
     args = parser.parse_args(argv)
-    wanted = {CONFIGURATION_MD: render_configuration_md()}
-    if README.is_file():
-        wanted[README] = with_essentials(README.read_text())
+    readme = args.root / "README.md"
+    wanted = {args.root / "docs" / "configuration.md": render_configuration_md()}
+    if readme.is_file():
+        wanted[readme] = with_essentials(readme.read_text())
     stale = [path for path, text in wanted.items() if not path.is_file() or path.read_text() != text]
     for path in stale:
+        name = path.relative_to(args.root)
         if args.check:
-            print(f"{path.relative_to(REPO)} is not what python -m proxy.settings.reference writes", file=sys.stderr)
+            print(f"{name} is not what python -m proxy.settings.reference writes: run it", file=sys.stderr)
         else:
             path.write_text(wanted[path])
-            print(f"wrote {path.relative_to(REPO)}")
+            print(f"wrote {name}")
     return 1 if args.check and stale else 0
 
 

@@ -20,7 +20,7 @@ from proxy.cli import main
 from proxy.serve.demo import free_port
 from proxy.serve.memory import tune_allocators
 from proxy.serve.server import where_note
-from proxy.settings import SPEC, ConfigError, Settings
+from proxy.settings import SPEC
 from tests.conftest import Upstream
 
 # ``MMGATE_*`` variables the project reads outside Settings (tests, benchmarks, the real-vLLM suite). They are
@@ -78,13 +78,36 @@ def test_demo_without_its_extra_says_what_to_install(monkeypatch: pytest.MonkeyP
     assert capsys.readouterr().err == "mmgate: mmgate demo needs the demo extra: pip install -e '.[demo]'\n"
 
 
-def test_print_config_needs_an_upstream_too(capsys: pytest.CaptureFixture[str]) -> None:
-    """The worst case --print-config prints is for a proxy that would not start: the same error instead."""
-    with pytest.raises(SystemExit) as exited:
-        main(["--print-config"], environ={})
-    assert exited.value.code == 2
+def test_print_config_runs_without_an_upstream_and_checks_everything_else(capsys: pytest.CaptureFixture[str]) -> None:
+    """The defaults can be looked at before there is a backend; the upstream shows as not set."""
+    main(["--print-config"], environ={})
     out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and err.startswith("mmgate: MMGATE_UPSTREAM is not set")
+    assert err == "" and out.startswith("# Backend\nMMGATE_UPSTREAM=  # not set: required to serve\n")
+    assert out.splitlines()[-1].startswith("# worst-case payload memory: ")
+    with pytest.raises(SystemExit) as exited:
+        main(["--print-config", "--max-queue", "lots"], environ={})
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == ("mmgate: --max-queue='lots' is not allowed: expected an integer from 0 to "
+                                       "1000000\n")
+
+
+def test_an_upstream_ending_in_v1_stops_start_up_with_the_url_to_use(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--upstream", "http://127.0.0.1:8000/v1"], environ={})
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        "mmgate: --upstream='http://127.0.0.1:8000/v1' is not allowed: expected the backend's base URL without /v1 "
+        "(clients send /v1/... paths and mmgate forwards them as they come): http://127.0.0.1:8000\n")
+
+
+def test_help_groups_the_flags_by_section_with_the_values_of_each_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"], environ={})
+    assert exited.value.code == 0
+    options = capsys.readouterr().out.split("\n\n", 1)[1]  # past the usage line, which lists every flag too
+    assert options.index("\nBackend:\n") < options.index("\n  --upstream V") < options.index("\nListen:\n")
+    assert (options.index("\nGate:\n") < options.index("\n  --release-at {auto,sent,headers,complete}")
+            < options.index("\nTimeouts:\n"))
 
 
 @pytest.mark.parametrize(
@@ -204,24 +227,6 @@ def test_flags_win_over_env_and_print_config(capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert "MMGATE_MAX_QUEUE=5" in out and "MMGATE_UPSTREAM=http://h:1" in out
     assert "worst-case payload memory" in out
-
-
-def test_settings_are_frozen_and_injectable() -> None:
-    settings = Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:9/", "MMGATE_SERVER_TIMING": "off"})
-    assert settings.backend.upstream == "http://127.0.0.1:9" and settings.logs.server_timing is False
-    with pytest.raises(AttributeError):
-        settings.gate.max_queue = 3  # type: ignore[misc]
-    with pytest.raises(ConfigError):
-        Settings.from_env({"MMGATE_MAX_BODY_MB": "0"})
-
-
-def test_the_fairness_header_setting_takes_one_name_or_several() -> None:
-    default = Settings.from_env({"MMGATE_UPSTREAM": "http://h:1"}).gate
-    assert default.fairness_header == ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
-    assert default.trust_flow_headers_from == ()
-    one = Settings.from_env({"MMGATE_UPSTREAM": "http://h:1", "MMGATE_FAIRNESS_HEADER": "X-Tenant",
-                             "MMGATE_TRUST_FLOW_HEADERS_FROM": "10.0.0.0/8, 192.0.2.7"}).gate
-    assert one.fairness_header == ("x-tenant",) and one.trust_flow_headers_from == ("10.0.0.0/8", "192.0.2.7/32")
 
 
 def _env(**settings: str) -> dict[str, str]:
