@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cell(text: str) -> str:
-    return text.replace(" -> ", " → ").replace("|", "\\|")
+    return text.replace(" -> ", " → ").replace("|", "\\|").replace("*", "\\*")
 
 
 def _row(setting: Setting, with_details: bool) -> str:
