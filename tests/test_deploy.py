@@ -471,7 +471,7 @@ def test_k8s_termination_grace_covers_the_drain(k8s: dict[str, Any]) -> None:
 
 
 def test_k8s_resources_fit_the_configured_limits(k8s: dict[str, Any]) -> None:
-    """The memory limit keeps the headroom the README claims over the worst case the ConfigMap allows, with the
+    """The memory limit keeps the headroom docs/deploy.md claims over the worst case the ConfigMap allows, with the
     decode mode mmgate picks on the container's CPUs (not this machine's); decode workers fit the CPU limit."""
     limits = k8s["mmgate"]["resources"]["limits"]
     settings, read_limits = worst_case.k8s_sidecar()
@@ -485,12 +485,14 @@ def test_k8s_resources_fit_the_configured_limits(k8s: dict[str, Any]) -> None:
     assert security["runAsNonRoot"] is True and security["allowPrivilegeEscalation"] is False
 
 
-def test_readme_worst_case_figures_are_generated_from_the_code() -> None:
-    """The README's worst-case memory figures are what --print-config prints (``python -m bench.worst_case``)."""
-    readme = worst_case.README.read_text()
-    assert worst_case.rewrite(readme, worst_case.render()) == readme, (
-        "README.md's worst-case memory figures disagree with the code: run python -m bench.worst_case")
-    texts = worst_case.current(readme)
+def test_docs_worst_case_figures_are_generated_from_the_code() -> None:
+    """The docs' worst-case memory figures are what --print-config prints (``python -m bench.worst_case``)."""
+    files = worst_case.rewritten()
+    assert set(files) == {worst_case.DOCS / "tuning.md", worst_case.DOCS / "deploy.md"}
+    for path, (text, generated) in files.items():
+        assert generated == text, f"{path.name}'s worst-case memory figures disagree with the code: run python -m " \
+            "bench.worst_case"
+    texts = worst_case.current((worst_case.DOCS / "tuning.md").read_text(), ("defaults",))
     defaults = worst_case.default_settings()
     total = f"{defaults.worst_case_memory_bytes()['total'] / 2**20:.0f} MiB"
     assert total in texts["defaults"] and defaults.decode.decode_mode == "process"
@@ -630,11 +632,15 @@ def test_dockerignore_keeps_the_context_to_what_the_image_copies() -> None:
                        for pattern in patterns), f"{source} is copied but .dockerignore leaves it out"
 
 
-def test_the_readme_builds_the_image_the_manifest_runs_and_reaches_the_host(k8s: dict[str, Any]) -> None:
-    readme = (ROOT / "README.md").read_text()
-    tags = re.findall(r"docker build -f deploy/Dockerfile -t (\S+) \.", readme)
+def test_the_deploy_page_builds_the_image_the_manifest_runs_and_reaches_the_host(k8s: dict[str, Any]) -> None:
+    page = (ROOT / "docs" / "deploy.md").read_text()
+    tags = re.findall(r"docker build -f deploy/Dockerfile -t (\S+) \.", page)
     assert tags and set(tags) == {k8s["mmgate"]["image"]}
-    for command in re.findall(r"docker run [^\n]*(?:\\\n[^\n]*)*", readme):
+    for command in re.findall(r"docker run [^\n]*(?:\\\n[^\n]*)*", page):
         if "host.docker.internal" in command and "--print-config" not in command:
             assert "--add-host=host.docker.internal:host-gateway" in command, command
-    assert "kubectl port-forward" in readme and "/mmgate/dashboard" in readme
+    # The dashboard is on the admin port, which the Service does not expose: both pages say how to reach it.
+    admin, name = k8s["env"]["MMGATE_ADMIN_PORT"], k8s["Deployment"]["metadata"]["name"]
+    forward = f"kubectl port-forward deploy/{name} {admin}:{admin}"
+    for text in (page, (ROOT / "README.md").read_text()):
+        assert forward in text and f"http://127.0.0.1:{admin}/mmgate/dashboard" in text

@@ -2,15 +2,8 @@
 
 Which blocks run: every fenced ``bash`` and ``python`` block of the sections in ``RUN_SECTIONS``. The sections
 in ``NOT_RUN`` are skipped on purpose, each with its reason; a block in any other section fails
-``test_every_snippet_is_run_or_skipped_by_section``, so a new snippet cannot stay untested unnoticed.
-
-Ports: the README says 8000 for the backend and 8080 for mmgate. The snippets run with those replaced by free
-ports, by the textual replacements of ``port_replacements()`` and nothing cleverer; a snippet that still
-names 8000 or 8080 afterwards fails, since it would talk to whatever happens to listen there.
-
-Shell snippets run with ``bash -c``, Python snippets with this venv's python, both with the venv's ``bin``
-first on PATH (what ``. .venv/bin/activate`` does) and no HTTP proxy. Of ``MMGATE_*`` variables there is only
-``MMGATE_HOST=127.0.0.1``: the README's mmgate listens on every interface, nothing a test starts may.
+``test_every_snippet_is_run_or_skipped_by_section``, so a new snippet cannot stay untested unnoticed. How a
+snippet runs (its ports, its shell, its environment): ``testkit.snippets``.
 """
 
 from __future__ import annotations
@@ -18,10 +11,8 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.metadata
-import os
 import re
 import shutil
-import signal
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -31,31 +22,30 @@ import aiohttp
 import pytest
 
 from proxy.serve.demo import free_port
+from testkit.snippets import (
+    SNIPPET_TIMEOUT,
+    Block,
+    fenced_blocks,
+    interrupt,
+    port_replacements,
+    run_block,
+    run_to_end,
+    snippet_env,
+    start_server,
+    wait_until_up,
+    with_ports,
+)
 
 from .conftest import require_heavy
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
-VENV_BIN = Path(sys.executable).parent
 RUN_SECTIONS = ("Use it",)
 NOT_RUN = {
     "Two commands": "each creates a venv and installs from the network; test_demo_snippets_work runs the "
     "demo command's `mmgate demo` part, and the test command is this suite",
-    "Deploy": "docker, docker compose and kubectl need an engine or a cluster this machine does not have",
-    "The served model": "installs the model extra from the network and names a model folder this machine does not "
-    "have; tests/proxy/media/test_model.py runs the same settings against processor folders it builds",
 }
 STUB_ANSWER = "stub answer: saw 1 image(s)"  # every client snippet of "Use it" sends one image to the stub
-SNIPPET_TIMEOUT = 120.0  # seconds; a bound on a hang, not a measure of speed
-STOP_TIMEOUT = 30.0  # seconds for a server to exit after Ctrl-C; the demo below runs with a 60 s drain grace
-
-
-@dataclass(frozen=True)
-class Block:
-    section: str  # the enclosing "## " heading
-    lang: str
-    text: str
-    line: int  # 1-based line of the opening fence, for messages
 
 
 @dataclass(frozen=True)
@@ -63,67 +53,18 @@ class Server:
     """A snippet that starts a server and runs until stopped: started in the background, polled until up."""
 
     starts_with: str  # the snippet's first command begins so
-    port: str  # which port of port_replacements() it listens on: "backend" or "mmgate"
+    port: int  # the docs' port it listens on
     health_path: str
 
 
 SERVERS = (
-    Server("python -m demo.backend ", "backend", "/health"),
-    Server("mmgate ", "mmgate", "/mmgate/health"),
+    Server("python -m demo.backend ", 8000, "/health"),
+    Server("mmgate ", 8080, "/mmgate/health"),
 )
 
 
 def readme_blocks() -> list[Block]:
-    """Fenced blocks with a language, each with the ``## `` section it sits in (``###`` stays inside it)."""
-    blocks: list[Block] = []
-    section, fence, lang, body, start = "", None, "", [], 0
-    for number, line in enumerate(README.read_text().splitlines(), 1):
-        stripped = line.strip()
-        if fence is None:
-            if line.startswith("## "):
-                section = line[3:].strip()
-            elif stripped.startswith("```"):
-                fence, lang, body, start = line[: len(line) - len(line.lstrip())], stripped[3:].strip(), [], number
-        elif stripped == "```":
-            if lang:
-                blocks.append(Block(section, lang, "\n".join(body) + "\n", start))
-            fence = None
-        else:
-            body.append(line.removeprefix(fence))
-    assert fence is None, f"README.md: the fence opened on line {start} is never closed"
-    return blocks
-
-
-def port_replacements(backend: int, mmgate: int) -> dict[str, str]:
-    """The README's ports as its snippets spell them -> the free ports this run uses."""
-    return {
-        "127.0.0.1:8000": f"127.0.0.1:{backend}",
-        "127.0.0.1:8080": f"127.0.0.1:{mmgate}",
-        "--port 8000": f"--port {backend}",
-        "--port 8080": f"--port {mmgate}",
-    }
-
-
-def with_ports(text: str, replacements: dict[str, str]) -> str:
-    for old, new in replacements.items():
-        text = text.replace(old, new)
-    left = re.findall(r".*(?<!\d)80[08]0(?!\d).*", text)
-    assert not left, f"a snippet names a README port that port_replacements() does not cover: {left}"
-    return text
-
-
-def snippet_env(tmpdir: Path | None = None) -> dict[str, str]:
-    """A new user's shell with the venv active, no proxy for 127.0.0.1, and mmgate on loopback only; ``tmpdir``
-    as its temporary folder (``mktemp``, Python's ``tempfile``)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MMGATE_") and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
-    env["MMGATE_HOST"] = "127.0.0.1"
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["VIRTUAL_ENV"] = str(VENV_BIN.parent)
-    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
-    if tmpdir is not None:
-        env["TMPDIR"] = str(tmpdir)
-    return env
+    return fenced_blocks(README)
 
 
 def installed_by(extra: str) -> set[str]:
@@ -161,47 +102,6 @@ def heredoc_python(snippet: str) -> str | None:
     return match.group(1) if match else None
 
 
-async def run_to_end(argv: list[str], cwd: Path, tmpdir: Path | None = None) -> tuple[int, str]:
-    process = await asyncio.create_subprocess_exec(*argv, cwd=cwd, env=snippet_env(tmpdir),
-                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    try:
-        async with asyncio.timeout(SNIPPET_TIMEOUT):
-            output, _ = await process.communicate()
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    return process.returncode or 0, output.decode(errors="replace")
-
-
-async def wait_until_up(url: str, process: asyncio.subprocess.Process, log: Path) -> None:
-    """Poll until ``url`` answers 200 (bounded; a server that exits or never answers fails with its log)."""
-    async with aiohttp.ClientSession() as client:
-        for _ in range(600):
-            assert process.returncode is None, f"the server snippet exited: {log.read_text()[-2000:]}"
-            try:
-                async with client.get(url) as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"{url} never answered: {log.read_text()[-2000:]}")
-
-
-async def interrupt(process: asyncio.subprocess.Process) -> int:
-    """Ctrl-C, as a terminal sends it: SIGINT to the snippet's whole process group; then its exit status."""
-    if process.returncode is None:
-        os.killpg(process.pid, signal.SIGINT)
-    try:
-        async with asyncio.timeout(STOP_TIMEOUT):
-            return await process.wait()
-    finally:
-        if process.returncode is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
-
-
 def require_curl() -> None:
     if shutil.which("curl") is None:
         if require_heavy():
@@ -224,7 +124,16 @@ def test_use_it_starts_a_backend_before_mmgate() -> None:
     """A first try needs something behind mmgate: the README starts the stub before ``mmgate --upstream``."""
     firsts = [b.text.lstrip().splitlines()[0] for b in readme_blocks() if b.section in RUN_SECTIONS]
     servers = [s.port for first in firsts for s in SERVERS if first.startswith(s.starts_with)]
-    assert servers == ["backend", "mmgate"]
+    assert servers == [8000, 8080]
+
+
+def test_use_it_gives_the_upstream_without_v1() -> None:
+    """An SDK's base URL ends in /v1; mmgate's upstream must not (clients send /v1/... paths as they are), and
+    the README says so where it starts mmgate."""
+    use_it = README.read_text().split("## Use it")[1].split("\n## ")[0]
+    assert "without `/v1`" in use_it
+    upstreams = re.findall(r"(?:--upstream[ =]|MMGATE_UPSTREAM=)(\S+)", README.read_text())
+    assert upstreams and all(not url.rstrip("/").endswith("/v1") for url in upstreams), upstreams
 
 
 def test_use_it_python_needs_only_the_demo_extra() -> None:
@@ -241,33 +150,24 @@ async def test_use_it_snippets_work(tmp_path: Path) -> None:
     checkout, tmpdir = tmp_path / "checkout", tmp_path / "tmp"
     checkout.mkdir()
     tmpdir.mkdir()
-    ports = {"backend": free_port(), "mmgate": free_port()}
-    replacements = port_replacements(ports["backend"], ports["mmgate"])
+    ports = {server.port: free_port() for server in SERVERS}
+    replacements = port_replacements(ports)
     servers: list[asyncio.subprocess.Process] = []
     try:
         for number, block in enumerate(b for b in readme_blocks() if b.section in RUN_SECTIONS):
             text = with_ports(block.text, replacements)
-            where = f"README.md line {block.line}"
             server = next((s for s in SERVERS if text.lstrip().startswith(s.starts_with)), None)
             if server is not None:
                 log = tmp_path / f"server-{number}.log"
-                with log.open("wb") as out:
-                    process = await asyncio.create_subprocess_exec(
-                        "bash", "-c", text, cwd=tmp_path, env=snippet_env(), stdout=out, stderr=out,
-                        start_new_session=True)
+                process = await start_server(text, tmp_path, log)
                 servers.append(process)
                 await wait_until_up(f"http://127.0.0.1:{ports[server.port]}{server.health_path}", process, log)
                 continue
-            if block.lang == "python":
-                script = tmp_path / f"snippet-{number}.py"
-                script.write_text(text)
-                status, output = await run_to_end([sys.executable, str(script)], checkout, tmpdir)
-            else:
-                status, output = await run_to_end(["bash", "-c", text], checkout, tmpdir)
-            assert status == 0, f"{where}: exit status {status}: {output[-2000:]}"
-            assert STUB_ANSWER in output, f"{where}: {output[-2000:]}"
+            status, output = await run_block(block, text, checkout, tmpdir)
+            assert status == 0, f"{block.where}: exit status {status}: {output[-2000:]}"
+            assert STUB_ANSWER in output, f"{block.where}: {output[-2000:]}"
             left = [str(p.relative_to(tmp_path)) for p in (*checkout.rglob("*"), *tmpdir.rglob("*"))]
-            assert not left, f"{where}: the snippet left {left} behind"
+            assert not left, f"{block.where}: the snippet left {left} behind"
         assert len(servers) == len(SERVERS)
     finally:
         statuses = [await interrupt(process) for process in reversed(servers)]
@@ -282,7 +182,7 @@ async def test_demo_snippets_work(tmp_path: Path) -> None:
     command = demo.strip().split(" && ")[-1]
     assert command.startswith("mmgate demo ")
     port = free_port()
-    command = with_ports(command, port_replacements(free_port(), port))
+    command = with_ports(command, port_replacements({8080: port}))
     log = tmp_path / "demo.log"
     env = snippet_env() | {"MMGATE_DRAIN_GRACE": "60"}  # Ctrl-C below must not wait for it: nothing is in flight
     with log.open("wb") as err:

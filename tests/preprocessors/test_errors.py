@@ -1,4 +1,5 @@
-"""The error model holds together: README's error table lists exactly the registry's (status, code) pairs, no
+"""The error model holds together: docs/errors.md lists exactly the registry's (status, code) pairs and every
+code the README names is one of them, no
 raise site makes an error but through the registry, every error answer carries the request's X-Request-Id (the
 middleware's too), and a fault of mmgate's own is logged with its traceback on ``mmgate.error``, not in the
 access log."""
@@ -23,23 +24,43 @@ ROOT = Path(__file__).resolve().parents[2]
 TREE = {name for name, value in vars(errors).items() if isinstance(value, type) and issubclass(value, MmgateError)}
 
 
-def readme_error_pairs() -> set[tuple[int, str]]:
-    """The (status, code) pairs of README's table of error codes (``| status | code | when |``)."""
-    lines = (ROOT / "README.md").read_text().splitlines()
-    start = lines.index("| status | code | when |")
-    pairs: set[tuple[int, str]] = set()
+def table_pairs(path: Path, header: str) -> list[tuple[int, str]]:
+    """The (status, code) pairs of the table under ``header`` in ``path``: one row each, the code in backticks."""
+    lines = path.read_text().splitlines()
+    start = lines.index(header)
+    pairs: list[tuple[int, str]] = []
     for line in lines[start + 2:]:
         if not line.startswith("|"):
             break
-        status, codes = (cell.strip() for cell in line.strip("|").split("|")[:2])
-        pairs.update((int(status), code.strip()) for code in codes.split(","))
+        status, code = (cell.strip() for cell in line.strip("|").split("|")[:2])
+        match = re.fullmatch(r"`(\w+)`", code)
+        assert match, f"{path.name}: a row's code is not one backticked name: {line}"
+        pairs.append((int(status), match.group(1)))
     return pairs
 
 
-def test_the_readme_error_table_lists_exactly_the_registry() -> None:
-    readme = readme_error_pairs()
-    assert sorted(set(REGISTRY) - readme) == [], "answered by mmgate, missing from README's error table"
-    assert sorted(readme - set(REGISTRY)) == [], "in README's error table, never answered by mmgate"
+def test_the_errors_page_lists_exactly_the_registry() -> None:
+    listed = table_pairs(ROOT / "docs" / "errors.md", "| status | code | when | what to change |")
+    assert len(listed) == len(set(listed)), "a pair listed twice in docs/errors.md"
+    assert sorted(set(REGISTRY) - set(listed)) == [], "answered by mmgate, missing from docs/errors.md"
+    assert sorted(set(listed) - set(REGISTRY)) == [], "in docs/errors.md, never answered by mmgate"
+    assert listed == sorted(listed, key=lambda pair: pair[0]), "docs/errors.md's rows go by status"
+
+
+def test_the_readme_names_only_codes_mmgate_answers() -> None:
+    """The README's 429/503 table names pairs of the registry, every 429 among them."""
+    readme = ROOT / "README.md"
+    listed = table_pairs(readme, "| status | code | what it means | what to change |")
+    assert {status for status, _ in listed} == {429, 503}
+    assert sorted(set(listed) - set(REGISTRY)) == []
+    assert {code for status, code in REGISTRY if status == 429} <= {code for _, code in listed}
+
+
+def test_every_status_and_code_the_docs_name_is_answered() -> None:
+    """A ``429 `queue_full` `` in the README or docs/ names a pair of the registry."""
+    for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        named = {(int(status), code) for status, code in re.findall(r"\b([45]\d\d) `(\w+)`", page.read_text())}
+        assert sorted(named - set(REGISTRY)) == [], page.name
 
 
 def test_every_entry_makes_its_own_status_and_code() -> None:
