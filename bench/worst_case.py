@@ -69,7 +69,7 @@ def quantity_bytes(q: str) -> int:
 
 
 def k8s_sidecar() -> tuple[Settings, dict[str, Any]]:
-    """The ConfigMap's settings on the mmgate container's CPU limit, and that container's ``resources.limits``."""
+    """The ConfigMap's settings on the mmgate container's CPU limit, and that container's resource limits."""
     yaml = importlib.import_module("yaml")  # the test and bench extras' (pyyaml)
     docs = [d for path in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
     env = {k: str(v) for d in docs if d["kind"] == "ConfigMap" for k, v in d["data"].items()}

@@ -52,14 +52,16 @@ class Block:
 def fenced_blocks(path: Path) -> list[Block]:
     """Fenced blocks with a language, each with the ``## `` section it sits in (``###`` stays inside it)."""
     blocks: list[Block] = []
-    section, fence, lang, body, start = "", None, "", [], 0
+    section, fence, lang, start = "", None, "", 0
+    body: list[str] = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         stripped = line.strip()
         if fence is None:
             if line.startswith("## "):
                 section = line[3:].strip()
             elif stripped.startswith("```"):
-                fence, lang, body, start = line[: len(line) - len(line.lstrip())], stripped[3:].strip(), [], number
+                fence, lang, start = line[: len(line) - len(line.lstrip())], stripped[3:].strip(), number
+                body = []
         elif stripped == "```":
             if lang:
                 blocks.append(Block(path, section, lang, "\n".join(body) + "\n", start))
