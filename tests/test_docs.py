@@ -481,6 +481,27 @@ def anchors(page: Path) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
+SECTION_REFERENCE = re.compile(r'(README|docs/[\w.-]+\.md)(?:``)?(?:\'s)?,?\s+\(?"([^"\n]+)"')
+SECTION_REFERENCE_FOLDERS = (*REFERENCE_PACKAGES, "tests", "deploy", ".ci")
+
+
+def test_sections_named_from_the_code_exist() -> None:
+    """A comment or docstring that sends its reader to a page's section (``docs/tuning.md, "Memory"``) names a
+    heading of that page (its first words suffice)."""
+    texts = [p for top in SECTION_REFERENCE_FOLDERS for p in sorted((REPO / top).rglob("*"))
+             if p.is_file() and p.suffix in ("", ".py", ".yaml", ".yml") and "results" not in p.parts]
+    texts += markdown_pages()
+    broken = []
+    for path in texts:
+        for page, section in SECTION_REFERENCE.findall(path.read_text(errors="replace")):
+            target = README if page == "README" else REPO / page
+            headings = re.findall(r"^#+\s+(.*)$", without_fences(target.read_text()), re.MULTILINE) \
+                if target.is_file() else []
+            if not any(h.strip().startswith(section) for h in headings):
+                broken.append(f"{path.relative_to(REPO)}: {page}, \"{section}\"")
+    assert not broken, "sections that are not there:\n" + "\n".join(broken)
+
+
 def test_every_docs_snippet_is_run_or_skipped_by_section() -> None:
     sections = {(b.path.name, b.section) for page in sorted(DOCS.glob("*.md")) for b in fenced_blocks(page)
                 if b.lang in ("bash", "python")}
