@@ -175,7 +175,7 @@ def table(rows: list[dict]) -> str:
 
 # --- memory model (--memory-model: buffer lifetime) --------------------------------------------
 
-# Tight but sufficient limits (the body is 3.3 MiB, the photo exactly 12 MP), as README "Tuning" advises for a
+# Tight but sufficient limits (the body is 3.3 MiB, the photo exactly 12 MP), as docs/tuning.md advises for a
 # sidecar: they change nothing for these requests but make worst_case_memory_bytes() a bound worth reading.
 MEMORY_FLAGS = ("--max-body-mb", "4", "--max-image-pixels", "12000000")
 RESIZE_FLAGS = ("--resize-max-pixels", "1000000")
@@ -560,7 +560,7 @@ def memory_findings(data: dict) -> list[str]:
         f"-{(max(short_payload) + model['baseline_cold_mib'] - short_predicted) / 110:.2f}"
         f" MiB each here. That is also why the payload ({min(short_payload):.0f}-{max(short_payload):.0f} MiB) "
         f"can pass worst_case_memory_bytes() ({short_bound:.0f} MiB): the static bound has no term for "
-        "connections, which no setting limits (README \"Tuning\").",
+        "connections, which no setting limits (docs/tuning.md).",
         f"4. Warm vs cold: after the first 12 MP decode idle RSS is "
         f"{model['baseline_warm_mib'] - model['baseline_cold_mib']:+.0f} MiB from the cold baseline (with Pillow's "
         "default block cache it kept ~46 MiB), and a second request alone costs "

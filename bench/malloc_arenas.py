@@ -6,7 +6,7 @@ threshold rises and later blocks come from the arenas, where freed memory often 
 ``MMGATE_MALLOC_TUNING=off`` mmgate keeps up to 16 freed Pillow blocks for reuse (``PILLOW_BLOCKS_KEPT`` in
 proxy/serve/memory.py, 256 MiB at most; ``PILLOW_BLOCKS_MAX`` overrides it).
 
-mmgate sets its allocators itself when it starts serving (``proxy.memory.tune_process``): with
+mmgate sets its allocators itself when it starts serving (``proxy.serve.memory.tune_process``): with
 ``MMGATE_MALLOC_TUNING`` on (its default) it would apply the tuned settings over every variant below, so
 every run but ``shipped`` starts mmgate with ``MMGATE_MALLOC_TUNING=off`` and the variant's own environment:
 the baseline is glibc's defaults with mmgate's 16 kept blocks, and each variant changes only what it names.

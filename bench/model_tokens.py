@@ -6,7 +6,7 @@ Three parts:
 
   estimate  per image, on the event loop before admission: the head of the base64 decoded, the header parsed
             (``preprocessors.dimensions``), the served model's processor asked for the tokens
-            (``proxy.model.Model.image_tokens``). Per family, for a 12 MP JPEG with EXIF, a 4 MP PNG and a
+            (``proxy.media.model.Model.image_tokens``). Per family, for a 12 MP JPEG with EXIF, a 4 MP PNG and a
             1 MP WEBP. Goal: under 50 µs per image.
   cpu       mmgate's CPU per image in a decode worker (``process_image``, thread CPU time) for a 12 MP JPEG:
             with a model's geometry (Idefics3 1456/364, Qwen2-VL) vs the generic rule (``--resize-max-side

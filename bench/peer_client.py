@@ -22,7 +22,7 @@ Images, every request its own (so no cache on either side answers one from an ea
   quality 90 with 4:2:0 chroma; sent through the client's ``custom_image`` dataset as data URLs.
 
 Modes: ``direct``; ``defaults`` (mmgate as installed: header validation); ``full`` (``MMGATE_VALIDATE=full``:
-every image decoded in mmgate too, the trade the README documents); ``model`` (``MMGATE_MODEL`` = the tiny
+every image decoded in mmgate too, the trade docs/tuning.md documents); ``model`` (``MMGATE_MODEL`` = the tiny
 Idefics3's folder). mmgate starts afresh for every cell. In ``model`` its cache is off: the client sends its
 first request twice (an initial test, then in the run), and a cached second one would be work mmgate did not do.
 

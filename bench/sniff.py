@@ -1,6 +1,6 @@
 """The sniff's ways side by side: how much CPU per MB it costs to learn that a body holds no media marker.
 
-Every text-only body on a media route is scanned once for the markers (``proxy.locate.MARKERS``) before it
+Every text-only body on a media route is scanned once for the markers (``proxy.payload.locate.MARKERS``) before it
 is forwarded untouched, so the scan is the part of mmgate's text path that grows with the body. Compared
 in one run, each on the same bodies, single thread (wall time here is CPU time):
 

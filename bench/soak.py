@@ -12,7 +12,7 @@ What it sends (weights of the default mix; bodies prebuilt once, so the client a
 ``--clients`` (16) coroutines send back to back. The stub backend streams 16 tokens 2 ms apart.
 
 Why idle checkpoints. Instantaneous RSS under a random mix of 64x64..12 MP images varies with whichever
-big images are being decoded at that moment (tens of MiB each, bounded by README's memory formula), so
+big images are being decoded at that moment (tens of MiB each, bounded by the memory formula in docs/tuning.md), so
 "RSS under load within 10 %" measures the dice, not a leak (bench/results/soak.md of the 6000-request
 runs: +18..+47 % with flat per-tenth maxima). A leak or fragmentation creep is what is left when nothing is
 in flight. So every ``--checkpoint-every`` requests (1000) all clients finish their current request and
@@ -531,8 +531,8 @@ def markdown(runs: list[dict[str, Any]], args: argparse.Namespace, mix: dict[str
         "## Criterion: idle RSS at checkpoints",
         "",
         ("Why not RSS under load: with a random mix of 64x64..12 MP images, instantaneous RSS depends on which big "
-        "images happen to be decoded at that moment (bounded by README's memory formula), so it swings by tens of "
-        "MiB without any leak. A leak or fragmentation creep is what remains when nothing is in flight. So every "
+        "images happen to be decoded at that moment (bounded by the memory formula in docs/tuning.md), so it "
+        "swings by tens of MiB without any leak. A leak or fragmentation creep is what remains when nothing is in flight. So every "
         f"{runs[0]['checkpoint_every'] if runs else '?'} requests all clients finish their current request and "
         "wait; the script waits until mmgate is idle (`gate_in_use`, `gate_waiting`, `media_bytes_live`, "
         "`media_buffers_live` all 0), then until `mmgate_memory_trims_total` has risen (trim on; at most "
@@ -587,8 +587,8 @@ def markdown(runs: list[dict[str, Any]], args: argparse.Namespace, mix: dict[str
         lines.append(f"| {r['variant']} | " + " | ".join(f"{top[g]:g}" for g in GAUGES) + f" | {leak} |")
     lines += ["", "## RSS under load (not the leak criterion)", "",
               ("Samples every 0.5 s while the clients were sending (checkpoint pauses excluded). Bounded by what is in "
-              "flight (README's memory formula: admitted bodies + one decoded image per decode thread), so it "
-              "swings with the dice. Warm-up sample = first sample once 10 % of the requests are done; drift = "
+              "flight (the memory formula in docs/tuning.md: admitted bodies + one decoded image per decode thread), "
+              "so it swings with the dice. Warm-up sample = first sample once 10 % of the requests are done; drift = "
               "(max - warm-up) / warm-up; slope = least-squares fit after warm-up."), "",
               ("| variant | start | warm-up sample | median after warm-up | max after warm-up | peak (VmHWM) | "
               "drift of max | slope MiB/1k req |"),

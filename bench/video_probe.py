@@ -7,7 +7,7 @@ Two parts:
            bundles FFmpeg's libraries), from each distribution's own file list; and the import time of
            ``av`` in a fresh interpreter beside those of ``proxy.app`` (everything mmgate imports to serve)
            and ``PIL.Image`` (``python -X importtime``, the cumulative time of the top-level import).
-           This is what decides core dependency or optional extra (docs/architecture.md, "Video").
+           This is what decides core dependency or optional extra (docs/media.md, "Video").
   probe    thread CPU per ``preprocessors.video.probe_video`` call (in a decode worker; every packet
            demuxed, H.264 key frames decoded, VP9 frame headers read): a small MP4, a 300-frame 720p MP4
            (index and packets) and the same as WebM (packets only), and an 8K MP4 refused on its pixel

@@ -12,14 +12,14 @@ defined here once, with what it means and the class it is raised as.
     └── UpstreamError     the upstream failed (``kind``: connect, timeout, reset): counted as an upstream error
 
 Outside the tree on purpose, since none reaches a client as an answer: ``preprocessors.base.Cancelled`` (a
-decode worker stops work nobody waits for any more), ``workers.WorkerStartError`` and the start-up errors
-``settings.ConfigError`` / ``cli.ListenError`` (one line on stderr, exit status 2).
+decode worker stops work nobody waits for any more), ``worker_handle.WorkerStartError`` and the start-up errors
+``settings.ConfigError`` / ``server.ListenError`` (one line on stderr, exit status 2).
 
 Why here: this module imports nothing of mmgate, so it is the bottom of the import graph. The media workers
 (``preprocessors/``, never the proxy) raise from it, and every layer of ``proxy/`` imports it without a
 cycle. A raise site names a registry entry (``raise INVALID_PATH.error("message", param=...)``), never a
 literal code; an error that crossed a process boundary as plain data is made again with ``rebuild``. How an
-error looks on the wire is decided by ``proxy/payload/dialects.py``; README's error table lists exactly
+error looks on the wire is decided by ``proxy/payload/dialects.py``; docs/errors.md lists exactly
 ``REGISTRY`` (tests/preprocessors/test_errors.py).
 """
 

@@ -12,7 +12,7 @@ with the image as stored.
 Each also carries the processor's ``resample``, the filter its PIL backend resizes with (LANCZOS for
 Idefics3/SmolVLM, BICUBIC for Qwen and LLaVA, BILINEAR for Gemma 3): a decode worker resizes with that
 filter, so the image the backend receives is close to what the processor would make of the original
-(``docs/architecture.md``, "Fidelity").
+(``docs/tuning.md``, "Image format and quality").
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ The handoff (with a model)
     PNG where alpha must survive, which 32-bit BMP does not carry through Pillow). BMP is chosen by what the
     whole path pays (mmgate's encode, the bytes, the backend's decode): a small fraction of a JPEG q100
     4:4:4 re-encode's CPU, for a few more bytes on the sidecar's loopback, and the resize is then the only
-    difference from the backend's own processing of the original (bench/fidelity.py; docs/architecture.md,
-    "The served model"). ``MMGATE_IMAGE_FORMAT`` still picks another format; a JPEG then keeps 4:4:4 chroma
+    difference from the backend's own processing of the original (bench/fidelity.py; docs/model.md,
+    "What it does"). ``MMGATE_IMAGE_FORMAT`` still picks another format; a JPEG then keeps 4:4:4 chroma
     at ``MODEL_JPEG_QUALITY``.
 """
 

@@ -14,7 +14,7 @@ Layout:
   tiny images made once with Pillow, junk, every way to mangle a data URL header or base64), request
   targets, and bodies for the pure functions.
 - **Properties**: ``check_*`` functions raise ``AssertionError`` whose message starts with a stable
-  signature in square brackets (``[5xx:RecursionError@proxy/payload/dialects.py:_generate_item]``); the signature
+  signature in square brackets (``[5xx:RecursionError@proxy/payload/walkers.py:_generate_item]``); the signature
   names the fault, so the corpus keeps one input per fault, not one per shrink step.
 - **Corpus**: ``tests/fuzz_corpus/*.json``, one minimal failing input per file (format in its README.md),
   replayed by ``tests/proxy/test_app_fuzz.py::test_corpus_replay`` through the property it came from; written
