@@ -532,7 +532,8 @@ def markdown(runs: list[dict[str, Any]], args: argparse.Namespace, mix: dict[str
         "",
         ("Why not RSS under load: with a random mix of 64x64..12 MP images, instantaneous RSS depends on which big "
         "images happen to be decoded at that moment (bounded by the memory formula in docs/tuning.md), so it "
-        "swings by tens of MiB without any leak. A leak or fragmentation creep is what remains when nothing is in flight. So every "
+        "swings by tens of MiB without any leak. A leak or fragmentation creep is what remains when nothing is in "
+        "flight. So every "
         f"{runs[0]['checkpoint_every'] if runs else '?'} requests all clients finish their current request and "
         "wait; the script waits until mmgate is idle (`gate_in_use`, `gate_waiting`, `media_bytes_live`, "
         "`media_buffers_live` all 0), then until `mmgate_memory_trims_total` has risen (trim on; at most "
