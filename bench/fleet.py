@@ -114,7 +114,7 @@ async def thrash_cell(limit: str, duration: float) -> dict[str, Any]:
 
     async def watch() -> None:
         while time.perf_counter() < end:
-            trace.append((time.perf_counter() - started, gate.limit))
+            trace.append((time.perf_counter() - started, gate.counters().limit))
             await asyncio.sleep(0.05)
 
     try:
@@ -132,7 +132,7 @@ async def thrash_cell(limit: str, duration: float) -> dict[str, Any]:
         await backend.server.close()
     completed = sum(1 for t in done if t <= duration)
     return {"limit": limit, "throughput": completed / duration, "completed": completed, "statuses": statuses,
-            "trace": trace if limit == "auto" else [], "final_limit": gate.limit}
+            "trace": trace if limit == "auto" else [], "final_limit": gate.counters().limit}
 
 
 def convergence(trace: list[tuple[float, int]], best: int, share: float = 0.9) -> float | None:
@@ -169,7 +169,8 @@ async def fairness_cell(fair: bool) -> dict[str, Any]:
         async with aiohttp.ClientSession() as session:
             tasks = [asyncio.create_task(post(session, "big", f"big{i}")) for i in range(BIG)]
             # every big request is in: the first ones at the backend, the rest queued
-            while gate.waiting < BIG - FAIR_LIMIT or len(backend.order) < FAIR_LIMIT:  # noqa: ASYNC110 (no event for "n queued")
+            # polled: there is no event for "n queued"
+            while gate.counters().waiting < BIG - FAIR_LIMIT or len(backend.order) < FAIR_LIMIT:  # noqa: ASYNC110
                 await asyncio.sleep(0.001)
             forwarded_before = len(backend.order)
             tasks += [asyncio.create_task(post(session, "small", f"small{i}")) for i in range(SMALL)]

@@ -23,8 +23,7 @@ from aiohttp import web
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool
-from proxy.admission.adaptive import AdaptiveLimit
-from proxy.admission.gate import Gate
+from proxy.admission.client import GateClient, GateCounters, LocalGate, configured_limit, gate_from_settings
 from proxy.edge.connections import ConnectionGuard
 from proxy.edge.pacing import Pacer
 from proxy.edge.refusals import refusals_in_api_shape
@@ -39,8 +38,9 @@ from proxy.ops.backend_metrics import METRICS_PATH, merged_metrics
 from proxy.ops.dashboard_stats import rss_bytes
 from proxy.ops.metrics import Metrics, watch_loop_lag
 from proxy.pipeline import expect_continue, handle_request, warm_up_request_path
+from proxy.processes.link import Link
 from proxy.processes.merged_metrics import report_of
-from proxy.processes.remote_gate import Link, SharedGate, verdict_to_wire
+from proxy.processes.remote_gate import RemoteGate
 from proxy.serve.lifecycle import Lifecycle
 from proxy.serve.memory import IdleTrimmer, release_freed_memory, worker_environment
 from proxy.settings import AUTO, MIB, ConfigError, Settings
@@ -55,32 +55,27 @@ def build_state(settings: Settings, link: Link | None = None,
     loaded (cached: loaded once).
 
     With ``link`` (a front process of several) the gate is the supervisor's, reached through it
-    (``shared_gate.SharedGate``); ``on_gate_lost`` is called if the supervisor goes away."""
+    (``remote_gate.RemoteGate``); ``on_gate_lost`` is called if the supervisor goes away. That is the one
+    place which gate serves is chosen: everything else uses either through ``GateClient``."""
     model = served_model(settings)
     metrics = Metrics()
     trimmer = IdleTrimmer(settings.memory.trim_idle, release_freed_memory(), metrics.memory_trims.inc)
 
-    def gate_changed(gate: Gate) -> None:
-        metrics.gate_in_use.set(gate.in_use)
-        metrics.gate_waiting.set(gate.waiting)
-        metrics.gate_reading.set(gate.reading)
-        metrics.media_bytes_inflight.set(gate.bytes_in_use)
-        metrics.image_tokens_inflight.set(gate.tokens_in_use)
-        metrics.gate_limit.set(gate.limit)
-        trimmer.follow(running=gate.in_use, waiting=gate.waiting)
+    def gate_changed(counters: GateCounters) -> None:
+        metrics.gate_in_use.set(counters.in_use)
+        metrics.gate_waiting.set(counters.waiting)
+        metrics.gate_reading.set(counters.reading)
+        metrics.media_bytes_inflight.set(counters.bytes_in_use)
+        metrics.image_tokens_inflight.set(counters.tokens_in_use)
+        metrics.gate_limit.set(counters.limit)
+        trimmer.follow(running=counters.in_use, waiting=counters.waiting)
 
     lifecycle = Lifecycle()
-    adaptive = (AdaptiveLimit(settings.gate.min_mm_concurrency, settings.gate.max_mm_concurrency_auto)
-                if settings.gate.adaptive_concurrency else None)
-    gate: Gate
+    gate: GateClient
     if link is None:
-        gate = Gate(settings.gate.mm_concurrency_start, settings.gate.max_inflight_media_bytes, settings.gate.max_queue,
-                    gate_changed, lifecycle, token_budget=settings.gate.max_inflight_image_tokens,
-                    max_queue_per_flow=settings.gate.max_queue_per_flow, adaptive=adaptive)
+        gate = LocalGate(gate_from_settings(settings.gate, gate_changed, lifecycle))
     else:
-        gate = SharedGate(link, adaptive.limit if adaptive is not None else settings.gate.mm_concurrency_start,
-                          settings.gate.max_inflight_media_bytes, settings.gate.max_queue, gate_changed, lifecycle,
-                          settings.gate.max_inflight_image_tokens, settings.gate.max_queue_per_flow,
+        gate = RemoteGate(link, configured_limit(settings.gate)[0], gate_changed, lifecycle,
                           report=lambda: front_report(state, front_index), on_lost=on_gate_lost,
                           answer_timeout=settings.listen.process_timeout)
     image_policy = ImagePolicy(
@@ -212,16 +207,13 @@ async def _fetch_client(base: AppBase) -> AsyncIterator[Fetcher | None]:
 def _media_cache(base: AppBase) -> VerdictCache:
     """The processed-media cache (MMGATE_CACHE_MB), or a ``NoCache`` in its place; with several front
     processes a miss here is first asked of the other fronts' caches."""
-    settings, metrics, gate = base.settings, base.metrics, base.gate
+    settings, metrics = base.settings, base.metrics
     if not settings.memory.cache_mb:
         return NoCache()
     cache = MediaCache(settings.memory.cache_bytes, settings_fingerprint(settings),
                        min(4, settings.decode.decode_workers),
                        metrics.cache_hits.inc, metrics.cache_misses.inc, metrics.cache_evictions.inc)
-    if isinstance(gate, SharedGate):
-        cache.peers = gate.peer_verdicts
-        gate.cached = lambda keys: {key: verdict_to_wire(verdict) for key in keys
-                                    if (verdict := cache.get(bytes.fromhex(key))) is not None}
+    cache.peers = base.gate.share_cache(cache.get)
     metrics.cache_bytes.set_function(lambda: cache.bytes_held)
     metrics.cache_entries.set_function(lambda: cache.entries)
     metrics.cache_waiting.set_function(lambda: cache.waiting)

@@ -11,8 +11,8 @@ from typing import Literal
 
 from aiohttp import web
 
+from proxy.admission.client import GateLease, GatePlace
 from proxy.admission.flows import DEFAULT_FLOW, Flow
-from proxy.admission.gate import Lease, Place
 from proxy.media.buffers import MediaBuffer
 from proxy.ops.metrics import Stopwatch, server_timing
 from proxy.payload.dialects import Dialect, Route
@@ -44,8 +44,8 @@ class Exchange:
     code: str = ""
     watch: Stopwatch = field(default_factory=Stopwatch)
     response: web.StreamResponse | None = None  # set once the headers went out: a refusal can only end it then
-    place: Place | None = None  # held while a big media body is still arriving
-    lease: Lease | None = None
+    place: GatePlace | None = None  # held while a big media body is still arriving
+    lease: GateLease | None = None
     flow: Flow = DEFAULT_FLOW  # media routes: the fairness and priority headers' flow
     media: weakref.ref[MediaBuffer] | None = None  # weak: the payload is the owner's only strong holder
     bytes_in: int = 0

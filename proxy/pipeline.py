@@ -52,7 +52,6 @@ from proxy.media.tokens import plan_image_tokens
 from proxy.payload.dialects import dialect_for_path, route_for
 from proxy.payload.locate import Plan, chunks_may_contain_media, may_contain_media, plan_media, plan_steps
 from proxy.payload.rawjson import Steps, splice
-from proxy.processes.remote_gate import SharedGate
 from proxy.state import STATE, AppState
 
 # Sent upstream with MMGATE_MODEL: the request's image tokens for the served model, for a router or scheduler.
@@ -321,8 +320,7 @@ async def _take_place_for_media(state: AppState, ex: Exchange, head: bytes) -> N
     before reading the rest (or refuse now, with the rest unread)."""
     ex.sniffed_media = may_contain_media(head)
     if ex.sniffed_media:
-        gate = state.gate
-        ex.place = await gate.take_shared_place(ex.flow) if isinstance(gate, SharedGate) else gate.take_place(ex.flow)
+        ex.place = await state.gate.take_place(ex.flow)
 
 
 async def expect_continue(request: web.Request) -> None:

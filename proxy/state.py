@@ -20,8 +20,8 @@ from aiohttp import web
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.pool import DecodePool
+from proxy.admission.client import GateClient
 from proxy.admission.flows import FlowRules
-from proxy.admission.gate import Gate
 from proxy.edge.connections import ConnectionGuard
 from proxy.edge.pacing import Pacer
 from proxy.edge.upstream_health import UpstreamHealth
@@ -56,7 +56,7 @@ class AppBase:
 
     settings: Settings
     metrics: Metrics
-    gate: Gate
+    gate: GateClient  # this process's, or with several front processes the supervisor's
     image_policy: ImagePolicy
     audio_policy: AudioPolicy
     video_policy: VideoPolicy

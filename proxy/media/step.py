@@ -45,7 +45,7 @@ from functools import partial
 
 from preprocessors.errors import MediaError
 from preprocessors.job import Verdict, judge_head
-from proxy.admission.gate import Lease
+from proxy.admission.client import GateLease
 from proxy.exchange import Exchange
 from proxy.fetch.fetcher import fetch_plan
 from proxy.media.buffers import MediaBuffer
@@ -211,7 +211,7 @@ async def _fetch(state: AppState, ex: Exchange, plan: Plan, urls: list[Piece]) -
         piece.fetched = fetched.pop(piece.index)
 
 
-async def _decode(state: AppState, lease: Lease, plan: Plan, missed: list[Piece], body: BodyRef,
+async def _decode(state: AppState, lease: GateLease, plan: Plan, missed: list[Piece], body: BodyRef,
                   verdicts: dict[bytes, Verdict]) -> None:
     """Decode ``missed`` on the pool; settle each key as its piece finishes (refusals too)."""
     cache = state.cache

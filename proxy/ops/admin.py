@@ -22,7 +22,6 @@ from proxy.edge.upstream import local_shortage
 from proxy.ops.backend_metrics import backend_metrics
 from proxy.ops.dashboard_stats import snapshot
 from proxy.processes.merged_metrics import MergedFamilies
-from proxy.processes.remote_gate import SharedGate
 from proxy.state import STATE, AppState
 
 READY_CACHE_SECONDS = 1.0
@@ -78,8 +77,7 @@ async def ready(request: web.Request) -> web.Response:
     state = _state(request)
     if not state.lifecycle.ready:
         return web.json_response({"ready": False, "reason": "draining"}, status=503)
-    if isinstance(state.gate, SharedGate) and not await state.gate.reachable(
-            min(READY_PROBE_TIMEOUT, state.settings.listen.process_timeout)):
+    if not await state.gate.reachable(min(READY_PROBE_TIMEOUT, state.settings.listen.process_timeout)):
         return web.json_response({"ready": False, "reason": "the shared gate did not answer"}, status=503)
     ok, detail = await probe_upstream(state)
     return web.json_response({"ready": ok, "reason": detail}, status=200 if ok else 503)
@@ -89,9 +87,10 @@ async def metrics(request: web.Request) -> web.Response:
     """Prometheus text; with several front processes, every front's series summed (whichever process serves
     this request) and the gate's gauges from the one gate."""
     state = _state(request)
-    if isinstance(state.gate, SharedGate):
+    merged = await state.gate.collect()
+    if merged is not None:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(MergedFamilies(await state.gate.collect()))
+        registry.register(MergedFamilies(merged))
         body = generate_latest(registry)
     else:
         body = state.metrics.exposition()
@@ -103,8 +102,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def stats(request: web.Request) -> web.Response:
     """A small JSON view for the dashboard (the same numbers as /mmgate/metrics)."""
     state = _state(request)
-    merged = await state.gate.collect() if isinstance(state.gate, SharedGate) else None
-    return web.Response(body=orjson.dumps(snapshot(state, merged)), content_type="application/json")
+    return web.Response(body=orjson.dumps(snapshot(state, await state.gate.collect())), content_type="application/json")
 
 
 async def dashboard(request: web.Request) -> web.FileResponse:

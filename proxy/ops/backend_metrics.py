@@ -37,7 +37,6 @@ from prometheus_client.utils import floatToGoString
 from preprocessors.errors import MmgateError
 from proxy.edge.upstream import local_shortage
 from proxy.ops.backend_scrapes import Scrape, Scraped, ScrapeFailed
-from proxy.processes.remote_gate import SharedGate
 from proxy.state import STATE, AppState
 
 # The queue gauges of the model server protocol that endpoint pickers read, per server.
@@ -172,11 +171,11 @@ async def merged_metrics(request: web.Request) -> web.Response:
     if scraped.status == 200:
         openmetrics = content_type.startswith("application/openmetrics-text")
         own = _OwnFamilies(state.metrics.registry)
-        if isinstance(state.gate, SharedGate):
-            # The one gate's count, not as of this front's last exchange with it; if the gate is hung, as of that.
-            with contextlib.suppress(MmgateError):
-                await state.gate.refresh()
-        merged = merge(body, state.gate.waiting_media,
+        # With several front processes, the one gate's count, not as of this front's last exchange with it; if
+        # the gate is hung, as of that.
+        with contextlib.suppress(MmgateError):
+            await state.gate.refresh()
+        merged = merge(body, state.gate.counters().waiting_media,
                        generate_openmetrics(own) if openmetrics else generate_latest(own))
         if merged is not None:
             body = merged

@@ -1,5 +1,5 @@
-"""The supervisor's side of the shared gate: the one ``admission.Gate`` of all front processes, served over
-each front's socket pair (the protocol is drawn in ``processes.remote_gate``)."""
+"""The supervisor's side of the shared gate: the one ``admission.gate.Gate`` of all front processes, served over
+each front's socket pair (``processes.link``; why one gate: ``processes.remote_gate``)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,47 @@ import asyncio
 import itertools
 import logging
 import socket
+from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import Any
 
 from preprocessors.errors import MmgateError
+from proxy.admission.client import GateCounters
 from proxy.admission.flows import Flow
 from proxy.admission.gate import Gate, Lease, Place
+from proxy.processes.link import (
+    PEER_TIMEOUT,
+    REPORT_TIMEOUT,
+    Acquire,
+    Admitted,
+    AskCounters,
+    AskReport,
+    Cancel,
+    Collect,
+    Collected,
+    Counted,
+    Found,
+    HandedOff,
+    Link,
+    Lookup,
+    Lower,
+    Message,
+    Peek,
+    Peeked,
+    Ping,
+    Placed,
+    Pong,
+    Ready,
+    Refused,
+    Release,
+    Report,
+    TakePlace,
+    Unplace,
+    WaitCancelled,
+)
 from proxy.processes.merged_metrics import departed, merge_reports
-from proxy.processes.remote_gate import PEER_TIMEOUT, REPORT_TIMEOUT, Link, counters
 
 log = logging.getLogger("mmgate")
-
-
-def _refusal(error: MmgateError) -> list[Any]:
-    return [error.status, error.code, error.message, error.headers]
 
 
 class _Front:
@@ -63,77 +90,87 @@ class GateServer:
         finally:
             self._forget(front)
 
-    def _handle(self, front: _Front, message: list[Any]) -> None:
-        op = message[0]
-        gate = self.gate
-        if op == "acquire":
-            _, rid, cost, timeout, place_id, tokens, flow_id, band, client = message
-            place = front.places.pop(place_id, None) if place_id is not None else None
-            task = front.waits[rid] = asyncio.create_task(
-                self._acquire(front, rid, cost, timeout, place, tokens, Flow(flow_id, band, client)))
-            task.add_done_callback(partial(self._wait_ended, front, rid, place))
-        elif op == "release":
-            if (lease := front.leases.pop(message[1], None)) is not None:
-                lease.release()
-        elif op == "lower":
-            if (lease := front.leases.get(message[1])) is not None:
-                lease.lower(message[2])
-        elif op == "handed_off":
-            if (lease := front.leases.get(message[1])) is not None:
-                lease.handed_off()
-        elif op == "place":
-            _, rid, flow_id, band, client = message
-            try:
-                place = gate.take_place(Flow(flow_id, band, client))
-            except MmgateError as error:
-                front.link.send(["err", rid, *_refusal(error), counters(gate)])
-                return
-            place_id = next(self._ids)
-            front.places[place_id] = place
-            front.link.send(["ok", rid, place_id, counters(gate)])
-        elif op == "unplace":
-            if (place := front.places.pop(message[1], None)) is not None:
-                place.release()
-        elif op == "cancel":
-            if (wait := front.waits.get(message[1])) is not None:
-                wait.cancel()
-        elif op == "collect":
-            task = asyncio.create_task(self._collect(front, message[1]))
-            self._collecting.add(task)
-            task.add_done_callback(self._collecting.discard)
-        elif op in ("report", "found", "pong"):
-            found = self._reports.get(message[1])
-            if found is not None and not found[0].done():
-                found[0].set_result(message[2] if len(message) > 2 else None)
-        elif op == "peek":
-            task = asyncio.create_task(self._peek(front, message[1], message[2]))
-            self._collecting.add(task)
-            task.add_done_callback(self._collecting.discard)
-        elif op == "counters":
-            front.link.send(["ok", message[1], None, counters(gate)])
-        elif op == "ready":
-            front.ready.set()
+    def _counters(self) -> GateCounters:
+        return GateCounters.of(self.gate)
+
+    def _handle(self, front: _Front, message: Message) -> None:
+        match message:
+            case Acquire(rid, cost, timeout, place_id, tokens, flow):
+                place = front.places.pop(place_id, None) if place_id is not None else None
+                task = front.waits[rid] = asyncio.create_task(
+                    self._acquire(front, rid, cost, timeout, place, tokens, flow))
+                task.add_done_callback(partial(self._wait_ended, front, rid, place))
+            case Release(lease_id):
+                if (lease := front.leases.pop(lease_id, None)) is not None:
+                    lease.release()
+            case Lower(lease_id, cost):
+                if (lease := front.leases.get(lease_id)) is not None:
+                    lease.lower(cost)
+            case HandedOff(lease_id):
+                if (lease := front.leases.get(lease_id)) is not None:
+                    lease.handed_off()
+            case TakePlace(rid, flow):
+                self._take_place(front, rid, flow)
+            case Unplace(place_id):
+                if (place := front.places.pop(place_id, None)) is not None:
+                    place.release()
+            case Cancel(rid):
+                if (wait := front.waits.get(rid)) is not None:
+                    wait.cancel()
+            case Collect(rid):
+                self._in_background(self._collect(front, rid))
+            case Peek(rid, keys):
+                self._in_background(self._peek(front, rid, keys))
+            case Report(qid, answer) | Found(qid, answer):
+                self._heard_back(qid, answer)
+            case Pong(qid):
+                self._heard_back(qid, None)
+            case AskCounters(rid):
+                front.link.send(Counted(rid, self._counters()))
+            case Ready():
+                front.ready.set()
+
+    def _take_place(self, front: _Front, rid: int, flow: Flow) -> None:
+        try:
+            place = self.gate.take_place(flow)
+        except MmgateError as error:
+            front.link.send(Refused.of(rid, error, self._counters()))
+            return
+        place_id = next(self._ids)
+        front.places[place_id] = place
+        front.link.send(Placed(rid, self._counters(), place_id))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._collecting.add(task)
+        task.add_done_callback(self._collecting.discard)
+
+    def _heard_back(self, qid: int, answer: Any) -> None:
+        """A front's answer to the gate's question ``qid`` (``_ask_fronts``)."""
+        found = self._reports.get(qid)
+        if found is not None and not found[0].done():
+            found[0].set_result(answer)
 
     async def _acquire(self, front: _Front, rid: int, cost: int, timeout: float, place: Place | None,
                        tokens: int, flow: Flow) -> None:
         try:
             lease = await self.gate.acquire(cost, timeout, place, tokens, flow)
         except MmgateError as error:
-            front.link.send(["err", rid, *_refusal(error), counters(self.gate)])
+            front.link.send(Refused.of(rid, error, self._counters()))
             return
         if front.closed:
             lease.release()
             return
         lease_id = next(self._ids)
         front.leases[lease_id] = lease
-        front.link.send(["ok", rid, lease_id, counters(self.gate)])
+        front.link.send(Admitted(rid, self._counters(), lease_id))
 
     def _wait_ended(self, front: _Front, rid: int, place: Place | None, task: asyncio.Task[None]) -> None:
         front.waits.pop(rid, None)
         if task.cancelled():  # the front's request gave up, or the front is gone
             if place is not None:
                 place.release()  # a wait cancelled before it began still held its place; else a no-op
-            front.link.send(["err", rid, 499, "cancelled", "", {}, counters(self.gate)])
+            front.link.send(WaitCancelled(rid, self._counters()))
 
     def _forget(self, front: _Front) -> None:
         if front.closed:
@@ -156,9 +193,9 @@ class GateServer:
         front.leases.clear()
         front.link.close()
 
-    async def _ask_fronts(self, fronts: list[_Front], message: list[Any],
+    async def _ask_fronts(self, fronts: list[_Front], question: Callable[[int], Message],
                           timeout: float) -> list[tuple[_Front, Any]]:
-        """Send ``message`` (its id filled in per front) to ``fronts``; the answers that came within
+        """Send ``question`` (made with its id, one per front) to ``fronts``; the answers that came within
         ``timeout``, each with its front. A front that did not answer is marked not ``answering``."""
         loop = asyncio.get_running_loop()
         pending = []
@@ -167,7 +204,7 @@ class GateServer:
             future: asyncio.Future[Any] = loop.create_future()
             self._reports[query_id] = (future, front.index)
             pending.append((query_id, future, front))
-            front.link.send([message[0], query_id, *message[1:]])
+            front.link.send(question(query_id))
         if not pending:
             return []
         try:
@@ -184,7 +221,7 @@ class GateServer:
         """Ask every answering front for its metrics and send ``asking`` the merge. A front that does not
         answer (hung) counts with its last report, as does every front gone, so no total ever goes down."""
         serving = [front for front in self._fronts if front.ready.is_set()]
-        answered = await self._ask_fronts([front for front in serving if front.answering], ["report"],
+        answered = await self._ask_fronts([front for front in serving if front.answering], AskReport,
                                           REPORT_TIMEOUT)
         for front, report in answered:
             front.last_report = report
@@ -192,8 +229,8 @@ class GateServer:
         silent = [front.last_report for front in serving if front not in reported and front.last_report is not None]
         if self._departed is not None:
             silent.append(self._departed)
-        merged = merge_reports([report for _, report in answered], counters(self.gate), silent)
-        asking.link.send(["ok", rid, merged, counters(self.gate)])
+        counters = self._counters()
+        asking.link.send(Collected(rid, counters, merge_reports([report for _, report in answered], counters, silent)))
 
     async def _peek(self, asking: _Front, rid: int, keys: list[str]) -> None:
         """Ask every other answering front which of ``keys`` its cache holds; send ``asking`` the first of each
@@ -201,17 +238,17 @@ class GateServer:
         others = [front for front in self._fronts
                   if front is not asking and front.ready.is_set() and front.answering]
         found: dict[str, Any] = {}
-        for _, answer in await self._ask_fronts(others, ["lookup", keys], PEER_TIMEOUT):
+        for _, answer in await self._ask_fronts(others, lambda qid: Lookup(qid, keys), PEER_TIMEOUT):
             for key, verdict in answer.items():
                 found.setdefault(key, verdict)
-        asking.link.send(["ok", rid, found, counters(self.gate)])
+        asking.link.send(Peeked(rid, self._counters(), found))
 
     async def ping(self, index: int, timeout: float) -> bool | None:
         """Whether front ``index`` answers a ping within ``timeout`` (its event loop runs); None if it is gone."""
         front = self._front(index)
         if front is None:
             return None
-        return bool(await self._ask_fronts([front], ["ping"], timeout))
+        return bool(await self._ask_fronts([front], Ping, timeout))
 
     def drop(self, index: int) -> None:
         """Give back at once everything front ``index`` holds: it is being killed."""

@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from proxy.processes.remote_gate import gate_values
+from proxy.admission.client import GateCounters
 
 # Families merged by their smallest value (when the oldest front started), not summed.
 MIN_FAMILIES = ("process_start_time_seconds",)
@@ -54,7 +54,7 @@ def departed(so_far: dict[str, Any] | None, report: dict[str, Any]) -> dict[str,
             "extra": {}}
 
 
-def merge_reports(reports: list[dict[str, Any]], gate_counters: list[int],
+def merge_reports(reports: list[dict[str, Any]], gate_counters: GateCounters,
                   silent: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Every front's metric families summed series by series; the gate's own gauges from the gate;
     ``extra`` (requests in flight, being read, resident memory, decode workers) summed; ``fronts``: each
@@ -63,7 +63,7 @@ def merge_reports(reports: list[dict[str, Any]], gate_counters: list[int],
     ``answering`` false."""
     silent = [counts_of(report) for report in silent or []]
     families = _summed(reports + silent)
-    for name, value in gate_values(gate_counters).items():
+    for name, value in gate_counters.gauges().items():
         if name in families:
             families[name][3] = {(name, ()): value}
     extra: dict[str, float] = {}

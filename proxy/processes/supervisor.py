@@ -1,8 +1,8 @@
 """``MMGATE_PROCESSES`` > 1: a supervisor, N front processes on one port, one gate.
 
 The supervisor (the process ``mmgate`` started as) binds the listening sockets, runs the one
-``admission.Gate`` behind a ``shared_gate.GateServer``, and starts N front processes (``python -m
-proxy.front``). Each inherits the listening sockets (one accept queue in the kernel, as uvicorn's and
+``admission.gate.Gate`` behind a ``gate_server.GateServer``, and starts N front processes (``python -m
+proxy.processes.front``). Each inherits the listening sockets (one accept queue in the kernel, as uvicorn's and
 gunicorn's workers share theirs) and its end of a Unix socket pair to the gate, and serves the whole app:
 connections, bodies, decoding with its share of the decode workers, the cache, forwarding, streaming.
 
@@ -33,8 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from proxy.admission.adaptive import AdaptiveLimit
-from proxy.admission.gate import Gate
+from proxy.admission.client import gate_from_settings
 from proxy.processes.gate_server import GateServer
 from proxy.serve.lifecycle import StopSignals
 from proxy.settings import Settings
@@ -61,11 +60,7 @@ class Supervisor:
         self.settings = settings
         self.listen = listen
         self.admin = admin
-        adaptive = (AdaptiveLimit(settings.gate.min_mm_concurrency, settings.gate.max_mm_concurrency_auto)
-                    if settings.gate.adaptive_concurrency else None)
-        self.gate = Gate(settings.gate.mm_concurrency_start, settings.gate.max_inflight_media_bytes,
-                         settings.gate.max_queue, token_budget=settings.gate.max_inflight_image_tokens,
-                         max_queue_per_flow=settings.gate.max_queue_per_flow, adaptive=adaptive)
+        self.gate = gate_from_settings(settings.gate)
         self.server = GateServer(self.gate)
         self.children: list[_Child] = []
         self.restarts = 0
@@ -82,11 +77,7 @@ class Supervisor:
             process = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, pass_fds=fds)
         finally:
             child_end.close()  # the front holds the only other end: its exit is the link's end
-        assert process.stdin is not None
-        process.stdin.write(pickle.dumps(self.settings.for_front(index)))
-        with contextlib.suppress(ConnectionError):
-            await process.stdin.drain()
-        process.stdin.close()
+        await _hand_over(process, pickle.dumps(self.settings.for_front(index)))
         ready = asyncio.Event()
         link = asyncio.create_task(self.server.serve(index, parent_end, ready))
         child = _Child(index, process, ready, link, time.monotonic())
@@ -194,6 +185,16 @@ class Supervisor:
         if not failed:
             log.info("mmgate stopped")
         return 1 if failed else 0
+
+
+async def _hand_over(process: asyncio.subprocess.Process, settings: bytes) -> None:
+    """Write a front's ``settings`` on its stdin (a pipe), then close it: the front reads to the end."""
+    if process.stdin is None:  # asyncio types it optional; started with stdin=PIPE, it never is
+        raise RuntimeError(f"front process {process.pid} has no stdin to read its settings from")
+    process.stdin.write(settings)
+    with contextlib.suppress(ConnectionError):
+        await process.stdin.drain()
+    process.stdin.close()
 
 
 async def _first(*waits: object) -> None:

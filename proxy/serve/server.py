@@ -29,7 +29,7 @@ from preprocessors.worker_handle import WorkerStartError
 from proxy.app import build_admin_app, build_app, make_runner
 from proxy.edge.site import GuardedSite
 from proxy.edge.upstream_health import loggable
-from proxy.processes.remote_gate import Link, SharedGate
+from proxy.processes.link import Link
 from proxy.serve.fd_limit import fit_fd_limit
 from proxy.serve.lifecycle import StopSignals
 from proxy.settings import Settings
@@ -95,8 +95,7 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
     app = build_app(settings, link=link, on_gate_lost=lambda: signals(signal.SIGINT),
                     front_index=front.index if front is not None else 0)
     gate = app[BASE].gate
-    if isinstance(gate, SharedGate):
-        gate.start()
+    gate.start()
     runner = make_runner(app)
     try:
         await runner.setup()
@@ -124,9 +123,8 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
         if admin_runner is not None:
             await admin_runner.cleanup()
         raise
+    gate.ready()
     if front is not None:
-        assert isinstance(gate, SharedGate)
-        gate.ready()
         log.info("front process %d ready (pid %d)", front.index, os.getpid())
     else:
         announce(settings, site.port, on_ready)
@@ -136,9 +134,8 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
     await runner.cleanup()
     if admin_runner is not None:
         await admin_runner.cleanup()
-    if isinstance(gate, SharedGate):
-        await gate.close()
-    else:
+    await gate.close()
+    if front is None:
         log.info("mmgate stopped")
 
 

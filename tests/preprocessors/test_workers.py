@@ -27,6 +27,7 @@ from preprocessors.base import AudioPolicy, ImagePolicy, no_checkpoint
 from preprocessors.job import MediaJob, MediaTask, run_task
 from preprocessors.worker_handle import WorkerStartError
 from preprocessors.workers import ProcessPool
+from proxy.admission.client import LocalGate
 from proxy.admission.gate import Gate
 from proxy.settings import PROCESS_MODE_FROM_CPUS, Settings, default_decode_mode
 from proxy.state import STATE
@@ -99,7 +100,9 @@ async def test_a_job_that_never_ends_is_killed_and_its_slot_comes_back_after(ups
                                                                           start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url, **PROCESS, MMGATE_PREPROCESS_TIMEOUT="0.3",
                               MMGATE_MAX_MM_CONCURRENCY="1")
-    gate = proxy.state.gate
+    local = proxy.state.gate
+    assert isinstance(local, LocalGate)  # one process: the Gate itself is watched
+    gate = local.gate
     pid = await started(pool_of(proxy))
     os.kill(pid, signal.SIGSTOP)  # takes its next task and never answers
     seen_at_changes: list[tuple[int, bool]] = []  # (slots in use, worker gone) at every change of the gate

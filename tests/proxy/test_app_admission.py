@@ -14,6 +14,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from proxy.admission.client import GateClient
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
 from testkit.servers import counted
 from tests.conftest import Proxy, StartProxy, Upstream
@@ -42,6 +43,12 @@ async def send(proxy: Proxy, text: str, **extra: object) -> tuple[int, dict, dic
         return response.status, (orjson.loads(body) if body.startswith(b"{") else {}), dict(response.headers)
 
 
+def _line(gate: GateClient) -> tuple[int, int, int]:
+    """The gate's line: bodies still arriving (each holding a place), requests admitted, requests waiting."""
+    counters = gate.counters()
+    return counters.reading, counters.in_use, counters.waiting
+
+
 def arrived_texts(upstream: Upstream) -> list[str]:
     return [orjson.loads(s.body)["messages"][0]["content"][0]["text"] for s in upstream.seen]
 
@@ -63,24 +70,24 @@ async def test_storm(upstream: Upstream, start_proxy: StartProxy) -> None:
     queued = []
     for i in range(3):  # one at a time, so the queue order is known
         queued.append(asyncio.create_task(send(proxy, f"queued{i}")))
-        await eventually(lambda: gate.waiting == i + 1, "queued")  # noqa: B023 (awaited in this iteration)
+        await eventually(lambda: gate.counters().waiting == i + 1, "queued")  # noqa: B023 (awaited in this iteration)
     refused = await asyncio.gather(*(send(proxy, f"refused{i}") for i in range(4)))
     for status, body, headers in refused:
         assert (status, body["error"]["code"], body["error"]["type"]) == (429, "queue_full", "rate_limit_error")
         assert body["error"]["message"] == ("the media queue is full (MMGATE_MAX_QUEUE=3 places): 3 waiting, "
                                             "behind 2 running; retry later")
         assert 1 <= int(headers["Retry-After"]) <= 60
-    assert (gate.in_use, gate.waiting, len(upstream.seen)) == (2, 3, 2)
+    assert (_line(gate), len(upstream.seen)) == ((0, 2, 3), 2)
     for admitted in range(2, 5):  # each finished request lets exactly the next one in
         holds[admitted - 2].set()
         await eventually(lambda: len(holds) == admitted + 1, "next admitted")  # noqa: B023 (awaited here)
-        assert gate.in_use == 2
+        assert gate.counters().in_use == 2
     for event in holds:
         event.set()
     results = await asyncio.gather(*running, *queued)
     assert [status for status, _, _ in results] == [200] * 5
     assert arrived_texts(upstream)[2:] == ["queued0", "queued1", "queued2"]  # FIFO
-    assert (gate.in_use, gate.waiting, gate.bytes_in_use) == (0, 0, 0)
+    assert (_line(gate), gate.counters().bytes_in_use) == ((0, 0, 0), 0)
     assert proxy.state.metrics.rejected.labels("queue_full")._value.get() == 4
 
 
@@ -121,14 +128,15 @@ async def test_byte_budget_admits_by_bytes(upstream: Upstream, start_proxy: Star
         await eventually(lambda: len(upstream.seen) == 1, "first admitted")
         body = orjson.dumps(chat_with_image(data_uri(other, "image/bmp")))
         second = asyncio.create_task(client.post(proxy.url + "/v1/chat/completions", data=body))
-        await eventually(lambda: proxy.state.gate.waiting == 1, "second waits for bytes")
-        assert proxy.state.gate.in_use == 1 and proxy.state.gate.bytes_in_use >= len(half)
+        await eventually(lambda: proxy.state.gate.counters().waiting == 1, "second waits for bytes")
+        assert proxy.state.gate.counters().in_use == 1
+        assert proxy.state.gate.counters().bytes_in_use >= len(half)
         upstream.release.set()
         for task in (first, second):
             response = await task
             assert response.status == 200
             response.release()
-    assert proxy.state.gate.bytes_in_use == 0
+    assert proxy.state.gate.counters().bytes_in_use == 0
 
 
 @pytest.mark.parametrize("release_at", ["sent", "headers", "complete"])
@@ -143,17 +151,18 @@ async def test_release_point_seen_from_upstream(upstream: Upstream, start_proxy:
         upstream_has_body.set()
         assert await response.content.readuntil(b"\n\n") == b"data: first\n\n"
         # The upstream has the body and sent its headers, but has not finished.
-        assert gate.in_use == (1 if release_at == "complete" else 0)
+        assert gate.counters().in_use == (1 if release_at == "complete" else 0)
         upstream.release.set()
         await response.read()
-    await eventually(lambda: gate.in_use == 0, "released at the end")
+    await eventually(lambda: gate.counters().in_use == 0, "released at the end")
 
 
 async def test_auto_release_is_sent_for_non_streaming(upstream: Upstream, proxy: Proxy) -> None:
     hold(upstream)
     task = asyncio.create_task(send(proxy, "non-streaming"))
     await eventually(lambda: len(upstream.seen) == 1, "upstream has the body")
-    await eventually(lambda: proxy.state.gate.in_use == 0, "released once sent")  # while the upstream holds it
+    # released while the upstream still holds the request
+    await eventually(lambda: proxy.state.gate.counters().in_use == 0, "released once sent")
     assert not task.done()
     upstream.release.set()
     assert (await task)[0] == 200
@@ -168,16 +177,16 @@ async def test_disconnect_restores_gate(upstream: Upstream, start_proxy: StartPr
     await eventually(lambda: len(upstream.seen) == 1, "holder admitted")
     if stage == "queued":
         leaver = asyncio.create_task(send(proxy, "leaver"))
-        await eventually(lambda: gate.waiting == 1, "leaver queued")
+        await eventually(lambda: gate.counters().waiting == 1, "leaver queued")
         leaver.cancel()
-        await eventually(lambda: gate.waiting == 0, "queue emptied")
-        assert gate.in_use == 1
+        await eventually(lambda: gate.counters().waiting == 0, "queue emptied")
+        assert gate.counters().in_use == 1
         upstream.release.set()
         assert (await holder)[0] == 200
     else:
         holder.cancel()
         await asyncio.wait_for(upstream.cancelled.wait(), 10)
-    await eventually(lambda: (gate.in_use, gate.waiting, gate.bytes_in_use) == (0, 0, 0), "gate restored")
+    await eventually(lambda: (_line(gate), gate.counters().bytes_in_use) == ((0, 0, 0), 0), "gate restored")
     await asyncio.wait_for(proxy.state.idle.wait(), 10)
 
 
@@ -186,7 +195,7 @@ async def test_text_passes_while_gate_full(upstream: Upstream, start_proxy: Star
     proxy = await start_proxy(upstream.url, MMGATE_MAX_MM_CONCURRENCY="1", MMGATE_MAX_QUEUE="1",
                               MMGATE_RELEASE_AT="complete")
     media = [asyncio.create_task(send(proxy, "a")), asyncio.create_task(send(proxy, "b"))]
-    await eventually(lambda: proxy.state.gate.waiting == 1, "gate full, queue full")
+    await eventually(lambda: proxy.state.gate.counters().waiting == 1, "gate full, queue full")
 
     async def text_answer(request: web.Request) -> web.Response:
         return web.json_response({"text": True})
@@ -256,9 +265,9 @@ async def test_burst_refused_before_its_bodies_are_read(upstream: Upstream, star
     first = 100_000
 
     a = await Upload.start(proxy, media, first)
-    await eventually(lambda: gate.reading == 1, "first body holds a place while arriving")
+    await eventually(lambda: gate.counters().reading == 1, "first body holds a place while arriving")
     b = await Upload.start(proxy, media, first)
-    await eventually(lambda: gate.reading == 2, "second body holds the queue place")
+    await eventually(lambda: gate.counters().reading == 2, "second body holds the queue place")
     c = await Upload.start(proxy, media, first)
     status, headers = await c.answer()  # c has not sent the rest of its body
     assert status == 429 and int(headers["Retry-After"]) >= 1
@@ -270,12 +279,12 @@ async def test_burst_refused_before_its_bodies_are_read(upstream: Upstream, star
 
     await a.finish()
     await b.finish()
-    await eventually(lambda: (gate.reading, gate.in_use, gate.waiting) == (0, 1, 1), "a admitted, b queued")
+    await eventually(lambda: _line(gate) == (0, 1, 1), "a admitted, b queued")
     upstream.release.set()
     assert [(await a.answer())[0], (await b.answer())[0]] == [200, 200]
     for upload in (a, b, c, t):
         upload.writer.close()
-    await eventually(lambda: (gate.reading, gate.in_use, gate.waiting) == (0, 0, 0), "gate empty")
+    await eventually(lambda: _line(gate) == (0, 0, 0), "gate empty")
 
 
 async def test_refused_image_requests_are_counted_logged_and_drawn_as_media(
@@ -295,7 +304,7 @@ async def test_refused_image_requests_are_counted_logged_and_drawn_as_media(
         uploads = [await Upload.start(proxy, body, 100_000) for _ in range(8)]
         answers = [asyncio.create_task(upload.refusal()) for upload in uploads]
         await eventually(lambda: sum(answer.done() for answer in answers) == 2, "two refused at their head")
-        assert (gate.reading, gate.in_use, gate.waiting) == (6, 0, 0)
+        assert _line(gate) == (6, 0, 0)
         refused = [answer.result() for answer in answers if answer.done()]
         for status, error in refused:
             assert (status, error["code"]) == (429, "queue_full")
@@ -310,7 +319,7 @@ async def test_refused_image_requests_are_counted_logged_and_drawn_as_media(
                 upload.writer.close()
         for upload in holding:
             await upload.finish()
-        await eventually(lambda: (gate.reading, gate.in_use, gate.waiting) == (0, 2, 4), "two admitted, four wait")
+        await eventually(lambda: _line(gate) == (0, 2, 4), "two admitted, four wait")
         upstream.release.set()
         assert [(await upload.answer())[0] for upload in holding] == [200] * 6
         for upload in holding:

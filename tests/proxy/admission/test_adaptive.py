@@ -154,7 +154,8 @@ async def test_auto_limit_is_exported_and_holds_the_slot_through_the_answer(upst
         for _ in range(2):
             await upstream.arrived.get()
         # non-streaming, yet the slots stay held while the backend works: the latency it learns from
-        await eventually(lambda: proxy.state.gate.in_use == 2 and proxy.state.gate.waiting == 1, "two held")
+        counters = proxy.state.gate.counters
+        await eventually(lambda: (counters().in_use, counters().waiting) == (2, 1), "two held, one waiting")
         upstream.release.set()
         for post in posts:
             async with await post as response:

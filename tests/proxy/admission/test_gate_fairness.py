@@ -315,9 +315,10 @@ async def test_http_flows_take_turns_and_bands_go_first(upstream: Upstream, star
                 ("burst2", {HEADERS[0]: "burst"}), ("small0", {HEADERS[0]: "small"}),
                 ("vip", {HEADERS[0]: "small", HEADERS[1]: "3"})]
         tasks = [first]
+        counters = proxy.state.gate.counters
         for count, (name, headers) in enumerate(sent, 1):
             tasks.append(asyncio.create_task(post(session, name, headers)))
-            await eventually(lambda count=count: proxy.state.gate.waiting == count, f"{name} queued")  # type: ignore[misc]
+            await eventually(lambda count=count: counters().waiting == count, f"{name} queued")  # type: ignore[misc]
         order = []
         for _ in sent:
             upstream.go.put_nowait(None)  # type: ignore[attr-defined]
@@ -342,7 +343,7 @@ async def test_http_refusal_names_the_flow(upstream: Upstream, start_proxy: Star
         running = asyncio.create_task(post({}))
         await upstream.arrived.get()
         queued = asyncio.create_task(post({HEADERS[0]: "tenant-7"}))
-        await eventually(lambda: proxy.state.gate.waiting == 1, "one queued")
+        await eventually(lambda: proxy.state.gate.counters().waiting == 1, "one queued")
         async with session.post(proxy.url + "/v1/chat/completions", json=body,
                                 headers={HEADERS[0]: "tenant-7"}) as refused:
             error = (await refused.json())["error"]
@@ -382,7 +383,7 @@ async def _queue(proxy: Proxy, tasks: list[asyncio.Task[Any]], post: Coroutine[A
     """Send one more request and wait until it waits in the gate."""
     tasks.append(asyncio.create_task(post))
     count = len(tasks) - 1  # the first one is at the backend
-    await eventually(lambda: proxy.state.gate.waiting == count, f"{count} queued")
+    await eventually(lambda: proxy.state.gate.counters().waiting == count, f"{count} queued")
 
 
 async def _forward_order(upstream: Upstream, forwarded: asyncio.Queue[str], count: int) -> list[str]:

@@ -283,10 +283,10 @@ async def test_a_cache_hit_of_a_fetched_item_costs_nothing_at_the_gate(
         upstream.release.clear()
         sending = asyncio.create_task(post(proxy, chat_with_image(f"{remote.url}/w.png")))
         await arrived.wait()
-        assert (gate.in_use, gate.bytes_in_use) == (1, weighs)
+        assert (gate.counters().in_use, gate.counters().bytes_in_use) == (1, weighs)
         upstream.release.set()
         assert (await sending)[0] == 200
-        await eventually(lambda: gate.in_use == 0, "the lease released")
+        await eventually(lambda: gate.counters().in_use == 0, "the lease released")
     assert await decodes_and_hits(proxy) == (1, 1)
 
 
@@ -355,10 +355,10 @@ async def test_a_url_is_charged_the_per_item_cap_at_admission_before_its_bytes_a
     proxy = await fetching(start_proxy, upstream, MMGATE_MAX_MEDIA_ITEM_MB="3")
     sending = asyncio.create_task(post(proxy, chat_with_image(f"{remote.url}/held")))
     await arrived.wait()
-    assert proxy.state.gate.bytes_in_use == 3 << 20 and proxy.state.gate.in_use == 1
+    assert proxy.state.gate.counters().bytes_in_use == 3 << 20 and proxy.state.gate.counters().in_use == 1
     remote.release.set()
     status, _doc, _h = await sending
-    assert status == 200 and proxy.state.gate.bytes_in_use == 0
+    assert status == 200 and proxy.state.gate.counters().bytes_in_use == 0
 
     # More URLs than the byte budget can charge: 413 from the gate, nothing fetched.
     small = await fetching(start_proxy, upstream, MMGATE_MAX_MEDIA_ITEM_MB="3", MMGATE_MAX_INFLIGHT_MEDIA_MB="5")
@@ -375,9 +375,9 @@ async def test_a_client_that_leaves_mid_fetch_frees_the_gate_and_stops_the_fetch
     proxy = await fetching(start_proxy, upstream)
     leaving = asyncio.create_task(post(proxy, chat_with_image(f"{remote.url}/held")))
     await arrived.wait()
-    assert proxy.state.gate.in_use == 1
+    assert proxy.state.gate.counters().in_use == 1
     leaving.cancel()  # the client hangs up while mmgate waits for the remote
-    await eventually(lambda: proxy.state.gate.in_use == 0
+    await eventually(lambda: proxy.state.gate.counters().in_use == 0
                      and sample(proxy, "mmgate_fetches_total", outcome="cancelled") == 1, "fetch cancelled")
     assert upstream.seen == []
 

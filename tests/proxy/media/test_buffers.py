@@ -108,7 +108,7 @@ async def test_media_released_while_response_still_streams(upstream: Upstream, s
         client = await RawClient.send(proxy.server.port, IMAGE_BODY)
         await asyncio.wait_for(upstream.arrived.get(), 30)  # the upstream has read the whole body
         await client.reader.readuntil(b"data: first\n\n")  # the response is streaming, the upstream holds it open
-        assert proxy.state.gate.in_use == 1  # release_at=complete: the slot is still held, the bytes are not
+        assert proxy.state.gate.counters().in_use == 1  # release_at=complete: the slot is still held, the bytes are not
         assert ledger.owners_total == 1  # the request's body had an owner...
         assert (ledger.bytes_live, owner_count(proxy)) == (0, 0)  # ...which is gone, with its bytes
         leftovers = big_allocations()
@@ -118,7 +118,7 @@ async def test_media_released_while_response_still_streams(upstream: Upstream, s
         client.writer.close()
     finally:
         tracemalloc.stop()
-    await eventually(lambda: proxy.state.gate.in_use == 0, "lease released at completion")
+    await eventually(lambda: proxy.state.gate.counters().in_use == 0, "lease released at completion")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -175,9 +175,9 @@ async def _request_deadline_while_queued(proxy: Proxy, upstream: Upstream) -> in
 
 async def _hang_up_while_queued(proxy: Proxy, upstream: Upstream) -> int:
     async def leave(client: RawClient) -> int:
-        await eventually(lambda: proxy.state.gate.waiting == 1, "second request queued")
+        await eventually(lambda: proxy.state.gate.counters().waiting == 1, "second request queued")
         client.hang_up()
-        await eventually(lambda: proxy.state.gate.waiting == 0, "queued request gone")
+        await eventually(lambda: proxy.state.gate.counters().waiting == 0, "queued request gone")
         return 0
 
     return await _behind_a_held_request(proxy, upstream, leave)
@@ -288,7 +288,8 @@ async def test_nothing_left_after_fault(upstream: Upstream, start_proxy: StartPr
         assert await fault.run(proxy, upstream) == fault.expected
         await eventually(lambda: state.in_flight == 0, "every request ended")
         assert ledger.bytes_live == 0
-        assert (state.gate.in_use, state.gate.waiting, state.gate.bytes_in_use) == (0, 0, 0)
+        counters = state.gate.counters()
+        assert (counters.in_use, counters.waiting, counters.bytes_in_use) == (0, 0, 0)
         assert ledger.owners_total == fault.owners  # the owners existed (so their absence below means something)
         await eventually(lambda: ledger.owners_live == 0, "every buffer owner freed")  # queued jobs may lag
         assert owner_count(proxy) == 0
@@ -314,7 +315,7 @@ async def test_heap_trimmed_once_media_work_goes_idle(upstream: Upstream, start_
     upstream.route(PATH, lambda request: hold_until_released(upstream, request))
     client = await RawClient.send(proxy.server.port, IMAGE_BODY)
     await asyncio.wait_for(upstream.arrived.get(), 30)
-    assert proxy.state.gate.in_use == 1 and not trimmer.pending  # never while media work holds the gate
+    assert proxy.state.gate.counters().in_use == 1 and not trimmer.pending  # never while media work holds the gate
     upstream.release.set()
     assert await client.status() == 200
     await asyncio.wait_for(trimmer.trimmed.wait(), 30)
@@ -326,7 +327,7 @@ async def test_trim_off(upstream: Upstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url, MMGATE_TRIM_IDLE="0")
     client = await RawClient.send(proxy.server.port, SMALL_BODY)
     assert await client.status() == 200
-    await eventually(lambda: proxy.state.gate.in_use == 0, "lease released")
+    await eventually(lambda: proxy.state.gate.counters().in_use == 0, "lease released")
     assert not proxy.state.trimmer.enabled and not proxy.state.trimmer.pending
 
 

@@ -102,7 +102,7 @@ async def test_a_hit_takes_a_slot_but_none_of_the_byte_budget(upstream: Upstream
     task = asyncio.create_task(post(proxy, body))
     await eventually(lambda: len(upstream.seen) == 2, "the hit forwarded")
     gate = proxy.state.gate
-    assert (gate.in_use, gate.bytes_in_use) == (1, 0)
+    assert (gate.counters().in_use, gate.counters().bytes_in_use) == (1, 0)
     upstream.release.set()
     assert (await task)[0] == 200
 
@@ -223,7 +223,7 @@ async def test_concurrent_first_requests_decode_once(upstream: Upstream, start_p
     try:
         leader, waiter = await leader_and_waiter(proxy, body)
         assert (await cache_metrics(proxy))["waiting"] == 1
-        assert proxy.state.gate.in_use == 1  # the waiter holds no slot while it waits
+        assert proxy.state.gate.counters().in_use == 1  # the waiter holds no slot while it waits
     finally:
         blocked.release()
     assert (await leader)[0] == 200 and (await waiter)[0] == 200

@@ -553,7 +553,7 @@ async def test_a_request_over_the_whole_token_budget_is_413_naming_count_and_set
     assert not upstream.seen
     proxy_ok = await start_proxy(upstream.url, MMGATE_MODEL=folder, MMGATE_MAX_INFLIGHT_IMAGE_TOKENS=str(tokens))
     assert (await _post(proxy_ok.url, chat_with_image(data_uri(_png(1900, 1300))))).status == 200
-    assert proxy_ok.state.gate.tokens_in_use == 0
+    assert proxy_ok.state.gate.counters().tokens_in_use == 0
 
 
 async def test_an_aspect_ratio_the_model_refuses_is_400_before_admission(
@@ -563,7 +563,7 @@ async def test_an_aspect_ratio_the_model_refuses_is_400_before_admission(
     assert response.status == 400
     error = (await response.json())["error"]
     assert error["code"] == "image_unsupported_by_model" and error["param"] == "messages[0].content[1]"
-    assert not upstream.seen and proxy.state.gate.in_use == 0
+    assert not upstream.seen and proxy.state.gate.counters().in_use == 0
 
 
 def test_settings_name_the_new_variables() -> None:

@@ -161,7 +161,7 @@ async def test_bad_media_refused_naming_the_part(upstream: Upstream, start_proxy
     assert (got, body["error"]["code"]) == (status, code)
     assert body["error"]["param"] == "messages[0].content[1]"
     assert upstream.seen == []  # nothing forwarded
-    assert proxy.state.gate.in_use == 0
+    assert proxy.state.gate.counters().in_use == 0
 
 
 async def test_non_ascii_base64(upstream: Upstream, proxy: Proxy) -> None:
@@ -211,7 +211,7 @@ async def test_preprocess_timeout_frees_slot_when_work_stopped(upstream: Upstrea
         assert proxy.state.pool.queued == 0  # the item that never started was dropped
     finally:
         blocked.release()
-    await eventually(lambda: proxy.state.gate.in_use == 0, "lease released")
+    await eventually(lambda: proxy.state.gate.counters().in_use == 0, "lease released")
     assert upstream.seen == []
 
 
@@ -227,7 +227,7 @@ async def test_client_disconnect_during_preprocessing_frees_the_pool(upstream: U
                 assert health.status == 200
         task.cancel()
         await eventually(lambda: proxy.state.pool.queued == 0, "queued item dropped")
-        await eventually(lambda: proxy.state.gate.in_use == 0, "lease released")
+        await eventually(lambda: proxy.state.gate.counters().in_use == 0, "lease released")
     finally:
         blocked.release()
     assert proxy.state.pool.stuck == 0 and upstream.seen == []
@@ -265,7 +265,7 @@ async def test_with_header_validation_an_image_its_header_decides_never_waits_fo
         blocked.release()
     assert proxy.state.cache.entries == 0
     assert proxy.state.metrics.media_items.labels("image", "unchanged")._value.get() == 3
-    assert proxy.state.gate.in_use == 0
+    assert proxy.state.gate.counters().in_use == 0
 
 
 @pytest.mark.parametrize(("setting", "value"), [("MMGATE_VALIDATE", "full"), ("MMGATE_RESIZE_MAX_SIDE", "100")])
@@ -294,6 +294,6 @@ async def test_a_header_refusal_on_the_loop_is_the_same_as_the_pools(upstream: U
         proxy = await start_proxy(upstream.url, MMGATE_MAX_MEDIA_ITEM_MB="1", MMGATE_VALIDATE=validate)
         got, body = await post(proxy.url + "/v1/chat/completions", chat_with_image(uri))
         answers.append((got, body["error"]["code"], body["error"]["param"]))
-        assert proxy.state.gate.in_use == 0
+        assert proxy.state.gate.counters().in_use == 0
     assert answers == [(status, code, "messages[0].content[1]")] * 2
     assert upstream.seen == []

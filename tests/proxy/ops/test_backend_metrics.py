@@ -144,7 +144,7 @@ async def test_merged_metrics_count_media_waiting_in_mmgate(upstream: Upstream, 
     async with aiohttp.ClientSession() as session:
         tasks = await _hold_media(session, proxy.url, 3)
         await upstream.arrived.get()  # one request reached the backend, holding the only slot
-        await eventually(lambda: proxy.state.gate.waiting == 2, "two media requests queued in mmgate")
+        await eventually(lambda: proxy.state.gate.counters().waiting == 2, "two media requests queued in mmgate")
         async with session.get(proxy.url + "/metrics") as response:
             assert response.status == 200
             merged = await response.read()
@@ -223,7 +223,7 @@ scrape_configs:
             async with aiohttp.ClientSession() as session:
                 tasks = await _hold_media(session, proxy.url, 4)
                 await upstream.arrived.get()
-                await eventually(lambda: proxy.state.gate.waiting == 3, "three media requests queued")
+                await eventually(lambda: proxy.state.gate.counters().waiting == 3, "three media requests queued")
                 query = f"http://127.0.0.1:{web_port}/api/v1/query"
                 value = None
                 for _attempt in range(600):  # Prometheus starts, then scrapes every second

@@ -385,13 +385,13 @@ async def test_dashboard_draws_the_adaptive_limit_as_it_moves(page: Any) -> None
         assert await page.text_content('[data-testid="gate-limit"]') == "1"
         async with aiohttp.ClientSession() as client:
             for _ in range(100):  # quick answers at a steady latency, with demand at the limit: it grows
-                limit = servers.state.gate.limit
+                limit = servers.state.gate.counters().limit
                 statuses = await asyncio.gather(*(_post(client, servers.proxy_url, media=True)
                                                   for _ in range(2 * limit)))
                 assert set(statuses) == {200}
-                if servers.state.gate.limit >= 2:
+                if servers.state.gate.counters().limit >= 2:
                     break
-        grown = servers.state.gate.limit
+        grown = servers.state.gate.counters().limit
         assert grown >= 2
         await page.wait_for_function(f"() => {_value('gate-limit')} >= 2", timeout=PAGE_TIMEOUT_MS)
         assert await page.evaluate("window.mmgateDashboard.failures") == 0

@@ -123,7 +123,7 @@ async def test_health_answers_while_a_long_string_walk_is_under_way(upstream: Up
             if state.in_flight and not state.reading:
                 async with client.get(proxy.url + "/mmgate/health") as health:
                     assert health.status == 200
-                if state.in_flight and not state.reading and not state.gate.in_use:  # read, not yet admitted
+                if state.in_flight and not state.reading and not state.gate.counters().in_use:  # read, not yet admitted
                     answered_during_walk += 1
             else:
                 await asyncio.sleep(0)

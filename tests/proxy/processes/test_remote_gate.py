@@ -1,4 +1,4 @@
-"""The gate shared by several front processes: a front's SharedGate and the supervisor's GateServer over a
+"""The gate shared by several front processes: a front's RemoteGate and the supervisor's GateServer over a
 real Unix socket pair, in this process. Grants and cancels that cross on the socket leak nothing, and no side
 waits on a silent other without a deadline."""
 
@@ -12,23 +12,50 @@ import pytest
 
 from preprocessors.errors import MmgateError
 from preprocessors.job import Verdict
+from proxy.admission.client import GateCounters
 from proxy.admission.flows import Flow
 from proxy.admission.gate import Gate
 from proxy.processes.gate_server import GateServer
-from proxy.processes.remote_gate import Link, SharedGate, verdict_to_wire
+from proxy.processes.link import (
+    Acquire,
+    Admitted,
+    AskCounters,
+    Cancel,
+    Counted,
+    Found,
+    Link,
+    Lookup,
+    Message,
+    Placed,
+    Ready,
+    Release,
+    TakePlace,
+    Unplace,
+    WaitCancelled,
+    verdict_to_wire,
+)
+from proxy.processes.remote_gate import RemoteGate
 from proxy.serve.lifecycle import Lifecycle
 
 POLLS = 600  # bounded polls of the gate's counters, 10 ms apart: far more than a message over the socket needs
 
 
-async def _gate_over_a_socket_pair(limit: int, max_queue: int, byte_budget: int = 0) -> tuple[Gate, SharedGate]:
-    """The supervisor's side (a Gate behind a GateServer) and a front's (a SharedGate), in this process, over a
+def _remote(link: Link, limit: int, answer_timeout: float = 10.0) -> RemoteGate:
+    return RemoteGate(link, limit, lambda counters: None, Lifecycle(), report=dict, on_lost=lambda: None,
+                      answer_timeout=answer_timeout)
+
+
+def _counters(in_use: int = 0, reading: int = 0) -> GateCounters:
+    return GateCounters(in_use, 0, reading, in_use, in_use, 0, 1)
+
+
+async def _gate_over_a_socket_pair(limit: int, max_queue: int, byte_budget: int = 0) -> tuple[Gate, RemoteGate]:
+    """The supervisor's side (a Gate behind a GateServer) and a front's (a RemoteGate), in this process, over a
     real Unix socket pair."""
     gate = Gate(limit, byte_budget, max_queue)
     server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     task = asyncio.create_task(GateServer(gate).serve(0, server_end, asyncio.Event()))
-    shared = SharedGate(await Link.over(front_end), limit, byte_budget, max_queue, lambda gate: None, Lifecycle(), 0, 0,
-                        report=dict, on_lost=lambda: None)
+    shared = _remote(await Link.over(front_end), limit)
     shared.start()
     shared.serving = task  # type: ignore[attr-defined]  # kept referenced for the test's length
     return gate, shared
@@ -67,16 +94,15 @@ async def test_a_grant_read_before_the_cancelled_wait_runs_again_is_given_back()
     by the test over the real socket pair, so the order of the two is the test's own."""
     server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     supervisor = await Link.over(server_end)
-    shared = SharedGate(await Link.over(front_end), 1, 0, 4, lambda gate: None, Lifecycle(), 0, 0,
-                        report=dict, on_lost=lambda: None)
+    shared = _remote(await Link.over(front_end), 1)
     waiting = asyncio.create_task(shared.acquire(1, 30))
     asked = await supervisor.receive()
-    assert asked is not None and asked[0] == "acquire"
+    assert isinstance(asked, Acquire)
     waiting.cancel()
-    shared._answered(["ok", asked[1], 42, [1, 0, 0, 1, 1, 0, 1]])  # the reader runs before the task does
+    shared._answered(Admitted(asked.rid, _counters(in_use=1), 42))  # the reader runs before the task does
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    assert await supervisor.receive() == ["release", 42]
+    assert await supervisor.receive() == Release(42)
     supervisor.close()
     await shared.close()
 
@@ -99,7 +125,7 @@ async def test_a_flow_crosses_the_socket_whole() -> None:
     held = await shared.acquire(1, 30)
     waiting = [asyncio.create_task(shared.acquire(1, 30, flow=flow))
                for flow in (Flow(client="192.0.2.7"), Flow("192.0.2.7", 2))]
-    place = await shared.take_shared_place(Flow(client="192.0.2.8"))
+    place = await shared.take_place(Flow(client="192.0.2.8"))
     await _until(lambda: gate.waiting == 2, "both queued")
     assert sorted(gate._bands) == [0, 2] and list(gate._bands[0]) == [("", "192.0.2.7")]
     assert list(gate._bands[2]) == [("192.0.2.7", "")] and list(gate._reading_by_flow) == [("", "192.0.2.8")]
@@ -115,7 +141,7 @@ async def test_a_wait_cancelled_before_it_began_gives_its_place_back() -> None:
     """The front sends acquire (with the place its body held) and, its client gone at once, cancel: both
     reach the gate in one read, before the wait has run. The place is given back all the same."""
     gate, shared = await _gate_over_a_socket_pair(limit=1, max_queue=4)
-    place = await shared.take_shared_place()
+    place = await shared.take_place()
     await _until(lambda: gate.reading == 1, "the place held at the gate")
     waiting = asyncio.create_task(shared.acquire(1, 30, place))
     await asyncio.sleep(0)  # the acquire is written ...
@@ -124,6 +150,23 @@ async def test_a_wait_cancelled_before_it_began_gives_its_place_back() -> None:
         await waiting
     await _until(lambda: (gate.reading, gate.in_use, gate.waiting) == (0, 0, 0), "place and slot given back")
     await shared.close()
+
+
+async def test_a_wait_called_off_is_answered_without_a_refusal() -> None:
+    """A front's request gives up waiting at the gate: the gate ends the wait and says so, with no status of its
+    own (nobody is told: the front's request is gone)."""
+    gate = Gate(1, 0, 4)
+    held = await gate.acquire(1, 30)
+    server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    serving = asyncio.create_task(GateServer(gate).serve(0, server_end, asyncio.Event()))
+    front = await Link.over(front_end)
+    front.send(Acquire(5, 1, 30, None, 0, Flow()))
+    await _until(lambda: gate.waiting == 1, "the wait at the gate")
+    front.send(Cancel(5))
+    assert await _next(front) == WaitCancelled(5, GateCounters(1, 0, 0, 1, 1, 0, 1))
+    held.release()
+    front.close()
+    await serving
 
 
 async def test_a_lease_lowered_at_a_front_gives_its_bytes_back_at_the_supervisors_gate() -> None:
@@ -144,20 +187,19 @@ async def test_a_lease_lowered_at_a_front_gives_its_bytes_back_at_the_supervisor
     await shared.close()
 
 
-async def _next(link: Link) -> list[Any]:
+async def _next(link: Link) -> Message:
     """The next message on ``link``, which must come."""
     message = await link.receive()
     assert message is not None
     return message
 
 
-async def _front_and_a_silent_gate(answer_timeout: float) -> tuple[Link, SharedGate]:
-    """A front's SharedGate over a real socket pair whose other end (the supervisor's) the test plays: it
+async def _front_and_a_silent_gate(answer_timeout: float) -> tuple[Link, RemoteGate]:
+    """A front's RemoteGate over a real socket pair whose other end (the supervisor's) the test plays: it
     answers only when the test says so, as a hung supervisor would not."""
     server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     supervisor = await Link.over(server_end)
-    shared = SharedGate(await Link.over(front_end), 1, 0, 4, lambda gate: None, Lifecycle(), 0, 0,
-                        report=dict, on_lost=lambda: None, answer_timeout=answer_timeout)
+    shared = _remote(await Link.over(front_end), 1, answer_timeout)
     shared.start()
     return supervisor, shared
 
@@ -165,15 +207,15 @@ async def _front_and_a_silent_gate(answer_timeout: float) -> tuple[Link, SharedG
 async def test_a_place_the_gate_does_not_answer_is_503_and_a_late_grant_is_given_back() -> None:
     supervisor, shared = await _front_and_a_silent_gate(answer_timeout=0.2)
     with pytest.raises(MmgateError) as refused:
-        await shared.take_shared_place()
+        await shared.take_place()
     assert (refused.value.status, refused.value.code) == (503, "gate_unavailable")
     assert refused.value.headers["Retry-After"]
     asked = await _next(supervisor)
-    assert asked[0] == "place"
+    assert isinstance(asked, TakePlace)
     assert not await shared.reachable(0.2)  # what /mmgate/ready asks
-    supervisor.send(["ok", asked[1], 7, [0, 0, 1, 0, 0, 0, 1]])  # the gate, resumed, grants it after all
-    assert (await _next(supervisor))[0] == "counters"  # reachable's question
-    assert await supervisor.receive() == ["unplace", 7]
+    supervisor.send(Placed(asked.rid, _counters(reading=1), 7))  # the gate, resumed, grants it after all
+    assert isinstance(await _next(supervisor), AskCounters)  # reachable's question
+    assert await supervisor.receive() == Unplace(7)
     supervisor.close()
     await shared.close()
 
@@ -188,15 +230,16 @@ async def test_a_wait_at_a_silent_gate_ends_503_before_its_queue_timeout_and_a_l
             await shared.acquire(1, 3600)
     assert (refused.value.status, refused.value.code) == (503, "gate_unavailable")
     asked = [await _next(supervisor) for _ in range(3)]
-    assert [message[0] for message in asked] == ["acquire", "counters", "cancel"]
-    supervisor.send(["ok", asked[0][1], 9, [1, 0, 0, 0, 0, 0, 1]])
-    assert await supervisor.receive() == ["release", 9]
+    assert [type(message) for message in asked] == [Acquire, AskCounters, Cancel]
+    assert isinstance(asked[0], Acquire)
+    supervisor.send(Admitted(asked[0].rid, _counters(in_use=1), 9))
+    assert await supervisor.receive() == Release(9)
     supervisor.close()
     await shared.close()
 
 
 async def test_a_peer_that_leaves_a_lookup_unanswered_is_not_asked_again_until_it_speaks() -> None:
-    """Two fronts at one gate: the asking one (a SharedGate) and a hung peer, played by the test over its own
+    """Two fronts at one gate: the asking one (a RemoteGate) and a hung peer, played by the test over its own
     socket pair. A miss asks the peer once; the next miss does not wait on it; once the peer speaks again it
     is asked again, and its answer is the asking front's."""
     server = GateServer(Gate(4, 0, 4))
@@ -206,27 +249,26 @@ async def test_a_peer_that_leaves_a_lookup_unanswered_is_not_asked_again_until_i
         server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         serving.append(asyncio.create_task(server.serve(index, server_end, asyncio.Event())))
         ends.append(front_end)
-    shared = SharedGate(await Link.over(ends[0]), 4, 0, 4, lambda gate: None, Lifecycle(), 0, 0,
-                        report=dict, on_lost=lambda: None)
+    shared = _remote(await Link.over(ends[0]), 4)
     shared.start()
     peer = await Link.over(ends[1])
     shared.ready()
-    peer.send(["ready"])
+    peer.send(Ready())
     await _until(lambda: server.fronts == 2, "both fronts at the gate")
     await shared.refresh()  # the asking front's "ready" has been read
-    peer.send(["counters", 1])
-    assert (await _next(peer))[:2] == ["ok", 1]  # and the peer's
+    peer.send(AskCounters(1))
+    assert (await _next(peer)) == Counted(1, GateCounters(0, 0, 0, 0, 0, 0, 4))  # and the peer's
     key = bytes(32)
     assert await shared.peer_verdicts([key]) == {}  # the peer never answered
-    assert (await _next(peer))[0] == "lookup"
+    assert isinstance(await _next(peer), Lookup)
     assert await shared.peer_verdicts([key]) == {}
-    peer.send(["counters", 2])  # the peer speaks: the next message it gets is the answer, no second lookup
-    assert (await _next(peer))[:2] == ["ok", 2]
+    peer.send(AskCounters(2))  # the peer speaks: the next message it gets is the answer, no second lookup
+    assert isinstance(await _next(peer), Counted)
     asking = asyncio.create_task(shared.peer_verdicts([key]))
     lookup = await _next(peer)
-    assert lookup[0] == "lookup"
+    assert isinstance(lookup, Lookup) and lookup.keys == [key.hex()]
     verdict = Verdict(3, 3, b"image/png", b"image/png", None, None, None)
-    peer.send(["found", lookup[1], {key.hex(): verdict_to_wire(verdict)}])
+    peer.send(Found(lookup.qid, {key.hex(): verdict_to_wire(verdict)}))
     assert await asking == {key: verdict}
     peer.close()
     await shared.close()

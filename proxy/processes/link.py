@@ -1,0 +1,321 @@
+"""The link between a front process and the shared gate (``processes.remote_gate``): one Unix socket pair per
+front, framed messages, one class per message.
+
+A frame is a 4-byte big-endian length, then an orjson array: the message's ``TAG``, then its fields in order (a
+``Flow`` and the ``GateCounters`` as arrays of theirs). Both ends are the same program, so the wire needs no
+versions; a frame that does not decode is a fault, and ends the link like a closed socket.
+
+front -> gate: ``Ready`` (the front listens); ``TakePlace`` and ``Acquire`` (``Gate.take_place``, ``acquire``;
+an ``Acquire`` names the place it turns into a queue entry); ``Cancel`` (the request gave up waiting);
+``Unplace``, ``Release``, ``HandedOff``, ``Lower`` (what a place or a lease does, never answered); ``Collect``
+(every front's metrics, merged); ``AskCounters``; ``Peek`` (which cache entries another front holds); and the
+answers to the gate's questions: ``Report``, ``Found``, ``Pong``.
+
+gate -> front: the answer to each question, with the gate's counters after it (the front mirrors them in its
+gauges): ``Placed``, ``Admitted``, ``Counted``, ``Collected``, ``Peeked``; ``Refused`` (a refusal from the
+error registry, rebuilt at the front as the very error the gate raised) or ``WaitCancelled`` (a wait the front
+called off, or that ended with the front: no refusal, nobody to tell); and its own questions: ``AskReport``,
+``Lookup``, ``Ping`` (answered by the front's event loop: the supervisor's watchdog).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import orjson
+
+from preprocessors.errors import REGISTRY, MmgateError, rebuild
+from preprocessors.job import Refusal, Verdict
+from proxy.admission.client import GateCounters
+from proxy.admission.flows import Flow
+
+# Seconds a front has to answer ``AskReport``; one that does not counts with its last report and is not asked
+# again until it answers a ping.
+REPORT_TIMEOUT = 2.0
+# Seconds the other fronts have to say which cache entries they hold: a busy front's answer may come later
+# than a decode would take, and then the asking front decodes.
+PEER_TIMEOUT = 0.5
+
+_LENGTH = struct.Struct(">I")
+MAX_FRAME = 64 << 20  # a report of every metric series is well under this; anything bigger is a fault
+
+WireVerdict = list[Any]
+
+
+# --- front -> gate ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    TAG: ClassVar[str] = "ready"
+
+
+@dataclass(frozen=True, slots=True)
+class TakePlace:
+    TAG: ClassVar[str] = "place"
+    rid: int
+    flow: Flow
+
+
+@dataclass(frozen=True, slots=True)
+class Acquire:
+    TAG: ClassVar[str] = "acquire"
+    rid: int
+    cost: int
+    timeout: float
+    place: int | None  # the place this request held while its body arrived
+    tokens: int
+    flow: Flow
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    TAG: ClassVar[str] = "cancel"
+    rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unplace:
+    TAG: ClassVar[str] = "unplace"
+    place: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    TAG: ClassVar[str] = "release"
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class HandedOff:
+    TAG: ClassVar[str] = "handed_off"
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lower:
+    """``Lease.lower``: the lease weighs ``cost`` bytes from now on."""
+
+    TAG: ClassVar[str] = "lower"
+    lease: int
+    cost: int
+
+
+@dataclass(frozen=True, slots=True)
+class Collect:
+    TAG: ClassVar[str] = "collect"
+    rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class AskCounters:
+    TAG: ClassVar[str] = "counters"
+    rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Peek:
+    TAG: ClassVar[str] = "peek"
+    rid: int
+    keys: list[str]  # cache keys, in hex
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    TAG: ClassVar[str] = "report"
+    qid: int
+    report: dict[str, Any]  # ``merged_metrics.report_of``
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    TAG: ClassVar[str] = "found"
+    qid: int
+    held: dict[str, WireVerdict]  # hex key -> the verdict this front's cache holds
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    TAG: ClassVar[str] = "pong"
+    qid: int
+
+
+# --- gate -> front ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    TAG: ClassVar[str] = "placed"
+    rid: int
+    counters: GateCounters
+    place: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    TAG: ClassVar[str] = "admitted"
+    rid: int
+    counters: GateCounters
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    TAG: ClassVar[str] = "counted"
+    rid: int
+    counters: GateCounters
+
+
+@dataclass(frozen=True, slots=True)
+class Collected:
+    TAG: ClassVar[str] = "collected"
+    rid: int
+    counters: GateCounters
+    merged: dict[str, Any]  # ``merged_metrics.merge_reports``
+
+
+@dataclass(frozen=True, slots=True)
+class Peeked:
+    TAG: ClassVar[str] = "peeked"
+    rid: int
+    counters: GateCounters
+    found: dict[str, WireVerdict]
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The gate's refusal, as the registry knows it (a pair it does not know is no message)."""
+
+    TAG: ClassVar[str] = "refused"
+    rid: int
+    counters: GateCounters
+    status: int
+    code: str
+    message: str
+    headers: dict[str, str]
+
+    def __post_init__(self) -> None:
+        if (self.status, self.code) not in REGISTRY:
+            raise ValueError(f"{self.status} {self.code} is not in the error registry")
+
+    @classmethod
+    def of(cls, rid: int, error: MmgateError, counters: GateCounters) -> Refused:
+        return cls(rid, counters, error.status, error.code, error.message, error.headers)
+
+    def error(self) -> MmgateError:
+        return rebuild(self.status, self.code, self.message, headers=self.headers)
+
+
+@dataclass(frozen=True, slots=True)
+class WaitCancelled:
+    TAG: ClassVar[str] = "cancelled"
+    rid: int
+    counters: GateCounters
+
+
+@dataclass(frozen=True, slots=True)
+class AskReport:
+    TAG: ClassVar[str] = "ask_report"
+    qid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    TAG: ClassVar[str] = "lookup"
+    qid: int
+    keys: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    TAG: ClassVar[str] = "ping"
+    qid: int
+
+
+ToGate = (Ready | TakePlace | Acquire | Cancel | Unplace | Release | HandedOff | Lower | Collect | AskCounters | Peek
+          | Report | Found | Pong)
+Answer = Placed | Admitted | Counted | Collected | Peeked | Refused | WaitCancelled
+ToFront = Answer | AskReport | Lookup | Ping
+Message = ToGate | ToFront
+MESSAGES: dict[str, type[Message]] = {
+    kind.TAG: kind for kind in (
+        Ready, TakePlace, Acquire, Cancel, Unplace, Release, HandedOff, Lower, Collect, AskCounters, Peek, Report,
+        Found, Pong, Placed, Admitted, Counted, Collected, Peeked, Refused, WaitCancelled, AskReport, Lookup, Ping)
+}
+# Fields that travel as arrays of their own fields, by their annotation.
+_NESTED: dict[str, Callable[[Any], Any]] = {"Flow": lambda wire: Flow(*wire),
+                                            "GateCounters": lambda wire: GateCounters(*wire)}
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, Flow):
+        return [value.id, value.band, value.client]
+    if isinstance(value, GateCounters):
+        return list(value)
+    return value
+
+
+def encode(sent: Message) -> bytes:
+    return orjson.dumps([sent.TAG, *(_to_wire(getattr(sent, field.name)) for field in fields(sent))])
+
+
+def decode(data: bytes) -> Message:
+    """The message ``data`` holds; ValueError or TypeError if it holds none."""
+    wire = orjson.loads(data)
+    kind = MESSAGES.get(wire[0]) if isinstance(wire, list) and wire and isinstance(wire[0], str) else None
+    if kind is None:
+        raise ValueError("not a message")
+    return kind(*(_NESTED[str(field.type)](value) if str(field.type) in _NESTED else value
+                  for field, value in zip(fields(kind), wire[1:], strict=True)))
+
+
+class Link:
+    """One end of a front's socket pair: messages written at once, read by ``receive``."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def over(cls, sock: socket.socket) -> Link:
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        return cls(reader, writer)
+
+    def send(self, sent: Message) -> None:
+        if self.writer.is_closing():
+            return
+        data = encode(sent)
+        self.writer.write(_LENGTH.pack(len(data)) + data)
+
+    async def receive(self) -> Message | None:
+        """The next message, or None once the other end is gone (or sent what is no message)."""
+        try:
+            head = await self.reader.readexactly(_LENGTH.size)
+            (length,) = _LENGTH.unpack(head)
+            if length > MAX_FRAME:
+                raise ValueError(f"a frame of {length} bytes")
+            return decode(await self.reader.readexactly(length))
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError, TypeError):
+            return None
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def verdict_to_wire(verdict: Verdict) -> WireVerdict:
+    refusal = verdict.refusal
+    return [verdict.size_in, verdict.size_out, verdict.sniffed_mime.decode("latin-1"), verdict.mime.decode("latin-1"),
+            verdict.encoded.decode("latin-1") if verdict.encoded is not None else None,
+            [refusal.status, refusal.code, refusal.message] if refusal is not None else None,
+            list(verdict.video) if verdict.video is not None else None]
+
+
+def verdict_from_wire(wire: WireVerdict) -> Verdict:
+    size_in, size_out, sniffed, mime, encoded, refusal, video = wire
+    return Verdict(size_in, size_out, sniffed.encode("latin-1"), mime.encode("latin-1"),
+                   encoded.encode("latin-1") if encoded is not None else None,
+                   Refusal(*refusal) if refusal is not None else None,
+                   (video[0], video[1], video[2]) if video is not None else None)
