@@ -266,7 +266,7 @@ def build_app(settings: Settings, *, admin: bool | None = None,
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
-    """The runner ``mmgate serve`` and the tests listen with (through ``connections.GuardedSite``)."""
+    """The runner ``mmgate serve`` and the tests listen with (through ``site.GuardedSite``)."""
     # drain() already waited for in-flight requests; the runner's own shutdown wait is only for stragglers,
     # so the whole stop stays within MMGATE_DRAIN_GRACE + MMGATE_DRAIN_TIMEOUT (+1 s).
     return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,

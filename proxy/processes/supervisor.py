@@ -12,7 +12,7 @@ connections, bodies, decoding with its share of the decode workers, the cache, f
   the link its event loop must answer: two pings in a row unanswered, each given half of MMGATE_PROCESS_TIMEOUT,
   and it is killed (SIGKILL), what it held given back at once, and replaced. Two, so that a supervisor that
   was itself stopped a while does not take the answer still unread on its socket for silence.
-- SIGTERM / SIGINT are passed to every front, which drains as a single process does (``cli.drain``: its
+- SIGTERM / SIGINT are passed to every front, which drains as a single process does (``server.drain``: its
   streams finish); the supervisor waits for all of them, kills any still running after
   MMGATE_DRAIN_GRACE + MMGATE_DRAIN_TIMEOUT + ``STOP_MARGIN``, and exits 0 when every front did.
 - A front that fails before it is ready (bad model, a decode worker that cannot start) stops mmgate with
