@@ -4,8 +4,9 @@ What exists without an event loop is built with the app (``build_state``: settin
 policies) and stored under ``state.BASE``. The resources live in ``cleanup_ctx`` (created on start-up, closed
 on shutdown, in reverse order): ``_resources`` builds the upstream ClientSession, the fetch client, the decode
 pool (its workers started and ready; its worker processes killed and reaped at shutdown) and the media cache,
-each closed where it was built, and stores the complete ``AppState`` under ``state.STATE``; then the upstream
-watcher, the event-loop lag watcher and the idle trimmer.
+each closed where it was built, and the media step that works with them (``step.MediaStage``), and stores
+the complete ``AppState`` under ``state.STATE``; then the upstream watcher, the event-loop lag watcher and the
+idle trimmer.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from proxy.fetch.fetcher import FETCH_OUTCOMES, Fetcher, FetchLimits
 from proxy.fetch.policy import AddressPolicy, CheckedResolver, HostPolicy
 from proxy.media.cache import MediaCache, NoCache, VerdictCache, settings_fingerprint
 from proxy.media.model import Model, load_model
+from proxy.media.step import MediaStage, Policies
 from proxy.ops.admin import add_admin_routes, probe_upstream
 from proxy.ops.backend_metrics import METRICS_PATH, merged_metrics
 from proxy.ops.dashboard_stats import rss_bytes
@@ -153,7 +155,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         cache = _media_cache(base)
         resources.callback(cache.close)
         pool = make_pool(base.settings, base.metrics, base.image_policy)
-        app[STATE] = state = AppState.completing(base, session=session, pool=pool, cache=cache, fetcher=fetcher)
+        app[STATE] = state = AppState.completing(base, session=session,
+                                                 media=_media_stage(base, pool, cache, fetcher))
         # the pool the state holds at shutdown: a bench may have swapped in its own (testkit.variants)
         resources.callback(lambda: state.pool.shutdown())
         metrics = state.metrics
@@ -163,8 +166,16 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         # media request is as fast as the next, and a worker that cannot start stops mmgate here (the state
         # stays, so what the failed start left can be inspected; nothing is served).
         await asyncio.to_thread(pool.start)
-        warm_up_request_path(state)
+        warm_up_request_path(state.media, state.plan_limits)
         yield
+
+
+def _media_stage(base: AppBase, pool: DecodePool, cache: VerdictCache, fetcher: Fetcher | None) -> MediaStage:
+    """The media step of every request, with what it works with."""
+    settings = base.settings
+    policies = Policies(settings.limits.max_media_item_bytes, base.image_policy, base.audio_policy, base.video_policy)
+    return MediaStage(cache, pool, base.gate, fetcher, base.metrics, policies, settings.timeouts.queue_timeout,
+                      settings.timeouts.preprocess_timeout, base.model)
 
 
 @contextlib.asynccontextmanager

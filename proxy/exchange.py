@@ -14,9 +14,9 @@ from aiohttp import web
 from proxy.admission.client import GateLease, GatePlace
 from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.media.buffers import MediaBuffer
-from proxy.ops.metrics import Stopwatch, server_timing
+from proxy.media.model import Model
+from proxy.ops.metrics import Metrics, Stopwatch, server_timing
 from proxy.payload.dialects import Dialect, Route
-from proxy.state import AppState
 
 log = logging.getLogger("mmgate.access")
 
@@ -44,8 +44,8 @@ class Exchange:
     code: str = ""
     watch: Stopwatch = field(default_factory=Stopwatch)
     response: web.StreamResponse | None = None  # set once the headers went out: a refusal can only end it then
-    place: GatePlace | None = None  # held while a big media body is still arriving
-    lease: GateLease | None = None
+    place: GatePlace | None = None  # held while a big media body is still arriving (the gate's admission uses it up)
+    lease: GateLease | None = None  # the media step's admission
     flow: Flow = DEFAULT_FLOW  # media routes: the fairness and priority headers' flow
     media: weakref.ref[MediaBuffer] | None = None  # weak: the payload is the owner's only strong holder
     bytes_in: int = 0
@@ -101,17 +101,18 @@ def loggable(text: str, limit: int = 512) -> str:
     return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
-def record(state: AppState, ex: Exchange, request: web.Request) -> None:
-    """Count the finished request and write its access log line."""
+def record(metrics: Metrics, access_log: bool, model: Model | None, ex: Exchange, request: web.Request) -> None:
+    """Count the finished request and, with ``access_log`` (MMGATE_ACCESS_LOG), write its access log line
+    (with ``model``, MMGATE_MODEL's, its image and video tokens)."""
     status = ex.status or (ex.response.status if ex.response is not None else 0)
     duration = ex.watch.elapsed()
-    m = state.metrics
+    m = metrics
     m.child(m.requests, ex.route, ex.kind, str(status)).inc()
     m.child(m.request_duration, ex.route, ex.kind).observe(duration)
     for stage, seconds in ex.watch.stages.items():
         m.child(m.stage_duration, stage).observe(seconds)
     m.child(m.stage_duration, "total").observe(duration)
-    if state.settings.logs.access_log:
+    if access_log:
         fields = {
             "request_id": ex.request_id, "method": request.method, "path": request.path, "route": ex.route,
             "kind": ex.kind, "status": status, "code": ex.code or None, "duration_ms": round(duration * 1000, 2),
@@ -119,9 +120,9 @@ def record(state: AppState, ex: Exchange, request: web.Request) -> None:
             "bytes_in": ex.bytes_in, "media_in": ex.media_in, "media_out": ex.media_out,
             "fetched": ex.fetched,
         }
-        if state.model is not None:
+        if model is not None:
             fields["image_tokens"] = ex.image_tokens
-            if state.model.counts_video:
+            if model.counts_video:
                 fields["video_tokens"] = ex.video_tokens
         log.info("%s %s %s %s %s %.1fms %s", ex.request_id, request.method, loggable(request.path), status, ex.kind,
                  duration * 1000, ex.code or "-", extra={"fields": fields})

@@ -27,30 +27,22 @@ from preprocessors.errors import (
     UpstreamError,
     draining,
 )
-from preprocessors.job import MediaTask, judge_head
+from preprocessors.job import judge_head
 from proxy.admission.flows import flow_for
 from proxy.edge.body import HEAD_BYTES, joined, read_body
-from proxy.edge.connections import GuardedConnection
+from proxy.edge.connections import ConnectionGuard, GuardedConnection
 from proxy.edge.paths import Target, is_allowed, normalise_target
 from proxy.edge.refusals import internal_error, refuse
-from proxy.edge.upstream import (
-    OneShotBody,
-    close_upstream,
-    open_upstream,
-    relay_body,
-    relay_head,
-    request_id_for,
-    upstream_headers,
-)
+from proxy.edge.upstream import close_upstream, open_upstream, relay_body, relay_head, request_id_for
 from proxy.edge.upstream_health import upstream_down
 from proxy.exchange import CLIENT_CLOSED, Exchange, record
 from proxy.media.buffers import MediaBuffer
 from proxy.media.model import Model
-from proxy.media.outcomes import count_urls
-from proxy.media.step import run_media_step
+from proxy.media.step import MediaStage
 from proxy.media.tokens import plan_image_tokens
+from proxy.ops.metrics import Metrics
 from proxy.payload.dialects import dialect_for_path, route_for
-from proxy.payload.locate import Plan, chunks_may_contain_media, may_contain_media, plan_media, plan_steps
+from proxy.payload.locate import Limits, Plan, chunks_may_contain_media, may_contain_media, plan_media, plan_steps
 from proxy.payload.rawjson import Steps, splice
 from proxy.state import STATE, AppState
 
@@ -91,7 +83,7 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
     finally:
         ex.let_go()
         state.request_finished()
-        record(state, ex, request)
+        record(state.metrics, state.settings.logs.access_log, state.model, ex, request)
 
 
 async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.StreamResponse:
@@ -108,7 +100,7 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     on_head = partial(_take_place_for_media, state, ex) if ex.route != "other" else None
     state.traffic.reading += 1
     try:
-        with state.pacer.upload(_big_upload(request, state)):
+        with state.pacer.upload(_big_upload(request, state.connections)):
             chunks = await read_body(request, settings.limits.max_body_bytes, settings.timeouts.body_read_timeout,
                                      on_head)
     finally:
@@ -128,7 +120,7 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
         del media
     del chunks
     if ex.place is not None:  # the body held no media after all: give the place back before forwarding
-        ex.place.release()
+        ex.place.release()  # (nothing when the media step's admission used it)
 
     # Where the gate lease ends (MMGATE_RELEASE_AT; auto: at the headers when streaming, else once sent).
     # The media bytes themselves are always let go at the handoff, by the payload.
@@ -138,35 +130,37 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     elif release_at == "auto":
         release_at = "headers" if is_stream else "sent"
     lease = ex.lease
-    on_sent = lease.release if lease is not None and release_at == "sent" else None
-    payload = OneShotBody(outgoing, on_sent) if ex.bytes_in else None
-    del outgoing
+    if lease is not None:
+        lease.handed_off()
 
     ex.upstream_started = time.perf_counter()
     try:
-        headers = upstream_headers(request, ex.request_id)
-        if state.model is not None:  # the header is mmgate's to set: a client's own is never passed on
-            headers[IMAGE_TOKENS_HEADER] = str(ex.image_tokens)
-            if state.model.counts_video:
-                headers[VIDEO_TOKENS_HEADER] = str(ex.video_tokens)
-            else:
-                headers.popall(VIDEO_TOKENS_HEADER, None)
-        if lease is not None:
-            lease.handed_off()
-        upstream = await open_upstream(state.session, request.method, settings.backend.upstream + target.forwarded,
-                                       payload, headers, settings.timeouts.upstream_client)
-        del payload
+        upstream = await open_upstream(
+            state.session, request, settings.backend.upstream + target.forwarded, outgoing if ex.bytes_in else None,
+            ex.request_id, _own_headers(state.model, ex),
+            lease.release if lease is not None and release_at == "sent" else None, settings.timeouts.upstream_client)
+        del outgoing
         state.upstream.reached()
         try:
             if lease is not None and release_at == "headers":
                 lease.release()
             ex.response = await relay_head(request, upstream, ex.response_headers(settings.logs.server_timing))
-            await relay_body(upstream, ex.response)
-            return ex.response
-        finally:
+            await relay_body(upstream, ex.response)  # which ends the upstream's answer too
+        except BaseException:
             close_upstream(upstream)
+            raise
+        return ex.response
     finally:
         ex.watch.add("upstream", time.perf_counter() - ex.upstream_started)
+
+
+def _own_headers(model: Model | None, ex: Exchange) -> dict[str, str | None]:
+    """The headers mmgate sets on the way up (None: removed), never a client's own: with MMGATE_MODEL the
+    request's image tokens, and its video tokens where the family counts them."""
+    if model is None:
+        return {}
+    return {IMAGE_TOKENS_HEADER: str(ex.image_tokens),
+            VIDEO_TOKENS_HEADER: str(ex.video_tokens) if model.counts_video else None}
 
 
 async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> bool:
@@ -175,35 +169,41 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     Only ``media`` holds the body: nothing here keeps the bytes in a local, so a released owner (the
     request ended) leaves nothing behind in a frame or a queued job."""
     started = time.perf_counter()
-    limits = state.plan_limits
-    plan = await _in_steps(plan_steps(ex.route, media.data, limits))
+    plan = await _in_steps(plan_steps(ex.route, media.data, state.plan_limits))
     ex.watch.add("parse", time.perf_counter() - started)
     ex.parsed_media = bool(plan.parts)
     if not plan.parts:
         return plan.is_stream
-    count_urls(state, plan)
-    if plan.refusal is not None:
-        raise plan.take_refusal()
+    stage = state.media
+    if plan.urls:
+        stage.count_urls(plan.urls)
+    if plan.refusals:
+        raise plan.refusals.pop()  # popped: no cycle through the plan keeps the body alive
     if state.upstream.down:  # its forward cannot connect: refuse before the queue and the pool spend anything
         raise upstream_down()
     if state.model is not None:  # MMGATE_MODEL: the image tokens, from the headers, before admission
         started = time.perf_counter()
-        _count_image_tokens(state, state.model, ex, plan, media)
+        ex.image_tokens = _count_image_tokens(state.model, state.metrics, plan, media.data)
         ex.watch.add("parse", time.perf_counter() - started)
 
-    rewrites = await run_media_step(state, ex, plan, media)  # admits weighing only what the cache lacks
+    fetched = [0]
+    try:  # admits weighing only what the cache lacks
+        result = await stage.run(plan, media, place=ex.place, flow=ex.flow, image_tokens=ex.image_tokens,
+                                 watch=ex.watch, fetched=fetched)
+    finally:
+        ex.fetched = fetched[0]
 
     started = time.perf_counter()
-    ex.media_in, ex.media_out = rewrites.media_in, rewrites.media_out
-    ex.video_tokens = rewrites.video_tokens
-    if rewrites.replacements:
-        media.replace(splice(media.data, rewrites.replacements))
-    del rewrites
+    ex.lease, ex.media_in, ex.media_out, ex.video_tokens = (result.lease, result.media_in, result.media_out,
+                                                            result.video_tokens)
+    if result.replacements:
+        media.replace(splice(media.data, result.replacements))
+    del result
     ex.watch.add("splice", time.perf_counter() - started)
     return plan.is_stream
 
 
-def warm_up_request_path(state: AppState) -> None:
+def warm_up_request_path(stage: MediaStage, limits: Limits) -> None:
     """A tiny image request's body through what a media request runs on the loop (the sniff, the plan, the
     header judge), once at start: the first call of each costs more than every later one, and the first client
     should not pay it."""
@@ -211,10 +211,8 @@ def warm_up_request_path(state: AppState) -> None:
     body = b'{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,' \
         + image + b'"}}]}]}'
     chunks_may_contain_media([body])
-    plan = plan_media("chat", body, state.plan_limits)
-    for item in plan.items:
-        judge_head(MediaTask("image", item.part.path, state.settings.limits.max_media_item_bytes, state.image_policy,
-                             state.audio_policy), image)
+    for item in plan_media("chat", body, limits).items:
+        judge_head(stage.task(item), image)
 
 
 async def _in_steps(steps: Steps[T]) -> T:
@@ -229,12 +227,13 @@ async def _in_steps(steps: Steps[T]) -> T:
             return done.value
 
 
-def _count_image_tokens(state: AppState, model: Model, ex: Exchange, plan: Plan, media: MediaBuffer) -> None:
-    per_image = plan_image_tokens(model, plan, media.data)
-    ex.image_tokens = sum(per_image)
+def _count_image_tokens(model: Model, metrics: Metrics, plan: Plan, body: bytes) -> int:
+    """The request's image tokens for the served model; each image's observed."""
+    per_image = plan_image_tokens(model, plan, body)
     for item, tokens in zip(plan.items, per_image, strict=True):
-        if item.part.kind == "image":
-            state.metrics.image_tokens.observe(tokens)
+        if item.kind == "image":
+            metrics.image_tokens.observe(tokens)
+    return sum(per_image)
 
 
 async def _answer(request: web.Request, state: AppState, ex: Exchange, error: MmgateError) -> web.StreamResponse:
@@ -307,12 +306,12 @@ def _deadline_passed(request: web.Request, configured: float) -> MmgateError:
         f"the request did not finish within its {limit:g} s deadline ({setting}); it was stopped")
 
 
-def _big_upload(request: web.Request, state: AppState) -> GuardedConnection | None:
+def _big_upload(request: web.Request, connections: ConnectionGuard) -> GuardedConnection | None:
     """The connection of a body worth pacing (over ``HEAD_BYTES`` and still arriving), or None."""
     length = request.content_length
     if not request.body_exists or request.content.is_eof() or (length is not None and length <= HEAD_BYTES):
         return None
-    return state.connections.connection_for(request.protocol)
+    return connections.connection_for(request.protocol)
 
 
 async def _take_place_for_media(state: AppState, ex: Exchange, head: bytes) -> None:

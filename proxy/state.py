@@ -2,10 +2,11 @@
 
 ``AppBase`` is what exists as soon as the app is built (settings, metrics, gate, policies, the request
 counters): ``build_app`` stores it under ``BASE``. ``AppState`` is that base completed with the resources
-that exist only once the event loop runs (the upstream session, the decode pool, the media cache, the fetch
-client): the start-up context that builds them stores it under ``STATE`` and closes them at shutdown. Every
-field is what it says from the moment the object exists; an optional one (``model``, ``fetcher``) is None
-because a setting turns it off, never because start-up has not happened yet.
+that exist only once the event loop runs (the upstream session, and the media step with the decode pool, the
+media cache and the fetch client it works with): the start-up context that builds them stores it under
+``STATE`` and closes them at shutdown. Every field is what it says from the moment the object exists; an
+optional one (``model``, ``fetcher``) is None because a setting turns it off, never because start-up has not
+happened yet.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from proxy.fetch.fetcher import Fetcher
 from proxy.media.buffers import BufferLedger
 from proxy.media.cache import VerdictCache
 from proxy.media.model import Model
+from proxy.media.step import MediaStage
 from proxy.ops.backend_scrapes import BackendScrapes
 from proxy.ops.metrics import Metrics
 from proxy.payload.locate import Limits
@@ -113,16 +115,32 @@ class AppState(AppBase):
     """Everything a request handler needs: the base and the resources built at start-up."""
 
     session: aiohttp.ClientSession  # to the upstream
-    pool: DecodePool  # its workers started and ready
-    cache: VerdictCache  # a ``cache.NoCache`` when MMGATE_CACHE_MB is 0
-    fetcher: Fetcher | None  # None unless MMGATE_MEDIA_URLS=fetch
+    media: MediaStage  # the media step, with the decode pool, the media cache and the fetch client
     ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")
 
     @classmethod
-    def completing(cls, base: AppBase, *, session: aiohttp.ClientSession, pool: DecodePool, cache: VerdictCache,
-                   fetcher: Fetcher | None) -> AppState:
+    def completing(cls, base: AppBase, *, session: aiohttp.ClientSession, media: MediaStage) -> AppState:
         """``base`` (its very objects, shared with whatever already holds them) and the resources."""
-        return cls(**base.parts(), session=session, pool=pool, cache=cache, fetcher=fetcher)
+        return cls(**base.parts(), session=session, media=media)
+
+    @property
+    def pool(self) -> DecodePool:
+        """The media step's decode pool, its workers started and ready."""
+        return self.media.pool
+
+    @pool.setter
+    def pool(self, pool: DecodePool) -> None:  # a bench swaps in a pool of its own (testkit.variants)
+        self.media.pool = pool
+
+    @property
+    def cache(self) -> VerdictCache:
+        """The media step's cache: a ``cache.NoCache`` when MMGATE_CACHE_MB is 0."""
+        return self.media.cache
+
+    @property
+    def fetcher(self) -> Fetcher | None:
+        """The media step's fetch client: None unless MMGATE_MEDIA_URLS=fetch."""
+        return self.media.fetcher
 
 
 BASE = web.AppKey("mmgate_base", AppBase)

@@ -2,9 +2,10 @@
 
 ``open_upstream`` sends the request and returns the upstream's response once its headers arrived, or raises
 ``UpstreamError`` (or 503 ``local_resources_exhausted`` when mmgate's own descriptors or ports ran out);
-``relay_head`` and ``relay_body`` write that response to the client. The answer is never buffered whole on the
-way back (except a small one of known length): each chunk is written as it arrives, so SSE tokens keep their
-timing. Header rules:
+``relay_head`` and ``relay_body`` write that response to the client, and ``relay_body`` ends it
+(``close_upstream``, which the caller calls itself only when something fails before). The answer is never
+buffered whole on the way back (except a small one of known length): each chunk is written as it arrives, so
+SSE tokens keep their timing. Header rules:
 
 * RFC 9110 section 7.6.1: hop-by-hop fields (``Connection`` and every field it names, Keep-Alive,
   Proxy-Connection, Proxy-Authenticate, Proxy-Authorization, TE, Trailer, Transfer-Encoding, Upgrade)
@@ -20,7 +21,7 @@ import logging
 import os
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -207,19 +208,32 @@ def _classify(exc: BaseException, *, headers_received: bool) -> MmgateError:
 
 async def open_upstream(
     session: aiohttp.ClientSession,
-    method: str,
+    request: web.Request,
     url: str,
-    payload: OneShotBody | None,
-    headers: CIMultiDict[str],
+    body: list[bytes] | MediaBuffer | None,
+    request_id: str,
+    own_headers: Mapping[str, str | None],
+    on_sent: Callable[[], None] | None,
     timeout: aiohttp.ClientTimeout,
 ) -> aiohttp.ClientResponse:
-    """Send the request; the upstream's response once its headers arrived. Raises ``UpstreamError``, or
-    ``LOCAL_RESOURCES_EXHAUSTED`` when mmgate itself could not open the connection.
+    """Send ``request`` on: its headers as ``upstream_headers`` makes them, with ``own_headers`` (mmgate's) set,
+    or removed where None; ``body`` as a ``OneShotBody`` that calls ``on_sent`` once written. The upstream's
+    response once its headers arrived. Raises ``UpstreamError``, or ``LOCAL_RESOURCES_EXHAUSTED`` when mmgate
+    itself could not open the connection.
 
-    The caller must ``close_upstream`` what it gets, whatever happens next."""
+    What it returns is ended by ``relay_body``; the caller must ``close_upstream`` it if anything fails
+    before."""
+    headers = upstream_headers(request, request_id)
+    for name, value in own_headers.items():
+        if value is None:
+            headers.popall(name, None)
+        else:
+            headers[name] = value
+    payload = OneShotBody(body, on_sent) if body is not None else None
+    del body  # the payload is the body's only holder here: it lets go of it once written
     try:
         return await session.request(
-            method,
+            request.method,
             URL(url, encoded=True),  # the checked target (proxy/edge/paths.py), never re-encoded
             data=payload,
             headers=headers,
@@ -263,9 +277,9 @@ async def relay_head(request: web.Request, upstream: aiohttp.ClientResponse,
 
 
 async def relay_body(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> None:
-    """Copy the upstream's body to the client chunk by chunk, then end the response. A failure of the
-    upstream now raises ``UpstreamError`` too, but the status already went out: the caller can only end
-    the response as the client's API allows."""
+    """Copy the upstream's body to the client chunk by chunk, then end the response and the upstream's
+    (``close_upstream``). A failure of the upstream now raises ``UpstreamError`` too, but the status already
+    went out: the caller can only end the response as the client's API allows (and close the upstream's)."""
     if not isinstance(response, web.Response):  # a small answer was read whole by relay_head
         try:
             async for chunk in upstream.content.iter_any():
@@ -277,6 +291,7 @@ async def relay_body(upstream: aiohttp.ClientResponse, response: web.StreamRespo
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _classify(exc, headers_received=True) from None
     await response.write_eof()
+    close_upstream(upstream)
 
 
 def close_upstream(upstream: aiohttp.ClientResponse) -> None:

@@ -50,7 +50,7 @@ from preprocessors.errors import (
     MmgateError,
 )
 from proxy.fetch.policy import AddressForbidden, AddressPolicy, HostPolicy, literal_address
-from proxy.payload.locate import Plan
+from proxy.payload.item import MediaItem
 
 # Refusal codes, one per rule; with "ok" and "cancelled" the ``outcome`` label of mmgate_fetches_total.
 FETCH_CODES = tuple(entry.code for entry in REGISTRY.values() if entry.raised_as is FetchRefused)
@@ -224,24 +224,21 @@ def _brief(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-async def fetch_plan(fetcher: Fetcher, plan: Plan, max_bytes: int, read: list[int]) -> dict[int, Fetched]:
-    """Fetch every URL item of ``plan`` at once; the result maps an item's index to its bytes, ``read[0]``
-    grows by the bytes read. The first refusal cancels the other fetches and is raised, with its part's path."""
-    wanted = [(index, item) for index, item in enumerate(plan.items) if item.part.is_url]
-    if not wanted:
-        return {}
-    tasks: dict[int, asyncio.Task[Fetched]] = {}
+async def fetch_items(fetcher: Fetcher, items: list[MediaItem], max_bytes: int, read: list[int]) -> None:
+    """Fetch every one of the URL ``items`` at once, each into its ``fetched`` (then in state ``fetched``);
+    ``read[0]`` grows by the bytes read. The first refusal cancels the other fetches and is raised, with its
+    item's path."""
+    tasks: list[asyncio.Task[Fetched]] = []
     try:
         async with asyncio.TaskGroup() as group:
-            for index, item in wanted:
-                assert item.part.url is not None
-                tasks[index] = group.create_task(fetcher.fetch(item.part.url, item.part.kind, max_bytes, read))
+            tasks += [group.create_task(fetcher.fetch(item.url, item.kind, max_bytes, read)) for item in items]
     except BaseExceptionGroup as failed:
-        for index, item in wanted:
-            task = tasks.get(index)
-            if task is not None and task.done() and not task.cancelled():
+        for item, task in zip(items, tasks, strict=False):
+            if task.done() and not task.cancelled():
                 error = task.exception()
                 if isinstance(error, MmgateError):
-                    raise error.at(item.part.path) from None
+                    raise error.at(item.path) from None
         raise failed.exceptions[0] from None
-    return {index: task.result() for index, task in tasks.items()}
+    for item, task in zip(items, tasks, strict=True):
+        fetched = task.result()
+        item.fetched, item.fetched_mime, item.state = fetched.data, fetched.mime, "fetched"

@@ -11,8 +11,9 @@ decode. Entries are bounded by bytes (MMGATE_CACHE_MB) and evicted least recentl
 Single flight: the first request to miss a key ``lead``s it; a later one ``in_flight`` finds the leader's
 future and waits. The leader ``settle``s it with the verdict, or with None when it stopped for a reason
 that is not the media's (timeout, cancellation, client gone, refused admission): a waiter then looks again
-instead of inheriting a wrong answer. All methods run on the event loop; hashing runs in ``hasher`` threads
-(hashlib releases the GIL on buffers over 2 KiB).
+instead of inheriting a wrong answer. ``follow``, ``settle_decoded`` and ``give_up`` do this for all of one
+request's keys at once (the media step's calls). All methods run on the event loop; hashing runs in
+``hasher`` threads (hashlib releases the GIL on buffers over 2 KiB).
 
 With MMGATE_CACHE_MB=0 a ``NoCache`` takes the cache's place: the same interface, holding nothing, so the
 media step runs one way whether the cache is on or off.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -44,6 +45,8 @@ HASH_CHUNK = 1 << 20
 ENTRY_OVERHEAD = 320
 # Bump when the meaning of a cached verdict changes, so no old entry is read with new eyes.
 _FORMAT = 1
+# How often a request waits for other requests' leads of its keys before it decodes them itself.
+FOLLOW_ROUNDS = 3
 
 
 def new_hasher(encoding: Encoding) -> hashlib._Hash:
@@ -162,15 +165,56 @@ class MediaCache:
         if future is not None and not future.done():
             future.set_result(verdict)
 
+    async def follow(self, keys: list[bytes], verdicts: dict[bytes, Verdict], *, may_wait: bool,
+                     lead: bool) -> tuple[list[bytes], list[bytes]]:
+        """Fill ``verdicts`` with what the cache holds of ``keys``; while other requests lead some of the rest
+        (and ``may_wait``), wait for them and look again (at most ``FOLLOW_ROUNDS`` times). The keys still
+        missing, each once, in order, and (with ``lead``) those of them this request now leads. Leads nothing
+        before its last look, so it can wait on anyone."""
+        for round_ in range(FOLLOW_ROUNDS + 1):
+            missing: list[bytes] = []
+            waits: set[asyncio.Future[Verdict | None]] = set()
+            for key in dict.fromkeys(keys):
+                if key in verdicts:
+                    continue
+                verdict = self.get(key)
+                if verdict is not None:
+                    verdicts[key] = verdict
+                    continue
+                missing.append(key)
+                future = self.in_flight(key)
+                if future is not None:
+                    waits.add(future)
+            if not waits or not may_wait or round_ == FOLLOW_ROUNDS:
+                return missing, [key for key in missing if self.lead(key)] if lead else []
+            # asyncio.wait never cancels what it waits for: a waiter that leaves does not stop its leader.
+            self.waiting += 1
+            try:
+                await asyncio.wait(waits)
+            finally:
+                self.waiting -= 1
+        raise AssertionError("unreachable")
+
+    def settle_decoded(self, decoded: dict[bytes, Verdict]) -> None:
+        """Settle each key a decode answered (each a miss of the cache's)."""
+        # A copy taken in one C call: after a timeout, a worker still running may add to ``decoded`` meanwhile.
+        for key, verdict in list(decoded.items()):
+            self.count_miss()
+            self.settle(key, verdict)
+
+    def give_up(self, keys: Iterable[bytes]) -> None:
+        """End the leads of ``keys`` that did not finish: their waiters look again."""
+        for key in keys:
+            self.settle(key, None)
+
     def close(self) -> None:
         self.hasher.shutdown(wait=False, cancel_futures=True)
-        for key in list(self._leads):
-            self.settle(key, None)
+        self.give_up(list(self._leads))
 
 
 class NoCache:
     """The cache's place when MMGATE_CACHE_MB is 0: holds nothing, so every look-up misses and every key is led
-    by the request that asks (each piece gets a key of its own, nothing is hashed: ``pieces.key_pieces``)."""
+    by the request that asks (each item gets a key of its own, nothing is hashed: ``keys.key_items``)."""
 
     waiting = 0
     bytes_held = 0
@@ -187,6 +231,17 @@ class NoCache:
         return True
 
     def settle(self, key: bytes, verdict: Verdict | None) -> None:
+        pass
+
+    async def follow(self, keys: list[bytes], verdicts: dict[bytes, Verdict], *, may_wait: bool,
+                     lead: bool) -> tuple[list[bytes], list[bytes]]:
+        missing = [key for key in dict.fromkeys(keys) if key not in verdicts]
+        return missing, list(missing) if lead else []
+
+    def settle_decoded(self, decoded: dict[bytes, Verdict]) -> None:
+        pass
+
+    def give_up(self, keys: Iterable[bytes]) -> None:
         pass
 
     def put(self, key: bytes, verdict: Verdict) -> None:

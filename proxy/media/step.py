@@ -1,16 +1,22 @@
 """The media step: every item of a plan decoded, checked and maybe rewritten once, behind the gate, on the
 decode pool (threads or worker processes), and turned into replacements for ``rawjson.splice``.
 
+``MediaStage`` is built once per app with what the step uses (the cache, the pool, the gate, the fetcher, the
+metrics, the policies and limits, the served model); ``MediaStage.run`` takes one request's plan and body and
+returns a ``MediaResult``: the lease it was admitted with, the replacements, the media bytes in and out. Once
+admitted, whatever goes wrong gives the lease back (only once the work it stands for has stopped) and is
+raised. The pipeline keeps what it owns: the queue place (``Gate.acquire`` uses it up) and the response.
+
 One way through, whether the cache is on or off (off: ``cache.NoCache``, which holds nothing) and wherever an
-item's bytes come from (``pieces.Piece.source``: inline base64, or a fetched URL):
+item's bytes come from (``MediaItem.source``: inline base64, or a fetched URL):
 
 1. **Judge by the header** every inline image its header decides (header validation, nothing to resize:
    ``job.judge_head``), here on the loop from the head of its base64: hashing it would cost more than judging
    it, so it is never keyed, cached or sent to the pool. It is weighed at the gate all the same.
-2. **Key** every other inline item (``pieces.key_pieces``: the payload's digest and the part's context).
+2. **Key** every other inline item (``keys.key_items``: the payload's digest and the item's context).
 3. **Look up.** A cached verdict is a hit. A key another request is deciding is waited for *before* this
    request leads anything, so two requests can never wait on each other. A leader that stopped for a reason not
-   the media's settles its key with None and the waiter looks again (at most ``FOLLOW_ROUNDS`` times, then
+   the media's settles its key with None and the waiter looks again (at most ``cache.FOLLOW_ROUNDS`` times, then
    decodes for itself). With several front processes a miss is asked of the other fronts' caches. A cached
    refusal refuses the request here, with nothing decoded or admitted.
 4. **Lead and admit.** Every inline key still missing is led (a key twice in one request is decoded once),
@@ -24,11 +30,11 @@ item's bytes come from (``pieces.Piece.source``: inline base64, or a fetched URL
    waiting on each other. (A fetched key's leader is past the gate and past every wait of its own, so a
    waiter that holds a slot waits only on work already running.) The lease then weighs only what is still a
    miss (``Lease.lower``): a fetched hit costs nothing at the gate once its bytes are known.
-6. **Decode** the misses in one batch within MMGATE_PREPROCESS_TIMEOUT (``outcomes.media_job``); each
-   finished item settles its key, the refusal included, even when another item failed or the deadline passed.
-   If the batch fails, the lease is given back only once its work has really stopped: a slot freed earlier
-   would let more decode work run than the gate allows.
-7. **Apply** each verdict to its part (``outcomes.outcome_for``) and count the items.
+6. **Decode** the misses in one batch within MMGATE_PREPROCESS_TIMEOUT; each finished item settles its key,
+   the refusal included, even when another item failed or the deadline passed. If the batch fails, the lease
+   is given back only once its work has really stopped: a slot freed earlier would let more decode work run
+   than the gate allows.
+7. **Apply** each verdict to its item (``MediaItem.apply``) and count the items.
 
 The request's body has one owner (``buffers.MediaBuffer``); hashes and jobs reach it through a weak reference
 only, so a request that ended stops them instead of being kept alive by them.
@@ -36,217 +42,294 @@ only, so a request that ended stops them instead of being kept alive by them.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from functools import partial
 
-from preprocessors.errors import MediaError
-from preprocessors.job import Verdict, judge_head
-from proxy.admission.client import GateLease
-from proxy.exchange import Exchange
-from proxy.fetch.fetcher import fetch_plan
+from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
+from preprocessors.errors import PREPROCESS_TIMEOUT, MediaError, MmgateError
+from preprocessors.job import MediaJob, MediaTask, Verdict, judge_head
+from preprocessors.pool import Batch, DecodePool
+from proxy.admission.flows import Flow
+from proxy.admission.client import GateClient, GateLease, GatePlace
+from proxy.fetch.fetcher import Fetcher, fetch_items
 from proxy.media.buffers import MediaBuffer
 from proxy.media.cache import VerdictCache, refused
-from proxy.media.outcomes import Rewrites, count_items, media_job, outcome_for, refusal_for, rewrites_for
-from proxy.media.pieces import BodyRef, Piece, key_pieces
+from proxy.media.keys import key_items
+from proxy.media.model import Model
+from proxy.ops.metrics import Metrics, Stopwatch
+from proxy.payload.item import BodyRef, MediaItem
 from proxy.payload.locate import Plan
-from proxy.state import AppState
-
-FOLLOW_ROUNDS = 3
+from proxy.payload.rawjson import Span
 
 
-async def run_media_step(state: AppState, ex: Exchange, plan: Plan, media: MediaBuffer) -> Rewrites:
-    """Admit ``plan`` (into ``ex.lease``) weighing only its misses, fetch its URLs, decode the misses once,
-    and return the replacements."""
-    cache = state.cache
-    body = weakref.ref(media)
-    pieces = [Piece(index, item) for index, item in enumerate(plan.items)]
-    inline = [piece for piece in pieces if piece.source == "inline"]
-    urls = [piece for piece in pieces if piece.source == "fetched"]
-    verdicts: dict[bytes, Verdict] = {}
-    led: list[bytes] = []
-    try:
-        started = time.perf_counter()
-        headed = _judge_heads(state, plan, inline, body, verdicts)
-        inline = [piece for piece in inline if piece.key not in verdicts]
-        await key_pieces(cache, inline, body)
-        misses = await _look_up(cache, inline, verdicts, may_wait=True)
-        _refuse_cached(state, plan, inline, verdicts)
-        # From here to the gate nothing awaits: a leader is in line before any request that could wait on it.
-        led += [key for key in misses if cache.lead(key)]
-        ex.watch.add("preprocess", time.perf_counter() - started)
+@dataclass(frozen=True, slots=True)
+class MediaResult:
+    """What the media step hands the pipeline: the lease the request holds, the body's new tokens, the media
+    bytes seen in and out, and (with MMGATE_MODEL) what the probed clips make in video tokens."""
 
-        started = time.perf_counter()
-        judged = sum(piece.size for piece in headed)
-        ex.lease = await state.gate.acquire(judged + _weight(inline, misses) + sum(piece.size for piece in urls),
-                                            state.settings.timeouts.queue_timeout, ex.place, ex.image_tokens, ex.flow)
-        ex.place = None
-        ex.watch.add("queue", time.perf_counter() - started)
+    lease: GateLease
+    replacements: list[tuple[Span, bytes]]
+    media_in: int
+    media_out: int
+    video_tokens: int = 0
 
-        if urls:
-            await _fetch(state, ex, plan, urls)
+
+@dataclass(frozen=True, slots=True)
+class Policies:
+    """What every item's decode task is checked against (from the settings)."""
+
+    max_item_bytes: int
+    image: ImagePolicy
+    audio: AudioPolicy
+    video: VideoPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class _UrlItems:
+    """The URL items to fetch, and the fetcher that reads them: a plan has some only with
+    MMGATE_MEDIA_URLS=fetch, the only mode that builds a fetcher."""
+
+    fetcher: Fetcher
+    items: list[MediaItem]
+
+
+@dataclass(slots=True)
+class MediaStage:
+    """The media step of every request (see the module's docstring)."""
+
+    cache: VerdictCache
+    pool: DecodePool
+    gate: GateClient
+    fetcher: Fetcher | None  # MMGATE_MEDIA_URLS=fetch
+    metrics: Metrics
+    policies: Policies
+    queue_timeout: float
+    preprocess_timeout: float
+    model: Model | None  # MMGATE_MODEL: the probed clips' video tokens
+
+    async def run(self, plan: Plan, media: MediaBuffer, *, place: GatePlace | None, flow: Flow, image_tokens: int,
+                  watch: Stopwatch, fetched: list[int]) -> MediaResult:
+        """Admit ``plan`` weighing only its misses, fetch its URLs (``fetched[0]`` grows by the bytes read),
+        decode the misses once, and return the lease and the replacements. The stages' times go to
+        ``watch``."""
+        body = weakref.ref(media)
+        items = plan.items
+        urls = self._url_items(items)
+        inline = [item for item in items if item.source == "inline"]
+        verdicts: dict[bytes, Verdict] = {}
+        led: list[bytes] = []  # the keys this request leads: settled when it decodes them, given up otherwise
+        try:
             started = time.perf_counter()
-            await key_pieces(cache, urls, body)
-            fetched_misses = await _look_up(cache, urls, verdicts, may_wait=not led)
-            _refuse_cached(state, plan, urls, verdicts)
-            led += [key for key in fetched_misses if cache.lead(key)]
-            misses += fetched_misses
-            ex.lease.lower(judged + _weight(pieces, misses))
-            ex.watch.add("preprocess", time.perf_counter() - started)
+            headed = self._judge_heads(plan, inline, body, verdicts)
+            inline = [item for item in inline if item.key not in verdicts]
+            await key_items(self.cache, inline, body)
+            misses = await self._look_up(inline, verdicts, led, may_wait=True)
+            self._refuse_cached(plan, inline, verdicts)
+            watch.add("preprocess", time.perf_counter() - started)
 
-        if misses:
+            # From the last look (which leads the misses) to the gate nothing awaits: a leader is in line before
+            # any request that could wait on it.
             started = time.perf_counter()
+            judged = sum(item.weight for item in headed)
+            url_cost = sum(item.weight for item in urls.items) if urls is not None else 0
+            lease = await self.gate.acquire(judged + _weight(inline, misses) + url_cost, self.queue_timeout, place,
+                                            image_tokens, flow)
+            watch.add("queue", time.perf_counter() - started)
             try:
-                await _decode(state, ex.lease, plan, _first_of_each(pieces, misses), body, verdicts)
-            finally:
-                ex.watch.add("preprocess", time.perf_counter() - started)
-    finally:
-        for key in led:  # whatever did not finish: the waiters look again
-            cache.settle(key, None)
-    for _hit in range(len(pieces) - len(misses) - len(headed)):  # every item the cache answered
-        cache.count_hit()
-    outcomes = [outcome_for(piece.item, verdicts[piece.key], partial(piece.text, body)) for piece in pieces]
-    return rewrites_for(state, plan, outcomes)
-
-
-def _judge_heads(state: AppState, plan: Plan, inline: list[Piece], body: BodyRef,
-                 verdicts: dict[bytes, Verdict]) -> list[Piece]:
-    """The inline images whose header alone decides them (``job.judge_head``), judged here on the loop from the
-    head of their base64: nothing to hash, cache or decode. Each gets a key of its own and its verdict; a
-    refusal refuses the request."""
-    headed = []
-    for piece in inline:
-        try:
-            verdict = judge_head(media_job(state, piece, body).task, piece.payload(body))
-        except MediaError:
-            count_items(state, plan.items, "rejected")
+                if urls is not None:
+                    await self._fetch(urls, watch, fetched)
+                    started = time.perf_counter()
+                    await key_items(self.cache, urls.items, body)
+                    misses += await self._look_up(urls.items, verdicts, led, may_wait=not led)
+                    self._refuse_cached(plan, urls.items, verdicts)
+                    lease.lower(judged + _weight(items, misses))
+                    watch.add("preprocess", time.perf_counter() - started)
+                if misses:
+                    started = time.perf_counter()
+                    try:
+                        await self._decode(lease, plan, _first_of_each(items, misses), body, verdicts)
+                    finally:
+                        watch.add("preprocess", time.perf_counter() - started)
+                for _hit in range(len(items) - len(misses) - len(headed)):  # every item the cache answered
+                    self.cache.count_hit()
+                return self._result(lease, items, verdicts, body)
+            except BaseException:
+                lease.release()
+                raise
+        except BaseException:
+            self.cache.give_up(led)  # whatever did not finish: the waiters look again
             raise
-        if verdict is not None:
-            piece.key = piece.own_key
-            verdicts[piece.key] = verdict
-            headed.append(piece)
-    return headed
 
+    def count_urls(self, urls: list[MediaItem]) -> None:
+        """URL items are forwarded as they are (MMGATE_MEDIA_URLS=forward): counted, never fetched."""
+        for item in urls:
+            self.metrics.media_items.labels(item.kind, "url").inc()
 
-async def _look_up(cache: VerdictCache, pieces: Sequence[Piece], verdicts: dict[bytes, Verdict], *,
-                   may_wait: bool) -> list[bytes]:
-    """Fill ``verdicts`` from the cache (and the other fronts' caches); return the keys still missing, each
-    once, in plan order. Waits for the leaders of keys being decoded now only when ``may_wait``."""
-    keys = [piece.key for piece in pieces]
-    misses = await _follow(cache, keys, verdicts, may_wait)
-    if misses and cache.peers is not None:  # another front process may have decoded them
-        for key, peer_verdict in (await cache.peers(misses)).items():
-            cache.put(key, peer_verdict)
-            verdicts[key] = peer_verdict
-        misses = await _follow(cache, keys, verdicts, may_wait)  # again: a lead may have started meanwhile
-    return misses
+    def task(self, item: MediaItem) -> MediaTask:
+        """The item's decode task: plain data, the same for the same item whichever request carried it."""
+        policies = self.policies
+        return MediaTask(
+            kind=item.kind, path=item.path, max_bytes=policies.max_item_bytes, image_policy=policies.image,
+            audio_policy=policies.audio, audio_format=item.audio_format,
+            fetched_mime=item.fetched_mime if item.fetched is not None else None, video_policy=policies.video,
+        )
 
+    def _url_items(self, items: list[MediaItem]) -> _UrlItems | None:
+        if self.fetcher is None:
+            return None
+        urls = [item for item in items if item.source == "fetched"]
+        return _UrlItems(self.fetcher, urls) if urls else None
 
-async def _follow(cache: VerdictCache, keys: list[bytes], verdicts: dict[bytes, Verdict],
-                  may_wait: bool) -> list[bytes]:
-    """One look at the cache, and while leaders decode some of the keys (and ``may_wait``), a wait for them
-    and another look. Leads nothing, so it can wait on anyone."""
-    for round_ in range(FOLLOW_ROUNDS + 1):
-        missing: list[bytes] = []
-        waits: set[asyncio.Future[Verdict | None]] = set()
-        for key in dict.fromkeys(keys):
-            if key in verdicts:
-                continue
-            verdict = cache.get(key)
+    def _job(self, item: MediaItem, body: BodyRef) -> MediaJob:
+        """The item as a job for either pool: its task, and its payload read on demand (``MediaItem.payload``)."""
+        return MediaJob(self.task(item), partial(item.payload, body))
+
+    def _judge_heads(self, plan: Plan, inline: list[MediaItem], body: BodyRef,
+                     verdicts: dict[bytes, Verdict]) -> list[MediaItem]:
+        """The inline images whose header alone decides them (``job.judge_head``), judged here on the loop from
+        the head of their base64: nothing to hash, cache or decode. Each gets a key of its own and its verdict;
+        a refusal refuses the request."""
+        headed = []
+        for item in inline:
+            try:
+                verdict = judge_head(self.task(item), item.payload(body))
+            except MediaError:
+                self._count_items(plan.items, "rejected")
+                raise
             if verdict is not None:
-                verdicts[key] = verdict
-                continue
-            missing.append(key)
-            future = cache.in_flight(key)
-            if future is not None:
-                waits.add(future)
-        if not waits or not may_wait or round_ == FOLLOW_ROUNDS:
-            return missing
-        # asyncio.wait never cancels what it waits for: a waiter that leaves does not stop its leader.
-        cache.waiting += 1
+                item.key, item.state = item.own_key, "keyed"
+                verdicts[item.key] = verdict
+                headed.append(item)
+        return headed
+
+    async def _look_up(self, items: Sequence[MediaItem], verdicts: dict[bytes, Verdict], led: list[bytes], *,
+                       may_wait: bool) -> list[bytes]:
+        """Fill ``verdicts`` from the cache (and the other fronts' caches); return the keys still missing, each
+        once, in plan order, and lead them (into ``led``) where no other request does. Waits for the leaders
+        of keys being decoded now only when ``may_wait``."""
+        cache = self.cache
+        keys = [item.key for item in items]
+        misses, leads = await cache.follow(keys, verdicts, may_wait=may_wait, lead=cache.peers is None)
+        if misses and cache.peers is not None:  # another front process may have decoded them
+            for key, peer_verdict in (await cache.peers(misses)).items():
+                cache.put(key, peer_verdict)
+                verdicts[key] = peer_verdict
+            # Again: a lead may have started meanwhile.
+            misses, leads = await cache.follow(keys, verdicts, may_wait=may_wait, lead=True)
+        led += leads
+        return misses
+
+    def _refuse_cached(self, plan: Plan, items: Sequence[MediaItem], verdicts: dict[bytes, Verdict]) -> None:
+        """A cached refusal refuses the request again, nothing decoded."""
+        for item in items:
+            verdict = verdicts.get(item.key)
+            if verdict is not None and verdict.refusal is not None:
+                self.cache.count_hit()
+                self._count_items(plan.items, "rejected")
+                raise verdict.refusal.error().at(item.path)
+
+    async def _fetch(self, urls: _UrlItems, watch: Stopwatch, fetched: list[int]) -> None:
+        """Read every URL item's bytes (concurrently; the first refusal cancels the rest)."""
+        started = time.perf_counter()
         try:
-            await asyncio.wait(waits)
+            await fetch_items(urls.fetcher, urls.items, self.policies.max_item_bytes, fetched)
         finally:
-            cache.waiting -= 1
-    raise AssertionError("unreachable")
+            watch.add("fetch", time.perf_counter() - started)
+
+    async def _decode(self, lease: GateLease, plan: Plan, missed: list[MediaItem], body: BodyRef,
+                      verdicts: dict[bytes, Verdict]) -> None:
+        """Decode ``missed`` on the pool; settle each key as its item finishes (refusals too)."""
+        cache = self.cache
+        batch = self.pool.batch()
+        done: dict[bytes, Verdict] = {}  # filled in the decode threads: a dict store is atomic
+
+        def record(index: int, future: Future[Verdict]) -> None:
+            if future.cancelled():
+                return
+            item = missed[index]
+            error = future.exception()
+            if error is None:
+                done[item.key] = future.result()
+            elif isinstance(error, MediaError):  # the media's own fault: kept, so it is refused again undecoded
+                done[item.key] = refused(error, item.size)
+
+        jobs = [self._job(item, body) for item in missed]
+        try:
+            await batch.run(jobs, self.preprocess_timeout, record)
+        except (MediaError, TimeoutError) as exc:
+            # Raised from inside the clause, which unbinds ``exc``: a local holding it would make a cycle through
+            # the traceback's frames that keeps the request's body alive until a GC pass.
+            lease.release_after(batch.stopped())
+            cache.settle_decoded(done)
+            raise self._refusal_for(plan, batch, exc) from None
+        except BaseException:
+            lease.release_after(batch.stopped())
+            cache.settle_decoded(done)
+            raise
+        cache.settle_decoded(done)
+        verdicts.update(done)
+
+    def _refusal_for(self, plan: Plan, batch: Batch, exc: MediaError | TimeoutError) -> MmgateError:
+        """What the client is told when an item was bad or the deadline passed; the items are counted by why."""
+        if isinstance(exc, MediaError):
+            self._count_items(plan.items, "rejected")
+            return exc
+        self._count_items(plan.items, "timeout")
+        timeout = self.preprocess_timeout
+        if batch.started == 0:  # every decode worker stayed busy: not the client's media at fault
+            return PREPROCESS_TIMEOUT.error(f"no decode worker became free within {timeout:g} s "
+                                            "(MMGATE_PREPROCESS_TIMEOUT): the proxy is overloaded, retry later")
+        # Slow media, a stalled or starved worker, a busy machine: the deadline cannot tell which, so it names
+        # itself and blames nobody.
+        return PREPROCESS_TIMEOUT.error(f"media preprocessing did not finish within the {timeout:g} s deadline "
+                                        "(MMGATE_PREPROCESS_TIMEOUT); the work was stopped and nothing was forwarded")
+
+    def _result(self, lease: GateLease, items: list[MediaItem], verdicts: dict[bytes, Verdict],
+                body: BodyRef) -> MediaResult:
+        """Each verdict applied to its item, the items counted, and what the pipeline needs of them."""
+        metrics, model = self.metrics, self.model
+        replacements: list[tuple[Span, bytes]] = []
+        media_in = media_out = video_tokens = 0
+        for item in items:
+            item.apply(verdicts[item.key], partial(_text, item, body))
+            media_in += item.size_in
+            media_out += item.size_out
+            if item.video is not None and model is not None and model.counts_video:
+                try:
+                    video_tokens += model.video_tokens(*item.video)
+                except MediaError as error:
+                    raise error.at(item.path) from None
+            if item.true_mime:
+                metrics.media_type_corrected.labels(item.kind).inc()
+            metrics.media_items.labels(item.kind, item.state).inc()
+            replacements += item.replacements
+        metrics.media_bytes.labels("in").inc(media_in)
+        metrics.media_bytes.labels("out").inc(media_out)
+        return MediaResult(lease, replacements, media_in, media_out, video_tokens)
+
+    def _count_items(self, items: list[MediaItem], outcome: str) -> None:
+        for item in items:
+            self.metrics.media_items.labels(item.kind, outcome).inc()
 
 
-def _refuse_cached(state: AppState, plan: Plan, pieces: Sequence[Piece], verdicts: dict[bytes, Verdict]) -> None:
-    """A cached refusal refuses the request again, nothing decoded."""
-    for piece in pieces:
-        verdict = verdicts.get(piece.key)
-        if verdict is not None and verdict.refusal is not None:
-            state.cache.count_hit()
-            count_items(state, plan.items, "rejected")
-            raise verdict.refusal.error().at(piece.item.part.path)
-
-
-def _first_of_each(pieces: Sequence[Piece], keys: list[bytes]) -> list[Piece]:
-    """For each key, the first piece that has it: the one decoded for all."""
-    first: dict[bytes, Piece] = {}
-    for piece in pieces:
-        first.setdefault(piece.key, piece)
+def _first_of_each(items: Sequence[MediaItem], keys: list[bytes]) -> list[MediaItem]:
+    """For each key, the first item that has it: the one decoded for all."""
+    first: dict[bytes, MediaItem] = {}
+    for item in items:
+        first.setdefault(item.key, item)
     return [first[key] for key in keys if key in first]
 
 
-def _weight(pieces: Sequence[Piece], misses: list[bytes]) -> int:
+def _weight(items: Sequence[MediaItem], misses: list[bytes]) -> int:
     """What the gate weighs: the decoded bytes of each missing key, once."""
-    return sum(piece.size for piece in _first_of_each(pieces, misses))
+    return sum(item.weight for item in _first_of_each(items, misses))
 
 
-async def _fetch(state: AppState, ex: Exchange, plan: Plan, urls: list[Piece]) -> None:
-    """Read every URL piece's bytes (concurrently; the first refusal cancels the rest)."""
-    fetcher = state.fetcher
-    assert fetcher is not None  # a plan holds URL items only with MMGATE_MEDIA_URLS=fetch, which builds it
-    started, read = time.perf_counter(), [0]
-    try:
-        fetched = await fetch_plan(fetcher, plan, state.settings.limits.max_media_item_bytes, read)
-    finally:
-        ex.watch.add("fetch", time.perf_counter() - started)
-        ex.fetched = read[0]
-    for piece in urls:
-        piece.fetched = fetched.pop(piece.index)
-
-
-async def _decode(state: AppState, lease: GateLease, plan: Plan, missed: list[Piece], body: BodyRef,
-                  verdicts: dict[bytes, Verdict]) -> None:
-    """Decode ``missed`` on the pool; settle each key as its piece finishes (refusals too)."""
-    cache = state.cache
-    batch = state.pool.batch()
-    done: dict[bytes, Verdict] = {}  # filled in the decode threads: a dict store is atomic
-
-    def record(index: int, future: Future[Verdict]) -> None:
-        if future.cancelled():
-            return
-        piece = missed[index]
-        error = future.exception()
-        if error is None:
-            done[piece.key] = future.result()
-        elif isinstance(error, MediaError):  # the media's own fault: kept, so it is refused again undecoded
-            done[piece.key] = refused(error, piece.item.size)
-
-    jobs = [media_job(state, piece, body) for piece in missed]
-    try:
-        await batch.run(jobs, state.settings.timeouts.preprocess_timeout, record)
-    except (MediaError, TimeoutError) as exc:
-        # Raised from inside the clause, which unbinds ``exc``: a local holding it would make a cycle through
-        # the traceback's frames that keeps the request's body alive until a GC pass.
-        lease.release_after(batch.stopped())
-        _settle(cache, done)
-        raise refusal_for(state, plan, batch, exc) from None
-    except BaseException:
-        lease.release_after(batch.stopped())
-        _settle(cache, done)
-        raise
-    _settle(cache, done)
-    verdicts.update(done)
-
-
-def _settle(cache: VerdictCache, done: dict[bytes, Verdict]) -> None:
-    # A copy taken in one C call: after a timeout, a worker still running may add to ``done`` meanwhile.
-    for key, verdict in list(done.items()):
-        cache.count_miss()
-        cache.settle(key, verdict)
+def _text(item: MediaItem, body: BodyRef) -> bytes:
+    """The inline item's own base64, as sent: rewrites a whole escaped token without decoding (its
+    characters are the base64 alphabet only, as the strict decode accepted them)."""
+    return bytes(item.payload(body))

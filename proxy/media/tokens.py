@@ -24,15 +24,14 @@ def plan_image_tokens(model: Model, plan: Plan, body: bytes) -> list[int]:
     counts = []
     view = memoryview(body)
     for item in plan.items:
-        part = item.part
-        if part.kind != "image":
+        if item.kind != "image":
             counts.append(0)
             continue
-        span = part.span
+        span = item.span
         if span is not None and not span.escaped:
             payload: bytes | memoryview = view[span.start + 1 + item.payload_offset : span.end - 1]
         else:
-            payload = inline_value(body, part)[item.payload_offset :]
+            payload = inline_value(body, item)[item.payload_offset :]
         found = peek_dimensions(payload)
         if found is None:
             counts.append(model.most_tokens)
@@ -40,5 +39,5 @@ def plan_image_tokens(model: Model, plan: Plan, body: bytes) -> list[int]:
         try:
             counts.append(model.image_tokens(found.width, found.height, found.orientation))
         except MediaError as error:
-            raise error.at(part.path) from None
+            raise error.at(item.path) from None
     return counts

@@ -2,10 +2,10 @@
 
 ``chunks_may_contain_media`` (the sniff, one pass over the chunks a body arrived in) answers for every
 body on a media route; a body it clears leaves untouched, without a copy or a parse. ``find_media``
-parses the rest the cheaper correct way and walks the route's dialect. ``plan_media`` turns the parts
-into a ``Plan``: every inline part measured from its base64 length (no decode yet), its declared type
-checked, the URL policy applied, each ``Item`` carrying where its bytes are and what to check them
-against, so a decode worker needs nothing else.
+parses the rest the cheaper correct way and walks the route's dialect. ``plan_media`` turns the items
+it found (``item.MediaItem``) into a ``Plan``: every inline item measured from its base64 length (no decode
+yet), its declared type checked, the URL policy applied, each item then carrying where its bytes are and
+what to check them against, so a decode worker needs nothing else.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from preprocessors.errors import (
     MmgateError,
 )
 from proxy.payload.dialects import Route
+from proxy.payload.item import MediaItem
 from proxy.payload.rawjson import (
     Skeleton,
     Span,
@@ -41,7 +42,7 @@ from proxy.payload.rawjson import (
     skeleton_steps,
     string_value,
 )
-from proxy.payload.walkers import WALKERS, Collected, EnoughParts, MediaPart
+from proxy.payload.walkers import WALKERS, Collected, EnoughParts
 
 # Every media part a walker can find sits under a key or a ``type`` value that contains "image", "audio"
 # or "video" (compared case-sensitively, after JSON unescaping). A JSON string can only hide those letters
@@ -126,7 +127,7 @@ def looks_text_heavy(body: bytes) -> bool:
 
 
 def locate(route: Route, skeleton: Skeleton, max_depth: int = DEFAULT_MAX_DEPTH,
-           max_parts: int | None = None) -> list[MediaPart]:
+           max_parts: int | None = None) -> list[MediaItem]:
     """Every media part of the request, in document order. MmgateError 400 ``invalid_request`` (with the
     part's path as ``param``) only for a media part too malformed to process, ``json_too_deep`` for media
     nested deeper than ``max_depth``. With ``max_parts``, the walk ends at the part that makes that many:
@@ -135,7 +136,7 @@ def locate(route: Route, skeleton: Skeleton, max_depth: int = DEFAULT_MAX_DEPTH,
     doc = skeleton.doc
     if walker is None or not isinstance(doc, dict):
         return []
-    out: list[MediaPart] = [] if max_parts is None else Collected(max_parts)
+    out: list[MediaItem] = [] if max_parts is None else Collected(max_parts)
     try:
         walker(skeleton, doc, out, max_depth)
     except EnoughParts:
@@ -144,14 +145,14 @@ def locate(route: Route, skeleton: Skeleton, max_depth: int = DEFAULT_MAX_DEPTH,
 
 
 def find_media(route: Route, body: bytes,
-               max_depth: int = DEFAULT_MAX_DEPTH) -> tuple[Skeleton | None, list[MediaPart]]:
+               max_depth: int = DEFAULT_MAX_DEPTH) -> tuple[Skeleton | None, list[MediaItem]]:
     """The skeleton and media parts of ``body`` (``(None, [])``: forward it as it is), in one go: see
     ``find_media_steps``."""
     return run_steps(find_media_steps(route, body, max_depth))
 
 
 def find_media_steps(route: Route, body: bytes, max_depth: int = DEFAULT_MAX_DEPTH, max_parts: int | None = None,
-                     max_structure: int | None = None) -> Steps[tuple[Skeleton | None, list[MediaPart]]]:
+                     max_structure: int | None = None) -> Steps[tuple[Skeleton | None, list[MediaItem]]]:
     """The skeleton and media parts of ``body`` (``(None, [])``: forward it as it is), in bounded steps.
 
     Same outcome as sniff -> skeletonize -> locate, by the cheaper correct path. A text-heavy body no
@@ -182,47 +183,36 @@ def find_media_steps(route: Route, body: bytes, max_depth: int = DEFAULT_MAX_DEP
     return skeleton, locate(route, skeleton, max_depth, max_parts)
 
 
-def inline_value(body: bytes, part: MediaPart) -> bytes | memoryview:
-    """An inline part's value as UTF-8 bytes (data URI or raw base64); a view into ``body`` when possible."""
-    if part.span is not None:
-        return string_value(body, part.span)
-    if part.literal is not None:
-        return part.literal.encode("utf-8")
-    raise ValueError(f"{part.path} is a URL part, it has no inline data")
-
-
-@dataclass(slots=True)
-class Item:
-    """One inline media part, ready for a worker: where its string is, how big it decodes, what to check."""
-
-    part: MediaPart
-    payload_offset: int  # where the base64 starts inside the string value (after "data:...;base64,")
-    size: int  # decoded bytes, exact upper bound from the base64 length
-    declared_mime: str = ""  # the type the client declared ("" when none); checked against the bytes
-    declared_span: Span | None = None  # where that type is written in the body, to put the true one there
+def inline_value(body: bytes, item: MediaItem) -> bytes | memoryview:
+    """An inline item's value as UTF-8 bytes (data URI or raw base64); a view into ``body`` when possible."""
+    if item.span is not None:
+        return string_value(body, item.span)
+    if not item.is_url:
+        return item.literal.encode("utf-8")
+    raise ValueError(f"{item.path} is a URL item, it has no inline data")
 
 
 @dataclass(slots=True)
 class Plan:
     """What the media step will do for one request.
 
-    ``refusal`` is set when a part cannot be processed; the plan then stops at that part, and ``urls``
-    holds only the URL parts before it (they are counted all the same, as they were seen).
+    ``items`` are what the media step works on (inline, and URLs it fetches); ``urls`` the URL items it
+    forwards as they are. ``refusals`` holds the refusal when an item cannot be processed (at most one): the
+    plan then stops at that item, and ``urls`` holds only the URL items before it (they are counted all the
+    same, as they were seen). Raise it popped (``raise plan.refusals.pop()``): that leaves no cycle between
+    the error, its traceback's frames and this plan, which would keep the request's body alive until a GC
+    pass.
     """
 
     is_stream: bool = False
-    parts: int = 0  # media parts found, URLs included
-    items: list[Item] = field(default_factory=list)
-    urls: list[MediaPart] = field(default_factory=list)
-    refusal: MmgateError | None = None
+    parts: int = 0  # media items found, URLs included
+    items: list[MediaItem] = field(default_factory=list)
+    urls: list[MediaItem] = field(default_factory=list)
+    refusals: list[MmgateError] = field(default_factory=list)
 
-    def take_refusal(self) -> MmgateError:
-        """The refusal, cleared from the plan: raised straight from here, it leaves no cycle between the
-        error, its traceback's frames and this plan, which would keep the request's body alive until a GC
-        pass."""
-        refusal, self.refusal = self.refusal, None
-        assert refusal is not None
-        return refusal
+    @property
+    def refusal(self) -> MmgateError | None:
+        return self.refusals[0] if self.refusals else None
 
     @property
     def cost(self) -> int:
@@ -250,57 +240,66 @@ def plan_media(route: Route, body: bytes, limits: Limits) -> Plan:
 def plan_steps(route: Route, body: bytes, limits: Limits) -> Steps[Plan]:
     """Find the media of ``body`` and measure it, in bounded steps (a generator that returns the plan).
     Raises for a body whose media cannot even be walked (invalid JSON, structure over
-    ``limits.max_structure``, a malformed or too deeply nested part); a part that fails a limit ends the
-    plan with a ``refusal`` instead, so the parts seen before it are still accounted for. The walk stops at
-    the first part over ``limits.max_parts``."""
-    skeleton, parts = yield from find_media_steps(route, body, limits.max_depth, limits.max_parts + 1,
+    ``limits.max_structure``, a malformed or too deeply nested item); an item that fails a limit ends the
+    plan with a refusal instead, so the items seen before it are still accounted for. The walk stops at
+    the first item over ``limits.max_parts``."""
+    skeleton, found = yield from find_media_steps(route, body, limits.max_depth, limits.max_parts + 1,
                                                   limits.max_structure)
     plan = Plan(is_stream=skeleton is not None and isinstance(skeleton.doc, dict)
                 and skeleton.doc.get("stream") is True)
-    del skeleton  # it references the body; the spans in ``parts`` are all a plan keeps
-    plan.parts = len(parts)
-    if len(parts) > limits.max_parts:
-        plan.refusal = TOO_MANY_MEDIA.error(
+    del skeleton  # it references the body; the spans in ``found`` are all a plan keeps
+    plan.parts = len(found)
+    if len(found) > limits.max_parts:
+        plan.refusals.append(TOO_MANY_MEDIA.error(
             f"the request has more than {limits.max_parts} media parts, the limit "
-            "(MMGATE_MAX_MEDIA_PER_REQUEST): send fewer", param=parts[limits.max_parts].path)
+            "(MMGATE_MAX_MEDIA_PER_REQUEST): send fewer", param=found[limits.max_parts].path))
         return plan
     try:
-        for part in parts:
-            if part.is_url:
+        for item in found:
+            if item.is_url:
                 if limits.reject_urls:
                     raise MEDIA_URL_NOT_ALLOWED.error(
                         "media URLs are not accepted here (MMGATE_MEDIA_URLS=reject): send the media "
-                        "inline as base64", param=part.path)
+                        "inline as base64", param=item.path)
                 if limits.fetch_urls:
-                    plan.items.append(_fetch_item(route, part, limits.max_item_bytes))
+                    _check_fetchable(route, item)
+                    item.size = limits.max_item_bytes  # unknown until read: charged the per-item cap
+                    _add(plan, item)
                     continue
-                plan.urls.append(part)
+                plan.urls.append(item)
                 continue
-            plan.items.append(_measure(body, part, limits.max_item_bytes))
+            _measure(body, item, limits.max_item_bytes)
+            _add(plan, item)
     except MmgateError as refusal:
-        plan.refusal = refusal
+        plan.refusals.append(refusal)
     return plan
 
 
-def _measure(body: bytes, part: MediaPart, max_item: int) -> Item:
-    """Decoded size from the base64 length alone (413 before any decode); parses only a data URI's head."""
-    span = part.span
+def _add(plan: Plan, item: MediaItem) -> None:
+    item.index, item.state = len(plan.items), "planned"
+    plan.items.append(item)
+
+
+def _measure(body: bytes, item: MediaItem, max_item: int) -> None:
+    """``item``'s decoded size from the base64 length alone (413 before any decode) and its declared type;
+    parses only a data URI's head."""
+    span = item.span
     if span is not None and not span.escaped:  # the common case: look at the head only, copy nothing
         head: bytes | memoryview = memoryview(body)[span.start + 1 : min(span.end - 1, span.start + 257)]
         length = span.end - span.start - 2
     else:  # a short literal, or a string with JSON escapes (rare): unescape it first
-        value = inline_value(body, part)
+        value = inline_value(body, item)
         head, length = value[:256], len(value)
     offset = 0
-    declared = (part.declared_mime or "").lower()  # not stripped: a media_type with spaces is no token
-    declared_span = part.mime_span
-    if part.encoding == "data_uri":
+    declared = (item.declared_mime or "").lower()  # not stripped: a media_type with spaces is no token
+    declared_span = item.mime_span
+    if item.encoding == "data_uri":
         try:
             data_url = parse_data_url(head)
         except MediaError as error:
-            raise error.at(part.path) from None
+            raise error.at(item.path) from None
         if data_url is None:
-            raise INVALID_DATA_URI.error("expected a data: URI or an http(s) URL", param=part.path)
+            raise INVALID_DATA_URI.error("expected a data: URI or an http(s) URL", param=item.path)
         offset = data_url.payload_offset
         declared = data_url.mime
         declared_span = None
@@ -309,44 +308,43 @@ def _measure(body: bytes, part: MediaPart, max_item: int) -> Item:
             mime_end = bytes(head[: offset - 1]).find(b";")
             mime_end = offset - 1 if mime_end < 0 else mime_end
             declared_span = Span(span.start + 6, span.start + 1 + mime_end, False)
-    if (declared or part.declared_mime is not None) and not _declared_type_allowed(part, declared):
+    if (declared or item.declared_mime is not None) and not _declared_type_allowed(item, declared):
         raise INVALID_MEDIA_TYPE.error(
-            f"the declared type {declared[:64]!r} is not an accepted {part.kind} type: declare "
-            f"{part.kind}/<subtype> or leave it out", param=part.path)
+            f"the declared type {declared[:64]!r} is not an accepted {item.kind} type: declare "
+            f"{item.kind}/<subtype> or leave it out", param=item.path)
     size = decoded_size(length - offset)
     if size > max_item:
         raise MEDIA_TOO_LARGE.error(
-            f"this {part.kind} decodes to about {size} bytes, over the per-item limit of {max_item} "
-            "(MMGATE_MAX_MEDIA_ITEM_MB): send a smaller file", param=part.path)
-    return Item(part, offset, size, declared, declared_span)
+            f"this {item.kind} decodes to about {size} bytes, over the per-item limit of {max_item} "
+            "(MMGATE_MAX_MEDIA_ITEM_MB): send a smaller file", param=item.path)
+    item.payload_offset, item.size, item.declared_type, item.declared_span = offset, size, declared, declared_span
 
 
-def _fetch_item(route: Route, part: MediaPart, max_item: int) -> Item:
-    """A URL part mmgate will fetch (``fetch.py``): charged the per-item cap at admission, since its size is
-    unknown until it is read; refused here when its fetched bytes could not take the URL's place."""
-    url = part.url or ""
+def _check_fetchable(route: Route, item: MediaItem) -> None:
+    """A URL item mmgate will fetch (``fetch.fetcher``), refused here when its fetched bytes could not take
+    the URL's place."""
+    url = item.url
     if route == "messages":  # an Anthropic url source: a data URL in its place is no valid source
         raise MEDIA_URL_NOT_ALLOWED.error(
             "image URLs are not accepted here (MMGATE_MEDIA_URLS=fetch does not rewrite Anthropic "
-            "url sources): send a base64 source", param=part.path)
-    if part.kind == "video":
+            "url sources): send a base64 source", param=item.path)
+    if item.kind == "video":
         raise MEDIA_URL_NOT_ALLOWED.error(
             "video URLs are not fetched (MMGATE_MEDIA_URLS=fetch reads images and audio): send the "
-            "video inline", param=part.path)
-    if part.span is None or not url[:8].lower().startswith(("http://", "https://")):
+            "video inline", param=item.path)
+    if item.span is None or not url[:8].lower().startswith(("http://", "https://")):
         raise FETCH_URL_NOT_ALLOWED.error("only http and https media URLs are fetched",
-                                          param=part.path)
-    return Item(part, 0, max_item)
+                                          param=item.path)
 
 
 # RFC 6838 section 4.2: a type and a subtype of restricted-name characters.
 _MEDIA_TYPE = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]{0,126}/[a-z0-9][a-z0-9!#$&^_.+-]{0,126}")
 
 
-def _declared_type_allowed(part: MediaPart, declared: str) -> bool:
-    """A part's declared type must name its kind; a data URI may also say application/octet-stream."""
+def _declared_type_allowed(item: MediaItem, declared: str) -> bool:
+    """An item's declared type must name its kind; a data URI may also say application/octet-stream."""
     if not _MEDIA_TYPE.fullmatch(declared):
         return False
-    if declared.startswith(part.kind + "/"):
+    if declared.startswith(item.kind + "/"):
         return True
-    return part.encoding == "data_uri" and declared == "application/octet-stream"
+    return item.encoding == "data_uri" and declared == "application/octet-stream"

@@ -12,43 +12,20 @@ chat parts are also looked for in Responses content and vice versa.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from preprocessors.base import MediaKind
 from preprocessors.errors import INVALID_REQUEST, JSON_TOO_DEEP, MmgateError
 from proxy.payload.dialects import Route
-from proxy.payload.rawjson import Skeleton, Span
-
-
-@dataclass(slots=True)
-class MediaPart:
-    """One media item of a request.
-
-    Inline data is either ``span`` (its string token in the body; rewritable) or, for a value that
-    stayed literal in the skeleton (at most ``long_string`` bytes, no escape, not a ``data:`` URI:
-    raw base64 of at most 48 decoded bytes, no image worth rewriting), ``literal`` (validated, never
-    rewritten). A URL part has ``url``, and ``span`` when its token was placeholdered (every
-    ``http(s):`` URL is). On a ``parse_plain`` skeleton no part has a span.
-    """
-
-    path: str
-    kind: MediaKind
-    is_url: bool
-    url: str | None = None
-    span: Span | None = None
-    literal: str | None = None
-    encoding: Literal["data_uri", "base64"] = "data_uri"  # meaningless when is_url
-    declared_mime: str | None = None  # Anthropic media_type; None for data URIs (the caller parses them)
-    mime_span: Span | None = None  # Anthropic media_type token, rewritten when the format changes
-    audio_format: str | None = None  # OpenAI input_audio "format"
+from proxy.payload.item import MediaItem
+from proxy.payload.rawjson import Skeleton
 
 
 class EnoughParts(Exception):
     """Raised by ``Collected.append`` once the collection is full: the walk stops there."""
 
 
-class Collected(list[MediaPart]):
+class Collected(list[MediaItem]):
     """The parts a walker finds, at most ``limit`` of them: the part that fills it ends the walk (a request
     over a limit is refused at the first part past it, without visiting the rest of its document)."""
 
@@ -56,7 +33,7 @@ class Collected(list[MediaPart]):
         super().__init__()
         self.limit = limit
 
-    def append(self, part: MediaPart) -> None:
+    def append(self, part: MediaItem) -> None:
         super().append(part)
         if len(self) >= self.limit:
             raise EnoughParts
@@ -87,7 +64,7 @@ def _short_text(sk: Skeleton, value: object, limit: int = 4096) -> str | None:
 
 def _inline_or_url(
     sk: Skeleton, value: object, path: str, kind: MediaKind, field: str, *, raw_base64: bool
-) -> MediaPart:
+) -> MediaItem:
     """A media string: a ``data:`` URI (inline), else a URL, or raw base64 when ``raw_base64``.
 
     ``raw_base64`` (SGLang/vLLM ``/generate``): only something with a ``scheme://`` is a URL;
@@ -96,24 +73,24 @@ def _inline_or_url(
     if not isinstance(value, str):
         raise _bad(f"{field} must be a string", path)
     span = sk.span_of(value)
-    literal = None if span is not None else value
+    literal = "" if span is not None else value
     head = sk.head(value, 64) or ""
     if head[:5].lower() == "data:":
-        return MediaPart(path, kind, False, span=span, literal=literal, encoding="data_uri")
+        return MediaItem(path, kind, False, span=span, literal=literal, encoding="data_uri")
     if raw_base64 and "://" not in head:
-        return MediaPart(path, kind, False, span=span, literal=literal, encoding="base64")
-    return MediaPart(path, kind, True, url=sk.text(value), span=span)
+        return MediaItem(path, kind, False, span=span, literal=literal, encoding="base64")
+    return MediaItem(path, kind, True, url=sk.text(value) or "", span=span)
 
 
-def _base64_part(sk: Skeleton, data: str, path: str, kind: MediaKind, **declared: Any) -> MediaPart:
+def _base64_part(sk: Skeleton, data: str, path: str, kind: MediaKind, **declared: Any) -> MediaItem:
     """An inline part whose field holds bare base64 (no ``data:`` header): its span, or the text itself when the
     skeleton kept the string (a short one)."""
     span = sk.span_of(data)
-    return MediaPart(path, kind, False, span=span, literal=None if span is not None else data, encoding="base64",
+    return MediaItem(path, kind, False, span=span, literal="" if span is not None else data, encoding="base64",
                      **declared)
 
 
-def _url_field(sk: Skeleton, value: object, path: str, kind: MediaKind, field: str) -> MediaPart:
+def _url_field(sk: Skeleton, value: object, path: str, kind: MediaKind, field: str) -> MediaItem:
     """``{"url": ...}`` or (vLLM) a bare string."""
     if value is None:
         raise _bad(f"{field} is missing", path)
@@ -124,7 +101,7 @@ def _url_field(sk: Skeleton, value: object, path: str, kind: MediaKind, field: s
     return _inline_or_url(sk, value, path, kind, field, raw_base64=False)
 
 
-def _input_audio(sk: Skeleton, value: object, path: str) -> MediaPart:
+def _input_audio(sk: Skeleton, value: object, path: str) -> MediaItem:
     if not isinstance(value, dict):
         raise _bad("input_audio must be an object with data and format", path)
     data = value.get("data")
@@ -133,7 +110,7 @@ def _input_audio(sk: Skeleton, value: object, path: str) -> MediaPart:
     return _base64_part(sk, data, path, "audio", audio_format=_short_text(sk, value.get("format")))
 
 
-def _input_image(sk: Skeleton, part: dict[str, Any], path: str) -> MediaPart | None:
+def _input_image(sk: Skeleton, part: dict[str, Any], path: str) -> MediaItem | None:
     """Responses ``input_image``: ``image_url`` (a string, or defensively ``{"url"}``) or ``file_id``."""
     image_url = part.get("image_url")
     if image_url is None:
@@ -160,7 +137,7 @@ _INFERRED_FIELDS: tuple[tuple[str, MediaKind | None], ...] = (
 _URL_TYPES: dict[str, MediaKind] = {"image_url": "image", "audio_url": "audio", "video_url": "video"}
 
 
-def _openai_part(sk: Skeleton, part: object, path: str) -> MediaPart | None:
+def _openai_part(sk: Skeleton, part: object, path: str) -> MediaItem | None:
     """An OpenAI-style content part (chat or Responses), recognised as vLLM does."""
     if not isinstance(part, dict):
         return None
@@ -199,7 +176,7 @@ def _openai_part(sk: Skeleton, part: object, path: str) -> MediaPart | None:
 _TEXT_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
 
 
-def _content_parts(sk: Skeleton, content: list[Any], path: str, out: list[MediaPart]) -> None:
+def _content_parts(sk: Skeleton, content: list[Any], path: str, out: list[MediaItem]) -> None:
     for j, part in enumerate(content):
         if not isinstance(part, dict):
             continue
@@ -211,7 +188,7 @@ def _content_parts(sk: Skeleton, content: list[Any], path: str, out: list[MediaP
             out.append(found)
 
 
-def _chat(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart], max_depth: int) -> None:
+def _chat(sk: Skeleton, doc: dict[str, Any], out: list[MediaItem], max_depth: int) -> None:
     messages = doc.get("messages")
     if not isinstance(messages, list):
         return
@@ -222,7 +199,7 @@ def _chat(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart], max_depth: in
                 _content_parts(sk, content, f"messages[{i}].content", out)
 
 
-def _responses(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart], max_depth: int) -> None:
+def _responses(sk: Skeleton, doc: dict[str, Any], out: list[MediaItem], max_depth: int) -> None:
     items = doc.get("input")
     if not isinstance(items, list):
         return  # a plain string prompt
@@ -241,7 +218,7 @@ def _responses(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart], max_dept
             _content_parts(sk, output, f"input[{i}].output", out)
 
 
-def _anthropic_block(sk: Skeleton, block: object, path: str, out: list[MediaPart], depth: int,
+def _anthropic_block(sk: Skeleton, block: object, path: str, out: list[MediaItem], depth: int,
                      max_depth: int) -> None:
     if not isinstance(block, dict):
         return
@@ -270,10 +247,10 @@ def _anthropic_block(sk: Skeleton, block: object, path: str, out: list[MediaPart
         url = source.get("url")
         if not isinstance(url, str):
             raise _bad("image source of type url needs a url string", path)
-        out.append(MediaPart(path, "image", True, url=sk.text(url), span=sk.span_of(url)))
+        out.append(MediaItem(path, "image", True, url=sk.text(url) or "", span=sk.span_of(url)))
 
 
-def _messages(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart], max_depth: int) -> None:
+def _messages(sk: Skeleton, doc: dict[str, Any], out: list[MediaItem], max_depth: int) -> None:
     messages = doc.get("messages")
     if not isinstance(messages, list):
         return
@@ -293,7 +270,7 @@ _GENERATE_FIELDS: tuple[tuple[str, MediaKind], ...] = (
 )
 
 
-def _generate_item(sk: Skeleton, value: object, path: str, kind: MediaKind, out: list[MediaPart], depth: int,
+def _generate_item(sk: Skeleton, value: object, path: str, kind: MediaKind, out: list[MediaItem], depth: int,
                    max_depth: int) -> None:
     """A string, a list (a batch, possibly nested), or SGLang's ``{"url": ...}`` object."""
     if isinstance(value, str):
@@ -306,13 +283,13 @@ def _generate_item(sk: Skeleton, value: object, path: str, kind: MediaKind, out:
         out.append(_inline_or_url(sk, value["url"], path, kind, f"{path}.url", raw_base64=True))
 
 
-def _generate(sk: Skeleton, doc: dict[str, Any], out: list[MediaPart], max_depth: int) -> None:
+def _generate(sk: Skeleton, doc: dict[str, Any], out: list[MediaItem], max_depth: int) -> None:
     for field, kind in _GENERATE_FIELDS:
         if field in doc:
             _generate_item(sk, doc[field], field, kind, out, 2, max_depth)
 
 
-Walker = Callable[[Skeleton, dict[str, Any], list["MediaPart"], int], None]
+Walker = Callable[[Skeleton, dict[str, Any], list["MediaItem"], int], None]
 
 
 # Where each media route's parts live (``locate.find_media`` runs the walker for the request's route).

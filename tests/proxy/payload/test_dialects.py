@@ -9,21 +9,21 @@ import pytest
 
 from preprocessors.errors import MmgateError
 from proxy.payload.dialects import Route, route_for
+from proxy.payload.item import MediaItem
 from proxy.payload.locate import find_media, inline_value, locate
 from proxy.payload.rawjson import parse_plain, skeletonize, splice, string_value
-from proxy.payload.walkers import MediaPart
 
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 URI = "data:image/png;base64," + PNG
 WAV = "UklGRiQAAABXQVZFZm10IBAAAAABAAEAQB8AAIA+AAACABAAZGF0YQAAAAA=" * 2
 
 
-def parts_of(route: Route, doc: Any) -> tuple[bytes, list[MediaPart]]:
+def parts_of(route: Route, doc: Any) -> tuple[bytes, list[MediaItem]]:
     body = orjson.dumps(doc)
     return body, locate(route, skeletonize(body))
 
 
-def summary(parts: list[MediaPart]) -> list[tuple[str, str, bool]]:
+def summary(parts: list[MediaItem]) -> list[tuple[str, str, bool]]:
     return [(p.path, p.kind, p.is_url) for p in parts]
 
 

@@ -172,4 +172,4 @@ def test_walk_stopped_at_the_limit_plans_what_the_full_walk_plans(
         assert plan.refusal is None or plan.refusal.code != "too_many_media"
         assert plan.parts == len(full)
         paths = [p.path for p in full]
-        assert {item.part.path for item in plan.items} | {url.path for url in plan.urls} <= set(paths)
+        assert {item.path for item in plan.items} | {url.path for url in plan.urls} <= set(paths)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from preprocessors.errors import MmgateError
 from proxy.payload.dialects import Route
+from proxy.payload.item import MediaItem
 from proxy.payload.locate import (
     MARKERS,
     chunks_may_contain_media,
@@ -39,7 +40,6 @@ from proxy.payload.rawjson import (
     splice,
     string_value,
 )
-from proxy.payload.walkers import MediaPart
 
 B64 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
@@ -605,7 +605,7 @@ def get_path(doc: Any, path: str) -> Any:
     return target
 
 
-def replace_value(doc: Any, route: Route, part: MediaPart, new: str) -> None:
+def replace_value(doc: Any, route: Route, part: MediaItem, new: str) -> None:
     """Write ``new`` where ``part``'s data lives inside the part object of ``doc``."""
     holder = get_path(doc, part.path)
     if route == "generate":
