@@ -47,6 +47,26 @@ _IDEFICS_MODULES = {
 _LARGEST_SIDE = 16384  # past every family's cap: Qwen's max_pixels, Idefics3's 4096 px bound, fixed squares
 
 
+def _no_image_tokens(width: int, height: int) -> int:
+    """The count of a family mmgate has no geometry for: none (its model is never served: ``app.served_model``)."""
+    return 0
+
+
+def _no_video_tokens(frames: int, width: int, height: int) -> int:
+    """The count of a family whose video tokens mmgate does not count: none."""
+    return 0
+
+
+def _checked(geometry: Geometry, count: Callable[[int, int], int]) -> Callable[[int, int], int]:
+    """``count`` of an image the processor takes; ``geometry``'s refusal (``geometry.model_size``) else."""
+
+    def checked(width: int, height: int) -> int:
+        model_size(geometry, width, height)  # MediaError for an image the processor refuses
+        return count(width, height)
+
+    return checked
+
+
 @dataclass(frozen=True)
 class Model:
     """The loaded model: its family, its geometry (None: an unsupported family, the generic rule applies) and
@@ -55,9 +75,9 @@ class Model:
     name: str
     family: str
     geometry: Geometry | None
-    count: Callable[[int, int], int] | None = field(default=None, repr=False)
+    count: Callable[[int, int], int] = field(default=_no_image_tokens, repr=False)  # of an upright image
     ceiling: int = 0  # the most tokens one image can make, where no single size gives it (Qwen)
-    video_count: Callable[[int, int, int], int] | None = field(default=None, repr=False)
+    video_count: Callable[[int, int, int], int] = field(default=_no_video_tokens, repr=False)
 
     @property
     def supported(self) -> bool:
@@ -73,11 +93,10 @@ class Model:
     @property
     def counts_video(self) -> bool:
         """Whether the family defines video tokens (Qwen2-VL and its successors)."""
-        return self.video_count is not None
+        return self.video_count is not _no_video_tokens
 
     def video_tokens(self, frames: int, width: int, height: int) -> int:
         """Tokens the backend's video processor makes of a clip of ``frames`` frames of ``width`` x ``height``."""
-        assert self.video_count is not None
         try:
             return self.video_count(frames, width, height)
         except ValueError as error:  # the processor's own refusal (an aspect ratio over 200)
@@ -85,11 +104,9 @@ class Model:
                 f"the served model's processor refuses a {width}x{height} video: {error}") from None
 
     def image_tokens(self, width: int, height: int, orientation: int = 1) -> int:
-        """Tokens the backend's processor makes of a stored image of this size and EXIF orientation."""
-        assert self.count is not None and self.geometry is not None
-        up_w, up_h = upright(width, height, orientation)
-        model_size(self.geometry, up_w, up_h)  # MediaError for an image the processor refuses
-        return self.count(up_w, up_h)
+        """Tokens the backend's processor makes of a stored image of this size and EXIF orientation; a
+        MediaError for an image the processor refuses."""
+        return self.count(*upright(width, height, orientation))
 
 
 @functools.cache
@@ -212,8 +229,8 @@ def _qwen(spec: str, family: str, processor: Any, folder: Path) -> Model:
     # smart_resize keeps height x width within max_pixels, and a token is (patch_size x merge_size)^2 pixels.
     ceiling = geometry.max_pixels // (geometry.patch_size * geometry.merge_size) ** 2
     # Qwen3-VL's video prompt adds a timestamp in text to every frame pair: its video tokens are not counted.
-    video_count = _qwen_video_count(folder, processor) if family in ("qwen2-vl", "qwen2.5-vl") else None
-    return Model(spec, family, geometry, count, ceiling, video_count)
+    video_count = _qwen_video_count(folder, processor) if family in ("qwen2-vl", "qwen2.5-vl") else _no_video_tokens
+    return Model(spec, family, geometry, _checked(geometry, count), ceiling, video_count)
 
 
 def _qwen_video_count(folder: Path, image_processor: Any) -> Callable[[int, int, int], int]:
@@ -257,7 +274,7 @@ def _constant(spec: str, family: str, folder: Path, geometry: Geometry) -> Model
         raise ConfigError(f"MMGATE_MODEL={spec!r}: counting {family} image tokens needs the model's processor and "
                           f"tokenizer in {folder}, which could not be loaded offline "
                           f"({type(error).__name__}: {str(error)[:200]})") from None
-    return Model(spec, family, geometry, lambda _width, _height: tokens)
+    return Model(spec, family, geometry, _checked(geometry, lambda _width, _height: tokens))
 
 
 def _idefics3(spec: str, family: str, module: str, folder: Path, image_processor: Any) -> Model:
@@ -279,7 +296,7 @@ def _idefics3(spec: str, family: str, module: str, folder: Path, image_processor
             tokens = by_layout[layout] = layout_tokens(width, height, layout)
         return tokens
 
-    return Model(spec, family, geometry, count)
+    return Model(spec, family, geometry, _checked(geometry, count))
 
 
 def _idefics3_layout_tokens(family: str, folder: Path) -> Callable[[int, int, Any], int]:
@@ -335,4 +352,4 @@ def _llava_next(spec: str, folder: Path, image_processor: Any) -> Model:
     # Every grid full (nothing unpadded), a newline token a row, and the base square.
     ceiling = max((h // processed * side) * (w // processed * side) + h // processed * side
                   for h, w in pinpoints) + side * side + extra
-    return Model(spec, "llava-next", geometry, count, ceiling)
+    return Model(spec, "llava-next", geometry, _checked(geometry, count), ceiling)

@@ -53,8 +53,8 @@ from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.errors import PREPROCESS_TIMEOUT, MediaError, MmgateError
 from preprocessors.job import MediaJob, MediaTask, Verdict, judge_head
 from preprocessors.pool import Batch, DecodePool
-from proxy.admission.flows import Flow
 from proxy.admission.client import GateClient, GateLease, GatePlace
+from proxy.admission.flows import Flow
 from proxy.fetch.fetcher import Fetcher, fetch_items
 from proxy.media.buffers import MediaBuffer
 from proxy.media.cache import VerdictCache, refused
