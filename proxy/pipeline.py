@@ -130,15 +130,15 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
     elif release_at == "auto":
         release_at = "headers" if is_stream else "sent"
     lease = ex.lease
+    on_sent = lease.release if lease is not None and release_at == "sent" else None
     if lease is not None:
         lease.handed_off()
 
     ex.upstream_started = time.perf_counter()
     try:
-        upstream = await open_upstream(
-            state.session, request, settings.backend.upstream + target.forwarded, outgoing if ex.bytes_in else None,
-            ex.request_id, _own_headers(state.model, ex),
-            lease.release if lease is not None and release_at == "sent" else None, settings.timeouts.upstream_client)
+        upstream = await open_upstream(state.session, request, settings.backend.upstream + target.forwarded,
+                                       outgoing if ex.bytes_in else None, ex.request_id,
+                                       _own_headers(state.model, ex), on_sent, settings.timeouts.upstream_client)
         del outgoing
         state.upstream.reached()
         try:
