@@ -2,7 +2,7 @@
 
 One state instead of flags kept in step: readiness fails from the grace on (the load balancer is told to
 stop sending), new requests and new media admissions are refused only once the drain proper starts (the
-requests already accepted keep their place). ``cli.drain`` moves it forward; nothing moves it back.
+requests already accepted keep their place). ``server.drain`` moves it forward; nothing moves it back.
 """
 
 from __future__ import annotations
