@@ -58,7 +58,7 @@ def _no_video_tokens(frames: int, width: int, height: int) -> int:
 
 
 def _checked(geometry: Geometry, count: Callable[[int, int], int]) -> Callable[[int, int], int]:
-    """``count`` of an image the processor takes; ``geometry``'s refusal (``geometry.model_size``) else."""
+    """``count`` of an image the processor takes; else the refusal of ``preprocessors.geometry.model_size``."""
 
     def checked(width: int, height: int) -> int:
         model_size(geometry, width, height)  # MediaError for an image the processor refuses
