@@ -36,6 +36,7 @@ ReleaseAt = Literal["auto", "sent", "headers", "complete"]
 MediaUrls = Literal["forward", "reject", "fetch"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["text", "json"]
+EventLoop = Literal["auto", "asyncio", "uvloop"]
 
 
 def usable_cpus() -> int:
@@ -76,6 +77,7 @@ class Listen:
     admin_port: int = 0
     max_connections: int = 1024
     loop_lag_target: float = 0.005
+    loop: EventLoop = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,7 @@ class Timeouts:
     request_timeout: float = 0.0
     upstream_connect_timeout: float = 5.0
     upstream_read_timeout: float = 600.0
+    client_write_timeout: float = 30.0
     upstream_client: aiohttp.ClientTimeout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

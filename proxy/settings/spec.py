@@ -42,6 +42,7 @@ from proxy.settings.sections import (
     SECTION_TYPES,
     BackendMetrics,
     DecodeMode,
+    EventLoop,
     ImageFormat,
     LogFormat,
     LogLevel,
@@ -126,10 +127,14 @@ SPEC: dict[str, Spec] = {
     "header_timeout": Spec("timeouts", seconds(False), "seconds for the request line and headers -> 408, "
                                                         "connection closed"),
     "keepalive_timeout": Spec("timeouts", seconds(False), "seconds an idle client connection is kept open"),
+    "loop": Spec("listen", choice(EventLoop), "event loop: auto = uvloop when installed (pip install "
+                                              "'mmgate[uvloop]'), else asyncio's own"),
     "max_connections": Spec("listen", integer(1, 1_000_000), "open client connections; beyond -> 503 "
                                                           "too_many_connections"),
     "upstream_connect_timeout": Spec("timeouts", seconds(False), "upstream connect timeout -> 502"),
     "upstream_read_timeout": Spec("timeouts", seconds(False), "longest upstream silence -> 504"),
+    "client_write_timeout": Spec("timeouts", seconds(True), "seconds a client may read nothing of its answer "
+                                                            "before its connection is closed (0 = off)"),
     "upstream_max_connections": Spec("backend", integer(1, 1_000_000), "upstream connection pool size"),
     "decode_workers": Spec("decode", integer(0, 256), "decode workers (threads or processes)", shown="usable CPUs"),
     "decode_mode": Spec("decode", choice(DecodeMode), "decode workers are threads or processes",
