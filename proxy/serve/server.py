@@ -140,16 +140,27 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
         announce(settings, site.port, on_ready, warnings)
 
     await signals.stopped.wait()
-    if not await signals.unless_forced(drain(app[STATE], signals.first)):
+    forced = not await signals.unless_forced(drain(app[STATE], signals.first))
+    if forced:
         log.warning("SIGINT again: stopping now; %d request(s) in flight cut", app[STATE].in_flight)
-        raise SystemExit(FORCED_EXIT_STATUS)
+        close_client_connections(runner)
     await runner.cleanup()
     if admin_runner is not None:
         await admin_runner.cleanup()
     if isinstance(gate, SharedGate):
         await gate.close()
-    else:
+    elif not forced:
         log.info("mmgate stopped")
+    if forced:
+        raise SystemExit(FORCED_EXIT_STATUS)
+
+
+def close_client_connections(runner: web.AppRunner) -> None:
+    """Close every client connection now: aiohttp cancels their handlers as they go, so the runner's cleanup
+    has nothing left to wait for (one whose client reads nothing is cut by the cleanup's own timeout)."""
+    server = runner.server
+    for handler in server.connections if server is not None else ():
+        handler.force_close()
 
 
 def announce(settings: Settings, port: int, on_ready: Callable[[Settings, int], None] | None,
