@@ -26,9 +26,9 @@ MISSPELT = "MMGATE_MAX_QUEUE"[:-1]  # built, so that no file but test_cli.py spe
 
 def mmgate_env(**settings: str) -> dict[str, str]:
     """This process's environment without its MMGATE_* (a developer's own would change what is tested), but for
-    the ones CI runs the suite under, on loopback only."""
+    the decode mode and the event loop CI runs the suite under; one process, on loopback only."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MMGATE_") or k in ("MMGATE_DECODE_MODE", "MMGATE_PROCESSES", "MMGATE_LOOP")}
+           if not k.startswith("MMGATE_") or k in ("MMGATE_DECODE_MODE", "MMGATE_LOOP")}
     return env | {"MMGATE_HOST": "127.0.0.1", **settings}
 
 
