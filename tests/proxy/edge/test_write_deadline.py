@@ -127,7 +127,12 @@ async def test_on_stall_is_called_once_when_the_answer_waits_on_the_client() -> 
     async def handler(request: web.Request) -> web.StreamResponse:
         conn = guard.connection_for(request.protocol)
         assert conn is not None  # served through the guard's site
-        conn.on_stall = lambda: (stalls.append(client_gone_code(request)), stalled.set())
+
+        def on_stall() -> None:
+            stalls.append(client_gone_code(request))
+            stalled.set()
+
+        conn.on_stall = on_stall
         response = web.StreamResponse()
         await response.prepare(request)
         try:
