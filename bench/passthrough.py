@@ -80,7 +80,7 @@ WORDS = [
 ]
 TARGETS = ("direct", "nginx", "minimal", "mmgate", "mmgate-uvloop")
 # The event loop each mmgate target runs on (MMGATE_LOOP); "mmgate" is asyncio's own, whatever is installed.
-MMGATE_LOOPS = {"mmgate": "asyncio", "mmgate-uvloop": "uvloop"}
+LOOP_OF = {"mmgate": "asyncio", "mmgate-uvloop": "uvloop"}
 ROLE = (sys.executable, "-m", "bench.passthrough", "--role")  # this module in another process (cwd=REPO)
 
 
@@ -854,7 +854,7 @@ def bench(args: argparse.Namespace) -> None:
         mmgates = {target: procs.start([sys.executable, "-m", "proxy", "--upstream", upstream_url, "--port",
                                         str(ports[target]), "--host", "127.0.0.1", "--access-log", "off", "--loop",
                                         loop], PROXY_CPU, cwd=REPO, stderr=subprocess.DEVNULL)
-                   for target, loop in MMGATE_LOOPS.items()}
+                   for target, loop in LOOP_OF.items()}
         mmgate = mmgates["mmgate"]
         wait_http(f"http://127.0.0.1:{ports['nginx']}/", proc=nginx)
         wait_http(f"http://127.0.0.1:{ports['minimal']}/", proc=minimal)

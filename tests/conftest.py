@@ -6,7 +6,8 @@ live in ``testkit.servers`` (the fuzzing bench starts the same servers without p
 so test modules keep importing them from ``.conftest``.
 
 ``MMGATE_LOOP=uvloop`` in the environment runs every async test, and so every proxy a test starts in-process,
-on uvloop (CI runs the suite once more so); otherwise they run on asyncio's own loop.
+on uvloop (CI runs the suite once more so); otherwise they run on asyncio's own loop, and ``MMGATE_LOOP`` is set
+to ``asyncio`` for the ``mmgate`` processes tests start with it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ __all__ = ["Handler", "Proxy", "Seen", "StartProxy", "Upstream", "require_heavy"
 hypothesis_settings.register_profile("no-deadline", deadline=None)
 hypothesis_settings.load_profile("no-deadline")
 
-if os.environ.get("MMGATE_LOOP") == "uvloop":
+os.environ.setdefault("MMGATE_LOOP", "asyncio")
+if os.environ["MMGATE_LOOP"] == "uvloop":
 
     def pytest_asyncio_loop_factories(config: pytest.Config,
                                       item: pytest.Item) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
