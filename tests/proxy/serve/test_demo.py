@@ -61,6 +61,10 @@ async def test_the_demo_listens_on_loopback_and_its_snippets_work_in_a_fresh_she
         assert f"mmgate demo: proxy on http://127.0.0.1:{port} -> stub backend at" in paragraphs[0], paragraphs[0]
         snippets = [p for p in paragraphs if p.lstrip().startswith(("curl", "#"))]
         assert len(snippets) == 2, paragraphs
+        # What to do for a plain `python` of one's own: activate this venv, not install anything again.
+        assert "pip install" not in "".join(printed)
+        if sys.prefix != sys.base_prefix:
+            assert f". {Path(sys.prefix) / 'bin' / 'activate'}" in snippets[1], snippets[1]
         for snippet in snippets:
             if snippet.lstrip().startswith("curl") and shutil.which("curl", path=fresh_shell_env(tmp_path)["PATH"]) \
                     is None:
