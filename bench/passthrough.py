@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Text passthrough cost: direct vs nginx vs a minimal aiohttp proxy vs mmgate, and SSE streams.
+"""Text passthrough cost: direct vs nginx vs a minimal aiohttp proxy vs mmgate on both event loops, and SSE streams.
 
 What a text-only request pays for going through mmgate (README "How a request flows", step 3: no media marker ->
 bytes forwarded untouched). Everything runs on loopback, in separate processes:
@@ -14,7 +14,8 @@ bytes forwarded untouched). Everything runs on loopback, in separate processes:
             request body buffered in memory like mmgate does: client_body_buffer_size 16m) -> upstream
   minimal   wrk -> a ~30-line aiohttp proxy (read the body, one pooled ClientSession, stream the answer back
             with iter_any; the anchor of the passthrough cost) -> upstream
-  mmgate    wrk -> `python -m proxy --access-log off` (defaults otherwise) -> upstream
+  mmgate    wrk -> `python -m proxy --access-log off --loop asyncio` (defaults otherwise) -> upstream
+  mmgate-uvloop  the same on uvloop (`--loop uvloop`; installed with pip when missing)
 
 Proxy and upstream are pinned to CPU 0 and the load generator to CPU 1 (taskset), as in the anchor
 measurement (nginx 7.4k req/s at 52 us CPU/request, minimal aiohttp 3.0k req/s at 243 us; 1 KB, 32 conns).
@@ -24,8 +25,9 @@ per request is utime+stime from /proc/<pid>/stat before/after (nginx: master + w
 likewise. Targets take turns inside each cell after a 1 s warm-up run each, --rounds rounds, each run
 started once the machine is near idle (a bounded wait: other jobs share it); each figure shown is the
 median over the target's rounds, every round is in the JSON. Goals (1 KB, 32 conns: mmgate >= 0.6x nginx's
-req/s; 4 MB: mmgate's CPU per MB <= 1.2x the minimal proxy's; SSE: mmgate >= 0.95x direct tokens/s) are judged
-on the median of the per-round ratios, printed and written with their min–max spread.
+req/s; 4 MB: mmgate's CPU per MB <= 1.2x the minimal proxy's; SSE: mmgate >= 0.95x direct tokens/s; 1 KB, 32
+conns: mmgate-uvloop's CPU per request <= 0.92x mmgate's on asyncio's loop) are judged on the median of the per-round
+ratios, printed and written with their min–max spread.
 
 SSE: the same upstream (one event every --sse-delay s on an absolute schedule, --sse-tokens events per
 response, OpenAI chunk format) and an asyncio/aiohttp client process holding 64 concurrent
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -75,7 +78,9 @@ WORDS = [
     "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim", "ad", "minim", "veniam", "quis",
     "nostrud", "exercitation", "ullamco", "laboris", "nisi", "aliquip", "ex", "ea", "commodo", "consequat"
 ]
-TARGETS = ("direct", "nginx", "minimal", "mmgate")
+TARGETS = ("direct", "nginx", "minimal", "mmgate", "mmgate-uvloop")
+# The event loop each mmgate target runs on (MMGATE_LOOP); "mmgate" is asyncio's own, whatever is installed.
+LOOP_OF = {"mmgate": "asyncio", "mmgate-uvloop": "uvloop"}
 ROLE = (sys.executable, "-m", "bench.passthrough", "--role")  # this module in another process (cwd=REPO)
 
 
@@ -185,6 +190,8 @@ def ensure_tools(need_pyspy: bool) -> None:
             subprocess.run(["apt-get", "install", "-y", "nginx", "wrk"], env=env, check=True, capture_output=True)
     if need_pyspy and not pyspy_path():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"], check=True)
+    if importlib.util.find_spec("uvloop") is None:  # mmgate's uvloop extra, for the mmgate-uvloop target
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "uvloop>=0.19"], check=True)
 
 
 def pyspy_path() -> str | None:
@@ -732,9 +739,9 @@ def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return {**out, "rounds": rounds}
 
 
-WHAT = ("text-only requests with wrk: direct vs nginx vs a minimal aiohttp proxy vs mmgate (1 KB and 4 MB, "
-        "1 and 32 conns); 64 SSE streams")
-GOAL_X_NGINX, GOAL_SSE_X_DIRECT, GOAL_TEXT_X_MINIMAL = 0.6, 0.95, 1.2
+WHAT = ("text-only requests with wrk: direct vs nginx vs a minimal aiohttp proxy vs mmgate on asyncio's loop and "
+        "on uvloop (1 KB and 4 MB, 1 and 32 conns); 64 SSE streams")
+GOAL_X_NGINX, GOAL_SSE_X_DIRECT, GOAL_TEXT_X_MINIMAL, GOAL_UVLOOP_CPU = 0.6, 0.95, 1.2, 0.92
 
 
 def goals(cells: list[dict[str, Any]], sse: list[dict[str, Any]]) -> list[R.Goal]:
@@ -748,6 +755,13 @@ def goals(cells: list[dict[str, Any]], sse: list[dict[str, Any]]) -> list[R.Goal
                           f"≥ {GOAL_X_NGINX:g}", lambda v: v >= GOAL_X_NGINX, unit="×"))
         out.append(R.goal("1 KB, 32 conns: mmgate CPU per request", [r["proxy_cpu_us_per_req"] for r in mm["rounds"]],
                           unit="µs"))
+    uv = by.get(("1 KB", 32, "mmgate-uvloop"))
+    if mm and uv:
+        out.append(R.goal("1 KB, 32 conns: mmgate CPU per request, uvloop ÷ asyncio's loop",
+                          [u["proxy_cpu_us_per_req"] / m["proxy_cpu_us_per_req"]
+                           for u, m in zip(uv["rounds"], mm["rounds"], strict=False)
+                           if u["proxy_cpu_us_per_req"] and m["proxy_cpu_us_per_req"]],
+                          f"≤ {GOAL_UVLOOP_CPU:g}", lambda v: v <= GOAL_UVLOOP_CPU, unit="×"))
     for conns in sorted({c["conns"] for c in cells if c["body"] == "4 MB"}):
         mm, mini = by.get(("4 MB", conns, "mmgate")), by.get(("4 MB", conns, "minimal"))
         if mm and mini:
@@ -837,15 +851,18 @@ def bench(args: argparse.Namespace) -> None:
         nginx = start_nginx(procs, "proxy", NGINX_PROXY.format(port=ports["nginx"], upstream=ports["direct"]), workdir)
         minimal = procs.start([*ROLE, "minimal-proxy", "--port", str(ports["minimal"]),
                                "--upstream", upstream_url], PROXY_CPU, cwd=REPO, stderr=subprocess.DEVNULL)
-        mmgate = procs.start([sys.executable, "-m", "proxy", "--upstream", upstream_url, "--port", str(ports["mmgate"]),
-                              "--host", "127.0.0.1", "--access-log", "off"], PROXY_CPU, cwd=REPO,
-                             stderr=subprocess.DEVNULL)
+        mmgates = {target: procs.start([sys.executable, "-m", "proxy", "--upstream", upstream_url, "--port",
+                                        str(ports[target]), "--host", "127.0.0.1", "--access-log", "off", "--loop",
+                                        loop], PROXY_CPU, cwd=REPO, stderr=subprocess.DEVNULL)
+                   for target, loop in LOOP_OF.items()}
+        mmgate = mmgates["mmgate"]
         wait_http(f"http://127.0.0.1:{ports['nginx']}/", proc=nginx)
         wait_http(f"http://127.0.0.1:{ports['minimal']}/", proc=minimal)
-        wait_http(f"http://127.0.0.1:{ports['mmgate']}/mmgate/health", proc=mmgate)
+        for target, proc in mmgates.items():
+            wait_http(f"http://127.0.0.1:{ports[target]}/mmgate/health", proc=proc)
         upstream_pids = [upstream.pid]
         pids = {"direct": [], "nginx": [nginx.pid, *children_of(nginx.pid)], "minimal": [minimal.pid],
-                "mmgate": [mmgate.pid]}
+                **{target: [proc.pid] for target, proc in mmgates.items()}}
         if args.baseline:
             before = procs.start([sys.executable, "-m", "proxy", "--upstream", upstream_url, "--port",
                                   str(ports[baseline]), "--host", "127.0.0.1", "--access-log", "off"], PROXY_CPU,
@@ -882,7 +899,7 @@ def bench(args: argparse.Namespace) -> None:
 
         # SSE through the same processes (the upstream streams when asked to by X-Bench-Stream)
         period = args.sse_tokens * args.sse_delay
-        sse_targets = ("direct", "mmgate", "minimal", "nginx", *targets[len(TARGETS):])
+        sse_targets = ("direct", "mmgate", "mmgate-uvloop", "minimal", "nginx", *targets[len(TARGETS):])
         sse_rounds: dict[str, list[dict[str, Any]]] = {target: [] for target in sse_targets}
         sse_round_s = max(2.0, args.duration / args.sse_rounds)
         for _ in range(args.sse_rounds):
@@ -1003,6 +1020,11 @@ def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, 
             f"(minimal aiohttp {(nginx_cpu + 85) / (min_cpu + 85):.2f}x). For 0.6x nginx here mmgate needs <= "
             f"{(nginx_cpu + up_cpu) / 0.6 - up_cpu:.0f} us/request (<= {(nginx_cpu + 85) / 0.6 - 85:.0f} us with the "
             f"anchor's upstream).")
+        uv = by.get(("1 KB", 32, "mmgate-uvloop"))
+        if uv is not None and uv["proxy_cpu_us_per_req"] and mm_cpu:
+            lines.append(f"On uvloop (mmgate-uvloop): {fmt(uv['proxy_cpu_us_per_req'])} us/request, "
+                         f"{uv['proxy_cpu_us_per_req'] / mm_cpu:.2f}x mmgate on asyncio's loop, "
+                         f"{uv['rps']:.0f} req/s.")
         lines.append("")
     if sse:
         m = next(r for r in sse if r["target"] == "mmgate")

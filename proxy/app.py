@@ -30,6 +30,7 @@ from proxy.edge.pacing import Pacer
 from proxy.edge.refusals import refusals_in_api_shape
 from proxy.edge.site import mark_head_received
 from proxy.edge.upstream_health import UpstreamHealth
+from proxy.edge.write_deadline import stall_deadline
 from proxy.fetch.fetcher import FETCH_OUTCOMES, Fetcher, FetchLimits
 from proxy.fetch.policy import AddressPolicy, CheckedResolver, HostPolicy
 from proxy.media.cache import MediaCache, NoCache, VerdictCache, settings_fingerprint
@@ -92,7 +93,10 @@ def build_state(settings: Settings, link: Link | None = None,
     )
     connections = ConnectionGuard(settings.listen.max_connections, settings.timeouts.header_timeout,
                                   lambda code: metrics.rejected.labels(code).inc(),
-                                  metrics.idle_connections_closed.inc)
+                                  metrics.idle_connections_closed.inc,
+                                  write_timeout=stall_deadline(settings.timeouts.client_write_timeout,
+                                                               settings.timeouts.upstream_read_timeout),
+                                  on_write_timeout=metrics.client_write_timeouts.inc)
     metrics.client_connections.set_function(lambda: connections.open)
     state = AppBase(settings=settings, metrics=metrics, gate=gate, image_policy=image_policy,
                     audio_policy=AudioPolicy(max_seconds=settings.limits.max_audio_seconds),

@@ -5,7 +5,6 @@ several (``proxy.processes.supervisor``)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import difflib
 import logging
 import os
@@ -18,7 +17,8 @@ from functools import partial
 from preprocessors.worker_handle import WorkerStartError
 from proxy.app import served_model
 from proxy.processes.supervisor import supervise
-from proxy.serve.demo import print_demo_help, start_stub_backend
+from proxy.serve.demo import DEMO_HOST, print_demo_help, start_stub_backend
+from proxy.serve.loop import loop_factory, run
 from proxy.serve.memory import tune_process
 from proxy.serve.server import ListenError, announce, bound, configure_logging, exit_with, serve
 from proxy.settings import ConfigError, Settings, overrides_from_args, unknown_variables
@@ -69,7 +69,8 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
     """``mmgate``. ``also_known``: ``MMGATE_*`` names that are no setting but draw no warning (a tool's own)."""
     args = parse_args(argv)
     environ = dict(os.environ if environ is None else environ)
-    for warning in unknown_variables(environ, also_known):
+    warnings = unknown_variables(environ, also_known)
+    for warning in warnings:
         print(f"mmgate: warning: {warning}", file=sys.stderr)
     overrides = overrides_from_args(args)
     stub: subprocess.Popen[bytes] | None = None
@@ -78,11 +79,13 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
             if args.command == "demo":
                 stub, upstream = start_stub_backend()
                 overrides.setdefault("upstream", upstream)
+                overrides.setdefault("host", environ.get("MMGATE_HOST", DEMO_HOST))
             settings = Settings.from_env(environ, **overrides)
             if not settings.backend.upstream and not args.print_config:  # printed as not set, every other checked
                 raise ConfigError("MMGATE_UPSTREAM is not set: point it at your backend (e.g. --upstream "
                                   "http://127.0.0.1:8000), or try `mmgate demo`")
             served_model(settings)  # loaded once here (cached), so a bad MMGATE_MODEL stops now with status 2
+            loop_factory(settings.listen.loop)  # MMGATE_LOOP=uvloop without uvloop stops now, before anything starts
         except ConfigError as error:
             exit_with(error)
         if args.print_config:
@@ -103,12 +106,13 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
                                     "MMGATE_ADMIN_PORT / --admin-port") if settings.listen.admin_port else None)
             except ListenError as error:
                 exit_with(error)
-            status = supervise(settings, listen_sock, admin_sock, partial(announce, on_ready=on_ready))
+            status = supervise(settings, listen_sock, admin_sock,
+                               partial(announce, on_ready=on_ready, warnings=warnings))
             if status:
                 raise SystemExit(status)
             return
         try:
-            asyncio.run(serve(settings, on_ready=on_ready))
+            run(serve(settings, on_ready=on_ready, warnings=warnings), settings.listen.loop)
         except (ListenError, WorkerStartError, ConfigError) as error:
             exit_with(error)
     finally:

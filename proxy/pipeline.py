@@ -35,6 +35,7 @@ from proxy.edge.paths import Target, is_allowed, normalise_target
 from proxy.edge.refusals import internal_error, refuse
 from proxy.edge.upstream import close_upstream, open_upstream, relay_body, relay_head, request_id_for
 from proxy.edge.upstream_health import upstream_down
+from proxy.edge.write_deadline import client_gone_code
 from proxy.exchange import CLIENT_CLOSED, Exchange, record
 from proxy.media.buffers import MediaBuffer
 from proxy.media.model import Model
@@ -74,7 +75,7 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
     except MmgateError as error:
         return await _answer(request, state, ex, error)
     except (asyncio.CancelledError, ConnectionResetError):
-        ex.status, ex.code = CLIENT_CLOSED, "client_closed"
+        ex.status, ex.code = CLIENT_CLOSED, client_gone_code(request)
         raise
     except Exception:
         # The last guard: a fault of mmgate's own is logged once with its traceback, and the client gets a

@@ -4,13 +4,19 @@ The upstream records what really crossed the wire (method, path, headers, raw bo
 (request arrived, handler cancelled because mmgate hung up) that tests await instead of sleeping. The classes
 live in ``testkit.servers`` (the fuzzing bench starts the same servers without pytest); they are imported here
 so test modules keep importing them from ``.conftest``.
+
+``MMGATE_LOOP=uvloop`` in the environment runs every async test, and so every proxy a test starts in-process,
+on uvloop (CI runs the suite once more so); otherwise they run on asyncio's own loop, and ``MMGATE_LOOP`` is set
+to ``asyncio`` for the ``mmgate`` processes tests start with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import importlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import pytest
@@ -29,6 +35,14 @@ __all__ = ["Handler", "Proxy", "Seen", "StartProxy", "Upstream", "require_heavy"
 # on a loaded CI machine it would fail examples that are merely slow.
 hypothesis_settings.register_profile("no-deadline", deadline=None)
 hypothesis_settings.load_profile("no-deadline")
+
+os.environ.setdefault("MMGATE_LOOP", "asyncio")
+if os.environ["MMGATE_LOOP"] == "uvloop":
+
+    def pytest_asyncio_loop_factories(config: pytest.Config,
+                                      item: pytest.Item) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+        """pytest-asyncio's hook: the loop every async test runs on."""
+        return {"uvloop": importlib.import_module("uvloop").new_event_loop}
 
 
 @contextlib.asynccontextmanager

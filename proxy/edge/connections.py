@@ -19,7 +19,9 @@ are open at once. ``GuardedSite`` listens like ``web.TCPSite`` but wraps every c
 * gives the request head ``MMGATE_HEADER_TIMEOUT`` seconds from the connection's opening, or from the
   first byte after an idle keep-alive pause: then it answers 408 ``header_timeout`` and closes (the
   role of nginx's ``client_header_timeout``). Idle keep-alive connections are closed by aiohttp after
-  ``MMGATE_KEEPALIVE_TIMEOUT``; the body has its own deadline (``MMGATE_BODY_READ_TIMEOUT``).
+  ``MMGATE_KEEPALIVE_TIMEOUT``; the body has its own deadline (``MMGATE_BODY_READ_TIMEOUT``);
+* cuts a client that reads nothing of its answer for ``MMGATE_CLIENT_WRITE_TIMEOUT`` (``write_deadline``),
+  and calls ``GuardedConnection.on_stall`` the first time its answer waits on it.
 
 A head is known to be complete when aiohttp hands the request to the application: ``mark_head_received``
 (a middleware) tells the connection, and re-opens the head deadline for the next request once the
@@ -30,20 +32,18 @@ which ends the connection anyway).
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from preprocessors.errors import HEADER_TIMEOUT, TOO_MANY_CONNECTIONS, MmgateError
+from proxy.edge.aiohttp_internals import reading_held_by_aiohttp, waits_for_next_request
 from proxy.edge.error_response import raw_error_response
+from proxy.edge.write_deadline import WriteDeadline, cut_for_reading_nothing
 from proxy.settings import PROBE_RESERVE
-
-log = logging.getLogger("mmgate")
-
 
 PROBE_PATHS = frozenset({"/mmgate/health", "/mmgate/ready"})
 # The longest request line a probe sends: "GET /mmgate/ready?<query> HTTP/1.1".
@@ -56,11 +56,14 @@ class ConnectionGuard:
 
     def __init__(self, max_connections: int, header_timeout: float,
                  on_refused: Callable[[str], None] = lambda code: None,
-                 on_idle_closed: Callable[[], None] = lambda: None) -> None:
+                 on_idle_closed: Callable[[], None] = lambda: None, *, write_timeout: float = 0.0,
+                 on_write_timeout: Callable[[], None] = lambda: None) -> None:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
         self.on_refused = on_refused
         self.on_idle_closed = on_idle_closed
+        self.write_timeout = write_timeout  # ``write_deadline.stall_deadline``; 0 = none
+        self.on_write_timeout = on_write_timeout
         self.open = 0
         self._by_handler: dict[RequestHandler, GuardedConnection] = {}
         # Connections that may be idle, the one idle the longest first (dicts keep insertion order).
@@ -75,7 +78,7 @@ class ConnectionGuard:
     @property
     def idle(self) -> int:
         """Connections idle right now (between requests, nothing of the next one arrived)."""
-        return sum(conn.is_idle() for conn in self._idle)
+        return sum(conn.idle_handler() is not None for conn in self._idle)
 
     @property
     def over_the_cap(self) -> int:
@@ -92,8 +95,8 @@ class ConnectionGuard:
         if self.open < self.max_connections:
             return True
         for conn in self._idle:
-            if conn.is_idle():
-                conn.close_idle()
+            if (handler := conn.idle_handler()) is not None:
+                conn.close_idle(handler)
                 self.on_idle_closed()
                 return True
         return False
@@ -123,14 +126,20 @@ class ConnectionGuard:
 
 
 class GuardedConnection(asyncio.Protocol):
-    """One client connection: aiohttp's own protocol inside, a connection cap and a head deadline around."""
+    """One client connection: aiohttp's own protocol inside; the cap, the head and write deadlines around."""
+
+    # Set by connection_made, which asyncio calls before any other method of a protocol.
+    _transport: asyncio.Transport
 
     def __init__(self, guard: ConnectionGuard, make_handler: Callable[[], RequestHandler]) -> None:
         self._guard = guard
         self._make_handler = make_handler
         self._handler: RequestHandler | None = None
-        self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._write_deadline = WriteDeadline(guard.write_timeout, lambda: cut_for_reading_nothing(
+            self._transport, self._request, guard.on_write_timeout))
+        # Called once, the first time the client's answer waits over the high-water mark (then cleared).
+        self.on_stall: Callable[[], None] | None = None
         self._awaiting_head = True  # no request in the handler's hands: the next bytes are a head
         self._request: web.BaseRequest | None = None  # the request in the handler's hands, or its body draining
         self._answered = False  # the handler is done with that request
@@ -149,8 +158,8 @@ class GuardedConnection(asyncio.Protocol):
     # --- asyncio.Protocol, delegated to aiohttp's RequestHandler ---
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # A stream transport: asyncio's and uvloop's TCP transports alike (no common class to check against).
+        self._transport = cast(asyncio.Transport, transport)
         guard = self._guard
         if guard._admit():
             self._handler = self._make_handler()
@@ -167,7 +176,7 @@ class GuardedConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._handler is None:
             if self._sniffed is not None:
-                self._sniff(data)
+                self._sniff(self._sniffed, data)
             return  # refused: whatever the client still sends is dropped with the connection
         if self._held:
             self._held_data.append(data)
@@ -204,13 +213,19 @@ class GuardedConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self._handler is not None:
             self._handler.pause_writing()
+            self._write_deadline.start()
+            on_stall, self.on_stall = self.on_stall, None
+            if on_stall is not None:
+                on_stall()
 
     def resume_writing(self) -> None:
+        self._write_deadline.stop()
         if self._handler is not None:
             self._handler.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._write_deadline.stop()
         self._request = None
         self._sniffed = None
         self._held, self._held_data = False, []
@@ -234,9 +249,9 @@ class GuardedConnection(asyncio.Protocol):
         self._held = False
         self._deliver_held()
         handler, transport = self._handler, self._transport
-        if handler is None or transport is None or transport.is_closing() or self._held:
+        if handler is None or transport.is_closing() or self._held:
             return
-        if not handler._reading_paused and not handler._buffer_paused:
+        if not reading_held_by_aiohttp(handler):
             transport.resume_reading()
 
     def take_bytes_read(self) -> int:
@@ -251,24 +266,25 @@ class GuardedConnection(asyncio.Protocol):
 
     def _pause_transport(self) -> None:
         transport = self._transport
-        if transport is not None and not transport.is_closing() and transport.is_reading():
+        if not transport.is_closing() and transport.is_reading():
             transport.pause_reading()
 
     # --- idleness, and the connections over the cap ---
 
-    def is_idle(self) -> bool:
-        """Between requests: aiohttp waits for the next head (its keep-alive timer's own test), no byte of
-        it arrived, and the last answer left the process."""
+    def idle_handler(self) -> RequestHandler | None:
+        """aiohttp's handler of this connection when it is idle, else None. Idle is between requests: aiohttp
+        waits for the next head (its keep-alive timer's own test), no byte of it arrived, and the last answer
+        left the process."""
         handler, transport = self._handler, self._transport
-        if handler is None or transport is None or transport.is_closing() or self._next_head_started:
-            return False
-        waiter = handler._waiter
-        return waiter is not None and not waiter.done() and not transport.get_write_buffer_size()
+        if handler is None or transport.is_closing() or self._next_head_started:
+            return None
+        if not waits_for_next_request(handler) or transport.get_write_buffer_size():
+            return None
+        return handler
 
-    def close_idle(self) -> None:
-        """Close an idle connection as aiohttp's keep-alive timer does, and count it out now."""
-        handler = self._handler
-        assert handler is not None
+    def close_idle(self, handler: RequestHandler) -> None:
+        """Close this idle connection (``handler``: its ``idle_handler``) as aiohttp's keep-alive timer does,
+        and count it out now."""
         self._disarm()
         self._guard._closed(self, handler)
         handler.force_close()
@@ -279,16 +295,15 @@ class GuardedConnection(asyncio.Protocol):
         self._disarm()
         self._sniffed = None
         self._guard._closed(self, self._handler)
-        if transport is None or transport.is_closing():
+        if transport.is_closing():
             return
         error = self._guard.too_many()
         self._guard.on_refused(error.code)
         transport.write(raw_error_response(error))
         transport.close()
 
-    def _sniff(self, data: bytes) -> None:
-        sniffed = self._sniffed
-        assert sniffed is not None and self._transport is not None
+    def _sniff(self, sniffed: bytearray, data: bytes) -> None:
+        """Over the cap: ``data`` after ``sniffed``, what arrived before it, until the request line is in."""
         sniffed += data
         end = sniffed.find(b"\n", 0, PROBE_LINE_MAX)
         if end < 0:
@@ -357,7 +372,7 @@ class GuardedConnection(asyncio.Protocol):
             self._head_follows()  # a pipelined head that already began has its deadline run from now
 
     def request_finished(self) -> None:
-        """The answer is written: the connection may now wait idle for its next request (``is_idle`` tells
+        """The answer is written: the connection may now wait idle for its next request (``idle_handler`` tells
         when aiohttp is done draining an unread body)."""
         if self._handler is not None and not self._next_head_started and not self.probe:
             self._guard._idle[self] = None
@@ -374,12 +389,11 @@ class GuardedConnection(asyncio.Protocol):
     def _head_too_slow(self) -> None:
         self._timer = None
         transport = self._transport
-        if not self._awaiting_head or transport is None or transport.is_closing():
+        if not self._awaiting_head or transport.is_closing():
             return
         error = HEADER_TIMEOUT.error(
             f"the request head did not arrive within {self._guard.header_timeout:g} s (MMGATE_HEADER_TIMEOUT)")
         self._guard.on_refused(error.code)
         transport.write(raw_error_response(error))
         transport.close()
-
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any, cast
+from typing import Any
 
 from aiohttp import web
 
+from proxy.edge.aiohttp_internals import listening_server, set_listening_server
 from proxy.edge.connections import PROBE_PATHS, ConnectionGuard, GuardedConnection
 from proxy.edge.error_response import error_response
 from proxy.edge.upstream import request_id_for
@@ -63,9 +64,11 @@ class GuardedSite(web.BaseSite):
     def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard, *,
                  backlog: int = 1024, sock: socket.socket | None = None) -> None:
         super().__init__(runner, backlog=backlog)
+        self._app_runner = runner
         self._host = host
         self._port = port
         self._guard = guard
+        self._listen_backlog = backlog
         self._sock = sock  # a listening socket shared with other front processes (MMGATE_PROCESSES)
 
     @property
@@ -74,22 +77,22 @@ class GuardedSite(web.BaseSite):
 
     @property
     def port(self) -> int:
-        # create_server() in start() returns an asyncio.Server; aiohttp's BaseSite types the slot as AbstractServer
-        server = cast("asyncio.Server | None", self._server)
+        server = listening_server(self)
         if server is not None and server.sockets:
             return int(server.sockets[0].getsockname()[1])
         return self._port
 
     async def start(self) -> None:
         await super().start()
-        make_handler = self._runner.server
-        assert make_handler is not None
+        make_handler = self._app_runner.server
+        if make_handler is None:
+            raise RuntimeError("GuardedSite.start() before its runner's setup()")
         guard = self._guard
         loop = asyncio.get_running_loop()
         if self._sock is not None:
-            self._server = await loop.create_server(lambda: GuardedConnection(guard, make_handler),
-                                                    sock=self._sock, backlog=self._backlog)
-            return
-        self._server = await loop.create_server(
-            lambda: GuardedConnection(guard, make_handler), self._host, self._port,
-            backlog=self._backlog, reuse_address=True)
+            server = await loop.create_server(lambda: GuardedConnection(guard, make_handler), sock=self._sock,
+                                              backlog=self._listen_backlog)
+        else:
+            server = await loop.create_server(lambda: GuardedConnection(guard, make_handler), self._host, self._port,
+                                              backlog=self._listen_backlog, reuse_address=True)
+        set_listening_server(self, server)

@@ -93,6 +93,10 @@ class Metrics:
             "mmgate_idle_connections_closed", "Idle keep-alive client connections closed to make room for a new "
             "one at MMGATE_MAX_CONNECTIONS", registry=r,
         )
+        self.client_write_timeouts = Counter(
+            "mmgate_client_write_timeouts", "Client connections cut for reading nothing of their answer for "
+            "MMGATE_CLIENT_WRITE_TIMEOUT", registry=r,
+        )
         self.media_bytes = Counter(
             "mmgate_media_bytes", "Decoded media bytes in (from clients) and out (to the upstream)",
             ["direction"], registry=r,

@@ -59,6 +59,7 @@ def dialect_for_path(path: str) -> Dialect:
 _ERROR_TYPES: dict[int, tuple[str, str]] = {
     400: ("invalid_request_error", "invalid_request_error"),
     404: ("invalid_request_error", "not_found_error"),
+    405: ("invalid_request_error", "invalid_request_error"),
     408: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
     415: ("invalid_request_error", "invalid_request_error"),

@@ -5,13 +5,13 @@ descriptors and its Settings on stdin. Not a command for people: ``mmgate --proc
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import pickle
 import socket
 import sys
 
 from preprocessors.worker_handle import WorkerStartError
+from proxy.serve.loop import run
 from proxy.serve.memory import tune_process
 from proxy.serve.server import FrontSockets, configure_logging, exit_with, serve
 from proxy.settings import ConfigError, Settings
@@ -36,7 +36,7 @@ def main() -> None:
         gate=socket.socket(fileno=args.gate_fd),
     )
     try:
-        asyncio.run(serve(settings, front=sockets))
+        run(serve(settings, front=sockets), settings.listen.loop)
     except (WorkerStartError, ConfigError) as error:
         exit_with(error)
 

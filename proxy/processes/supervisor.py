@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from proxy.admission.client import gate_from_settings
 from proxy.processes.gate_server import GateServer
 from proxy.serve.lifecycle import StopSignals
+from proxy.serve.loop import run
 from proxy.settings import Settings
 
 log = logging.getLogger("mmgate")
@@ -211,7 +212,7 @@ def supervise(settings: Settings, listen: socket.socket, admin: socket.socket | 
               on_ready: Callable[[Settings, int], None] | None = None) -> int:
     """Run the supervisor until SIGTERM/SIGINT; its exit status."""
     try:
-        return asyncio.run(Supervisor(settings, listen, admin).run(on_ready))
+        return run(Supervisor(settings, listen, admin).run(on_ready), settings.listen.loop)
     finally:
         listen.close()
         if admin is not None:

@@ -5,7 +5,8 @@ Shutdown follows Kubernetes' order of events: SIGTERM arrives while the endpoint
 readiness fails at once but requests are still served for MMGATE_DRAIN_GRACE seconds; then new requests
 get 503 ``draining`` and in-flight ones (streams included) get up to MMGATE_DRAIN_TIMEOUT to finish.
 SIGINT (Ctrl-C) comes from a person, not from a load balancer that is still sending traffic: an idle server
-stops at once, and the grace lasts only as long as requests are in flight.
+stops at once, and the grace lasts only as long as requests are in flight. Ctrl-C again stops at once, whatever
+is in flight (exit status 130, as a shell reports a process ended by SIGINT).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -32,6 +33,7 @@ from proxy.edge.upstream_health import loggable
 from proxy.processes.link import Link
 from proxy.serve.fd_limit import fit_fd_limit
 from proxy.serve.lifecycle import StopSignals
+from proxy.serve.loop import loop_name
 from proxy.settings import Settings
 from proxy.state import BASE, STATE, AppState
 
@@ -84,10 +86,16 @@ class FrontSockets:
     gate: socket.socket
 
 
+# A process ended by a second Ctrl-C exits as the shell reports one that SIGINT ended: 128 + 2.
+FORCED_EXIT_STATUS = 128 + signal.SIGINT
+
+
 async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | None = None, *,
-                front: FrontSockets | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then drain (see the module docstring) and return. With ``front``, as one
-    front process of several: on the supervisor's sockets, with its gate (``proxy.processes.supervisor``)."""
+                front: FrontSockets | None = None, warnings: Sequence[str] = ()) -> None:
+    """Run until SIGTERM/SIGINT, then drain (see the module docstring) and return; ``SystemExit`` with
+    ``FORCED_EXIT_STATUS`` when Ctrl-C comes again. With ``front``, as one front process of several: on the
+    supervisor's sockets, with its gate (``proxy.processes.supervisor``). ``warnings``: start-up warnings,
+    repeated once mmgate listens (``announce``)."""
     settings = fit_fd_limit(settings)  # before the first connection: the cap the descriptors allow
     signals = StopSignals()
     signals.install()
@@ -127,22 +135,37 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
     if front is not None:
         log.info("front process %d ready (pid %d)", front.index, os.getpid())
     else:
-        announce(settings, site.port, on_ready)
+        announce(settings, site.port, on_ready, warnings)
 
     await signals.stopped.wait()
-    await drain(app[STATE], signals.first)
+    forced = not await signals.unless_forced(drain(app[STATE], signals.first))
+    if forced:
+        log.warning("SIGINT again: stopping now; %d request(s) in flight cut", app[STATE].in_flight)
+        close_client_connections(runner)
     await runner.cleanup()
     if admin_runner is not None:
         await admin_runner.cleanup()
     await gate.close()
-    if front is None:
+    if front is None and not forced:
         log.info("mmgate stopped")
+    if forced:
+        raise SystemExit(FORCED_EXIT_STATUS)
 
 
-def announce(settings: Settings, port: int, on_ready: Callable[[Settings, int], None] | None) -> None:
-    """The lines a person reads once mmgate listens (one process, or the supervisor of several)."""
-    log.info("mmgate listening on http://%s:%s%s -> %s", settings.listen.host, port, where_note(settings.listen.host),
-             loggable(settings.backend.upstream))
+def close_client_connections(runner: web.AppRunner) -> None:
+    """Close every client connection now: aiohttp cancels their handlers as they go, so the runner's cleanup
+    has nothing left to wait for (one whose client reads nothing is cut by the cleanup's own timeout)."""
+    server = runner.server
+    for handler in server.connections if server is not None else ():
+        handler.force_close()
+
+
+def announce(settings: Settings, port: int, on_ready: Callable[[Settings, int], None] | None,
+             warnings: Sequence[str] = ()) -> None:
+    """The lines a person reads once mmgate listens (one process, or the supervisor of several), the start-up
+    ``warnings`` last again: printed before the settings were read, they would have scrolled away."""
+    log.info("mmgate listening on http://%s:%s%s -> %s (event loop: %s)", settings.listen.host, port,
+             where_note(settings.listen.host), loggable(settings.backend.upstream), loop_name())
     if settings.listen.admin_port:
         log.info("/mmgate/* only on the admin port: http://%s:%s", settings.listen.host, settings.listen.admin_port)
     if not pyav_available():
@@ -150,6 +173,8 @@ def announce(settings: Settings, port: int, on_ready: Callable[[Settings, int], 
                  "pip install 'mmgate[video]'")
     if on_ready is not None:
         on_ready(settings, port)
+    for warning in warnings:
+        log.warning("%s: ignored", warning)
 
 
 async def listen(site: web.BaseSite, host: str, port: int, setting: str) -> None:
@@ -200,25 +225,28 @@ async def drain(state: AppState, signum: signal.Signals = signal.SIGTERM) -> Non
     flight); then refuse new requests and give those in flight up to MMGATE_DRAIN_TIMEOUT."""
     settings = state.settings
     state.lifecycle.start_grace()
+    grace, timeout = settings.drain.drain_grace, settings.drain.drain_timeout
     if signum == signal.SIGTERM:
-        log.info("SIGTERM: readiness now fails; serving for %g s more (MMGATE_DRAIN_GRACE)", settings.drain.drain_grace)
-        await asyncio.sleep(settings.drain.drain_grace)
+        log.info("SIGTERM: readiness now fails; serving for %g s more (MMGATE_DRAIN_GRACE), then up to %g s for "
+                 "requests in flight (MMGATE_DRAIN_TIMEOUT): stopped within %g s", grace, timeout, grace + timeout)
+        await asyncio.sleep(grace)
     elif state.idle.is_set():
         log.info("%s: no request in flight; stopping now", signum.name)
     else:
         # Ctrl-C: no load balancer is still sending requests, so the grace only lets those in flight finish.
-        log.info("%s: %d request(s) in flight; serving for up to %g s more while they finish (MMGATE_DRAIN_GRACE)",
-                 signum.name, state.in_flight, settings.drain.drain_grace)
+        log.info("%s: %d request(s) in flight; waiting up to %g s in all while they finish (MMGATE_DRAIN_GRACE + "
+                 "MMGATE_DRAIN_TIMEOUT); Ctrl-C again to stop now", signum.name, state.in_flight, grace + timeout)
         try:
-            async with asyncio.timeout(settings.drain.drain_grace):
+            async with asyncio.timeout(grace):
                 await state.idle.wait()
         except TimeoutError:
             pass
     state.lifecycle.start_draining()
     if state.in_flight:
-        log.info("draining: %d request(s) in flight, waiting up to %g s", state.in_flight, settings.drain.drain_timeout)
+        log.info("draining: %d request(s) in flight, waiting up to %g s (MMGATE_DRAIN_TIMEOUT)", state.in_flight,
+                 timeout)
     try:
-        async with asyncio.timeout(settings.drain.drain_timeout):
+        async with asyncio.timeout(timeout):
             await state.idle.wait()
     except TimeoutError:
         log.warning("drain timeout: %d request(s) still in flight are cut", state.in_flight)

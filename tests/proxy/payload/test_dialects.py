@@ -7,8 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from preprocessors.errors import MmgateError
-from proxy.payload.dialects import Route, route_for
+from preprocessors.errors import REGISTRY, MmgateError
+from proxy.payload.dialects import Dialect, Route, route_for
 from proxy.payload.item import MediaItem
 from proxy.payload.locate import find_media, inline_value, locate
 from proxy.payload.rawjson import parse_plain, skeletonize, splice, string_value
@@ -322,3 +322,21 @@ def test_find_media_invalid_json() -> None:
     with pytest.raises(MmgateError) as caught:
         find_media("chat", b'{"messages": [{"content": [{"type": "image_url"}]}]}')
     assert caught.value.code == "invalid_request"
+
+
+# ---------------------------------------------------------------------------------------------------
+# error documents: a client's mistake is typed as one
+
+
+SERVER_ERROR_TYPES = frozenset({"server_error", "api_error", "upstream_error", "timeout_error", "overloaded_error"})
+
+
+@pytest.mark.parametrize("dialect", list(Dialect))
+def test_every_4xx_of_the_registry_is_a_client_error_type(dialect: Dialect) -> None:
+    """SDKs read the type to decide whose fault an answer is: a 4xx is the client's in both APIs' documents."""
+    client_errors = [entry.error("refused") for (status, _), entry in REGISTRY.items() if 400 <= status < 500]
+    assert any(error.status == 405 for error in client_errors)
+    for error in client_errors:
+        document = orjson.loads(dialect.error_body(error))
+        error_type = document["error"]["type"]
+        assert error_type not in SERVER_ERROR_TYPES, (error.status, error.code, error_type)

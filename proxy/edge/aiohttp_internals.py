@@ -1,0 +1,51 @@
+"""Every place mmgate reaches into aiohttp's private parts, and the aiohttp versions they were checked against.
+
+aiohttp has no public way to wrap the protocol of a site's connections, to tell whether a connection waits
+for its next request, or whether its own flow control holds the reading; ``connections.GuardedConnection``
+and ``site.GuardedSite`` need all three. The private names they use are read here only, so that a new aiohttp
+is checked in one module:
+
+* ``RequestHandler._waiter``: the future aiohttp's request loop awaits between two requests (its keep-alive
+  timer's own test for an idle connection);
+* ``RequestHandler._reading_paused`` and ``_buffer_paused``: aiohttp paused the transport's reading for its
+  body buffer or its queue of pipelined requests (``_buffer_paused`` is in 3.14.5, not in 3.14.3);
+* ``BaseSite._server``: the listening ``asyncio.Server`` a site closes when it stops (``TCPSite.start`` sets
+  it the same way).
+
+Checked against aiohttp ``CHECKED_FROM`` up to, not including, ``CHECKED_BELOW`` (the source of 3.14.5,
+with this suite passing); ``pyproject.toml`` bounds the dependency to that range, and
+tests/proxy/edge/test_aiohttp_internals.py fails when the installed aiohttp is outside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import cast
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+CHECKED_FROM = "3.14.5"
+CHECKED_BELOW = "3.15"
+
+
+def waits_for_next_request(handler: RequestHandler) -> bool:
+    """aiohttp's request loop waits for the next request on this connection (no byte of it has arrived)."""
+    waiter = handler._waiter
+    return waiter is not None and not waiter.done()
+
+
+def reading_held_by_aiohttp(handler: RequestHandler) -> bool:
+    """aiohttp's own flow control holds the connection's reading: a full body buffer or request queue."""
+    return handler._reading_paused or handler._buffer_paused
+
+
+def listening_server(site: web.BaseSite) -> asyncio.Server | None:
+    """The site's listening server (``loop.create_server`` makes an ``asyncio.Server``; aiohttp types the slot
+    as ``AbstractServer``), None before it started."""
+    return cast("asyncio.Server | None", site._server)
+
+
+def set_listening_server(site: web.BaseSite, server: asyncio.Server) -> None:
+    """Hand the site a listening server it started itself: aiohttp closes it when the site stops."""
+    site._server = server
