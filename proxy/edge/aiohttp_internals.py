@@ -9,8 +9,8 @@ is checked in one module:
   timer's own test for an idle connection);
 * ``RequestHandler._reading_paused`` and ``_buffer_paused``: aiohttp paused the transport's reading for its
   body buffer or its queue of pipelined requests (``_buffer_paused`` is in 3.14.5, not in 3.14.3);
-* ``BaseSite._server``: the listening ``asyncio.Server`` a site closes when it stops (``TCPSite.start`` sets
-  it the same way).
+* ``aiohttp.web.BaseSite._server``: the listening ``asyncio.Server`` a site closes when it stops
+  (``aiohttp.web.TCPSite.start`` sets it the same way).
 
 Checked against aiohttp ``CHECKED_FROM`` up to, not including, ``CHECKED_BELOW`` (the source of 3.14.5,
 with this suite passing); ``pyproject.toml`` bounds the dependency to that range, and
@@ -41,8 +41,8 @@ def reading_held_by_aiohttp(handler: RequestHandler) -> bool:
 
 
 def listening_server(site: web.BaseSite) -> asyncio.Server | None:
-    """The site's listening server (``loop.create_server`` makes an ``asyncio.Server``; aiohttp types the slot
-    as ``AbstractServer``), None before it started."""
+    """The site's listening server (``asyncio.AbstractEventLoop.create_server`` makes an ``asyncio.Server``;
+    aiohttp types the slot as ``AbstractServer``), None before it started."""
     return cast("asyncio.Server | None", site._server)
 
 

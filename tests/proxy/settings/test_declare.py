@@ -37,7 +37,8 @@ AUTO_CHOICES = {name for name, setting in SPEC.items() if "auto" in setting.info
 
 def test_the_settings_that_take_auto_say_so_on_their_field() -> None:
     assert sorted(TAKE_AUTO) == ["jpeg_quality", "max_mm_concurrency", "processes"]
-    assert sorted(AUTO_CHOICES) == ["image_format", "release_at"]  # a choice named auto: a word of that setting's own
+    # A choice named auto: a word of that setting's own.
+    assert sorted(AUTO_CHOICES) == ["image_format", "loop", "release_at"]
 
 
 @pytest.mark.parametrize("name", sorted(TAKE_AUTO - {"processes"}))  # processes: resolved to a count at start

@@ -61,7 +61,7 @@ def test_configuration_md_has_a_table_per_section_with_every_variable_once() -> 
     rows = re.findall(r"^\| `(MMGATE_[A-Z0-9_]+)` \| `(--[a-z0-9-]+)[^`]*` \|", text, re.MULTILINE)
     assert rows == [(env_name(name), flag_name(name)) for name in SPEC]
     assert ("| `MMGATE_CLIENT_WRITE_TIMEOUT` | `--client-write-timeout` | `30` | a client that reads nothing of the "
-            "answer for this long loses its connection (like nginx send_timeout) (0 = off) |") in text
+            "answer for this long loses its connection (like nginx send_timeout) (0 = off); never longer than ") in text
     assert "| `MMGATE_UPSTREAM` | `--upstream` | (required) | " in text
     assert "| `MMGATE_DECODE_WORKERS` | `--decode-workers` | usable CPUs | " in text
     assert "`--release-at {auto,sent,headers,complete}`" in text
