@@ -112,8 +112,7 @@ class Batch:
         self._futures: list[Future[object]] = []
         self._running = 0  # guarded by pool._lock
         self.started = 0  # items a worker picked up: 0 after a timeout means the pool never got to them
-        self._idle: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle: asyncio.Event | None = None  # made by run(), on the loop the batch is run from
 
     def checkpoint(self) -> None:
         """Called by work between steps (in a worker thread): raise once the request gave up."""
@@ -134,12 +133,12 @@ class Batch:
         batch that failed included: what finished is not lost with the batch.
         """
         pool = self._pool
-        self._loop = asyncio.get_running_loop()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        loop = asyncio.get_running_loop()
+        idle = self._idle = asyncio.Event()
+        idle.set()
         with pool._lock:
             pool.queued += len(jobs)
-        self._futures = [pool._executor.submit(self._call, job) for job in jobs]
+        self._futures = [pool._executor.submit(self._call, job, loop, idle) for job in jobs]
         if on_each is not None:
             _tell_each(self._futures, on_each)  # type: ignore[arg-type]  # the futures hold T results
         try:
@@ -154,7 +153,7 @@ class Batch:
             self._futures = []
         return list(results)  # type: ignore[arg-type]
 
-    def _call(self, job: Job[T]) -> T:
+    def _call(self, job: Job[T], loop: asyncio.AbstractEventLoop, idle: asyncio.Event) -> T:
         pool = self._pool
         with pool._lock:
             pool.queued -= 1
@@ -162,8 +161,7 @@ class Batch:
             self.started += 1
             if self._stop.is_set():  # started in the instant the batch was abandoned
                 pool.stuck += 1
-        assert self._loop is not None and self._idle is not None
-        self._loop.call_soon_threadsafe(self._idle.clear)
+        loop.call_soon_threadsafe(idle.clear)
         try:
             self.checkpoint()
             return pool._execute(self, job)
@@ -172,15 +170,14 @@ class Batch:
                 self._running -= 1
                 if self._stop.is_set():
                     pool.stuck -= 1
-                idle = self._running == 0
-            if idle:
-                self._loop.call_soon_threadsafe(self._set_idle_if_still)
+                last = self._running == 0
+            if last:
+                loop.call_soon_threadsafe(self._set_idle_if_still, idle)
 
-    def _set_idle_if_still(self) -> None:
-        assert self._idle is not None
+    def _set_idle_if_still(self, idle: asyncio.Event) -> None:
         with self._pool._lock:
             if self._running == 0:
-                self._idle.set()
+                idle.set()
 
     def abandon(self) -> None:
         """Stop the batch: drop items not started, make running ones stop at their next checkpoint."""
