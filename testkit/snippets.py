@@ -93,9 +93,11 @@ def with_ports(text: str, replacements: Mapping[str, str]) -> str:
 
 def snippet_env(tmpdir: Path | None = None) -> dict[str, str]:
     """A new user's shell with the venv active, no proxy for 127.0.0.1, and mmgate on loopback only; ``tmpdir``
-    as its temporary folder (``mktemp``, Python's ``tempfile``)."""
+    as its temporary folder (``mktemp``, Python's ``tempfile``); ``MMGATE_LOOP`` kept, the event loop of the
+    test pass."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MMGATE_") and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+           if (not k.startswith("MMGATE_") or k == "MMGATE_LOOP")
+           and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
     env["MMGATE_HOST"] = "127.0.0.1"
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(VENV_BIN.parent)

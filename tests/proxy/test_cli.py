@@ -231,10 +231,10 @@ def test_flags_win_over_env_and_print_config(capsys: pytest.CaptureFixture[str])
 
 def _env(**settings: str) -> dict[str, str]:
     """This process's environment without its MMGATE_* (a developer's own would change what is tested), but
-    for MMGATE_DECODE_MODE, with which CI runs the whole suite once per mode, and MMGATE_PROCESSES, with
-    which CI runs these tests again on several front processes."""
+    for MMGATE_DECODE_MODE, with which CI runs the whole suite once per mode, MMGATE_PROCESSES, with which CI
+    runs these tests again on several front processes, and MMGATE_LOOP, the event loop of the pass."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MMGATE_") or k in ("MMGATE_DECODE_MODE", "MMGATE_PROCESSES")}
+           if not k.startswith("MMGATE_") or k in ("MMGATE_DECODE_MODE", "MMGATE_PROCESSES", "MMGATE_LOOP")}
     return env | {"MMGATE_HOST": "127.0.0.1", **settings}
 
 
