@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from proxy.admission.client import gate_from_settings
 from proxy.processes.gate_server import GateServer
-from proxy.serve.lifecycle import StopSignals
+from proxy.serve.lifecycle import FORCED_EXIT_STATUS, StopSignals
 from proxy.serve.loop import run
 from proxy.settings import Settings
 
@@ -125,7 +125,14 @@ class Supervisor:
                 log.info("%d front processes (pids %s) share the port and one gate", len(self.children),
                          " ".join(str(c.process.pid) for c in self.children))
                 await self._watch(stop)
-            return await self._stop(signals.first)
+            status: list[int] = []
+
+            async def drained() -> None:
+                status.append(await self._stop(signals.first))
+
+            if await signals.unless_forced(drained()):
+                return status[0]
+            return await self._stop_now()
         finally:
             signals.remove()
 
@@ -178,14 +185,35 @@ class Supervisor:
                     log.error("front process %d did not stop within %g s: killed", child.index, bound)
                     child.process.kill()
             await asyncio.gather(*(child.process.wait() for child in self.children))
-        for child in self.children:
-            child.link.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await child.link
+        await self._let_go_of_links()
         failed = [child for child in self.children if child.process.returncode != 0]
         if not failed:
             log.info("mmgate stopped")
         return 1 if failed else 0
+
+    async def _stop_now(self) -> int:
+        """Ctrl-C again during the drain: each front is told the same (it cuts its connections and exits), and
+        one that has not exited within ``STOP_MARGIN`` is killed."""
+        log.warning("SIGINT again: stopping the front processes now")
+        for child in self.children:
+            if child.process.returncode is None:
+                child.process.send_signal(signal.SIGINT)
+        try:
+            async with asyncio.timeout(STOP_MARGIN):
+                await asyncio.gather(*(child.process.wait() for child in self.children))
+        except TimeoutError:
+            for child in self.children:
+                if child.process.returncode is None:
+                    child.process.kill()
+            await asyncio.gather(*(child.process.wait() for child in self.children))
+        await self._let_go_of_links()
+        return FORCED_EXIT_STATUS
+
+    async def _let_go_of_links(self) -> None:
+        for child in self.children:
+            child.link.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await child.link
 
 
 async def _hand_over(process: asyncio.subprocess.Process, settings: bytes) -> None:

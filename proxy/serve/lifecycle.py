@@ -44,6 +44,9 @@ class Lifecycle:
         self.phase = Phase.DRAINING
 
 
+FORCED_EXIT_STATUS = 128 + signal.SIGINT  # a second Ctrl-C: the status a shell gives a process SIGINT ended
+
+
 class StopSignals:
     """SIGTERM and SIGINT caught on the running loop. ``stopped`` is set by the first one; ``first`` says which,
     since it decides how to drain (SIGINT skips the grace when nothing is in flight). ``forced`` is set by a

@@ -32,7 +32,7 @@ from proxy.edge.site import GuardedSite
 from proxy.edge.upstream_health import loggable
 from proxy.processes.link import Link
 from proxy.serve.fd_limit import fit_fd_limit
-from proxy.serve.lifecycle import StopSignals
+from proxy.serve.lifecycle import FORCED_EXIT_STATUS, StopSignals
 from proxy.serve.loop import loop_name
 from proxy.settings import Settings
 from proxy.state import BASE, STATE, AppState
@@ -87,7 +87,6 @@ class FrontSockets:
 
 
 # A process ended by a second Ctrl-C exits as the shell reports one that SIGINT ended: 128 + 2.
-FORCED_EXIT_STATUS = 128 + signal.SIGINT
 
 
 async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | None = None, *,

@@ -307,6 +307,37 @@ async def test_sigterm_drains_streams_on_every_process(upstream: Upstream, start
     assert not [pid for pid in fronts if mmgate.alive(pid)]
 
 
+async def test_a_second_ctrl_c_to_the_supervisor_stops_every_front_now(upstream: Upstream,
+                                                                        start_mmgate: Any) -> None:
+    """Ctrl-C sent to the supervisor alone (not the terminal's whole group): the fronts drain their streams;
+    Ctrl-C again and every front cuts them and exits, and mmgate exits 130, far inside the drain's 120 s."""
+    upstream.route("/v1/chat/completions", partial(upstream.held_stream, last=b"data: last\n\n"))
+    mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url, MMGATE_DRAIN_GRACE="60", MMGATE_DRAIN_TIMEOUT="60")
+    fronts = [front["pid"] for front in (await mmgate.stats())["fronts"]]
+    streams: list[tuple[aiohttp.ClientSession, aiohttp.ClientResponse]] = []
+    try:
+        await _stream_on_every_front(mmgate, streams)
+        mmgate.process.send_signal(signal.SIGINT)
+        for _ in range(POLLS):  # the fronts were told: readiness fails while they wait for their streams
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
+                async with client.get(mmgate.url + "/mmgate/ready") as ready:
+                    if ready.status == 503:
+                        break
+        assert ready.status == 503
+        mmgate.process.send_signal(signal.SIGINT)
+        async with asyncio.timeout(30):
+            assert await mmgate.process.wait() == 130
+        for _, response in streams:
+            with pytest.raises(aiohttp.ClientPayloadError):  # cut: the upstream still holds every stream
+                await response.content.read()
+    finally:
+        upstream.release.set()
+        for client, response in streams:
+            response.release()
+            await client.close()
+    assert not [pid for pid in fronts if mmgate.alive(pid)]
+
+
 async def test_no_front_outlives_a_killed_supervisor(upstream: Upstream, start_mmgate: Any) -> None:
     """SIGKILL to the supervisor (no drain it could run): each front sees its link to the gate close and
     stops on its own."""
