@@ -1,91 +1,369 @@
-"""The adaptive concurrency limit (``MMGATE_MAX_MM_CONCURRENCY=auto``): a gradient controller on the latency of
-media requests past admission.
+"""The adaptive concurrency limit (``MMGATE_MAX_MM_CONCURRENCY=auto``): it probes for the limit at which the
+backend completes the most work per second, and gives way when the backend slows down under the same limit.
+
+What it measures. Only normal completions are measured (``sample.Sample``: a 2xx answer relayed to its last
+byte to a client that kept reading): the backend's seconds from the hand-off to the last byte, and the request's
+class (route, streamed or not, output-token and image buckets). Each class has its own long average of seconds
+at the cruise limit, its *reference* (``reference``). A completion is worth its class's reference in *work*
+(seconds of typical service); its latency is read *normalised*, as its seconds over that reference. The limit
+moves in phases of a few rounds of requests. For each the controller takes the *rate*: completions per second
+per class, from each request's own delivery-rate sample (``delivery``), valued in work; the work-weighted median
+normalised latency; and whether demand kept the limit full (*busy*: at least half the time every slot was
+taken or someone waited). Rates of two phases are compared at one instant, valued with the same references.
+
+What it cannot see. Failed work (errors, refusals, timeouts, aborted and stalled answers) is no sample: an
+overload that ends in errors shows only as a lower rate. Requests of one class that cost the backend more or
+less than usual (longer prompts, prefix-cache hits, an answer with no usage to a request with no ``max_tokens``)
+count at the class's usual worth: a flood of fast answers inside an honest class moves its reference by at most
+2/601 a sample, but its work counts, so while it lasts a probe may be kept that should not (the limit may move a
+step, and come back once the flood ends). Other gateways' load on the same backend shows only as a lower rate or
+a higher latency. It learns only as fast as answers complete: with answers that take minutes, a phase takes
+minutes. More classes in turn than ``reference.MAX_CLASSES`` evict each other's references.
 
 What it borrows, and from whom:
 
-- Envoy's adaptive concurrency filter (gradient controller): the limit moves by the gradient
-  ``tolerance × baseline / sample`` of a sampled latency against a no-load latency. Envoy measures that minimum
-  by pinning the concurrency to a floor for a while every minute, which costs throughput each time; here the
-  baseline is the lowest window median of the recent windows instead, which the limit's own backing-off keeps
-  fresh. Envoy's growth term ``sqrt(limit)`` overshoots a small knee (at a limit of 4 it adds 2); here growth
-  is 10 % of the limit, at least a quarter of a slot.
-- Netflix's Gradient2: the gradient is clamped (never below 0.5, so one bad window cannot collapse the
-  limit), and the limit does not grow while demand stays under it (an app-limited window says nothing about
-  capacity). Its long-term average baseline drifts up under a sustained overload, which is why the baseline
-  here is a minimum.
+- TCP BBR (``net/ipv4/tcp_bbr.c``, ``tcp_rate.c``): rate probing. From the floor the limit doubles each phase
+  while the rate still grows by a quarter (BBR's startup and its full-bandwidth test; here a doubling that
+  lowers the rate ends it at once), and settles on the smallest limit that gave 90 % of the best rate. Then it
+  cycles through eight phases, one up (×1.25), one down, six cruising, from a random phase (``bbr_cycle_rand``)
+  so that replicas do not probe in step. A probe up is kept if the rate grew 5 %, and the climb goes on; a probe
+  down is kept if the rate held 95 %. So a batching server, whose latency grows with its batch while its rate
+  still does, is climbed, and a thrashing one held at its knee. Two probes up in a row that raise the rate in
+  proportion to the slots start doubling again. A phase is judged only on requests admitted in it and started
+  after its first one finished, once the backend holds the phase's load (BBR's round); each gives a delivery
+  rate sample. Not taken: BBR's limit of rate × minimum latency, which under-shoots a batching server, whose
+  rate grows with its batch; its probe of the minimum latency; its drain gain of 3/4 (here 7/8: a probe down
+  that loses costs a round).
+- Envoy's adaptive concurrency filter (gradient controller): the median of a phase's latencies; samples of
+  requests admitted under another limit judge nothing (Envoy drops those started before its minRTT window);
+  five busy phases at the floor force a probe up (Envoy re-measures after five windows at its minimum); no cut
+  is deeper than half. Not taken: pinning the limit low every minute to re-measure the minimum latency.
+- Netflix concurrency-limits' ``Gradient2Limit``: the per-class reference is its long exponential average
+  (``reference``); its tolerance of 1.5: a cruise phase whose latency exceeds both the last phases' and the
+  references by half again is the backend slowing down (other work on it), and the limit gives way in
+  proportion; a phase that did not keep the limit full raises nothing (the app-limited rule). Not taken: growth
+  by a fixed queue size per window, and the drift of its long average (``reference`` says why).
+- TCP congestion window validation (RFC 7661): a limit that demand did not fill for a whole phase comes down to
+  what demand used, so a burst (or an attack's extra connections) cannot leave it high.
 
-And two of its own: until the first sign of overload the limit doubles per calm, busy window and then halves back
-to the last calm value (TCP's slow start), so a cold start reaches a backend's capacity in a few windows rather
-than dozens; and samples from requests
-admitted under an earlier whole-number limit are dropped, so a decrease is not applied twice for the same
-overload (the requests still running were admitted before it).
-
-The controller is pure arithmetic on the event loop; ``Gate`` feeds it one sample per released lease.
+The controller is arithmetic on the event loop, with an injected clock and random generator. ``Gate`` calls
+``load`` on every change of its counters and ``observe`` once per normal completion; either returns whether
+``limit`` changed.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
-from collections import deque
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
 
-TOLERANCE = 1.25  # latency up to this many times the baseline is not a sign of overload
-MIN_GRADIENT = 0.5  # the most one window can cut the limit by
-GROWTH = 0.10  # the limit grows by this fraction per calm, busy window ...
-MIN_GROWTH = 0.25  # ... and at least by this many slots
-MIN_WINDOW = 5  # samples per window at least (more with a higher limit: one per slot)
-BASELINE_WINDOWS = 20  # the baseline is the lowest median of this many recent windows
+from proxy.admission.delivery import Deliveries
+from proxy.admission.reference import References
+from proxy.admission.sample import Sample, SampleClass
+
+Kind = Literal["startup", "up", "down", "cruise"]
+Mix = dict[SampleClass, float]  # completions per second of each class
+Measured = tuple[Mix, float | None, bool]  # a phase's mix, median normalised latency, and whether it was busy
+
+FULL_GROWTH = 1.25  # BBR bbr_full_bw_thresh: a doubling that adds less is no growth ...
+FULL_COUNT = 2  # ... and this many of them end startup (BBR bbr_full_bw_cnt is 3 rounds; a phase here spans two)
+NEAR_BEST = 0.9  # startup settles on the smallest limit that gave this share of the best rate
+UP_GAIN, DOWN_GAIN = 1.25, 0.875  # BBR bbr_pacing_gain: up 5/4 (its drain is 3/4)
+CYCLE: tuple[Kind, ...] = ("up", "down", *("cruise",) * 6)  # BBR: CYCLE_LEN 8, up, drain, six cruising
+CYCLE_RAND = 7  # BBR bbr_cycle_rand: the cycle starts at one of this many phases, never at the probe down
+GROW_MIN = 0.05  # a probe up is kept when the rate grew this much ...
+KEEP_DOWN = 0.95  # ... a probe down when the rate held this much
+PROPORTIONAL = 0.8  # two probes up in a row that raise the rate by this share of the slots added: doubling again
+TOLERANCE = 1.5  # Gradient2Limit rttTolerance: latency this many times the usual is the backend slowing down
+MIN_GRADIENT = 0.5  # Gradient2Limit and Envoy: no one cut deeper than this
+BUSY_SHARE = 0.5  # Gradient2Limit: under half-full is app-limited (there: inflight < limit / 2)
+FLOOR_PHASES = 5  # Envoy: this many windows at the minimum force a new measurement
+STARTUP_SAMPLES, PHASE_SAMPLES = 4, 8  # a phase needs max(this, 1 or 2 × its limit) samples (BBR: 1 or 2 rounds)
+EARLY_SAMPLES = 4  # a probe down that loses already is ended after this many
+PHASE_MIN_S = 0.2  # BBR bbr_probe_rtt_mode_ms is 200 ms: no phase judged on less
+PHASE_MAX_S = 30.0  # a phase still short of samples is judged on what it has after this long ...
+PHASE_MAX_ROUNDS = 8  # ... or after this many of its longest requests, when they take longer
+MAX_LATENCIES = 100_000  # latencies a phase keeps at most (a flood of tiny answers cannot grow it without bound)
+SMOOTHING = 0.5  # the cruise rate and latency: the average of the last phases, each weighing half
+TINY = 1e-6  # seconds: a sample's smallest worth (a zero would weigh nothing and divide by zero)
+
+
+@dataclass
+class _Phase:
+    """What one phase has measured so far."""
+
+    started_at: float
+    peak: int  # the most leases held and waiting at once
+    busy_seconds: float = 0.0
+    settled_at: float | None = None  # when its first request completed: the backend holds its load from here
+    weight: float = 0.0  # the work of its rate samples ...
+    weight_squared: float = 0.0  # ... and its square (for Kish's effective number of samples)
+    delivered: dict[SampleClass, float] = field(default_factory=dict)  # work-weighted sums of delivery rates
+    latencies: list[tuple[float, float]] = field(default_factory=list)  # (normalised latency, work)
+    longest: float = 0.0  # its longest request, in seconds
+
+    def mix(self) -> Mix:
+        """Completions per second per class: its requests' delivery rates, averaged weighing each by its
+        class's reference (a thousand tiny answers do not outvote one long one)."""
+        return {cls: delivered / self.weight for cls, delivered in self.delivered.items()} if self.weight else {}
+
+    def effective(self) -> float:
+        """Its rate samples as an effective number (Kish's, weighing each by its work): answers worth a
+        thousandth of the others' barely count, so they cannot cut a phase short."""
+        return self.weight * self.weight / self.weight_squared if self.weight_squared else 0.0
 
 
 class AdaptiveLimit:
-    """Finds a concurrency limit between ``floor`` and ``ceiling`` from latency samples."""
+    """Finds the concurrency limit between ``floor`` and ``ceiling`` at which the backend delivers the most
+    work, by probing it. ``limit`` is the current phase's; ``cruise_limit`` the one it returns to between
+    probes."""
 
-    def __init__(self, floor: int, ceiling: int, initial: int | None = None) -> None:
+    def __init__(self, floor: int, ceiling: int, initial: int | None = None,
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         self.floor = floor
         self.ceiling = ceiling
-        self.value = float(min(ceiling, max(floor, initial if initial is not None else floor)))
-        self.epoch = 0  # bumped whenever the whole-number limit changes
-        self._window: list[float] = []
-        self._busy = False  # whether in-flight work reached the limit during this window
-        self._medians: deque[float] = deque(maxlen=BASELINE_WINDOWS)
-        self.slow_start = True  # doubling until the first decrease
+        self._clock = clock
+        self._rng = rng if rng is not None else random.Random()
+        self.cruise_limit = self._bounded(initial if initial is not None else floor)
+        self.limit = self.cruise_limit
+        self.mode: Literal["startup", "probe"] = "startup"
+        self.kind: Kind = "startup"
+        self.phase = 0  # bumped at every phase: a lease carries the phase it was admitted in
+        self.references = References()
+        self.mix: Mix | None = None  # the cruise limit's completions per second, per class
+        self.latency: float | None = None  # the cruise limit's median normalised latency
+        self.samples = 0  # normal completions observed
+        self._table: dict[int, tuple[Mix, float]] = {}  # startup: limit -> (mix, latency)
+        self._best: int | None = None  # startup: the limit of the best rate so far
+        self._no_growth = 0
+        self._index = 0  # the phase's place in CYCLE
+        self._ups = 0  # probes up in a row that raised the rate in proportion
+        self._floor_phases = 0
+        self._deliveries = Deliveries()
+        self._in_use = self._waiting = 0
+        now = clock()
+        self._last_at = now
+        self._last_busy = False
+        self._longest_before = 0.0  # the last phase's longest request
+        self._now = _Phase(now, 0)
+        self._begin(now, "startup")
+
+    def _bounded(self, limit: int) -> int:
+        return max(self.floor, min(self.ceiling, limit))
+
+    def _up(self, limit: int) -> int:
+        return self._bounded(max(limit + 1, round(UP_GAIN * limit)))
+
+    def _down(self, limit: int) -> int:
+        return self._bounded(min(limit - 1, round(DOWN_GAIN * limit)))
+
+    def rate_of(self, mix: Mix) -> float:
+        """The work per second of ``mix``: each class's completions per second times its reference."""
+        return sum(per_second * self.references.value(cls) for cls, per_second in mix.items())
 
     @property
-    def limit(self) -> int:
-        return max(self.floor, min(self.ceiling, math.floor(self.value)))
+    def rate(self) -> float | None:
+        """The cruise limit's work per second (seconds of typical service completed per second), as of now."""
+        return self.rate_of(self.mix) if self.mix is not None else None
 
-    def busy(self, in_use: int) -> None:
-        """Called on every admission: a window during which the limit was reached can grow it."""
-        if in_use >= self.limit:
-            self._busy = True
+    # --- what the gate reports ---------------------------------------------------------------------------------
 
-    def observe(self, seconds: float, epoch: int) -> bool:
-        """One finished request's latency; ``epoch`` is ``self.epoch`` when it was admitted. Returns whether
-        the whole-number limit changed."""
-        if epoch != self.epoch:
-            return False
-        self._window.append(seconds)
-        if len(self._window) < max(MIN_WINDOW, self.limit):
-            return False
-        sample = statistics.median(self._window)
-        busy = self._busy
-        self._window.clear()
-        self._busy = False
-        self._medians.append(sample)
-        baseline = min(self._medians)
-        before = self.limit
-        gradient = TOLERANCE * baseline / sample if sample > 0 else 1.0
-        if gradient < 1.0 and self.slow_start:
-            # the first overload: back to the last limit that was calm (the first windows of a new limit
-            # see its fastest requests first, so their gradient understates the overload)
-            self.value = max(float(self.floor), self.value / 2)
-            self.slow_start = False
-        elif gradient < 1.0:
-            self.value = max(float(self.floor), self.value * max(MIN_GRADIENT, gradient))
-        elif busy:
-            growth = self.value if self.slow_start else max(MIN_GROWTH, GROWTH * self.value)
-            self.value = min(float(self.ceiling), self.value + growth)
-        if self.limit != before:
-            self.epoch += 1
-            return True
+    def load(self, in_use: int, waiting: int) -> bool:
+        """The gate's counters changed: ``in_use`` leases held, ``waiting`` in line. Returns whether ``limit``
+        changed (a phase that ran out of time ends here)."""
+        now = self._clock()
+        self._account(now)
+        self._in_use, self._waiting = in_use, waiting
+        self._last_busy = self._busy_now()
+        phase = self._now
+        phase.peak = max(phase.peak, in_use + waiting)
+        if now - phase.started_at >= max(PHASE_MAX_S, PHASE_MAX_ROUNDS * max(phase.longest, self._longest_before)):
+            return self._end(now)
         return False
+
+    def observe(self, sample: Sample, phase: int) -> bool:
+        """One normal completion; ``phase`` is ``self.phase`` when its request was admitted. Returns whether
+        ``limit`` changed."""
+        now = self._clock()
+        self.samples += 1
+        self._deliveries.add(now, sample.cls, sample.seconds)
+        if phase != self.phase:  # Envoy's rule: admitted under another limit, it says nothing about this one
+            return False
+        current = self._now
+        reference = self.references.get(sample.cls)
+        if not reference.count or self.kind == "cruise":
+            # Learnt at the cruise limit only: probes and startup's doublings are measured against it. (A new
+            # class's first sample seeds it, whatever the phase.)
+            reference.add(sample.seconds)
+        work = max(TINY, reference.value)
+        if len(current.latencies) < MAX_LATENCIES:
+            current.latencies.append((sample.seconds / work, work))
+        current.longest = max(current.longest, sample.seconds)
+        if current.settled_at is None:
+            current.settled_at = now
+        timely = now - current.started_at >= PHASE_MIN_S
+        if self.kind == "startup" and timely and not self._filled(now):
+            return self._end(now)  # a doubling that demand does not fill: startup is over, no need to wait
+        if now - sample.seconds < current.settled_at or sample.seconds <= 0:
+            # In flight while the phase's first requests were: the backend still held the last phase's
+            # requests. Its latency counts, its rate does not (BBR judges a gain after a round at it).
+            return False
+        for cls, done in self._deliveries.during(now - sample.seconds, now).items():
+            current.delivered[cls] = current.delivered.get(cls, 0.0) + work * done / sample.seconds
+        current.weight += work
+        current.weight_squared += work * work
+        if timely and (current.effective() >= self._need() or (
+                current.effective() >= EARLY_SAMPLES and self._losing_down())):
+            return self._end(now)
+        return False
+
+    # --- phases ------------------------------------------------------------------------------------------------
+
+    def _need(self) -> float:
+        if self.kind == "startup":
+            return max(STARTUP_SAMPLES, self.limit)
+        return max(PHASE_SAMPLES, 2 * self.limit)
+
+    def _losing_down(self) -> bool:
+        """A probe down whose rate is already short: going on with it only costs."""
+        return self.kind == "down" and self.mix is not None and (
+            self.rate_of(self._now.mix()) < KEEP_DOWN * self.rate_of(self.mix))
+
+    def _busy_now(self) -> bool:
+        return self._in_use >= self.limit or self._waiting > 0
+
+    def _account(self, now: float) -> None:
+        if self._last_busy:
+            self._now.busy_seconds += now - self._last_at
+        self._last_at = now
+
+    def _filled(self, now: float) -> bool:
+        """Whether demand kept the limit full (every slot taken, or someone waiting) half the phase so far."""
+        self._account(now)
+        elapsed = now - self._now.started_at
+        return elapsed > 0 and self._now.busy_seconds / elapsed >= BUSY_SHARE
+
+    def _begin(self, now: float, kind: Kind) -> None:
+        self.phase += 1
+        self.kind = kind
+        limit = self.cruise_limit
+        self.limit = self._up(limit) if kind == "up" else self._down(limit) if kind == "down" else limit
+        self._deliveries.shorten(max(self._now.longest, self._longest_before))
+        self._longest_before = self._now.longest
+        self._now = _Phase(now, self._in_use + self._waiting)
+        self._last_busy = self._busy_now()
+
+    def _measured(self, now: float) -> Measured | None:
+        """The phase's (mix, median normalised latency, busy), or None when too little was measured to judge
+        a busy phase (an app-limited one needs nothing measured: it is judged on that alone)."""
+        busy = self._filled(now)
+        current = self._now
+        if busy and (len(current.latencies) < 2 or not current.weight):
+            return None
+        return current.mix(), weighted_median(current.latencies), busy
+
+    def _end(self, now: float) -> bool:
+        before = self.limit
+        measured = self._measured(now)
+        kind = self._after_startup(measured) if self.mode == "startup" else self._after_probe(measured)
+        self._begin(now, kind)
+        return self.limit != before
+
+    def _after_startup(self, measured: Measured | None) -> Kind:
+        """BBR's startup: double while the rate grows by a quarter; stop when it stops growing, when it falls,
+        or when demand does not fill the limit (then demand, not the backend, is what caps the rate)."""
+        if measured is None:
+            return "startup"
+        mix, latency, busy = measured
+        if not busy:
+            return self._finish()
+        assert latency is not None  # a busy phase is judged on two samples at least
+        self._table[self.cruise_limit] = (mix, latency)
+        rate = self.rate_of(mix)
+        best = self.rate_of(self._table[self._best][0]) if self._best is not None else 0.0
+        if rate >= FULL_GROWTH * best:
+            self._best, self._no_growth = self.cruise_limit, 0
+        elif rate < best:  # past the knee
+            return self._finish()
+        else:
+            self._no_growth += 1
+            if self._no_growth >= FULL_COUNT:
+                return self._finish()
+        if self.cruise_limit >= self.ceiling:
+            return self._finish()
+        self.cruise_limit = self._bounded(2 * self.cruise_limit)
+        return "startup"
+
+    def _finish(self) -> Kind:
+        """Startup is over: cruise at the smallest limit that gave nearly the best rate."""
+        if self._table:
+            rates = {limit: self.rate_of(mix) for limit, (mix, _latency) in self._table.items()}
+            best = max(rates.values())
+            self.cruise_limit = min(limit for limit, rate in rates.items() if rate >= NEAR_BEST * best)
+            self.mix, self.latency = self._table[self.cruise_limit]
+        self._table, self._best = {}, None
+        self.mode = "probe"
+        self._ups = self._floor_phases = 0
+        self._index = len(CYCLE) - 1 - self._rng.randrange(CYCLE_RAND)
+        return self._next_in_cycle()
+
+    def _next_in_cycle(self) -> Kind:
+        self._index = (self._index + 1) % len(CYCLE)
+        return CYCLE[self._index]
+
+    def _after_probe(self, measured: Measured | None) -> Kind:
+        kind, limit = self.kind, self.cruise_limit
+        if measured is None:
+            return self._next_in_cycle()
+        mix, latency, busy = measured
+        if not busy:
+            if self._now.peak < limit:  # RFC 7661: a limit that demand left unused comes down to what it used
+                self.cruise_limit, self.mix, self.latency = max(self.floor, self._now.peak), mix or None, latency
+            self._ups = self._floor_phases = 0
+            return self._next_in_cycle()
+        assert latency is not None  # a busy phase is judged on two samples at least
+        rate, cruise = self.rate_of(mix), self.rate
+        if kind == "up":
+            if cruise is not None and rate >= (1 + GROW_MIN) * cruise:
+                in_proportion = rate >= cruise * (1 + PROPORTIONAL * (self.limit / limit - 1))
+                self.cruise_limit, self.mix, self.latency = self.limit, mix, latency
+                self._ups = self._ups + 1 if in_proportion else 0
+                if self._ups >= 2:  # far below the knee (after a collapse, or demand grew): doubling again
+                    self.mode, self._no_growth = "startup", 0
+                    return self._after_startup(measured)
+                self._index = 0
+                return "up"  # the climb goes on
+            self._ups = 0
+        elif kind == "down":
+            if cruise is not None and rate >= KEEP_DOWN * cruise:
+                self.cruise_limit, self.mix, self.latency = self.limit, mix, latency
+        elif self.latency is not None and latency > TOLERANCE * max(1.0, self.latency):
+            # The backend slowed down under the same limit: give way. Slower than the last phases and than the
+            # classes' long averages both, so that a burst of fast answers, which lowers the former, does not
+            # make the honest latency after it look like a slowdown (Gradient2's comparison is the latter).
+            self.cruise_limit = self._bounded(int(limit * max(MIN_GRADIENT, self.latency / latency)))
+            self.mix = self.latency = None
+        elif self.mix is None or self.latency is None:
+            self.mix, self.latency = mix, latency
+        else:
+            self.mix = {cls: self.mix.get(cls, 0.0) + SMOOTHING * (mix.get(cls, 0.0) - self.mix.get(cls, 0.0))
+                        for cls in self.mix.keys() | mix.keys()}
+            self.latency += SMOOTHING * (latency - self.latency)
+        self._floor_phases = self._floor_phases + 1 if self.cruise_limit == self.floor else 0
+        if self._floor_phases >= FLOOR_PHASES:
+            self._floor_phases, self._index = 0, 0
+            return "up"
+        return self._next_in_cycle()
+
+
+def weighted_median(pairs: list[tuple[float, float]]) -> float | None:
+    """The median of the values of (value, weight) pairs, each counting as much as its weight (Envoy judges a
+    window by its p50); None without any."""
+    half = sum(weight for _value, weight in pairs) / 2
+    for value, weight in sorted(pairs):
+        half -= weight
+        if half <= 0:
+            return value
+    return pairs[-1][0] if pairs else None

@@ -10,7 +10,7 @@ Refusals are immediate and honest: queue full → 429 ``queue_full``; waited too
 whole token budget → 413 ``too_many_image_tokens`` (it could never fit); draining → 503. Every 429 carries
 ``Retry-After`` estimated from how long slots are held.
 
-A ``Lease`` is released exactly once whatever path the request takes; ``release()`` is idempotent.
+A ``lease.Lease`` is released exactly once whatever path the request takes; ``release()`` is idempotent.
 
 Bodies still arriving count too. Admission needs the whole body (the cost is in it), but a burst of N big
 media bodies read at once would hold N bodies in memory however short the queue, far past the bound the
@@ -29,8 +29,9 @@ The head-of-line rule holds for that next request: it holds the line until it fi
 what is ahead of that flow only. The requests of one client without a fairness id are one flow: one FIFO.
 Every other guarantee (budgets, deadlines, release exactly once) is per request and so per flow.
 
-With ``MMGATE_MAX_MM_CONCURRENCY=auto`` an ``adaptive.AdaptiveLimit`` moves ``limit`` from the latency of
-released leases; budgets apply as ever.
+With ``MMGATE_MAX_MM_CONCURRENCY=auto`` an ``adaptive.AdaptiveLimit`` moves ``limit``: it hears of every change
+of the counters, and ``observe`` hands it the ``sample.Sample`` of each request that completed normally (a
+release alone teaches it nothing); budgets apply as ever.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from preprocessors.errors import (
     MEDIA_TOO_LARGE,
@@ -53,6 +54,8 @@ from preprocessors.errors import (
 )
 from proxy.admission.adaptive import AdaptiveLimit
 from proxy.admission.flows import DEFAULT_FLOW, Flow
+from proxy.admission.lease import Lease
+from proxy.admission.sample import Sample
 from proxy.serve.lifecycle import Lifecycle
 
 RETRY_AFTER_MIN, RETRY_AFTER_MAX = 1, 60
@@ -64,53 +67,7 @@ class _Waiter:
     future: asyncio.Future[None]
     tokens: int = 0
     flow: Flow = DEFAULT_FLOW
-
-
-@dataclass(eq=False)
-class Lease:
-    """One admitted request's slot, bytes and image tokens. ``release()`` gives them back; calling it again does
-    nothing."""
-
-    gate: Gate
-    cost: int
-    tokens: int = 0
-    granted_at: float = field(default_factory=time.monotonic)
-    released: bool = False
-    deferred: bool = False  # the release waits for work that has not stopped yet
-    epoch: int = 0  # the adaptive limit's epoch at admission: a sample from an older limit is not used
-    forwarded: bool = False  # the request went on to the backend: no longer waiting in mmgate
-
-    def handed_off(self) -> None:
-        """The request is on its way to the backend: from here on it no longer counts as waiting in mmgate
-        (``Gate.preparing``, what ``MMGATE_BACKEND_METRICS=merge`` adds to the backend's queue)."""
-        if not self.forwarded:
-            self.forwarded = True
-            if not self.released:
-                self.gate.preparing -= 1
-
-    def release(self) -> None:
-        if not self.released and not self.deferred:
-            self._give_back()
-
-    def lower(self, cost: int) -> None:
-        """Weigh ``cost`` bytes from now on, when that is less than the lease holds: what turned out not to need
-        decoding (a cache hit known only once its bytes were fetched) gives its share of the budget back."""
-        if not self.released and 0 <= cost < self.cost:
-            self.gate._lower(self, cost)
-
-    def release_after(self, work: Awaitable[object]) -> None:
-        """Keep the slot until ``work`` (a decode batch) has really stopped, whatever calls ``release()``
-        meanwhile: the answer may go out at once, but the slot stands for work still running."""
-        if self.released or self.deferred:
-            return
-        self.deferred = True
-        task = asyncio.ensure_future(work)
-        task.add_done_callback(lambda _task: self._give_back())
-
-    def _give_back(self) -> None:
-        if not self.released:
-            self.released = True
-            self.gate._give_back(self)
+    phase: int = 0  # the adaptive limit's phase when it was granted
 
 
 @dataclass(eq=False)
@@ -145,8 +102,10 @@ class Gate:
         token_budget: int = 0,
         max_queue_per_flow: int = 0,
         adaptive: AdaptiveLimit | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.adaptive = adaptive
+        self.clock = clock
         self.limit = adaptive.limit if adaptive is not None else limit
         self.byte_budget = byte_budget  # 0 = no byte budget
         self.token_budget = token_budget  # 0 = no token budget
@@ -281,7 +240,7 @@ class Gate:
         except BaseException as exc:
             if waiter.future.done() and not waiter.future.cancelled():
                 # Granted in the same instant we timed out or were cancelled: hand the slot back.
-                self._give_back(self._lease(cost, tokens), sample=False)
+                self._give_back(self._lease(cost, tokens, waiter.phase))
             else:
                 waiter.future.cancel()
                 self._dequeue(waiter)
@@ -292,7 +251,7 @@ class Gate:
                                                   f"allowed (MMGATE_QUEUE_TIMEOUT={timeout:g}), behind "
                                                   f"{self.in_use} running; retry later", flow) from None
             raise
-        return self._lease(cost, tokens)
+        return self._lease(cost, tokens, waiter.phase)
 
     def _enqueue(self, waiter: _Waiter) -> None:
         flows = self._bands.get(waiter.flow.band)
@@ -302,6 +261,8 @@ class Gate:
             self._bands = dict(sorted(self._bands.items(), reverse=True))
         flows.setdefault(waiter.flow.key, deque()).append(waiter)
         self._waiting += 1
+        if self._load():
+            self._wake()  # the limit grew
 
     def _dequeue(self, waiter: _Waiter) -> None:
         """Take a waiter out of line wherever it stands (it timed out or was cancelled)."""
@@ -312,6 +273,7 @@ class Gate:
         queue.remove(waiter)
         self._waiting -= 1
         self._forget_if_empty(waiter.flow)
+        self._load()
 
     def _forget_if_empty(self, flow: Flow) -> None:
         flows = self._bands[flow.band]
@@ -320,33 +282,47 @@ class Gate:
             if not flows:
                 del self._bands[flow.band]
 
-    def _lease(self, cost: int, tokens: int) -> Lease:
-        return Lease(self, cost, tokens, epoch=self.adaptive.epoch if self.adaptive is not None else 0)
+    def observe(self, lease: Lease, sample: Sample) -> None:
+        """``lease``'s request completed normally (``sample.Sample``): the adaptive limit learns from it. Only a
+        request that reached the backend says anything about it: one never forwarded is ignored."""
+        if self.adaptive is not None and lease.forwarded and self.adaptive.observe(sample, lease.phase):
+            self.limit = self.adaptive.limit
+            self._wake()
+            self._on_change(self)
+
+    def _load(self) -> bool:
+        """Tell the adaptive limit the counters changed; whether its limit changed (then ``limit`` follows)."""
+        if self.adaptive is None or not self.adaptive.load(self.in_use, self._waiting):
+            return False
+        self.limit = self.adaptive.limit
+        return True
+
+    def _lease(self, cost: int, tokens: int, phase: int) -> Lease:
+        return Lease(self, cost, tokens, granted_at=self.clock(), phase=phase)
 
     def _grant(self, cost: int, tokens: int) -> Lease:
-        self._take(cost, tokens)
+        phase = self._take(cost, tokens)
         self._on_change(self)
-        return self._lease(cost, tokens)
+        return self._lease(cost, tokens, phase)
 
-    def _take(self, cost: int, tokens: int) -> None:
+    def _take(self, cost: int, tokens: int) -> int:
+        """Take a slot, ``cost`` bytes and ``tokens``; the adaptive limit's phase they were granted in."""
         self.in_use += 1
         self.preparing += 1
         self.bytes_in_use += cost
         self.tokens_in_use += tokens
-        if self.adaptive is not None:
-            self.adaptive.busy(self.in_use)
+        phase = self.adaptive.phase if self.adaptive is not None else 0
+        self._load()  # a limit that grows here lets ``_wake`` go on granting
+        return phase
 
-    def _give_back(self, lease: Lease, sample: bool = True) -> None:
+    def _give_back(self, lease: Lease) -> None:
         self.in_use -= 1
         if not lease.forwarded:
             self.preparing -= 1
         self.bytes_in_use -= lease.cost
         self.tokens_in_use -= lease.tokens
-        held = time.monotonic() - lease.granted_at
-        self._hold_seconds = 0.8 * self._hold_seconds + 0.2 * held
-        # only requests that reached the backend say anything about its latency
-        if self.adaptive is not None and sample and lease.forwarded and self.adaptive.observe(held, lease.epoch):
-            self.limit = self.adaptive.limit
+        self._hold_seconds = 0.8 * self._hold_seconds + 0.2 * (self.clock() - lease.granted_at)
+        self._load()
         self._wake()
         self._on_change(self)
 
@@ -377,7 +353,7 @@ class Gate:
                 flows[key] = queue  # to the back of the band's turn
             elif not flows:
                 del self._bands[head.flow.band]
-            self._take(head.cost, head.tokens)
+            head.phase = self._take(head.cost, head.tokens)
             head.future.set_result(None)
 
 

@@ -1,0 +1,74 @@
+"""The adaptive limit's yardstick: a long average of the backend's seconds, one per request class.
+
+Each class's reference is Netflix concurrency-limits' ``ExpAvgMeasurement`` as ``Gradient2Limit`` uses it for its
+long-term RTT: the plain mean of the first ``WARMUP`` samples, then an exponential average with the factor
+``2 / (WINDOW + 1)``. One sample moves it by at most 2/601 of the difference, so no single window (a burst of
+fast answers, a flood of one client's requests) can drag it down: 55 answers in a row a thousand times faster
+than the class's usual move it by 17 %.
+
+Gradient2 also shrinks its long average by 5 % whenever it is more than twice the short one, to recover from a
+long overload sooner. That is not taken: here it would let the same burst cut the reference by 5 % per window,
+and the controller never compares a latency with a reference alone, only one window's normalised latency with
+another's (``adaptive``), so a reference left high by an overload only rescales, it does not mislead.
+
+The table holds the classes used most recently, ``MAX_CLASSES`` of them (least recently used out first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from proxy.admission.sample import SampleClass
+
+WINDOW = 600  # Gradient2Limit's longWindow default
+WARMUP = 10  # ExpAvgMeasurement's warm-up as Gradient2Limit builds it
+MAX_CLASSES = 64
+
+
+class Reference:
+    """One class's long average of seconds."""
+
+    __slots__ = ("count", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.count = 0
+
+    @property
+    def warm(self) -> bool:
+        """Whether it has seen its warm-up samples: until then a sample is measured against itself."""
+        return self.count >= WARMUP
+
+    def add(self, seconds: float) -> None:
+        if self.count < WARMUP:
+            self.count += 1
+            self.value += (seconds - self.value) / self.count
+        else:
+            self.value += (seconds - self.value) * 2 / (WINDOW + 1)
+
+
+class References:
+    """The reference of each recently seen class."""
+
+    def __init__(self, max_classes: int = MAX_CLASSES) -> None:
+        self._max = max_classes
+        self._table: OrderedDict[SampleClass, Reference] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def value(self, cls: SampleClass) -> float:
+        """``cls``'s reference seconds, 0 if it has none (it is not made one)."""
+        reference = self._table.get(cls)
+        return reference.value if reference is not None else 0.0
+
+    def get(self, cls: SampleClass) -> Reference:
+        """``cls``'s reference, a new one if it has none (forgetting the least recently used class when full)."""
+        reference = self._table.get(cls)
+        if reference is None:
+            reference = self._table[cls] = Reference()
+            if len(self._table) > self._max:
+                self._table.popitem(last=False)
+        else:
+            self._table.move_to_end(cls)
+        return reference
