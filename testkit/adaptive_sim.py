@@ -156,15 +156,24 @@ class Simulation:
         self._line: deque[_Request] = deque()
 
     def run(self, duration: float) -> Run:
-        self.result = Run(duration, {group.name: [] for group in self.groups})
-        self._trace()
-        for group in self.groups:
-            for client in range(group.clients):
-                # clients come in over the first 10 ms, not in one instant
-                self._at(group.start + 0.01 * client / max(1, group.clients), partial(self._send, group))
-        while self._events and self._events[0][0] <= duration:
+        """The whole run, from 0 to ``duration`` seconds."""
+        self.advance(duration)
+        return self.result
+
+    def advance(self, until: float) -> Run:
+        """Run on to ``until`` seconds (a run can be looked at on the way: ``advance(60)``, then ``advance(70)``)."""
+        if not hasattr(self, "result"):
+            self.result = Run(until, {group.name: [] for group in self.groups})
+            self._trace()
+            for group in self.groups:
+                for client in range(group.clients):
+                    # clients come in over the first 10 ms, not in one instant
+                    self._at(group.start + 0.01 * client / max(1, group.clients), partial(self._send, group))
+        self.result.duration = until
+        while self._events and self._events[0][0] <= until:
             self.now, _, action = heapq.heappop(self._events)
             action()
+        self.now = until
         return self.result
 
     def _at(self, t: float, action: Callable[[], None]) -> None:

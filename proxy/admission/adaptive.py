@@ -54,6 +54,7 @@ The controller is arithmetic on the event loop, with an injected clock and rando
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ Measured = tuple[Mix, float | None, bool]  # a phase's mix, median normalised la
 FULL_GROWTH = 1.25  # BBR bbr_full_bw_thresh: a doubling that adds less is no growth ...
 FULL_COUNT = 2  # ... and this many of them end startup (BBR bbr_full_bw_cnt is 3 rounds; a phase here spans two)
 NEAR_BEST = 0.9  # startup settles on the smallest limit that gave this share of the best rate
-UP_GAIN, DOWN_GAIN = 1.25, 0.875  # BBR bbr_pacing_gain: up 5/4 (its drain is 3/4)
+UP_GAIN, DOWN_GAIN = 1.25, 0.875  # BBR bbr_pacing_gain is 5/4 up, 3/4 down: see the module's docstring
 CYCLE: tuple[Kind, ...] = ("up", "down", *("cruise",) * 6)  # BBR: CYCLE_LEN 8, up, drain, six cruising
 CYCLE_RAND = 7  # BBR bbr_cycle_rand: the cycle starts at one of this many phases, never at the probe down
 GROW_MIN = 0.05  # a probe up is kept when the rate grew this much ...
@@ -86,7 +87,7 @@ PHASE_MIN_S = 0.2  # BBR bbr_probe_rtt_mode_ms is 200 ms: no phase judged on les
 PHASE_MAX_S = 30.0  # a phase still short of samples is judged on what it has after this long ...
 PHASE_MAX_ROUNDS = 8  # ... or after this many of its longest requests, when they take longer
 MAX_LATENCIES = 100_000  # latencies a phase keeps at most (a flood of tiny answers cannot grow it without bound)
-SMOOTHING = 0.5  # the cruise rate and latency: the average of the last phases, each weighing half
+SMOOTHING = 0.5  # the cruise latency: the average of the last phases, each weighing half
 TINY = 1e-6  # seconds: a sample's smallest worth (a zero would weigh nothing and divide by zero)
 
 
@@ -102,6 +103,7 @@ class _Phase:
     weight_squared: float = 0.0  # ... and its square (for Kish's effective number of samples)
     delivered: dict[SampleClass, float] = field(default_factory=dict)  # work-weighted sums of delivery rates
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (normalised latency, work)
+    seconds: dict[SampleClass, list[float]] = field(default_factory=dict)  # cruise: each class's seconds
     longest: float = 0.0  # its longest request, in seconds
 
     def mix(self) -> Mix:
@@ -133,6 +135,7 @@ class AdaptiveLimit:
         self.phase = 0  # bumped at every phase: a lease carries the phase it was admitted in
         self.references = References()
         self.mix: Mix | None = None  # the cruise limit's completions per second, per class
+        self._top: Mix | None = None  # the best mix lately at or above the cruise limit: what a probe down keeps
         self.latency: float | None = None  # the cruise limit's median normalised latency
         self.samples = 0  # normal completions observed
         self._table: dict[int, tuple[Mix, float]] = {}  # startup: limit -> (mix, latency)
@@ -154,7 +157,8 @@ class AdaptiveLimit:
         return max(self.floor, min(self.ceiling, limit))
 
     def _up(self, limit: int) -> int:
-        return self._bounded(max(limit + 1, round(UP_GAIN * limit)))
+        # rounded down: from 7, ×1.25 rounded is 9, and a knee at 8 would never be tried
+        return self._bounded(max(limit + 1, int(UP_GAIN * limit)))
 
     def _down(self, limit: int) -> int:
         return self._bounded(min(limit - 1, round(DOWN_GAIN * limit)))
@@ -179,6 +183,7 @@ class AdaptiveLimit:
         self._last_busy = self._busy_now()
         phase = self._now
         phase.peak = max(phase.peak, in_use + waiting)
+        self._settle_down(now)
         if now - phase.started_at >= max(PHASE_MAX_S, PHASE_MAX_ROUNDS * max(phase.longest, self._longest_before)):
             return self._end(now)
         return False
@@ -193,13 +198,13 @@ class AdaptiveLimit:
             return False
         current = self._now
         reference = self.references.get(sample.cls)
-        if not reference.count or self.kind == "cruise":
-            # Learnt at the cruise limit only: probes and startup's doublings are measured against it. (A new
-            # class's first sample seeds it, whatever the phase.)
-            reference.add(sample.seconds)
+        if not reference.count:
+            reference.add(sample.seconds)  # a new class's first sample seeds it, whatever the phase
         work = max(TINY, reference.value)
         if len(current.latencies) < MAX_LATENCIES:
             current.latencies.append((sample.seconds / work, work))
+            if self.kind == "cruise":
+                current.seconds.setdefault(sample.cls, []).append(sample.seconds)
         current.longest = max(current.longest, sample.seconds)
         if current.settled_at is None:
             current.settled_at = now
@@ -228,8 +233,19 @@ class AdaptiveLimit:
 
     def _losing_down(self) -> bool:
         """A probe down whose rate is already short: going on with it only costs."""
-        return self.kind == "down" and self.mix is not None and (
-            self.rate_of(self._now.mix()) < KEEP_DOWN * self.rate_of(self.mix))
+        return self.kind == "down" and self.rate_of(self._now.mix()) < KEEP_DOWN * self._to_keep()
+
+    def _to_keep(self) -> float:
+        """The rate a probe down must keep 95 % of: the best lately, not the last step's, so that steps down of
+        4 % each cannot add up."""
+        return max(self.rate or 0.0, self.rate_of(self._top) if self._top is not None else 0.0)
+
+    def _cruise_on(self, mix: Mix | None, latency: float | None) -> None:
+        self.mix, self.latency = mix, latency
+        if mix is None:
+            self._top = None
+        elif self._top is None or self.rate_of(mix) > self.rate_of(self._top):
+            self._top = mix
 
     def _busy_now(self) -> bool:
         return self._in_use >= self.limit or self._waiting > 0
@@ -254,6 +270,13 @@ class AdaptiveLimit:
         self._longest_before = self._now.longest
         self._now = _Phase(now, self._in_use + self._waiting)
         self._last_busy = self._busy_now()
+        self._settle_down(now)
+
+    def _settle_down(self, now: float) -> None:
+        """A probe down holds its load as soon as the backend holds no more than its limit: what is handed off
+        from then on measures it (a probe up needs its own first request back: the backend's batch grew)."""
+        if self.kind == "down" and self._now.settled_at is None and self._in_use <= self.limit:
+            self._now.settled_at = now
 
     def _measured(self, now: float) -> Measured | None:
         """The phase's (mix, median normalised latency, busy), or None when too little was measured to judge
@@ -267,6 +290,10 @@ class AdaptiveLimit:
     def _end(self, now: float) -> bool:
         before = self.limit
         measured = self._measured(now)
+        for cls, seconds in self._now.seconds.items():
+            # Learnt at the cruise limit, one value a phase (Gradient2 takes one a window): probes and startup's
+            # doublings are measured against it, and a flood of answers in one phase is one value.
+            self.references.get(cls).add(statistics.median(seconds))
         kind = self._after_startup(measured) if self.mode == "startup" else self._after_probe(measured)
         self._begin(now, kind)
         return self.limit != before
@@ -302,7 +329,8 @@ class AdaptiveLimit:
             rates = {limit: self.rate_of(mix) for limit, (mix, _latency) in self._table.items()}
             best = max(rates.values())
             self.cruise_limit = min(limit for limit, rate in rates.items() if rate >= NEAR_BEST * best)
-            self.mix, self.latency = self._table[self.cruise_limit]
+            self._top = max((mix for mix, _latency in self._table.values()), key=self.rate_of)
+            self._cruise_on(*self._table[self.cruise_limit])
         self._table, self._best = {}, None
         self.mode = "probe"
         self._ups = self._floor_phases = 0
@@ -320,7 +348,8 @@ class AdaptiveLimit:
         mix, latency, busy = measured
         if not busy:
             if self._now.peak < limit:  # RFC 7661: a limit that demand left unused comes down to what it used
-                self.cruise_limit, self.mix, self.latency = max(self.floor, self._now.peak), mix or None, latency
+                self.cruise_limit = max(self.floor, self._now.peak)
+                self.mix, self.latency, self._top = mix or None, latency, None  # what was used, not what it could
             self._ups = self._floor_phases = 0
             return self._next_in_cycle()
         assert latency is not None  # a busy phase is judged on two samples at least
@@ -328,7 +357,8 @@ class AdaptiveLimit:
         if kind == "up":
             if cruise is not None and rate >= (1 + GROW_MIN) * cruise:
                 in_proportion = rate >= cruise * (1 + PROPORTIONAL * (self.limit / limit - 1))
-                self.cruise_limit, self.mix, self.latency = self.limit, mix, latency
+                self.cruise_limit = self.limit
+                self._cruise_on(mix, latency)
                 self._ups = self._ups + 1 if in_proportion else 0
                 if self._ups >= 2:  # far below the knee (after a collapse, or demand grew): doubling again
                     self.mode, self._no_growth = "startup", 0
@@ -337,20 +367,17 @@ class AdaptiveLimit:
                 return "up"  # the climb goes on
             self._ups = 0
         elif kind == "down":
-            if cruise is not None and rate >= KEEP_DOWN * cruise:
+            if cruise is not None and rate >= KEEP_DOWN * self._to_keep():
                 self.cruise_limit, self.mix, self.latency = self.limit, mix, latency
         elif self.latency is not None and latency > TOLERANCE * max(1.0, self.latency):
             # The backend slowed down under the same limit: give way. Slower than the last phases and than the
             # classes' long averages both, so that a burst of fast answers, which lowers the former, does not
             # make the honest latency after it look like a slowdown (Gradient2's comparison is the latter).
             self.cruise_limit = self._bounded(int(limit * max(MIN_GRADIENT, self.latency / latency)))
-            self.mix = self.latency = None
-        elif self.mix is None or self.latency is None:
-            self.mix, self.latency = mix, latency
-        else:
-            self.mix = {cls: self.mix.get(cls, 0.0) + SMOOTHING * (mix.get(cls, 0.0) - self.mix.get(cls, 0.0))
-                        for cls in self.mix.keys() | mix.keys()}
-            self.latency += SMOOTHING * (latency - self.latency)
+            self._cruise_on(None, None)
+        else:  # the rate is the last phase's (a backend that got faster must not be judged by an old one)
+            self._cruise_on(mix, latency if self.latency is None else self.latency + SMOOTHING * (
+                latency - self.latency))
         self._floor_phases = self._floor_phases + 1 if self.cruise_limit == self.floor else 0
         if self._floor_phases >= FLOOR_PHASES:
             self._floor_phases, self._index = 0, 0

@@ -1,15 +1,17 @@
 """The adaptive limit's yardstick: a long average of the backend's seconds, one per request class.
 
 Each class's reference is Netflix concurrency-limits' ``ExpAvgMeasurement`` as ``Gradient2Limit`` uses it for its
-long-term RTT: the plain mean of the first ``WARMUP`` samples, then an exponential average with the factor
-``2 / (WINDOW + 1)``. One sample moves it by at most 2/601 of the difference, so no single window (a burst of
-fast answers, a flood of one client's requests) can drag it down: 55 answers in a row a thousand times faster
-than the class's usual move it by 17 %.
+long-term RTT: the plain mean of the first ``WARMUP`` values, then an exponential average with the factor
+``2 / (WINDOW + 1)``. Gradient2 is fed one value per window (behind its ``WindowedLimit``); ``adaptive`` feeds it
+one per cruising phase, the class's median seconds in it. One value moves it by at most 2/601 of the
+difference, so no window can drag it down, however many fast answers it holds: a thousand answers in a row, a
+thousand times faster than the class's usual, in three phases, move it by 1 %.
 
 Gradient2 also shrinks its long average by 5 % whenever it is more than twice the short one, to recover from a
-long overload sooner. That is not taken: here it would let the same burst cut the reference by 5 % per window,
-and the controller never compares a latency with a reference alone, only one window's normalised latency with
-another's (``adaptive``), so a reference left high by an overload only rescales, it does not mislead.
+long overload sooner. That is not taken: here it would let the same burst cut the reference by 5 % a phase,
+while the controller compares rates only with the same references on both sides, and a latency with a
+reference only together with the last phases' (``adaptive``): a reference left high by an overload rescales,
+it does not mislead.
 
 The table holds the classes used most recently, ``MAX_CLASSES`` of them (least recently used out first).
 """
