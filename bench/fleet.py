@@ -1,16 +1,30 @@
 #!/usr/bin/env python
-"""mmgate in a fleet: the adaptive limit against fixed ones on a thrashing backend, and fair waiting.
+"""mmgate in a fleet: the adaptive limit against fixed ones on a thrashing and on a batching backend, under
+attack, and fair waiting.
 
-**Adaptive limit** (``MMGATE_MAX_MM_CONCURRENCY=auto``). A backend model that thrashes past its capacity: a
-request's service time is ``base × max(1, (c / knee)²)``, ``c`` the requests in the backend when it arrives
-(knee 4, base 100 ms): throughput grows with ``c`` up to the knee and falls as ``1/c`` past it, the way a
-server that swaps KV cache or preempts does. 32 closed-loop clients (each sends its next media request when
-its answer comes) drive mmgate for ``--duration`` s per cell, with fixed limits 1..16 and with ``auto``
-(``MMGATE_MIN_MM_CONCURRENCY=1``, ``MMGATE_MAX_MM_CONCURRENCY_AUTO=64``, starting cold at 1 in every round).
-Throughput = answers completed within the cell's duration ÷ duration: ``auto`` pays for its own convergence.
-Convergence = the first time from which the adaptive limit spends at least 90 % of the rest of the cell
-within one of the best fixed limit of that round. Fixed limits use ``MMGATE_RELEASE_AT=complete`` like
-``auto`` does, so both bound the backend.
+**Adaptive limit** (``MMGATE_MAX_MM_CONCURRENCY=auto``). Two backend models, the ones ``testkit.adaptive_sim``
+simulates (a request's service time is set by ``c``, the requests in the backend when it arrives):
+
+- *thrashing*: ``100 ms × max(1, (c / 4)²)``: throughput grows with ``c`` up to the knee (4) and falls as
+  ``1/c`` past it, the way a server that swaps KV cache or preempts does. 32 closed-loop clients.
+- *batching*: ``100 ms × (1 + (c - 1) / 4) × max(1, (c / 12)²)``: latency grows with the batch while throughput
+  still grows, up to the knee (12); past it, it swaps. 48 clients. A controller driven by latency alone reads
+  the rise as queueing and stays low.
+
+Each client sends its next media request when its answer comes, for ``--duration`` s per cell, with fixed
+limits and with ``auto`` (``MMGATE_MIN_MM_CONCURRENCY=1``, ``MMGATE_MAX_MM_CONCURRENCY_AUTO=64``, starting cold
+at 1 in every round). Throughput = answers completed within the cell's duration ÷ duration: ``auto`` pays for
+its own convergence. Convergence (thrashing) = the first time from which the adaptive limit spends at least
+90 % of the rest of the cell within one of the best fixed limit of that round. Fixed limits use
+``MMGATE_RELEASE_AT=complete`` like ``auto`` does, so both bound the backend. Answers carry
+``usage.completion_tokens`` (16), as a model server's do.
+
+**Attacks** (``auto``; the issue's scenario, unscaled): 8 honest client loops against a backend that takes 1 s
+an answer; after ``ATTACK_WARMUP`` s, 2 attacker loops for 3 s, then 15 s more. One cell per kind: answers at
+once (``max_tokens: 1``, ``completion_tokens: 1``), refusals at once (the backend answers 400), clients that
+give up after 50 ms. Goals: honest answers/s during the attack and in the 10 s after it, each ÷ the 10 s
+before it, ≥ 0.8; the limit between probes (``AdaptiveLimit.cruise_limit``) 10 s after the attack within 10 %
+of where it was when the attack began.
 
 **Fairness.** A backend with a constant 200 ms service time behind mmgate with a limit of 2. Flow ``big``
 sends 12 media requests at once; once they are all in (2 admitted, 10 queued), flow ``small`` sends 2. With
@@ -21,7 +35,8 @@ is forwarded (slots), and ``small``'s wait (Server-Timing ``queue``), fair again
 Everything runs in this process on one event loop (clients, mmgate from ``build_app``, the model backends);
 the backends sleep rather than burn CPU, so the figures depend little on the shared machine.
 
-Usage: python -m bench.fleet [--rounds 3] [--duration 20] [--quick (1 round, limits 2, 4, 16, 4 s)] [--out PATH]
+Usage: python -m bench.fleet [--rounds 3] [--duration 20] [--quick (1 round, fewer limits, 4 s cells, attacks
+       shortened)] [--out PATH]
 Writes bench/results/fleet.md and .json (or PATH.md / PATH.json).
 """
 
@@ -29,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import statistics
 import time
@@ -42,38 +58,74 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from bench import _results as R
+from proxy.admission.client import LocalGate
+from proxy.state import AppState
+from testkit.adaptive_sim import Curve, batching, thrashing
 from testkit.media import chat_with_image, data_uri, image_bytes
 from testkit.servers import start_proxy_server
 
-KNEE = 4
 BASE_SECONDS = 0.1
-CLIENTS = 32
-FIXED = (1, 2, 3, 4, 5, 6, 8, 16)
-TOO_HIGH = 16
+
+
+@dataclass(frozen=True)
+class Model:
+    """A backend model and the fixed limits it is compared with."""
+
+    name: str
+    curve: Curve
+    clients: int
+    fixed: tuple[int, ...]
+    quick: tuple[int, ...]
+    too_high: int
+    described: str
+
+
+MODELS = (
+    Model("thrashing", thrashing(BASE_SECONDS, 4), 32, (1, 2, 3, 4, 5, 6, 8, 16), (2, 4, 16), 16,
+          f"{BASE_SECONDS * 1000:.0f} ms × max(1, (c/4)²), 32 clients"),
+    Model("batching", batching(BASE_SECONDS, 12), 48, (1, 2, 4, 8, 12, 16, 24), (4, 12, 24), 24,
+          f"{BASE_SECONDS * 1000:.0f} ms × (1 + (c-1)/4) × max(1, (c/12)²), 48 clients"),
+)
+ATTACK_WARMUP, ATTACK_SECONDS, ATTACK_AFTER = 30.0, 3.0, 15.0
+HONEST_LOOPS, ATTACKERS, HONEST_SECONDS, GIVE_UP_AFTER = 8, 2, 1.0, 0.05
+ATTACKS = ("fast answers", "refusals", "aborts")
 FAIR_SERVICE = 0.2
 FAIR_LIMIT = 2
 BIG, SMALL = 12, 2
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
-ANSWER = {"id": "c", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop",
-                                                                 "message": {"role": "assistant", "content": "ok"}}]}
+
+
+def answer(completion_tokens: int) -> dict[str, Any]:
+    usage = {"prompt_tokens": 64, "completion_tokens": completion_tokens, "total_tokens": 64 + completion_tokens}
+    return {"id": "c", "object": "chat.completion", "usage": usage,
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}]}
+
+
+ANSWER, ONE_TOKEN = answer(16), answer(1)
 
 
 @dataclass
 class ModelBackend:
-    """A backend whose service time is ``base × max(1, (c / knee)²)``; records the order of arrivals."""
+    """A backend whose service time is ``curve(c, now)``, ``c`` the requests in it (this one counted); records
+    the order of arrivals. A request asking for one token is answered at once; one tagged ``refuse`` gets 400."""
 
-    base: float
-    knee: int
+    curve: Curve
     active: int = 0
     order: list[str] = field(default_factory=list)
     server: TestServer | None = None
+    started: float = field(default_factory=time.perf_counter)
 
     async def chat(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
-        self.order.append(body["messages"][0]["content"][0]["text"])
+        tag = body["messages"][0]["content"][0]["text"]
+        self.order.append(tag)
+        if tag == "refuse":
+            return web.json_response({"error": {"message": "no", "type": "invalid_request_error"}}, status=400)
+        if body.get("max_tokens") == 1:
+            return web.json_response(ONE_TOKEN)
         self.active += 1
         try:
-            await asyncio.sleep(self.base * max(1.0, (self.active / self.knee) ** 2))
+            await asyncio.sleep(self.curve(self.active, time.perf_counter() - self.started))
         finally:
             self.active -= 1
         return web.json_response(ANSWER)
@@ -86,16 +138,18 @@ class ModelBackend:
         return f"http://127.0.0.1:{self.server.port}"
 
 
-def _body(tag: str, image: str) -> bytes:
-    return orjson.dumps(chat_with_image(image, text=tag))
+def _body(tag: str, image: str, **extra: Any) -> bytes:
+    return orjson.dumps(chat_with_image(image, text=tag) | extra)
 
 
-async def thrash_cell(limit: str, duration: float) -> dict[str, Any]:
-    backend = ModelBackend(BASE_SECONDS, KNEE)
-    env = {"MMGATE_MAX_MM_CONCURRENCY": limit, "MMGATE_RELEASE_AT": "complete", "MMGATE_MAX_QUEUE": "256",
-           "MMGATE_QUEUE_TIMEOUT": "600", "MMGATE_MIN_MM_CONCURRENCY": "1", "MMGATE_MAX_MM_CONCURRENCY_AUTO": "64"}
-    proxy, stop = await start_proxy_server(await backend.start(), **env)
-    body = _body("thrash", data_uri(image_bytes()))
+AUTO_ENV = {"MMGATE_RELEASE_AT": "complete", "MMGATE_MAX_QUEUE": "256", "MMGATE_QUEUE_TIMEOUT": "600",
+            "MMGATE_MIN_MM_CONCURRENCY": "1", "MMGATE_MAX_MM_CONCURRENCY_AUTO": "64"}
+
+
+async def load_cell(model: Model, limit: str, duration: float) -> dict[str, Any]:
+    backend = ModelBackend(model.curve)
+    proxy, stop = await start_proxy_server(await backend.start(), MMGATE_MAX_MM_CONCURRENCY=limit, **AUTO_ENV)
+    body = _body(model.name, data_uri(image_bytes()))
     gate = proxy.state.gate
     done: list[float] = []
     statuses: dict[int, int] = {}
@@ -118,8 +172,8 @@ async def thrash_cell(limit: str, duration: float) -> dict[str, Any]:
             await asyncio.sleep(0.05)
 
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CLIENTS)) as session:
-            clients = [asyncio.create_task(client(session)) for _ in range(CLIENTS)]
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=model.clients)) as session:
+            clients = [asyncio.create_task(client(session)) for _ in range(model.clients)]
             watcher = asyncio.create_task(watch())
             await asyncio.sleep(duration)
             await watcher
@@ -131,8 +185,86 @@ async def thrash_cell(limit: str, duration: float) -> dict[str, Any]:
         assert backend.server is not None
         await backend.server.close()
     completed = sum(1 for t in done if t <= duration)
-    return {"limit": limit, "throughput": completed / duration, "completed": completed, "statuses": statuses,
-            "trace": trace if limit == "auto" else [], "final_limit": gate.counters().limit}
+    return {"model": model.name, "limit": limit, "throughput": completed / duration, "completed": completed,
+            "statuses": statuses, "trace": trace if limit == "auto" else [], "final_limit": gate.counters().limit}
+
+
+def cruise_limit(state: AppState) -> int:
+    """The adaptive limit between its probes (the gate's own limit moves with each probe)."""
+    assert isinstance(state.gate, LocalGate)  # the bench serves in one process
+    gate = state.gate.gate
+    return gate.adaptive.cruise_limit if gate.adaptive is not None else gate.limit
+
+
+async def attack_cell(kind: str, warmup: float, length: float, after: float) -> dict[str, Any]:
+    """8 honest loops; 2 attacker loops from ``warmup`` s for ``length`` s; ``after`` s more."""
+    backend = ModelBackend(lambda concurrency, now: HONEST_SECONDS)
+    proxy, stop = await start_proxy_server(await backend.start(), MMGATE_MAX_MM_CONCURRENCY="auto", **AUTO_ENV)
+    image = data_uri(image_bytes())
+    honest_body = _body("honest", image)
+    attack_body = {"fast answers": _body("fast", image, max_tokens=1), "refusals": _body("refuse", image),
+                   "aborts": _body("abort", image)}[kind]
+    headers = {"Content-Type": "application/json"}
+    honest: list[float] = []
+    attacks: dict[str, int] = {}
+    trace: list[tuple[float, int, int]] = []  # (t, gate limit, cruise limit)
+    started = time.perf_counter()
+    total = warmup + length + after
+
+    def now() -> float:
+        return time.perf_counter() - started
+
+    async def honest_loop(session: aiohttp.ClientSession) -> None:
+        while now() < total:
+            async with session.post(proxy.url + "/v1/chat/completions", data=honest_body, headers=headers) as response:
+                await response.read()
+                if response.status == 200:
+                    honest.append(now())
+
+    async def attacker(session: aiohttp.ClientSession) -> None:
+        await asyncio.sleep(warmup)
+        while now() < warmup + length:
+            outcome = "gave up"
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(GIVE_UP_AFTER if kind == "aborts" else None):
+                    async with session.post(proxy.url + "/v1/chat/completions", data=attack_body,
+                                            headers=headers) as response:
+                        await response.read()
+                        outcome = str(response.status)
+            attacks[outcome] = attacks.get(outcome, 0) + 1
+
+    async def watch() -> None:
+        while now() < total:
+            trace.append((round(now(), 2), proxy.state.gate.counters().limit, cruise_limit(proxy.state)))
+            await asyncio.sleep(0.1)
+
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            tasks = [asyncio.create_task(honest_loop(session)) for _ in range(HONEST_LOOPS)]
+            tasks += [asyncio.create_task(attacker(session)) for _ in range(ATTACKERS)]
+            tasks.append(asyncio.create_task(watch()))
+            await asyncio.sleep(total)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await stop()
+        assert backend.server is not None
+        await backend.server.close()
+
+    def rate(start: float, end: float) -> float:
+        return sum(start <= t < end for t in honest) / (end - start)
+
+    def cruise_at(t: float) -> int:
+        return next((c for when, _limit, c in reversed(trace) if when <= t), trace[0][2])
+
+    end = warmup + length
+    before = rate(warmup - 10, warmup)
+    pre, later = cruise_at(warmup), cruise_at(end + 10)
+    return {"kind": kind, "honest_before": before, "during": rate(warmup, end) / before,
+            "after": rate(end, end + 10) / before, "pre_limit": pre, "limit_10s_after": later,
+            "limit_back": abs(later - pre) <= 0.1 * pre, "attacks": attacks,
+            "trace": R.downsample([[t, float(limit), float(c)] for t, limit, c in trace], 1)}
 
 
 def convergence(trace: list[tuple[float, int]], best: int, share: float = 0.9) -> float | None:
@@ -148,7 +280,7 @@ def convergence(trace: list[tuple[float, int]], best: int, share: float = 0.9) -
 
 
 async def fairness_cell(fair: bool) -> dict[str, Any]:
-    backend = ModelBackend(FAIR_SERVICE, knee=1000)
+    backend = ModelBackend(lambda concurrency, now: FAIR_SERVICE)
     proxy, stop = await start_proxy_server(await backend.start(), MMGATE_MAX_MM_CONCURRENCY=str(FAIR_LIMIT),
                                            MMGATE_RELEASE_AT="complete", MMGATE_MAX_QUEUE="64",
                                            MMGATE_TRUST_FLOW_HEADERS_FROM="127.0.0.1/32")
@@ -188,38 +320,69 @@ async def fairness_cell(fair: bool) -> dict[str, Any]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     for number in range(args.rounds):
-        cells = []
-        for limit in [*map(str, args.fixed), "auto"]:  # fixed and auto take turns, round after round
-            cell = await thrash_cell(limit, args.duration)
-            print(f"  round {number + 1} limit {limit:>4}: {cell['throughput']:6.2f} answers/s "
-                  f"(final limit {cell['final_limit']}, statuses {cell['statuses']})", flush=True)
-            cells.append(cell)
-        fixed = [c for c in cells if c["limit"] != "auto"]
-        best = max(fixed, key=lambda c: c["throughput"])
-        auto = cells[-1]
-        auto["convergence_s"] = convergence(auto["trace"], int(best["limit"]))
-        auto["trace"] = R.downsample([[t, float(limit)] for t, limit in auto["trace"]], 1)
+        models = {}
+        for model in MODELS:
+            cells = []
+            for limit in [*map(str, model.quick if args.quick else model.fixed), "auto"]:  # taking turns
+                cell = await load_cell(model, limit, args.duration)
+                print(f"  round {number + 1} {model.name} limit {limit:>4}: {cell['throughput']:6.2f} answers/s "
+                      f"(final limit {cell['final_limit']}, statuses {cell['statuses']})", flush=True)
+                cells.append(cell)
+            best = max((c for c in cells if c["limit"] != "auto"), key=lambda c: c["throughput"])
+            auto = cells[-1]
+            auto["convergence_s"] = convergence(auto["trace"], int(best["limit"]))
+            auto["trace"] = R.downsample([[t, float(limit)] for t, limit in auto["trace"]], 1)
+            models[model.name] = {"cells": cells, "best_fixed": best["limit"]}
+        attacks = []
+        for kind in ATTACKS:
+            cell = await attack_cell(kind, *args.attack)
+            print(f"  round {number + 1} attack {kind}: honest {cell['honest_before']:.2f}/s before, during "
+                  f"×{cell['during']:.2f}, after ×{cell['after']:.2f}; limit {cell['pre_limit']} → "
+                  f"{cell['limit_10s_after']} 10 s after; attacks {cell['attacks']}", flush=True)
+            attacks.append(cell)
         fair, fifo = await fairness_cell(True), await fairness_cell(False)
         print(f"  round {number + 1} fairness: small slots {fair['slots']} wait {fair['small_wait']:.2f} s; "
               f"FIFO slots {fifo['slots']} wait {fifo['small_wait']:.2f} s", flush=True)
-        rounds.append({"cells": cells, "best_fixed": best["limit"], "fair": fair, "fifo": fifo})
+        rounds.append({"models": models, "attacks": attacks, "fair": fair, "fifo": fifo})
     return {"rounds": rounds}
 
 
 def goals(data: dict[str, Any]) -> list[R.Goal]:
     rounds = data["rounds"]
 
-    def throughput(r: dict[str, Any], limit: str) -> float:
-        return next(c["throughput"] for c in r["cells"] if c["limit"] == limit)
+    def throughput(r: dict[str, Any], model: str, limit: str) -> float:
+        return float(next(c["throughput"] for c in r["models"][model]["cells"] if c["limit"] == limit))
 
-    auto_vs_best = [throughput(r, "auto") / throughput(r, r["best_fixed"]) for r in rounds]
-    auto_vs_high = [throughput(r, "auto") / throughput(r, str(TOO_HIGH)) for r in rounds
-                    if any(c["limit"] == str(TOO_HIGH) for c in r["cells"])]
-    conv = [next(c for c in r["cells"] if c["limit"] == "auto").get("convergence_s") for r in rounds]
+    def attack(r: dict[str, Any], kind: str) -> dict[str, Any]:
+        return next(c for c in r["attacks"] if c["kind"] == kind)
+
+    found: list[R.Goal] = []
+    for model in MODELS:
+        name = model.name
+        found += [
+            R.goal(f"auto ÷ best fixed limit, throughput ({name} backend)",
+                   [throughput(r, name, "auto") / throughput(r, name, r["models"][name]["best_fixed"]) for r in rounds],
+                   "≥ 0.85", lambda v: v >= 0.85),
+            R.goal(f"auto ÷ fixed limit {model.too_high} (too high), throughput ({name} backend)",
+                   [throughput(r, name, "auto") / throughput(r, name, str(model.too_high)) for r in rounds
+                    if any(c["limit"] == str(model.too_high) for c in r["models"][name]["cells"])],
+                   *(("≥ 2", lambda v: v >= 2) if name == "thrashing" else ())),
+            R.goal(f"auto: convergence from a cold start ({name} backend)",
+                   [next(c for c in r["models"][name]["cells"] if c["limit"] == "auto").get("convergence_s")
+                    for r in rounds], unit="s"),
+        ]
+    for kind in ATTACKS:
+        found += [
+            R.goal(f"attack, {kind}: honest answers/s during ÷ before", [attack(r, kind)["during"] for r in rounds],
+                   "≥ 0.8", lambda v: v >= 0.8, met_on="min"),
+            R.goal(f"attack, {kind}: honest answers/s in the 10 s after ÷ before",
+                   [attack(r, kind)["after"] for r in rounds], "≥ 0.8", lambda v: v >= 0.8, met_on="min"),
+            R.goal(f"attack, {kind}: limit 10 s after ÷ when it began",
+                   [attack(r, kind)["limit_10s_after"] / attack(r, kind)["pre_limit"] for r in rounds],
+                   "0.9–1.1", lambda v: 0.9 <= v <= 1.1, met_on="every"),
+        ]
     return [
-        R.goal("auto ÷ best fixed limit, throughput (thrashing backend)", auto_vs_best, "≥ 0.8", lambda v: v >= 0.8),
-        R.goal(f"auto ÷ fixed limit {TOO_HIGH} (too high), throughput", auto_vs_high, "≥ 2", lambda v: v >= 2),
-        R.goal("auto: convergence from a cold start", conv, unit="s"),
+        *found,
         R.goal("fair: forwards until the small flow's last request (of those after it arrived)",
                [max(r["fair"]["slots"]) for r in rounds], "≤ 4", lambda v: v <= 4, met_on="max"),
         R.goal("FIFO: forwards until the small flow's last request", [max(r["fifo"]["slots"]) for r in rounds]),
@@ -229,20 +392,32 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 def render(data: dict[str, Any]) -> str:
     s = data["settings"]
-    lines = ["# fleet: the adaptive limit on a thrashing backend, and fair waiting", "",
-             f"`python -m bench.fleet --rounds {s['rounds']} --duration {s['duration']:g}`: {CLIENTS} closed-loop "
-             f"clients; backend service time {BASE_SECONDS * 1000:.0f} ms × max(1, (c/{KNEE})²). Throughput in "
-             "answers/s, median (min–max) of the rounds; `auto` starts cold at 1 every round.", "",
-             "| limit | answers/s | spread | × best fixed |", "|---|---:|---|---:|"]
     rounds = data["rounds"]
-    limits = [c["limit"] for c in rounds[0]["cells"]]
-    best = statistics.median(next(c["throughput"] for c in r["cells"] if c["limit"] == r["best_fixed"])
-                             for r in rounds)
-    for limit in limits:
-        values = [next(c["throughput"] for c in r["cells"] if c["limit"] == limit) for r in rounds]
-        m = R.summary(values)
-        lines.append(f"| {limit} | {R.number(m['median'])} | {R.number(m['spread'][0])}–{R.number(m['spread'][1])}"
-                     f" | {m['median'] / best:.2f} |")
+    lines = ["# fleet: the adaptive limit on a thrashing and a batching backend, under attack; fair waiting", "",
+             f"`python -m bench.fleet --rounds {s['rounds']} --duration {s['duration']:g}`: closed-loop clients; "
+             "throughput in answers/s, median (min–max) of the rounds; `auto` starts cold at 1 every round."]
+    for model in MODELS:
+        cells = rounds[0]["models"][model.name]["cells"]
+        best = statistics.median(next(c["throughput"] for c in r["models"][model.name]["cells"]
+                                      if c["limit"] == r["models"][model.name]["best_fixed"]) for r in rounds)
+        lines += ["", f"**{model.name}** backend: service time {model.described}.", "",
+                  "| limit | answers/s | spread | × best fixed |", "|---|---:|---|---:|"]
+        for limit in [c["limit"] for c in cells]:
+            m = R.summary(next(c["throughput"] for c in r["models"][model.name]["cells"] if c["limit"] == limit)
+                          for r in rounds)
+            lines.append(f"| {limit} | {R.number(m['median'])} | {R.number(m['spread'][0])}–"
+                         f"{R.number(m['spread'][1])} | {m['median'] / best:.2f} |")
+    warmup, length, after = s["attack"]
+    lines += ["", f"**Attacks** on `auto`: {HONEST_LOOPS} honest loops, backend {HONEST_SECONDS:g} s an answer; "
+              f"from {warmup:g} s, {ATTACKERS} attacker loops for {length:g} s, then {after:g} s more. Honest "
+              "answers/s during the attack and in the 10 s after it, each ÷ the 10 s before; the limit between "
+              "probes when the attack began and 10 s after it ended.", "",
+              "| round | attack | honest/s before | during × | after × | limit then | 10 s after | attack outcomes |",
+              "|---|---|---:|---:|---:|---:|---:|---|"]
+    for i, r in enumerate(rounds, 1):
+        for c in r["attacks"]:
+            lines.append(f"| {i} | {c['kind']} | {c['honest_before']:.2f} | {c['during']:.2f} | {c['after']:.2f} | "
+                         f"{c['pre_limit']} | {c['limit_10s_after']} | {c['attacks']} |")
     lines += ["", f"Fairness: limit {FAIR_LIMIT}, service {FAIR_SERVICE * 1000:.0f} ms; flow `big` sends {BIG}, "
               f"then flow `small` sends {SMALL}. Slots: forwards after `small` arrived until each of its requests "
               "was forwarded (1 = the next one).", "",
@@ -258,17 +433,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=None, help="seconds per throughput cell [20; 4 quick]")
-    parser.add_argument("--quick", action="store_true", help="1 round, 4 s cells, limits 2, 4, 16 and auto")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 round, 4 s cells, three fixed limits per model and auto; attacks 10 + 3 + 12 s")
     parser.add_argument("--out", type=Path, help="write PATH.json and PATH.md instead of bench/results/fleet")
     args = parser.parse_args()
-    args.fixed = FIXED
     if args.quick:
-        args.rounds, args.fixed = 1, (2, 4, 16)
+        args.rounds = 1
     args.duration = args.duration or (4.0 if args.quick else 20.0)
-    stamp = R.stamp("fleet.py", "adaptive concurrency limit vs fixed limits on a thrashing backend; fair waiting")
+    args.attack = (10.0, ATTACK_SECONDS, 12.0) if args.quick else (ATTACK_WARMUP, ATTACK_SECONDS, ATTACK_AFTER)
+    stamp = R.stamp("fleet.py", "adaptive concurrency limit vs fixed limits on thrashing and batching backends, "
+                                "under attack; fair waiting")
     data = stamp | asyncio.run(run(args))
-    data["settings"] = {"rounds": args.rounds, "duration": args.duration, "fixed": list(args.fixed),
-                        "clients": CLIENTS, "knee": KNEE, "base_seconds": BASE_SECONDS}
+    data["settings"] = {"rounds": args.rounds, "duration": args.duration, "quick": args.quick,
+                        "models": {m.name: {"clients": m.clients, "service": m.described} for m in MODELS},
+                        "attack": list(args.attack), "base_seconds": BASE_SECONDS}
     data["goals"] = goals(data)
     R.print_goals(data["goals"])
     R.write("fleet", data, render(data), args.out)
