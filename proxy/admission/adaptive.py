@@ -27,13 +27,13 @@ What it borrows, and from whom:
   lowers the rate ends it at once), and settles on the smallest limit that gave 90 % of the best rate. Then it
   cycles through eight phases, one up (×1.25), one down, six cruising, from a random phase (``bbr_cycle_rand``)
   so that replicas do not probe in step. A probe up is kept if the rate grew 5 %, and the climb goes on; a probe
-  down is kept if the rate held 95 %. So a batching server, whose latency grows with its batch while its rate
-  still does, is climbed, and a thrashing one held at its knee. Two probes up in a row that raise the rate in
-  proportion to the slots start doubling again. A phase is judged only on requests admitted in it and started
-  after its first one finished, once the backend holds the phase's load (BBR's round); each gives a delivery
-  rate sample. Not taken: BBR's limit of rate × minimum latency, which under-shoots a batching server, whose
-  rate grows with its batch; its probe of the minimum latency; its drain gain of 3/4 (here 7/8: a probe down
-  that loses costs a round).
+  down if the rate held 95 % of the best lately (so that steps down cannot add up). So a batching server, whose
+  latency grows with its batch while its rate still does, is climbed, and a thrashing one held at its knee. Two
+  probes up in a row that raise the rate in proportion to the slots start doubling again. A phase is judged on
+  requests admitted in it and handed off once the backend holds its load (BBR's round), each a delivery-rate
+  sample. Not taken: BBR's limit of rate × minimum latency, which under-shoots a batching server, whose rate
+  grows with its batch; its probe of the minimum latency; its drain gain of 3/4 (here 7/8: a probe down that
+  loses costs a round).
 - Envoy's adaptive concurrency filter (gradient controller): the median of a phase's latencies; samples of
   requests admitted under another limit judge nothing (Envoy drops those started before its minRTT window);
   five busy phases at the floor force a probe up (Envoy re-measures after five windows at its minimum); no cut
