@@ -182,6 +182,10 @@ class AdaptiveLimit:
         self._in_use, self._waiting = in_use, waiting
         self._last_busy = self._busy_now()
         phase = self._now
+        if not phase.peak and in_use + waiting:
+            # Its first demand: a phase begun on an idle gate (at start, after a lull) is measured from here, so
+            # the wait for traffic does not read as demand that left the limit unfilled.
+            phase.started_at, phase.busy_seconds = now, 0.0
         phase.peak = max(phase.peak, in_use + waiting)
         self._settle_down(now)
         if now - phase.started_at >= max(PHASE_MAX_S, PHASE_MAX_ROUNDS * max(phase.longest, self._longest_before)):

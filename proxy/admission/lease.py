@@ -6,7 +6,7 @@ each other; a front process's lease (``processes.remote_gate``) asks the same of
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,7 +15,6 @@ class Holder(Protocol):
     """What a lease needs of the gate that granted it."""
 
     preparing: int  # leases granted and not yet handed to the backend
-    clock: Callable[[], float]
 
     def _give_back(self, lease: Lease) -> None: ...
 
@@ -35,14 +34,12 @@ class Lease:
     deferred: bool = False  # the release waits for work that has not stopped yet
     phase: int = 0  # the adaptive limit's phase at admission: its sample judges that phase only
     forwarded: bool = False  # the request went on to the backend: no longer waiting in mmgate
-    forwarded_at: float = 0.0  # the gate's clock at the hand-off: a sample's seconds count from here
 
     def handed_off(self) -> None:
         """The request is on its way to the backend: from here on it no longer counts as waiting in mmgate
         (``Gate.preparing``, what ``MMGATE_BACKEND_METRICS=merge`` adds to the backend's queue)."""
         if not self.forwarded:
             self.forwarded = True
-            self.forwarded_at = self.gate.clock()
             if not self.released:
                 self.gate.preparing -= 1
 

@@ -125,6 +125,15 @@ def test_a_slow_reader_right_after_the_start_costs_nothing() -> None:
     assert stalled.rate("honest", 0, 30) >= 0.95 * alone.rate("honest", 0, 30)
 
 
+def test_traffic_that_comes_a_minute_after_the_start_is_climbed_as_at_once() -> None:
+    """A phase begun on an idle gate is measured from its first request: a wait for traffic is not demand
+    that left the limit unfilled, which would end the doubling at the floor."""
+    at_once = Simulation([Group("clients", 16, flat(0.1))], adaptive=auto()).run(10)
+    late = Simulation([Group("clients", 16, flat(0.1), start=60)], adaptive=auto()).run(70)
+    grown = next(t for t, limit in at_once.cruise if limit >= 16)
+    assert next(t for t, limit in late.cruise if limit >= 16) - 60 <= grown + 0.5
+
+
 # --- finding the best limit ----------------------------------------------------------------------------------
 
 
@@ -249,7 +258,7 @@ async def test_the_gate_stamps_leases_with_its_clock_and_follows_the_limit() -> 
     gate = Gate(0, byte_budget=0, max_queue=100, adaptive=adaptive, clock=lambda: now[0])
     assert gate.limit == 1
     asking: list[asyncio.Task[Lease]] = []
-    held: deque[Lease] = deque()
+    held: deque[tuple[Lease, float]] = deque()  # each with when it was handed off
     for _ in range(100):  # always more requests than slots; each spends 100 ms at the backend (dated, not slept)
         while len(asking) + len(held) <= 2 * gate.limit:
             asking.append(asyncio.create_task(gate.acquire(0, 60)))
@@ -260,14 +269,13 @@ async def test_the_gate_stamps_leases_with_its_clock_and_follows_the_limit() -> 
             lease = task.result()
             assert lease.granted_at == now[0]
             lease.handed_off()
-            assert lease.forwarded_at == now[0]
-            held.append(lease)
+            held.append((lease, now[0]))
         now[0] += 0.1 / len(held)
-        lease = held.popleft()
-        gate.observe(lease, Sample(now[0] - lease.forwarded_at, HONEST))
+        lease, handed_off_at = held.popleft()
+        gate.observe(lease, Sample(now[0] - handed_off_at, HONEST))
         lease.release()
     assert gate.limit == adaptive.limit == 8
-    for lease in held:
+    for lease, _ in held:
         lease.release()
     for task in asking:
         (await task).release()
