@@ -55,6 +55,9 @@ class Exchange:
     image_tokens: int = 0  # with MMGATE_MODEL: the request's image tokens for the served model
     video_tokens: int = 0  # with MMGATE_MODEL and a family with video tokens: its clips', once probed
     upstream_started: float = 0.0
+    # The answer waited on the client, which stopped reading: the backend's time is not all it measures, so the
+    # adaptive limit takes no sample of it. Set by the client connection's stall hook, where there is one.
+    client_stalled: bool = False
 
     @property
     def kind(self) -> Kind:

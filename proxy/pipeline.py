@@ -28,7 +28,9 @@ from preprocessors.errors import (
     draining,
 )
 from preprocessors.job import judge_head
+from proxy.admission.client import GateLease
 from proxy.admission.flows import flow_for
+from proxy.admission.sample import Sample, sample_class
 from proxy.edge.body import HEAD_BYTES, joined, read_body
 from proxy.edge.connections import ConnectionGuard, GuardedConnection
 from proxy.edge.paths import Target, is_allowed, normalise_target
@@ -146,13 +148,27 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
             if lease is not None and release_at == "headers":
                 lease.release()
             ex.response = await relay_head(request, upstream, ex.response_headers(settings.logs.server_timing))
-            await relay_body(upstream, ex.response)  # which ends the upstream's answer too
+            output_tokens = await relay_body(upstream, ex.response)  # which ends the upstream's answer too
         except BaseException:
             close_upstream(upstream)
             raise
+        if lease is not None and settings.gate.adaptive_concurrency and 200 <= upstream.status < 300:
+            _completed(state, ex, lease, is_stream, output_tokens)
         return ex.response
     finally:
         ex.watch.add("upstream", time.perf_counter() - ex.upstream_started)
+
+
+def _completed(state: AppState, ex: Exchange, lease: GateLease, is_stream: bool, output_tokens: int | None) -> None:
+    """A media request the backend answered 2xx, relayed to its last byte: its sample teaches the adaptive limit
+    (``admission.sample``), unless the client stalled. Every other ending (the client gone, a refusal, an
+    error, a deadline) never gets here, and teaches it nothing."""
+    if ex.client_stalled:
+        return
+    seconds = time.perf_counter() - ex.upstream_started  # from the hand-off to the backend to the last byte
+    image_tokens = ex.image_tokens if state.model is not None else None
+    state.gate.observe(lease, Sample(seconds, sample_class(ex.route, is_stream, output_tokens, image_tokens,
+                                                           ex.media_in)))
 
 
 def _own_headers(model: Model | None, ex: Exchange) -> dict[str, str | None]:

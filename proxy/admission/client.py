@@ -15,6 +15,7 @@ from preprocessors.job import Verdict
 from proxy.admission.adaptive import AdaptiveLimit
 from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.admission.gate import Gate, Lease, Place
+from proxy.admission.sample import Sample
 from proxy.serve.lifecycle import Lifecycle
 from proxy.settings.sections import Gate as GateSettings
 
@@ -94,8 +95,9 @@ class GateClient(Protocol[PlaceT, LeaseT]):
                       flow: Flow = DEFAULT_FLOW) -> LeaseT:
         """``Gate.acquire``: the lease once admitted, or the refusal."""
 
-    def observe(self, lease: LeaseT, sample: float) -> None:
-        """A latency sample (seconds) of a request ``lease`` admitted, for ``MMGATE_MAX_MM_CONCURRENCY=auto``."""
+    def observe(self, lease: LeaseT, sample: Sample) -> None:
+        """``Gate.observe``: the request ``lease`` admitted completed normally (``sample.Sample``), for
+        ``MMGATE_MAX_MM_CONCURRENCY=auto``; before the lease is released."""
 
     async def reachable(self, timeout: float) -> bool:
         """Whether the gate answers within ``timeout`` seconds (/mmgate/ready)."""
@@ -156,8 +158,8 @@ class LocalGate:
                       flow: Flow = DEFAULT_FLOW) -> Lease:
         return await self.gate.acquire(cost, timeout, place, tokens, flow)
 
-    def observe(self, lease: Lease, sample: float) -> None:
-        pass
+    def observe(self, lease: Lease, sample: Sample) -> None:
+        self.gate.observe(lease, sample)
 
     async def reachable(self, timeout: float) -> bool:
         return True

@@ -5,7 +5,8 @@
 ``relay_head`` and ``relay_body`` write that response to the client, and ``relay_body`` ends it
 (``close_upstream``, which the caller calls itself only when something fails before). The answer is never
 buffered whole on the way back (except a small one of known length): each chunk is written as it arrives, so
-SSE tokens keep their timing. Header rules:
+SSE tokens keep their timing. On the way, ``relay_body`` counts the answer's output tokens as far as it can
+without parsing it (``OutputCount``), for the adaptive limit's request classes. Header rules:
 
 * RFC 9110 section 7.6.1: hop-by-hop fields (``Connection`` and every field it names, Keep-Alive,
   Proxy-Connection, Proxy-Authenticate, Proxy-Authorization, TE, Trailer, Transfer-Encoding, Upgrade)
@@ -276,13 +277,56 @@ async def relay_head(request: web.Request, upstream: aiohttp.ClientResponse,
     return response
 
 
-async def relay_body(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> None:
+class OutputCount:
+    """An answer's output tokens as the relay sees them, without parsing it.
+
+    A whole answer (one of known length, read by ``relay_head``): its ``usage.completion_tokens``, found by one
+    search of its bytes. An event stream (``text/event-stream``, the WHATWG HTML "Server-sent events" format):
+    its events, one per line that starts with a ``data:`` field, less a closing ``data: [DONE]``; a model
+    server's streamed completion sends one event per token or so, and a JSON string in an event cannot hold a
+    raw newline, so no text inside one starts a line. Anything else: unknown (None)."""
+
+    _USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+    _EVENT = b"\ndata:"
+    _DONE = b"[DONE]"
+
+    def __init__(self) -> None:
+        self._events = 0
+        self._tail = b"\n"  # the bytes before the next chunk (the start of the stream starts a line)
+        self._end = b""  # the stream's last bytes, for its closing event
+
+    @classmethod
+    def of_whole(cls, body: bytes) -> int | None:
+        found = cls._USAGE.search(body)
+        return int(found.group(1)) if found is not None else None
+
+    def feed(self, chunk: bytes) -> None:
+        """Count the events that start in ``chunk`` (one may start in the bytes before it)."""
+        span = len(self._EVENT) - 1
+        self._events += (self._tail + chunk[:span]).count(self._EVENT) + chunk.count(self._EVENT)
+        self._tail = (self._tail + chunk[-span:])[-span:]
+        self._end = (self._end + chunk[-16:])[-16:]
+
+    @property
+    def events(self) -> int:
+        return self._events - (self._end.rstrip().endswith(self._DONE))
+
+
+async def relay_body(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> int | None:
     """Copy the upstream's body to the client chunk by chunk, then end the response and the upstream's
     (``close_upstream``). A failure of the upstream now raises ``UpstreamError`` too, but the status already
-    went out: the caller can only end the response as the client's API allows (and close the upstream's)."""
-    if not isinstance(response, web.Response):  # a small answer was read whole by relay_head
+    went out: the caller can only end the response as the client's API allows (and close the upstream's).
+
+    Returns the answer's output tokens as far as the relay could count them (``OutputCount``), or None."""
+    tokens: int | None = None
+    if isinstance(response, web.Response):  # a small answer was read whole by relay_head
+        tokens = OutputCount.of_whole(response.body) if isinstance(response.body, bytes) else None
+    else:
+        count = OutputCount() if upstream.content_type == "text/event-stream" else None
         try:
             async for chunk in upstream.content.iter_any():
+                if count is not None:
+                    count.feed(chunk)
                 await response.write(chunk)
         except ConnectionResetError:
             # The client left: aiohttp's ClientConnectionResetError from the write is an aiohttp ClientError
@@ -290,8 +334,10 @@ async def relay_body(upstream: aiohttp.ClientResponse, response: web.StreamRespo
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _classify(exc, headers_received=True) from None
+        tokens = count.events if count is not None else None
     await response.write_eof()
     close_upstream(upstream)
+    return tokens
 
 
 def close_upstream(upstream: aiohttp.ClientResponse) -> None:

@@ -32,6 +32,7 @@ from proxy.processes.link import (
     Lookup,
     Lower,
     Message,
+    Observe,
     Peek,
     Peeked,
     Ping,
@@ -109,6 +110,9 @@ class GateServer:
             case HandedOff(lease_id):
                 if (lease := front.leases.get(lease_id)) is not None:
                     lease.handed_off()
+            case Observe(lease_id, sample):
+                if (lease := front.leases.get(lease_id)) is not None:
+                    self.gate.observe(lease, sample)
             case TakePlace(rid, flow):
                 self._take_place(front, rid, flow)
             case Unplace(place_id):

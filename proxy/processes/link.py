@@ -2,14 +2,14 @@
 front, framed messages, one class per message.
 
 A frame is a 4-byte big-endian length, then an orjson array: the message's ``TAG``, then its fields in order (a
-``Flow`` and the ``GateCounters`` as arrays of theirs). Both ends are the same program, so the wire needs no
-versions; a frame that does not decode is a fault, and ends the link like a closed socket.
+``Flow``, the ``GateCounters`` and a ``Sample`` as arrays of theirs). Both ends are the same program, so the wire
+needs no versions; a frame that does not decode is a fault, and ends the link like a closed socket.
 
 front -> gate: ``Ready`` (the front listens); ``TakePlace`` and ``Acquire`` (``Gate.take_place``, ``acquire``;
 an ``Acquire`` names the place it turns into a queue entry); ``Cancel`` (the request gave up waiting);
-``Unplace``, ``Release``, ``HandedOff``, ``Lower`` (what a place or a lease does, never answered); ``Collect``
-(every front's metrics, merged); ``AskCounters``; ``Peek`` (which cache entries another front holds); and the
-answers to the gate's questions: ``Report``, ``Found``, ``Pong``.
+``Unplace``, ``Release``, ``HandedOff``, ``Lower``, ``Observe`` (what a place or a lease does, never answered);
+``Collect`` (every front's metrics, merged); ``AskCounters``; ``Peek`` (which cache entries another front holds);
+and the answers to the gate's questions: ``Report``, ``Found``, ``Pong``.
 
 gate -> front: the answer to each question, with the gate's counters after it (the front mirrors them in its
 gauges): ``Placed``, ``Admitted``, ``Counted``, ``Collected``, ``Peeked``; ``Refused`` (a refusal from the
@@ -33,6 +33,7 @@ from preprocessors.errors import REGISTRY, MmgateError, rebuild
 from preprocessors.job import Refusal, Verdict
 from proxy.admission.client import GateCounters
 from proxy.admission.flows import Flow
+from proxy.admission.sample import Sample
 
 # Seconds a front has to answer ``AskReport``; one that does not counts with its last report and is not asked
 # again until it answers a ping.
@@ -103,6 +104,15 @@ class Lower:
     TAG: ClassVar[str] = "lower"
     lease: int
     cost: int
+
+
+@dataclass(frozen=True, slots=True)
+class Observe:
+    """``Gate.observe``: the lease's request completed normally; sent before its ``Release``."""
+
+    TAG: ClassVar[str] = "observe"
+    lease: int
+    sample: Sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,19 +245,21 @@ class Ping:
     qid: int
 
 
-ToGate = (Ready | TakePlace | Acquire | Cancel | Unplace | Release | HandedOff | Lower | Collect | AskCounters | Peek
-          | Report | Found | Pong)
+ToGate = (Ready | TakePlace | Acquire | Cancel | Unplace | Release | HandedOff | Lower | Observe | Collect | AskCounters
+          | Peek | Report | Found | Pong)
 Answer = Placed | Admitted | Counted | Collected | Peeked | Refused | WaitCancelled
 ToFront = Answer | AskReport | Lookup | Ping
 Message = ToGate | ToFront
 MESSAGES: dict[str, type[Message]] = {
     kind.TAG: kind for kind in (
-        Ready, TakePlace, Acquire, Cancel, Unplace, Release, HandedOff, Lower, Collect, AskCounters, Peek, Report,
-        Found, Pong, Placed, Admitted, Counted, Collected, Peeked, Refused, WaitCancelled, AskReport, Lookup, Ping)
+        Ready, TakePlace, Acquire, Cancel, Unplace, Release, HandedOff, Lower, Observe, Collect, AskCounters, Peek,
+        Report, Found, Pong, Placed, Admitted, Counted, Collected, Peeked, Refused, WaitCancelled, AskReport, Lookup,
+        Ping)
 }
 # Fields that travel as arrays of their own fields, by their annotation.
 _NESTED: dict[str, Callable[[Any], Any]] = {"Flow": lambda wire: Flow(*wire),
-                                            "GateCounters": lambda wire: GateCounters(*wire)}
+                                            "GateCounters": lambda wire: GateCounters(*wire),
+                                            "Sample": lambda wire: Sample(wire[0], tuple(wire[1]))}
 
 
 def _to_wire(value: Any) -> Any:
@@ -255,6 +267,8 @@ def _to_wire(value: Any) -> Any:
         return [value.id, value.band, value.client]
     if isinstance(value, GateCounters):
         return list(value)
+    if isinstance(value, Sample):
+        return [value.seconds, list(value.cls)]
     return value
 
 

@@ -6,7 +6,7 @@ cannot keep one FIFO across processes, nor per-flow turns and priority bands. So
 of a single process runs, unchanged, in the supervisor's event loop, and every guarantee it gives (exact
 slots, byte and token budgets, one FIFO per flow, bands, deadlines, release exactly once) holds for all
 fronts together. A front's ``RemoteGate`` is its ``GateClient``: ``take_place`` and ``acquire`` are one round
-trip each; releases and hand-offs are one message, never waited for.
+trip each; releases, hand-offs and samples are one message, never waited for.
 
 Every answer carries the gate's ``GateCounters`` after the operation: a front mirrors them in its gauges. A
 front that goes away (exit, crash, SIGKILL) closes its end: the gate cancels its waits and gives back its
@@ -37,6 +37,7 @@ from preprocessors.errors import MmgateError, draining, gate_unavailable
 from preprocessors.job import Verdict
 from proxy.admission.client import GateCounters, PeerLookup
 from proxy.admission.flows import DEFAULT_FLOW, Flow
+from proxy.admission.sample import Sample
 from proxy.processes.link import (
     PEER_TIMEOUT,
     REPORT_TIMEOUT,
@@ -55,6 +56,7 @@ from proxy.processes.link import (
     Lookup,
     Lower,
     Message,
+    Observe,
     Peek,
     Peeked,
     Ping,
@@ -305,8 +307,10 @@ class RemoteGate:
                                    timeout + self.answer_timeout, may_wait=True)
         return RemoteLease(self, admitted.lease, cost)
 
-    def observe(self, lease: RemoteLease, sample: float) -> None:
-        pass
+    def observe(self, lease: RemoteLease, sample: Sample) -> None:
+        """``Gate.observe`` at the supervisor's gate: one message, sent before the lease's release."""
+        if not lease.released:
+            self.link.send(Observe(lease.lease_id, sample))
 
     async def collect(self) -> dict[str, Any]:
         """Every front's metrics, merged by the gate (``merge_reports``)."""

@@ -17,6 +17,7 @@ from preprocessors.job import Refusal, Verdict
 from proxy.admission.client import GateCounters
 from proxy.admission.flows import Flow
 from proxy.admission.gate import Gate
+from proxy.admission.sample import Sample
 from proxy.processes.link import (
     MESSAGES,
     Acquire,
@@ -33,6 +34,7 @@ from proxy.processes.link import (
     Lookup,
     Lower,
     Message,
+    Observe,
     Peek,
     Peeked,
     Ping,
@@ -65,6 +67,7 @@ SAMPLES: list[Message] = [
     Collected(21, COUNTERS, {"fronts": [], "families": [], "extra": {}}), Peeked(22, COUNTERS, {}),
     Refused(23, COUNTERS, 429, "queue_full", "the media queue is full", {"Retry-After": "3"}),
     WaitCancelled(24, COUNTERS), AskReport(25), Lookup(26, ["00ff"]), Ping(27),
+    Observe(28, Sample(1.25, ("chat", True, 7, None))),
 ]
 
 
@@ -101,6 +104,16 @@ def test_counters_round_trip(values: list[int]) -> None:
     sent = Counted(1, GateCounters(*values))
     received = decode(encode(sent))
     assert received == sent and isinstance(received, Counted) and isinstance(received.counters, GateCounters)
+
+
+@given(st.integers(0, 2**53), st.floats(0, 1e9), st.text(), st.booleans(), st.one_of(st.none(), st.integers(0, 64)),
+       st.one_of(st.none(), st.integers(0, 64)))
+def test_a_sample_round_trips_whatever_its_class(lease: int, seconds: float, route: str, streamed: bool,
+                                                  output: int | None, images: int | None) -> None:
+    sent = Observe(lease, Sample(seconds, (route, streamed, output, images)))
+    received = decode(encode(sent))
+    assert received == sent and isinstance(received, Observe) and isinstance(received.sample, Sample)
+    assert isinstance(received.sample.cls, tuple)  # hashable: the controller keys its references by it
 
 
 def test_a_cached_verdict_round_trips() -> None:

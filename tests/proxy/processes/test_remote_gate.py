@@ -5,6 +5,7 @@ waits on a silent other without a deadline."""
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 from typing import Any
 
@@ -12,9 +13,11 @@ import pytest
 
 from preprocessors.errors import MmgateError
 from preprocessors.job import Verdict
+from proxy.admission.adaptive import AdaptiveLimit
 from proxy.admission.client import GateCounters
 from proxy.admission.flows import Flow
 from proxy.admission.gate import Gate
+from proxy.admission.sample import Sample
 from proxy.processes.gate_server import GateServer
 from proxy.processes.link import (
     Acquire,
@@ -274,3 +277,38 @@ async def test_a_peer_that_leaves_a_lookup_unanswered_is_not_asked_again_until_i
     await shared.close()
     for task in serving:
         task.cancel()
+
+
+async def test_a_sample_crosses_the_socket_and_moves_the_supervisors_limit() -> None:
+    """MMGATE_MAX_MM_CONCURRENCY=auto with several fronts: a front's normal completion reaches the controller of
+    the supervisor's gate (before its lease's release), which grows the limit while demand fills it; a release
+    alone teaches it nothing."""
+    now = [0.0]
+    adaptive = AdaptiveLimit(1, 8, clock=lambda: now[0], rng=random.Random(0))
+    gate = Gate(0, 0, 100, adaptive=adaptive, clock=lambda: now[0])
+    server_end, front_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    serving = asyncio.create_task(GateServer(gate).serve(0, server_end, asyncio.Event()))
+    shared = _remote(await Link.over(front_end), gate.limit)
+    shared.start()
+    sent = 0
+    for observed in (False, True):
+        for _ in range(40):  # rounds of twice the limit's requests, 100 ms each at the backend (dated, not slept)
+            asking = [asyncio.create_task(shared.acquire(0, 60)) for _ in range(2 * gate.limit)]
+            while asking:
+                await _until(lambda: any(task.done() for task in asking), "a request admitted")
+                held = [task.result() for task in asking if task.done()]
+                asking = [task for task in asking if not task.done()]
+                for lease in held:
+                    lease.handed_off()
+                now[0] += 0.1
+                for lease in held:
+                    if observed:
+                        shared.observe(lease, Sample(0.1, ("chat", False, 4, 0)))
+                        sent += 1
+                    lease.release()
+        if not observed:
+            assert adaptive.samples == 0 and gate.limit == 1
+    await _until(lambda: adaptive.samples == sent, "every sample at the supervisor's gate")
+    assert gate.limit > 1
+    await shared.close()
+    serving.cancel()

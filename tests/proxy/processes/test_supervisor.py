@@ -224,6 +224,32 @@ async def test_two_processes_do_not_admit_twice_the_gate(upstream: Upstream, sta
     assert _counted(metrics, 'mmgate_requests_total{code="200"') == 4
 
 
+async def test_answers_the_fronts_relay_move_the_supervisors_adaptive_limit(upstream: Upstream,
+                                                                             start_mmgate: Any) -> None:
+    """MMGATE_MAX_MM_CONCURRENCY=auto: each front's answered media requests cross the link as samples to the
+    supervisor's controller, which grows the limit from its floor while demand fills it."""
+    mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url, MMGATE_MAX_MM_CONCURRENCY="auto",
+                                MMGATE_MIN_MM_CONCURRENCY="1", MMGATE_MAX_MM_CONCURRENCY_AUTO="8",
+                                MMGATE_MAX_QUEUE="16")
+    stats = await mmgate.stats()
+    assert stats["gate"]["adaptive"] is True and stats["gate"]["limit"] == 1
+    grown = asyncio.Event()
+
+    async def client_loop(seed: int) -> None:
+        # quick answers at a steady latency from more loops than the limit: demand keeps it full, it grows
+        for _ in range(250):
+            if grown.is_set():
+                return
+            status, body = await _post(mmgate.url, _media_body(seed))
+            assert status == 200, body
+
+    async def watch() -> None:
+        await mmgate.until("the limit grown from its floor", lambda stats: stats["gate"]["limit"] >= 2)
+        grown.set()
+
+    await asyncio.gather(watch(), *(client_loop(seed) for seed in range(8)))
+
+
 async def test_killed_front_processes_free_their_leases_and_are_replaced(upstream: Upstream,
                                                                           start_mmgate: Any) -> None:
     """A front killed while its request holds the only slot: the gate gives the slot back, the supervisor

@@ -1,0 +1,150 @@
+"""MMGATE_MAX_MM_CONCURRENCY=auto over HTTP: which exchanges teach the adaptive limit, and as which class.
+
+Only a media request the backend answered 2xx, relayed to its last byte, is a sample (``admission.sample``); a
+backend refusal, a client gone, an upstream that breaks mid-answer give none. The controller is the real one,
+keeping each sample it is handed (``Recording``). Every wait is on an event or on the gate's counters: a lease
+goes back after its sample is taken, so once ``in_use`` is 0 every sample of the request is in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.admission.adaptive import AdaptiveLimit
+from proxy.admission.client import LocalGate
+from proxy.admission.sample import Sample, bucket
+from testkit.media import chat_with_image, data_uri, eventually, image_bytes
+from tests.conftest import Proxy, StartProxy, Upstream
+
+AUTO = {"MMGATE_MAX_MM_CONCURRENCY": "auto", "MMGATE_MIN_MM_CONCURRENCY": "1",
+        "MMGATE_MAX_MM_CONCURRENCY_AUTO": "8"}
+
+
+class Recording(AdaptiveLimit):
+    """The real controller, keeping every sample it is handed."""
+
+    def __init__(self, floor: int, ceiling: int) -> None:
+        super().__init__(floor, ceiling)
+        self.seen: list[Sample] = []
+
+    def observe(self, sample: Sample, phase: int) -> bool:
+        self.seen.append(sample)
+        return super().observe(sample, phase)
+
+
+async def _auto_proxy(upstream: Upstream, start_proxy: StartProxy) -> tuple[Proxy, Recording]:
+    proxy = await start_proxy(upstream.url, **AUTO)
+    gate = proxy.state.gate
+    assert isinstance(gate, LocalGate) and gate.gate.adaptive is not None
+    recording = Recording(gate.gate.adaptive.floor, gate.gate.adaptive.ceiling)
+    gate.gate.adaptive = recording  # before any request: the limit is its floor either way
+    return proxy, recording
+
+
+def _body(**extra: object) -> bytes:
+    return orjson.dumps(chat_with_image(data_uri(image_bytes()), **extra))
+
+
+async def _post(proxy: Proxy, body: bytes) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as client, client.post(
+            proxy.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}) as response:
+        return response.status, await response.read()
+
+
+async def _all_back(proxy: Proxy) -> None:
+    await eventually(lambda: proxy.state.gate.counters().in_use == 0, "every lease given back")
+
+
+async def test_an_answered_media_request_is_one_sample(upstream: Upstream, start_proxy: StartProxy) -> None:
+    proxy, recording = await _auto_proxy(upstream, start_proxy)
+    assert await _post(proxy, _body()) == (200, b'{"ok": true, "path": "/v1/chat/completions"}')
+    await _all_back(proxy)
+    assert len(recording.seen) == 1 and recording.samples == 1
+    sample = recording.seen[0]
+    assert sample.seconds > 0
+    assert sample.cls == ("chat", False, None, bucket(0))  # no usage in the answer: output tokens unknown
+
+
+async def test_a_backend_refusal_is_no_sample(upstream: Upstream, start_proxy: StartProxy) -> None:
+    async def refused(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "bad request"}}, status=400)
+
+    upstream.route("/v1/chat/completions", refused)
+    proxy, recording = await _auto_proxy(upstream, start_proxy)
+    status, _ = await _post(proxy, _body())
+    assert status == 400
+    await _all_back(proxy)
+    assert recording.seen == []
+
+
+async def test_a_client_gone_before_the_answer_is_no_sample(upstream: Upstream, start_proxy: StartProxy) -> None:
+    async def held(request: web.Request) -> web.Response:
+        await upstream.release.wait()
+        return web.json_response({"usage": {"completion_tokens": 16}})
+
+    upstream.route("/v1/chat/completions", held)
+    proxy, recording = await _auto_proxy(upstream, start_proxy)
+    posting = asyncio.create_task(_post(proxy, _body()))
+    await upstream.arrived.get()
+    posting.cancel()  # the client hangs up while the backend works
+    await upstream.cancelled.wait()  # mmgate hung up on the backend in turn
+    await _all_back(proxy)
+    assert recording.seen == []
+
+
+async def test_an_upstream_reset_mid_stream_is_no_sample(upstream: Upstream, start_proxy: StartProxy) -> None:
+    async def broken(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": []}\n\n')
+        await upstream.release.wait()
+        assert request.transport is not None
+        request.transport.abort()  # the backend dies mid-answer
+        return response
+
+    upstream.route("/v1/chat/completions", broken)
+    proxy, recording = await _auto_proxy(upstream, start_proxy)
+    async with aiohttp.ClientSession() as client, client.post(
+            proxy.url + "/v1/chat/completions", data=_body(stream=True),
+            headers={"Content-Type": "application/json"}) as response:
+        assert response.status == 200
+        assert await response.content.readuntil(b"\n\n") == b'data: {"choices": []}\n\n'
+        upstream.release.set()
+        try:
+            await response.read()
+        except aiohttp.ClientPayloadError:
+            pass  # the answer ends broken, as it should
+    await _all_back(proxy)
+    assert recording.seen == []
+
+
+async def test_one_output_token_is_another_class_than_sixty_four(upstream: Upstream,
+                                                                 start_proxy: StartProxy) -> None:
+    async def answer(request: web.Request) -> web.StreamResponse:
+        asked = orjson.loads(await request.read())
+        tokens = asked["max_tokens"]
+        if not asked["stream"]:
+            return web.json_response({"choices": [{"message": {"content": "x" * tokens}}],
+                                      "usage": {"prompt_tokens": 90, "completion_tokens": tokens}})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(tokens):
+            await response.write(b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    upstream.route("/v1/chat/completions", answer)
+    proxy, recording = await _auto_proxy(upstream, start_proxy)
+    for stream in (False, True):
+        for tokens in (1, 64):
+            status, _ = await _post(proxy, _body(max_tokens=tokens, stream=stream))
+            assert status == 200
+            await _all_back(proxy)
+    classes = [sample.cls for sample in recording.seen]
+    assert classes == [("chat", False, bucket(1), bucket(0)), ("chat", False, bucket(64), bucket(0)),
+                       ("chat", True, bucket(1), bucket(0)), ("chat", True, bucket(64), bucket(0))]
+    assert len(set(classes)) == 4
