@@ -17,7 +17,7 @@ at 1 in every round). Throughput = answers completed within the cell's duration 
 its own convergence. Convergence (thrashing) = the first time from which the adaptive limit spends at least
 90 % of the rest of the cell within one of the best fixed limit of that round. Fixed limits use
 ``MMGATE_RELEASE_AT=complete`` like ``auto`` does, so both bound the backend. Answers carry
-``usage.completion_tokens`` (16), as a model server's do.
+``completion_tokens`` in ``usage`` (16), as a model server's do.
 
 **Attacks** (``auto``; the issue's scenario, unscaled): 8 honest client loops against a backend that takes 1 s
 an answer; after ``ATTACK_WARMUP`` s, 2 attacker loops for 3 s, then 15 s more. One cell per kind: answers at

@@ -1,7 +1,7 @@
 """A deterministic discrete-event simulation of the adaptive limit in front of a model backend.
 
 Closed-loop client groups (each client sends its next request as soon as its last one ended) go through an
-admission like ``admission.Gate``'s (a slot while ``in_use < limit``, else one FIFO line) to a backend whose
+admission like ``gate.Gate``'s (a slot while ``in_use < limit``, else one FIFO line) to a backend whose
 service time is a function of how many requests it holds when one arrives, like ``bench/fleet.py``'s backends.
 The controller is fed as the gate feeds it: ``load(in_use, waiting)`` on every change, ``observe`` once per
 normal completion, with the phase its request was admitted in, before its slot is given back. Its clock is

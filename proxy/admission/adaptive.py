@@ -22,7 +22,7 @@ minutes. More classes in turn than ``reference.MAX_CLASSES`` evict each other's 
 
 What it borrows, and from whom:
 
-- TCP BBR (``net/ipv4/tcp_bbr.c``, ``tcp_rate.c``): rate probing. From the floor the limit doubles each phase
+- TCP BBR (``net/ipv4/tcp_bbr.c``, ``net/ipv4/tcp_rate.c``): rate probing. From the floor the limit doubles each phase
   while the rate still grows by a quarter (BBR's startup and its full-bandwidth test; here a doubling that
   lowers the rate ends it at once), and settles on the smallest limit that gave 90 % of the best rate. Then it
   cycles through eight phases, one up (×1.25), one down, six cruising, from a random phase (``bbr_cycle_rand``)

@@ -56,7 +56,7 @@ class GatePlace(Protocol):
 
 
 class GateLease(Protocol):
-    """One admitted request's slot, bytes and image tokens (``gate.Lease``)."""
+    """One admitted request's slot, bytes and image tokens (``lease.Lease``)."""
 
     def release(self) -> None: ...
 
@@ -96,7 +96,7 @@ class GateClient(Protocol[PlaceT, LeaseT]):
         """``Gate.acquire``: the lease once admitted, or the refusal."""
 
     def observe(self, lease: LeaseT, sample: Sample) -> None:
-        """``Gate.observe``: the request ``lease`` admitted completed normally (``sample.Sample``), for
+        """``Gate.observe``: the request ``lease`` admitted completed normally (its ``Sample``), for
         ``MMGATE_MAX_MM_CONCURRENCY=auto``; before the lease is released."""
 
     async def reachable(self, timeout: float) -> bool:

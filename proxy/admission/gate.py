@@ -283,7 +283,7 @@ class Gate:
                 del self._bands[flow.band]
 
     def observe(self, lease: Lease, sample: Sample) -> None:
-        """``lease``'s request completed normally (``sample.Sample``): the adaptive limit learns from it. Only a
+        """``lease``'s request completed normally (its ``Sample``): the adaptive limit learns from it. Only a
         request that reached the backend says anything about it: one never forwarded is ignored."""
         if self.adaptive is not None and lease.forwarded and self.adaptive.observe(sample, lease.phase):
             self.limit = self.adaptive.limit

@@ -3,7 +3,7 @@
 A ``Sample`` is taken only for an exchange that ended normally: the backend answered 2xx, the answer was relayed
 to its last byte, and the client read it without stalling. Client aborts, refusals (the backend's or mmgate's),
 errors, deadlines and stalled clients give none: a request that failed before any meaningful latency would
-only teach an artificially low one (Netflix concurrency-limits' ``Limiter.Listener.onIgnore``), and Envoy's
+only teach an artificially low one (Netflix concurrency-limits' onIgnore of its Limiter.Listener), and Envoy's
 adaptive concurrency filter likewise drops the sample of a request whose answer did not complete.
 
 The class says what kind of work a request was, so that one client's cheap requests (one output token, a refusal

@@ -280,7 +280,7 @@ async def relay_head(request: web.Request, upstream: aiohttp.ClientResponse,
 class OutputCount:
     """An answer's output tokens as the relay sees them, without parsing it.
 
-    A whole answer (one of known length, read by ``relay_head``): its ``usage.completion_tokens``, found by one
+    A whole answer (one of known length, read by ``relay_head``): its ``completion_tokens`` in ``usage``, found by one
     search of its bytes. An event stream (``text/event-stream``, the WHATWG HTML "Server-sent events" format):
     its events, one per line that starts with a ``data:`` field, less a closing ``data: [DONE]``; a model
     server's streamed completion sends one event per token or so, and a JSON string in an event cannot hold a
