@@ -45,8 +45,8 @@ async def _auto_proxy(upstream: Upstream, start_proxy: StartProxy) -> tuple[Prox
     return proxy, recording
 
 
-def _body(**extra: object) -> bytes:
-    return orjson.dumps(chat_with_image(data_uri(image_bytes()), **extra))
+def _body(**extra: int | bool) -> bytes:
+    return orjson.dumps(chat_with_image(data_uri(image_bytes())) | extra)
 
 
 async def _post(proxy: Proxy, body: bytes) -> tuple[int, bytes]:

@@ -3,6 +3,8 @@ events wherever the chunks split it. (The relay itself is tested over HTTP in te
 
 from __future__ import annotations
 
+import itertools
+
 import orjson
 from hypothesis import given
 from hypothesis import strategies as st
@@ -26,7 +28,7 @@ def _counted(chunks: list[bytes]) -> int:
 
 def _split(stream: bytes, cuts: list[int]) -> list[bytes]:
     edges = [0, *sorted(cut % (len(stream) + 1) for cut in cuts), len(stream)]
-    return [stream[low:high] for low, high in zip(edges, edges[1:], strict=False)]
+    return [stream[low:high] for low, high in itertools.pairwise(edges)]
 
 
 @given(st.lists(st.text(max_size=20), max_size=40), st.booleans(), st.sampled_from([b"\n", b"\r\n"]),
