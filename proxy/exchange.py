@@ -55,8 +55,8 @@ class Exchange:
     image_tokens: int = 0  # with MMGATE_MODEL: the request's image tokens for the served model
     video_tokens: int = 0  # with MMGATE_MODEL and a family with video tokens: its clips', once probed
     upstream_started: float = 0.0
-    # The answer waited on the client, which stopped reading: the backend's time is not all it measures, so the
-    # adaptive limit takes no sample of it. Set by the client connection's stall hook, where there is one.
+    # With the adaptive limit: the answer waited on the client, which stopped reading (its lease went back then,
+    # and its time measures the client too: it is no sample).
     client_stalled: bool = False
 
     @property

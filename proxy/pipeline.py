@@ -138,6 +138,7 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
         lease.handed_off()
 
     ex.upstream_started = time.perf_counter()
+    stalls = _watch_stalls(state, request, ex) if lease is not None and settings.gate.adaptive_concurrency else None
     try:
         upstream = await open_upstream(state.session, request, settings.backend.upstream + target.forwarded,
                                        outgoing if ex.bytes_in else None, ex.request_id,
@@ -156,7 +157,26 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
             _completed(state, ex, lease, is_stream, output_tokens)
         return ex.response
     finally:
+        if stalls is not None:
+            stalls.on_stall = None
         ex.watch.add("upstream", time.perf_counter() - ex.upstream_started)
+
+
+def _watch_stalls(state: AppState, request: web.Request, ex: Exchange) -> GuardedConnection | None:
+    """With the adaptive limit: the client's connection, told to call ``_client_stalled`` the first time the
+    answer waits on the client (``GuardedConnection.on_stall``)."""
+    conn = state.connections.connection_for(request.protocol)
+    if conn is not None:
+        conn.on_stall = partial(_client_stalled, ex)
+    return conn
+
+
+def _client_stalled(ex: Exchange) -> None:
+    """The answer waits on the client, which stopped reading: its lease goes back now (what the backend does
+    is no longer what holds it), and the exchange will be no sample: its time measures the client too."""
+    ex.client_stalled = True
+    if ex.lease is not None:
+        ex.lease.release()
 
 
 def _completed(state: AppState, ex: Exchange, lease: GateLease, is_stream: bool, output_tokens: int | None) -> None:

@@ -284,8 +284,10 @@ class Gate:
 
     def observe(self, lease: Lease, sample: Sample) -> None:
         """``lease``'s request completed normally (its ``Sample``): the adaptive limit learns from it. Only a
-        request that reached the backend says anything about it: one never forwarded is ignored."""
-        if self.adaptive is not None and lease.forwarded and self.adaptive.observe(sample, lease.phase):
+        request that reached the backend, and still held its slot, says anything about it: one never forwarded,
+        or given back already (its client stalled), is ignored."""
+        if (self.adaptive is not None and lease.forwarded and not lease.released
+                and self.adaptive.observe(sample, lease.phase)):
             self.limit = self.adaptive.limit
             self._wake()
             self._on_change(self)

@@ -300,6 +300,12 @@ async def test_a_release_teaches_nothing_nor_a_lease_never_forwarded() -> None:
         now[0] += 0.1
         gate.observe(lease, Sample(0.1, HONEST))
         lease.release()
+    for _ in range(60):  # given back when its client stalled, observed all the same
+        lease = await gate.acquire(0, 5)
+        lease.handed_off()
+        now[0] += 0.1
+        lease.release()
+        gate.observe(lease, Sample(0.1, HONEST))
     assert adaptive.samples == 0 and gate.limit == 1
 
 

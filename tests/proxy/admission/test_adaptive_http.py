@@ -9,6 +9,7 @@ goes back after its sample is taken, so once ``in_use`` is 0 every sample of the
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import aiohttp
 import orjson
@@ -20,6 +21,8 @@ from proxy.admission.sample import Sample, bucket
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
 from tests.conftest import Proxy, StartProxy, Upstream
 
+EVENT = b"data: " + b"x" * (16 << 10) + b"\n\n"
+HANG_BOUND = 60.0  # seconds: a bound on a hang, not a measure of speed
 AUTO = {"MMGATE_MAX_MM_CONCURRENCY": "auto", "MMGATE_MIN_MM_CONCURRENCY": "1",
         "MMGATE_MAX_MM_CONCURRENCY_AUTO": "8"}
 
@@ -148,3 +151,37 @@ async def test_one_output_token_is_another_class_than_sixty_four(upstream: Upstr
     assert classes == [("chat", False, bucket(1), bucket(0)), ("chat", False, bucket(64), bucket(0)),
                        ("chat", True, bucket(1), bucket(0)), ("chat", True, bucket(64), bucket(0))]
     assert len(set(classes)) == 4
+
+
+async def test_a_client_that_stops_reading_gives_its_slot_back_and_is_no_sample(upstream: Upstream,
+                                                                             start_proxy: StartProxy) -> None:
+    """A lease that waits on the client, not the backend, goes back when the answer first waits on it; once the
+    client reads the answer to its end after all, it is still no sample: its time measured the client."""
+    async def long_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(512):  # 8 MiB: more than every buffer between mmgate and a client that reads nothing
+            await response.write(EVENT)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    upstream.route("/v1/chat/completions", long_stream)
+    proxy, recording = await _auto_proxy(upstream, start_proxy)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", proxy.server.port))
+    body = _body(stream=True)
+    await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nConnection: close\r\n"
+                                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    await upstream.arrived.get()  # admitted and forwarded: the lease is held
+    await _all_back(proxy)  # and given back while the client has read nothing
+    received = 0
+    async with asyncio.timeout(HANG_BOUND):
+        while chunk := await loop.sock_recv(sock, 1 << 16):
+            received += len(chunk)
+    sock.close()
+    assert received > 512 * len(EVENT)  # the whole answer came after all
+    await eventually(lambda: proxy.state.in_flight == 0, "the request is done")
+    assert recording.seen == []
