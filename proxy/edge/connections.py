@@ -42,6 +42,7 @@ from aiohttp.web_protocol import RequestHandler
 from preprocessors.errors import HEADER_TIMEOUT, TOO_MANY_CONNECTIONS, MmgateError
 from proxy.edge.aiohttp_internals import reading_held_by_aiohttp, waits_for_next_request
 from proxy.edge.error_response import raw_error_response
+from proxy.edge.timer import Timer
 from proxy.edge.write_deadline import WriteDeadline, cut_for_reading_nothing
 from proxy.settings import PROBE_RESERVE
 
@@ -135,7 +136,7 @@ class GuardedConnection(asyncio.Protocol):
         self._guard = guard
         self._make_handler = make_handler
         self._handler: RequestHandler | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._head_deadline = Timer(self._head_too_slow)
         self._write_deadline = WriteDeadline(guard.write_timeout, lambda: cut_for_reading_nothing(
             self._transport, self._request, guard.on_write_timeout))
         # Called once, the first time the client's answer waits over the high-water mark (then cleared).
@@ -171,7 +172,7 @@ class GuardedConnection(asyncio.Protocol):
         else:
             self.refuse()
             return
-        self._arm()
+        self._head_deadline.start(guard.header_timeout)
 
     def data_received(self, data: bytes) -> None:
         if self._handler is None:
@@ -224,7 +225,7 @@ class GuardedConnection(asyncio.Protocol):
             self._handler.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._head_deadline.stop()
         self._write_deadline.stop()
         self._request = None
         self._sniffed = None
@@ -285,14 +286,14 @@ class GuardedConnection(asyncio.Protocol):
     def close_idle(self, handler: RequestHandler) -> None:
         """Close this idle connection (``handler``: its ``idle_handler``) as aiohttp's keep-alive timer does,
         and count it out now."""
-        self._disarm()
+        self._head_deadline.stop()
         self._guard._closed(self, handler)
         handler.force_close()
 
     def refuse(self) -> None:
         """Over the cap and not a probe: a complete 503, then close."""
         transport = self._transport
-        self._disarm()
+        self._head_deadline.stop()
         self._sniffed = None
         self._guard._closed(self, self._handler)
         if transport.is_closing():
@@ -338,15 +339,15 @@ class GuardedConnection(asyncio.Protocol):
     def _next_request_started(self) -> None:
         self._next_head_started = True
         self._guard._idle.pop(self, None)
-        if self._awaiting_head and self._timer is None:
-            self._arm()
+        if self._awaiting_head:
+            self._head_deadline.start(self._guard.header_timeout)
 
     def _head_follows(self) -> None:
         """The answered request's body is all in: the next bytes are a head, under the head deadline."""
         self._request = None
         self._awaiting_head = True
-        if self._next_head_started and self._timer is None:
-            self._arm()
+        if self._next_head_started:
+            self._head_deadline.start(self._guard.header_timeout)
 
     # --- the head deadline ---
 
@@ -361,7 +362,7 @@ class GuardedConnection(asyncio.Protocol):
             request.headers.get("Transfer-Encoding", "").lower()
         self._after_head, self._head_tail = None, b""
         self._guard._idle.pop(self, None)
-        self._disarm()
+        self._head_deadline.stop()
 
     def response_done(self, body_read: bool) -> None:
         """The handler is done with a request. Its next bytes start a new head, unless this body was left
@@ -377,17 +378,7 @@ class GuardedConnection(asyncio.Protocol):
         if self._handler is not None and not self._next_head_started and not self.probe:
             self._guard._idle[self] = None
 
-    def _arm(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self._guard.header_timeout, self._head_too_slow)
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def _head_too_slow(self) -> None:
-        self._timer = None
         transport = self._transport
         if not self._awaiting_head or transport.is_closing():
             return

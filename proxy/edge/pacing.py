@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
+from proxy.edge.timer import Timer
+
 TICK = 0.005  # seconds between two looks at the lag while uploads are read
 
 
@@ -61,7 +63,7 @@ class Pacer:
         self.measure = measure
         self.allowed = 1 << 30  # uploads that may read at once; halved on lag, grows back by one a tick
         self._uploads: dict[Valve, _Upload] = {}  # in the order they started
-        self._timer: asyncio.TimerHandle | None = None
+        self._tick_timer = Timer(self._tick)
         self._due = 0.0
 
     @property
@@ -84,7 +86,7 @@ class Pacer:
         valve.take_bytes_read()
         if len(self._uploads) - self.held > self.allowed:
             self._hold(upload)
-        if self._timer is None:
+        if not self._tick_timer.running:
             self._arm()
         try:
             yield
@@ -94,21 +96,14 @@ class Pacer:
                 upload.held = False
                 valve.release_reading()
             if not self._uploads:
-                self._disarm()
+                self._tick_timer.stop()
                 self.allowed = 1 << 30
 
     def _arm(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._due = loop.time() + TICK
-        self._timer = loop.call_at(self._due, self._tick)
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._due = asyncio.get_running_loop().time() + TICK
+        self._tick_timer.start_at(self._due)
 
     def _tick(self) -> None:
-        self._timer = None
         lag = self.measure(max(0.0, asyncio.get_running_loop().time() - self._due))
         busy = sum(not upload.held for upload in self._uploads.values())
         if lag > self.target:

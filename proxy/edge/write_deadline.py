@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from proxy.edge.timer import Timer
+
 # Set on a request whose client was cut for reading nothing of its answer (``client_gone_code``).
 WRITE_TIMED_OUT = web.RequestKey("write_timed_out", bool)
 WRITE_TIMEOUT_CODE = "client_write_timeout"
@@ -53,23 +55,16 @@ class WriteDeadline:
     """One connection's write deadline: started when its answer goes over the high-water mark, stopped when
     the client read it down (or the connection ended); ``passed`` is called when it runs out."""
 
-    __slots__ = ("_passed", "_seconds", "_timer")
+    __slots__ = ("_seconds", "_timer")
 
     def __init__(self, seconds: float, passed: Callable[[], None]) -> None:
         self._seconds = seconds  # 0: no deadline
-        self._passed = passed
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = Timer(passed)
 
     def start(self) -> None:
         """A deadline already running keeps running."""
-        if self._seconds > 0 and self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._seconds, self._run_out)
+        if self._seconds > 0:
+            self._timer.start(self._seconds)
 
     def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _run_out(self) -> None:
-        self._timer = None
-        self._passed()
+        self._timer.stop()

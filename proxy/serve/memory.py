@@ -33,6 +33,8 @@ import ctypes.util
 import logging
 from collections.abc import Callable, Mapping
 
+from proxy.edge.timer import Timer
+
 log = logging.getLogger("mmgate")
 
 
@@ -138,7 +140,7 @@ class IdleTrimmer:
         self._delay = delay
         self._trim = trim if delay > 0 else None
         self._on_trimmed = on_trimmed
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = Timer(self._start)
         self._dirty = False  # media work happened since the last trim
         self.trimmed = asyncio.Event()  # set after each trim (tests await it)
 
@@ -149,7 +151,7 @@ class IdleTrimmer:
     @property
     def pending(self) -> bool:
         """A trim is scheduled (the pipeline is idle and the delay has not passed yet)."""
-        return self._timer is not None
+        return self._timer.running
 
     def follow(self, *, running: int, waiting: int) -> None:
         """The gate changed: media work is under way while a request holds or waits for a slot. A lease
@@ -162,18 +164,14 @@ class IdleTrimmer:
     def busy(self) -> None:
         """Media work started: a pending trim would contend with it."""
         self._dirty = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.stop()
 
     def idle(self) -> None:
         """No media work left: trim after ``delay`` seconds unless work starts again."""
-        if self._trim is None or not self._dirty or self._timer is not None:
-            return
-        self._timer = asyncio.get_running_loop().call_later(self._delay, self._start)
+        if self._trim is not None and self._dirty:
+            self._timer.start(self._delay)
 
     def _start(self) -> None:
-        self._timer = None
         self._dirty = False
         self.trimmed.clear()
         task = asyncio.ensure_future(asyncio.to_thread(self._trim))  # type: ignore[arg-type]
@@ -189,6 +187,4 @@ class IdleTrimmer:
         self.trimmed.set()
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.stop()
