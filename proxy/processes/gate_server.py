@@ -15,37 +15,8 @@ from preprocessors.errors import MmgateError
 from proxy.admission.client import GateCounters
 from proxy.admission.flows import Flow
 from proxy.admission.gate import Gate, Lease, Place
-from proxy.processes.link import (
-    PEER_TIMEOUT,
-    REPORT_TIMEOUT,
-    Acquire,
-    Admitted,
-    AskCounters,
-    AskReport,
-    Cancel,
-    Collect,
-    Collected,
-    Counted,
-    Found,
-    HandedOff,
-    Link,
-    Lookup,
-    Lower,
-    Message,
-    Observe,
-    Peek,
-    Peeked,
-    Ping,
-    Placed,
-    Pong,
-    Ready,
-    Refused,
-    Release,
-    Report,
-    TakePlace,
-    Unplace,
-    WaitCancelled,
-)
+from proxy.processes import messages
+from proxy.processes.link import Link
 from proxy.processes.merged_metrics import departed, merge_reports
 
 log = logging.getLogger("mmgate")
@@ -94,55 +65,55 @@ class GateServer:
     def _counters(self) -> GateCounters:
         return GateCounters.of(self.gate)
 
-    def _handle(self, front: _Front, message: Message) -> None:
+    def _handle(self, front: _Front, message: messages.Message) -> None:
         match message:
-            case Acquire(rid, cost, timeout, place_id, tokens, flow):
+            case messages.Acquire(rid, cost, timeout, place_id, tokens, flow):
                 place = front.places.pop(place_id, None) if place_id is not None else None
                 task = front.waits[rid] = asyncio.create_task(
                     self._acquire(front, rid, cost, timeout, place, tokens, flow))
                 task.add_done_callback(partial(self._wait_ended, front, rid, place))
-            case Release(lease_id):
+            case messages.Release(lease_id):
                 if (lease := front.leases.pop(lease_id, None)) is not None:
                     lease.release()
-            case Lower(lease_id, cost):
+            case messages.Lower(lease_id, cost):
                 if (lease := front.leases.get(lease_id)) is not None:
                     lease.lower(cost)
-            case HandedOff(lease_id):
+            case messages.HandedOff(lease_id):
                 if (lease := front.leases.get(lease_id)) is not None:
                     lease.handed_off()
-            case Observe(lease_id, sample):
+            case messages.Observe(lease_id, sample):
                 if (lease := front.leases.get(lease_id)) is not None:
                     self.gate.observe(lease, sample)
-            case TakePlace(rid, flow):
+            case messages.TakePlace(rid, flow):
                 self._take_place(front, rid, flow)
-            case Unplace(place_id):
+            case messages.Unplace(place_id):
                 if (place := front.places.pop(place_id, None)) is not None:
                     place.release()
-            case Cancel(rid):
+            case messages.Cancel(rid):
                 if (wait := front.waits.get(rid)) is not None:
                     wait.cancel()
-            case Collect(rid):
+            case messages.Collect(rid):
                 self._in_background(self._collect(front, rid))
-            case Peek(rid, keys):
+            case messages.Peek(rid, keys):
                 self._in_background(self._peek(front, rid, keys))
-            case Report(qid, answer) | Found(qid, answer):
+            case messages.Report(qid, answer) | messages.Found(qid, answer):
                 self._heard_back(qid, answer)
-            case Pong(qid):
+            case messages.Pong(qid):
                 self._heard_back(qid, None)
-            case AskCounters(rid):
-                front.link.send(Counted(rid, self._counters()))
-            case Ready():
+            case messages.AskCounters(rid):
+                front.link.send(messages.Counted(rid, self._counters()))
+            case messages.Ready():
                 front.ready.set()
 
     def _take_place(self, front: _Front, rid: int, flow: Flow) -> None:
         try:
             place = self.gate.take_place(flow)
         except MmgateError as error:
-            front.link.send(Refused.of(rid, error, self._counters()))
+            front.link.send(messages.Refused.of(rid, error, self._counters()))
             return
         place_id = next(self._ids)
         front.places[place_id] = place
-        front.link.send(Placed(rid, self._counters(), place_id))
+        front.link.send(messages.Placed(rid, self._counters(), place_id))
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)
@@ -160,21 +131,21 @@ class GateServer:
         try:
             lease = await self.gate.acquire(cost, timeout, place, tokens, flow)
         except MmgateError as error:
-            front.link.send(Refused.of(rid, error, self._counters()))
+            front.link.send(messages.Refused.of(rid, error, self._counters()))
             return
         if front.closed:
             lease.release()
             return
         lease_id = next(self._ids)
         front.leases[lease_id] = lease
-        front.link.send(Admitted(rid, self._counters(), lease_id))
+        front.link.send(messages.Admitted(rid, self._counters(), lease_id))
 
     def _wait_ended(self, front: _Front, rid: int, place: Place | None, task: asyncio.Task[None]) -> None:
         front.waits.pop(rid, None)
         if task.cancelled():  # the front's request gave up, or the front is gone
             if place is not None:
                 place.release()  # a wait cancelled before it began still held its place; else a no-op
-            front.link.send(WaitCancelled(rid, self._counters()))
+            front.link.send(messages.WaitCancelled(rid, self._counters()))
 
     def _forget(self, front: _Front) -> None:
         if front.closed:
@@ -197,7 +168,7 @@ class GateServer:
         front.leases.clear()
         front.link.close()
 
-    async def _ask_fronts(self, fronts: list[_Front], question: Callable[[int], Message],
+    async def _ask_fronts(self, fronts: list[_Front], question: Callable[[int], messages.Message],
                           timeout: float) -> list[tuple[_Front, Any]]:
         """Send ``question`` (made with its id, one per front) to ``fronts``; the answers that came within
         ``timeout``, each with its front. A front that did not answer is marked not ``answering``."""
@@ -225,8 +196,8 @@ class GateServer:
         """Ask every answering front for its metrics and send ``asking`` the merge. A front that does not
         answer (hung) counts with its last report, as does every front gone, so no total ever goes down."""
         serving = [front for front in self._fronts if front.ready.is_set()]
-        answered = await self._ask_fronts([front for front in serving if front.answering], AskReport,
-                                          REPORT_TIMEOUT)
+        answered = await self._ask_fronts([front for front in serving if front.answering], messages.AskReport,
+                                          messages.REPORT_TIMEOUT)
         for front, report in answered:
             front.last_report = report
         reported = {front for front, _ in answered}
@@ -234,7 +205,8 @@ class GateServer:
         if self._departed is not None:
             silent.append(self._departed)
         counters = self._counters()
-        asking.link.send(Collected(rid, counters, merge_reports([report for _, report in answered], counters, silent)))
+        merged = merge_reports([report for _, report in answered], counters, silent)
+        asking.link.send(messages.Collected(rid, counters, merged))
 
     async def _peek(self, asking: _Front, rid: int, keys: list[str]) -> None:
         """Ask every other answering front which of ``keys`` its cache holds; send ``asking`` the first of each
@@ -242,17 +214,18 @@ class GateServer:
         others = [front for front in self._fronts
                   if front is not asking and front.ready.is_set() and front.answering]
         found: dict[str, Any] = {}
-        for _, answer in await self._ask_fronts(others, lambda qid: Lookup(qid, keys), PEER_TIMEOUT):
+        answers = await self._ask_fronts(others, lambda qid: messages.Lookup(qid, keys), messages.PEER_TIMEOUT)
+        for _, answer in answers:
             for key, verdict in answer.items():
                 found.setdefault(key, verdict)
-        asking.link.send(Peeked(rid, self._counters(), found))
+        asking.link.send(messages.Peeked(rid, self._counters(), found))
 
     async def ping(self, index: int, timeout: float) -> bool | None:
         """Whether front ``index`` answers a ping within ``timeout`` (its event loop runs); None if it is gone."""
         front = self._front(index)
         if front is None:
             return None
-        return bool(await self._ask_fronts([front], Ping, timeout))
+        return bool(await self._ask_fronts([front], messages.Ping, timeout))
 
     def drop(self, index: int) -> None:
         """Give back at once everything front ``index`` holds: it is being killed."""

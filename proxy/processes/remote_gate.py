@@ -38,46 +38,14 @@ from preprocessors.job import Verdict
 from proxy.admission.client import GateCounters, PeerLookup
 from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.admission.sample import Sample
-from proxy.processes.link import (
-    PEER_TIMEOUT,
-    REPORT_TIMEOUT,
-    Acquire,
-    Admitted,
-    Answer,
-    AskCounters,
-    AskReport,
-    Cancel,
-    Collect,
-    Collected,
-    Counted,
-    Found,
-    HandedOff,
-    Link,
-    Lookup,
-    Lower,
-    Message,
-    Observe,
-    Peek,
-    Peeked,
-    Ping,
-    Placed,
-    Pong,
-    Ready,
-    Refused,
-    Release,
-    Report,
-    TakePlace,
-    Unplace,
-    WaitCancelled,
-    verdict_from_wire,
-    verdict_to_wire,
-)
+from proxy.processes import messages
+from proxy.processes.link import Link
 from proxy.serve.lifecycle import Lifecycle
 
 log = logging.getLogger("mmgate")
 
-A = TypeVar("A", bound=Answer)
-GiveBack = type[Unplace] | type[Release]  # what undoes a grant nobody waits for any more
+A = TypeVar("A", bound=messages.Answer)
+GiveBack = type[messages.Unplace] | type[messages.Release]  # what undoes a grant nobody waits for any more
 
 
 @dataclass(eq=False)
@@ -91,7 +59,7 @@ class RemotePlace:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.gate.link.send(Unplace(self.place_id))
+            self.gate.link.send(messages.Unplace(self.place_id))
 
 
 @dataclass(eq=False)
@@ -109,7 +77,7 @@ class RemoteLease:
         if not self.forwarded:
             self.forwarded = True
             if not self.released:
-                self.gate.link.send(HandedOff(self.lease_id))
+                self.gate.link.send(messages.HandedOff(self.lease_id))
 
     def release(self) -> None:
         if not self.released and not self.deferred:
@@ -118,7 +86,7 @@ class RemoteLease:
     def lower(self, cost: int) -> None:
         if not self.released and 0 <= cost < self.cost:
             self.cost = cost
-            self.gate.link.send(Lower(self.lease_id, cost))
+            self.gate.link.send(messages.Lower(self.lease_id, cost))
 
     def release_after(self, work: Awaitable[object]) -> None:
         """``Lease.release_after``: the slot is kept until ``work`` has really stopped."""
@@ -130,7 +98,7 @@ class RemoteLease:
     def _give_back(self) -> None:
         if not self.released:
             self.released = True
-            self.gate.link.send(Release(self.lease_id))
+            self.gate.link.send(messages.Release(self.lease_id))
 
 
 class RemoteGate:
@@ -146,7 +114,7 @@ class RemoteGate:
         self._report = report
         self._on_lost = on_lost
         self._ids = itertools.count(1)
-        self._answers: dict[int, asyncio.Future[Answer]] = {}
+        self._answers: dict[int, asyncio.Future[messages.Answer]] = {}
         # rid -> what to send back if the gate's grant finds nobody waiting for it
         self._give_backs: dict[int, GiveBack] = {}
         self.lost = False
@@ -165,7 +133,7 @@ class RemoteGate:
         self._reader = asyncio.create_task(self._read())
 
     def ready(self) -> None:
-        self.link.send(Ready())
+        self.link.send(messages.Ready())
 
     async def close(self) -> None:
         self.link.close()
@@ -182,19 +150,19 @@ class RemoteGate:
             self.answering = True
             self._heard = asyncio.get_running_loop().time()
             match message:
-                case Ping(qid):
-                    self.link.send(Pong(qid))
-                case AskReport(qid):
+                case messages.Ping(qid):
+                    self.link.send(messages.Pong(qid))
+                case messages.AskReport(qid):
                     try:
                         report = self._report()
                     except Exception:  # a front that cannot report is left out of the totals, not stopped
                         log.exception("metrics report failed")
                         continue
-                    self.link.send(Report(qid, report))
-                case Lookup(qid, keys):
-                    self.link.send(Found(qid, {key: verdict_to_wire(verdict) for key in keys
+                    self.link.send(messages.Report(qid, report))
+                case messages.Lookup(qid, keys):
+                    self.link.send(messages.Found(qid, {key: messages.verdict_to_wire(verdict) for key in keys
                                                if (verdict := self._cached(bytes.fromhex(key))) is not None}))
-                case Placed() | Admitted() | Counted() | Collected() | Peeked() | Refused() | WaitCancelled():
+                case messages.Answer():
                     self._answered(message)
         self.lost = True
         for future in self._answers.values():
@@ -204,7 +172,7 @@ class RemoteGate:
         self._give_backs.clear()
         self._on_lost()
 
-    def _answered(self, answer: Answer) -> None:
+    def _answered(self, answer: messages.Answer) -> None:
         """The gate's answer to one of this front's questions."""
         self._counters = answer.counters
         self._on_change(answer.counters)
@@ -218,12 +186,12 @@ class RemoteGate:
             # Granted after the request gave up (or after its deadline): given back here.
             self._undo(answer, give_back)
 
-    def _undo(self, answer: Answer, give_back: GiveBack | None) -> None:
+    def _undo(self, answer: messages.Answer, give_back: GiveBack | None) -> None:
         match answer:
-            case Placed(place=granted) | Admitted(lease=granted) if give_back is not None:
+            case messages.Placed(place=granted) | messages.Admitted(lease=granted) if give_back is not None:
                 self.link.send(give_back(granted))
 
-    async def _ask(self, question: Callable[[int], Message], expected: type[A], give_back: GiveBack | None,
+    async def _ask(self, question: Callable[[int], messages.Message], expected: type[A], give_back: GiveBack | None,
                    deadline: float, *, may_wait: bool = False) -> A:
         """Send ``question`` (made with its id) and await the gate's answer; 503 ``gate_unavailable`` if none
         came within ``deadline`` seconds (what the gate grants later is given back, as for a request that gave
@@ -234,7 +202,7 @@ class RemoteGate:
             raise draining()
         rid = next(self._ids)
         sent = question(rid)
-        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[messages.Answer] = asyncio.get_running_loop().create_future()
         self._answers[rid] = future
         if give_back is not None:
             self._give_backs[rid] = give_back
@@ -252,15 +220,15 @@ class RemoteGate:
             raise self._silent(sent.TAG, deadline)
         answer = future.result()  # draining() once the gate is gone
         match answer:
-            case Refused():
+            case messages.Refused():
                 raise answer.error()
-            case WaitCancelled():  # only for a wait this front called off itself, or a front that is gone
+            case messages.WaitCancelled():  # only for a wait this front called off itself, or a front that is gone
                 raise gate_unavailable()
         if not isinstance(answer, expected):
             raise RuntimeError(f"the gate answered {sent.TAG!r} with {answer.TAG!r}")
         return answer
 
-    async def _while_heard(self, future: asyncio.Future[Answer], deadline: float) -> None:
+    async def _while_heard(self, future: asyncio.Future[messages.Answer], deadline: float) -> None:
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline
         while not future.done() and (left := end - loop.time()) > 0:
@@ -269,17 +237,17 @@ class RemoteGate:
                     and not await self.reachable(self.answer_timeout)):
                 return
 
-    def _given_up(self, rid: int, future: asyncio.Future[Answer], give_back: GiveBack | None) -> None:
+    def _given_up(self, rid: int, future: asyncio.Future[messages.Answer], give_back: GiveBack | None) -> None:
         """The asking request gave up (its client left, or the gate was silent past the deadline)."""
         self._answers.pop(rid, None)
         if future.done():
             # Answered in the same instant the request gave up: what the gate granted goes back.
             if future.exception() is None:
                 self._undo(future.result(), give_back)
-        elif give_back is Release and rid in self._give_backs:
+        elif give_back is messages.Release and rid in self._give_backs:
             # Still waiting at the gate: stop the wait there. A grant that crosses this message is given
             # back by ``_read``, which still knows what to send for it.
-            self.link.send(Cancel(rid))
+            self.link.send(messages.Cancel(rid))
 
     def _silent(self, op: str, deadline: float) -> MmgateError:
         if self.answering:  # once per silence, not once per request
@@ -290,7 +258,8 @@ class RemoteGate:
     async def take_place(self, flow: Flow = DEFAULT_FLOW) -> RemotePlace:
         if self.lifecycle.refusing:
             raise draining()
-        placed = await self._ask(lambda rid: TakePlace(rid, flow), Placed, Unplace, self.answer_timeout)
+        placed = await self._ask(lambda rid: messages.TakePlace(rid, flow), messages.Placed, messages.Unplace,
+                                 self.answer_timeout)
         return RemotePlace(self, placed.place)
 
     async def acquire(self, cost: int, timeout: float, place: RemotePlace | None = None, tokens: int = 0,
@@ -301,20 +270,21 @@ class RemoteGate:
             place_id = place.place_id
         if self.lifecycle.refusing:
             if place_id is not None:
-                self.link.send(Unplace(place_id))
+                self.link.send(messages.Unplace(place_id))
             raise draining()
-        admitted = await self._ask(lambda rid: Acquire(rid, cost, timeout, place_id, tokens, flow), Admitted, Release,
-                                   timeout + self.answer_timeout, may_wait=True)
+        admitted = await self._ask(lambda rid: messages.Acquire(rid, cost, timeout, place_id, tokens, flow),
+                                   messages.Admitted, messages.Release, timeout + self.answer_timeout, may_wait=True)
         return RemoteLease(self, admitted.lease, cost)
 
     def observe(self, lease: RemoteLease, sample: Sample) -> None:
         """``Gate.observe`` at the supervisor's gate: one message, sent before the lease's release."""
         if not lease.released:
-            self.link.send(Observe(lease.lease_id, sample))
+            self.link.send(messages.Observe(lease.lease_id, sample))
 
     async def collect(self) -> dict[str, Any]:
         """Every front's metrics, merged by the gate (``merge_reports``)."""
-        collected = await self._ask(Collect, Collected, None, REPORT_TIMEOUT + self.answer_timeout)
+        collected = await self._ask(messages.Collect, messages.Collected, None,
+                                    messages.REPORT_TIMEOUT + self.answer_timeout)
         return collected.merged
 
     def share_cache(self, lookup: Callable[[bytes], Verdict | None]) -> PeerLookup:
@@ -326,20 +296,20 @@ class RemoteGate:
         if self.lost or not self.answering:
             return {}
         try:
-            peeked = await self._ask(lambda rid: Peek(rid, [key.hex() for key in keys]), Peeked, None,
-                                     2 * PEER_TIMEOUT)
+            peeked = await self._ask(lambda rid: messages.Peek(rid, [key.hex() for key in keys]), messages.Peeked,
+                                     None, 2 * messages.PEER_TIMEOUT)
         except MmgateError:  # the gate is hung or gone: this front decodes
             return {}
-        return {bytes.fromhex(key): verdict_from_wire(wire) for key, wire in peeked.found.items()}
+        return {bytes.fromhex(key): messages.verdict_from_wire(wire) for key, wire in peeked.found.items()}
 
     async def refresh(self) -> None:
         """The gate's counters as of now, mirrored here (``waiting_media`` for ``MMGATE_BACKEND_METRICS``)."""
-        await self._ask(AskCounters, Counted, None, self.answer_timeout)
+        await self._ask(messages.AskCounters, messages.Counted, None, self.answer_timeout)
 
     async def reachable(self, timeout: float) -> bool:
         """Whether the gate answers within ``timeout`` (for /mmgate/ready)."""
         try:
-            await self._ask(AskCounters, Counted, None, timeout)
+            await self._ask(messages.AskCounters, messages.Counted, None, timeout)
         except MmgateError:
             return False
         return True

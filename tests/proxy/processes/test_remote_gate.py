@@ -19,14 +19,14 @@ from proxy.admission.flows import Flow
 from proxy.admission.gate import Gate
 from proxy.admission.sample import Sample
 from proxy.processes.gate_server import GateServer
-from proxy.processes.link import (
+from proxy.processes.link import Link
+from proxy.processes.messages import (
     Acquire,
     Admitted,
     AskCounters,
     Cancel,
     Counted,
     Found,
-    Link,
     Lookup,
     Message,
     Placed,
