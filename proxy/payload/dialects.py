@@ -55,28 +55,28 @@ def dialect_for_path(path: str) -> Dialect:
     return Dialect.ANTHROPIC if path.rstrip("/").startswith("/v1/messages") else Dialect.OPENAI
 
 
-# status -> (OpenAI type, Anthropic type): the error types each API's SDKs map to their exceptions.
+# status -> (OpenAI type, Anthropic type): the error types each API's SDKs map to their exceptions. A status not
+# named has the types of its class: a 4xx is an invalid request in both APIs, a 5xx the server's own error.
 _ERROR_TYPES: dict[int, tuple[str, str]] = {
-    400: ("invalid_request_error", "invalid_request_error"),
     404: ("invalid_request_error", "not_found_error"),
-    405: ("invalid_request_error", "invalid_request_error"),
-    408: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
-    415: ("invalid_request_error", "invalid_request_error"),
-    417: ("invalid_request_error", "invalid_request_error"),
     429: ("rate_limit_error", "rate_limit_error"),
-    500: ("server_error", "api_error"),
     501: ("invalid_request_error", "api_error"),
     502: ("upstream_error", "api_error"),
     503: ("server_error", "overloaded_error"),
     504: ("timeout_error", "api_error"),
 }
-_UNLISTED_TYPES = ("server_error", "api_error")
+_CLIENT_ERROR_TYPES = ("invalid_request_error", "invalid_request_error")
+_SERVER_ERROR_TYPES = ("server_error", "api_error")
+
+
+def _error_types(status: int) -> tuple[str, str]:
+    return _ERROR_TYPES.get(status) or (_CLIENT_ERROR_TYPES if status < 500 else _SERVER_ERROR_TYPES)
 
 
 def _openai_error(error: MmgateError) -> bytes:
     """``{"error": {"message", "type", "code", "param"}}``: the code and the path have fields of their own."""
-    error_type = _ERROR_TYPES.get(error.status, _UNLISTED_TYPES)[0]
+    error_type = _error_types(error.status)[0]
     return orjson.dumps(
         {"error": {"message": error.message, "type": error_type, "code": error.code, "param": error.param}}
     )
@@ -85,7 +85,7 @@ def _openai_error(error: MmgateError) -> bytes:
 def _anthropic_error(error: MmgateError) -> bytes:
     """``{"type": "error", "error": {"type", "message"}}``: no field for the code or the path, so the
     message carries both."""
-    error_type = _ERROR_TYPES.get(error.status, _UNLISTED_TYPES)[1]
+    error_type = _error_types(error.status)[1]
     where = f" (at {error.param})" if error.param else ""
     message = f"{error.message}{where} [mmgate: {error.code}]"
     return orjson.dumps({"type": "error", "error": {"type": error_type, "message": message}})

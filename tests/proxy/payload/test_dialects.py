@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from preprocessors.errors import REGISTRY, MmgateError
+from preprocessors.errors import REGISTRY, ErrorCode, MmgateError
 from proxy.payload.dialects import Dialect, Route, route_for
 from proxy.payload.item import MediaItem
 from proxy.payload.locate import find_media, inline_value, locate
@@ -340,3 +340,11 @@ def test_every_4xx_of_the_registry_is_a_client_error_type(dialect: Dialect) -> N
         document = orjson.loads(dialect.error_body(error))
         error_type = document["error"]["type"]
         assert error_type not in SERVER_ERROR_TYPES, (error.status, error.code, error_type)
+
+
+@pytest.mark.parametrize("dialect", list(Dialect))
+def test_a_status_the_table_does_not_name_is_typed_by_its_class(dialect: Dialect) -> None:
+    """A 4xx added to the registry is the client's fault in both documents before anyone names it."""
+    for status, expected in ((418, {"invalid_request_error"}), (507, SERVER_ERROR_TYPES)):
+        error = ErrorCode(status, "unnamed", "a status the table does not name", MmgateError).error("refused")
+        assert orjson.loads(dialect.error_body(error))["error"]["type"] in expected, status
