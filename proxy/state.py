@@ -150,6 +150,6 @@ STATE = web.AppKey("mmgate_state", AppState)
 def plan_limits(settings: Settings) -> Limits:
     """The bounds a media body's plan is checked against, from the limits and the media URL mode."""
     limits, media_urls = settings.limits, settings.fetch.media_urls
-    return Limits(limits.max_media_per_request, limits.max_media_item_bytes, media_urls == "reject",
-                  limits.max_json_depth, fetch_urls=media_urls == "fetch",
-                  max_structure=limits.max_json_structure_bytes)
+    return Limits(max_parts=limits.max_media_per_request, max_item_bytes=limits.max_media_item_bytes,
+                  max_depth=limits.max_json_depth, max_structure=limits.max_json_structure_bytes,
+                  reject_urls=media_urls == "reject", fetch_urls=media_urls == "fetch")

@@ -220,16 +220,17 @@ class Plan:
         return sum(item.size for item in self.items)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Limits:
-    """The settings a plan is checked against."""
+    """The settings a plan is checked against, each given by name."""
 
     max_parts: int
     max_item_bytes: int
-    reject_urls: bool
     max_depth: int = DEFAULT_MAX_DEPTH
-    fetch_urls: bool = False  # MMGATE_MEDIA_URLS=fetch: URL parts become items fetched before their job
     max_structure: int | None = None  # bytes of JSON outside long strings parsed in one call (None: no bound)
+    # MMGATE_MEDIA_URLS: URL parts are forwarded as they are, unless refused (reject) or fetched before their job
+    reject_urls: bool = False
+    fetch_urls: bool = False
 
 
 def plan_media(route: Route, body: bytes, limits: Limits) -> Plan:

@@ -593,7 +593,7 @@ def test_a_head_that_says_nothing_counts_as_the_largest_image(folders: dict[str,
     for family in ("qwen2-vl", "idefics3"):
         model = load_model(str(folders[family]))
         body = orjson.dumps(chat_with_image(data_uri(b"GIF89a but not really an image" * 4, "image/gif")))
-        plan = plan_media("chat", body, Limits(16, 1 << 20, False))
+        plan = plan_media("chat", body, Limits(max_parts=16, max_item_bytes=1 << 20))
         assert plan_image_tokens(model, plan, body) == [model.most_tokens]
 
 

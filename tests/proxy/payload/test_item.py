@@ -13,7 +13,7 @@ from proxy.payload.item import MediaItem
 from proxy.payload.locate import Limits, plan_media
 from proxy.payload.rawjson import splice
 
-LIMITS = Limits(max_parts=8, max_item_bytes=1 << 20, reject_urls=False)
+LIMITS = Limits(max_parts=8, max_item_bytes=1 << 20)
 PNG_B64 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGNgYGAAAAAEAAH2FzhVAAAAAElFTkSuQmCC"
 
 

@@ -153,7 +153,7 @@ def test_walk_stopped_at_the_limit_plans_what_the_full_walk_plans(
 ) -> None:
     route, doc, _inserted = case
     body = dump(doc, rng, escape).encode()
-    limits = Limits(max_parts, 1 << 30, False, max_structure=1 << 30)
+    limits = Limits(max_parts=max_parts, max_item_bytes=1 << 30, max_structure=1 << 30)
     try:
         full = locate(route, skeletonize(body))
     except MmgateError as error:  # a malformed part the full walk reached: the bounded walk may stop first
