@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 from prometheus_client import (
@@ -36,122 +37,86 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests = Counter(
+        counter = partial(Counter, registry=self.registry)
+        gauge = partial(Gauge, registry=self.registry)
+        histogram = partial(Histogram, registry=self.registry)
+        self.requests = counter(
             "mmgate_requests", "Requests answered, by route, kind (text|media) and status code",
-            ["route", "kind", "code"], registry=r,
-        )
-        self.request_duration = Histogram(
-            "mmgate_request_duration_seconds", "Time from arrival to the last response byte",
-            ["route", "kind"], buckets=REQUEST_BUCKETS, registry=r,
-        )
-        self.stage_duration = Histogram(
-            "mmgate_stage_duration_seconds", "Time spent in each stage of a request",
-            ["stage"], buckets=FAST_BUCKETS, registry=r,
-        )
-        self.rejected = Counter("mmgate_rejected", "Requests refused by mmgate, by error code", ["reason"], registry=r)
-        self.upstream_errors = Counter(
-            "mmgate_upstream_errors", "Upstream failures: connect, timeout, reset", ["kind"], registry=r
-        )
-        self.gate_in_use = Gauge("mmgate_gate_in_use", "Media requests past admission", registry=r)
-        self.gate_waiting = Gauge("mmgate_gate_waiting", "Media requests waiting for admission", registry=r)
-        self.gate_reading = Gauge(
-            "mmgate_gate_reading", "Media requests holding a place in line while their body still arrives",
-            registry=r,
-        )
-        self.requests_reading = Gauge(
-            "mmgate_requests_reading", "Requests whose body is still being read (text and media, before any gate)",
-            registry=r,
-        )
-        self.image_tokens_inflight = Gauge(
-            "mmgate_image_tokens_inflight", "Image tokens (MMGATE_MODEL) charged to the gate's token budget", registry=r
-        )
-        self.image_tokens = Histogram(
+            ["route", "kind", "code"])
+        self.request_duration = histogram(
+            "mmgate_request_duration_seconds", "Time from arrival to the last response byte", ["route", "kind"],
+            buckets=REQUEST_BUCKETS)
+        self.stage_duration = histogram(
+            "mmgate_stage_duration_seconds", "Time spent in each stage of a request", ["stage"], buckets=FAST_BUCKETS)
+        self.rejected = counter("mmgate_rejected", "Requests refused by mmgate, by error code", ["reason"])
+        self.upstream_errors = counter("mmgate_upstream_errors", "Upstream failures: connect, timeout, reset", ["kind"])
+        self.gate_in_use = gauge("mmgate_gate_in_use", "Media requests past admission")
+        self.gate_waiting = gauge("mmgate_gate_waiting", "Media requests waiting for admission")
+        self.gate_reading = gauge(
+            "mmgate_gate_reading", "Media requests holding a place in line while their body still arrives")
+        self.requests_reading = gauge(
+            "mmgate_requests_reading", "Requests whose body is still being read (text and media, before any gate)")
+        self.image_tokens_inflight = gauge(
+            "mmgate_image_tokens_inflight", "Image tokens (MMGATE_MODEL) charged to the gate's token budget")
+        self.image_tokens = histogram(
             "mmgate_image_tokens", "Image tokens per inline image for the served model (MMGATE_MODEL), from its header",
-            buckets=(16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=r,
-        )
-        self.gate_limit = Gauge(
-            "mmgate_gate_limit", "The gate's limit: MMGATE_MAX_MM_CONCURRENCY, or where auto finds it now", registry=r)
-        self.media_bytes_inflight = Gauge(
-            "mmgate_media_bytes_inflight", "Decoded media bytes charged to the gate's byte budget", registry=r
-        )
-        self.media_bytes_live = Gauge(
-            "mmgate_media_bytes_live", "Media bytes this process holds for requests (0 after handoff)", registry=r
-        )
-        self.media_buffers_live = Gauge(
-            "mmgate_media_buffers_live", "Media buffer owners not yet freed (weakref-counted; 0 when idle)", registry=r
-        )
-        self.media_items = Counter(
-            "mmgate_media_items", "Media items seen, by type and outcome", ["type", "outcome"], registry=r
-        )
-        self.media_type_corrected = Counter(
+            buckets=(16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+        self.gate_limit = gauge(
+            "mmgate_gate_limit", "The gate's limit: MMGATE_MAX_MM_CONCURRENCY, or where auto finds it now")
+        self.media_bytes_inflight = gauge(
+            "mmgate_media_bytes_inflight", "Decoded media bytes charged to the gate's byte budget")
+        self.media_bytes_live = gauge(
+            "mmgate_media_bytes_live", "Media bytes this process holds for requests (0 after handoff)")
+        self.media_buffers_live = gauge(
+            "mmgate_media_buffers_live", "Media buffer owners not yet freed (weakref-counted; 0 when idle)")
+        self.media_items = counter("mmgate_media_items", "Media items seen, by type and outcome", ["type", "outcome"])
+        self.media_type_corrected = counter(
             "mmgate_media_type_corrected", "Media forwarded with its true type in place of a different declared one",
-            ["type"], registry=r,
-        )
-        self.client_connections = Gauge("mmgate_client_connections", "Open client connections", registry=r)
-        self.idle_connections_closed = Counter(
-            "mmgate_idle_connections_closed", "Idle keep-alive client connections closed to make room for a new "
-            "one at MMGATE_MAX_CONNECTIONS", registry=r,
-        )
-        self.client_write_timeouts = Counter(
-            "mmgate_client_write_timeouts", "Client connections cut for reading nothing of their answer for "
-            "MMGATE_CLIENT_WRITE_TIMEOUT", registry=r,
-        )
-        self.media_bytes = Counter(
-            "mmgate_media_bytes", "Decoded media bytes in (from clients) and out (to the upstream)",
-            ["direction"], registry=r,
-        )
-        self.pool_queue_depth = Gauge("mmgate_pool_queue_depth", "Media items waiting for a decode worker", registry=r)
-        self.pool_stuck_workers = Gauge(
-            "mmgate_pool_stuck_workers", "Decode workers still busy for a request that already ended", registry=r
-        )
-        self.decode_worker_exits = Counter(
+            ["type"])
+        self.client_connections = gauge("mmgate_client_connections", "Open client connections")
+        self.idle_connections_closed = counter(
+            "mmgate_idle_connections_closed",
+            "Idle keep-alive client connections closed to make room for a new one at MMGATE_MAX_CONNECTIONS")
+        self.client_write_timeouts = counter(
+            "mmgate_client_write_timeouts",
+            "Client connections cut for reading nothing of their answer for MMGATE_CLIENT_WRITE_TIMEOUT")
+        self.media_bytes = counter(
+            "mmgate_media_bytes", "Decoded media bytes in (from clients) and out (to the upstream)", ["direction"])
+        self.pool_queue_depth = gauge("mmgate_pool_queue_depth", "Media items waiting for a decode worker")
+        self.pool_stuck_workers = gauge(
+            "mmgate_pool_stuck_workers", "Decode workers still busy for a request that already ended")
+        self.decode_worker_exits = counter(
             "mmgate_decode_worker_exits", "Decode worker processes ended and replaced (MMGATE_DECODE_MODE=process): "
             "recycled (MMGATE_WORKER_MAX_JOBS/_RSS_MB), killed (its request gave up), crashed (a fault signal on "
-            "an item), lost (ended from outside, e.g. SIGKILL by the OOM killer, on an item or idle)",
-            ["reason"], registry=r,
-        )
-        self.event_loop_lag = Histogram(
-            "mmgate_event_loop_lag_seconds", "How late the event loop runs a timer (loop blocked)",
-            buckets=FAST_BUCKETS, registry=r,
-        )
-        self.uploads_held = Gauge(
-            "mmgate_uploads_held", "Big request bodies whose reading is held while the event loop lags "
-            "(MMGATE_LOOP_LAG_TARGET)", registry=r,
-        )
-        self.upload_holds = Counter(
-            "mmgate_upload_holds", "Times the reading of a big request body was held because the event loop "
-            "lagged (MMGATE_LOOP_LAG_TARGET)", registry=r,
-        )
-        self.fetches = Counter(
+            "an item), lost (ended from outside, e.g. SIGKILL by the OOM killer, on an item or idle)", ["reason"])
+        self.event_loop_lag = histogram(
+            "mmgate_event_loop_lag_seconds",
+            "How late the event loop runs a timer (loop blocked)", buckets=FAST_BUCKETS)
+        self.uploads_held = gauge(
+            "mmgate_uploads_held",
+            "Big request bodies whose reading is held while the event loop lags (MMGATE_LOOP_LAG_TARGET)")
+        self.upload_holds = counter(
+            "mmgate_upload_holds",
+            "Times the reading of a big request body was held because the event loop lagged (MMGATE_LOOP_LAG_TARGET)")
+        self.fetches = counter(
             "mmgate_fetches",
-            "Media URLs fetched (MMGATE_MEDIA_URLS=fetch), by outcome: ok, cancelled or the refusal code",
-            ["outcome"], registry=r,
-        )
-        self.fetched_bytes = Counter(
-            "mmgate_fetched_bytes", "Body bytes read from media URLs, refused fetches included", registry=r
-        )
-        self.cache_hits = Counter(
-            "mmgate_cache_hits", "Media items answered from the processed-media cache, without a decode", registry=r
-        )
-        self.cache_misses = Counter(
-            "mmgate_cache_misses", "Media items decoded because the cache did not hold them (MMGATE_CACHE_MB)",
-            registry=r,
-        )
-        self.cache_evictions = Counter(
-            "mmgate_cache_evictions", "Cache entries dropped, least recently used first, to stay within the bound",
-            registry=r,
-        )
-        self.cache_bytes = Gauge("mmgate_cache_bytes", "Bytes the processed-media cache holds", registry=r)
-        self.cache_entries = Gauge("mmgate_cache_entries", "Entries the processed-media cache holds", registry=r)
-        self.cache_waiting = Gauge(
-            "mmgate_cache_waiting", "Requests waiting for another request's decode of the same media", registry=r
-        )
-        self.cache_limit_bytes = Gauge("mmgate_cache_limit_bytes", "MMGATE_CACHE_MB in bytes (0 = off)", registry=r)
-        self.memory_trims = Counter(
-            "mmgate_memory_trims", "malloc_trim calls after media work went idle (MMGATE_TRIM_IDLE)", registry=r
-        )
-        ProcessCollector(registry=r)
+            "Media URLs fetched (MMGATE_MEDIA_URLS=fetch), by outcome: ok, cancelled or the refusal code", ["outcome"])
+        self.fetched_bytes = counter(
+            "mmgate_fetched_bytes", "Body bytes read from media URLs, refused fetches included")
+        self.cache_hits = counter(
+            "mmgate_cache_hits", "Media items answered from the processed-media cache, without a decode")
+        self.cache_misses = counter(
+            "mmgate_cache_misses", "Media items decoded because the cache did not hold them (MMGATE_CACHE_MB)")
+        self.cache_evictions = counter(
+            "mmgate_cache_evictions", "Cache entries dropped, least recently used first, to stay within the bound")
+        self.cache_bytes = gauge("mmgate_cache_bytes", "Bytes the processed-media cache holds")
+        self.cache_entries = gauge("mmgate_cache_entries", "Entries the processed-media cache holds")
+        self.cache_waiting = gauge(
+            "mmgate_cache_waiting", "Requests waiting for another request's decode of the same media")
+        self.cache_limit_bytes = gauge("mmgate_cache_limit_bytes", "MMGATE_CACHE_MB in bytes (0 = off)")
+        self.memory_trims = counter(
+            "mmgate_memory_trims", "malloc_trim calls after media work went idle (MMGATE_TRIM_IDLE)")
+        ProcessCollector(registry=self.registry)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
