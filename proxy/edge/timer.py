@@ -28,7 +28,7 @@ class Timer:
             self._handle = asyncio.get_running_loop().call_later(seconds, self._run_out)
 
     def start_at(self, when: float) -> None:
-        """Run out at ``when``, in the event loop's time (``loop.time()``)."""
+        """Run out at ``when``, a time of the running event loop's clock (its ``time()``)."""
         if self._handle is None:
             self._handle = asyncio.get_running_loop().call_at(when, self._run_out)
 
