@@ -119,7 +119,8 @@ class Gate:
     """Admission of media requests: the concurrency limit, the queue and its order, the budgets."""
 
     max_mm_concurrency: int | Auto = setting(
-        4, parse=integer(1, 100_000), auto="found from the backend's completions per second and latency", essential=True,
+        4, parse=integer(1, 100_000), essential=True,
+        auto="found from the backend's completions per second and latency",
         help="media requests past admission at once", details="see [fleet](fleet.md) for `auto`")
     max_queue: int = setting(64, parse=integer(0, 1_000_000), essential=True,
                              help="media requests allowed to wait; beyond -> 429 queue_full")
