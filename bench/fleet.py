@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """mmgate in a fleet: the adaptive limit against fixed ones on a thrashing and on a batching backend, under
-attack, and fair waiting.
+attack, against a client that reads nothing, and fair waiting.
 
 **Adaptive limit** (``MMGATE_MAX_MM_CONCURRENCY=auto``). Two backend models, the ones ``testkit.adaptive_sim``
 simulates (a request's service time is set by ``c``, the requests in the backend when it arrives):
@@ -26,6 +26,18 @@ give up after 50 ms. Goals: honest answers/s during the attack and in the 10 s a
 before it, ≥ 0.8; the limit between probes (``AdaptiveLimit.cruise_limit``) 10 s after the attack within 10 %
 of where it was when the attack began.
 
+**Slow reader** (``MMGATE_CLIENT_WRITE_TIMEOUT=5``, ``MMGATE_QUEUE_TIMEOUT=2``): one client with a 4 KiB receive
+buffer asks for an 8 MiB streamed answer and reads none of it; once it holds its lease, 8 honest client loops
+(backend 100 ms an answer) run for the deadline + 3 s. One cell with ``auto`` right after the start (its limit at
+its floor, 1: the slow reader holds the only slot), one with a fixed limit of 4 released at completion.
+Recorded: how long the slow reader's lease was held from its grant (polled every 5 ms; the backend streams at
+once, so the answer waits on the client from the start), when its request ended and its access log code, the
+honest answers' statuses. Goals: the slot held ≤ the deadline + 5 % (the deadline starts once mmgate's buffer
+for the client is full; the lease goes back once the cut connection's handler is cancelled); no honest 429 (the
+queue timeout is shorter than the deadline, so the only slot held to it shows as 429s); the slow reader cut
+(``client_write_timeout``) in both cells, else its answer fit in the buffers and the cell tested nothing.
+``auto`` gives the lease back when the answer first waits on the client; a fixed limit holds it until the cut.
+
 **Fairness.** A backend with a constant 200 ms service time behind mmgate with a limit of 2. Flow ``big``
 sends 12 media requests at once; once they are all in (2 admitted, 10 queued), flow ``small`` sends 2. With
 ``x-gateway-inference-fairness-id`` the flows take turns; without it (FIFO) ``small`` waits behind all of
@@ -36,7 +48,7 @@ Everything runs in this process on one event loop (clients, mmgate from ``build_
 the backends sleep rather than burn CPU, so the figures depend little on the shared machine.
 
 Usage: python -m bench.fleet [--rounds 3] [--duration 20] [--quick (1 round, fewer limits, 4 s cells, attacks
-       shortened)] [--out PATH]
+       shortened; the slow-reader cells as they are)] [--out PATH]
 Writes bench/results/fleet.md and .json (or PATH.md / PATH.json).
 """
 
@@ -45,7 +57,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import re
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -59,6 +73,8 @@ from aiohttp.test_utils import TestServer
 
 from bench import _results as R
 from proxy.admission.client import LocalGate
+from proxy.admission.lease import Lease
+from proxy.edge.write_deadline import WRITE_TIMEOUT_CODE
 from proxy.state import AppState
 from testkit.adaptive_sim import Curve, batching, thrashing
 from testkit.media import chat_with_image, data_uri, image_bytes
@@ -89,6 +105,14 @@ MODELS = (
 ATTACK_WARMUP, ATTACK_SECONDS, ATTACK_AFTER = 30.0, 3.0, 15.0
 HONEST_LOOPS, ATTACKERS, HONEST_SECONDS, GIVE_UP_AFTER = 8, 2, 1.0, 0.05
 ATTACKS = ("fast answers", "refusals", "aborts")
+SLOW_LIMITS = ("auto", "4")
+WRITE_DEADLINE, SLOW_QUEUE_TIMEOUT, SLOW_AFTER, SLOW_SLACK = 5.0, 2.0, 3.0, 1.05
+SLOW_RCVBUF = 4096
+# 8 MiB of SSE events: more than every buffer between mmgate and a client that reads nothing (Linux lets a
+# socket's send buffer grow to tcp_wmem's maximum, 4 MiB by default; a 2 MiB answer fits in it whole)
+SLOW_EVENT, SLOW_EVENTS = b"data: " + b"x" * (16 << 10) + b"\n\n", 512
+SLOW_ID = "slow-reader"  # its X-Request-Id, which its access log line carries
+HANG_BOUND = 60.0  # seconds: a bound on a hang, not a measure of speed
 FAIR_SERVICE = 0.2
 FAIR_LIMIT = 2
 BIG, SMALL = 12, 2
@@ -107,7 +131,8 @@ ANSWER, ONE_TOKEN = answer(16), answer(1)
 @dataclass
 class ModelBackend:
     """A backend whose service time is ``curve(c, now)``, ``c`` the requests in it (this one counted); records
-    the order of arrivals. A request asking for one token is answered at once; one tagged ``refuse`` gets 400."""
+    the order of arrivals. A request asking for one token is answered at once; one tagged ``refuse`` gets 400; a
+    streamed one gets ``SLOW_EVENTS`` SSE events at once."""
 
     curve: Curve
     active: int = 0
@@ -115,7 +140,7 @@ class ModelBackend:
     server: TestServer | None = None
     started: float = field(default_factory=time.perf_counter)
 
-    async def chat(self, request: web.Request) -> web.Response:
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         tag = body["messages"][0]["content"][0]["text"]
         self.order.append(tag)
@@ -123,12 +148,23 @@ class ModelBackend:
             return web.json_response({"error": {"message": "no", "type": "invalid_request_error"}}, status=400)
         if body.get("max_tokens") == 1:
             return web.json_response(ONE_TOKEN)
+        if body.get("stream"):
+            return await self.stream(request)
         self.active += 1
         try:
             await asyncio.sleep(self.curve(self.active, time.perf_counter() - self.started))
         finally:
             self.active -= 1
         return web.json_response(ANSWER)
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        with contextlib.suppress(ConnectionError):  # mmgate closed the upstream: it cut its client
+            for _ in range(SLOW_EVENTS):
+                await response.write(SLOW_EVENT)
+            await response.write(b"data: [DONE]\n\n")
+        return response
 
     async def start(self) -> str:
         app = web.Application(client_max_size=64 << 20)
@@ -267,6 +303,104 @@ async def attack_cell(kind: str, warmup: float, length: float, after: float) -> 
             "trace": R.downsample([[t, float(limit), float(c)] for t, limit, c in trace], 1)}
 
 
+def first_lease(state: AppState) -> asyncio.Future[Lease]:
+    """The next lease the gate grants: that of the bench's one request in flight when it asks."""
+    assert isinstance(state.gate, LocalGate)  # the bench serves in one process
+    client = state.gate
+    acquire = client.acquire
+    granted: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+
+    async def watched(*args: Any, **kwargs: Any) -> Lease:
+        lease = await acquire(*args, **kwargs)
+        if not granted.done():
+            granted.set_result(lease)
+        return lease
+
+    client.acquire = watched  # type: ignore[method-assign]
+    return granted
+
+
+class AccessLogEnd(logging.Handler):
+    """When the request logged as ``request_id`` ended (``time.perf_counter``), and its access log code."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(logging.INFO)
+        self.request_id = request_id
+        self.at: float | None = None
+        self.code: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "fields", {})
+        if fields.get("request_id") == self.request_id:
+            self.at, self.code = time.perf_counter(), fields.get("code")
+
+
+async def reader_of_nothing(port: int, body: bytes) -> socket.socket:
+    """A client with a ``SLOW_RCVBUF`` receive buffer that sends ``body`` and never reads its answer."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_RCVBUF)  # before connecting: the window is agreed then
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nX-Request-Id: {SLOW_ID}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    await loop.sock_sendall(sock, head.encode() + body)
+    return sock
+
+
+async def slow_reader_cell(limit: str) -> dict[str, Any]:
+    """A client that reads nothing of its streamed answer; once its lease is granted, ``HONEST_LOOPS`` honest
+    loops for ``WRITE_DEADLINE + SLOW_AFTER`` s."""
+    backend = ModelBackend(lambda concurrency, now: BASE_SECONDS)
+    env = AUTO_ENV | {"MMGATE_CLIENT_WRITE_TIMEOUT": f"{WRITE_DEADLINE:g}",
+                      "MMGATE_QUEUE_TIMEOUT": f"{SLOW_QUEUE_TIMEOUT:g}", "MMGATE_ACCESS_LOG": "on"}
+    proxy, stop = await start_proxy_server(await backend.start(), MMGATE_MAX_MM_CONCURRENCY=limit, **env)
+    image = data_uri(image_bytes())
+    honest_body = _body("honest", image)
+    statuses: dict[str, int] = {}
+    ended = AccessLogEnd(SLOW_ID)
+    access_log = logging.getLogger("mmgate.access")
+    level = access_log.level
+    access_log.setLevel(logging.INFO)
+    access_log.addHandler(ended)
+    granted = first_lease(proxy.state)
+    sock = None
+    try:
+        sock = await reader_of_nothing(proxy.server.port, _body("slow", image, stream=True))
+        lease = await asyncio.wait_for(granted, HANG_BOUND)
+        started = time.perf_counter()
+        end = started + WRITE_DEADLINE + SLOW_AFTER
+
+        async def honest_loop(session: aiohttp.ClientSession) -> None:
+            while time.perf_counter() < end:
+                async with session.post(proxy.url + "/v1/chat/completions", data=honest_body,
+                                        headers={"Content-Type": "application/json"}) as response:
+                    await response.read()
+                    statuses[str(response.status)] = statuses.get(str(response.status), 0) + 1
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            tasks = [asyncio.create_task(honest_loop(session)) for _ in range(HONEST_LOOPS)]
+            # polled: a lease has no event for its release
+            while not lease.released and time.perf_counter() < end:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+            released_at, released = time.perf_counter(), lease.released
+            await asyncio.sleep(end - time.perf_counter())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        if sock is not None:
+            sock.close()
+        access_log.removeHandler(ended)
+        access_log.setLevel(level)
+        await stop()
+        assert backend.server is not None
+        await backend.server.close()
+    # a lease not given back within the cell counts as held for the whole cell: a lower bound, still over the goal
+    return {"limit": limit, "held_s": released_at - started, "released": released,
+            "ended_s": None if ended.at is None else ended.at - started, "code": ended.code, "honest": statuses}
+
+
 def convergence(trace: list[tuple[float, int]], best: int, share: float = 0.9) -> float | None:
     """The first time from which the limit spends at least ``share`` of the rest of the run within one of
     ``best`` (it keeps probing one above and backing off, so "never leaves" would be the wrong test); None if
@@ -340,11 +474,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"×{cell['during']:.2f}, after ×{cell['after']:.2f}; limit {cell['pre_limit']} → "
                   f"{cell['limit_10s_after']} 10 s after; attacks {cell['attacks']}", flush=True)
             attacks.append(cell)
+        slow = []
+        for limit in SLOW_LIMITS:
+            cell = await slow_reader_cell(limit)
+            print(f"  round {number + 1} slow reader, limit {limit}: slot held {cell['held_s']:.3f} s, request "
+                  f"ended at {cell['ended_s']} s ({cell['code']}); honest statuses {cell['honest']}", flush=True)
+            slow.append(cell)
         fair, fifo = await fairness_cell(True), await fairness_cell(False)
         print(f"  round {number + 1} fairness: small slots {fair['slots']} wait {fair['small_wait']:.2f} s; "
               f"FIFO slots {fifo['slots']} wait {fifo['small_wait']:.2f} s", flush=True)
-        rounds.append({"models": models, "attacks": attacks, "fair": fair, "fifo": fifo})
+        rounds.append({"models": models, "attacks": attacks, "slow_reader": slow, "fair": fair, "fifo": fifo})
     return {"rounds": rounds}
+
+
+def slow_name(limit: str) -> str:
+    return "auto" if limit == "auto" else f"fixed limit {limit}, released at completion"
 
 
 def goals(data: dict[str, Any]) -> list[R.Goal]:
@@ -381,6 +525,18 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
                    [attack(r, kind)["limit_10s_after"] / attack(r, kind)["pre_limit"] for r in rounds],
                    "0.9–1.1", lambda v: 0.9 <= v <= 1.1, met_on="every"),
         ]
+    for limit in SLOW_LIMITS:
+        cells = [next(c for c in r["slow_reader"] if c["limit"] == limit) for r in rounds]
+        found += [
+            R.goal(f"slow reader, {slow_name(limit)}: its slot held (write deadline {WRITE_DEADLINE:g} s)",
+                   [c["held_s"] for c in cells], f"≤ {WRITE_DEADLINE * SLOW_SLACK:g}",
+                   lambda v: v <= WRITE_DEADLINE * SLOW_SLACK, unit="s", met_on="max"),
+            R.goal(f"slow reader, {slow_name(limit)}: honest answers 429", [c["honest"].get("429", 0) for c in cells],
+                   "= 0", lambda v: v == 0, met_on="max"),
+        ]
+    found.append(R.goal("slow reader: cells whose client was cut (log code client_write_timeout)",
+                        [sum(c["code"] == WRITE_TIMEOUT_CODE for c in r["slow_reader"]) for r in rounds],
+                        f"= {len(SLOW_LIMITS)}", lambda v: v == len(SLOW_LIMITS), met_on="min"))
     return [
         *found,
         R.goal("fair: forwards until the small flow's last request (of those after it arrived)",
@@ -393,7 +549,8 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 def render(data: dict[str, Any]) -> str:
     s = data["settings"]
     rounds = data["rounds"]
-    lines = ["# fleet: the adaptive limit on a thrashing and a batching backend, under attack; fair waiting", "",
+    lines = ["# fleet: the adaptive limit on a thrashing and a batching backend, under attack, against a slow "
+             "reader; fair waiting", "",
              f"`python -m bench.fleet --rounds {s['rounds']} --duration {s['duration']:g}`: closed-loop clients; "
              "throughput in answers/s, median (min–max) of the rounds; `auto` starts cold at 1 every round."]
     for model in MODELS:
@@ -418,6 +575,17 @@ def render(data: dict[str, Any]) -> str:
         for c in r["attacks"]:
             lines.append(f"| {i} | {c['kind']} | {c['honest_before']:.2f} | {c['during']:.2f} | {c['after']:.2f} | "
                          f"{c['pre_limit']} | {c['limit_10s_after']} | {c['attacks']} |")
+    lines += ["", f"**Slow reader**: `MMGATE_CLIENT_WRITE_TIMEOUT={WRITE_DEADLINE:g}`, "
+              f"`MMGATE_QUEUE_TIMEOUT={SLOW_QUEUE_TIMEOUT:g}`; one client with a {SLOW_RCVBUF // 1024} KiB receive "
+              f"buffer asks for a stream of {SLOW_EVENTS * len(SLOW_EVENT) >> 20} MiB and reads nothing; then "
+              f"{HONEST_LOOPS} honest loops (backend {BASE_SECONDS * 1000:.0f} ms an answer) for "
+              f"{WRITE_DEADLINE + SLOW_AFTER:g} s. Seconds from its lease's grant.", "",
+              "| round | limit | its slot held s | its request ended s | its log code | honest statuses |",
+              "|---|---|---:|---:|---|---|"]
+    for i, r in enumerate(rounds, 1):
+        for c in r["slow_reader"]:
+            lines.append(f"| {i} | {slow_name(c['limit'])} | {c['held_s']:.3f} | {R.number(c['ended_s'])} | "
+                         f"{c['code']} | {c['honest']} |")
     lines += ["", f"Fairness: limit {FAIR_LIMIT}, service {FAIR_SERVICE * 1000:.0f} ms; flow `big` sends {BIG}, "
               f"then flow `small` sends {SMALL}. Slots: forwards after `small` arrived until each of its requests "
               "was forwarded (1 = the next one).", "",
@@ -442,11 +610,13 @@ def main() -> None:
     args.duration = args.duration or (4.0 if args.quick else 20.0)
     args.attack = (10.0, ATTACK_SECONDS, 12.0) if args.quick else (ATTACK_WARMUP, ATTACK_SECONDS, ATTACK_AFTER)
     stamp = R.stamp("fleet.py", "adaptive concurrency limit vs fixed limits on thrashing and batching backends, "
-                                "under attack; fair waiting")
+                                "under attack, against a slow reader; fair waiting")
     data = stamp | asyncio.run(run(args))
     data["settings"] = {"rounds": args.rounds, "duration": args.duration, "quick": args.quick,
                         "models": {m.name: {"clients": m.clients, "service": m.described} for m in MODELS},
-                        "attack": list(args.attack), "base_seconds": BASE_SECONDS}
+                        "attack": list(args.attack), "base_seconds": BASE_SECONDS,
+                        "slow_reader": {"write_deadline": WRITE_DEADLINE, "queue_timeout": SLOW_QUEUE_TIMEOUT,
+                                        "rcvbuf": SLOW_RCVBUF, "stream_bytes": SLOW_EVENTS * len(SLOW_EVENT)}}
     data["goals"] = goals(data)
     R.print_goals(data["goals"])
     R.write("fleet", data, render(data), args.out)
