@@ -68,7 +68,9 @@ Run a bench from the repository root as a module, e.g. `python -m bench.loop_lat
 estimate per image, the decode worker's CPU with a model vs the generic rule, and, against the tests' real vLLM,
 prompt tokens, bytes, latency and throughput direct vs through mmgate.
 `python -m bench.fleet` measures `MMGATE_MAX_MM_CONCURRENCY=auto` against fixed limits on a backend model that
-thrashes past 4 concurrent requests, and a small flow's wait behind a burst, fair against FIFO;
+thrashes past 4 concurrent requests and on one that batches up to 12, under the three attacks on its samples
+(answers at once, refusals at once, clients giving up), a client that reads nothing of its answer, and a small
+flow's wait behind a burst, fair against FIFO;
 `python -m bench.fleet_vllm` runs `auto` against fixed limits in front of the tests' real vLLM, driven by
 `vllm bench serve`."""
 
