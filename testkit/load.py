@@ -81,9 +81,12 @@ def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
     """mmgate in its own process: ``python -m proxy``, or with ``variant`` (``"nice0"``, ``"loop"``) the
     baseline decode pool of ``python -m testkit.variants``. The processed-media cache is off unless ``flags``
     turn it on: benchmarks resend their images, and a cache would answer them without the work they measure
-    (``bench/cache.py`` measures the cache)."""
+    (``bench/cache.py`` measures the cache). It runs on asyncio's own event loop, what ``pip install mmgate``
+    gives, unless ``env`` names another (``MMGATE_LOOP``): the test extra installs uvloop, which ``auto`` would
+    pick, and bench/passthrough.py measures uvloop beside asyncio."""
     port = free_port()
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")} | (env or {})
+    full_env = ({k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")} | {"MMGATE_LOOP": "asyncio"}
+                | (env or {}))
     cmd = [sys.executable, "-m", "proxy"] if variant is None else [sys.executable, "-m", "testkit.variants", variant]
     cmd += ["--upstream", upstream, "--port", str(port), "--host", "127.0.0.1", "--access-log", "off",
             "--drain-grace", "0", "--drain-timeout", "2", "--cache-mb", "0", *flags]

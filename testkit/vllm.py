@@ -276,12 +276,14 @@ def start_vllm(dir_: Path = DEFAULT_DIR, port: int | None = None, log: Path | No
 
 
 def start_mmgate(upstream: str, *flags: str, log_dir: Path = DEFAULT_DIR / "logs", timeout: float = 60.0) -> Server:
-    """Start ``python -m proxy`` (this interpreter, the project's) on a free loopback port in front of ``upstream``."""
+    """Start ``python -m proxy`` (this interpreter, the project's) on a free loopback port in front of ``upstream``,
+    on asyncio's own event loop, what ``pip install mmgate`` gives (``flags`` may name another: ``--loop``)."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"mmgate-{port}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")}
     env["PYTHONUNBUFFERED"] = "1"
+    env["MMGATE_LOOP"] = "asyncio"
     cmd = [sys.executable, "-m", "proxy", "--upstream", upstream, "--host", "127.0.0.1", "--port", str(port), *flags]
     with open(log, "ab") as f:
         f.write(("$ " + " ".join(cmd) + "\n").encode())
