@@ -16,6 +16,9 @@ Per round, fresh processes for each scenario (an idle control server runs throug
     POST the same 12 MP photo chat (a 4000x3000 JPEG, ~3.5 MB as base64) back to back: after the first,
     every one is a cache hit;
   * mmgate, pacing off: the same with MMGATE_LOOP_LAG_TARGET=0 (what mmgate did before pacing);
+  * mmgate on uvloop: the same with MMGATE_LOOP=uvloop (the other scenarios run on asyncio's own loop, what
+    ``pip install mmgate`` gives): libuv reads up to 32 buffers from a socket in one pass of the loop, so a
+    held upload's reading stops only between such bursts;
   * minimal: the minimal aiohttp proxy of bench/passthrough.py (read the body, forward it, stream the answer)
     under the same load, probed with the text request and the control.
 
@@ -53,9 +56,11 @@ CACHE_ON = ("--cache-mb", str(setting_default('cache_mb')))  # the default, whic
 GOAL_TEXT_MS = 15.0
 GOAL_HEALTH_MS = 5.0
 GOAL_THROUGHPUT = 0.6
-SCENARIOS = ("idle", "mmgate", "mmgate_unpaced", "minimal")
+SCENARIOS = ("idle", "mmgate", "mmgate_unpaced", "mmgate_uvloop", "minimal")
 LABELS = {"idle": "mmgate idle", "mmgate": "mmgate (default settings)",
-          "mmgate_unpaced": "mmgate, pacing off (MMGATE_LOOP_LAG_TARGET=0)", "minimal": "minimal aiohttp proxy"}
+          "mmgate_unpaced": "mmgate, pacing off (MMGATE_LOOP_LAG_TARGET=0)",
+          "mmgate_uvloop": "mmgate on uvloop (MMGATE_LOOP=uvloop)", "minimal": "minimal aiohttp proxy"}
+SCENARIO_ENV = {"mmgate_unpaced": {"MMGATE_LOOP_LAG_TARGET": "0"}, "mmgate_uvloop": {"MMGATE_LOOP": "uvloop"}}
 
 
 def start_role(role: str, *args: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -81,8 +86,7 @@ async def run_scenario(name: str, body: bytes, upstream: str, control_url: str, 
     if name == "minimal":
         proc, url = start_role("minimal-proxy", "--upstream", upstream)
     else:
-        env = {"MMGATE_LOOP_LAG_TARGET": "0"} if name == "mmgate_unpaced" else {}
-        proc, url = L.start_mmgate(upstream, *CACHE_ON, env=env)
+        proc, url = L.start_mmgate(upstream, *CACHE_ON, env=SCENARIO_ENV.get(name, {}))
     try:
         warm = await L.run_load(url, body, 2, requests_per_client=2)  # the first fills the cache
         if warm.statuses() != {"200": 4}:
@@ -151,7 +155,7 @@ def figures(rounds: list[dict[str, dict]]) -> dict[str, list[float]]:
             add(f"{name}/cpu_ms_per_media_req", row["cpu_ms_per_media_req"])
             add(f"{name}/cpu_pct", row["cpu_pct"])
             add(f"{name}/minor_faults_per_media_req", row.get("minor_faults_per_media_req"))
-        for name in ("mmgate", "mmgate_unpaced"):
+        for name in ("mmgate", "mmgate_unpaced", "mmgate_uvloop"):
             if name not in rnd:
                 continue
             row = rnd[name]
@@ -189,6 +193,11 @@ def goals(f: dict[str, list[float]]) -> list[R.Goal]:
         R.goal("pacing off: health p99 over the control's", f.get("mmgate_unpaced/health_p99_over_control_ms", []),
                unit="ms"),
         R.goal("pacing off: media req/s ÷ minimal's", f.get("mmgate_unpaced/throughput_over_minimal", [])),
+        R.goal("uvloop: loaded text p99 over idle text p99", f.get("mmgate_uvloop/text_p99_over_idle_ms", []),
+               unit="ms"),
+        R.goal("uvloop: health p99 over the control's", f.get("mmgate_uvloop/health_p99_over_control_ms", []),
+               unit="ms"),
+        R.goal("uvloop: media req/s ÷ minimal's", f.get("mmgate_uvloop/throughput_over_minimal", [])),
         R.goal("minimal proxy: loaded text p99 over mmgate's idle text p99",
                f.get("minimal/text_p99_over_idle_ms", []), unit="ms"),
     ]
