@@ -23,7 +23,7 @@ import ast
 import functools
 import itertools
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,7 +97,7 @@ def modules_at(repo: Path, commit: str) -> dict[str, tuple[str, ast.Module | Non
     return modules
 
 
-def _with_packages(name: str, known: dict[str, tuple[str, ast.Module | None]]) -> list[str]:
+def with_packages(name: str, known: Collection[str]) -> list[str]:
     """``name`` and every package above it that is ours: importing a module runs their ``__init__`` first."""
     parts = name.split(".")
     return [prefix for prefix in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if prefix in known]
@@ -116,15 +116,14 @@ def _code_in_strings(tree: ast.Module) -> list[ast.AST]:
     return nodes
 
 
-def imports_of(name: str, known: dict[str, tuple[str, ast.Module | None]]) -> set[str]:
-    """The modules of ours that module ``name`` imports, by any statement at any depth (as
-    ``tests/test_import_graph.py`` reads them) or in a string of code it hands to a fresh interpreter."""
-    path, tree = known[name]
-    if tree is None:
-        return set()
-    is_package = path.endswith("/__init__.py")
+def imports_in(tree: ast.Module, name: str, is_package: bool, known: Collection[str], *,
+               code_in_strings: bool = False) -> set[str]:
+    """The modules of ``known`` that module ``name`` (whose syntax tree is ``tree``) imports, by any statement at
+    any depth, with the packages above each; with ``code_in_strings``, also by the import statements it hands to
+    a fresh interpreter as text. Names imported from a package count as an import of the submodule of that name
+    where there is one, else of the package."""
     found: set[str] = set()
-    for node in (*ast.walk(tree), *_code_in_strings(tree)):
+    for node in (*ast.walk(tree), *(_code_in_strings(tree) if code_in_strings else ())):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -139,9 +138,18 @@ def imports_of(name: str, known: dict[str, tuple[str, ast.Module | None]]) -> se
         else:
             continue
         for target in targets:
-            found.update(_with_packages(target, known))
+            found.update(with_packages(target, known))
     found.discard(name)
     return found
+
+
+def imports_of(name: str, known: dict[str, tuple[str, ast.Module | None]]) -> set[str]:
+    """The modules of ours that module ``name`` imports, by any statement at any depth or in a string of code it
+    hands to a fresh interpreter."""
+    path, tree = known[name]
+    if tree is None:
+        return set()
+    return imports_in(tree, name, path.endswith("/__init__.py"), known, code_in_strings=True)
 
 
 def runs_mmgate(tree: ast.Module | None) -> bool:

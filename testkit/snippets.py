@@ -28,6 +28,8 @@ from pathlib import Path
 
 import aiohttp
 
+from testkit.environment import mmgate_env
+
 VENV_BIN = Path(sys.executable).parent
 SNIPPET_TIMEOUT = 120.0  # seconds; a bound on a hang, not a measure of speed
 STOP_TIMEOUT = 30.0  # seconds for a server to exit after Ctrl-C
@@ -95,10 +97,8 @@ def snippet_env(tmpdir: Path | None = None) -> dict[str, str]:
     """A new user's shell with the venv active, no proxy for 127.0.0.1, and mmgate on loopback only; ``tmpdir``
     as its temporary folder (``mktemp``, Python's ``tempfile``); ``MMGATE_LOOP`` kept, the event loop of the
     test pass."""
-    env = {k: v for k, v in os.environ.items()
-           if (not k.startswith("MMGATE_") or k == "MMGATE_LOOP")
-           and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
-    env["MMGATE_HOST"] = "127.0.0.1"
+    env = {k: v for k, v in mmgate_env(keep=("MMGATE_LOOP",), MMGATE_HOST="127.0.0.1").items()
+           if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(VENV_BIN.parent)
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"

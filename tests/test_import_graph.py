@@ -17,6 +17,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from bench.staleness import imports_in, with_packages
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("proxy", "preprocessors")
 
@@ -32,34 +34,10 @@ def _modules() -> dict[str, Path]:
     return {_module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
 
 
-def _with_packages(name: str, known: dict[str, Path]) -> list[str]:
-    """``name`` and every package above it that is ours: importing a module runs their ``__init__`` first."""
-    parts = name.split(".")
-    return [prefix for prefix in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if prefix in known]
-
-
 def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The modules of ours that module ``name`` imports, by any statement at any depth."""
-    is_package = path.name == "__init__.py"
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".")
-                base = base[: len(base) - node.level + (1 if is_package else 0)]
-                source = ".".join([*base, node.module] if node.module else base)
-            else:
-                source = node.module or ""
-            targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source
-                       for alias in node.names]
-        else:
-            continue
-        for target in targets:
-            found.update(_with_packages(target, known))
-    found.discard(name)
-    return found - set(_with_packages(name, known))
+    """The modules of ours that module ``name`` imports, less its own packages."""
+    tree = ast.parse(path.read_text(), str(path))
+    return imports_in(tree, name, path.name == "__init__.py", known) - set(with_packages(name, known))
 
 
 def import_graph() -> dict[str, set[str]]:

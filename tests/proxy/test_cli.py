@@ -4,7 +4,6 @@ stops: SIGTERM drains (Kubernetes), SIGINT (Ctrl-C) stops an idle server at once
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import socket
@@ -21,6 +20,7 @@ from proxy.serve.demo import free_port
 from proxy.serve.memory import tune_allocators
 from proxy.serve.server import where_note
 from proxy.settings import SPEC
+from testkit.environment import mmgate_env
 from tests.conftest import Upstream
 
 # ``MMGATE_*`` variables the project reads outside Settings (tests, benchmarks, the real-vLLM suite). They are
@@ -233,9 +233,7 @@ def _env(**settings: str) -> dict[str, str]:
     """This process's environment without its MMGATE_* (a developer's own would change what is tested), but
     for MMGATE_DECODE_MODE, with which CI runs the whole suite once per mode, MMGATE_PROCESSES, with which CI
     runs these tests again on several front processes, and MMGATE_LOOP, the event loop of the pass."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MMGATE_") or k in ("MMGATE_DECODE_MODE", "MMGATE_PROCESSES", "MMGATE_LOOP")}
-    return env | {"MMGATE_HOST": "127.0.0.1", **settings}
+    return mmgate_env(MMGATE_HOST="127.0.0.1", **settings)
 
 
 async def _start_mmgate(env: dict[str, str]) -> asyncio.subprocess.Process:

@@ -4,7 +4,6 @@ retryable 503 before any decoding while it is known to be down, served again as 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import sys
 from collections.abc import AsyncIterator
@@ -15,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from proxy.serve.demo import free_port
+from testkit.environment import mmgate_env
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
 from tests.conftest import StartProxy, Upstream
 
@@ -51,10 +51,8 @@ async def read_until(stream: asyncio.StreamReader, pattern: str, seen: list[str]
 async def mmgate_without_upstream() -> AsyncIterator[tuple[asyncio.subprocess.Process, int, int, list[str]]]:
     """A real ``mmgate`` process whose upstream port has nothing listening (yet)."""
     upstream_port, port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MMGATE_") or k in ("MMGATE_DECODE_MODE", "MMGATE_LOOP")}
-    env |= {"MMGATE_UPSTREAM": f"http://127.0.0.1:{upstream_port}", "MMGATE_HOST": "127.0.0.1",
-            "MMGATE_PORT": str(port), "MMGATE_DRAIN_GRACE": "0"}
+    env = mmgate_env(keep=("MMGATE_DECODE_MODE", "MMGATE_LOOP"), MMGATE_UPSTREAM=f"http://127.0.0.1:{upstream_port}",
+                     MMGATE_HOST="127.0.0.1", MMGATE_PORT=str(port), MMGATE_DRAIN_GRACE="0")
     process = await asyncio.create_subprocess_exec(sys.executable, "-m", "proxy", env=env,
                                                    stderr=asyncio.subprocess.PIPE)
     try:

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from proxy.serve.demo import free_port
 from proxy.settings import Settings, auto_processes, usable_cpus
+from testkit.environment import mmgate_env
 from testkit.media import chat_with_image, data_uri, image_bytes
 from tests.conftest import Upstream
 
@@ -32,9 +33,9 @@ POLLS = 600  # bounded polls of /mmgate/stats (each a real request), far more th
 
 def _env(**settings: str) -> dict[str, str]:
     """This environment without a developer's own MMGATE_* (but the decode mode CI chooses), two fronts."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_") or k == "MMGATE_DECODE_MODE"}
-    return env | {"MMGATE_HOST": "127.0.0.1", "MMGATE_PROCESSES": str(PROCESSES), "MMGATE_DECODE_WORKERS": "2",
-                  "MMGATE_ACCESS_LOG": "off", "MMGATE_DRAIN_GRACE": "0", **settings}
+    return mmgate_env(keep=("MMGATE_DECODE_MODE",), **{
+        "MMGATE_HOST": "127.0.0.1", "MMGATE_PROCESSES": str(PROCESSES), "MMGATE_DECODE_WORKERS": "2",
+        "MMGATE_ACCESS_LOG": "off", "MMGATE_DRAIN_GRACE": "0", **settings})
 
 
 class Mmgate:
@@ -84,6 +85,14 @@ class Mmgate:
     async def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = await self.get("/mmgate/stats")
         return stats
+
+    async def readiness_is(self, status: int) -> None:
+        """Wait (bounded) until /mmgate/ready answers ``status``."""
+        for _ in range(POLLS):
+            if (last := (await self.answer("/mmgate/ready"))[0]) == status:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"/mmgate/ready never answered {status} (last: {last})")
 
     async def until(self, what: str, condition: Any) -> dict[str, Any]:
         """Poll /mmgate/stats (bounded) until ``condition(stats)`` holds; the last stats."""
@@ -315,12 +324,7 @@ async def test_sigterm_drains_streams_on_every_process(upstream: Upstream, start
     try:
         await _stream_on_every_front(mmgate, streams)
         mmgate.process.send_signal(signal.SIGTERM)
-        for _ in range(POLLS):
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
-                async with client.get(mmgate.url + "/mmgate/ready") as ready:
-                    if ready.status == 503:
-                        break
-        assert ready.status == 503
+        await mmgate.readiness_is(503)
         upstream.release.set()
         for _, response in streams:
             assert await response.content.read() == b"data: last\n\n"
@@ -344,12 +348,7 @@ async def test_a_second_ctrl_c_to_the_supervisor_stops_every_front_now(upstream:
     try:
         await _stream_on_every_front(mmgate, streams)
         mmgate.process.send_signal(signal.SIGINT)
-        for _ in range(POLLS):  # the fronts were told: readiness fails while they wait for their streams
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
-                async with client.get(mmgate.url + "/mmgate/ready") as ready:
-                    if ready.status == 503:
-                        break
-        assert ready.status == 503
+        await mmgate.readiness_is(503)  # the fronts were told: it fails while they wait for their streams
         mmgate.process.send_signal(signal.SIGINT)
         async with asyncio.timeout(30):
             assert await mmgate.process.wait() == 130
@@ -460,10 +459,7 @@ async def test_a_hung_supervisor_gets_503s_and_failed_readiness_not_hangs(upstre
         assert answers[1][1]["error"]["code"] == "gate_unavailable"
     finally:
         os.kill(mmgate.process.pid, signal.SIGCONT)
-    for _ in range(POLLS):
-        if (await mmgate.answer("/mmgate/ready"))[0] == 200:
-            break
-        await asyncio.sleep(0.05)
+    await mmgate.readiness_is(200)
     status, body = await _post(mmgate.url, _media_body(4))
     assert status == 200, body
     assert (await mmgate.stats())["processes"] == PROCESSES  # no front was taken for hung meanwhile

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from proxy.serve.demo import demo_url, free_port
+from testkit.environment import mmgate_env
 from tests.conftest import require_heavy
 
 BOUND = 120.0  # seconds: a bound on a hang, not a measure of speed
@@ -22,7 +23,7 @@ BOUND = 120.0  # seconds: a bound on a hang, not a measure of speed
 def demo_env() -> dict[str, str]:
     """The demo's own environment: none of the developer's MMGATE_* (MMGATE_HOST above all) but the event loop
     CI runs the suite on."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_") or k == "MMGATE_LOOP"}
+    return mmgate_env(keep=("MMGATE_LOOP",))
 
 
 def fresh_shell_env(home: Path) -> dict[str, str]:

@@ -19,6 +19,7 @@ from aiohttp import web
 from proxy.serve.demo import free_port
 from proxy.serve.fd_limit import connections_within, fds_needed, plan_fd_limit
 from proxy.settings import Settings
+from testkit.environment import mmgate_env
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
 from testkit.servers import proxy_settings
 from tests.proxy.edge.test_upstream_health import read_until, sample
@@ -70,9 +71,8 @@ def test_no_room_for_a_connection_is_a_cap_of_zero() -> None:
 
 
 def test_a_hard_limit_too_low_for_one_connection_stops_mmgate_with_one_line() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")}
-    env |= {"MMGATE_UPSTREAM": "http://127.0.0.1:9", "MMGATE_HOST": "127.0.0.1", "MMGATE_PORT": str(free_port()),
-            "MMGATE_DECODE_MODE": "thread", "MMGATE_DECODE_WORKERS": "1"}
+    env = mmgate_env(keep=(), MMGATE_UPSTREAM="http://127.0.0.1:9", MMGATE_HOST="127.0.0.1",
+                     MMGATE_PORT=str(free_port()), MMGATE_DECODE_MODE="thread", MMGATE_DECODE_WORKERS="1")
     result = subprocess.run([sys.executable, "-m", "proxy"], env=env, capture_output=True, text=True, timeout=BOUND,
                             check=False, preexec_fn=_nofile(40, 40))
     assert result.returncode == 2, result.stderr
@@ -126,9 +126,8 @@ def _logged(lines: list[str], text: str) -> str | None:
 
 async def test_out_of_descriptors_is_mmgates_own_503_and_the_upstream_stays_up(closing_upstream: str) -> None:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")}
-    env |= {"MMGATE_UPSTREAM": closing_upstream, "MMGATE_HOST": "127.0.0.1", "MMGATE_PORT": str(port),
-            "MMGATE_DECODE_MODE": "thread", "MMGATE_DECODE_WORKERS": "1", "MMGATE_DRAIN_GRACE": "0"}
+    env = mmgate_env(keep=(), MMGATE_UPSTREAM=closing_upstream, MMGATE_HOST="127.0.0.1", MMGATE_PORT=str(port),
+                     MMGATE_DECODE_MODE="thread", MMGATE_DECODE_WORKERS="1", MMGATE_DRAIN_GRACE="0")
     process = await asyncio.create_subprocess_exec(sys.executable, "-m", "proxy", env=env,
                                                    stderr=asyncio.subprocess.PIPE, preexec_fn=_nofile(256, 300))
     assert process.stderr is not None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import sys
 from functools import partial
@@ -18,6 +17,7 @@ from proxy.serve.demo import free_port
 from proxy.serve.loop import uvloop_installed
 from proxy.serve.server import FORCED_EXIT_STATUS, drain
 from proxy.state import STATE
+from testkit import environment
 from tests.conftest import StartProxy, Upstream, require_heavy
 
 BOUND = 30.0  # seconds: a bound on a hang, not a measure of speed
@@ -27,9 +27,7 @@ MISSPELT = "MMGATE_MAX_QUEUE"[:-1]  # built, so that no file but test_cli.py spe
 def mmgate_env(**settings: str) -> dict[str, str]:
     """This process's environment without its MMGATE_* (a developer's own would change what is tested), but for
     the decode mode and the event loop CI runs the suite under; one process, on loopback only."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MMGATE_") or k in ("MMGATE_DECODE_MODE", "MMGATE_LOOP")}
-    return env | {"MMGATE_HOST": "127.0.0.1", **settings}
+    return environment.mmgate_env(keep=("MMGATE_DECODE_MODE", "MMGATE_LOOP"), MMGATE_HOST="127.0.0.1", **settings)
 
 
 async def start_mmgate(env: dict[str, str]) -> asyncio.subprocess.Process:
