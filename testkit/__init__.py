@@ -9,7 +9,7 @@ with no ``sys.path`` edits. It is not shipped: ``[tool.setuptools] packages`` le
 - ``servers``: the scriptable upstream and the proxy handle (pytest fixtures in tests/conftest.py start them).
 - ``media``: small images and requests for the tests; photo-like images and request bodies for the benches.
 - ``fuzzing``: strategies, properties and the corpus of tests/proxy/test_app_fuzz.py and bench/fuzz.py.
-- ``environment``: the environment of an mmgate a test starts as a process.
+- ``environment``: the environment of an mmgate a test or a bench starts as a process.
 - ``load``: processes, /proc readings, Prometheus parsing, the load client and the prober of the benches.
 - ``variants``: mmgate with a benchmark-only decode pool (workers at niceness 0, decode on the loop).
 - ``vllm``: installs, starts and stops a real vLLM and mmgate for tests/e2e and bench/real_vllm.py.

@@ -1,4 +1,4 @@
-"""The environment a test hands to an mmgate it starts as a process of its own."""
+"""The environment a test or a bench hands to an mmgate it starts as a process of its own."""
 
 from __future__ import annotations
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from testkit.environment import mmgate_env
+
 REPO = Path(__file__).resolve().parents[1]
 SETUP_SCRIPT = REPO / "tests" / "e2e" / "setup_vllm.sh"  # beside the suite it installs vLLM for
 DEFAULT_DIR = Path(os.environ.get("MMGATE_E2E_DIR", str(REPO / ".e2e")))
@@ -281,9 +283,7 @@ def start_mmgate(upstream: str, *flags: str, log_dir: Path = DEFAULT_DIR / "logs
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"mmgate-{port}.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env["MMGATE_LOOP"] = "asyncio"
+    env = mmgate_env(keep=(), PYTHONUNBUFFERED="1", MMGATE_LOOP="asyncio")
     cmd = [sys.executable, "-m", "proxy", "--upstream", upstream, "--host", "127.0.0.1", "--port", str(port), *flags]
     with open(log, "ab") as f:
         f.write(("$ " + " ".join(cmd) + "\n").encode())
