@@ -12,8 +12,9 @@ result. ``--stale`` runs only the entries whose result is stale: the code it mea
     python -m bench.all --only scale,gil_hold
 
 Entries marked ``vllm`` start the real vLLM of ``tests/e2e`` and need ``bash tests/e2e/setup_vllm.sh`` first;
-``--no-vllm`` skips them. The benches run one at a time: they measure a shared machine, and two at once would
-measure each other.
+``--no-vllm`` skips them. Entries marked with a core count measure goals that need that many usable cores; a
+smaller machine skips them and keeps their last result. The benches run one at a time: they measure a shared
+machine, and two at once would measure each other.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Entry:
     args: tuple[str, ...] = ()
     quick: tuple[str, ...] | None = ("--quick",)
     vllm: bool = False
+    cores: int = 1  # the usable cores its goals need: a smaller machine skips it, and its result stays as it was
     notes: str = field(default="", compare=False)
 
     def argv(self, quick: bool, scratch: Path) -> list[str] | None:
@@ -61,10 +63,16 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("pacing", "bench.pacing", quick=("--quick",)),
     Entry("loop_stall", "bench.loop_stall", quick=("--quick",),
           notes="measures main (git archive) beside this tree"),
-    Entry("scale", "bench.scale", quick=("--seconds", "1", "--rounds", "1", "--out", "{out}")),
+    Entry("scale", "bench.scale", quick=("--seconds", "1", "--rounds", "1", "--out", "{out}"),
+          notes="the 14-worker goals need 16 cores: scale_16cores measures them"),
+    Entry("scale_16cores", "bench.scale",
+          ("--workers", "1,14", "--resize", "on", "--first", "off", "--out", "bench/results/scale_16cores"),
+          quick=None, cores=16, notes="the 16-core cells alone: the whole bench there takes about 11 minutes"),
     Entry("cache", "bench.cache", quick=("--small", "--rounds", "1", "--no-write")),
     Entry("front", "bench.front", quick=("--quick", "--out", "{out}"),
-          notes="the 8-process goals need 16 cores: python -m bench.front --processes 1,8 there"),
+          notes="the 8-process goals need 16 cores: front_16cores measures them"),
+    Entry("front_16cores", "bench.front", ("--processes", "1,8", "--out", "bench/results/front_16cores"),
+          quick=None, cores=16),
     Entry("passthrough", "bench.passthrough", quick=("--quick", "--out", "{out}"),
           notes="needs nginx and wrk (Debian packages)"),
     Entry("gate_sweep", "bench.gate_sweep", quick=("--rounds", "1", "--gates", "off,2", "--no-write")),
@@ -122,8 +130,9 @@ def main() -> int:
     if args.list:
         for e in entries:
             cmd = " ".join(["python -m", e.module, *e.args])
+            needs = f"  [{e.cores} cores]" if e.cores > 1 else ""
             print(f"{e.result:16} {'stale' if is_stale(e) else 'fresh':5}  {cmd}"
-                  f"{'  [vllm]' if e.vllm else ''}{'  (' + e.notes + ')' if e.notes else ''}")
+                  f"{'  [vllm]' if e.vllm else ''}{needs}{'  (' + e.notes + ')' if e.notes else ''}")
         return 0
     failed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-all-") as tmp:
@@ -131,6 +140,10 @@ def main() -> int:
             argv = e.argv(args.quick, Path(tmp))
             if argv is None:
                 print(f"== {e.result}: no smoke mode, skipped", flush=True)
+                continue
+            if e.cores > R.usable_cores():
+                print(f"== {e.result}: needs {e.cores} usable cores, this machine has {R.usable_cores()}: skipped "
+                      f"(run `python -m bench.all --only {e.result}` on one that has them)", flush=True)
                 continue
             print(f"== {e.result}: {' '.join(argv[1:])}", flush=True)
             t0 = time.monotonic()
