@@ -146,8 +146,15 @@ def _median(cell: dict[str, Any], digits: str = ".3g") -> str:
     return f"{cell['median']:{digits}} ({lo:{digits}}–{hi:{digits}})"
 
 
-def scaling_table(data: dict[str, Any], result: str = "scale", many_cores_measured: bool = False) -> list[str]:
-    """The decode-mode × workers table of a ``bench/scale.py`` result, for the page's scaling paragraph."""
+def measured_cores(data: dict[str, Any]) -> int | None:
+    """The usable cores of the machine a result was measured on, where it recorded them."""
+    cores: int | None = (data.get("machine") or {}).get("usable_cores")
+    return cores
+
+
+def scaling_table(data: dict[str, Any], result: str, many_cores_measured: bool) -> list[str]:
+    """The decode-mode × workers table of a ``bench/scale.py`` result, for the page's scaling paragraph; a note
+    on the 16-core row when no result measured it."""
     _, when = freshness(data)
     lines = [
         f"Scaling (`bench/scale.py` → `{result}.json`; {when}; {machine(data)}): one mmgate process, 12 MP JPEG "
@@ -164,7 +171,7 @@ def scaling_table(data: dict[str, Any], result: str = "scale", many_cores_measur
             f"| {_median(r['x_one_worker'])} | {_median(r['cores'])} | {_median(r['cpu_ms_per_req'])} "
             f"| {_median(r['health_p99_ms'])} | {_median(r['health_max_ms'])} "
             f"| {r['rss_mmgate_mb']['median']:.0f} + {r['rss_workers_mb']['median']:.0f} |")
-    cores = (data.get("machine") or {}).get("usable_cores")
+    cores = measured_cores(data)
     if cores is not None and cores < 16 and not many_cores_measured:
         lines += ["", f"16 cores, 14 workers: not yet measured (the run above had {cores} usable cores); "
                       "`python -m bench.scale` measures that row unchanged on a machine that has them."]
@@ -198,6 +205,8 @@ def peer_table(data: dict[str, Any]) -> list[str]:
 def benchmark_tables(files: dict[str, dict[str, Any]]) -> list[str]:
     """The table of every result, the stale line, and the scaling and peer-client tables."""
     stale = [name for name, data in files.items() if freshness(data)[0]]
+    scaling = [name for name in ("scale", "scale_16cores") if name in files]
+    many_cores_measured = any((measured_cores(files[name]) or 0) >= 16 for name in scaling)
     return [
         "| script → result file | what | result: median (min–max, how many) | goal: met? | measured |",
         "| --- | --- | --- | --- | --- |",
@@ -207,9 +216,7 @@ def benchmark_tables(files: dict[str, dict[str, Any]]) -> list[str]:
          "recorded no commit); their figures describe older code until the bench runs again."
          if stale else "Every result was measured on the code as committed."),
         "",
-        *((*scaling_table(files["scale"], many_cores_measured="scale_16cores" in files), "") if "scale" in files
-          else ()),
-        *((*scaling_table(files["scale_16cores"], "scale_16cores"), "") if "scale_16cores" in files else ()),
+        *(line for name in scaling for line in (*scaling_table(files[name], name, many_cores_measured), "")),
         *((*peer_table(files["peer_client"]), "") if "peer_client" in files else ()),
     ]
 
