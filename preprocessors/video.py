@@ -48,6 +48,7 @@ from typing import Any, NoReturn
 
 from .base import Checkpoint, VideoPolicy
 from .errors import VIDEO_INVALID, VIDEO_TOO_LARGE, VIDEO_UNAVAILABLE
+from .parameter_sets import ParameterSetReader, UncheckableParameterSet
 from .vpx import vp8_sizes, vp9_sizes
 
 # FFmpeg's demuxer names: MP4/QuickTime (one demuxer, "mov,mp4,m4a,3gp,3g2,mj2") and Matroska/WebM.
@@ -241,10 +242,12 @@ def _sizes_reader(av: Any, stream: Any, policy: VideoPolicy) -> Callable[[Any, s
             return False
         return header_sizes
 
+    declared = _parameter_sets_checker(stream, codec, policy)
     decoder = stream.codec_context
     decoder.options = {"skip_frame": "nokey", "max_pixels": str(policy.max_pixels), "threads": "1"}
 
     def decoded_sizes(packet: Any, where: str) -> bool:
+        declared(packet, where)
         try:
             pictures = decoder.decode(packet)
         except av.FFmpegError as error:
@@ -258,3 +261,32 @@ def _sizes_reader(av: Any, stream: Any, policy: VideoPolicy) -> Callable[[Any, s
             _check_pixels(int(picture.width), int(picture.height), policy, where)
         return bool(pictures)
     return decoded_sizes
+
+
+def _parameter_sets_checker(stream: Any, codec: str, policy: VideoPolicy) -> Callable[[Any, str], None]:
+    """What checks the frame size of every parameter set a packet carries (``parameter_sets``), in its data or
+    as new extradata (an MP4 with several sample descriptions); the stream's header is checked now."""
+    extradata = stream.codec_context.extradata
+    reader = ParameterSetReader(codec, extradata)
+
+    def check(sizes: Callable[[], list[tuple[int, int]]], where: str) -> None:
+        try:
+            found = sizes()
+        except UncheckableParameterSet as error:
+            raise VIDEO_INVALID.error(f"the video's frame size cannot be checked{where}: {error}") from None
+        for width, height in found:
+            if width * height > policy.max_pixels:
+                raise VIDEO_TOO_LARGE.error(
+                    f"the video carries a {codec} parameter set for {width}x{height} = {width * height} "
+                    f"pixels{where}, over the limit of {policy.max_pixels} (MMGATE_MAX_VIDEO_PIXELS), whether "
+                    "or not a key frame uses it: send a smaller clip")
+
+    if extradata:
+        check(lambda: reader.extradata_sizes(extradata), " in the container's header")
+
+    def packet_sets(packet: Any, where: str) -> None:
+        if packet.has_sidedata("new_extradata"):
+            new = bytes(packet.get_sidedata("new_extradata"))
+            check(lambda: reader.extradata_sizes(new), where)
+        check(lambda: reader.packet_sizes(memoryview(packet)), where)
+    return packet_sets
