@@ -427,17 +427,39 @@ def test_the_cli_stops_with_status_2_naming_what_is_missing(tmp_path: Path, caps
     assert "needs MMGATE_MODEL" in capsys.readouterr().err
 
 
+def _unknown_family_folder(path: Path) -> Path:
+    """A vision model mmgate has no family for: CLIP's image processor under a model_type of its own."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    CLIPImageProcessorPil().save_pretrained(path)
+    (path / "config.json").write_text('{"model_type": "blip-2"}')
+    return path
+
+
+def _torch_only_folder(path: Path) -> Path:
+    """Llama 4 as its checkpoints ship it: an image processor transformers has only for torch."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "preprocessor_config.json").write_text('{"image_processor_type": "Llama4ImageProcessorFast"}')
+    (path / "config.json").write_text('{"model_type": "llama4"}')
+    return path
+
+
+@pytest.mark.parametrize(("build", "family", "warned"), [
+    (_unknown_family_folder, "blip-2", "blip-2 family (CLIPImageProcessor) has no model geometry"),
+    (_torch_only_folder, "Llama 4", "Llama 4 family (Llama4ImageProcessor) has no model geometry in mmgate "
+                                    "(transformers ships only a torch image processor")])
 def test_an_unsupported_family_keeps_the_generic_rule_with_a_warning(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    folder = str(gemma3_folder(tmp_path / "gemma", pan_and_scan=True))
+        build: Callable[[Path], Path], family: str, warned: str, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    folder = str(build(tmp_path / "model"))
     with caplog.at_level(logging.WARNING, logger="mmgate"):
         model = load_model(folder)
-    assert not model.supported and model.family == "gemma3 with pan-and-scan"
-    assert "gemma3 with pan-and-scan family (Gemma3ImageProcessor) has no model geometry" in caplog.text
+    assert not model.supported and model.family == family
+    assert warned in caplog.text
     state = build_state(Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:9", "MMGATE_MODEL": folder,
                                            "MMGATE_RESIZE_MAX_SIDE": "512"}))
     assert state.model is None and state.image_policy.geometry is None and state.image_policy.resize_max_side == 512
-    with pytest.raises(ConfigError, match="MMGATE_MAX_INFLIGHT_IMAGE_TOKENS needs a model"):
+    with pytest.raises(ConfigError, match=f"MMGATE_MAX_INFLIGHT_IMAGE_TOKENS needs a model.* is a {family} model"):
         build_state(Settings.from_env({"MMGATE_UPSTREAM": "http://127.0.0.1:9", "MMGATE_MODEL": folder,
                                        "MMGATE_MAX_INFLIGHT_IMAGE_TOKENS": "1000"}))
 

@@ -1,0 +1,5 @@
+import sys
+
+from proxy.media.families import main
+
+sys.exit(main())

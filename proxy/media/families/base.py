@@ -1,0 +1,76 @@
+"""What every family shares: the ``Family`` interface the registry lists, and the
+loading helpers (offline processors, configuration files, the ConfigError that names what is missing)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from preprocessors.geometry import Geometry, model_size
+from proxy.media.model import PROCESSOR_FILES, Model, no_video_tokens, read_json
+from proxy.settings import ConfigError
+
+__all__ = ["PROCESSOR_FILES", "Family", "Found", "Model", "checked", "load_processor", "needs_processor",
+           "no_video_tokens", "read_json"]
+
+def checked(geometry: Geometry, count: Callable[[int, int], int]) -> Callable[[int, int], int]:
+    """``count`` of an image the processor takes; else the refusal of ``preprocessors.geometry.model_size``."""
+
+    def checked_count(width: int, height: int) -> int:
+        model_size(geometry, width, height)  # MediaError for an image the processor refuses
+        return count(width, height)
+
+    return checked_count
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a model folder says about its processor: the names a family is recognised by, and the loaded image
+    processor (PIL backend) a family reads its geometry from."""
+
+    spec: str  # MMGATE_MODEL as given
+    folder: Path
+    image_type: str  # image_processor_type without its backend suffix (``Pil``, ``Fast``)
+    model_type: str  # config.json's model_type ("" where the folder has none)
+    image_processor: Any
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family in the model mode: how it is recognised, what it loads, and its row of docs/model.md's table.
+
+    A family module defines a subclass with ``recognise`` and ``load`` and an instance of it, listed in
+    ``proxy.media.families.FAMILIES``; the table is generated from these fields
+    (``python -m proxy.media.families``)."""
+
+    names: str  # the models it covers, as the table names them
+    processor: str  # the processor class and what tells it apart
+    resizes_to: str  # what mmgate forwards
+    counts: str  # how the image tokens are counted
+    kwargs: tuple[str, ...] = ()  # vLLM --mm-processor-kwargs keys whose values the processor config carries
+    vllm: str = ""  # where vLLM's processing differs from transformers', and what mmgate follows
+
+    def recognise(self, found: Found) -> bool:
+        raise NotImplementedError
+
+    def load(self, found: Found) -> Model:
+        raise NotImplementedError
+
+
+def load_processor(found: Found, family: str) -> Any:
+    """The folder's whole processor (image processor and tokenizer), offline; a ConfigError naming what the
+    count of ``family``'s image tokens needs where it cannot be loaded."""
+    try:
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(str(found.folder), local_files_only=True, backend="pil")
+    except Exception as error:
+        raise needs_processor(found, family, error) from None
+
+
+def needs_processor(found: Found, family: str, error: Exception) -> ConfigError:
+    return ConfigError(f"MMGATE_MODEL={found.spec!r}: counting {family} image tokens needs the model's processor "
+                       f"and tokenizer in {found.folder}, which could not be loaded offline "
+                       f"({type(error).__name__}: {str(error)[:200]})")

@@ -1,0 +1,43 @@
+"""LLaVA 1.5: the shortest edge to 336 (or, padding to a square, the longest), a constant count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from preprocessors.geometry import Geometry, ShortestEdge, Square
+
+from .base import Family, Found, Model, checked, load_processor
+
+
+def constant_model(found: Found, family: str, geometry: Geometry) -> Model:
+    """A family that makes the same number of tokens of every image: its processor says how many."""
+    processor = load_processor(found, family)
+    try:
+        tokens = int(processor._get_num_multimodal_tokens(image_sizes=[[1, 1]]).num_image_tokens[0])
+    except Exception as error:
+        from .base import needs_processor
+
+        raise needs_processor(found, family, error) from None
+    return Model(found.spec, family, geometry, checked(geometry, lambda _width, _height: tokens))
+
+
+@dataclass(frozen=True)
+class Llava(Family):
+    def recognise(self, found: Found) -> bool:
+        return found.image_type in ("CLIPImageProcessor", "LlavaImageProcessor") and found.model_type == "llava"
+
+    def load(self, found: Found) -> Model:
+        processor = found.image_processor
+        size = processor.size
+        pad = bool(found.image_type == "LlavaImageProcessor" and getattr(processor, "do_pad", False))
+        geometry: Geometry = (ShortestEdge("llava", int(size.shortest_edge or size.height), pad)
+                              if size.shortest_edge or pad else Square("llava", int(size.width), int(size.height)))
+        return constant_model(found, "llava", geometry)
+
+
+LLAVA = Llava(
+    names="LLaVA 1.5",
+    processor="`CLIPImageProcessor` or `LlavaImageProcessor` with model_type llava",
+    resizes_to="shortest edge 336 (or, padding to a square, longest edge 336); the backend crops",
+    counts="constant (576), from the processor",
+)
