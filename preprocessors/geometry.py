@@ -62,7 +62,8 @@ def resize_target(geometry: Geometry, width: int, height: int, orientation: int)
     out_w, out_h = model_size(geometry, up_w, up_h)
     if out_w > up_w or out_h > up_h or (out_w, out_h) == (up_w, up_h):
         return None
-    if isinstance(geometry, LlavaNext) and not geometry.resize_keeps_tokens(up_w, up_h, out_w, out_h):
+    keeps_tokens = getattr(geometry, "resize_keeps_tokens", None)  # tiled families: a resize may change the tiles
+    if keeps_tokens is not None and not keeps_tokens(up_w, up_h, out_w, out_h):
         return None
     return (out_h, out_w) if orientation in SWAPS_SIDES else (out_w, out_h)
 
@@ -227,3 +228,37 @@ class LlavaNext:
         resolution and makes the same tokens."""
         return (self._best(out_w, out_h) == self._best(width, height)
                 and self.tokens(out_w, out_h) == self.tokens(width, height))
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """InternVL's tiles (``GotOcr2ImageProcessor`` with ``crop_to_patches``): the grid of ``tile`` px tiles whose
+    aspect ratio is nearest the image's, within ``min_tiles``–``max_tiles`` (``get_optimal_tiled_canvas``), the
+    image resized to the whole grid and cut, beside a thumbnail of the whole image where the grid has more than
+    one tile. Without cropping, one ``tile`` square.
+
+    The grid is chosen from the size (a tie between grids of one aspect ratio goes by area), so a resize to the
+    grid is made only where the processor picks the same grid of the resized image (``resize_keeps_tokens``)."""
+
+    family: str
+    tile_width: int
+    tile_height: int
+    min_tiles: int
+    max_tiles: int
+    crop: bool
+    resample: int = BICUBIC
+
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """``(columns, rows)`` of tiles the processor cuts the image into (``(1, 1)``: one square, no thumbnail)."""
+        if not self.crop or self.max_tiles <= 1:
+            return 1, 1
+        canvas = _helper("transformers.models.got_ocr2.image_processing_pil_got_ocr2", "get_optimal_tiled_canvas")
+        columns, rows = canvas((height, width), (self.tile_height, self.tile_width), self.min_tiles, self.max_tiles)
+        return int(columns), int(rows)
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        columns, rows = self.grid(width, height)
+        return columns * self.tile_width, rows * self.tile_height
+
+    def resize_keeps_tokens(self, width: int, height: int, out_w: int, out_h: int) -> bool:
+        return self.grid(out_w, out_h) == self.grid(width, height)

@@ -28,16 +28,22 @@ QWEN_VIDEO_CONFIG = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_siz
                      "merge_size": 2, "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}}
 
 
-def qwen_folder(path: Path, model_type: str = "qwen2_vl", video: dict[str, Any] | None = None) -> Path:
+# Qwen2.5-VL's own image bounds, as its checkpoints ship them: 4 to 16384 tokens of 28x28 pixels (12.8 MP).
+QWEN25_MIN_PIXELS, QWEN25_MAX_PIXELS = 56 * 56, 28 * 28 * 16384
+
+
+def qwen_folder(path: Path, model_type: str = "qwen2_vl", video: dict[str, Any] | None = None,
+                max_pixels: int = 28 * 28 * 1280) -> Path:
     """A Qwen2-VL (``qwen2_vl``), Qwen2.5-VL (``qwen2_5_vl``) or Qwen3-VL (``qwen3_vl``) image processor, and
-    with ``video`` a video processor configuration (without one, the video processor reads the image one's)."""
+    with ``video`` a video processor configuration (without one, the video processor reads the image one's).
+    Qwen2 and 2.5 bound an image at ``max_pixels``: 1 MP by default, ``QWEN25_MAX_PIXELS`` as shipped."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if model_type == "qwen3_vl":  # 16 px patches, 2x2 merge: sides are multiples of 32
         processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
                                              size={"shortest_edge": 65536, "longest_edge": 16777216})
     else:  # Qwen2-VL and Qwen2.5-VL ship the same image processor: 14 px patches, sides multiples of 28
-        processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+        processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels)
     processor.save_pretrained(path)
     if video is not None:
         (path / "video_preprocessor_config.json").write_text(json.dumps(video))
@@ -130,3 +136,17 @@ def idefics3_resize(folder: Path, image: Any) -> Any:
     pixels = processor.resize_for_vision_encoder(pixels, processor.max_image_size["longest_edge"],
                                                  resample=processor.resample)
     return Image.fromarray(np.ascontiguousarray(pixels.transpose(1, 2, 0)), "RGB")
+
+
+def internvl_folder(path: Path, tile: int = 448, max_patches: int = 12, image_seq_length: int = 256) -> Path:
+    """InternVL 3 / 3.5 as its ``-hf`` checkpoints ship it (InternVL3-8B-hf's values by default): a
+    ``GotOcr2ImageProcessor`` that does not crop on its own (the processor crops), ``processor_config.json``
+    with the tokens a tile. The processor needs torch (its video processor), so its parts are saved one by one."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    GotOcr2ImageProcessorPil(size={"height": tile, "width": tile}, crop_to_patches=False, min_patches=1,
+                             max_patches=max_patches).save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_length": image_seq_length,
+                                                            "processor_class": "InternVLProcessor"}))
+    (path / "config.json").write_text(json.dumps({"model_type": "internvl"}))
+    return path

@@ -1,0 +1,139 @@
+"""The families added onto the shared interface, each checked against its own transformers processor run on real
+pixels: the size mmgate forwards, the tokens it counts, on the sizes that break tiling rules (strips, tiny and
+huge images, EXIF rotations), with a real checkpoint's configuration and with small test values.
+
+Processor folders are built locally (``testkit.models``: configurations only, no weights, no downloads).
+"""
+
+from __future__ import annotations
+
+import io
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from preprocessors.base import ImagePolicy
+from preprocessors.errors import MediaError
+from preprocessors.geometry import resize_target, upright
+from preprocessors.image import process_image
+from proxy.media.model import load_model
+
+transformers = pytest.importorskip("transformers", reason="the model extra: pip install -e '.[model]'")
+
+from testkit import models  # noqa: E402
+
+# (width, height): strips both ways, a tiny square, 12 MP, a photo most families shrink, one they enlarge, squares
+# at and near a tile, and a wide banner.
+SIZES = [(1, 4000), (4000, 1), (10, 10), (4000, 3000), (3000, 2000), (700, 500), (448, 448), (1000, 300),
+         (1063, 2257), (2230, 535)]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A family's folder, and what its processor makes of an upright image: ``((width, height), tokens)``, where
+    the size is the one the processor resizes the image to."""
+
+    build: Callable[[Path], Path]
+    family: str
+    reference: Callable[[Path, Image.Image], tuple[tuple[int, int], int]]
+
+
+def _image_processor(folder: Path) -> Any:
+    return transformers.AutoImageProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
+
+
+def _internvl(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
+    """InternVLProcessor's crop (its default) run on the pixels, the size read from the processor's first resize
+    (the whole grid, or the one tile), the count from ``InternVLProcessor._get_num_multimodal_tokens`` (the
+    processor cannot load without torch, so the method runs on a stand-in holding what it reads)."""
+    from transformers.models.internvl.processing_internvl import InternVLProcessor
+
+    ip = _image_processor(folder)
+    seq = int(models.json.loads((folder / "processor_config.json").read_text())["image_seq_length"])
+    resized: list[tuple[int, int]] = []
+    resize = ip.resize
+
+    def recording(pixels: Any, size: Any, *args: Any, **kwargs: Any) -> Any:
+        resized.append((int(size.width), int(size.height)))
+        return resize(pixels, size, *args, **kwargs)
+
+    ip.resize = recording
+    patches = int(ip(images=[image], crop_to_patches=True, return_tensors="np")["num_patches"][0])
+    stand_in = types.SimpleNamespace(image_processor=ip, image_seq_length=seq,
+                                     _merge_kwargs=lambda **_: {"images_kwargs": {"crop_to_patches": True}})
+    tokens = int(InternVLProcessor._get_num_multimodal_tokens(
+        stand_in, image_sizes=[[image.height, image.width]]).num_image_tokens[0])  # type: ignore[arg-type]
+    assert tokens == 2 + seq * patches
+    return resized[0], tokens
+
+
+CASES = {
+    "internvl": Case(lambda p: models.internvl_folder(p), "internvl", _internvl),
+    "internvl-small": Case(lambda p: models.internvl_folder(p, tile=64, max_patches=6, image_seq_length=16),
+                           "internvl", _internvl),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {name: case.build(tmp_path_factory.mktemp(name)) for name, case in CASES.items()}
+
+
+@pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
+@pytest.mark.parametrize("name", list(CASES))
+def test_size_and_tokens_equal_what_the_processor_makes(name: str, size: tuple[int, int],
+                                                        folders: dict[str, Path]) -> None:
+    case, folder = CASES[name], folders[name]
+    model = load_model(str(folder))
+    assert model.family == case.family and model.geometry is not None
+    width, height = size
+    try:
+        expected_size, expected_tokens = case.reference(folder, Image.new("RGB", size))
+    except ValueError:  # the processor refuses the image: so does mmgate, in the API's shape
+        with pytest.raises(MediaError):
+            model.image_tokens(width, height)
+        return
+    assert model.geometry.backend_size(width, height) == expected_size
+    assert model.image_tokens(width, height) == expected_tokens <= model.most_tokens
+    target = resize_target(model.geometry, width, height, 1)
+    if target is None:  # the processor would enlarge it, it is already its size, or a resize would count otherwise
+        assert (expected_size[0] > width or expected_size[1] > height or expected_size == size
+                or case.reference(folder, Image.new("RGB", expected_size))[1] != expected_tokens)
+        return
+    assert target == expected_size and target[0] <= width and target[1] <= height
+    # The processor run on what mmgate forwards resizes nothing more and counts the same tokens.
+    assert case.reference(folder, Image.new("RGB", target)) == (target, expected_tokens)
+
+
+def _jpeg(width: int, height: int, orientation: int) -> bytes:
+    rng = np.random.default_rng(width + height)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(
+        buf, "JPEG", quality=80, exif=exif.tobytes())
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("orientation", [6, 8])
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_rotated_photo_is_counted_and_resized_upright(name: str, orientation: int,
+                                                        folders: dict[str, Path]) -> None:
+    """EXIF orientation 6 or 8 swaps the sides the backend sees: the count and the resize follow the upright
+    image, and the processor run on what mmgate forwards counts what mmgate counted."""
+    case, folder = CASES[name], folders[name]
+    model = load_model(str(folder))
+    stored = (1800, 600)
+    upright_size = upright(*stored, orientation)
+    expected_size, expected_tokens = case.reference(folder, Image.new("RGB", upright_size))
+    assert model.image_tokens(*stored, orientation) == expected_tokens
+    processed = process_image(_jpeg(*stored, orientation), ImagePolicy(geometry=model.geometry, jpeg_quality=90))
+    sent = upright_size if processed is None else Image.open(io.BytesIO(processed.data)).size
+    assert processed is None or sent == expected_size
+    assert case.reference(folder, Image.new("RGB", sent))[1] == expected_tokens
