@@ -32,9 +32,14 @@ from proxy.admission.client import GateCounters
 from proxy.admission.flows import Flow
 from proxy.admission.sample import Sample
 
-# Seconds a front has to answer ``AskReport``; one that does not counts with its last report and is not asked
-# again until it answers a ping.
-REPORT_TIMEOUT = 2.0
+# Seconds a front has to answer ``AskReport``: a report is built in one step of its event loop, so a front
+# silent this long is stopped or blocked. It counts with its last report and is not asked again until it answers
+# a ping; /mmgate/stats and /mmgate/metrics wait at most this long for the slowest front.
+REPORT_TIMEOUT = 0.5
+# Seconds between two pings of a front that answered: a running gate is heard at least this often, so a front
+# that has heard nothing for ``GATE_SILENCE`` knows the gate is silent without asking it.
+PING_INTERVAL = 1.0
+GATE_SILENCE = 2 * PING_INTERVAL
 # Seconds the other fronts have to say which cache entries they hold: a busy front's answer may come later
 # than a decode would take, and then the asking front decodes.
 PEER_TIMEOUT = 0.5

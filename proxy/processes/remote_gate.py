@@ -17,10 +17,12 @@ Neither side waits on the other without a deadline (``MMGATE_PROCESS_TIMEOUT``, 
 pings every front; one that leaves two pings in a row unanswered, each within half the bound, is hung: it is
 killed, everything it held given back, and another started. A front's round trips: a place or the counters
 within the bound; ``Collect`` within the gate's own bound on the fronts' reports plus it; ``Peek`` within
-twice ``PEER_TIMEOUT`` (past it, no peer holds the item: the front decodes); a wait for a slot may last its
-queue timeout, but once the gate has been silent for the bound the front asks it for its counters, and
-unanswered the wait is called off. A round trip past its deadline is 503 ``gate_unavailable``, and
-/mmgate/ready fails until the gate answers again.
+twice ``PEER_TIMEOUT`` (past it, no peer holds the item: the front decodes). A wait for a slot ends, if the
+gate says nothing, at the first of two bounds, each waited once: the request's queue timeout, by when the gate
+has refused or admitted it (the refusal is awaited past it only while the gate has been heard within
+``GATE_SILENCE``: a running gate pings every front each ``PING_INTERVAL``), and the bound, counted from the
+question or the gate's last message. A round trip past its deadline is 503 ``gate_unavailable``, its message
+naming the bound that ended it, and /mmgate/ready fails until the gate answers again.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from preprocessors.errors import MmgateError, draining, gate_unavailable
+from preprocessors.errors import GATE_UNAVAILABLE, MmgateError, draining, gate_unavailable
 from preprocessors.job import Verdict
 from proxy.admission.client import GateCounters, PeerLookup
 from proxy.admission.flows import DEFAULT_FLOW, Flow
@@ -130,6 +132,7 @@ class RemoteGate:
         on_change(self._counters)
 
     def start(self) -> None:
+        self._heard = asyncio.get_running_loop().time()
         self._reader = asyncio.create_task(self._read())
 
     def ready(self) -> None:
@@ -192,12 +195,12 @@ class RemoteGate:
                 self.link.send(give_back(granted))
 
     async def _ask(self, question: Callable[[int], messages.Message], expected: type[A], give_back: GiveBack | None,
-                   deadline: float, *, may_wait: bool = False) -> A:
+                   deadline: float, *, queue_timeout: float | None = None) -> A:
         """Send ``question`` (made with its id) and await the gate's answer; 503 ``gate_unavailable`` if none
         came within ``deadline`` seconds (what the gate grants later is given back, as for a request that gave
-        up). ``may_wait``: the answer may rightly take until the deadline (a wait in the queue), so meanwhile,
-        once the gate has been silent for ``answer_timeout``, it is asked for its counters; if that goes
-        unanswered the gate is hung, and the wait ends at once, not at its deadline."""
+        up). ``queue_timeout``: the question is a wait in the queue, which the gate ends itself by then; the
+        answer is awaited until then or until the gate has been silent for ``deadline``, whichever comes first
+        (``_until_silent``)."""
         if self.lost:
             raise draining()
         rid = next(self._ids)
@@ -207,9 +210,10 @@ class RemoteGate:
         if give_back is not None:
             self._give_backs[rid] = give_back
         self.link.send(sent)
+        bound = f"MMGATE_PROCESS_TIMEOUT ({deadline:g} s)"
         try:
-            if may_wait:
-                await self._while_heard(future, deadline)
+            if queue_timeout is not None:
+                bound = await self._until_silent(future, queue_timeout, deadline)
             else:
                 await asyncio.wait([future], timeout=deadline)
         except asyncio.CancelledError:
@@ -217,7 +221,7 @@ class RemoteGate:
             raise
         if not future.done():
             self._given_up(rid, future, give_back)
-            raise self._silent(sent.TAG, deadline)
+            raise self._silent(sent.TAG, bound)
         answer = future.result()  # draining() once the gate is gone
         match answer:
             case messages.Refused():
@@ -228,14 +232,27 @@ class RemoteGate:
             raise RuntimeError(f"the gate answered {sent.TAG!r} with {answer.TAG!r}")
         return answer
 
-    async def _while_heard(self, future: asyncio.Future[messages.Answer], deadline: float) -> None:
+    async def _until_silent(self, future: asyncio.Future[messages.Answer], queue_timeout: float,
+                            bound: float) -> str:
+        """Wait for the answer to a wait in the queue, asked now. Unanswered, the bound that ended the wait: the
+        gate silent for ``bound`` (from now or its last message) before the queue timeout, or the queue
+        timeout passed with the gate silent for ``GATE_SILENCE`` (its refusal is not on its way). One wait,
+        and no question of its own: a running gate is heard anyway (its pings)."""
         loop = asyncio.get_running_loop()
-        end = loop.time() + deadline
-        while not future.done() and (left := end - loop.time()) > 0:
-            await asyncio.wait([future], timeout=min(left, self.answer_timeout))
-            if (not future.done() and loop.time() - self._heard >= self.answer_timeout
-                    and not await self.reachable(self.answer_timeout)):
-                return
+        asked = loop.time()
+        queue_ends = asked + queue_timeout
+        ended_by = ""
+        while not future.done():
+            heard = max(self._heard, asked)
+            if heard + bound < queue_ends:
+                silent_at, ended_by = heard + bound, f"MMGATE_PROCESS_TIMEOUT ({bound:g} s)"
+            else:
+                silent_at = max(queue_ends, heard + min(bound, messages.GATE_SILENCE))
+                ended_by = f"the request's queue timeout ({queue_timeout:g} s)"
+            if (left := silent_at - loop.time()) <= 0:
+                break
+            await asyncio.wait([future], timeout=left)
+        return ended_by
 
     def _given_up(self, rid: int, future: asyncio.Future[messages.Answer], give_back: GiveBack | None) -> None:
         """The asking request gave up (its client left, or the gate was silent past the deadline)."""
@@ -249,11 +266,13 @@ class RemoteGate:
             # back by ``_read``, which still knows what to send for it.
             self.link.send(messages.Cancel(rid))
 
-    def _silent(self, op: str, deadline: float) -> MmgateError:
+    def _silent(self, op: str, bound: str) -> MmgateError:
         if self.answering:  # once per silence, not once per request
-            log.warning("the shared gate did not answer %r within %g s", op, deadline)
+            log.warning("the shared gate did not answer %r within %s", op, bound)
         self.answering = False
-        return gate_unavailable()
+        unavailable = gate_unavailable()
+        return GATE_UNAVAILABLE.error(f"mmgate's admission gate did not answer within {bound}; retry shortly",
+                                      headers=unavailable.headers)
 
     async def take_place(self, flow: Flow = DEFAULT_FLOW) -> RemotePlace:
         if self.lifecycle.refusing:
@@ -273,7 +292,7 @@ class RemoteGate:
                 self.link.send(messages.Unplace(place_id))
             raise draining()
         admitted = await self._ask(lambda rid: messages.Acquire(rid, cost, timeout, place_id, tokens, flow),
-                                   messages.Admitted, messages.Release, timeout + self.answer_timeout, may_wait=True)
+                                   messages.Admitted, messages.Release, self.answer_timeout, queue_timeout=timeout)
         return RemoteLease(self, admitted.lease, cost)
 
     def observe(self, lease: RemoteLease, sample: Sample) -> None:

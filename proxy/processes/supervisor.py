@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from proxy.admission.client import gate_from_settings
 from proxy.processes.gate_server import GateServer
+from proxy.processes.messages import PING_INTERVAL
 from proxy.serve.lifecycle import FORCED_EXIT_STATUS, StopSignals
 from proxy.serve.loop import run
 from proxy.settings import Settings
@@ -43,7 +44,6 @@ log = logging.getLogger("mmgate")
 
 STOP_MARGIN = 10.0  # seconds past the drain's own bounds before a front that has not exited is killed
 RESTART_DELAY_MAX = 5.0  # a front that keeps dying right after start is restarted at most this often
-PING_INTERVAL = 1.0  # seconds between two pings of a front that answered
 
 
 @dataclass

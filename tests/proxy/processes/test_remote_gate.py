@@ -29,8 +29,11 @@ from proxy.processes.messages import (
     Found,
     Lookup,
     Message,
+    Ping,
     Placed,
+    Pong,
     Ready,
+    Refused,
     Release,
     TakePlace,
     Unplace,
@@ -223,20 +226,56 @@ async def test_a_place_the_gate_does_not_answer_is_503_and_a_late_grant_is_given
     await shared.close()
 
 
-async def test_a_wait_at_a_silent_gate_ends_503_before_its_queue_timeout_and_a_late_grant_is_released() -> None:
-    """The gate takes the wait, then goes silent: the front asks it for its counters, gets no answer, and
-    ends the wait at once with 503 (not after its queue timeout of an hour), calling the wait off there;
-    the grant the gate sends once it runs again is released."""
+async def test_a_wait_at_a_silent_gate_ends_503_at_the_bound_once_and_a_late_grant_is_released() -> None:
+    """The gate takes the wait, then says nothing: the wait ends with 503 once the gate has been silent for the
+    bound (not after its queue timeout of an hour), with no second question (a second wait) before it, and is
+    called off there; the grant the gate sends once it runs again is released."""
     supervisor, shared = await _front_and_a_silent_gate(answer_timeout=0.2)
     async with asyncio.timeout(60):  # a test runner's patience: far below the queue timeout
         with pytest.raises(MmgateError) as refused:
             await shared.acquire(1, 3600)
     assert (refused.value.status, refused.value.code) == (503, "gate_unavailable")
-    asked = [await _next(supervisor) for _ in range(3)]
-    assert [type(message) for message in asked] == [Acquire, AskCounters, Cancel]
+    assert "within MMGATE_PROCESS_TIMEOUT (0.2 s)" in str(refused.value)
+    asked = [await _next(supervisor) for _ in range(2)]
+    assert [type(message) for message in asked] == [Acquire, Cancel]
     assert isinstance(asked[0], Acquire)
     supervisor.send(Admitted(asked[0].rid, _counters(in_use=1), 9))
     assert await supervisor.receive() == Release(9)
+    supervisor.close()
+    await shared.close()
+
+
+async def test_a_wait_at_a_silent_gate_ends_at_its_queue_timeout_when_that_comes_before_the_bound() -> None:
+    """A queue timeout shorter than the bound: a gate that says nothing (no refusal on its way, no ping) ends
+    the wait at the queue timeout, not at the bound of an hour."""
+    supervisor, shared = await _front_and_a_silent_gate(answer_timeout=3600)
+    async with asyncio.timeout(60):  # a test runner's patience: far below the bound
+        with pytest.raises(MmgateError) as refused:
+            await shared.acquire(1, 0.1)
+    assert (refused.value.status, refused.value.code) == (503, "gate_unavailable")
+    assert "within the request's queue timeout (0.1 s)" in str(refused.value)
+    assert refused.value.headers["Retry-After"]
+    assert [type(await _next(supervisor)) for _ in range(2)] == [Acquire, Cancel]
+    supervisor.close()
+    await shared.close()
+
+
+async def test_a_refusal_that_comes_after_the_queue_timeout_from_a_gate_heard_meanwhile_is_the_answer() -> None:
+    """A running gate answers a wait after the request's queue timeout (the gate's own deadline counts from when
+    it read the question): the front, hearing the gate meanwhile (its pings), still waits for the gate's
+    refusal, and the client gets that, not gate_unavailable."""
+    supervisor, shared = await _front_and_a_silent_gate(answer_timeout=3600)
+    waiting = asyncio.create_task(shared.acquire(1, 0))  # the queue timeout has passed as soon as it is asked
+    asked = await _next(supervisor)
+    assert isinstance(asked, Acquire)
+    for qid in range(1, 4):  # pings, each answered: the gate is heard after the queue timeout
+        supervisor.send(Ping(qid))
+        assert await _next(supervisor) == Pong(qid)
+    assert not waiting.done()
+    supervisor.send(Refused(asked.rid, _counters(), 429, "queue_timeout", "timed out in the media queue", {}))
+    with pytest.raises(MmgateError) as refused:
+        await waiting
+    assert (refused.value.status, refused.value.code) == (429, "queue_timeout")
     supervisor.close()
     await shared.close()
 

@@ -451,7 +451,9 @@ async def test_a_hung_supervisor_gets_503s_and_failed_readiness_not_hangs(upstre
                 async with client.post(mmgate.url + "/v1/chat/completions", data=_media_body(3),
                                        headers={"Content-Type": "application/json"}) as response:
                     assert response.status == 503
-                    assert (await response.json())["error"]["code"] == "gate_unavailable"
+                    error = (await response.json())["error"]
+                    assert error["code"] == "gate_unavailable"
+                    assert "within MMGATE_PROCESS_TIMEOUT (1 s)" in error["message"]  # the bound that ended it
                     assert response.headers["Retry-After"]
             answers = await asyncio.gather(*(mmgate.answer(path) for path in (
                 "/mmgate/ready", "/mmgate/stats", "/mmgate/metrics", "/mmgate/health")))
@@ -463,6 +465,29 @@ async def test_a_hung_supervisor_gets_503s_and_failed_readiness_not_hangs(upstre
     status, body = await _post(mmgate.url, _media_body(4))
     assert status == 200, body
     assert (await mmgate.stats())["processes"] == PROCESSES  # no front was taken for hung meanwhile
+
+
+async def test_a_media_request_to_a_hung_supervisor_ends_at_its_queue_timeout_when_that_comes_first(
+        upstream: Upstream, start_mmgate: Any) -> None:
+    """SIGSTOP to the supervisor, a queue timeout far below MMGATE_PROCESS_TIMEOUT: the media request's one wait
+    ends at its queue timeout, 503 gate_unavailable naming that bound, not at the process timeout (nor twice it)."""
+    mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url, MMGATE_PROCESS_TIMEOUT="600", MMGATE_QUEUE_TIMEOUT="1")
+    os.kill(mmgate.process.pid, signal.SIGSTOP)
+    try:
+        async with asyncio.timeout(60):  # the client's patience, far below the process timeout
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
+                async with client.post(mmgate.url + "/v1/chat/completions", data=_media_body(5),
+                                       headers={"Content-Type": "application/json"}) as response:
+                    assert response.status == 503
+                    error = (await response.json())["error"]
+                    assert error["code"] == "gate_unavailable"
+                    assert "within the request's queue timeout (1 s)" in error["message"]
+                    assert response.headers["Retry-After"]
+    finally:
+        os.kill(mmgate.process.pid, signal.SIGCONT)
+    await mmgate.readiness_is(200)
+    status, body = await _post(mmgate.url, _media_body(6))
+    assert status == 200, body
 
 
 async def test_with_the_gate_lost_stats_and_metrics_are_503_not_500(upstream: Upstream, start_mmgate: Any) -> None:
