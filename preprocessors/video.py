@@ -48,6 +48,7 @@ from typing import Any, NoReturn
 
 from .base import Checkpoint, VideoPolicy
 from .errors import VIDEO_INVALID, VIDEO_TOO_LARGE, VIDEO_UNAVAILABLE
+from .mp4_tables import TableError, declared_tracks
 from .parameter_sets import ParameterSetReader, UncheckableParameterSet
 from .vpx import vp8_sizes, vp9_sizes
 
@@ -61,6 +62,10 @@ _FORMAT_WHITELIST = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm"
 _PROBE_BYTES = 5_000_000  # FFmpeg's default: what it reads to find the streams
 _PROBE_MICROSECONDS = 5_000_000
 _CHECK_EVERY = 64  # packets demuxed between two checkpoints
+_EBML_MAGIC = b"\x1a\x45\xdf\xa3"  # Matroska and WebM
+# A non-video track's packets a second: compressed audio and metadata (Opus at 2.5 ms is 400), and
+# uncompressed audio indexed by the sample (384 kHz), which FFmpeg's MP4 demuxer indexes by the chunk.
+_SAMPLES_PER_SECOND = (1000, 384_000)
 _OVER_MAX_PIXELS = (errno.EINVAL, errno.ERANGE)  # a picture over max_pixels: FFmpeg's own decoders, dav1d
 
 
@@ -96,6 +101,8 @@ def probe_video(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> Vid
     not probe as an allowed video, ``video_too_large`` naming the limit a clip is over."""
     av = import_pyav()
     checkpoint()
+    if data[:4] != _EBML_MAGIC:  # what is not Matroska can only open as MP4/QuickTime, or not at all
+        _judge_tables(data, policy, checkpoint)
     options = {"format_whitelist": _FORMAT_WHITELIST, "probesize": str(_PROBE_BYTES),
                "analyzeduration": str(_PROBE_MICROSECONDS), "max_streams": str(MAX_STREAMS + 1),
                "skip_frame": "all", "max_pixels": str(policy.max_pixels)}
@@ -111,6 +118,27 @@ def probe_video(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> Vid
         return _judge(av, container, policy, checkpoint)
     finally:
         container.close()
+
+
+def _judge_tables(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> None:
+    """The sample counts an MP4's tables declare (``mp4_tables``), judged before FFmpeg builds an index entry
+    for each: a video track's against the frame limit, another track's against what the duration limit allows
+    a track of audio or metadata (``_SAMPLES_PER_SECOND`` packets a second, uncompressed audio by the sample)."""
+    try:
+        tracks = declared_tracks(data, checkpoint)
+    except TableError as error:
+        raise VIDEO_INVALID.error(f"the clip's MP4 index is malformed: {error}") from None
+    for track in tracks:
+        if track.handler == "vide":
+            if track.samples > policy.max_frames:
+                _over_frames(f"{track.samples}", policy)
+            continue
+        rate = _SAMPLES_PER_SECOND[1] if track.unit_samples else _SAMPLES_PER_SECOND[0]
+        most = max(policy.max_frames, int(policy.max_seconds * rate))
+        if track.samples > most:
+            raise VIDEO_TOO_LARGE.error(
+                f"a {track.handler or 'untyped'} track of the clip declares {track.samples} samples, more than "
+                f"the {most} that {policy.max_seconds:g} s (MMGATE_MAX_VIDEO_SECONDS) allow: send a shorter clip")
 
 
 def _reason(error: Exception) -> str:
