@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -29,11 +30,20 @@ from proxy.edge.connections import ConnectionGuard
 from proxy.edge.pacing import Pacer
 from proxy.edge.refusals import refusals_in_api_shape
 from proxy.edge.site import mark_head_received
-from proxy.edge.upstream_health import UpstreamHealth
 from proxy.edge.write_deadline import stall_deadline
 from proxy.fetch.fetcher import FETCH_OUTCOMES, Fetcher, FetchLimits
 from proxy.fetch.policy import AddressPolicy, CheckedResolver, HostPolicy
 from proxy.media.cache import MediaCache, NoCache, VerdictCache, settings_fingerprint
+from proxy.media.discovery import AUTO as AUTO_MODEL
+from proxy.media.discovery import (
+    NONE,
+    ModelWatcher,
+    ServedModel,
+    WatchedUpstream,
+    ask_upstream,
+    explicit_folder,
+    find_once,
+)
 from proxy.media.model import Model, load_model
 from proxy.media.step import MediaStage, Policies
 from proxy.ops.admin import add_admin_routes, probe_upstream
@@ -50,6 +60,8 @@ from proxy.settings import AUTO, MIB, ConfigError, Settings
 from proxy.state import BASE, STATE, AppBase, AppState
 
 log = logging.getLogger("mmgate")
+# The served model's watcher (MMGATE_MODEL=auto), where tests and tools can await what it found.
+MODEL_WATCHER = web.AppKey("mmgate_model_watcher", ModelWatcher)
 
 
 def build_state(settings: Settings, link: Link | None = None,
@@ -61,6 +73,10 @@ def build_state(settings: Settings, link: Link | None = None,
     (``remote_gate.RemoteGate``); ``on_gate_lost`` is called if the supervisor goes away. That is the one
     place which gate serves is chosen: everything else uses either through ``GateClient``."""
     model = served_model(settings)
+    served = ServedModel(settings.decode.model if settings.decode.model in (AUTO_MODEL, NONE) else "explicit", model,
+                         folder="" if model is None else settings.decode.model,
+                         note={AUTO_MODEL: "the upstream has not been asked yet", NONE: "MMGATE_MODEL=none"}.get(
+                             settings.decode.model, "MMGATE_MODEL's family has no model geometry in mmgate"))
     metrics = Metrics()
     trimmer = IdleTrimmer(settings.memory.trim_idle, release_freed_memory(), metrics.memory_trims.inc)
 
@@ -104,7 +120,8 @@ def build_state(settings: Settings, link: Link | None = None,
                                              settings.limits.max_video_seconds),
                     trimmer=trimmer, connections=connections, lifecycle=lifecycle, model=model,
                     pacer=Pacer(settings.listen.loop_lag_target, metrics.upload_holds.inc),
-                    upstream=UpstreamHealth(settings.backend.upstream, settings.backend.upstream_health_path))
+                    upstream=WatchedUpstream(settings.backend.upstream, settings.backend.upstream_health_path),
+                    served=served)
     pacer, buffers, traffic = state.pacer, state.buffers, state.traffic
     metrics.uploads_held.set_function(lambda: pacer.held)
     metrics.media_bytes_live.set_function(lambda: buffers.bytes_live)
@@ -123,17 +140,38 @@ def front_report(state: AppBase, front_index: int) -> dict[str, Any]:
 
 
 def served_model(settings: Settings) -> Model | None:
-    """The model whose geometry and token count apply, or None (no MMGATE_MODEL, or a family mmgate has no
-    geometry for: the generic rule, warned about by ``load_model``)."""
-    if not settings.decode.model:
+    """The model MMGATE_MODEL names, whose geometry and token count apply from the start, or None (auto: found
+    later, ``_model_watcher``; none; or a family mmgate has no geometry for: the generic rule, warned about by
+    ``load_model``). With MMGATE_MM_PROCESSOR_KWARGS, its processor as the server overrides it."""
+    spec, overrides = settings.decode.model, settings.decode.mm_processor_kwargs
+    if spec == NONE and settings.gate.max_inflight_image_tokens:
+        raise ConfigError("MMGATE_MAX_INFLIGHT_IMAGE_TOKENS needs a model whose image tokens mmgate counts; "
+                          "MMGATE_MODEL=none turns the model mode off")
+    if spec in (AUTO_MODEL, NONE):
         return None
-    model = load_model(settings.decode.model)
+    model = load_model(str(explicit_folder(spec, overrides)) if overrides else spec)
     if not model.supported:
         if settings.gate.max_inflight_image_tokens:
             raise ConfigError(f"MMGATE_MAX_INFLIGHT_IMAGE_TOKENS needs a model whose image tokens mmgate counts; "
                               f"MMGATE_MODEL={settings.decode.model!r} is a {model.family} model, which it does not")
         return None
     return model
+
+
+def model_in_force(settings: Settings) -> str:
+    """``--print-config``'s line on the served model: the family and geometry in force, or why none is; with
+    MMGATE_MODEL=auto the upstream is asked once, now."""
+    spec = settings.decode.model
+    if spec == NONE:
+        return "none (MMGATE_MODEL=none): the generic rule (MMGATE_RESIZE_MAX_*)"
+    if spec != AUTO_MODEL:
+        model = served_model(settings)
+        return ServedModel("explicit", model, folder=spec, note=f"{spec} has no model geometry in mmgate").line()
+    if not settings.backend.upstream:
+        return "auto: MMGATE_UPSTREAM is not set, so there is no upstream to ask which model it serves"
+    found = asyncio.run(find_once(settings.backend.upstream, settings.decode.model_dirs,
+                                  settings.decode.mm_processor_kwargs))
+    return "auto (asked the upstream now): " + found.line()
 
 
 def make_pool(settings: Settings, metrics: Metrics, image_policy: ImagePolicy) -> DecodePool:
@@ -235,6 +273,44 @@ def _media_cache(base: AppBase) -> VerdictCache:
     return cache
 
 
+def _put_in_force(state: AppState, found: ServedModel, settings_print: str) -> None:
+    """Make ``found`` the model every request from now on works to: its geometry in the image policy the
+    decode tasks carry, its count, and a cache key of its own (a verdict made for another geometry is never a
+    hit). Runs on the loop between two requests' steps, so a request sees one model or the other."""
+    state.served = found
+    model = found.model
+    state.model = model
+    state.image_policy = replace(state.image_policy, geometry=model.geometry if model is not None else None)
+    media = state.media
+    media.model = model
+    media.policies = replace(media.policies, image=state.image_policy)
+    if isinstance(media.cache, MediaCache):
+        media.cache.settings_print = settings_print + (f";served={found.folder}" if model is not None else "")
+
+
+async def _model_watcher(app: web.Application) -> AsyncIterator[None]:
+    """MMGATE_MODEL=auto: the served model found in the background (readiness never waits on it), put in force
+    when found, looked for again when the upstream comes back (``discovery.ModelWatcher``)."""
+    state = app[STATE]
+    settings = state.settings
+    if settings.decode.model != AUTO_MODEL:
+        log.info("served model: %s", state.served.line())
+        yield
+        return
+    settings_print = state.media.cache.settings_print if isinstance(state.media.cache, MediaCache) else ""
+    watcher = ModelWatcher(lambda: ask_upstream(state.session, settings.backend.upstream),
+                           settings.decode.model_dirs, settings.decode.mm_processor_kwargs,
+                           lambda found: _put_in_force(state, found, settings_print))
+    app[MODEL_WATCHER] = watcher
+    if isinstance(state.upstream, WatchedUpstream):
+        state.upstream.on_down, state.upstream.on_back = watcher.upstream_down, watcher.upstream_back
+    task = asyncio.create_task(watcher.run())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def _upstream_watcher(app: web.Application) -> AsyncIterator[None]:
     """Checks the upstream at start-up (mmgate starts either way) and again while it is known to be down."""
     state = app[STATE]
@@ -270,7 +346,7 @@ def build_app(settings: Settings, *, admin: bool | None = None,
                           handler_args={"max_field_size": 65536, "auto_decompress": False},
                           middlewares=[mark_head_received(state.connections), refusals_in_api_shape])
     app[BASE] = state
-    app.cleanup_ctx.extend([_resources, _upstream_watcher, _loop_lag_watcher, _idle_trimmer])
+    app.cleanup_ctx.extend([_resources, _model_watcher, _upstream_watcher, _loop_lag_watcher, _idle_trimmer])
     if admin if admin is not None else not settings.listen.admin_port:
         add_admin_routes(app)
     # What an endpoint picker scrapes: the backend's, with mmgate's queue.

@@ -15,7 +15,7 @@ from collections.abc import Collection, Sequence
 from functools import partial
 
 from preprocessors.worker_handle import WorkerStartError
-from proxy.app import served_model
+from proxy.app import model_in_force, served_model
 from proxy.processes.supervisor import supervise
 from proxy.serve.demo import DEMO_HOST, print_demo_help, start_stub_backend
 from proxy.serve.loop import loop_factory, run
@@ -89,7 +89,8 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
         except ConfigError as error:
             exit_with(error)
         if args.print_config:
-            print(settings.describe())
+            *described, memory = settings.describe().split("\n")  # the worst-case memory stays the last line
+            print("\n".join([*described, f"# served model: {model_in_force(settings)}", memory]))
             return
         configure_logging(settings)
         decode = settings.decode

@@ -29,6 +29,7 @@ from proxy.edge.upstream_health import UpstreamHealth
 from proxy.fetch.fetcher import Fetcher
 from proxy.media.buffers import BufferLedger
 from proxy.media.cache import VerdictCache
+from proxy.media.discovery import ServedModel
 from proxy.media.model import Model
 from proxy.media.step import MediaStage
 from proxy.ops.backend_scrapes import BackendScrapes
@@ -68,6 +69,7 @@ class AppBase:
     model: Model | None  # MMGATE_MODEL with a supported family: image tokens are counted
     pacer: Pacer  # big uploads held while the loop lags
     upstream: UpstreamHealth  # known to be down, re-checked until it answers
+    served: ServedModel  # the model in force and why (MMGATE_MODEL=auto: what the upstream was found to serve)
     buffers: BufferLedger = field(default_factory=BufferLedger)
     traffic: Traffic = field(default_factory=Traffic)
     backend_scrapes: BackendScrapes = field(default_factory=BackendScrapes)  # the backend's /metrics, reused briefly

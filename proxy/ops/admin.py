@@ -102,7 +102,9 @@ async def metrics(request: web.Request) -> web.Response:
 async def stats(request: web.Request) -> web.Response:
     """A small JSON view for the dashboard (the same numbers as /mmgate/metrics)."""
     state = _state(request)
-    return web.Response(body=orjson.dumps(snapshot(state, await state.gate.collect())), content_type="application/json")
+    view = snapshot(state, await state.gate.collect())
+    view["served_model"] = state.served.describe()  # the family and geometry in force, or why none is
+    return web.Response(body=orjson.dumps(view), content_type="application/json")
 
 
 async def dashboard(request: web.Request) -> web.FileResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from collections.abc import Callable
 from typing import Any, get_args
@@ -149,5 +150,25 @@ def cidrs(raw: str) -> tuple[str, ...]:
 def model_name(raw: str) -> str:
     value = raw.strip()
     if not value:
-        raise ValueError("a model folder or a model name in the Hugging Face cache")
-    return value
+        raise ValueError("auto, none, a model folder or a model name in the Hugging Face cache")
+    return value.lower() if value.lower() in ("auto", "none") else value
+
+
+def folders(raw: str) -> tuple[str, ...]:
+    items = tuple(p.strip() for p in raw.split(",") if p.strip())
+    if any(not p.startswith("/") for p in items):
+        raise ValueError("comma-separated absolute folder paths, e.g. /models,/mnt/models")
+    return items
+
+
+def json_object(raw: str) -> str:
+    """A JSON object of string keys, as compact JSON with its keys sorted ('' for none)."""
+    if not raw.strip():
+        return ""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError('a JSON object, e.g. {"max_pixels": 1003520}')
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))

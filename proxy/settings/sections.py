@@ -20,10 +20,12 @@ from proxy.settings.parsers import (
     Choice,
     base_url,
     cidrs,
+    folders,
     header_name,
     header_names,
     host_patterns,
     integer,
+    json_object,
     model_name,
     on_off,
     path,
@@ -284,10 +286,21 @@ class Decode:
                                      help="downscale to at most this many pixels", details="the aspect is kept")
     resize_max_side: int = setting(0, parse=integer(0), zero="never", help="downscale so the longer side fits",
                                    details="the aspect is kept")
-    model: str = setting("", parse=model_name, shown="none",
-                         help="served model's folder or cached name: its resize and image tokens (needs the model "
-                              "extra)",
-                         details="a folder, or a name in the Hugging Face cache (see [model](model.md))")
+    model: str = setting("auto", parse=model_name,
+                         help="served model: its resize and image tokens; auto = ask the upstream which it serves, "
+                              "none = off, or the model's folder or cached name",
+                         details="auto looks for the upstream's model in the Hugging Face cache and MMGATE_MODEL_DIRS, "
+                                 "never downloading, and keeps the generic rule while none is found; a folder or "
+                                 "name given here stops start-up when missing (see [model](model.md))")
+    model_dirs: tuple[str, ...] = setting(
+        (), parse=folders, shown="none",
+        help="with MMGATE_MODEL=auto: folders the server's model may lie in (where `vllm serve /models/x` loads it)",
+        details="a path the upstream names is read only inside these or the Hugging Face cache, symlinks resolved")
+    mm_processor_kwargs: str = setting(
+        "", parse=json_object, shown="none",
+        help="the server's --mm-processor-kwargs as JSON (e.g. {\"max_pixels\": 1003520}), written onto the "
+             "model's image processor configuration",
+        details="so that mmgate and the server agree on the geometry (see [model](model.md))")
     image_format: ImageFormat = setting(
         "auto", parse=Choice(ImageFormat),
         help="format of re-encoded images; auto = BMP with a model (lossless, cheapest for the backend), else "
