@@ -262,3 +262,27 @@ class Tiles:
 
     def resize_keeps_tokens(self, width: int, height: int, out_w: int, out_h: int) -> bool:
         return self.grid(out_w, out_h) == self.grid(width, height)
+
+
+@dataclass(frozen=True, slots=True)
+class PatchGrid:
+    """Pixtral and Mistral 3: the image brought within ``longest_edge`` (never enlarged), then both sides rounded
+    up to whole ``patch`` px patches (the vision patch times the spatial merge; ``get_resize_output_image_size``
+    of the Pixtral processor). The rounding up can make a side a little larger than the image's: such an image
+    is forwarded as it is. A strip whose short side scales to under a pixel is refused, as the processor does."""
+
+    family: str
+    longest_edge: int
+    patch: int
+    resample: int = BICUBIC
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        numpy = importlib.import_module("numpy")
+        resize_size = _helper("transformers.models.pixtral.image_processing_pil_pixtral",
+                              "get_resize_output_image_size")
+        # The helper reads the size off an array: a zero-channel one costs no memory.
+        h, w = resize_size(numpy.empty((height, width, 0), dtype=numpy.uint8), (self.longest_edge, self.longest_edge),
+                           (self.patch, self.patch), input_data_format="channels_last")
+        if not w or not h:  # the processor's resize to a side of 0 px fails
+            raise ValueError(f"a side scaled within {self.longest_edge} px is under one pixel")
+        return int(w), int(h)

@@ -150,3 +150,19 @@ def internvl_folder(path: Path, tile: int = 448, max_patches: int = 12, image_se
                                                             "processor_class": "InternVLProcessor"}))
     (path / "config.json").write_text(json.dumps({"model_type": "internvl"}))
     return path
+
+
+def pixtral_folder(path: Path, model_type: str = "mistral3", longest_edge: int = 1540, patch_size: int = 14,
+                   spatial_merge_size: int = 2) -> Path:
+    """Mistral 3 as Mistral-Small-3.1-24B ships it by default (1540 px, 14 px patches merged 2x2), or with
+    ``model_type="llava"``, 1024, 16 and 1, Pixtral-12B: image processor and processor configuration. The
+    processor needs torchvision to load, so its configuration is written as it saves it."""
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    PixtralImageProcessorPil(size={"longest_edge": longest_edge},
+                             patch_size={"height": patch_size, "width": patch_size}).save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": patch_size, "spatial_merge_size": spatial_merge_size,
+        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}))
+    (path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return path

@@ -73,10 +73,45 @@ def _internvl(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
     return resized[0], tokens
 
 
+def _methods(module: str, cls: str, *names: str) -> dict[str, Any]:
+    """Methods of a transformers class whose module imports torch (absent here), taken from its source and run
+    as written."""
+    import ast
+
+    source = Path(transformers.__file__).parent.joinpath(*module.split(".")).with_suffix(".py")
+    tree = ast.parse(source.read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    methods = [n for n in body if isinstance(n, ast.FunctionDef) and n.name in names]
+    namespace: dict[str, Any] = {}
+    exec(compile(ast.Module(methods, type_ignores=[]), str(source), "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
+def _pixtral(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
+    """The image processor run on the pixels with the patch PixtralProcessor gives it (``_process_images``: the
+    patch times the spatial merge), the size it reports, and the tokens of the prompt the processor's
+    ``replace_image_token`` builds of it (its module imports torch, so the method is taken from the source)."""
+    config = models.json.loads((folder / "processor_config.json").read_text())
+    ip = _image_processor(folder)
+    stand_in = types.SimpleNamespace(image_token="[IMG]", image_break_token="[IMG_BREAK]",
+                                     image_end_token="[IMG_END]", patch_size=config["patch_size"],
+                                     spatial_merge_size=config["spatial_merge_size"])
+    merged = config["patch_size"] * config["spatial_merge_size"]
+    out = ip(images=[image], patch_size={"height": merged, "width": merged}, return_tensors="np")
+    height, width = (int(v) for v in out["image_sizes"][0])
+    replace = _methods("models.pixtral.processing_pixtral", "PixtralProcessor", "replace_image_token")
+    prompt = replace["replace_image_token"](stand_in, out, 0)
+    tokens = prompt.count("[IMG]") + prompt.count("[IMG_BREAK]") + prompt.count("[IMG_END]")
+    return (width, height), tokens
+
+
 CASES = {
     "internvl": Case(lambda p: models.internvl_folder(p), "internvl", _internvl),
     "internvl-small": Case(lambda p: models.internvl_folder(p, tile=64, max_patches=6, image_seq_length=16),
                            "internvl", _internvl),
+    "mistral3": Case(lambda p: models.pixtral_folder(p), "mistral3", _pixtral),
+    "pixtral": Case(lambda p: models.pixtral_folder(p, "llava", 1024, 16, 1), "pixtral", _pixtral),
+    "pixtral-small": Case(lambda p: models.pixtral_folder(p, "llava", 200, 8, 2), "pixtral", _pixtral),
 }
 
 
