@@ -196,6 +196,7 @@ class LlavaNext:
     patch_size: int  # the vision tower's patch (14)
     extra_tokens: int  # num_additional_image_tokens, less the one the "default" feature strategy drops
     resample: int = BICUBIC
+    max_patches: int = 0  # LLaVA-OneVision's anyres_max_N: a grid past N base squares' patches is pooled down
 
     def _best(self, width: int, height: int) -> tuple[int, int]:
         select = _helper("transformers.image_processing_utils", "select_best_resolution")
@@ -212,14 +213,21 @@ class LlavaNext:
         return int(w), int(h)
 
     def tokens(self, width: int, height: int) -> int:
-        """``LlavaNextProcessor._get_number_of_features`` for an image of this size: its grid's patches, unpadded,
-        one newline token a row, and the base square's patches (the same helpers, step for step; tests check it
-        against the processor)."""
-        unpadded_features = _helper("transformers.models.llava_next.processing_llava_next",
-                                    "LlavaNextProcessor")._get_unpadded_features
+        """``LlavaNextProcessor._get_number_of_features`` (``LlavaOnevisionProcessor``'s with ``max_patches``) for an
+        image of this size: its grid's patches, unpadded, one newline token a row, and the base square's patches
+        (the same helpers, step for step; tests check it against the processor)."""
         best_w, best_h = self._best(width, height)
         side = self.tile // self.patch_size
-        unpadded, newlines = unpadded_features(None, height, width, side, side, best_h // self.tile,
+        if self.max_patches:  # LlavaOnevisionProcessor's, which reads the bound off its vision_aspect_ratio
+            processor: Any = importlib.import_module("types").SimpleNamespace(
+                vision_aspect_ratio=f"anyres_max_{self.max_patches}")
+            unpadded_features = _helper("transformers.models.llava_onevision.processing_llava_onevision",
+                                        "LlavaOnevisionProcessor")._get_unpadded_features
+        else:
+            processor = None
+            unpadded_features = _helper("transformers.models.llava_next.processing_llava_next",
+                                        "LlavaNextProcessor")._get_unpadded_features
+        unpadded, newlines = unpadded_features(processor, height, width, side, side, best_h // self.tile,
                                                best_w // self.tile)
         return int(unpadded) + int(newlines) + side * side + self.extra_tokens
 

@@ -166,3 +166,24 @@ def pixtral_folder(path: Path, model_type: str = "mistral3", longest_edge: int =
         "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}))
     (path / "config.json").write_text(json.dumps({"model_type": model_type}))
     return path
+
+
+ONEVISION_PINPOINTS = [[384 * rows, 384 * columns] for rows in range(1, 7) for columns in range(1, 7)]
+
+
+def llava_onevision_folder(path: Path, tile: int = 384, pinpoints: list[list[int]] | None = None,
+                           num_image_tokens: int = 729, vision_aspect_ratio: str = "anyres_max_9") -> Path:
+    """LLaVA-OneVision as llava-onevision-qwen2-7b-ov-hf ships it by default: 384 px squares, grids up to 6 x 6,
+    729 tokens a square, ``anyres_max_9``. The processor needs torch (its video processor), so its
+    configuration is written as it saves it."""
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    LlavaOnevisionImageProcessorPil(size={"height": tile, "width": tile},
+                                    image_grid_pinpoints=pinpoints or ONEVISION_PINPOINTS).save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps({
+        "processor_class": "LlavaOnevisionProcessor", "num_image_tokens": num_image_tokens,
+        "vision_feature_select_strategy": "full", "vision_aspect_ratio": vision_aspect_ratio}))
+    (path / "config.json").write_text(json.dumps({"model_type": "llava_onevision"}))
+    return path

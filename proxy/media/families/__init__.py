@@ -18,10 +18,11 @@ from .idefics3 import IDEFICS3
 from .internvl import INTERNVL
 from .llava import LLAVA
 from .llava_next import LLAVA_NEXT
+from .llava_onevision import LLAVA_ONEVISION
 from .pixtral import PIXTRAL
 from .qwen import QWEN
 
-FAMILIES: tuple[Family, ...] = (QWEN, IDEFICS3, LLAVA, LLAVA_NEXT, GEMMA3, INTERNVL, PIXTRAL)
+FAMILIES: tuple[Family, ...] = (QWEN, IDEFICS3, LLAVA, LLAVA_NEXT, GEMMA3, INTERNVL, PIXTRAL, LLAVA_ONEVISION)
 
 # Families whose processors transformers ships only for torch, or only as remote code: the generic rule, with
 # the reason. Keyed by the image_processor_type their checkpoints name (without a backend suffix).

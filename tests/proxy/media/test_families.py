@@ -105,12 +105,40 @@ def _pixtral(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
     return (width, height), tokens
 
 
+def _llava_onevision(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
+    """The size the image processor brings the image to for its grid (``_resize_for_patching`` in its best
+    resolution), checked against the patches it cuts, and ``LlavaOnevisionProcessor._get_num_multimodal_tokens``
+    (the processor cannot load without torch, so the method runs on a stand-in holding what it reads)."""
+    from transformers.image_processing_utils import select_best_resolution
+    from transformers.image_utils import PILImageResampling
+    from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
+
+    config = models.json.loads((folder / "processor_config.json").read_text())
+    ip = _image_processor(folder)
+    best = select_best_resolution((image.height, image.width), ip.image_grid_pinpoints)
+    resized = ip._resize_for_patching(np.zeros((3, image.height, image.width), np.uint8), best,
+                                      PILImageResampling.BICUBIC)
+    patches = ip(images=[image], return_tensors="np")["pixel_values"].shape[1]
+    assert patches == 1 + (best[0] // ip.size.height) * (best[1] // ip.size.width)
+    stand_in = types.SimpleNamespace(image_processor=ip, **config)
+    stand_in._get_number_of_features = types.MethodType(LlavaOnevisionProcessor._get_number_of_features, stand_in)
+    stand_in._get_unpadded_features = types.MethodType(LlavaOnevisionProcessor._get_unpadded_features, stand_in)
+    stand_in._merge_kwargs = lambda **_: {"images_kwargs": {}}
+    tokens = LlavaOnevisionProcessor._get_num_multimodal_tokens(  # type: ignore[arg-type]
+        stand_in, image_sizes=[[image.height, image.width]]).num_image_tokens[0]
+    return (resized.shape[2], resized.shape[1]), int(tokens)
+
+
 CASES = {
     "internvl": Case(lambda p: models.internvl_folder(p), "internvl", _internvl),
     "internvl-small": Case(lambda p: models.internvl_folder(p, tile=64, max_patches=6, image_seq_length=16),
                            "internvl", _internvl),
     "mistral3": Case(lambda p: models.pixtral_folder(p), "mistral3", _pixtral),
     "pixtral": Case(lambda p: models.pixtral_folder(p, "llava", 1024, 16, 1), "pixtral", _pixtral),
+    "llava-onevision": Case(lambda p: models.llava_onevision_folder(p), "llava-onevision", _llava_onevision),
+    "llava-onevision-small": Case(lambda p: models.llava_onevision_folder(
+        p, 56, [[56 * r, 56 * c] for r in range(1, 4) for c in range(1, 4)], 16, "anyres_max_2"),
+        "llava-onevision", _llava_onevision),
     "pixtral-small": Case(lambda p: models.pixtral_folder(p, "llava", 200, 8, 2), "pixtral", _pixtral),
 }
 
