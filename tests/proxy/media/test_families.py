@@ -81,7 +81,7 @@ def _methods(module: str, cls: str, *names: str) -> dict[str, Any]:
     source = Path(transformers.__file__).parent.joinpath(*module.split(".")).with_suffix(".py")
     tree = ast.parse(source.read_text())
     body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
-    methods = [n for n in body if isinstance(n, ast.FunctionDef) and n.name in names]
+    methods: list[ast.stmt] = [n for n in body if isinstance(n, ast.FunctionDef) and n.name in names]
     namespace: dict[str, Any] = {}
     exec(compile(ast.Module(methods, type_ignores=[]), str(source), "exec"), namespace)
     return {name: namespace[name] for name in names}
@@ -124,8 +124,8 @@ def _llava_onevision(folder: Path, image: Image.Image) -> tuple[tuple[int, int],
     stand_in._get_number_of_features = types.MethodType(LlavaOnevisionProcessor._get_number_of_features, stand_in)
     stand_in._get_unpadded_features = types.MethodType(LlavaOnevisionProcessor._get_unpadded_features, stand_in)
     stand_in._merge_kwargs = lambda **_: {"images_kwargs": {}}
-    tokens = LlavaOnevisionProcessor._get_num_multimodal_tokens(  # type: ignore[arg-type]
-        stand_in, image_sizes=[[image.height, image.width]]).num_image_tokens[0]
+    tokens = LlavaOnevisionProcessor._get_num_multimodal_tokens(
+        stand_in, image_sizes=[[image.height, image.width]]).num_image_tokens[0]  # type: ignore[arg-type]
     return (resized.shape[2], resized.shape[1]), int(tokens)
 
 
