@@ -8,8 +8,12 @@ process and hands it its jobs. What changes against threads:
   kills the processes running the batch's items, and each item counts as running until its thread has
   reaped the process, so the request keeps its gate slot until the worker is gone (``Batch.stopped``).
 - **Memory.** A worker is recycled (killed and replaced) after ``max_jobs`` items or when
-  its resident size, read from ``/proc`` after a job, is above ``max_rss_bytes``: the only sure way to
-  hand a fragmented heap back to the OS.
+  its peak resident size (``VmHWM``), read from ``/proc`` after a job, is above ``max_rss_bytes``: the only
+  sure way to hand a fragmented heap back to the OS. The peak, not the size now: a job that allocates a
+  lot for a moment (a codec's index or frames, unmapped when freed) leaves a worker back at its resting
+  size, and would never be seen; its successor starts with a fresh peak. Thread mode has no worker of its
+  own to measure or replace: what bounds a job's memory there is what the media checks judge before they
+  allocate (the pixel limits, the video probe's tables).
 - **A death** while a worker processes an item is not taken on trust as the media's fault: the worker is
   replaced and the item runs once more on the fresh one. Only a crash (a fault signal: SIGSEGV, SIGABRT...)
   that the retry reproduces refuses the item with 400 ``decoder_crashed`` (``WorkerCrashed``, a
@@ -58,7 +62,8 @@ START_TIMEOUT = 60.0  # seconds for a fresh worker to say it is ready (an interp
 class ProcessPool(DecodePool):
     """``workers`` threads, each with one decode process; same queue, metrics and ``Batch`` as threads.
 
-    ``max_jobs`` (0 = never) and ``max_rss_bytes`` (0 = never): when a worker is recycled. ``recycled``
+    ``max_jobs`` (0 = never) and ``max_rss_bytes`` (0 = never, else against the peak): when a worker is
+    recycled. ``recycled``
     counts the workers recycled, ``crashed`` those that ended of a fault signal while processing an item,
     ``lost`` those ended otherwise (a kill from outside) while processing one or while idle; ``on_exit``
     hears of every worker ended while the pool runs: ``recycled``, ``killed`` (by the pool, its request gave
@@ -190,10 +195,11 @@ class ProcessPool(DecodePool):
             param=path, headers={"Retry-After": str(RETRY_AFTER_S), "x-should-retry": "true"})
 
     def _recycle_if_due(self, worker: WorkerHandle) -> None:
-        due = (self.max_jobs and worker.jobs >= self.max_jobs) or (
-            self.max_rss_bytes and worker.rss_bytes() > self.max_rss_bytes)
+        peak = max(worker.rss_bytes(), peak_rss_bytes(worker.pid)) if self.max_rss_bytes else 0
+        due = (self.max_jobs and worker.jobs >= self.max_jobs) or peak > self.max_rss_bytes
         if due:
-            log.debug("decode worker %d recycled after %d items", worker.pid, worker.jobs)
+            log.debug("decode worker %d recycled after %d items, its peak resident size %d MiB", worker.pid,
+                      worker.jobs, peak >> 20)
             self._replace(worker)
             self.recycled += 1
             self._on_exit("recycled")
@@ -248,6 +254,18 @@ class ProcessPool(DecodePool):
             worker.close()
             with self._lock:
                 self._all.discard(worker)
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident size (``VmHWM`` in ``/proc/<pid>/status``), 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) << 10  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _crashed(returncode: int | None) -> bool:

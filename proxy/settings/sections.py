@@ -274,7 +274,8 @@ class Decode:
     worker_max_jobs: int = setting(1000, parse=integer(0), zero="never",
                                    help="process mode: a worker is replaced after this many items")
     worker_max_rss_mb: int = setting(1024, parse=integer(0), zero="never",
-                                     help="process mode: a worker above this resident MiB after an item is replaced")
+                                     help="process mode: a worker whose peak resident MiB went above this is "
+                                          "replaced after its item")
     validate: Validate = setting(
         "header", parse=Choice(Validate),
         help="header = format, size and frames from the header (the backend decodes the image anyway); full = "
