@@ -105,12 +105,20 @@ def decode_head(payload: bytes | memoryview, head_bytes: int) -> bytes:
     return _strict(payload if len(payload) <= chars else payload[:chars])
 
 
-def _strict(payload: bytes | memoryview) -> bytes:
+def decode_tail(payload: bytes | memoryview, tail_bytes: int) -> bytes:
+    """The last ``tail_bytes`` (give or take the padding) of what ``payload`` decodes to, strictly; all of it when
+    it is shorter. The slice starts on a base64 quantum counted from the payload's start, so a payload whose
+    length is no multiple of 4 is refused as the whole would be; the rest of the payload is not read."""
+    start = max(0, len(payload) - tail_bytes // 3 * 4) // 4 * 4
+    return _strict(payload[start:] if start else payload, offset=start)
+
+
+def _strict(payload: bytes | memoryview, offset: int = 0) -> bytes:
     try:
         return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         # binascii.Error for bad input; ValueError is what the stdlib decoder raises for some of it.
-        raise INVALID_BASE64.error(_describe_bad_base64(payload)) from None
+        raise INVALID_BASE64.error(_describe_bad_base64(payload, offset)) from None
 
 
 def encode_base64(data: bytes) -> bytes:
@@ -124,8 +132,9 @@ def _padding(payload: bytes | memoryview) -> int:
     return len(tail) - len(tail.rstrip(b"="))
 
 
-def _describe_bad_base64(payload: bytes | memoryview) -> str:
-    """Why strict decoding failed: the first stray byte, or a length/padding problem."""
+def _describe_bad_base64(payload: bytes | memoryview, offset: int = 0) -> str:
+    """Why strict decoding failed: the first stray byte (``offset``: where ``payload`` starts in the whole
+    payload), or a length/padding problem."""
     bad = _NOT_BASE64.search(payload)
     if bad is not None:
         char = bad.group()
@@ -138,8 +147,8 @@ def _describe_bad_base64(payload: bytes | memoryview) -> str:
             hint = " (an escape sequence inside the base64 text)"
         elif char[0] >= 0x80:
             hint = " (non-ASCII)"
-        return f"invalid base64: byte {char!r} at offset {bad.start()} is not in the base64 alphabet{hint}"
+        return f"invalid base64: byte {char!r} at offset {offset + bad.start()} is not in the base64 alphabet{hint}"
     return (
-        f"invalid base64: {len(payload)} characters with wrong length or padding "
+        f"invalid base64: {offset + len(payload)} characters with wrong length or padding "
         "(the length must be a multiple of 4, '=' only at the end)"
     )

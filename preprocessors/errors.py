@@ -134,6 +134,8 @@ INVALID_MEDIA_TYPE = _define(400, "invalid_media_type", MmgateError,
 UNSUPPORTED_MEDIA_TYPE = _define(400, "unsupported_media_type", MediaError,
                                  "an image in a format outside the allowlist (JPEG, PNG, WEBP, GIF, BMP)")
 IMAGE_DECODE_FAILED = _define(400, "image_decode_failed", MediaError, "an image that is corrupt or truncated")
+IMAGE_TRUNCATED = _define(400, "image_truncated", MediaError,
+                          "an image that ends before its format's end (JPEG FFD9, PNG IEND, GIF trailer, WebP size)")
 IMAGE_TOO_LARGE = _define(400, "image_too_large", MediaError, "an image over MMGATE_MAX_IMAGE_PIXELS")
 TOO_MANY_FRAMES = _define(400, "too_many_frames", MediaError, "an animated image over MMGATE_MAX_FRAMES")
 AUDIO_INVALID = _define(400, "audio_invalid", MediaError,
@@ -141,6 +143,9 @@ AUDIO_INVALID = _define(400, "audio_invalid", MediaError,
 TOO_MANY_MEDIA = _define(400, "too_many_media", MmgateError, "more media parts than MMGATE_MAX_MEDIA_PER_REQUEST")
 MEDIA_URL_NOT_ALLOWED = _define(400, "media_url_not_allowed", MmgateError,
                                 "a media URL where MMGATE_MEDIA_URLS does not take one")
+MEDIA_URL_SCHEME_NOT_ALLOWED = _define(400, "media_url_scheme_not_allowed", MmgateError,
+                                       "a media URL whose scheme is not http or https (file:, ftp:, s3:...), "
+                                       "whatever MMGATE_MEDIA_URLS")
 INVALID_TIMEOUT_HEADER = _define(400, "invalid_timeout_header", MmgateError,
                                  "X-MMGate-Timeout that is not a positive number of seconds")
 INVALID_PRIORITY_HEADER = _define(400, "invalid_priority_header", MmgateError,

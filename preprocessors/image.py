@@ -10,7 +10,9 @@ Security
     pixel is decoded; so is the frame count. Pillow's own guard only *warns* between 89 and 179 MP and
     is process-global, so it is switched off once at import and replaced by this exact per-policy
     check (no racy per-call mutation of Pillow or ``warnings`` state from several threads).
-  - Truncated or corrupt files are refused (``LOAD_TRUNCATED_IMAGES`` stays off).
+  - Truncated or corrupt files are refused (``LOAD_TRUNCATED_IMAGES`` stays off). A file cut short is refused
+    from its last bytes (``formats.check_whole``), in both validation modes: header validation decodes no pixel,
+    and full validation decodes only an animation's first frame.
 
 Speed
   - An image that needs no change is never re-encoded: the caller forwards the original bytes.
@@ -58,7 +60,7 @@ from PIL import (
 from .base import Checkpoint, ImagePolicy, Processed, no_checkpoint
 from .dimensions import HEAD_STEPS, MAX_HEAD_BYTES, header_dimensions
 from .errors import IMAGE_DECODE_FAILED, IMAGE_TOO_LARGE, TOO_MANY_FRAMES
-from .formats import MIME_BY_FORMAT, sniff_image_format
+from .formats import MIME_BY_FORMAT, TAIL_BYTES, check_whole, sniff_image_format
 from .geometry import resize_target
 
 # Our header check (exact, per policy, with a message naming the setting) replaces Pillow's global
@@ -85,6 +87,8 @@ GENERIC_JPEG_QUALITY = 90
 MODEL_JPEG_QUALITY = 100
 # Formats whose size and frame count Pillow reads from the header alone (``judge_header``).
 _HEADER_FORMATS = frozenset(("JPEG", "PNG", "BMP"))
+# Formats Pillow opens only from the whole file: whether it is whole is checked before the open.
+_OPENED_WHOLE = frozenset(("WEBP",))
 _PNG_COMPRESS_LEVEL = 1  # fast: the output is consumed once, by the backend, on the same network
 
 # EXIF orientation -> the transpose that makes the image upright (the table of ImageOps.exif_transpose).
@@ -121,9 +125,13 @@ def process_image(
     """
     checkpoint()
     fmt = sniff_image_format(data)
+    if fmt in _OPENED_WHOLE:
+        check_whole(fmt, data, data[-TAIL_BYTES:], len(data))
     with _decode_errors(fmt):
         img = Image.open(BytesIO(data), formats=(fmt,))
     try:
+        if fmt not in _OPENED_WHOLE:  # a header Pillow could not read is corrupt (above), not cut short
+            check_whole(fmt, data, data[-TAIL_BYTES:], len(data))
         width, height = img.size
         target = _checked_target(img, data, fmt, policy)
         checkpoint()
@@ -162,14 +170,16 @@ def process_image(
     )
 
 
-def judge_header(head: Callable[[int], bytes], policy: ImagePolicy) -> str | None:
+def judge_header(head: Callable[[int], bytes], tail: Callable[[int], bytes], size: int,
+                 policy: ImagePolicy) -> str | None:
     """With header validation, the MIME type of an image that its header alone decides: valid, and left as it
-    is. ``head(n)`` gives the file's first ``n`` bytes (fewer: the whole file); heads of
-    ``dimensions.HEAD_STEPS`` and then ``MAX_HEAD_BYTES`` are tried, as the token count reads them. None where
-    the header does not decide: an image to resize, a GIF or WebP (their frames, and Pillow's WebP opener, need
-    the whole file), or a header past the longest head; ``process_image`` then judges the whole file, in a
-    decode worker. Raises what ``process_image`` raises for the same header. Thread-safe, and cheap enough
-    for the event loop (a Pillow open of a few KiB)."""
+    is. ``head(n)`` gives the file's first ``n`` bytes (fewer: the whole file), ``tail(n)`` its last ``n``,
+    ``size`` its length; heads of ``dimensions.HEAD_STEPS`` and then ``MAX_HEAD_BYTES`` are tried, as the token
+    count reads them. Every image's end is checked (``formats.check_whole``: a file cut short is refused here,
+    whatever judges the rest). None where the header does not decide: an image to resize, a GIF or WebP (their
+    frames, and Pillow's WebP opener, need the whole file), or a header past the longest head;
+    ``process_image`` then judges the whole file, in a decode worker. Raises what ``process_image`` raises for
+    the same header. Thread-safe, and cheap enough for the event loop (a Pillow open of a few KiB)."""
     if policy.validate != "header":
         return None
     for head_bytes in (*HEAD_STEPS, MAX_HEAD_BYTES):
@@ -177,6 +187,7 @@ def judge_header(head: Callable[[int], bytes], policy: ImagePolicy) -> str | Non
         whole = len(data) < head_bytes // 3 * 3
         fmt = sniff_image_format(data)
         if fmt not in _HEADER_FORMATS:
+            check_whole(fmt, data, tail(TAIL_BYTES), size)
             return None
         try:
             img = Image.open(BytesIO(data), formats=(fmt,))
@@ -186,6 +197,7 @@ def judge_header(head: Callable[[int], bytes], policy: ImagePolicy) -> str | Non
             with _decode_errors(fmt):
                 raise
         with img:
+            check_whole(fmt, data, tail(TAIL_BYTES), size)  # the head holds the header Pillow just read
             return MIME_BY_FORMAT[fmt] if _checked_target(img, data, fmt, policy) is None else None
     return None
 

@@ -16,7 +16,7 @@ from functools import partial
 
 from .audio import sniff_audio_format, validate_audio
 from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaKind, VideoPolicy, no_checkpoint
-from .dataurl import checked_size, decode_base64, decode_head, encode_base64
+from .dataurl import checked_size, decode_base64, decode_head, decode_tail, encode_base64
 from .errors import MediaError, MmgateError, rebuild
 from .formats import image_mime
 from .image import judge_header, process_image
@@ -97,14 +97,15 @@ def run_task(task: MediaTask, payload: Payload, checkpoint: Checkpoint) -> Verdi
 def judge_head(task: MediaTask, payload: bytes | memoryview) -> Verdict | None:
     """An inline image's verdict from the head of its base64 alone, where its header decides
     (``image.judge_header``: header validation, nothing to resize): the decoded size from the payload's length,
-    format, size and frames from its first bytes; nothing past them is decoded, so the rest of the file (its
-    base64 included) is the backend's to read, as it reads every image anyway. None: a decode worker judges
-    the item (``run_task``). MediaError names ``task.path``."""
+    format, size and frames from its first bytes, and whether it is whole from its last; nothing between them is
+    decoded, so the rest of the file (its base64 included) is the backend's to read, as it reads every image
+    anyway. None: a decode worker judges the item (``run_task``), a truncated one already refused here.
+    MediaError names ``task.path``."""
     if task.kind != "image" or task.fetched_mime is not None or task.image_policy.validate != "header":
         return None
     try:
         size = checked_size(payload, task.max_bytes)
-        mime = judge_header(partial(decode_head, payload), task.image_policy)
+        mime = judge_header(partial(decode_head, payload), partial(decode_tail, payload), size, task.image_policy)
     except MediaError as error:
         raise error.at(task.path) from None
     return None if mime is None else Verdict(size, size, mime.encode())

@@ -25,6 +25,7 @@ from preprocessors.errors import (
     JSON_TOO_COMPLEX,
     MEDIA_TOO_LARGE,
     MEDIA_URL_NOT_ALLOWED,
+    MEDIA_URL_SCHEME_NOT_ALLOWED,
     TOO_MANY_MEDIA,
     InvalidJson,
     MediaError,
@@ -258,6 +259,7 @@ def plan_steps(route: Route, body: bytes, limits: Limits) -> Steps[Plan]:
     try:
         for item in found:
             if item.is_url:
+                _check_scheme(item)
                 if limits.reject_urls:
                     raise MEDIA_URL_NOT_ALLOWED.error(
                         "media URLs are not accepted here (MMGATE_MEDIA_URLS=reject): send the media "
@@ -319,6 +321,31 @@ def _measure(body: bytes, item: MediaItem, max_item: int) -> None:
             f"this {item.kind} decodes to about {size} bytes, over the per-item limit of {max_item} "
             "(MMGATE_MAX_MEDIA_ITEM_MB): send a smaller file", param=item.path)
     item.payload_offset, item.size, item.declared_type, item.declared_span = offset, size, declared, declared_span
+
+
+# A URL's scheme as a backend's URL parser reads it: WHATWG and Python's urlsplit both drop leading C0 controls
+# and spaces, and tabs and line breaks anywhere, so " FiLe:" and "fi\tle:" are file: URLs to them.
+_SCHEME = re.compile(r"[\x00-\x20]*([A-Za-z][A-Za-z0-9+.\-\t\r\n]*):")
+_TAB_OR_NEWLINE = str.maketrans("", "", "\t\r\n")
+_FORWARDED_SCHEMES = ("http", "https")
+
+
+def _check_scheme(item: MediaItem) -> None:
+    """A media URL with any scheme but http or https is refused, whatever MMGATE_MEDIA_URLS: a backend that
+    reads local files (``file:``) or speaks other protocols would read them for the client. A value with no
+    scheme is the backend's to judge. A ``data:`` URI is inline media, never a URL item, unless something comes
+    before its ``data:`` or it sits where only a URL goes (an Anthropic url source): then it is refused too,
+    as it would reach the backend as media mmgate never checked."""
+    found = _SCHEME.match(item.url)
+    if found is None:
+        return
+    scheme = found.group(1).translate(_TAB_OR_NEWLINE).lower()
+    if scheme in _FORWARDED_SCHEMES:
+        return
+    hint = ("inline media is a data: URI with nothing before it, or a base64 source" if scheme == "data"
+            else "send an http(s) URL or the media inline")
+    raise MEDIA_URL_SCHEME_NOT_ALLOWED.error(
+        f"media URLs with the scheme {scheme[:32]!r} are not accepted, only http and https: {hint}", param=item.path)
 
 
 def _check_fetchable(route: Route, item: MediaItem) -> None:

@@ -14,6 +14,7 @@ import threading
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 from hypothesis import given, settings
@@ -308,16 +309,25 @@ def test_animation_frame_cap(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
-def test_truncated_image_fails_full_validation(fmt: str) -> None:
+def test_truncated_image_is_refused_from_its_end_whatever_the_validation(fmt: str) -> None:
     data = encode(noisy((256, 256)), fmt)
     cut = data[: len(data) // 2]
-    error = expect_error("image_decode_failed", lambda: process_image(cut, ImagePolicy()))
-    assert fmt in error.message
-    # header-only validation does not decode, so it cannot see the cut (documented trade-off)
-    assert process_image(cut, ImagePolicy(validate="header")) is None
+    for policy in (ImagePolicy(), ImagePolicy(validate="header"), ImagePolicy(validate="header", resize_max_side=64)):
+        error = expect_error("image_truncated", partial(process_image, cut, policy))
+        assert error.message.startswith(fmt)
+
+
+def test_a_file_corrupt_in_its_middle_fails_full_validation_only() -> None:
+    data = bytearray(encode(noisy((256, 256)), "PNG"))
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(64)  # the IDAT's checksum no longer matches: whole, but corrupt
+    error = expect_error("image_decode_failed", lambda: process_image(bytes(data), ImagePolicy()))
+    assert "PNG" in error.message
+    # header validation reads the header and the end, nothing between (documented trade-off)
+    assert process_image(bytes(data), ImagePolicy(validate="header")) is None
     # ... but a resize decodes, and catches it
     policy = ImagePolicy(validate="header", resize_max_side=64)
-    expect_error("image_decode_failed", lambda: process_image(cut, policy))
+    expect_error("image_decode_failed", lambda: process_image(bytes(data), policy))
 
 
 @pytest.mark.parametrize(
@@ -513,17 +523,22 @@ def test_formats_whose_frames_need_the_whole_file_are_left_to_the_pool(fmt: str)
 
 
 def test_the_head_judges_what_the_header_says_and_leaves_the_rest_to_the_backend() -> None:
-    """Header validation reads the header: a truncated file, or a base64 tail the backend will refuse, passes;
-    a bomb, a size over the item limit and base64 broken inside the head are refused as the pool refuses them."""
+    """Header validation reads the header and the end: a file corrupt between them, or base64 the backend will
+    refuse there, passes; a bomb, a size over the item limit, a file cut short and base64 broken inside the
+    head or the tail are refused as the pool refuses them."""
     grain = io.BytesIO()
     Image.frombytes("RGB", (640, 480), random.Random(5).randbytes(640 * 480 * 3)).save(grain, "PNG")
-    data = grain.getvalue()  # far longer than the head read
+    data = grain.getvalue()  # far longer than the head and the tail read
+    encoded = base64.b64encode(data)
+    middle = len(encoded) // 2 // 4 * 4
     policy = ImagePolicy(validate="header", max_pixels=640 * 480)
-    assert judge_head(_task(policy), base64.b64encode(data[:-30])) is not None
-    assert judge_head(_task(policy), base64.b64encode(data)[:-8] + b"!!!!====") is not None
+    assert judge_head(_task(policy), encoded[:middle] + b"AAAAAAAA" + encoded[middle + 8 :]) is not None
+    assert judge_head(_task(policy), encoded[:middle] + b"!!!!" + encoded[middle + 4 :]) is not None
     for payload, max_bytes, code in ((base64.b64encode(image_bytes(641, 480, "PNG")), 1 << 24, "image_too_large"),
-                                     (base64.b64encode(data), 100, "media_too_large"),
-                                     (b"iVBOR!" + base64.b64encode(data)[6:], 1 << 24, "invalid_base64")):
+                                     (encoded, 100, "media_too_large"),
+                                     (base64.b64encode(data[:-30]), 1 << 24, "image_truncated"),
+                                     (encoded[:-8] + b"!!!!====", 1 << 24, "invalid_base64"),
+                                     (b"iVBOR!" + encoded[6:], 1 << 24, "invalid_base64")):
         with pytest.raises(MediaError) as refused:
             judge_head(_task(policy, max_bytes), payload)
         assert (refused.value.code, refused.value.param) == (code, "messages[0].content[1]")

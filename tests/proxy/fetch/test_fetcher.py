@@ -550,7 +550,7 @@ async def test_a_remote_error_or_an_unreachable_port_is_the_clients_400(
 async def test_only_http_and_https_are_fetched(url: str, upstream: Upstream, start_proxy: StartProxy) -> None:
     proxy = await fetching(start_proxy, upstream)
     status, doc, _h = await post(proxy, chat_with_image(url))
-    assert (status, doc["error"]["code"]) == (400, "fetch_url_not_allowed")
+    assert (status, doc["error"]["code"]) == (400, "media_url_scheme_not_allowed")  # in every mode, fetch too
     assert upstream.seen == []
 
 
