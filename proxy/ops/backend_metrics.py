@@ -13,8 +13,11 @@ own exposition stays reachable, unmodified, at ``/mmgate/backend/metrics`` (and 
 main port then forwards ``/metrics`` as any other path (``MMGATE_ALLOW_PATHS`` decides).
 
 A scrape of the backend is reused for a second and concurrent scrapes share the one fetch in flight
-(``backend_scrapes.BackendScrapes``): many scrapers cost the backend one exposition a second at most. mmgate's
-own numbers (the waiting count, its families) are read afresh for every scrape.
+(``backend_scrapes.BackendScrapes``): many scrapers cost the backend one exposition a second at most. The merge
+is made once per scrape of the backend too (``MergedExposition``, counted by
+``mmgate_backend_metrics_merges_total``), with mmgate's families as of then: every scrape of mmgate until the
+next is served from it, only the waiting count read afresh and written into the queue gauges' samples. So
+scrapers looping on ``/metrics`` cost mmgate's event loop a copy of the exposition each, not a parse.
 
 Exposition formats: Prometheus text 0.0.4 (asked for) and OpenMetrics 1.0 (mmgate's families then go before
 ``# EOF``). A sample line is ``name[{labels}] value [timestamp]``; label values are quoted with backslash
@@ -26,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+from functools import partial
 
 import aiohttp
 from aiohttp import web
@@ -60,8 +64,9 @@ class _OwnFamilies(Collector):
         return (family for family in self._registry.collect() if family.name.startswith("mmgate_"))
 
 
-def _added(line: bytes, waiting: int) -> bytes | None:
-    """``line`` with ``waiting`` added to its value when it is a sample of a known queue gauge, else None."""
+def _queue_sample(line: bytes) -> tuple[bytes, float, bytes] | None:
+    """A sample of a known queue gauge as what goes before its value (name, labels, spacing), the value and
+    what follows it (a timestamp); None for any other line."""
     match = _NAME_END.search(line)
     name = line[:match.start()] if match else line
     if name not in QUEUE_GAUGES:
@@ -92,28 +97,60 @@ def _added(line: bytes, waiting: int) -> bytes | None:
         return None
     spacing = rest[:len(rest) - len(rest.lstrip())]
     tail = rest.lstrip()[len(fields[0]):]
-    return head + spacing + floatToGoString(value + waiting).encode() + tail
+    return head + spacing, value, tail
+
+
+class MergedExposition:
+    """The backend's exposition with ``own`` (mmgate's families, in the same format) appended, parsed once:
+    the text between queue gauge samples kept as it is, each sample's value kept apart for ``render`` to add
+    the waiting count to."""
+
+    def __init__(self, parts: list[bytes | tuple[bytes, float, bytes]]) -> None:
+        self.parts = parts
+        self._rendered: tuple[int, bytes] | None = None
+
+    @classmethod
+    def of(cls, exposition: bytes, own: bytes) -> MergedExposition | None:
+        """None when ``exposition`` has no known queue gauge (it is passed through)."""
+        lines = exposition.split(b"\n")
+        while lines and not lines[-1]:
+            lines.pop()
+        tail = b""
+        if lines and lines[-1].strip() == b"# EOF":  # OpenMetrics: one EOF, at the very end
+            lines.pop()
+            own, tail = own.removesuffix(b"# EOF\n"), b"# EOF\n"
+        parts: list[bytes | tuple[bytes, float, bytes]] = []
+        text: list[bytes] = []
+        for line in lines:
+            sample = None if not line or line.startswith(b"#") else _queue_sample(line)
+            if sample is None:
+                text.append(line + b"\n")
+                continue
+            parts.append(b"".join(text))
+            text = []
+            head, value, after = sample
+            parts.append((head, value, after + b"\n"))
+        if not parts:
+            return None
+        parts.append(b"".join(text) + own + tail)
+        return cls(parts)
+
+    def render(self, waiting: int) -> bytes:
+        """The exposition with ``waiting`` added to each queue gauge sample (the last one made is kept)."""
+        if self._rendered is not None and self._rendered[0] == waiting:
+            return self._rendered[1]
+        body = b"".join(part if isinstance(part, bytes)
+                        else part[0] + floatToGoString(part[1] + waiting).encode() + part[2]
+                        for part in self.parts)
+        self._rendered = (waiting, body)
+        return body
 
 
 def merge(exposition: bytes, waiting: int, own: bytes) -> bytes | None:
     """The backend's ``exposition`` with ``waiting`` added to each known queue gauge sample and ``own`` (mmgate's
     families, in the same format) appended; None when it has no known queue gauge (pass it through)."""
-    lines = exposition.split(b"\n")
-    found = False
-    for index, line in enumerate(lines):
-        if not line or line.startswith(b"#"):
-            continue
-        added = _added(line, waiting)
-        if added is not None:
-            lines[index], found = added, True
-    if not found:
-        return None
-    while lines and not lines[-1]:
-        lines.pop()
-    if lines and lines[-1].strip() == b"# EOF":  # OpenMetrics: one EOF, at the very end
-        own = own.removesuffix(b"# EOF\n")
-        return b"\n".join(lines[:-1]) + b"\n" + own + b"# EOF\n"
-    return b"\n".join(lines) + b"\n" + own
+    merged = MergedExposition.of(exposition, own)
+    return merged.render(waiting) if merged is not None else None
 
 
 async def _fetch(state: AppState) -> Scraped:
@@ -161,6 +198,14 @@ async def _scrape(state: AppState) -> Scraped:
     return await state.backend_scrapes.get(lambda: _fetch(state))
 
 
+def _merged_of(state: AppState, scrape: Scrape) -> MergedExposition | None:
+    """The merge of one scrape of the backend with mmgate's families as of now (``MergedExposition``)."""
+    own = _OwnFamilies(state.metrics.registry)
+    openmetrics = scrape.content_type.startswith("application/openmetrics-text")
+    state.metrics.backend_metrics_merges.inc()
+    return MergedExposition.of(scrape.body, generate_openmetrics(own) if openmetrics else generate_latest(own))
+
+
 async def merged_metrics(request: web.Request) -> web.Response:
     """``GET /metrics`` with ``MMGATE_BACKEND_METRICS=merge`` (main port) or ``merge-admin`` (admin port)."""
     state = request.app[STATE]
@@ -169,17 +214,15 @@ async def merged_metrics(request: web.Request) -> web.Response:
         return web.Response(status=scraped.status, text=scraped.reason + "\n")
     body, content_type = scraped.body, scraped.content_type
     if scraped.status == 200:
-        openmetrics = content_type.startswith("application/openmetrics-text")
-        own = _OwnFamilies(state.metrics.registry)
-        # With several front processes, the one gate's count, not as of this front's last exchange with it; if
-        # the gate is hung, as of that.
-        with contextlib.suppress(MmgateError):
-            await state.gate.refresh()
-        merged = merge(body, state.gate.counters().waiting_media,
-                       generate_openmetrics(own) if openmetrics else generate_latest(own))
+        merged = state.backend_scrapes.derived(scraped, partial(_merged_of, state))
         if merged is not None:
-            body = merged
-            content_type = content_type if openmetrics else CONTENT_TYPE_LATEST
+            # With several front processes, the one gate's count, not as of this front's last exchange with
+            # it; if the gate is hung, as of that.
+            with contextlib.suppress(MmgateError):
+                await state.gate.refresh()
+            body = merged.render(state.gate.counters().waiting_media)
+            if not content_type.startswith("application/openmetrics-text"):
+                content_type = CONTENT_TYPE_LATEST
     response = web.Response(status=scraped.status, body=body)
     response.headers["Content-Type"] = content_type
     return response

@@ -3,7 +3,8 @@
 Each ``GET /metrics`` (merge modes) and ``GET /mmgate/backend/metrics`` needs the backend's exposition; many
 scrapers at once (several endpoint pickers, Prometheus replicas, anyone on a public port) would each cost the
 backend a full exposition. A complete scrape is reused for ``SCRAPE_REUSE_SECONDS``, and while none is fresh
-every caller awaits the one fetch in flight.
+every caller awaits the one fetch in flight. What is made of a scrape (the merged exposition) is made once per
+scrape too (``derived``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 SCRAPE_REUSE_SECONDS = 1.0  # a scrape of the backend answers every scrape of mmgate within this interval
 
@@ -34,6 +36,7 @@ class ScrapeFailed:
 
 
 Scraped = Scrape | ScrapeFailed
+Derived = TypeVar("Derived")
 
 
 class BackendScrapes:
@@ -46,6 +49,14 @@ class BackendScrapes:
         self.reuse_seconds = reuse_seconds
         self._kept: tuple[float, Scrape] | None = None
         self._in_flight: asyncio.Future[Scraped] | None = None
+        self._derived: tuple[Scrape, object] | None = None  # what ``derived`` made of the latest scrape
+
+    def derived(self, scrape: Scrape, make: Callable[[Scrape], Derived]) -> Derived:
+        """``make(scrape)``, made once per scrape: every caller given the same ``scrape`` gets the first one's.
+        One user (``make`` the same function each time): only what was made of the latest scrape is kept."""
+        if self._derived is None or self._derived[0] is not scrape:
+            self._derived = (scrape, make(scrape))
+        return cast(Derived, self._derived[1])
 
     async def get(self, fetch: Callable[[], Awaitable[Scraped]]) -> Scraped:
         kept = self._kept

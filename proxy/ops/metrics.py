@@ -114,6 +114,10 @@ class Metrics:
         self.cache_waiting = gauge(
             "mmgate_cache_waiting", "Requests waiting for another request's decode of the same media")
         self.cache_limit_bytes = gauge("mmgate_cache_limit_bytes", "MMGATE_CACHE_MB in bytes (0 = off)")
+        self.backend_metrics_merges = counter(
+            "mmgate_backend_metrics_merges",
+            "Merged /metrics expositions made (MMGATE_BACKEND_METRICS=merge): one per scrape of the backend, "
+            "served to every scrape of mmgate until the next")
         self.memory_trims = counter(
             "mmgate_memory_trims", "malloc_trim calls after media work went idle (MMGATE_TRIM_IDLE)")
         ProcessCollector(registry=self.registry)

@@ -392,3 +392,41 @@ async def test_scrapes_within_the_interval_share_one_backend_scrape(upstream: Up
         assert len(scrapes) == 2  # past the interval: scraped afresh
     assert backend == VLLM
     assert _samples(first) == _samples(second) == _samples(within)
+
+
+async def test_many_scrapes_between_two_of_the_backend_cost_one_merge(upstream: Upstream,
+                                                                      start_proxy: StartProxy) -> None:
+    """Scrapers looping on /metrics: every scrape of mmgate until the backend's next one is served from the one
+    merge (mmgate_backend_metrics_merges_total, read over the wire, counts them), each with the waiting count
+    as of its own request. The clock deciding when the backend is scraped again is the test's."""
+    fetched = 0
+
+    async def metrics(request: web.Request) -> web.Response:
+        nonlocal fetched
+        fetched += 1
+        return web.Response(body=VLLM, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    upstream.route("/metrics", metrics)
+    proxy = await start_proxy(upstream.url, MMGATE_BACKEND_METRICS="merge")
+    now = [0.0]
+    proxy.state.backend_scrapes.clock = lambda: now[0]
+
+    async def merges(session: aiohttp.ClientSession) -> float:
+        async with session.get(proxy.url + "/mmgate/metrics") as response:
+            return _samples(await response.read())[("mmgate_backend_metrics_merges_total", ())]
+
+    async def scrape(session: aiohttp.ClientSession) -> bytes:
+        async with session.get(proxy.url + "/metrics") as response:
+            assert response.status == 200
+            return await response.read()
+
+    async with aiohttp.ClientSession() as session:
+        assert await merges(session) == 0
+        first = await asyncio.gather(*(scrape(session) for _ in range(16)))
+        assert (fetched, await merges(session)) == (1, 1)
+        assert len(set(first)) == 1 and b'model_name="ti}ny \\"q\\""} 2.0\n' in first[0]
+        now[0] += SCRAPE_REUSE_SECONDS  # the backend's scrape is stale: the next scrape of mmgate fetches anew
+        second = [await scrape(session) for _ in range(8)]
+        assert (fetched, await merges(session)) == (2, 2)
+    backend = {key: value for key, value in _samples(first[0]).items() if key[0].startswith("vllm:")}
+    assert {key: value for key, value in _samples(second[-1]).items() if key in backend} == backend
