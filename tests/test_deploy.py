@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from functools import cache
@@ -419,7 +420,42 @@ def test_k8s_mmgate_reads_the_configmap(k8s: dict[str, Any]) -> None:
     refs = [e["configMapRef"]["name"] for e in k8s["mmgate"].get("envFrom", []) if "configMapRef" in e]
     assert refs == [k8s["ConfigMap"]["metadata"]["name"]]
     for item in k8s["mmgate"].get("env", []):
-        assert item["name"] in setting_env_names()
+        assert item["name"] in setting_env_names() | {"HF_HOME"}
+
+
+def _mounts(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {mount["mountPath"]: mount for mount in container.get("volumeMounts", [])}
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {item["name"]: str(item.get("value", "")) for item in container.get("env", [])}
+
+
+def test_k8s_the_sidecar_reads_the_servers_model_from_its_cache_read_only(k8s: dict[str, Any]) -> None:
+    """MMGATE_MODEL=auto (the default) finds the model vLLM serves in the Hugging Face cache vLLM downloads it
+    to: the same volume, at the same HF_HOME, mounted read-only into mmgate."""
+    backend, mmgate = k8s["backend"], k8s["mmgate"]
+    assert Settings.from_env(k8s["env"]).decode.model == "auto"
+    home = _env(backend)["HF_HOME"]
+    assert _env(mmgate)["HF_HOME"] == home
+    served, seen = _mounts(backend)[home], _mounts(mmgate)[home]
+    assert seen["name"] == served["name"] and seen.get("readOnly") is True and not served.get("readOnly")
+    model = arg_value(backend["args"], "--model") or ""
+    assert not model.startswith("/"), "a Hub id: looked up in the cache (a path needs MMGATE_MODEL_DIRS)"
+    # MMGATE_MM_PROCESSOR_KWARGS writes its overlay under /tmp, which a read-only root file system needs mounted.
+    assert mmgate["securityContext"]["readOnlyRootFilesystem"] and "/tmp" in _mounts(mmgate)
+
+
+def test_the_model_mode_ships_in_the_core_package_and_the_image() -> None:
+    """transformers is a core dependency (the image installs the core package), imported only once a model is
+    found: importing mmgate does not load it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(dependency.startswith("transformers") for dependency in project["dependencies"])
+    assert "model" not in (DEPLOY / "Dockerfile").read_text().split("ARG EXTRAS=")[1].split("\n")[0]
+    child = subprocess.run([sys.executable, "-c", "import sys, proxy.app, proxy.cli; "
+                            "print(sorted(m for m in ('transformers', 'huggingface_hub', 'tokenizers') "
+                            "if m in sys.modules))"], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert child.stdout.strip() == "[]"
 
 
 def test_k8s_ports_and_service(k8s: dict[str, Any]) -> None:
