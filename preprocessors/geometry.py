@@ -294,3 +294,33 @@ class PatchGrid:
         if not w or not h:  # the processor's resize to a side of 0 px fails
             raise ValueError(f"a side scaled within {self.longest_edge} px is under one pixel")
         return int(w), int(h)
+
+
+@dataclass(frozen=True, slots=True)
+class PanAndScan:
+    """Gemma 3 with pan-and-scan: a ``width`` x ``height`` square of the whole image and, where its aspect ratio
+    reaches ``min_ratio``, one more square of each of 2 to ``max_crops`` crops along its long side, each at least
+    ``min_crop_size`` px (``Gemma3ImageProcessor.pan_and_scan``). An image without crops is resized to the
+    square; one with crops goes as it is, since the square would have none (``resize_keeps_tokens``)."""
+
+    family: str
+    width: int
+    height: int
+    min_crop_size: int
+    max_crops: int
+    min_ratio: float
+    resample: int = BICUBIC
+
+    def crops(self, width: int, height: int) -> int:
+        """How many crops the processor cuts beside the whole image (0: none)."""
+        numpy = importlib.import_module("numpy")
+        processor = _helper("transformers.models.gemma3.image_processing_pil_gemma3", "Gemma3ImageProcessorPil")
+        # The method reads the size off a channels-first array and slices it: a zero-channel one costs nothing.
+        return len(processor.pan_and_scan(None, numpy.empty((0, height, width), dtype=numpy.uint8),
+                                          self.min_crop_size, self.max_crops, self.min_ratio))
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        return self.width, self.height
+
+    def resize_keeps_tokens(self, width: int, height: int, out_w: int, out_h: int) -> bool:
+        return self.crops(out_w, out_h) == self.crops(width, height)

@@ -91,16 +91,21 @@ def llava_folder(path: Path, pad: bool = False) -> Path:
     return path
 
 
-def gemma3_folder(path: Path, pan_and_scan: bool = False) -> Path:
-    """A Gemma 3 processor: 896 px squares, 256 tokens an image; a tokenizer with its image markers."""
+def gemma3_folder(path: Path, pan_and_scan: bool = False, side: int = 896, image_seq_length: int = 256,
+                  **pan_and_scan_settings: Any) -> Path:
+    """A Gemma 3 processor: 896 px squares, 256 tokens an image; a tokenizer with its image markers. With
+    ``pan_and_scan``, the image processor says ``do_pan_and_scan`` and, where given, its ``pan_and_scan_*``
+    settings (gemma-3 checkpoints leave them unset: the processor's defaults apply)."""
     from transformers import Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     tokenizer = _tokenizer(["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
                            extra_special_tokens={"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
                                                  "eoi_token": "<end_of_image>"})
-    images = Gemma3ImageProcessorPil(size={"height": 896, "width": 896}, do_pan_and_scan=pan_and_scan)
-    Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=256).save_pretrained(path)
+    images = Gemma3ImageProcessorPil(size={"height": side, "width": side}, do_pan_and_scan=pan_and_scan,
+                                     **pan_and_scan_settings)
+    Gemma3Processor(image_processor=images, tokenizer=tokenizer,
+                    image_seq_length=image_seq_length).save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
     return path
 

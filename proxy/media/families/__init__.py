@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .base import Family, Found
-from .gemma3 import GEMMA3
+from .gemma3 import GEMMA3, GEMMA3_PAN_AND_SCAN
 from .idefics3 import IDEFICS3
 from .internvl import INTERNVL
 from .llava import LLAVA
@@ -22,7 +22,8 @@ from .llava_onevision import LLAVA_ONEVISION
 from .pixtral import PIXTRAL
 from .qwen import QWEN
 
-FAMILIES: tuple[Family, ...] = (QWEN, IDEFICS3, LLAVA, LLAVA_NEXT, GEMMA3, INTERNVL, PIXTRAL, LLAVA_ONEVISION)
+FAMILIES: tuple[Family, ...] = (QWEN, IDEFICS3, LLAVA, LLAVA_NEXT, GEMMA3, GEMMA3_PAN_AND_SCAN, INTERNVL, PIXTRAL,
+                                  LLAVA_ONEVISION)
 
 # Families whose processors transformers ships only for torch, or only as remote code: the generic rule, with
 # the reason. Keyed by the image_processor_type their checkpoints name (without a backend suffix).

@@ -129,6 +129,23 @@ def _llava_onevision(folder: Path, image: Image.Image) -> tuple[tuple[int, int],
     return (resized.shape[2], resized.shape[1]), int(tokens)
 
 
+def _gemma3_pan_and_scan(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
+    """Gemma3Processor run on the pixels with ``do_pan_and_scan`` (its own default is off; vLLM takes the image
+    processor's setting first, as mmgate does): the square it resizes to and the soft image tokens in its
+    prompt."""
+    processor = transformers.AutoProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
+    # The processor's call would put its own defaults over the image processor's settings; vLLM counts with the
+    # image processor's where set, so they are passed as such.
+    settings = {key: value for key in ("pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
+                                       "pan_and_scan_min_ratio_to_activate")
+                if (value := getattr(processor.image_processor, key, None)) is not None}
+    out = processor(text=[processor.boi_token], images=[image], do_pan_and_scan=True, return_tensors="np",
+                    **settings)
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.tokenizer.image_token)
+    square = out["pixel_values"].shape[-1], out["pixel_values"].shape[-2]
+    return square, int((out["input_ids"][0] == image_token).sum())
+
+
 CASES = {
     "internvl": Case(lambda p: models.internvl_folder(p), "internvl", _internvl),
     "internvl-small": Case(lambda p: models.internvl_folder(p, tile=64, max_patches=6, image_seq_length=16),
@@ -139,6 +156,11 @@ CASES = {
     "llava-onevision-small": Case(lambda p: models.llava_onevision_folder(
         p, 56, [[56 * r, 56 * c] for r in range(1, 4) for c in range(1, 4)], 16, "anyres_max_2"),
         "llava-onevision", _llava_onevision),
+    "gemma3-pan-and-scan": Case(lambda p: models.gemma3_folder(p, pan_and_scan=True), "gemma3 with pan-and-scan",
+                                _gemma3_pan_and_scan),
+    "gemma3-pan-and-scan-small": Case(lambda p: models.gemma3_folder(
+        p, True, 64, 16, pan_and_scan_min_crop_size=32, pan_and_scan_max_num_crops=3,
+        pan_and_scan_min_ratio_to_activate=1.5), "gemma3 with pan-and-scan", _gemma3_pan_and_scan),
     "pixtral-small": Case(lambda p: models.pixtral_folder(p, "llava", 200, 8, 2), "pixtral", _pixtral),
 }
 
