@@ -5,6 +5,10 @@ the optional ``video`` extra): the container, its streams and their codecs again
 the frame count, the duration and the frame rate against ``VideoPolicy``'s limits. The clip is judged as a
 whole, not by its first stream or its first bytes:
 
+- Before FFmpeg opens an MP4, the sample counts its tables declare are judged (``mp4_tables``): its demuxer
+  builds an index entry per sample inside ``av.open``, and a constant ``stsz`` or an empty ``trun`` states
+  millions of samples in a few bytes. The video track is held to the frame limit, another track to
+  ``_SAMPLES_PER_SECOND`` over the duration limit.
 - FFmpeg reads from the bytes in memory (``av.open`` on a ``BytesIO``), only through the demuxers of the
   allowed containers (``format_whitelist``), with ``probesize``/``analyzeduration`` bounding what it reads
   to find the streams and ``max_streams`` bounding how many it opens: one past ``MAX_STREAMS``, so that a
@@ -27,6 +31,11 @@ whole, not by its first stream or its first bytes:
   a key frame rather than the container's flag (which the sender sets), reconstructs key frames only, and
   refuses one over the pixel limit before it allocates it. A size that only a VP9 or AV1 inter frame states
   (reference scaling) is left to the backend's own limits.
+- The decoder activates a new H.264/HEVC sequence parameter set only for a slice it decodes, and with
+  ``skip_frame=nokey`` that is a key frame by its own rule; a backend's decoder activates one for any slice,
+  an open-GOP I slice included. So every parameter set the stream carries (its header's, every packet's,
+  a packet's new extradata) is read from the bitstream (``parameter_sets``) and its coded size judged, used
+  or not; one that cannot be read is refused.
 - The request's checkpoint (its deadline) is called every ``_CHECK_EVERY`` packets and after every picture
   decoded, so the work per clip is bounded by the frame limit, the pixel limit and the deadline, and its
   memory by ``MAX_STREAMS`` streams' discovery and pictures within the pixel limit.

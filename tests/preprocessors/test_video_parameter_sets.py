@@ -43,12 +43,14 @@ class BitWriter:
     def se(self, value: int) -> None:
         self.ue(2 * value - 1 if value > 0 else -2 * value)
 
-    def payload(self) -> bytes:
-        bits = [*self.bits, 1]  # rbsp_stop_one_bit, then zeros to a byte
+    def raw(self) -> bytes:
+        bits = [*self.bits, 1]  # rbsp_stop_one_bit (AV1: trailing_one_bit), then zeros to a byte
         bits += [0] * (-len(bits) % 8)
-        raw = bytes(int("".join(map(str, bits[at:at + 8])), 2) for at in range(0, len(bits), 8))
+        return bytes(int("".join(map(str, bits[at:at + 8])), 2) for at in range(0, len(bits), 8))
+
+    def payload(self) -> bytes:
         escaped, zeros = bytearray(), 0
-        for byte in raw:
+        for byte in self.raw():
             if zeros >= 2 and byte <= 3:
                 escaped.append(3)
                 zeros = 0
@@ -254,6 +256,115 @@ def test_the_encoders_parameter_sets_are_read(codec: str, width: int, height: in
         assert context.extradata is not None and reader.extradata_sizes(context.extradata) == [coded]
         in_band = [size for packet in clip.demux(stream) for size in reader.packet_sizes(memoryview(packet))]
     assert set(in_band) <= {coded}
+
+
+def hevc_sps(width: int, height: int, sub_layers: list[tuple[bool, bool]], chroma_format_idc: int) -> bytes:
+    """An HEVC SPS (ITU-T H.265 7.3.2.2) up to its size: ``sub_layers`` says, per sub-layer, whether its
+    profile and its level are present in ``profile_tier_level``."""
+    bits = BitWriter()
+    bits.u(4, 0)  # sps_video_parameter_set_id
+    bits.u(3, len(sub_layers))  # sps_max_sub_layers_minus1
+    bits.u(1, 1)
+    bits.u(8, 1)  # general profile space, tier, profile_idc 1
+    bits.u(32, 0x60000000)
+    bits.u(48, 0x900000000000)  # four source flags, 43 zero bits and one more
+    bits.u(8, 93)  # general_level_idc
+    for profile, level in sub_layers:
+        bits.u(1, int(profile))
+        bits.u(1, int(level))
+    if sub_layers:
+        bits.u(2 * (8 - len(sub_layers)), 0)
+    for profile, level in sub_layers:
+        if profile:
+            bits.u(88, 1 << 80)
+        if level:
+            bits.u(8, 90)
+    bits.ue(0)  # sps_seq_parameter_set_id
+    bits.ue(chroma_format_idc)
+    if chroma_format_idc == 3:
+        bits.u(1, 0)
+    bits.ue(width)
+    bits.ue(height)
+    bits.u(1, 0)  # conformance_window_flag
+    return b"\x00\x00\x00\x01" + bytes([_HEVC_SPS << 1, 1]) + bits.payload()
+
+
+_HEVC_SPS = 33
+
+
+@given(width=st.integers(8, 20000), height=st.integers(8, 20000), chroma_format_idc=st.integers(0, 3),
+       sub_layers=st.lists(st.tuples(st.booleans(), st.booleans()), max_size=6))
+def test_an_hevc_sps_states_its_size(width: int, height: int, chroma_format_idc: int,
+                                     sub_layers: list[tuple[bool, bool]]) -> None:
+    sps = hevc_sps(width, height, sub_layers, chroma_format_idc)
+    assert hevc_sps_size(sps[4:]) == (width, height)
+    assert ParameterSetReader("hevc", None).packet_sizes(sps) == [(width, height)]
+
+
+def av1_sequence_header(width: int, height: int, *, reduced: bool, timing: bool, decoder_model: bool,
+                        display_delay: bool, levels: list[int]) -> bytes:
+    """An AV1 sequence header OBU (AV1 Bitstream Specification 5.5) with a size field, up to its frame size
+    and a few fields more."""
+    bits = BitWriter()
+    bits.u(3, 0)  # seq_profile
+    bits.u(1, int(reduced))  # still_picture
+    bits.u(1, int(reduced))  # reduced_still_picture_header
+    if reduced:
+        bits.u(5, 8)
+    else:
+        bits.u(1, int(timing))
+        if timing:
+            bits.u(32, 1001)
+            bits.u(32, 30000)
+            bits.u(1, 1)  # equal_picture_interval
+            bits.u(3, 0b010)  # uvlc: num_ticks_per_picture_minus_1 = 1
+            bits.u(1, int(decoder_model))
+            if decoder_model:
+                bits.u(5, 9)  # buffer_delay_length_minus_1
+                bits.u(32, 1)
+                bits.u(10, 0)
+        bits.u(1, int(display_delay))
+        bits.u(5, len(levels) - 1)
+        for level in levels:
+            bits.u(12, 0x103)
+            bits.u(5, level)
+            if level > 7:
+                bits.u(1, 1)
+            if timing and decoder_model:
+                bits.u(1, 1)
+                bits.u(10, 500)
+                bits.u(10, 600)
+                bits.u(1, 0)
+            if display_delay:
+                bits.u(1, 1)
+                bits.u(4, 9)
+    width_bits, height_bits = max(1, (width - 1).bit_length()), max(1, (height - 1).bit_length())
+    bits.u(4, width_bits - 1)
+    bits.u(4, height_bits - 1)
+    bits.u(width_bits, width - 1)
+    bits.u(height_bits, height - 1)
+    bits.u(3, 0b101)
+    payload = bits.raw()
+    assert len(payload) < 128
+    return bytes([_AV1_SEQUENCE_HEADER << 3 | 2, len(payload)]) + payload
+
+
+_AV1_SEQUENCE_HEADER = 1
+
+
+@given(width=st.integers(1, 65536), height=st.integers(1, 65536), reduced=st.booleans(), timing=st.booleans(),
+       decoder_model=st.booleans(), display_delay=st.booleans(), levels=st.lists(st.integers(0, 31), min_size=1,
+                                                                                  max_size=4))
+def test_an_av1_sequence_header_states_its_largest_frame(width: int, height: int, reduced: bool, timing: bool,
+                                                         decoder_model: bool, display_delay: bool,
+                                                         levels: list[int]) -> None:
+    obu = av1_sequence_header(width, height, reduced=reduced, timing=timing, decoder_model=decoder_model,
+                              display_delay=display_delay, levels=levels)
+    assert av1_sequence_header_size(obu[2:]) == (width, height)
+    temporal_delimiter = b"\x12\x00"
+    reader = ParameterSetReader("av1", None)
+    assert reader.packet_sizes(temporal_delimiter + obu + b"\x32\x01\x00") == [(width, height)]
+    assert reader.extradata_sizes(b"\x81\x00\x0c\x00" + obu) == [(width, height)]  # av1C
 
 
 def test_a_multi_layer_hevc_sps_is_refused_as_unchecked() -> None:
