@@ -324,3 +324,31 @@ class PanAndScan:
 
     def resize_keeps_tokens(self, width: int, height: int, out_w: int, out_h: int) -> bool:
         return self.crops(out_w, out_h) == self.crops(width, height)
+
+
+@dataclass(frozen=True, slots=True)
+class MllamaTiles:
+    """Llama 3.2 Vision: the canvas of ``tile`` px tiles, up to ``max_tiles``, that scales the image least
+    (``get_optimal_tiled_canvas`` of the Mllama processor), the image fitted within it keeping its aspect ratio
+    (``get_image_size_fit_to_canvas``; a side under a tile is brought up to one), then padded and cut. A resize
+    is made only where the fitted image takes the same canvas (``resize_keeps_tokens``)."""
+
+    family: str
+    tile: int
+    max_tiles: int
+    resample: int = BICUBIC
+
+    def canvas(self, width: int, height: int) -> tuple[int, int]:
+        """``(columns, rows)`` of tiles."""
+        canvas = _helper("transformers.models.mllama.image_processing_pil_mllama", "get_optimal_tiled_canvas")
+        canvas_h, canvas_w = canvas(height, width, self.max_tiles, self.tile)
+        return int(canvas_w) // self.tile, int(canvas_h) // self.tile
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        fit = _helper("transformers.models.mllama.image_processing_pil_mllama", "get_image_size_fit_to_canvas")
+        columns, rows = self.canvas(width, height)
+        h, w = fit(height, width, rows * self.tile, columns * self.tile, self.tile)
+        return int(w), int(h)
+
+    def resize_keeps_tokens(self, width: int, height: int, out_w: int, out_h: int) -> bool:
+        return self.canvas(out_w, out_h) == self.canvas(width, height)

@@ -192,3 +192,14 @@ def llava_onevision_folder(path: Path, tile: int = 384, pinpoints: list[list[int
         "vision_feature_select_strategy": "full", "vision_aspect_ratio": vision_aspect_ratio}))
     (path / "config.json").write_text(json.dumps({"model_type": "llava_onevision"}))
     return path
+
+
+def mllama_folder(path: Path, tile: int = 560, max_image_tiles: int = 4) -> Path:
+    """Llama 3.2 Vision as Llama-3.2-11B-Vision-Instruct ships it by default: 560 px tiles, up to 4; the vision
+    configuration's patch size the count reads."""
+    from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+    MllamaImageProcessorPil(size={"height": tile, "width": tile}, max_image_tiles=max_image_tiles).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "mllama", "vision_config": {
+        "image_size": tile, "patch_size": 14, "max_num_tiles": max_image_tiles}}))
+    return path

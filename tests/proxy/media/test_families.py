@@ -146,6 +146,24 @@ def _gemma3_pan_and_scan(folder: Path, image: Image.Image) -> tuple[tuple[int, i
     return square, int((out["input_ids"][0] == image_token).sum())
 
 
+def _mllama(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
+    """The Mllama image processor run on the pixels: the size its resize fits the image to, the tiles it cuts;
+    the count is vLLM's, the tiles' patches and class tokens in the encoder prompt."""
+    ip = _image_processor(folder)
+    resized: list[tuple[int, int]] = []
+    resize = ip.resize
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        pixels, tiles = resize(*args, **kwargs)
+        resized.append((pixels.shape[-1], pixels.shape[-2]))
+        return pixels, tiles
+
+    ip.resize = recording
+    tiles = int(ip(images=[[image]], return_tensors="np")["num_tiles"][0][0])
+    vision = models.json.loads((folder / "config.json").read_text())["vision_config"]
+    return resized[0], tiles * ((vision["image_size"] // vision["patch_size"]) ** 2 + 1)
+
+
 CASES = {
     "internvl": Case(lambda p: models.internvl_folder(p), "internvl", _internvl),
     "internvl-small": Case(lambda p: models.internvl_folder(p, tile=64, max_patches=6, image_seq_length=16),
@@ -161,6 +179,8 @@ CASES = {
     "gemma3-pan-and-scan-small": Case(lambda p: models.gemma3_folder(
         p, True, 64, 16, pan_and_scan_min_crop_size=32, pan_and_scan_max_num_crops=3,
         pan_and_scan_min_ratio_to_activate=1.5), "gemma3 with pan-and-scan", _gemma3_pan_and_scan),
+    "mllama": Case(lambda p: models.mllama_folder(p), "mllama", _mllama),
+    "mllama-small": Case(lambda p: models.mllama_folder(p, 56, 6), "mllama", _mllama),
     "pixtral-small": Case(lambda p: models.pixtral_folder(p, "llava", 200, 8, 2), "pixtral", _pixtral),
 }
 
