@@ -352,3 +352,25 @@ class MllamaTiles:
 
     def resize_keeps_tokens(self, width: int, height: int, out_w: int, out_h: int) -> bool:
         return self.canvas(out_w, out_h) == self.canvas(width, height)
+
+
+@dataclass(frozen=True, slots=True)
+class Glm4v:
+    """GLM-4.1V, GLM-4.5V, GLM-4.6V: Qwen's rule with GLM's ``smart_resize`` (an image counts as a pair of frames
+    against ``max_pixels``, and a side under ``patch_size * merge_size`` is first scaled up to it)."""
+
+    family: str
+    module: str  # the transformers module whose smart_resize applies (glm4v's or glm46v's PIL processor)
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    min_pixels: int
+    max_pixels: int
+    resample: int = BICUBIC
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        smart_resize = _helper(self.module, "smart_resize")
+        h, w = smart_resize(num_frames=self.temporal_patch_size, height=height, width=width,
+                            temporal_factor=self.temporal_patch_size, factor=self.patch_size * self.merge_size,
+                            min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        return int(w), int(h)

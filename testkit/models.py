@@ -203,3 +203,15 @@ def mllama_folder(path: Path, tile: int = 560, max_image_tiles: int = 4) -> Path
     (path / "config.json").write_text(json.dumps({"model_type": "mllama", "vision_config": {
         "image_size": tile, "patch_size": 14, "max_num_tiles": max_image_tiles}}))
     return path
+
+
+def glm4v_folder(path: Path, model_type: str = "glm4v", min_pixels: int = 12544, max_pixels: int = 9633792) -> Path:
+    """GLM-4.1V as GLM-4.1V-9B-Thinking ships it by default (``glm4v_moe``: GLM-4.5V; ``glm46v``: GLM-4.6V, with
+    its own image processor class): 14 px patches merged 2x2, pixels within ``min_pixels``–``max_pixels``."""
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+    from transformers.models.glm46v.image_processing_pil_glm46v import Glm46VImageProcessorPil
+
+    kind = Glm46VImageProcessorPil if model_type == "glm46v" else Glm4vImageProcessorPil
+    kind(size={"shortest_edge": min_pixels, "longest_edge": max_pixels}).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return path

@@ -164,6 +164,14 @@ def _mllama(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
     return resized[0], tiles * ((vision["image_size"] // vision["patch_size"]) ** 2 + 1)
 
 
+def _glm4v(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
+    """The GLM image processor run on the pixels: its patch grid, and Glm4vProcessor's count of it
+    (``image_grid_thw.prod() // merge_size ** 2``, the prompt's image tokens)."""
+    ip = _image_processor(folder)
+    _t, rows, columns = (int(v) for v in ip(images=[image], return_tensors="np")["image_grid_thw"][0])
+    return (columns * ip.patch_size, rows * ip.patch_size), _t * rows * columns // ip.merge_size ** 2
+
+
 CASES = {
     "internvl": Case(lambda p: models.internvl_folder(p), "internvl", _internvl),
     "internvl-small": Case(lambda p: models.internvl_folder(p, tile=64, max_patches=6, image_seq_length=16),
@@ -181,6 +189,9 @@ CASES = {
         pan_and_scan_min_ratio_to_activate=1.5), "gemma3 with pan-and-scan", _gemma3_pan_and_scan),
     "mllama": Case(lambda p: models.mllama_folder(p), "mllama", _mllama),
     "mllama-small": Case(lambda p: models.mllama_folder(p, 56, 6), "mllama", _mllama),
+    "glm-4.1v": Case(lambda p: models.glm4v_folder(p), "glm-4.1v", _glm4v),
+    "glm-4.5v": Case(lambda p: models.glm4v_folder(p, "glm4v_moe"), "glm-4.5v", _glm4v),
+    "glm-4.6v-small": Case(lambda p: models.glm4v_folder(p, "glm46v", 56 * 56, 28 * 28 * 64), "glm-4.6v", _glm4v),
     "pixtral-small": Case(lambda p: models.pixtral_folder(p, "llava", 200, 8, 2), "pixtral", _pixtral),
 }
 
