@@ -206,10 +206,19 @@ class ParameterSetReader:
         self.length_size = 0  # 0: Annex B start codes
         self._record(extradata or b"")
 
+    def _is_record(self, extradata: bytes) -> bool:
+        """Whether extradata is a decoder configuration record rather than Annex B, by FFmpeg's decoders' rule:
+        an ``avcC`` starts with version 1; an ``hvcC`` with anything but a start code's ``00 00 00``/``00 00 01``."""
+        if self.codec == "h264":
+            return extradata[:1] == b"\x01"
+        return len(extradata) > 3 and (extradata[0] != 0 or extradata[1] != 0 or extradata[2] > 1)
+
     def _record(self, extradata: bytes) -> None:
-        if self.codec == "h264" and len(extradata) >= 7 and extradata[0] == 1:
+        if self.codec == "av1" or not self._is_record(extradata):
+            return
+        if self.codec == "h264" and len(extradata) >= 7:
             self.length_size = (extradata[4] & 3) + 1
-        elif self.codec == "hevc" and len(extradata) >= 23 and extradata[0] == 1:
+        elif self.codec == "hevc" and len(extradata) >= 23:
             self.length_size = (extradata[21] & 3) + 1
 
     def extradata_sizes(self, extradata: bytes) -> list[Size]:
@@ -219,7 +228,7 @@ class ParameterSetReader:
             if len(extradata) >= 4 and extradata[0] & 0x80:  # av1C: marker bit, then its config OBUs
                 return list(self._obu_sizes(memoryview(extradata)[4:]))
             return list(self._obu_sizes(memoryview(extradata)))
-        if extradata[:1] != b"\x01":
+        if not self._is_record(extradata):
             return list(self._nal_sizes(_annex_b_units(extradata)))
         if self.codec == "h264":
             return list(self._nal_sizes(_avcc_units(memoryview(extradata))))
