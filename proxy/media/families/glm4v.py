@@ -33,7 +33,8 @@ class Glm4vFamily(Family):
             return int(processor.get_number_of_image_patches(height, width, {})) // per_token
 
         # An image counts as temporal_patch_size frames against max_pixels; a token is (patch × merge)² pixels.
-        ceiling = geometry.max_pixels // geometry.temporal_patch_size // (geometry.patch_size * geometry.merge_size) ** 2
+        token_pixels = (geometry.patch_size * geometry.merge_size) ** 2
+        ceiling = geometry.max_pixels // geometry.temporal_patch_size // token_pixels
         return Model(found.spec, family, geometry, checked(geometry, count), ceiling)
 
 
