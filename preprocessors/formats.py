@@ -78,9 +78,9 @@ def check_whole(fmt: str, head: bytes, tail: bytes, size: int) -> None:
     than its RIFF header says. ``head`` is the file's first bytes (through a JPEG's first scan header),
     ``tail`` its last ``TAIL_BYTES`` (all of it when shorter), ``size`` its length.
 
-    What follows a real end is accepted as Pillow and browsers accept it: zero padding (cameras, card
-    firmware) after any format, and within the tail, any trailer after a JPEG's or a PNG's end (a camera's
-    metadata, a line break). A JPEG whose end marker lies further back is still accepted when its tail holds
+    What follows a real end within the tail is accepted as Pillow and browsers accept it: zero padding
+    (cameras, card firmware) after any format, any trailer after a JPEG's or a PNG's end (a camera's metadata,
+    a line break). A JPEG whose end marker lies further back is still accepted when its tail holds
     bytes no JPEG scan holds (a motion photo's appended video): the tail of a JPEG cut inside its scans never
     does. BMP has no end to check."""
     if fmt == "JPEG":

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from preprocessors.dataurl import (
     DataUrl,
     decode_base64,
+    decode_tail,
     decoded_size,
     encode_base64,
     parse_data_url,
@@ -104,3 +105,20 @@ def test_decode_limit_counts_padding() -> None:
 def test_decode_invalid_base64(payload: bytes | str, hint: str) -> None:
     error = expect_error("invalid_base64", lambda: decode_base64(payload, max_bytes=100))
     assert hint in error.message
+
+
+@settings(max_examples=200)
+@given(data=st.binary(min_size=1, max_size=600), tail_bytes=st.integers(3, 700))
+def test_decode_tail_is_the_end_of_the_file(data: bytes, tail_bytes: int) -> None:
+    tail = decode_tail(pybase64.b64encode(data), tail_bytes)
+    assert data.endswith(tail)
+    assert len(tail) >= min(len(data), tail_bytes // 3 * 3 - 2)
+
+
+def test_decode_tail_names_a_stray_byte_by_its_offset_in_the_whole_payload() -> None:
+    payload = pybase64.b64encode(bytes(3000))
+    broken = payload[:-10] + b"-" + payload[-9:]
+    error = expect_error("invalid_base64", lambda: decode_tail(broken, 300))
+    assert f"at offset {len(payload) - 10} " in error.message
+    error = expect_error("invalid_base64", lambda: decode_tail(payload + b"QQ", 300))
+    assert f"{len(payload) + 2} characters with wrong length" in error.message

@@ -173,3 +173,40 @@ def test_walk_stopped_at_the_limit_plans_what_the_full_walk_plans(
         assert plan.parts == len(full)
         paths = [p.path for p in full]
         assert {item.path for item in plan.items} | {url.path for url in plan.urls} <= set(paths)
+
+
+_SCHEME_CHARS = st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-", max_size=12)
+_IGNORED_BEFORE = st.text("".join(map(chr, range(0x21))), max_size=4)  # C0 controls and space
+
+
+def _scattered(rng: random.Random, scheme: str) -> str:
+    """``scheme`` in random case, with tabs and line breaks put between its letters (URL parsers drop them)."""
+    return "".join(rng.choice(["", "", "\t", "\n", "\r"]) + rng.choice([c.lower(), c.upper()]) for c in scheme)
+
+
+@given(first=st.sampled_from("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"), rest=_SCHEME_CHARS,
+       before=_IGNORED_BEFORE, rng=st.randoms(use_true_random=False))
+def test_a_url_part_with_a_scheme_but_http_is_refused_in_every_mode(first: str, rest: str, before: str,
+                                                                    rng: random.Random) -> None:
+    scheme = (first + rest).lower()
+    url = before + _scattered(rng, first + rest) + "://127.0.0.1/cat.png"
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}]}]})
+    for mode in ({}, {"reject_urls": True}, {"fetch_urls": True}):
+        plan = plan_media("chat", body, Limits(max_parts=4, max_item_bytes=1 << 20, **mode))
+        if scheme in ("http", "https"):
+            assert plan.refusal is None or plan.refusal.code != "media_url_scheme_not_allowed"
+            continue
+        assert plan.refusal is not None
+        assert (plan.refusal.code, plan.refusal.param) == ("media_url_scheme_not_allowed",
+                                                           "messages[0].content[0]")
+        assert f"the scheme {scheme[:32]!r}" in plan.refusal.message
+        assert plan.items == [] and plan.urls == []
+
+
+@given(value=st.text(st.characters(blacklist_characters=":"), max_size=40))
+def test_a_url_part_with_no_scheme_is_left_to_the_backend(value: str) -> None:
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": value or "x"}}]}]})
+    plan = plan_media("chat", body, Limits(max_parts=4, max_item_bytes=1 << 20))
+    assert plan.refusal is None or plan.refusal.code != "media_url_scheme_not_allowed"
