@@ -80,6 +80,7 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
                 stub, upstream = start_stub_backend()
                 overrides.setdefault("upstream", upstream)
                 overrides.setdefault("host", environ.get("MMGATE_HOST", DEMO_HOST))
+                overrides.setdefault("model", environ.get("MMGATE_MODEL", "none"))  # the stub serves no real model
             settings = Settings.from_env(environ, **overrides)
             if not settings.backend.upstream and not args.print_config:  # printed as not set, every other checked
                 raise ConfigError("MMGATE_UPSTREAM is not set: point it at your backend (e.g. --upstream "
