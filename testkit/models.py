@@ -215,3 +215,17 @@ def glm4v_folder(path: Path, model_type: str = "glm4v", min_pixels: int = 12544,
     kind(size={"shortest_edge": min_pixels, "longest_edge": max_pixels}).save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": model_type}))
     return path
+
+
+def paligemma_folder(path: Path, side: int = 448, image_seq_length: int = 1024) -> Path:
+    """PaliGemma 2 as paligemma2-3b-pt-448 ships it by default: a SigLIP image processor that names its tokens an
+    image, the processor, a tokenizer with ``<image>``."""
+    from transformers import PaliGemmaProcessor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    images = SiglipImageProcessorPil(size={"height": side, "width": side})
+    images.image_seq_length = image_seq_length  # saved with it, as the checkpoints have it
+    PaliGemmaProcessor(image_processor=images, tokenizer=_tokenizer(["<image>", "<bos>", "<pad>"], bos_token="<bos>"),
+                       ).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
+    return path

@@ -172,6 +172,14 @@ def _glm4v(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
     return (columns * ip.patch_size, rows * ip.patch_size), _t * rows * columns // ip.merge_size ** 2
 
 
+def _paligemma(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
+    """PaliGemmaProcessor run on the pixels: the square it makes and the image tokens in its prompt."""
+    processor = transformers.AutoProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
+    out = processor(text=["<image>describe"], images=[image], return_tensors="np")
+    square = out["pixel_values"].shape[-1], out["pixel_values"].shape[-2]
+    return square, int((out["input_ids"][0] == processor.image_token_id).sum())
+
+
 CASES = {
     "internvl": Case(lambda p: models.internvl_folder(p), "internvl", _internvl),
     "internvl-small": Case(lambda p: models.internvl_folder(p, tile=64, max_patches=6, image_seq_length=16),
@@ -192,6 +200,8 @@ CASES = {
     "glm-4.1v": Case(lambda p: models.glm4v_folder(p), "glm-4.1v", _glm4v),
     "glm-4.5v": Case(lambda p: models.glm4v_folder(p, "glm4v_moe"), "glm-4.5v", _glm4v),
     "glm-4.6v-small": Case(lambda p: models.glm4v_folder(p, "glm46v", 56 * 56, 28 * 28 * 64), "glm-4.6v", _glm4v),
+    "paligemma": Case(lambda p: models.paligemma_folder(p), "paligemma", _paligemma),
+    "paligemma-small": Case(lambda p: models.paligemma_folder(p, 32, 4), "paligemma", _paligemma),
     "pixtral-small": Case(lambda p: models.pixtral_folder(p, "llava", 200, 8, 2), "pixtral", _pixtral),
 }
 

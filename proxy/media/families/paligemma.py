@@ -1,0 +1,28 @@
+"""PaliGemma and PaliGemma 2: one SigLIP square (224, 448 or 896 px), a constant count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from preprocessors.geometry import Square
+
+from .base import Family, Found, Model
+from .llava import constant_model
+
+
+@dataclass(frozen=True)
+class PaliGemma(Family):
+    def recognise(self, found: Found) -> bool:
+        return found.image_type == "SiglipImageProcessor" and found.model_type == "paligemma"
+
+    def load(self, found: Found) -> Model:
+        size = found.image_processor.size
+        return constant_model(found, "paligemma", Square("paligemma", int(size.width), int(size.height)))
+
+
+PALIGEMMA = PaliGemma(
+    names="PaliGemma, PaliGemma 2",
+    processor="`SiglipImageProcessor` with model_type paligemma",
+    resizes_to="one `size` square (224, 448 or 896 px)",
+    counts="constant (`image_seq_length`: 256, 1024 or 4096), from the processor",
+)
