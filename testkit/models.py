@@ -224,7 +224,7 @@ def paligemma_folder(path: Path, side: int = 448, image_seq_length: int = 1024) 
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     images = SiglipImageProcessorPil(size={"height": side, "width": side})
-    images.image_seq_length = image_seq_length  # saved with it, as the checkpoints have it
+    images.image_seq_length = image_seq_length  # type: ignore[attr-defined]  # saved with it, as checkpoints have it
     PaliGemmaProcessor(image_processor=images, tokenizer=_tokenizer(["<image>", "<bos>", "<pad>"], bos_token="<bos>"),
                        ).save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
