@@ -92,7 +92,7 @@ def check_whole(fmt: str, head: bytes, tail: bytes, size: int) -> None:
             raise IMAGE_TRUNCATED.error(
                 "JPEG ends without its end-of-image marker (FFD9): the file was cut short; send the whole file")
     elif fmt == "PNG":
-        if _PNG_IEND not in tail:
+        if not tail.endswith(_PNG_IEND) and _PNG_IEND not in tail:
             raise IMAGE_TRUNCATED.error("PNG ends without its IEND chunk: the file was cut short; send the whole file")
     elif fmt == "GIF":
         if not _ends_with(tail, _GIF_END):

@@ -280,9 +280,9 @@ class Decode:
         "header", parse=Choice(Validate),
         help="header = format, size and frames from the header (the backend decodes the image anyway); full = "
              "also decode every image",
-        details="`header` judges each image from the head of its base64 and keeps every bound; a truncated file "
-                "is left to the backend. `full` catches truncation at the cost of a second decode (see "
-                "[tuning](tuning.md))")
+        details="`header` judges each image from the head of its base64 and keeps every bound, and refuses a "
+                "truncated file from its last bytes (`image_truncated`); a file corrupt in its middle is left to "
+                "the backend. `full` catches that at the cost of a second decode (see [tuning](tuning.md))")
     resize_max_pixels: int = setting(0, parse=integer(0), zero="never",
                                      help="downscale to at most this many pixels", details="the aspect is kept")
     resize_max_side: int = setting(0, parse=integer(0), zero="never", help="downscale so the longer side fits",
