@@ -374,3 +374,21 @@ class Glm4v:
                             temporal_factor=self.temporal_patch_size, factor=self.patch_size * self.merge_size,
                             min_pixels=self.min_pixels, max_pixels=self.max_pixels)
         return int(w), int(h)
+
+
+@dataclass(frozen=True, slots=True)
+class SmartResize:
+    """PaddleOCR-VL: Qwen's rule with the family's own ``smart_resize`` (a side under ``factor`` is first scaled
+    up to it): both sides multiples of ``factor``, the pixels within ``[min_pixels, max_pixels]``."""
+
+    family: str
+    module: str  # the transformers module whose smart_resize applies
+    factor: int
+    min_pixels: int
+    max_pixels: int
+    resample: int = BICUBIC
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        h, w = _helper(self.module, "smart_resize")(height, width, self.factor, min_pixels=self.min_pixels,
+                                                    max_pixels=self.max_pixels)
+        return int(w), int(h)

@@ -229,3 +229,13 @@ def paligemma_folder(path: Path, side: int = 448, image_seq_length: int = 1024) 
                        ).save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
     return path
+
+
+def paddleocr_vl_folder(path: Path, min_pixels: int = 147384, max_pixels: int = 2822400) -> Path:
+    """PaddleOCR-VL as its checkpoint ships it by default: 14 px patches merged 2x2, pixels within
+    ``min_pixels``–``max_pixels``."""
+    from transformers.models.paddleocr_vl.image_processing_pil_paddleocr_vl import PaddleOCRVLImageProcessorPil
+
+    PaddleOCRVLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "paddleocr_vl"}))
+    return path

@@ -21,12 +21,13 @@ from .llava import LLAVA
 from .llava_next import LLAVA_NEXT
 from .llava_onevision import LLAVA_ONEVISION
 from .mllama import MLLAMA
+from .paddleocr_vl import PADDLEOCR_VL
 from .paligemma import PALIGEMMA
 from .pixtral import PIXTRAL
 from .qwen import QWEN
 
 FAMILIES: tuple[Family, ...] = (QWEN, IDEFICS3, LLAVA, LLAVA_NEXT, GEMMA3, GEMMA3_PAN_AND_SCAN, INTERNVL, PIXTRAL,
-                                  LLAVA_ONEVISION, MLLAMA, GLM4V, PALIGEMMA)
+                                  LLAVA_ONEVISION, MLLAMA, GLM4V, PALIGEMMA, PADDLEOCR_VL)
 
 # Families whose processors transformers ships only for torch, or only as remote code: the generic rule, with
 # the reason. Keyed by the image_processor_type their checkpoints name (without a backend suffix).

@@ -165,8 +165,8 @@ def _mllama(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
 
 
 def _glm4v(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
-    """The GLM image processor run on the pixels: its patch grid, and Glm4vProcessor's count of it
-    (``image_grid_thw.prod() // merge_size ** 2``, the prompt's image tokens)."""
+    """The GLM (or PaddleOCR-VL) image processor run on the pixels: its patch grid, and the processor's count of
+    it (``image_grid_thw.prod() // merge_size ** 2``, the prompt's image tokens)."""
     ip = _image_processor(folder)
     _t, rows, columns = (int(v) for v in ip(images=[image], return_tensors="np")["image_grid_thw"][0])
     return (columns * ip.patch_size, rows * ip.patch_size), _t * rows * columns // ip.merge_size ** 2
@@ -202,6 +202,9 @@ CASES = {
     "glm-4.6v-small": Case(lambda p: models.glm4v_folder(p, "glm46v", 56 * 56, 28 * 28 * 64), "glm-4.6v", _glm4v),
     "paligemma": Case(lambda p: models.paligemma_folder(p), "paligemma", _paligemma),
     "paligemma-small": Case(lambda p: models.paligemma_folder(p, 32, 4), "paligemma", _paligemma),
+    "paddleocr-vl": Case(lambda p: models.paddleocr_vl_folder(p), "paddleocr-vl", _glm4v),
+    "paddleocr-vl-small": Case(lambda p: models.paddleocr_vl_folder(p, 28 * 28 * 4, 28 * 28 * 32), "paddleocr-vl",
+                               _glm4v),
     "pixtral-small": Case(lambda p: models.pixtral_folder(p, "llava", 200, 8, 2), "pixtral", _pixtral),
 }
 
