@@ -75,6 +75,9 @@ _EBML_MAGIC = b"\x1a\x45\xdf\xa3"  # Matroska and WebM
 # A non-video track's packets a second: compressed audio and metadata (Opus at 2.5 ms is 400), and
 # uncompressed audio indexed by the sample (384 kHz), which FFmpeg's MP4 demuxer indexes by the chunk.
 _SAMPLES_PER_SECOND = (1000, 384_000)
+# An edit list that plays media several times makes FFmpeg copy index entries per edit: a track's edits
+# may make this many times its allowed samples (a few edits over a whole track are editing, not this).
+_EDITED_ENTRIES_PER_SAMPLE = 4
 _OVER_MAX_PIXELS = (errno.EINVAL, errno.ERANGE)  # a picture over max_pixels: FFmpeg's own decoders, dav1d
 
 
@@ -141,13 +144,21 @@ def _judge_tables(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> N
         if track.handler == "vide":
             if track.samples > policy.max_frames:
                 _over_frames(f"{track.samples}", policy)
-            continue
-        rate = _SAMPLES_PER_SECOND[1] if track.unit_samples else _SAMPLES_PER_SECOND[0]
-        most = max(policy.max_frames, int(policy.max_seconds * rate))
-        if track.samples > most:
+            most, setting = policy.max_frames, "MMGATE_MAX_VIDEO_FRAMES"
+        else:
+            rate = _SAMPLES_PER_SECOND[1] if track.unit_samples else _SAMPLES_PER_SECOND[0]
+            most = max(policy.max_frames, int(policy.max_seconds * rate))
+            setting = "MMGATE_MAX_VIDEO_SECONDS"
+            if track.samples > most:
+                raise VIDEO_TOO_LARGE.error(
+                    f"a {track.handler or 'untyped'} track of the clip declares {track.samples} samples, more "
+                    f"than the {most} that {policy.max_seconds:g} s ({setting}) allow: send a shorter clip")
+        if track.edited_entries > _EDITED_ENTRIES_PER_SAMPLE * max(most, 1) and track.edits > 1:
             raise VIDEO_TOO_LARGE.error(
-                f"a {track.handler or 'untyped'} track of the clip declares {track.samples} samples, more than "
-                f"the {most} that {policy.max_seconds:g} s (MMGATE_MAX_VIDEO_SECONDS) allow: send a shorter clip")
+                f"the clip's edit list holds {track.edits} edits of its {track.handler or 'untyped'} track, whose "
+                f"index they may repeat up to {track.edited_entries} times, more than "
+                f"{_EDITED_ENTRIES_PER_SAMPLE} times the {most} samples {setting} allows: send the clip without "
+                "its edits")
 
 
 def _reason(error: Exception) -> str:

@@ -16,11 +16,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from preprocessors.base import VideoPolicy, no_checkpoint
 from preprocessors.mp4_tables import TableError, declared_tracks
+from preprocessors.video import probe_video
 from testkit.media import chat_with_video, data_uri, video_clip
 from tests.conftest import Proxy, Upstream
 
-_CONTAINERS = frozenset((b"moov", b"trak", b"mdia", b"minf", b"stbl", b"moof", b"traf"))
+_CONTAINERS = frozenset((b"moov", b"trak", b"edts", b"mdia", b"minf", b"stbl", b"moof", b"traf"))
 
 
 def rewritten(data: bytes, tables: dict[bytes, bytes]) -> bytes:
@@ -65,6 +67,18 @@ def empty_fragment_samples(count: int) -> bytes:
     return rewritten(buffer.getvalue(), {b"trun": struct.pack(">III", 1, count, 0)})
 
 
+def repeated_edits(samples: int, edits: int) -> bytes:
+    """``samples`` one-byte samples (within the frame limit), and an edit list that plays them all ``edits``
+    times: FFmpeg's edit-list pass copies the index once per edit."""
+    clip = video_clip(16, 16, 1)
+    at = clip.find(b"elst")
+    duration, media_time, rate = struct.unpack_from(">IiI", clip, at + 12)
+    edit = struct.pack(">IiI", duration * samples, media_time, rate)
+    return rewritten(clip, {
+        b"elst": struct.pack(">II", 0, edits) + edit * edits, b"stsz": struct.pack(">III", 0, 1, samples),
+        b"stts": struct.pack(">IIII", 0, 1, samples, 512), b"stsc": struct.pack(">IIIII", 0, 1, 1, samples, 1)})
+
+
 _PEAK = """
 import resource, sys
 from preprocessors.base import VideoPolicy, no_checkpoint
@@ -80,13 +94,15 @@ except MediaError as error:
 """
 
 
-@pytest.mark.parametrize("craft", [constant_size_samples, empty_fragment_samples])
+@pytest.mark.parametrize("craft", [constant_size_samples, empty_fragment_samples,
+                                   lambda count: repeated_edits(3600, count // 2000)], ids=["stsz", "trun", "elst"])
 def test_millions_of_declared_samples_cost_the_probe_no_index(craft: object) -> None:
-    """Six million samples cost FFmpeg's index 150 MiB of peak (89 million, 3 GiB): refused before
-    ``av.open``, the probe's peak resident size grows by less than 16 MiB."""
+    """Six million samples cost FFmpeg's index 150 MiB of peak (89 million, 3 GiB), and so do 3,000 edits over
+    the 3,600 samples the frame limit allows: refused before ``av.open``, the probe's peak resident size grows
+    by less than 16 MiB."""
     assert callable(craft)
     clip = craft(6_000_000)
-    assert len(clip) < 2048
+    assert len(clip) < 40_000
     result = subprocess.run([sys.executable, "-c", _PEAK], input=clip, capture_output=True, check=True)
     code, growth_kib = result.stdout.split()
     assert code == b"video_too_large" and int(growth_kib) < 16 << 10
@@ -126,6 +142,18 @@ def test_the_tables_of_a_clip_with_audio_state_its_samples() -> None:
         output.mux(sound.encode(None))
     tracks = {track.handler: track.samples for track in declared_tracks(buffer.getvalue())}
     assert tracks["vide"] == 5 and 15 <= tracks["soun"] <= 20
+
+
+def test_a_clip_with_a_few_edits_is_not_refused() -> None:
+    """An empty edit then two playing the clip (a cut, a repeat): editing, not an index bomb."""
+    clip = video_clip(16, 16, 4)
+    at = clip.find(b"elst")
+    duration, media_time, rate = struct.unpack_from(">IiI", clip, at + 12)
+    edits = struct.pack(">IiI", duration, -1, rate) + struct.pack(">IiI", duration, media_time, rate) * 2
+    edited = rewritten(clip, {b"elst": struct.pack(">II", 0, 3) + edits})
+    (track,) = declared_tracks(edited)
+    assert track.edits == 2 and track.samples == 4
+    assert probe_video(edited, VideoPolicy(max_frames=8), no_checkpoint).frames >= 4
 
 
 def test_a_table_larger_than_its_box_is_malformed() -> None:
