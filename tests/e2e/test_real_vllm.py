@@ -151,12 +151,22 @@ def test_resized_image_still_works(start_gate: Callable[..., h.Server], vllm: h.
 
 
 TRUNCATED_PNG = h.data_uri(h.encode(h.photo_like(320, 240), "png")[:20_000], "image/png")
+
+
+def _corrupt_in_its_middle(png: bytes) -> bytes:
+    """Whole (header and IEND in place), its image data zeroed halfway: only a decode tells."""
+    middle = len(png) // 2
+    return png[:middle] + bytes(64) + png[middle + 64 :]
+
+
+CORRUPT_PNG = h.data_uri(_corrupt_in_its_middle(h.encode(h.photo_like(320, 240), "png")), "image/png")
 INVALID = {
     # name: (data URI, mmgate codes accepted, mmgate's flags)
     "not_an_image": (h.data_uri(b"this is not an image at all" * 10, "image/png"),
                      {"image_decode_failed", "unsupported_media_type"}, ()),
     "bad_base64": ("data:image/png;base64,@@@not-base64@@@", {"invalid_base64"}, ()),
-    "truncated_png": (TRUNCATED_PNG, {"image_decode_failed"}, ("--validate", "full")),
+    "truncated_png": (TRUNCATED_PNG, {"image_truncated"}, ()),
+    "corrupt_png": (CORRUPT_PNG, {"image_decode_failed"}, ("--validate", "full")),
 }
 
 
@@ -183,13 +193,13 @@ def test_invalid_image_refused_before_vllm(start_gate: Callable[..., h.Server], 
     print(f"\n[{case}] mmgate: {err}\n[{case}] vLLM:   {direct.value.body}")
 
 
-def test_with_header_validation_a_truncated_image_is_refused_by_vllm_in_its_own_shape(gate: h.Server,
-                                                                                     vllm: h.Server) -> None:
-    """The default reads headers only: a truncated PNG (a valid header) goes on, and vLLM, which decodes every
-    image anyway, refuses it; the client gets vLLM's 400 through mmgate, in the API's shape."""
+def test_with_header_validation_a_corrupt_image_is_refused_by_vllm_in_its_own_shape(gate: h.Server,
+                                                                                   vllm: h.Server) -> None:
+    """The default reads an image's header and end only: a PNG corrupt in its middle goes on, and vLLM, which
+    decodes every image anyway, refuses it; the client gets vLLM's 400 through mmgate, in the API's shape."""
     before = vllm_chat_requests(vllm)
     with pytest.raises(openai.BadRequestError) as via_gate:
-        client(gate).chat.completions.create(model=MODEL, max_tokens=4, messages=image_messages(TRUNCATED_PNG))
+        client(gate).chat.completions.create(model=MODEL, max_tokens=4, messages=image_messages(CORRUPT_PNG))
     after = vllm_chat_requests(vllm)
     assert after["4xx"] == before["4xx"] + 1 and after["2xx"] == before["2xx"]
     assert via_gate.value.status_code == 400 and isinstance(via_gate.value.body, dict)
