@@ -59,24 +59,25 @@ def looks_like_mp4(data: bytes | memoryview) -> bool:
     return len(data) >= 8 and bytes(data[4:8]) in _TOP_LEVEL
 
 
-def declared_tracks(data: bytes | memoryview, checkpoint: Callable[[], None] = lambda: None) -> list[TrackTables]:
+def declared_tracks(data: bytes | memoryview, max_boxes: int, checkpoint: Callable[[], None] = lambda: None
+                    ) -> list[TrackTables]:
     """Every track's tables, ``trak`` by ``trak``, with its fragments' counts added by ``track_ID``; a fragment
-    of a track that no ``trak`` declares is a track of its own. ``checkpoint`` is called every
-    ``_CHECK_EVERY`` top-level boxes (a file of millions of empty boxes takes a while)."""
+    of a track that no ``trak`` declares is a track of its own. More than ``max_boxes`` boxes walked is a
+    ``TableError`` (a file of millions of empty boxes would keep the walk busy for seconds), and
+    ``checkpoint`` is called every ``_CHECK_EVERY`` boxes."""
     view = memoryview(data)
+    boxes = _Boxes(view, max_boxes, checkpoint)
     tracks: list[TrackTables] = []
     fragments: dict[int, int] = {}
-    for index, (kind, start, end) in enumerate(_boxes(view, 0, len(view))):
-        if index % _CHECK_EVERY == _CHECK_EVERY - 1:
-            checkpoint()
+    for kind, start, end in boxes(0, len(view)):
         if kind == b"moov":
-            for inner, inner_start, inner_end in _boxes(view, start, end):
+            for inner, inner_start, inner_end in boxes(start, end):
                 if inner == b"trak":
-                    tracks.append(_track(view, inner_start, inner_end))
+                    tracks.append(_track(boxes, inner_start, inner_end))
         elif kind == b"moof":
-            for inner, inner_start, inner_end in _boxes(view, start, end):
+            for inner, inner_start, inner_end in boxes(start, end):
                 if inner == b"traf":
-                    track_id, samples = _fragment(view, inner_start, inner_end)
+                    track_id, samples = _fragment(boxes, inner_start, inner_end)
                     fragments[track_id] = fragments.get(track_id, 0) + samples
     by_id = {track.track_id: track for track in tracks}
     for track_id, samples in fragments.items():
@@ -87,9 +88,29 @@ def declared_tracks(data: bytes | memoryview, checkpoint: Callable[[], None] = l
     return tracks
 
 
+class _Boxes:
+    """The boxes of ``view``, counted against ``most`` as they are walked."""
+
+    def __init__(self, view: memoryview, most: int, checkpoint: Callable[[], None]) -> None:
+        self.view = view
+        self.most = most
+        self.checkpoint = checkpoint
+        self.walked = 0
+
+    def __call__(self, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+        """``(type, payload start, payload end)`` of the boxes from ``start`` to ``end``; a box running past its
+        parent is cut at the parent's end, as FFmpeg reads it."""
+        for box in _boxes(self.view, start, end):
+            self.walked += 1
+            if self.walked > self.most:
+                raise TableError(f"the file holds more than {self.most} boxes, more than any clip within the "
+                                 "limits")
+            if self.walked % _CHECK_EVERY == 0:
+                self.checkpoint()
+            yield box
+
+
 def _boxes(view: memoryview, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
-    """``(type, payload start, payload end)`` of the boxes from ``start`` to ``end``; a box running past its
-    parent is cut at the parent's end, as FFmpeg reads it."""
     at = start
     while at + 8 <= end:
         size, kind = struct.unpack_from(">I4s", view, at)
@@ -107,12 +128,13 @@ def _boxes(view: memoryview, start: int, end: int) -> Iterator[tuple[bytes, int,
         at += size
 
 
-def _track(view: memoryview, start: int, end: int) -> TrackTables:
+def _track(boxes: _Boxes, start: int, end: int) -> TrackTables:
+    view = boxes.view
     track = TrackTables()
     stack = [(start, end)]
     while stack:
         box_start, box_end = stack.pop()
-        for kind, payload, payload_end in _boxes(view, box_start, box_end):
+        for kind, payload, payload_end in boxes(box_start, box_end):
             if kind in _STREAM_TABLES:
                 stack.append((payload, payload_end))
             elif kind == b"tkhd" and payload + 24 <= payload_end:
@@ -181,10 +203,11 @@ def _pairs(view: memoryview, start: int, entries: int, stride: int) -> numpy.nda
     return table.reshape(entries, stride // 4)[:, :2].astype(numpy.int64)
 
 
-def _fragment(view: memoryview, start: int, end: int) -> tuple[int, int]:
+def _fragment(boxes: _Boxes, start: int, end: int) -> tuple[int, int]:
     """A ``traf``'s ``track_ID`` (``tfhd``) and the samples of its ``trun`` boxes."""
+    view = boxes.view
     track_id, samples = 0, 0
-    for kind, payload, payload_end in _boxes(view, start, end):
+    for kind, payload, payload_end in boxes(start, end):
         if kind == b"tfhd":
             (_flags, track_id) = _fields(view, payload, payload_end, 0, 2)
         elif kind == b"trun":

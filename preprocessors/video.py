@@ -78,6 +78,10 @@ _SAMPLES_PER_SECOND = (1000, 384_000)
 # An edit list that plays media several times makes FFmpeg copy index entries per edit: a track's edits
 # may make this many times its allowed samples (a few edits over a whole track are editing, not this).
 _EDITED_ENTRIES_PER_SAMPLE = 4
+# Boxes an MP4 may hold: a few hundred in its moov, and a fragmented one up to a fragment a frame, each a
+# moof and an mdat around a few boxes per track (tfhd, tfdt, trun...).
+_MAX_BOXES = 100_000
+_BOXES_PER_FRAME = 24
 _OVER_MAX_PIXELS = (errno.EINVAL, errno.ERANGE)  # a picture over max_pixels: FFmpeg's own decoders, dav1d
 
 
@@ -137,7 +141,7 @@ def _judge_tables(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> N
     for each: a video track's against the frame limit, another track's against what the duration limit allows
     a track of audio or metadata (``_SAMPLES_PER_SECOND`` packets a second, uncompressed audio by the sample)."""
     try:
-        tracks = declared_tracks(data, checkpoint)
+        tracks = declared_tracks(data, max(_MAX_BOXES, _BOXES_PER_FRAME * policy.max_frames), checkpoint)
     except TableError as error:
         raise VIDEO_INVALID.error(f"the clip's MP4 index is malformed: {error}") from None
     for track in tracks:

@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from preprocessors.base import VideoPolicy, no_checkpoint
+from preprocessors.errors import MediaError
 from preprocessors.mp4_tables import TableError, declared_tracks
 from preprocessors.video import probe_video
 from testkit.media import chat_with_video, data_uri, video_clip
@@ -83,6 +84,7 @@ _PEAK = """
 import resource, sys
 from preprocessors.base import VideoPolicy, no_checkpoint
 from preprocessors.errors import MediaError
+from preprocessors.errors import MediaError
 from preprocessors.video import probe_video, import_pyav
 import_pyav()
 clip = sys.stdin.buffer.read()
@@ -140,7 +142,7 @@ def test_the_tables_of_a_clip_with_audio_state_its_samples() -> None:
         samples.sample_rate, samples.pts = 16000, 0
         output.mux(sound.encode(samples))
         output.mux(sound.encode(None))
-    tracks = {track.handler: track.samples for track in declared_tracks(buffer.getvalue())}
+    tracks = {track.handler: track.samples for track in declared_tracks(buffer.getvalue(), 1000)}
     assert tracks["vide"] == 5 and 15 <= tracks["soun"] <= 20
 
 
@@ -151,15 +153,27 @@ def test_a_clip_with_a_few_edits_is_not_refused() -> None:
     duration, media_time, rate = struct.unpack_from(">IiI", clip, at + 12)
     edits = struct.pack(">IiI", duration, -1, rate) + struct.pack(">IiI", duration, media_time, rate) * 2
     edited = rewritten(clip, {b"elst": struct.pack(">II", 0, 3) + edits})
-    (track,) = declared_tracks(edited)
+    (track,) = declared_tracks(edited, 1000)
     assert track.edits == 2 and track.samples == 4
     assert probe_video(edited, VideoPolicy(max_frames=8), no_checkpoint).frames >= 4
+
+
+def test_a_file_of_more_boxes_than_a_clip_holds_is_refused() -> None:
+    """Millions of empty boxes would keep the walk busy for seconds: it stops past the bound, which a
+    fragmented clip at the frame limit stays under."""
+    fragmented = empty_fragment_samples(2)
+    assert declared_tracks(fragmented, 40)
+    with pytest.raises(TableError, match="more than 40 boxes"):
+        declared_tracks(fragmented + b"\x00\x00\x00\x08free" * 50, 40)
+    with pytest.raises(MediaError, match="boxes") as caught:
+        probe_video(video_clip(16, 16, 1) + b"\x00\x00\x00\x08free" * 200_000, VideoPolicy(), no_checkpoint)
+    assert caught.value.code == "video_invalid"
 
 
 def test_a_table_larger_than_its_box_is_malformed() -> None:
     clip = rewritten(video_clip(16, 16, 1), {b"stsz": struct.pack(">IIII", 0, 0, 1000, 7)})
     with pytest.raises(TableError, match="stsz"):
-        declared_tracks(clip)
+        declared_tracks(clip, 1000)
 
 
 @given(data=st.binary(max_size=300), at=st.integers(0, 2000))
@@ -169,6 +183,6 @@ def test_any_bytes_are_tracks_or_a_table_error(data: bytes, at: int) -> None:
     at %= len(clip)
     clip[at:at + len(data)] = data
     try:
-        declared_tracks(bytes(clip))
+        declared_tracks(bytes(clip), 1000)
     except TableError:
         pass
