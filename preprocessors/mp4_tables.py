@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import numpy
 
-_TOP_LEVEL = frozenset((b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot", b"uuid", b"moof",
-                        b"mfra", b"styp", b"sidx", b"meta", b"pdin", b"prft", b"emsg"))
 _STREAM_TABLES = frozenset((b"mdia", b"minf", b"stbl", b"edts"))  # walked inside a trak
 _CHECK_EVERY = 4096
 
@@ -52,11 +50,6 @@ class TrackTables:
         """At most how many index entries FFmpeg's edit-list pass makes: each edit that plays media copies
         the entries it covers, and one may cover them all (chunks for audio indexed by the chunk)."""
         return max(self.edits, 1) * (self.chunks if self.unit_samples else self.samples)
-
-
-def looks_like_mp4(data: bytes | memoryview) -> bool:
-    """Whether the data starts with an ISO-BMFF/QuickTime top-level box, as FFmpeg's MP4 demuxer would open."""
-    return len(data) >= 8 and bytes(data[4:8]) in _TOP_LEVEL
 
 
 def declared_tracks(data: bytes | memoryview, max_boxes: int, checkpoint: Callable[[], None] = lambda: None
