@@ -14,6 +14,7 @@ import contextlib
 import io
 import os
 import re
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -407,3 +408,90 @@ async def test_dashboard_draws_the_adaptive_limit_as_it_moves(page: Any) -> None
         assert grown >= 2
         await page.wait_for_function(f"() => {_value('gate-limit')} >= 2", timeout=PAGE_TIMEOUT_MS)
         assert await page.evaluate("window.mmgateDashboard.failures") == 0
+
+
+# Every element the page colours as a warning, with the advice beside it that must show while it is coloured
+# and a setting or part that advice names.
+WARNINGS = {
+    "rate-429": ("advice-429", "MMGATE_MAX_QUEUE"),
+    "gate-in-use": ("advice-gate", "MMGATE_MAX_MM_CONCURRENCY"),
+    "gate-waiting": ("advice-queue", "MMGATE_MAX_QUEUE"),
+    "loop-lag-p99": ("advice-loop-lag", "MMGATE_PROCESSES"),
+}
+# JS: the elements wider than the box that holds them (a tile cut at the window's edge, a table scrolled).
+OVERFLOWING = """() => {
+  const out = [];
+  const page = document.documentElement.scrollWidth;
+  if (page > window.innerWidth) out.push("page " + page);
+  for (const el of document.querySelectorAll("section.tile, section.tile table, section.tile .split > div")) {
+    const box = el.closest("section.tile").getBoundingClientRect(), r = el.getBoundingClientRect();
+    if (el.scrollWidth > el.clientWidth + 1 || r.right > box.right + 1 || box.right > window.innerWidth)
+      out.push((el.querySelector("h2") || el).textContent.trim().slice(0, 40) + " " + el.scrollWidth + " px");
+  }
+  return out;
+}"""
+
+
+def _block_the_event_loop(seconds: float) -> None:
+    """What a blocking call on the running loop does (a decode in the loop, a slow synchronous read)."""
+    time.sleep(seconds)
+
+
+async def _coloured(page: Any, testid: str) -> bool:
+    """Whether the page shows ``testid`` in a warning colour."""
+    return bool(await page.evaluate(
+        f"() => /\\b(hot|crit)\\b/.test(document.querySelector('[data-testid=\"{testid}\"]').className)"))
+
+
+@pytest.mark.browser
+async def test_dashboard_fits_1000_px_and_advises_beside_each_warning(servers: Servers, page: Any,
+                                                                       tmp_path: Path) -> None:
+    """At 1000 px wide every panel fits (no tile, table or page wider than the window), and every warning colour
+    comes with what it means and which setting or part to look at: the gate full, the queue full, 429s, and the
+    event loop blocked (by this very test, which runs the proxy's loop and blocks it)."""
+    await page.set_viewport_size({"width": 1000, "height": 900})
+    await page.goto(servers.proxy_url + "/mmgate/dashboard")
+    await page.wait_for_function("() => window.mmgateDashboard && window.mmgateDashboard.polls >= 1",
+                                 timeout=PAGE_TIMEOUT_MS)
+    for element, (advice, _setting) in WARNINGS.items():  # shown exactly while its element is coloured
+        coloured, shown = await page.evaluate(
+            f"() => [/\\b(hot|crit)\\b/.test(document.querySelector('[data-testid=\"{element}\"]').className),"
+            f" !document.querySelector('[data-testid=\"{advice}\"]').hidden]")
+        assert coloured == shown, advice
+    async with aiohttp.ClientSession() as client:
+        statuses = await asyncio.gather(*(_post(client, servers.proxy_url, media=i % 2 == 0) for i in range(8)))
+        assert statuses == [200] * 8
+        await page.wait_for_function(
+            f"() => {_value('requests-total')} >= 8 && {_value('lat-stage-preprocess-count')} > 0",
+            timeout=PAGE_TIMEOUT_MS)
+        servers.hold.clear()
+
+        def send_media() -> asyncio.Task[int]:
+            return asyncio.create_task(_post(client, servers.proxy_url, media=True, image=_image_data_uri()))
+
+        held = [send_media() for _ in range(2)]
+        for _ in range(2):
+            await servers.arrived.get()
+        held += [send_media() for _ in range(2)]
+        await page.wait_for_function(f"() => {_value('gate-in-use')} === 2 && {_value('gate-waiting')} === 2",
+                                     timeout=PAGE_TIMEOUT_MS)
+        assert await asyncio.gather(send_media(), send_media()) == [429, 429]
+        # The cause the loop-lag tile warns of: the proxy's event loop (this test's) blocked, again and again,
+        # until a poll shows its p99 red (bounded: a page that never turns red fails below).
+        for _ in range(PAGE_TIMEOUT_MS // 300):
+            if await _coloured(page, "loop-lag-p99"):
+                break
+            _block_the_event_loop(0.3)
+            await asyncio.sleep(0)
+        await page.wait_for_function(f"() => {_value('total-429')} === 2 && {_value('rate-429')} > 0",
+                                     timeout=PAGE_TIMEOUT_MS)
+        await page.screenshot(path=str(tmp_path / "dashboard-1000.png"), full_page=True)
+        if os.environ.get("MMGATE_DASHBOARD_SHOT"):
+            await page.screenshot(path=os.environ["MMGATE_DASHBOARD_SHOT"], full_page=True)
+        assert await page.evaluate(OVERFLOWING) == []
+        for element, (advice, setting) in WARNINGS.items():
+            assert await _coloured(page, element), element
+            assert await page.is_visible(f'[data-testid="{advice}"]'), f"no advice beside {element}'s colour"
+            assert setting in (await page.text_content(f'[data-testid="{advice}"]') or ""), advice
+        servers.hold.set()
+        assert await asyncio.gather(*held) == [200] * 4
