@@ -12,8 +12,12 @@ from preprocessors.geometry import Geometry, model_size
 from proxy.media.model import PROCESSOR_FILES, Model, no_video_tokens, read_json
 from proxy.settings import ConfigError
 
-__all__ = ["PROCESSOR_FILES", "Family", "Found", "Model", "checked", "load_processor", "needs_processor",
-           "no_video_tokens", "read_json"]
+# The most tokens of a strip that a smart_resize keeps one token wide (its side clamped up to the factor) while
+# the other side grows to the aspect-ratio limit it refuses past (200): 200 tokens, whatever max_pixels says.
+STRIP_TOKENS = 200
+
+__all__ = ["PROCESSOR_FILES", "STRIP_TOKENS", "Family", "Found", "Model", "checked", "load_processor",
+           "needs_processor", "no_video_tokens", "read_json"]
 
 def checked(geometry: Geometry, count: Callable[[int, int], int]) -> Callable[[int, int], int]:
     """``count`` of an image the processor takes; else the refusal of ``preprocessors.geometry.model_size``."""

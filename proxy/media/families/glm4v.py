@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from preprocessors.geometry import Glm4v
 
-from .base import Family, Found, Model, checked
+from .base import STRIP_TOKENS, Family, Found, Model, checked
 
 _MODULES = {"Glm4vImageProcessor": "transformers.models.glm4v.image_processing_pil_glm4v",
             "Glm46VImageProcessor": "transformers.models.glm46v.image_processing_pil_glm46v"}
@@ -34,7 +34,8 @@ class Glm4vFamily(Family):
 
         # An image counts as temporal_patch_size frames against max_pixels; a token is (patch × merge)² pixels.
         token_pixels = (geometry.patch_size * geometry.merge_size) ** 2
-        ceiling = geometry.max_pixels // geometry.temporal_patch_size // token_pixels
+        # A strip kept one token wide can pass max_pixels, up to the aspect-ratio limit of 200.
+        ceiling = max(geometry.max_pixels // geometry.temporal_patch_size // token_pixels, STRIP_TOKENS)
         return Model(found.spec, family, geometry, checked(geometry, count), ceiling)
 
 

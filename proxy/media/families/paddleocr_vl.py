@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from preprocessors.geometry import SmartResize
 
-from .base import Family, Found, Model, checked
+from .base import STRIP_TOKENS, Family, Found, Model, checked
 
 _MODULE = "transformers.models.paddleocr_vl.image_processing_pil_paddleocr_vl"
 
@@ -26,8 +26,9 @@ class PaddleOCRVL(Family):
             # PaddleOCRVLProcessor.replace_image_token: image_grid_thw.prod() // merge_size ** 2.
             return int(processor.get_number_of_image_patches(height, width, {})) // merge ** 2
 
-        return Model(found.spec, "paddleocr-vl", geometry, checked(geometry, count),
-                     geometry.max_pixels // geometry.factor ** 2)
+        # max_pixels in tokens; a strip kept one token wide can pass it, up to the aspect-ratio limit of 200.
+        ceiling = max(geometry.max_pixels // geometry.factor ** 2, STRIP_TOKENS)
+        return Model(found.spec, "paddleocr-vl", geometry, checked(geometry, count), ceiling)
 
 
 PADDLEOCR_VL = PaddleOCRVL(

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from preprocessors.base import ImagePolicy
@@ -266,3 +268,37 @@ def test_a_rotated_photo_is_counted_and_resized_upright(name: str, orientation: 
     sent = upright_size if processed is None else Image.open(io.BytesIO(processed.data)).size
     assert processed is None or sent == expected_size
     assert case.reference(folder, Image.new("RGB", sent))[1] == expected_tokens
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.tuples(st.integers(1, 5000), st.integers(1, 5000)).filter(lambda s: max(s) / min(s) < 150))
+def test_any_size_counts_as_the_processor_does(name: str, size: tuple[int, int], folders: dict[str, Path]) -> None:
+    case, folder = CASES[name], folders[name]
+    model = load_model(str(folder))
+    assert model.geometry is not None
+    expected_size, expected_tokens = case.reference(folder, Image.new("RGB", size))
+    assert model.geometry.backend_size(*size) == expected_size
+    assert model.image_tokens(*size) == expected_tokens
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.tuples(st.integers(1, 20000), st.integers(1, 20000)).filter(lambda s: max(s) / min(s) < 150))
+def test_no_image_makes_more_tokens_than_the_most_tokens(name: str, size: tuple[int, int],
+                                                         folders: dict[str, Path]) -> None:
+    """What an image whose head says no size is counted as bounds what any image makes."""
+    model = load_model(str(folders[name]))
+    assert model.image_tokens(*size) <= model.most_tokens
+
+
+def test_every_geometry_travels_to_a_worker_process_as_plain_data(folders: dict[str, Path]) -> None:
+    """A decode pool of processes pickles the ImagePolicy: each family's geometry survives it unchanged."""
+    import pickle
+
+    for name, folder in folders.items():
+        policy = ImagePolicy(geometry=load_model(str(folder)).geometry)
+        copy = pickle.loads(pickle.dumps(policy))
+        assert copy == policy, name
+        assert copy.geometry is not None and policy.geometry is not None
+        assert copy.geometry.backend_size(3000, 2000) == policy.geometry.backend_size(3000, 2000)
