@@ -144,7 +144,7 @@ def _tiff() -> bytes:
     [
         ("data:image/png;base64,not base64!", 400, "invalid_base64"),
         ("data:image/png;base64,aGVsbG8gd29ybGQ=", 400, "unsupported_media_type"),
-        ("data:image/png;base64," + base64.b64encode(image_bytes(64, 64)[:-30]).decode(), 400, "image_decode_failed"),
+        ("data:image/png;base64," + base64.b64encode(image_bytes(64, 64)[:-30]).decode(), 400, "image_truncated"),
         (data_uri(_png_bomb(20000, 20000)), 400, "image_too_large"),
         (data_uri(_tiff(), "image/tiff"), 400, "unsupported_media_type"),
         ("data:image/png,rawbytes", 400, "invalid_data_uri"),
@@ -154,8 +154,7 @@ def _tiff() -> bytes:
 )
 async def test_bad_media_refused_naming_the_part(upstream: Upstream, start_proxy: StartProxy, uri: str,
                                                  status: int, code: str) -> None:
-    # full: a truncated image is caught only by decoding its pixels (header validation, the default, leaves
-    # that to the backend, which decodes every image anyway)
+    # full: every image goes through the decode pool (header validation, the default, judges these on the loop)
     proxy = await start_proxy(upstream.url, MMGATE_MAX_MEDIA_ITEM_MB="1", MMGATE_VALIDATE="full")
     got, body = await post(proxy.url + "/v1/chat/completions", chat_with_image(uri))
     assert (got, body["error"]["code"]) == (status, code)
