@@ -107,7 +107,7 @@ async def test_queue_timeout(upstream: Upstream, start_proxy: StartProxy) -> Non
 
 async def test_cost_over_budget_is_413(upstream: Upstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(upstream.url, MMGATE_MAX_INFLIGHT_MEDIA_MB="1")
-    big = data_uri(image_bytes(64, 48) + b"\x00" * (1024 * 1024), "image/png")  # a valid header, then 1 MiB more
+    big = data_uri(image_bytes(600, 600, "BMP"), "image/bmp")  # a whole image, over 1 MiB uncompressed
     async with aiohttp.ClientSession() as client:
         async with client.post(proxy.url + "/v1/chat/completions", data=orjson.dumps(chat_with_image(big))) as r:
             assert r.status == 413
