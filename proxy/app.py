@@ -112,7 +112,8 @@ def build_state(settings: Settings, link: Link | None = None,
                                   metrics.idle_connections_closed.inc,
                                   write_timeout=stall_deadline(settings.timeouts.client_write_timeout,
                                                                settings.timeouts.upstream_read_timeout),
-                                  on_write_timeout=metrics.client_write_timeouts.inc)
+                                  on_write_timeout=metrics.client_write_timeouts.inc,
+                                  access_log=settings.logs.access_log)
     metrics.client_connections.set_function(lambda: connections.open)
     state = AppBase(settings=settings, metrics=metrics, gate=gate, image_policy=image_policy,
                     audio_policy=AudioPolicy(max_seconds=settings.limits.max_audio_seconds),

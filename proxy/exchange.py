@@ -11,6 +11,7 @@ from typing import Literal
 
 from aiohttp import web
 
+from preprocessors.errors import MmgateError
 from proxy.admission.client import GateLease, GatePlace
 from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.media.buffers import MediaBuffer
@@ -127,5 +128,33 @@ def record(metrics: Metrics, access_log: bool, model: Model | None, ex: Exchange
             fields["image_tokens"] = ex.image_tokens
             if model.counts_video:
                 fields["video_tokens"] = ex.video_tokens
-        log.info("%s %s %s %s %s %.1fms %s", ex.request_id, request.method, loggable(request.path), status, ex.kind,
-                 duration * 1000, ex.code or "-", extra={"fields": fields})
+        _write_line(fields)
+
+
+def log_refused_connection(error: MmgateError, request_line: bytes, seconds: float) -> None:
+    """The access log line of a refusal no request handler saw (one connection too many, a head too slow):
+    the method and path from ``request_line``, what arrived of the request line (``-`` where they did not),
+    no request id (none was read), no route."""
+    method, _, rest = request_line.partition(b" ")
+    target = rest.partition(b" ")[0].partition(b"?")[0] if rest else b""
+    _write_line({
+        "request_id": None, "method": method.decode("latin-1") or "-", "path": target.decode("latin-1") or "-",
+        "route": "other", "kind": "text", "status": error.status, "code": error.code,
+        "duration_ms": round(seconds * 1000, 2), "stages_ms": {}, "bytes_in": 0, "media_in": 0, "media_out": 0,
+        "fetched": 0,
+    })
+
+
+def log_refused_request(error: MmgateError, request: web.Request, request_id: str, seconds: float) -> None:
+    """The access log line of a request refused by the door before ``pipeline.handle_request`` saw it."""
+    _write_line({
+        "request_id": request_id, "method": request.method, "path": request.path, "route": "other", "kind": "text",
+        "status": error.status, "code": error.code, "duration_ms": round(seconds * 1000, 2), "stages_ms": {},
+        "bytes_in": 0, "media_in": 0, "media_out": 0, "fetched": 0,
+    })
+
+
+def _write_line(fields: dict[str, object]) -> None:
+    """One access log line: the readable text, and every field for a structured formatter (``extra``)."""
+    log.info("%s %s %s %s %s %.1fms %s", fields["request_id"] or "-", fields["method"], loggable(str(fields["path"])),
+             fields["status"], fields["kind"], fields["duration_ms"], fields["code"] or "-", extra={"fields": fields})

@@ -7,15 +7,16 @@ are open at once. ``GuardedSite`` listens like ``web.TCPSite`` but wraps every c
 
 * caps the connections open at once at ``MMGATE_MAX_CONNECTIONS``. At the cap, a new connection first
   takes the place of the connection idle the longest: one between requests (aiohttp waiting for its next
-  head, no byte of it arrived, the last answer flushed) or opened without a byte sent yet, closed the way
+  head, no byte of it arrived, the last answer flushed) or opened without a byte sent yet, where "arrived"
+  includes bytes in the kernel's receive buffer the loop has not read yet (``bytes_waiting``), closed the way
   aiohttp's own keep-alive timer closes it (RFC 9112 section 9.5: a server may close an idle connection
   at any time, and clients retry on a new one). A connection in the middle of a request is never closed
   for this. Only when every connection is busy is a new one over the cap: it is read just far enough to
   see its request line (``PROBE_LINE_MAX`` bytes, within the head deadline). Liveness and readiness
   (``GET``/``HEAD`` ``/mmgate/health`` or ``/mmgate/ready``) are served to it by the app, on a connection
   that closes after the answer and never carries a body; anything else gets a complete 503
-  (``too_many_connections``, ``Retry-After``) and a close. At most ``PROBE_RESERVE`` connections are over
-  the cap at once; a new one replaces the oldest that has not shown its request line yet;
+  (``too_many_connections``, ``Retry-After``), an access log line and a close. At most ``PROBE_RESERVE``
+  connections are over the cap at once; a new one replaces the oldest that has not shown its request line yet;
 * gives the request head ``MMGATE_HEADER_TIMEOUT`` seconds from the connection's opening, or from the
   first byte after an idle keep-alive pause: then it answers 408 ``header_timeout`` and closes (the
   role of nginx's ``client_header_timeout``). Idle keep-alive connections are closed by aiohttp after
@@ -32,7 +33,11 @@ which ends the connection anyway).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import re
+import sys
+import termios
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -44,6 +49,7 @@ from proxy.edge.aiohttp_internals import reading_held_by_aiohttp, waits_for_next
 from proxy.edge.error_response import raw_error_response
 from proxy.edge.timer import Timer
 from proxy.edge.write_deadline import WriteDeadline, cut_for_reading_nothing
+from proxy.exchange import log_refused_connection
 from proxy.settings import PROBE_RESERVE
 
 PROBE_PATHS = frozenset({"/mmgate/health", "/mmgate/ready"})
@@ -52,19 +58,34 @@ PROBE_LINE_MAX = 256
 PROBE_LINE = re.compile(rb"(?:GET|HEAD) /mmgate/(?:health|ready)(?:\?[^ ]*)? HTTP/1\.[01]\r?\n")
 
 
+def bytes_waiting(transport: asyncio.BaseTransport) -> bool:
+    """Bytes from the client wait in the kernel's receive buffer, not yet read by the loop: a request that
+    arrived before its connection's first read (a burst of new connections is accepted, and their protocols
+    made, before the loop reads any of them)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        waiting = fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4))
+    except OSError:  # closed under us: nothing to read on it either way
+        return False
+    return int.from_bytes(waiting, sys.byteorder) > 0
+
+
 class ConnectionGuard:
     """The open client connections of one app, and the limits they live under."""
 
     def __init__(self, max_connections: int, header_timeout: float,
                  on_refused: Callable[[str], None] = lambda code: None,
                  on_idle_closed: Callable[[], None] = lambda: None, *, write_timeout: float = 0.0,
-                 on_write_timeout: Callable[[], None] = lambda: None) -> None:
+                 on_write_timeout: Callable[[], None] = lambda: None, access_log: bool = True) -> None:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
         self.on_refused = on_refused
         self.on_idle_closed = on_idle_closed
         self.write_timeout = write_timeout  # ``write_deadline.stall_deadline``; 0 = none
         self.on_write_timeout = on_write_timeout
+        self.access_log = access_log  # MMGATE_ACCESS_LOG: a line for each connection refused before any handler
         self.open = 0
         self._by_handler: dict[RequestHandler, GuardedConnection] = {}
         # Connections that may be idle, the one idle the longest first (dicts keep insertion order).
@@ -90,6 +111,13 @@ class ConnectionGuard:
         return TOO_MANY_CONNECTIONS.error(
             f"{self.open} client connections are open, the limit (MMGATE_MAX_CONNECTIONS); retry later",
             headers={"Retry-After": "1"})
+
+    def refused(self, error: MmgateError, request_line: bytes, seconds: float) -> None:
+        """A refusal no request handler saw (``request_line``: what arrived of it, maybe nothing, ``seconds``
+        after the connection opened): counted, and logged like a request."""
+        self.on_refused(error.code)
+        if self.access_log:
+            log_refused_connection(error, request_line, seconds)
 
     def _admit(self) -> bool:
         """Whether a new connection fits: under the cap, or in the place of the connection idle the longest."""
@@ -136,6 +164,7 @@ class GuardedConnection(asyncio.Protocol):
         self._guard = guard
         self._make_handler = make_handler
         self._handler: RequestHandler | None = None
+        self._opened_at = time.perf_counter()
         self._head_deadline = Timer(self._head_too_slow)
         self._write_deadline = WriteDeadline(guard.write_timeout, lambda: cut_for_reading_nothing(
             self._transport, self._request, guard.on_write_timeout))
@@ -277,9 +306,9 @@ class GuardedConnection(asyncio.Protocol):
         waits for the next head (its keep-alive timer's own test), no byte of it arrived, and the last answer
         left the process."""
         handler, transport = self._handler, self._transport
-        if handler is None or transport.is_closing() or self._next_head_started:
+        if handler is None or transport.is_closing() or self._next_head_started or self._held_data:
             return None
-        if not waits_for_next_request(handler) or transport.get_write_buffer_size():
+        if not waits_for_next_request(handler) or transport.get_write_buffer_size() or bytes_waiting(transport):
             return None
         return handler
 
@@ -294,12 +323,12 @@ class GuardedConnection(asyncio.Protocol):
         """Over the cap and not a probe: a complete 503, then close."""
         transport = self._transport
         self._head_deadline.stop()
-        self._sniffed = None
+        sniffed, self._sniffed = self._sniffed, None
         self._guard._closed(self, self._handler)
         if transport.is_closing():
             return
         error = self._guard.too_many()
-        self._guard.on_refused(error.code)
+        self._guard.refused(error, bytes(sniffed or b""), time.perf_counter() - self._opened_at)
         transport.write(raw_error_response(error))
         transport.close()
 
@@ -384,7 +413,7 @@ class GuardedConnection(asyncio.Protocol):
             return
         error = HEADER_TIMEOUT.error(
             f"the request head did not arrive within {self._guard.header_timeout:g} s (MMGATE_HEADER_TIMEOUT)")
-        self._guard.on_refused(error.code)
+        self._guard.refused(error, bytes(self._sniffed or b""), self._guard.header_timeout)
         transport.write(raw_error_response(error))
         transport.close()
 

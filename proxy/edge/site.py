@@ -14,6 +14,7 @@ from proxy.edge.aiohttp_internals import listening_server, set_listening_server
 from proxy.edge.connections import PROBE_PATHS, ConnectionGuard, GuardedConnection
 from proxy.edge.error_response import error_response
 from proxy.edge.upstream import request_id_for
+from proxy.exchange import log_refused_request
 from proxy.payload.dialects import dialect_for_path
 
 
@@ -25,8 +26,11 @@ async def _probe_over_the_cap(request: web.Request, handler: Any, guard: Connect
         response.force_close()
         return response
     error = guard.too_many()
+    request_id = request_id_for(request.headers.get("X-Request-Id"))
     guard.on_refused(error.code)
-    answer = error_response(error, dialect_for_path(request.path), request_id_for(request.headers.get("X-Request-Id")))
+    if guard.access_log:
+        log_refused_request(error, request, request_id, 0.0)
+    answer = error_response(error, dialect_for_path(request.path), request_id)
     answer.force_close()
     if request.content.is_eof():
         return answer

@@ -5,10 +5,15 @@ so every byte on the wire is the test's own."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import logging
 import os
 import re
+import socket
 import sys
+import termios
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -494,3 +499,109 @@ async def test_an_unknown_expectation_is_417_in_the_api_shape(upstream: Upstream
     assert "expectation_failed" in json.loads(body)["error"]["message"]
     writer.close()
     assert upstream.seen == []
+
+
+POST_REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(CHAT_BODY), CHAT_BODY))
+
+
+def _burst(port: int, count: int, all_sent: threading.Event) -> list[tuple[int, str] | str]:
+    """``count`` connections, each sending its POST as soon as it is open, then ``all_sent``; then each
+    answer's status and code, or the connection error met instead."""
+    clients = []
+    for _ in range(count):
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(POST_REQUEST)
+        clients.append(client)
+    all_sent.set()
+    outcomes: list[tuple[int, str] | str] = []
+    for client in clients:
+        with client, client.makefile("rb") as answer:
+            try:
+                status = int(answer.readline().split(b" ", 2)[1])
+                headers = dict(line.rstrip(b"\r\n").lower().split(b": ", 1)
+                               for line in iter(answer.readline, b"\r\n"))
+                body = answer.read(int(headers[b"content-length"]))
+                outcomes.append((status, json.loads(body)["error"]["code"] if status >= 400 else ""))
+            except (OSError, IndexError, ValueError) as failed:
+                outcomes.append(f"{failed!r}")
+    return outcomes
+
+
+async def test_a_burst_over_the_cap_gets_answers_or_503s_never_connection_errors(
+    upstream: Upstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """64 clients open their connections at once against a cap of 16, then each sends its request: a
+    connection whose request arrived is never closed as idle, and one past the cap gets a complete 503 with
+    an access-log line."""
+    caplog.set_level(logging.INFO, logger="mmgate.access")
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_CONNECTIONS="16", MMGATE_ACCESS_LOG="on")
+    all_sent = threading.Event()
+    burst = asyncio.get_running_loop().run_in_executor(None, _burst, proxy.server.port, 64, all_sent)
+    # The proxy's loop is held until every request is in the kernel's buffers: mmgate then accepts all 64
+    # connections, and makes their protocols, before it reads a byte of any.
+    assert all_sent.wait(timeout=60)
+    outcomes = await burst
+    assert [o for o in outcomes if isinstance(o, str)] == []
+    assert {o for o in outcomes if not isinstance(o, str)} <= {(200, ""), (503, "too_many_connections")}
+    refused = sum(o == (503, "too_many_connections") for o in outcomes)
+    assert refused == proxy.state.metrics.rejected.labels("too_many_connections")._value.get()
+    lines = [r.getMessage() for r in caplog.records if r.name == "mmgate.access"]
+    assert sum(" 503 " in line and line.endswith(" too_many_connections") for line in lines) == refused
+
+
+def _answers(clients: list[socket.socket]) -> list[tuple[int, str] | str]:
+    """Each client's answer: its status and code, or the connection error met instead."""
+    outcomes: list[tuple[int, str] | str] = []
+    for client in clients:
+        with client, client.makefile("rb") as answer:
+            try:
+                status = int(answer.readline().split(b" ", 2)[1])
+                headers = dict(line.rstrip(b"\r\n").lower().split(b": ", 1)
+                               for line in iter(answer.readline, b"\r\n"))
+                body = answer.read(int(headers[b"content-length"]))
+                outcomes.append((status, json.loads(body)["error"]["code"] if status >= 400 else ""))
+            except (OSError, IndexError, ValueError) as failed:
+                outcomes.append(f"{failed!r}")
+    return outcomes
+
+
+
+def _unread(transport: asyncio.BaseTransport) -> int:
+    """Bytes in the kernel's receive buffer of the proxy's side of a connection, not read by the loop yet."""
+    waiting = fcntl.ioctl(transport.get_extra_info("socket").fileno(), termios.FIONREAD, bytes(4))
+    return int.from_bytes(waiting, sys.byteorder)
+
+
+async def test_a_request_that_arrived_but_is_not_read_yet_keeps_its_connection_at_the_cap(
+    upstream: Upstream, start_proxy: StartProxy
+) -> None:
+    """Connections at the cap, each waiting for its first request; the requests arrive while the proxy's loop
+    has not read them yet (their reading paused here: the loop busy elsewhere, or the connection just made).
+    A new connection does not take them for idle: it gets 503, and every waiting request is answered."""
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_CONNECTIONS="4")
+    guard = proxy.state.connections
+    waiting = [await _connect(proxy) for _ in range(4)]
+    await _until(lambda: guard.idle == 4)
+    transports: list[asyncio.Transport] = []
+    for handler in guard._by_handler:
+        assert handler.transport is not None
+        transports.append(handler.transport)
+    for transport in transports:
+        transport.pause_reading()
+    for _reader, writer in waiting:
+        writer.write(POST_REQUEST)
+        await writer.drain()
+    await _until(lambda: all(_unread(transport) == len(POST_REQUEST) for transport in transports))
+
+    reader, writer = await _connect(proxy)
+    writer.write(POST_REQUEST)
+    status, _headers, body = await _read_answer(reader)
+    assert status == 503 and json.loads(body)["error"]["code"] == "too_many_connections"
+    writer.close()
+    for transport in transports:
+        transport.resume_reading()
+    assert [(await _read_answer(reader))[0] for reader, _writer in waiting] == [200] * 4
+    for _reader, writer in waiting:
+        writer.close()
+    assert _idle_closed(proxy) == 0
