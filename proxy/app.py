@@ -218,7 +218,7 @@ def _media_stage(base: AppBase, pool: DecodePool, cache: VerdictCache, fetcher: 
     settings = base.settings
     policies = Policies(settings.limits.max_media_item_bytes, base.image_policy, base.audio_policy, base.video_policy)
     return MediaStage(cache, pool, base.gate, fetcher, base.metrics, policies, settings.timeouts.queue_timeout,
-                      settings.timeouts.preprocess_timeout, base.model)
+                      settings.timeouts.preprocess_timeout, base.model, settings.limits.max_body_bytes)
 
 
 @contextlib.asynccontextmanager

@@ -13,28 +13,36 @@ item's bytes come from (``MediaItem.source``: inline base64, or a fetched URL):
 1. **Judge by the header** every inline image its header decides (header validation, nothing to resize:
    ``job.judge_head``), here on the loop from the head of its base64: hashing it would cost more than judging
    it, so it is never keyed, cached or sent to the pool. It is weighed at the gate all the same.
-2. **Key** every other inline item (``keys.key_items``: the payload's digest and the item's context).
-3. **Look up.** A cached verdict is a hit. A key another request is deciding is waited for *before* this
+2. **Bound what is forwarded** (``forwarded.estimate``): what each image mmgate will rewrite becomes, from its
+   header, the resize and the handoff format. A body that would be forwarded over MMGATE_MAX_BODY_MB is
+   refused here, 413 ``body_too_large``, with nothing hashed, admitted or decoded: what mmgate sends upstream
+   is bounded as what it receives is.
+3. **Key** every other inline item (``keys.key_items``: the payload's digest and the item's context).
+4. **Look up.** A cached verdict is a hit. A key another request is deciding is waited for *before* this
    request leads anything, so two requests can never wait on each other. A leader that stopped for a reason not
    the media's settles its key with None and the waiter looks again (at most ``cache.FOLLOW_ROUNDS`` times, then
    decodes for itself). With several front processes a miss is asked of the other fronts' caches. A cached
    refusal refuses the request here, with nothing decoded or admitted.
-4. **Lead and admit.** Every inline key still missing is led (a key twice in one request is decoded once),
-   then the gate weighs those misses and each URL item at the per-item cap: a URL's bytes are unknown until
-   read, and they are read only once admitted, so the cap bounds what the fetch may bring in. Hits hold a
-   slot (the request is still forwarded) but nothing of the byte budget.
-5. **Fetch** the URL items (``fetch.fetcher``), then key them by the bytes fetched (the raw bytes and their
+5. **Lead and admit.** Every inline key still missing is led (a key twice in one request is decoded once),
+   then the gate weighs what the request will hold: each miss's decoded bytes, once, and every rewritten
+   item's forwarded base64 (a miss's from its header, a hit's exactly: a cached rewrite weighs what it
+   forwards), and each URL item at the per-item cap: a URL's bytes are unknown until read, and they are read
+   only once admitted, so the cap bounds what the fetch may bring in.
+6. **Fetch** the URL items (``fetch.fetcher``), then key them by the bytes fetched (the raw bytes and their
    declared type) and look them up as in step 3: a hit, or a key another request is deciding, is not decoded
    again, so two identical first fetches decode once. Waiting is safe only while this request leads nothing;
    a request that already leads inline keys decodes such a fetched key itself rather than risk two requests
    waiting on each other. (A fetched key's leader is past the gate and past every wait of its own, so a
    waiter that holds a slot waits only on work already running.) The lease then weighs only what is still a
-   miss (``Lease.lower``): a fetched hit costs nothing at the gate once its bytes are known.
-6. **Decode** the misses in one batch within MMGATE_PREPROCESS_TIMEOUT; each finished item settles its key,
+   miss and what is forwarded (``Lease.lower``, which never raises it), and the body is bounded again with
+   the fetched items' headers, before any decode.
+7. **Decode** the misses in one batch within MMGATE_PREPROCESS_TIMEOUT; each finished item settles its key,
    the refusal included, even when another item failed or the deadline passed. If the batch fails, the lease
    is given back only once its work has really stopped: a slot freed earlier would let more decode work run
    than the gate allows.
-7. **Apply** each verdict to its item (``MediaItem.apply``) and count the items.
+8. **Apply** each verdict to its item (``MediaItem.apply``) and count the items; the body's exact new size
+   is checked against MMGATE_MAX_BODY_MB before it is spliced (a lossy encoder can pass the header's bound on
+   noise).
 
 The request's body has one owner (``buffers.MediaBuffer``); hashes and jobs reach it through a weak reference
 only, so a request that ended stops them instead of being kept alive by them.
@@ -50,7 +58,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
-from preprocessors.errors import PREPROCESS_TIMEOUT, MediaError, MmgateError
+from preprocessors.errors import BODY_TOO_LARGE, PREPROCESS_TIMEOUT, MediaError, MmgateError
 from preprocessors.job import MediaJob, MediaTask, Verdict, judge_head
 from preprocessors.pool import Batch, DecodePool
 from proxy.admission.client import GateClient, GateLease, GatePlace
@@ -58,6 +66,7 @@ from proxy.admission.flows import Flow
 from proxy.fetch.fetcher import Fetcher, fetch_items
 from proxy.media.buffers import MediaBuffer
 from proxy.media.cache import VerdictCache, refused
+from proxy.media.forwarded import ForwardEstimate, estimate
 from proxy.media.keys import key_items
 from proxy.media.model import Model
 from proxy.ops.metrics import Metrics, Stopwatch
@@ -110,6 +119,7 @@ class MediaStage:
     queue_timeout: float
     preprocess_timeout: float
     model: Model | None  # MMGATE_MODEL: the probed clips' video tokens
+    max_body_bytes: int  # MMGATE_MAX_BODY_MB: bounds the body forwarded as it bounds the body received
 
     async def run(self, plan: Plan, media: MediaBuffer, *, place: GatePlace | None, flow: Flow, image_tokens: int,
                   watch: Stopwatch, fetched: list[int]) -> MediaResult:
@@ -126,6 +136,8 @@ class MediaStage:
             started = time.perf_counter()
             headed = self._judge_heads(plan, inline, body, verdicts)
             inline = [item for item in inline if item.key not in verdicts]
+            forward = estimate(inline, body, len(media.data), self.policies.image)
+            self._bound_forward(plan, forward)
             await key_items(self.cache, inline, body)
             misses = await self._look_up(inline, verdicts, led, may_wait=True)
             self._refuse_cached(plan, inline, verdicts)
@@ -136,8 +148,8 @@ class MediaStage:
             started = time.perf_counter()
             judged = sum(item.weight for item in headed)
             url_cost = sum(item.weight for item in urls.items) if urls is not None else 0
-            lease = await self.gate.acquire(judged + _weight(inline, misses) + url_cost, self.queue_timeout, place,
-                                            image_tokens, flow)
+            lease = await self.gate.acquire(judged + _weight(inline, misses, verdicts, forward) + url_cost,
+                                            self.queue_timeout, place, image_tokens, flow)
             watch.add("queue", time.perf_counter() - started)
             try:
                 if urls is not None:
@@ -146,7 +158,11 @@ class MediaStage:
                     await key_items(self.cache, urls.items, body)
                     misses += await self._look_up(urls.items, verdicts, led, may_wait=not led)
                     self._refuse_cached(plan, urls.items, verdicts)
-                    lease.lower(judged + _weight(items, misses))
+                    fetched_forward = estimate(urls.items, body, 0, self.policies.image)
+                    forward.replaced.update(fetched_forward.replaced)
+                    forward.token_bytes.update(fetched_forward.token_bytes)
+                    self._bound_forward(plan, forward)
+                    lease.lower(judged + _weight(items, misses, verdicts, forward))
                     watch.add("preprocess", time.perf_counter() - started)
                 if misses:
                     started = time.perf_counter()
@@ -156,7 +172,7 @@ class MediaStage:
                         watch.add("preprocess", time.perf_counter() - started)
                 for _hit in range(len(items) - len(misses) - len(headed)):  # every item the cache answered
                     self.cache.count_hit()
-                return self._result(lease, items, verdicts, body)
+                return self._result(plan, lease, items, verdicts, body, forward.received)
             except BaseException:
                 lease.release()
                 raise
@@ -223,6 +239,23 @@ class MediaStage:
         led += leads
         return misses
 
+    def _bound_forward(self, plan: Plan, forward: ForwardEstimate) -> None:
+        """413 ``body_too_large`` for a body that would be forwarded over MMGATE_MAX_BODY_MB once its images
+        are rewritten, judged from their headers: nothing of it is hashed, admitted or decoded."""
+        bound = forward.body_bytes
+        if bound <= self.max_body_bytes:
+            return
+        self._count_items(plan.items, "rejected")
+        # The body as received is within the limit (``body.read_body``): only rewritten items take it past.
+        rewritten = [item for item in plan.items if forward.of(item)]
+        largest = max(rewritten, key=forward.of)
+        raise BODY_TOO_LARGE.error(
+            f"the request would be forwarded as up to {bound} bytes ({bound / 2**20:.1f} MiB) once its "
+            f"{len(rewritten)} rewritten item(s) are resized and re-encoded for the backend (judged from their "
+            f"headers; the largest is {forward.of(largest)} bytes of base64), over the limit of "
+            f"{self.max_body_bytes} bytes ({self.max_body_bytes / 2**20:g} MiB, MMGATE_MAX_BODY_MB); send fewer "
+            "or smaller images", param=largest.path)
+
     def _refuse_cached(self, plan: Plan, items: Sequence[MediaItem], verdicts: dict[bytes, Verdict]) -> None:
         """A cached refusal refuses the request again, nothing decoded."""
         for item in items:
@@ -288,9 +321,10 @@ class MediaStage:
         return PREPROCESS_TIMEOUT.error(f"media preprocessing did not finish within the {timeout:g} s deadline "
                                         "(MMGATE_PREPROCESS_TIMEOUT); the work was stopped and nothing was forwarded")
 
-    def _result(self, lease: GateLease, items: list[MediaItem], verdicts: dict[bytes, Verdict],
-                body: BodyRef) -> MediaResult:
-        """Each verdict applied to its item, the items counted, and what the pipeline needs of them."""
+    def _result(self, plan: Plan, lease: GateLease, items: list[MediaItem], verdicts: dict[bytes, Verdict],
+                body: BodyRef, received: int) -> MediaResult:
+        """Each verdict applied to its item, the items counted, and what the pipeline needs of them; 413 for a
+        body whose rewritten items make it, exactly, larger than MMGATE_MAX_BODY_MB."""
         metrics, model = self.metrics, self.model
         replacements: list[tuple[Span, bytes]] = []
         media_in = media_out = video_tokens = 0
@@ -307,6 +341,13 @@ class MediaStage:
                 metrics.media_type_corrected.labels(item.kind).inc()
             metrics.media_items.labels(item.kind, item.state).inc()
             replacements += item.replacements
+        forwarded = received + sum(len(token) - (span.end - span.start) for span, token in replacements)
+        if forwarded > self.max_body_bytes:
+            self._count_items(plan.items, "rejected")
+            raise BODY_TOO_LARGE.error(
+                f"the request's media, resized and re-encoded for the backend, make a body of {forwarded} bytes "
+                f"({forwarded / 2**20:.1f} MiB), over the limit of {self.max_body_bytes} bytes "
+                f"({self.max_body_bytes / 2**20:g} MiB, MMGATE_MAX_BODY_MB); send fewer or smaller images")
         metrics.media_bytes.labels("in").inc(media_in)
         metrics.media_bytes.labels("out").inc(media_out)
         return MediaResult(lease, replacements, media_in, media_out, video_tokens)
@@ -324,9 +365,19 @@ def _first_of_each(items: Sequence[MediaItem], keys: list[bytes]) -> list[MediaI
     return [first[key] for key in keys if key in first]
 
 
-def _weight(items: Sequence[MediaItem], misses: list[bytes]) -> int:
-    """What the gate weighs: the decoded bytes of each missing key, once."""
-    return sum(item.weight for item in _first_of_each(items, misses))
+def _weight(items: Sequence[MediaItem], misses: list[bytes], verdicts: dict[bytes, Verdict],
+            forward: ForwardEstimate) -> int:
+    """What the gate weighs: the decoded bytes of each missing key, once, and the base64 every item is
+    forwarded as in place of its own (each occurrence: each is a token of its own in the spliced body): a
+    miss's from its header, a hit's from its verdict."""
+    forwarded = 0
+    for item in items:
+        verdict = verdicts.get(item.key)
+        if verdict is None:
+            forwarded += forward.of(item)
+        elif verdict.encoded is not None:
+            forwarded += len(verdict.encoded)
+    return sum(item.weight for item in _first_of_each(items, misses)) + forwarded
 
 
 def _text(item: MediaItem, body: BodyRef) -> bytes:

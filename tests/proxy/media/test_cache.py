@@ -94,7 +94,9 @@ async def test_a_resent_image_is_a_hit_forwarded_with_the_same_rewritten_bytes(
     assert prom[("mmgate_media_items_total", (("outcome", "rewritten"), ("type", "image")))] == 2
 
 
-async def test_a_hit_takes_a_slot_but_none_of_the_byte_budget(upstream: Upstream, start_proxy: StartProxy) -> None:
+async def test_a_hit_takes_a_slot_and_weighs_only_what_it_forwards(upstream: Upstream,
+                                                                    start_proxy: StartProxy) -> None:
+    """Nothing of a hit is decoded, but its rewrite is forwarded: the byte budget holds its base64."""
     proxy = await start_proxy(upstream.url, MMGATE_RELEASE_AT="complete", **RESIZE)
     body = chat_with_image(data_uri(PHOTO))
     assert (await post(proxy, body))[0] == 200  # now cached
@@ -102,7 +104,8 @@ async def test_a_hit_takes_a_slot_but_none_of_the_byte_budget(upstream: Upstream
     task = asyncio.create_task(post(proxy, body))
     await eventually(lambda: len(upstream.seen) == 2, "the hit forwarded")
     gate = proxy.state.gate
-    assert (gate.counters().in_use, gate.counters().bytes_in_use) == (1, 0)
+    _, _, payload = forwarded_image(upstream.seen[-1].body).partition(",")
+    assert (gate.counters().in_use, gate.counters().bytes_in_use) == (1, len(payload))
     upstream.release.set()
     assert (await task)[0] == 200
 
