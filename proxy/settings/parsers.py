@@ -140,11 +140,41 @@ def host_patterns(raw: str) -> tuple[str, ...]:
     return items
 
 
-def cidrs(raw: str) -> tuple[str, ...]:
+CIDRS_ALLOWED = "comma-separated addresses or CIDR networks, e.g. 127.0.0.1/32,10.1.0.0/16"
+# IPv4-mapped IPv6 addresses (RFC 4291 section 2.5.5.2): ::ffff:a.b.c.d is the IPv4 address a.b.c.d.
+IPV4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+
+
+def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """One address or CIDR network, refused when it has host bits set: ``10.0.0.1/8`` is no network, and taking
+    it as ``10.0.0.0/8`` would widen what the operator wrote without a word."""
     try:
-        return tuple(str(ipaddress.ip_network(p.strip(), strict=False)) for p in raw.split(",") if p.strip())
+        return ipaddress.ip_network(text, strict=True)
     except ValueError:
-        raise ValueError("comma-separated addresses or CIDR networks, e.g. 127.0.0.1/32,10.1.0.0/16") from None
+        try:
+            network = ipaddress.ip_network(text, strict=False)
+        except ValueError:
+            raise ValueError(CIDRS_ALLOWED) from None
+        raise ValueError(f"{text} has host bits set: write the network, {network}, or the one address, "
+                         f"{text.split('/', 1)[0]}") from None
+
+
+def cidrs(raw: str) -> tuple[str, ...]:
+    return tuple(str(_network(p.strip())) for p in raw.split(",") if p.strip())
+
+
+def peer_cidrs(raw: str) -> tuple[str, ...]:
+    """``cidrs`` for networks matched against TCP peers, which mmgate sees as IPv4 when they come IPv4-mapped
+    (a dual-stack listener): an IPv4-mapped network is taken as the IPv4 network it maps, so that it matches."""
+    networks = []
+    for text in (p.strip() for p in raw.split(",") if p.strip()):
+        network = _network(text)
+        if isinstance(network, ipaddress.IPv6Network) and network.subnet_of(IPV4_MAPPED):
+            mapped = network.network_address.ipv4_mapped
+            assert mapped is not None  # every address of ::ffff:0:0/96 maps one
+            network = ipaddress.IPv4Network((mapped, network.prefixlen - IPV4_MAPPED.prefixlen))
+        networks.append(str(network))
+    return tuple(networks)
 
 
 def model_name(raw: str) -> str:

@@ -30,6 +30,7 @@ from proxy.settings.parsers import (
     on_off,
     path,
     path_prefixes,
+    peer_cidrs,
     seconds,
     text,
 )
@@ -144,7 +145,7 @@ class Gate:
         details="a request without it is in band 0; not an integer -> 400 `invalid_priority_header`; read only "
                 "from `MMGATE_TRUST_FLOW_HEADERS_FROM`")
     trust_flow_headers_from: tuple[str, ...] = setting(
-        (), parse=cidrs, shown="none",
+        (), parse=peer_cidrs, shown="none",
         help="CIDRs of the TCP peers (the gateway in front) whose fairness and priority headers are read; from "
              "others they are ignored and a client's address is its flow", details="see [fleet](fleet.md)")
     max_queue_per_flow: int = setting(0, parse=integer(0, 1_000_000), zero="only MMGATE_MAX_QUEUE",
