@@ -73,10 +73,7 @@ def build_state(settings: Settings, link: Link | None = None,
     (``remote_gate.RemoteGate``); ``on_gate_lost`` is called if the supervisor goes away. That is the one
     place which gate serves is chosen: everything else uses either through ``GateClient``."""
     model = served_model(settings)
-    served = ServedModel(settings.decode.model if settings.decode.model in (AUTO_MODEL, NONE) else "explicit", model,
-                         folder="" if model is None else settings.decode.model,
-                         note={AUTO_MODEL: "the upstream has not been asked yet", NONE: "MMGATE_MODEL=none"}.get(
-                             settings.decode.model, "MMGATE_MODEL's family has no model geometry in mmgate"))
+    served = ServedModel.at_start(settings.decode.model, model)
     metrics = Metrics()
     trimmer = IdleTrimmer(settings.memory.trim_idle, release_freed_memory(), metrics.memory_trims.inc)
 
@@ -166,8 +163,7 @@ def model_in_force(settings: Settings) -> str:
     if spec == NONE:
         return "none (MMGATE_MODEL=none): the generic rule (MMGATE_RESIZE_MAX_*)"
     if spec != AUTO_MODEL:
-        model = served_model(settings)
-        return ServedModel("explicit", model, folder=spec, note=f"{spec} has no model geometry in mmgate").line()
+        return ServedModel.at_start(spec, served_model(settings)).line()
     if not settings.backend.upstream:
         return "auto: MMGATE_UPSTREAM is not set, so there is no upstream to ask which model it serves"
     found = asyncio.run(find_once(settings.backend.upstream, settings.decode.model_dirs,

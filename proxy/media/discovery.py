@@ -87,6 +87,16 @@ class ServedModel:
     folder: str = ""
     note: str = ""
 
+    @classmethod
+    def at_start(cls, spec: str, model: Model | None) -> ServedModel:
+        """What is in force at start-up for MMGATE_MODEL=``spec``, and ``model`` loaded from it."""
+        if spec == AUTO:
+            return cls(AUTO, note="the upstream has not been asked yet")
+        if spec == NONE:
+            return cls(NONE, note="MMGATE_MODEL=none turns the model mode off")
+        return cls("explicit", model, folder=spec,
+                   note="" if model is not None else f"MMGATE_MODEL={spec}: its family has no model geometry in mmgate")
+
     def describe(self) -> dict[str, Any]:
         """The JSON /mmgate/stats shows under ``served_model``."""
         model = self.model
