@@ -300,7 +300,7 @@ class PatchGrid:
 class PanAndScan:
     """Gemma 3 with pan-and-scan: a ``width`` x ``height`` square of the whole image and, where its aspect ratio
     reaches ``min_ratio``, one more square of each of 2 to ``max_crops`` crops along its long side, each at least
-    ``min_crop_size`` px (``Gemma3ImageProcessor.pan_and_scan``). An image without crops is resized to the
+    ``min_crop_size`` px (the Gemma 3 image processor's ``pan_and_scan``). An image without crops is resized to the
     square; one with crops goes as it is, since the square would have none (``resize_keeps_tokens``)."""
 
     family: str

@@ -239,3 +239,18 @@ def paddleocr_vl_folder(path: Path, min_pixels: int = 147384, max_pixels: int = 
     PaddleOCRVLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": "paddleocr_vl"}))
     return path
+
+
+def aya_vision_folder(path: Path, tile: int = 364, max_patches: int = 12) -> Path:
+    """Aya Vision as aya-vision-8b ships it by default: ``GotOcr2ImageProcessor`` with 364 px tiles, up to 12, the
+    processor (28 px merged patches: 169 tokens a tile), a tokenizer with its image markers."""
+    from transformers import AyaVisionProcessor
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    images = GotOcr2ImageProcessorPil(size={"height": tile, "width": tile}, crop_to_patches=True, min_patches=1,
+                                      max_patches=max_patches)
+    specials = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>", "<pad>"]
+    AyaVisionProcessor(image_processor=images, tokenizer=_tokenizer(specials), patch_size=14, img_size=tile,
+                       downsample_factor=2).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "aya_vision"}))
+    return path

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .aya_vision import AYA_VISION
 from .base import Family, Found
 from .gemma3 import GEMMA3, GEMMA3_PAN_AND_SCAN
 from .glm4v import GLM4V
@@ -27,7 +28,7 @@ from .pixtral import PIXTRAL
 from .qwen import QWEN
 
 FAMILIES: tuple[Family, ...] = (QWEN, IDEFICS3, LLAVA, LLAVA_NEXT, GEMMA3, GEMMA3_PAN_AND_SCAN, INTERNVL, PIXTRAL,
-                                  LLAVA_ONEVISION, MLLAMA, GLM4V, PALIGEMMA, PADDLEOCR_VL)
+                                  LLAVA_ONEVISION, MLLAMA, GLM4V, PALIGEMMA, PADDLEOCR_VL, AYA_VISION)
 
 # Families whose processors transformers ships only for torch, or only as remote code: the generic rule, with
 # the reason. Keyed by the image_processor_type their checkpoints name (without a backend suffix).

@@ -34,7 +34,7 @@ class Gemma3PanAndScan(Family):
         return found.image_type == "Gemma3ImageProcessor" and _pans(found)
 
     def load(self, found: Found) -> Model:
-        """vLLM's ``Gemma3ProcessingInfo``: each setting the image processor's, else the processor's default;
+        """As vLLM's Gemma 3 processing info counts: each setting the image processor's, else the processor's default;
         ``(crops + 1) × image_seq_length`` tokens (``get_num_image_tokens``)."""
         image_processor = found.image_processor
         settings = {key: value if (value := getattr(image_processor, key, None)) is not None else default
@@ -70,7 +70,7 @@ GEMMA3_PAN_AND_SCAN = Gemma3PanAndScan(
            "`pan_and_scan_min_crop_size`, 256 px)",
     kwargs=("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
             "pan_and_scan_min_ratio_to_activate"),
-    vllm="vLLM counts the soft tokens, `(crops + 1) × 256` (`Gemma3ProcessingInfo.get_num_image_tokens`), and takes "
-         "each setting from the image processor before the processor's defaults; its prompt also carries the "
+    vllm="vLLM counts the soft tokens, `(crops + 1) × 256` (its Gemma 3 processing info's `get_num_image_tokens`), "
+         "and takes each setting from the image processor before the processor's defaults; its prompt also carries the "
          "text \"Here is the original image … and here are some crops\", not counted",
 )

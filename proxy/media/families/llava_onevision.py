@@ -18,7 +18,7 @@ class LlavaOnevision(Family):
         return found.image_type == "LlavaOnevisionImageProcessor"
 
     def load(self, found: Found) -> Model:
-        """The geometry of LLaVA-NeXT's grid; the count of ``LlavaOnevisionProcessor._get_num_multimodal_tokens``
+        """The geometry of LLaVA-NeXT's grid; the count of LlavaOnevisionProcessor's ``_get_num_multimodal_tokens``
         (the processor needs torch for its video processor, so its configuration is read from its file)."""
         config = {**_DEFAULTS, **(read_json(found.folder / "processor_config.json") or {})}
         side = round(int(config["num_image_tokens"]) ** 0.5)  # patches along the base square

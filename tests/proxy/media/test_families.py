@@ -182,6 +182,22 @@ def _paligemma(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
     return square, int((out["input_ids"][0] == processor.image_token_id).sum())
 
 
+def _aya_vision(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
+    """AyaVisionProcessor run on the pixels: the size of its first resize (the whole grid, or the one tile) and
+    the tokens of the prompt it puts in place of ``<image>``."""
+    processor = transformers.AutoProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
+    resized: list[tuple[int, int]] = []
+    resize = processor.image_processor.resize
+
+    def recording(pixels: Any, size: Any, *args: Any, **kwargs: Any) -> Any:
+        resized.append((int(size.width), int(size.height)))
+        return resize(pixels, size, *args, **kwargs)
+
+    processor.image_processor.resize = recording
+    out = processor(text=["<image>"], images=[image], add_special_tokens=False)
+    return resized[0], len(out["input_ids"][0])
+
+
 CASES = {
     "internvl": Case(lambda p: models.internvl_folder(p), "internvl", _internvl),
     "internvl-small": Case(lambda p: models.internvl_folder(p, tile=64, max_patches=6, image_seq_length=16),
@@ -207,6 +223,8 @@ CASES = {
     "paddleocr-vl": Case(lambda p: models.paddleocr_vl_folder(p), "paddleocr-vl", _glm4v),
     "paddleocr-vl-small": Case(lambda p: models.paddleocr_vl_folder(p, 28 * 28 * 4, 28 * 28 * 32), "paddleocr-vl",
                                _glm4v),
+    "aya-vision": Case(lambda p: models.aya_vision_folder(p), "aya-vision", _aya_vision),
+    "aya-vision-small": Case(lambda p: models.aya_vision_folder(p, 56, 4), "aya-vision", _aya_vision),
     "pixtral-small": Case(lambda p: models.pixtral_folder(p, "llava", 200, 8, 2), "pixtral", _pixtral),
 }
 
