@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,6 +27,8 @@ from preprocessors.errors import MediaError
 from preprocessors.geometry import resize_target, upright
 from preprocessors.image import process_image
 from proxy.media.model import load_model
+from testkit.media import chat_with_image, data_uri, decode_uri, photo_sized
+from tests.conftest import StartProxy, Upstream
 
 transformers = pytest.importorskip("transformers", reason="the model extra: pip install -e '.[model]'")
 
@@ -320,3 +324,31 @@ def test_every_geometry_travels_to_a_worker_process_as_plain_data(folders: dict[
         assert copy == policy, name
         assert copy.geometry is not None and policy.geometry is not None
         assert copy.geometry.backend_size(3000, 2000) == policy.geometry.backend_size(3000, 2000)
+
+
+@pytest.mark.parametrize(("name", "size"), [("internvl", (1900, 1300)), ("mistral3", (1900, 1300)),
+                                            ("gemma3-pan-and-scan", (2000, 600)), ("mllama", (1900, 1300))])
+async def test_the_upstream_gets_the_family_size_and_its_count(
+        name: str, size: tuple[int, int], upstream: Upstream, start_proxy: StartProxy,
+        folders: dict[str, Path]) -> None:
+    """Over HTTP: the image reaches the backend at the size mmgate's geometry says (or as it was sent, where the
+    processor would enlarge it or its tiles or crops would change), with its count in the header."""
+    folder = str(folders[name])
+    model = load_model(folder)
+    assert model.geometry is not None
+    proxy = await start_proxy(upstream.url, MMGATE_MODEL=folder)
+    photo = io.BytesIO()
+    photo_sized(*size).save(photo, "PNG")
+    sent = data_uri(photo.getvalue())
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(proxy.url + "/v1/chat/completions", data=orjson.dumps(chat_with_image(sent)),
+                                      headers={"Content-Type": "application/json"})
+        assert response.status == 200
+    seen = upstream.seen[-1]
+    assert seen.headers.getall("x-mmgate-image-tokens") == [str(model.image_tokens(*size))]
+    forwarded = orjson.loads(seen.body)["messages"][0]["content"][1]["image_url"]["url"]
+    target = resize_target(model.geometry, *size, 1)
+    if target is None:
+        assert forwarded == sent
+    else:
+        assert decode_uri(forwarded)[1].size == target == model.geometry.backend_size(*size)
