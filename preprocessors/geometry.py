@@ -392,3 +392,25 @@ class SmartResize:
         h, w = _helper(self.module, "smart_resize")(height, width, self.factor, min_pixels=self.min_pixels,
                                                     max_pixels=self.max_pixels)
         return int(w), int(h)
+
+
+@dataclass(frozen=True, slots=True)
+class PatchBudget:
+    """Gemma 4: the image scaled, up or down, to the most pixels within ``max_patches`` patches of ``patch_size``,
+    both sides whole multiples of ``pooling_kernel_size`` patches (``get_aspect_ratio_preserving_size``). Scaling
+    to fill the budget means the processor may scale mmgate's output again: a resize is made only where the
+    processor leaves the resized image as it is (``resize_keeps_tokens``)."""
+
+    family: str
+    patch_size: int
+    max_patches: int
+    pooling_kernel_size: int
+    resample: int = BICUBIC
+
+    def backend_size(self, width: int, height: int) -> tuple[int, int]:
+        size = _helper("transformers.models.gemma4.image_processing_pil_gemma4", "get_aspect_ratio_preserving_size")
+        h, w = size(height, width, self.patch_size, self.max_patches, self.pooling_kernel_size)
+        return int(w), int(h)
+
+    def resize_keeps_tokens(self, width: int, height: int, out_w: int, out_h: int) -> bool:
+        return self.backend_size(out_w, out_h) == (out_w, out_h)

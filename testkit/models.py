@@ -254,3 +254,12 @@ def aya_vision_folder(path: Path, tile: int = 364, max_patches: int = 12) -> Pat
                        downsample_factor=2).save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": "aya_vision"}))
     return path
+
+
+def gemma4_folder(path: Path, max_soft_tokens: int = 280) -> Path:
+    """Gemma 4 as its checkpoints ship it by default: 16 px patches pooled 3 x 3, 280 soft tokens an image."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    Gemma4ImageProcessorPil(max_soft_tokens=max_soft_tokens).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "gemma4"}))
+    return path

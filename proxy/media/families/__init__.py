@@ -15,6 +15,7 @@ from pathlib import Path
 from .aya_vision import AYA_VISION
 from .base import Family, Found
 from .gemma3 import GEMMA3, GEMMA3_PAN_AND_SCAN
+from .gemma4 import GEMMA4
 from .glm4v import GLM4V
 from .idefics3 import IDEFICS3
 from .internvl import INTERNVL
@@ -28,7 +29,8 @@ from .pixtral import PIXTRAL
 from .qwen import QWEN
 
 FAMILIES: tuple[Family, ...] = (QWEN, IDEFICS3, LLAVA, LLAVA_NEXT, GEMMA3, GEMMA3_PAN_AND_SCAN, INTERNVL, PIXTRAL,
-                                  LLAVA_ONEVISION, MLLAMA, GLM4V, PALIGEMMA, PADDLEOCR_VL, AYA_VISION)
+                                  LLAVA_ONEVISION, MLLAMA, GLM4V, PALIGEMMA, PADDLEOCR_VL, AYA_VISION,
+                                  GEMMA4)
 
 # Families whose processors transformers ships only for torch, or only as remote code: the generic rule, with
 # the reason. Keyed by the image_processor_type their checkpoints name (without a backend suffix).

@@ -202,6 +202,17 @@ def _aya_vision(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]
     return resized[0], len(out["input_ids"][0])
 
 
+def _gemma4(folder: Path, image: Image.Image) -> tuple[tuple[int, int], int]:
+    """The Gemma 4 image processor run on the pixels: the patch grid its positions span, and its own count of
+    soft tokens (``num_soft_tokens_per_image``)."""
+    ip = _image_processor(folder)
+    out = ip(images=[image], return_tensors="np")
+    positions = out["image_position_ids"][0]
+    valid = positions[(positions >= 0).all(axis=1)]
+    columns, rows = (int(v) + 1 for v in valid.max(axis=0))
+    return (columns * ip.patch_size, rows * ip.patch_size), int(out["num_soft_tokens_per_image"][0])
+
+
 CASES = {
     "internvl": Case(lambda p: models.internvl_folder(p), "internvl", _internvl),
     "internvl-small": Case(lambda p: models.internvl_folder(p, tile=64, max_patches=6, image_seq_length=16),
@@ -229,6 +240,8 @@ CASES = {
                                _glm4v),
     "aya-vision": Case(lambda p: models.aya_vision_folder(p), "aya-vision", _aya_vision),
     "aya-vision-small": Case(lambda p: models.aya_vision_folder(p, 56, 4), "aya-vision", _aya_vision),
+    "gemma4": Case(lambda p: models.gemma4_folder(p), "gemma4", _gemma4),
+    "gemma4-small": Case(lambda p: models.gemma4_folder(p, 70), "gemma4", _gemma4),
     "pixtral-small": Case(lambda p: models.pixtral_folder(p, "llava", 200, 8, 2), "pixtral", _pixtral),
 }
 
