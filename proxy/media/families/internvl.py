@@ -45,6 +45,7 @@ INTERNVL = InternVL(
                "(`get_optimal_tiled_canvas`); forwarded as it is where the resized image would take another grid",
     counts="256 a tile, + 256 for the thumbnail where there is more than one tile, + `<img>`, `</img>`",
     kwargs=("crop_to_patches", "min_patches", "max_patches"),
-    vllm="the `-hf` checkpoints (InternVLForConditionalGeneration) run transformers' processor; the original "
-         "`internvl_chat` checkpoints run vLLM's own, and name no `GotOcr2ImageProcessor`: the generic rule",
+    vllm="vLLM serves the `-hf` checkpoints with its interns1 module, which runs transformers' processor (tiles "
+         "on) and puts `<img>`, 256 a tile, `</img>` in the prompt, as counted; the original `internvl_chat` "
+         "checkpoints run vLLM's own processor and name no `GotOcr2ImageProcessor`: the generic rule",
 )
