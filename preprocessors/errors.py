@@ -185,7 +185,8 @@ METHOD_NOT_ALLOWED = _define(405, "invalid_request", MmgateError,
 # 408, 413, 415, 417: the request's shape
 HEADER_TIMEOUT = _define(408, "header_timeout", MmgateError, "a request head slower than MMGATE_HEADER_TIMEOUT")
 BODY_READ_TIMEOUT = _define(408, "body_read_timeout", MmgateError, "a body slower than MMGATE_BODY_READ_TIMEOUT")
-BODY_TOO_LARGE = _define(413, "body_too_large", MmgateError, "a body over MMGATE_MAX_BODY_MB")
+BODY_TOO_LARGE = _define(413, "body_too_large", MmgateError,
+                         "a body over MMGATE_MAX_BODY_MB, as received or as mmgate would forward it")
 MEDIA_TOO_LARGE = _define(413, "media_too_large", MediaError,
                           "a media item over MMGATE_MAX_MEDIA_ITEM_MB, or media over the whole in-flight budget")
 TOO_MANY_IMAGE_TOKENS = _define(413, "too_many_image_tokens", MmgateError,

@@ -1,7 +1,8 @@
 """Admission control for media requests: slots, a decoded-bytes budget, a bounded FIFO queue, deadlines.
 
-A request is admitted when a slot is free *and* its cost (decoded media bytes, known from the base64
-lengths before anything is decoded) fits the remaining byte budget *and*, with a token budget
+A request is admitted when a slot is free *and* its cost (decoded media bytes and the base64 forwarded in place
+of each rewritten image, known from the base64 lengths and image headers before anything is decoded:
+``media.step``) fits the remaining byte budget *and*, with a token budget
 (``MMGATE_MAX_INFLIGHT_IMAGE_TOKENS``), its image tokens (counted from the image headers with the served
 model's processor) fit the tokens left. Waiting is strictly FIFO: the head of
 the queue holds the line even if a smaller request behind it would fit, so a big request is never starved.
@@ -212,7 +213,8 @@ class Gate:
             raise draining()
         if self.byte_budget and cost > self.byte_budget:
             raise MEDIA_TOO_LARGE.error(
-                f"the request's media decode to {cost} bytes, more than the whole in-flight budget of "
+                f"the request's media weigh {cost} bytes (decoded, and forwarded in place of rewritten images), "
+                f"more than the whole in-flight budget of "
                 f"{self.byte_budget} bytes (MMGATE_MAX_INFLIGHT_MEDIA_MB): send smaller or fewer media",
             )
         if self.token_budget and tokens > self.token_budget:

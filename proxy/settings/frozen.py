@@ -59,6 +59,9 @@ class Settings:
 
         queued:      every waiting request holds its raw body    = MAX_QUEUE × MAX_BODY_MB
         admitted:    requests past the gate hold body + output   = MAX_MM_CONCURRENCY × 2 × MAX_BODY_MB
+                     (the body they forward: refused over
+                     MAX_BODY_MB from the image headers, before
+                     any decode; ``media.forwarded``)
         decoding:    decode workers each hold one decoded image  = DECODE_WORKERS × MAX_IMAGE_PIXELS × 4 B
         processes:   process mode only: each worker process, its  = DECODE_WORKERS × (WORKER_PROCESS_BYTES
                      interpreter, and the payload twice: in the      + 2 × MAX_MEDIA_ITEM_MB × 4/3)

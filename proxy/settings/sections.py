@@ -128,9 +128,11 @@ class Gate:
     max_queue: int = setting(64, parse=integer(0, 1_000_000), essential=True,
                              help="media requests allowed to wait; beyond -> 429 queue_full")
     max_inflight_media_mb: int = setting(1024, parse=integer(0), zero="off",
-                                         help="decoded inline media MiB past admission",
-                                         details="a request's cost is known from its base64 lengths before "
-                                                 "anything is decoded")
+                                         help="decoded inline media MiB past admission, and the base64 forwarded "
+                                              "in place of each rewritten image",
+                                         details="a request's cost is known before anything is decoded: from its "
+                                                 "base64 lengths and image headers, a cached rewrite from its "
+                                                 "verdict")
     max_inflight_image_tokens: int = setting(
         0, parse=integer(0), zero="off", help="image tokens past admission, needs MMGATE_MODEL",
         details="counted for the served model; one request over it alone -> 413 `too_many_image_tokens`")
@@ -218,7 +220,9 @@ class Limits:
     """What one request and one media item may be."""
 
     max_body_mb: int = setting(64, parse=integer(1, 4096), essential=True,
-                               help="request body limit in MiB -> 413 body_too_large")
+                               help="request body limit in MiB, as received and as forwarded -> 413 body_too_large",
+                               details="a body that the images mmgate resizes and re-encodes would take past it is "
+                                       "refused from their headers, before any decode")
     max_media_per_request: int = setting(16, parse=integer(1, 10_000),
                                          help="media parts per request -> 400 too_many_media",
                                          details="inline and URL parts alike")
