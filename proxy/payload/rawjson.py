@@ -204,11 +204,27 @@ def _skip_plain(long_string: int) -> Callable[[bytes, int, int], re.Match[bytes]
     per token, so a chat history or a body of many tiny strings stays cheap; it stops in front of the
     next string that must be looked at (long, escaped or media-looking), whose end the caller finds
     with memchr. The match never fails (it may be empty).
+
+    Plain greedy repeats only, no possessive repeat nor atomic group: CPython before 3.11.5 matched a
+    possessive repeat of a group wrongly (gh-100061, gh-106052; Debian 12 ships 3.11.2). Greedy means
+    the same here: each repeat can match in one way only (a run of bytes that are neither quote nor
+    backslash must be followed by a quote to go on), so bytes given back never lead to another match.
+    A string's first byte picks its one alternative, a test the engine makes without entering it: most
+    strings start with no prefix's first letter and skip the media lookahead, the dearest step. Each
+    alternative ends with the closing quote, so a long string's bytes are given back by one quick scan
+    for that quote, not by a retry of what follows the group at each byte.
     """
     limit = min(long_string, 1 << 30)  # the regex engine's repeat bound; bodies are far smaller
-    return re.compile(
-        rb'(?:[^"\\]*+"(?!(?i:data:|image/|audio/|video/|https?:))[^"\\]{0,%d}+")*+[^"\\]*+' % limit
-    ).match
+    rests: dict[bytes, list[bytes]] = {}  # the media prefixes by their first letter
+    for prefix in _MEDIA_PREFIXES:
+        rests.setdefault(prefix[:1].lower(), []).append(re.escape(prefix[1:]))
+    plain_strings = [b'"']  # what may follow a plain string's opening quote, one alternative per first byte
+    if limit:
+        firsts = b"".join(rests)
+        tail = rb'[^"\\]{0,%d}"' % (limit - 1)
+        plain_strings[:0] = [rb'[^"\\%s%s]' % (firsts, firsts.upper()) + tail] + [
+            b"[%s%s](?!(?i:%s))" % (first, first.upper(), b"|".join(rest)) + tail for first, rest in rests.items()]
+    return re.compile(rb'(?:[^"\\]*"(?:%s))*[^"\\]*' % b"|".join(plain_strings)).match
 
 
 def skeletonize(body: bytes, *, long_string: int = 64) -> Skeleton:
