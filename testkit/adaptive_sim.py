@@ -3,9 +3,10 @@
 Closed-loop client groups (each client sends its next request as soon as its last one ended) go through an
 admission like ``gate.Gate``'s (a slot while ``in_use < limit``, else one FIFO line) to a backend whose
 service time is a function of how many requests it holds when one arrives, like ``bench/fleet.py``'s backends.
-The controller is fed as the gate feeds it: ``load(in_use, waiting)`` on every change, ``observe`` once per
-normal completion, with the phase its request was admitted in, before its slot is given back. Its clock is
-the simulation's. Each request's outcome is its group's:
+The controller is fed as the gate feeds it: ``load(in_use, waiting)`` on every change, ``started`` at each
+hand-off and ``ended`` when its slot goes back, ``observe`` once per normal completion, with the phase its
+request was admitted in, before its slot is given back, and ``tick`` every ``TICK_S``. Its clock is the
+simulation's. Each request's outcome is its group's:
 
 - ``ok``: answered after its service time, a sample;
 - ``refused``: the backend answers at once with an error: no sample;
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
-from proxy.admission.adaptive import AdaptiveLimit
+from proxy.admission.adaptive import TICK_S, AdaptiveLimit
 from proxy.admission.sample import Sample, SampleClass
 
 Curve = Callable[[int, float], float]  # (requests in the backend counting this one, now) -> service seconds
@@ -135,6 +136,7 @@ def _at(trace: list[tuple[float, int]], t: float) -> int:
 class _Request:
     group: Group
     phase: int = 0
+    started_at: float = 0.0  # the controller's time of its hand-off
 
 
 class Simulation:
@@ -169,12 +171,20 @@ class Simulation:
                 for client in range(group.clients):
                     # clients come in over the first 10 ms, not in one instant
                     self._at(group.start + 0.01 * client / max(1, group.clients), partial(self._send, group))
+            if self.adaptive is not None:
+                self._at(TICK_S, self._tick)
         self.result.duration = until
         while self._events and self._events[0][0] <= until:
             self.now, _, action = heapq.heappop(self._events)
             action()
         self.now = until
         return self.result
+
+    def _tick(self) -> None:
+        assert self.adaptive is not None
+        self._follow(self.adaptive.tick())
+        self._wake()
+        self._at(self.now + TICK_S, self._tick)
 
     def _at(self, t: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._order), action))
@@ -209,6 +219,8 @@ class Simulation:
         self.in_use += 1
         self._load()
         request.phase = self.adaptive.phase if self.adaptive is not None else 0
+        if self.adaptive is not None:
+            request.started_at = self.adaptive.started(request.phase)
         self.in_backend += 1
         group = request.group
         service = group.service(self.in_backend, self.now) * self._rng.uniform(1 - self._jitter, 1 + self._jitter)
@@ -236,6 +248,8 @@ class Simulation:
             if self.adaptive is not None:
                 self._follow(self.adaptive.observe(Sample(self.now - started, group.cls), request.phase))
         self.in_use -= 1
+        if self.adaptive is not None:
+            self.adaptive.ended(request.phase, request.started_at)
         self._load()
         self._wake()
         self._at(self.now + back_in, lambda: self._send(group))

@@ -53,9 +53,11 @@ The controller is arithmetic on the event loop, with an injected clock and rando
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -69,8 +71,11 @@ Mix = dict[SampleClass, float]  # completions per second of each class
 Measured = tuple[Mix, float | None, bool]  # a phase's mix, median normalised latency, and whether it was busy
 
 FULL_GROWTH = 1.25  # BBR bbr_full_bw_thresh: a doubling that adds less is no growth ...
-FULL_COUNT = 2  # ... and this many of them end startup (BBR bbr_full_bw_cnt is 3 rounds; a phase here spans two)
-NEAR_BEST = 0.9  # startup settles on the smallest limit that gave this share of the best rate
+FULL_COUNT = 3  # ... and this many of them end startup (BBR bbr_full_bw_cnt)
+NARROW_STEPS = 3  # startup: middles tried between the best limit and its neighbours at most
+FALLEN = 0.9  # startup: a step whose rate is under this share of the best is past the knee
+NEAR_BEST = 0.95  # startup settles on the smallest limit that gave this share of the best rate
+STARTUP_GAIN = 1.5  # startup's smallest step, near the knee (a smaller one is lost in the noise of a phase)
 UP_GAIN, DOWN_GAIN = 1.25, 0.875  # BBR bbr_pacing_gain is 5/4 up, 3/4 down: see the module's docstring
 CYCLE: tuple[Kind, ...] = ("up", "down", *("cruise",) * 6)  # BBR: CYCLE_LEN 8, up, drain, six cruising
 CYCLE_RAND = 7  # BBR bbr_cycle_rand: the cycle starts at one of this many phases, never at the probe down
@@ -78,10 +83,11 @@ GROW_MIN = 0.05  # a probe up is kept when the rate grew this much ...
 KEEP_DOWN = 0.95  # ... a probe down when the rate held this much
 PROPORTIONAL = 0.8  # two probes up in a row that raise the rate by this share of the slots added: doubling again
 TOLERANCE = 1.5  # Gradient2Limit rttTolerance: latency this many times the usual is the backend slowing down
+FELL = 0.75  # a cruise phase whose rate is under this share of the cruise rate: the backend changed
 MIN_GRADIENT = 0.5  # Gradient2Limit and Envoy: no one cut deeper than this
 BUSY_SHARE = 0.5  # Gradient2Limit: under half-full is app-limited (there: inflight < limit / 2)
 FLOOR_PHASES = 5  # Envoy: this many windows at the minimum force a new measurement
-STARTUP_SAMPLES, PHASE_SAMPLES = 4, 8  # a phase needs max(this, 1 or 2 × its limit) samples (BBR: 1 or 2 rounds)
+STARTUP_SAMPLES, PHASE_SAMPLES = 2, 8  # a phase needs max(this, 1 or 2 × its limit) samples (BBR: 1 or 2 rounds)
 EARLY_SAMPLES = 4  # a probe down that loses already is ended after this many
 PHASE_MIN_S = 0.2  # BBR bbr_probe_rtt_mode_ms is 200 ms: no phase judged on less
 PHASE_MAX_S = 30.0  # a phase still short of samples is judged on what it has after this long ...
@@ -89,6 +95,8 @@ PHASE_MAX_ROUNDS = 8  # ... or after this many of its longest requests, when the
 MAX_LATENCIES = 100_000  # latencies a phase keeps at most (a flood of tiny answers cannot grow it without bound)
 SMOOTHING = 0.5  # the cruise latency: the average of the last phases, each weighing half
 TINY = 1e-6  # seconds: a sample's smallest worth (a zero would weigh nothing and divide by zero)
+MAX_TIMED = 1024  # a phase's completions whose seconds are kept for ``_Phase.median_at_least``, at most
+TICK_S = 0.1  # how often the gate asks ``tick`` to look at the requests still in flight
 
 
 @dataclass
@@ -105,11 +113,21 @@ class _Phase:
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (normalised latency, work)
     seconds: dict[SampleClass, list[float]] = field(default_factory=dict)  # cruise: each class's seconds
     longest: float = 0.0  # its longest request, in seconds
+    lower: bool = False  # its limit is below the last phase's
+    in_flight: list[float] = field(default_factory=list)  # when each of its requests still at the backend went
+    timed: list[float] = field(default_factory=list)  # the seconds of its first completions (``MAX_TIMED``)
 
     def mix(self) -> Mix:
         """Completions per second per class: its requests' delivery rates, averaged weighing each by its
         class's reference (a thousand tiny answers do not outvote one long one)."""
         return {cls: delivered / self.weight for cls, delivered in self.delivered.items()} if self.weight else {}
+
+    def median_at_least(self, now: float) -> float | None:
+        """A floor under the median time at the backend of its requests: the median of the times of those that
+        completed and the ages of those still there (an age only grows). None before any was handed off."""
+        ages = [now - started for started in self.in_flight]
+        times = sorted(self.timed + ages)
+        return times[(len(times) - 1) // 2] if times else None
 
     def effective(self) -> float:
         """Its rate samples as an effective number (Kish's, weighing each by its work): answers worth a
@@ -139,7 +157,11 @@ class AdaptiveLimit:
         self.latency: float | None = None  # the cruise limit's median normalised latency
         self.samples = 0  # normal completions observed
         self._table: dict[int, tuple[Mix, float]] = {}  # startup: limit -> (mix, latency)
-        self._best: int | None = None  # startup: the limit of the best rate so far
+        self._last_step: tuple[int, float] | None = None  # startup: the last limit that grew, and its rate
+        self._lost: set[int] = set()  # startup: limits cut short, their rate plainly below the best
+        self._narrowing = False  # startup: past the knee, narrowing it down
+        self._resume: int | None = None  # startup after giving way: the limit its first step goes back to at most
+        self._narrowed = 0
         self._no_growth = 0
         self._index = 0  # the phase's place in CYCLE
         self._ups = 0  # probes up in a row that raised the rate in proportion
@@ -188,9 +210,39 @@ class AdaptiveLimit:
             phase.started_at, phase.busy_seconds = now, 0.0
         phase.peak = max(phase.peak, in_use + waiting)
         self._settle_down(now)
-        if now - phase.started_at >= max(PHASE_MAX_S, PHASE_MAX_ROUNDS * max(phase.longest, self._longest_before)):
+        return self._out_of_time(now) and self._end(now)
+
+    def tick(self) -> bool:
+        """The gate calls this every ``TICK_S``: a phase that ran out of time, or whose requests have been at
+        the backend so long that its rate cannot reach what it must, ends here, whether or not anything
+        completes (a controller that learnt only from completions would see nothing while nothing completes).
+        Returns whether ``limit`` changed."""
+        now = self._clock()
+        if not self._now.peak:  # no demand yet: nothing to judge, however long it waits
+            return False
+        if self._out_of_time(now):
             return self._end(now)
-        return False
+        return self._overdue(now) and self._cut_short(now)
+
+    def _out_of_time(self, now: float) -> bool:
+        phase = self._now
+        return now - phase.started_at >= max(PHASE_MAX_S, PHASE_MAX_ROUNDS * max(phase.longest, self._longest_before))
+
+    def started(self, phase: int) -> float:
+        """A request admitted in ``phase`` was handed to the backend: returns when (pass it to ``ended``)."""
+        now = self._clock()
+        if phase == self.phase:
+            self._now.in_flight.append(now)  # the clock does not go back: still ascending
+        return now
+
+    def ended(self, phase: int, started_at: float) -> None:
+        """The request ``started`` returned ``started_at`` for left the backend, however it ended."""
+        if phase != self.phase:
+            return
+        in_flight = self._now.in_flight
+        at = bisect_left(in_flight, started_at)
+        if at < len(in_flight) and in_flight[at] == started_at:
+            del in_flight[at]
 
     def observe(self, sample: Sample, phase: int) -> bool:
         """One normal completion; ``phase`` is ``self.phase`` when its request was admitted. Returns whether
@@ -210,6 +262,8 @@ class AdaptiveLimit:
             if self.kind == "cruise":
                 current.seconds.setdefault(sample.cls, []).append(sample.seconds)
         current.longest = max(current.longest, sample.seconds)
+        if len(current.timed) < MAX_TIMED:
+            current.timed.append(sample.seconds)
         if current.settled_at is None:
             current.settled_at = now
         timely = now - current.started_at >= PHASE_MIN_S
@@ -229,6 +283,51 @@ class AdaptiveLimit:
         return False
 
     # --- phases ------------------------------------------------------------------------------------------------
+
+    def _ceiling_rate(self, now: float, compared: Mix | None) -> float | None:
+        """The most work per second the phase can still show, by Little's law: ``limit`` requests at once, none
+        back sooner than the floor under its median time in flight, each worth at most the costliest class of
+        ``compared`` (the classes of requests in flight are not known yet; a flood of cheap answers in the mix
+        must not make honest ones look overdue). None when the phase has no such floor, or demand does not
+        fill its limit."""
+        at_least = self._now.median_at_least(now)
+        if at_least is None or at_least <= 0 or not compared or not self._filled(now):
+            return None
+        worth = max(self.references.value(cls) for cls in compared)
+        return self.limit * worth / at_least
+
+    def _overdue(self, now: float) -> bool:
+        """Whether the requests still in flight already show that the phase cannot do what it is for: a
+        doubling in startup or a probe up that cannot beat the rate it must beat, or a cruise whose latency is
+        past the tolerance (the backend slowed down and nothing completes to say so)."""
+        if self.kind == "startup":
+            compared = max((mix for mix, _latency in self._table.values()), key=self.rate_of, default=None)
+            ceiling = self._ceiling_rate(now, compared)
+            return ceiling is not None and compared is not None and ceiling < FALLEN * self.rate_of(compared)
+        if self.kind == "up" and self.mix is not None:
+            ceiling = self._ceiling_rate(now, self.mix)
+            return ceiling is not None and ceiling < (1 + GROW_MIN) * self.rate_of(self.mix)
+        if self.kind == "cruise" and self.mix is not None:
+            ceiling = self._ceiling_rate(now, self.mix)
+            return ceiling is not None and TOLERANCE * ceiling < self.rate_of(self.mix)
+        return False
+
+    def _cut_short(self, now: float) -> bool:
+        """End an overdue phase without waiting for its answers: startup is past the knee, the probe up lost,
+        or the cruise limit gives way in proportion to how far its rate fell (no deeper than half)."""
+        before = self.limit
+        if self.kind == "startup":
+            self._lost.add(self.cruise_limit)
+            kind = self._narrow()
+        elif self.kind == "up":
+            self._ups = 0
+            kind = self._next_in_cycle()
+        else:
+            ceiling, rate = self._ceiling_rate(now, self.mix), self.rate
+            assert ceiling is not None and rate
+            kind = self._give_way(ceiling / rate)
+        self._begin(now, kind)
+        return self.limit != before
 
     def _need(self) -> float:
         if self.kind == "startup":
@@ -268,18 +367,19 @@ class AdaptiveLimit:
     def _begin(self, now: float, kind: Kind) -> None:
         self.phase += 1
         self.kind = kind
-        limit = self.cruise_limit
+        limit, before = self.cruise_limit, self.limit
         self.limit = self._up(limit) if kind == "up" else self._down(limit) if kind == "down" else limit
         self._deliveries.shorten(max(self._now.longest, self._longest_before))
         self._longest_before = self._now.longest
-        self._now = _Phase(now, self._in_use + self._waiting)
+        self._now = _Phase(now, self._in_use + self._waiting, lower=self.limit < before)
         self._last_busy = self._busy_now()
         self._settle_down(now)
 
     def _settle_down(self, now: float) -> None:
-        """A probe down holds its load as soon as the backend holds no more than its limit: what is handed off
-        from then on measures it (a probe up needs its own first request back: the backend's batch grew)."""
-        if self.kind == "down" and self._now.settled_at is None and self._in_use <= self.limit:
+        """A phase below the last one (a probe down, a narrowing step) holds its load as soon as the backend
+        holds no more than its limit: what is handed off from then on measures it (a phase above needs its own
+        first request back: the backend's batch grew)."""
+        if self._now.lower and self._now.settled_at is None and self._in_use <= self.limit:
             self._now.settled_at = now
 
     def _measured(self, now: float) -> Measured | None:
@@ -303,39 +403,93 @@ class AdaptiveLimit:
         return self.limit != before
 
     def _after_startup(self, measured: Measured | None) -> Kind:
-        """BBR's startup: double while the rate grows by a quarter; stop when it stops growing, when it falls,
-        or when demand does not fill the limit (then demand, not the backend, is what caps the rate)."""
+        """BBR's startup: grow while the rate grows; stop when it stops growing, when it falls, or when demand
+        does not fill the limit (then demand, not the backend, is what caps the rate). The limit doubles while
+        the rate grows in proportion; once it grows less, each step multiplies the limit by what a doubling
+        multiplied the rate by lately (between ×1.25 and ×2): a backend whose gains dwindle toward its knee is
+        stepped over it by a little, not by double. Then the knee is narrowed down."""
         if measured is None:
             return "startup"
         mix, latency, busy = measured
         if not busy:
             return self._finish()
         assert latency is not None  # a busy phase is judged on two samples at least
-        self._table[self.cruise_limit] = (mix, latency)
+        limit = self.cruise_limit
+        best = max(self._rates().values(), default=0.0)
+        self._table[limit] = (mix, latency)
+        if self._narrowing:
+            return self._narrow()
         rate = self.rate_of(mix)
-        best = self.rate_of(self._table[self._best][0]) if self._best is not None else 0.0
-        if rate >= FULL_GROWTH * best:
-            self._best, self._no_growth = self.cruise_limit, 0
-        elif rate < best:  # past the knee
-            return self._finish()
-        else:
+        last = self._last_step
+        step = limit / last[0] if last is not None else 2.0
+        if best and rate < FALLEN * best:  # past the knee (a little less than the best is no growth)
+            return self._narrow()
+        if best and rate < best * (1 + (FULL_GROWTH - 1) * math.log2(max(step, 1.0))):
             self._no_growth += 1
             if self._no_growth >= FULL_COUNT:
-                return self._finish()
-        if self.cruise_limit >= self.ceiling:
+                return self._narrow()
+        else:
+            self._no_growth = 0
+        if limit >= self.ceiling:
+            return self._narrow()
+        gain = 2.0 if self._resume is None else STARTUP_GAIN  # after giving way: the knee is near
+        if last is not None and last[1] and step > 1:
+            grown = rate / last[1]
+            if grown < 1 + PROPORTIONAL * (step - 1):  # short of proportion: the knee is near
+                gain = min(2.0, max(STARTUP_GAIN, grown ** (1 / math.log2(step))))
+        self._last_step = (limit, rate)
+        following = round(limit * gain)
+        if self._resume is not None and self._resume > limit:
+            following = min(following, self._resume)
+        self._resume = None
+        self.cruise_limit = self._bounded(max(limit + 1, following))
+        return "startup"
+
+    def _give_way(self, share: float) -> Kind:
+        """The backend slowed down under the same limit (other work on it, or it changed): the limit gives way
+        in proportion to how much slower (no deeper than half), then startup searches again from there, its
+        first step going back no further than where it was (a backend uniformly slower has its knee where it
+        had; one whose knee moved is cut short on the way up, and the search narrows down to the new one)."""
+        before = self.cruise_limit
+        self.cruise_limit = self._bounded(int(before * max(MIN_GRADIENT, share)))
+        self._cruise_on(None, None)
+        self.mode, self._no_growth, self._last_step, self._resume = "startup", 0, None, before
+        return "startup"
+
+    def _rates(self) -> dict[int, float]:
+        return {limit: self.rate_of(mix) for limit, (mix, _latency) in self._table.items()}
+
+    def _narrow(self) -> Kind:
+        """Between the best limit startup tried and its tried neighbours, try the middle of the wider gap (a
+        golden-section search in halves), up to ``NARROW_STEPS`` times: a thrashing knee at 6 between 4 and 8
+        is found in two phases. Then startup is over."""
+        self._narrowing = True
+        rates = self._rates()
+        if not rates or self._narrowed >= NARROW_STEPS:
             return self._finish()
-        self.cruise_limit = self._bounded(2 * self.cruise_limit)
+        best = max(rates, key=lambda limit: (rates[limit], -limit))
+        tried = set(rates) | self._lost
+        gaps = [(best - below, (below + best + 1) // 2) for below in [max((t for t in tried if t < best),
+                                                                          default=None)] if below is not None]
+        gaps += [(above - best, (best + above) // 2) for above in [min((t for t in tried if t > best),
+                                                                       default=None)] if above is not None]
+        gaps = [(gap, middle) for gap, middle in gaps if gap > 1 and middle not in tried]
+        if not gaps:
+            return self._finish()
+        self._narrowed += 1
+        self.cruise_limit = max(gaps, key=lambda gap: (gap[0], -gap[1]))[1]  # a tie: the lower, cheaper to lose
         return "startup"
 
     def _finish(self) -> Kind:
         """Startup is over: cruise at the smallest limit that gave nearly the best rate."""
         if self._table:
-            rates = {limit: self.rate_of(mix) for limit, (mix, _latency) in self._table.items()}
+            rates = self._rates()
             best = max(rates.values())
             self.cruise_limit = min(limit for limit, rate in rates.items() if rate >= NEAR_BEST * best)
             self._top = max((mix for mix, _latency in self._table.values()), key=self.rate_of)
             self._cruise_on(*self._table[self.cruise_limit])
-        self._table, self._best = {}, None
+        self._table, self._lost, self._last_step, self._resume = {}, set(), None, None
+        self._narrowing, self._narrowed, self._no_growth = False, 0, 0
         self.mode = "probe"
         self._ups = self._floor_phases = 0
         self._index = len(CYCLE) - 1 - self._rng.randrange(CYCLE_RAND)
@@ -351,7 +505,13 @@ class AdaptiveLimit:
             return self._next_in_cycle()
         mix, latency, busy = measured
         if not busy:
-            if self._now.peak < limit:  # RFC 7661: a limit that demand left unused comes down to what it used
+            cruise = self.rate
+            if (kind == "up" and limit < self._now.peak and cruise is not None
+                    and self.rate_of(mix) >= (1 + GROW_MIN) * cruise):
+                # more demand than the cruise limit, less than the probe's: the probe paid, up to what was used
+                self.cruise_limit = min(self.limit, self._now.peak)
+                self._cruise_on(mix, latency)
+            elif self._now.peak < limit:  # RFC 7661: a limit that demand left unused comes down to what it used
                 self.cruise_limit = max(self.floor, self._now.peak)
                 self.mix, self.latency, self._top = mix or None, latency, None  # what was used, not what it could
             self._ups = self._floor_phases = 0
@@ -365,7 +525,7 @@ class AdaptiveLimit:
                 self._cruise_on(mix, latency)
                 self._ups = self._ups + 1 if in_proportion else 0
                 if self._ups >= 2:  # far below the knee (after a collapse, or demand grew): doubling again
-                    self.mode, self._no_growth = "startup", 0
+                    self.mode, self._no_growth, self._last_step = "startup", 0, None
                     return self._after_startup(measured)
                 self._index = 0
                 return "up"  # the climb goes on
@@ -377,8 +537,11 @@ class AdaptiveLimit:
             # The backend slowed down under the same limit: give way. Slower than the last phases and than the
             # classes' long averages both, so that a burst of fast answers, which lowers the former, does not
             # make the honest latency after it look like a slowdown (Gradient2's comparison is the latter).
-            self.cruise_limit = self._bounded(int(limit * max(MIN_GRADIENT, self.latency / latency)))
-            self._cruise_on(None, None)
+            return self._give_way(self.latency / latency)
+        elif cruise is not None and rate < FELL * cruise:
+            # The rate fell under the same limit while its latency did not say so: the backend changed (its
+            # knee moved below the limit, its work got dearer). Search again from a share as much lower.
+            return self._give_way(rate / cruise)
         else:  # the rate is the last phase's (a backend that got faster must not be judged by an old one)
             self._cruise_on(mix, latency if self.latency is None else self.latency + SMOOTHING * (
                 latency - self.latency))
