@@ -200,7 +200,6 @@ QUEUE_TIMEOUT = _define(429, "queue_timeout", MmgateError, "waited longer than M
 # 5xx: mmgate's own fault, the upstream's, or no room now
 INTERNAL_ERROR = _define(500, "internal_error", MmgateError, "a fault of mmgate's own, logged under the request id")
 WEBSOCKET_NOT_SUPPORTED = _define(501, "websocket_not_supported", MmgateError, "a WebSocket upgrade")
-UPSTREAM_UNAVAILABLE = _define(502, "upstream_unavailable", UpstreamError, "the upstream refused the connection")
 UPSTREAM_RESET = _define(502, "upstream_reset", UpstreamError, "the upstream connection failed mid-answer")
 DRAINING = _define(503, "draining", MmgateError, "after SIGTERM: mmgate takes no new work")
 TOO_MANY_CONNECTIONS = _define(503, "too_many_connections", MmgateError,
@@ -208,7 +207,8 @@ TOO_MANY_CONNECTIONS = _define(503, "too_many_connections", MmgateError,
 GATE_UNAVAILABLE = _define(503, "gate_unavailable", MmgateError,
                            "MMGATE_PROCESSES > 1: the supervisor holding the shared gate did not answer in time")
 UPSTREAM_DOWN = _define(503, "upstream_down", UpstreamError,
-                        "a media request while the upstream is known to be down, before any decoding")
+                        "the upstream cannot be connected to (any request), or is known to be down (a media "
+                        "request, refused before any decoding)")
 LOCAL_RESOURCES_EXHAUSTED = _define(503, "local_resources_exhausted", MmgateError,
                                     "mmgate itself had no file descriptor, port or socket buffer left to connect "
                                     "to the upstream (EMFILE, ENFILE, EADDRNOTAVAIL, ENOBUFS): not the upstream's "
@@ -223,7 +223,7 @@ UPSTREAM_TIMEOUT = _define(504, "upstream_timeout", UpstreamError,
                            "the upstream was silent longer than MMGATE_UPSTREAM_READ_TIMEOUT")
 
 _UPSTREAM_FAILURES: dict[ErrorCode[UpstreamError], UpstreamFailure] = {
-    UPSTREAM_UNAVAILABLE: "connect", UPSTREAM_DOWN: "connect", UPSTREAM_TIMEOUT: "timeout", UPSTREAM_RESET: "reset",
+    UPSTREAM_DOWN: "connect", UPSTREAM_TIMEOUT: "timeout", UPSTREAM_RESET: "reset",
 }
 
 

@@ -122,13 +122,21 @@ def record(metrics: Metrics, access_log: bool, model: Model | None, ex: Exchange
             "kind": ex.kind, "status": status, "code": ex.code or None, "duration_ms": round(duration * 1000, 2),
             "stages_ms": {k: round(v * 1000, 2) for k, v in ex.watch.stages.items()},
             "bytes_in": ex.bytes_in, "media_in": ex.media_in, "media_out": ex.media_out,
-            "fetched": ex.fetched,
+            "fetched": ex.fetched, "answered_by": answered_by(ex, status),
         }
         if model is not None:
             fields["image_tokens"] = ex.image_tokens
             if model.counts_video:
                 fields["video_tokens"] = ex.video_tokens
         _write_line(fields)
+
+
+def answered_by(ex: Exchange, status: int) -> Literal["mmgate", "upstream", "-"]:
+    """Whose answer the client got: mmgate's (a refusal, its code logged), the upstream's (relayed as it came,
+    whatever its status: a 502 the backend sent is the backend's), or none (the client left first)."""
+    if status == CLIENT_CLOSED:
+        return "-"
+    return "mmgate" if ex.code else "upstream"
 
 
 def log_refused_connection(error: MmgateError, request_line: bytes, seconds: float) -> None:
@@ -141,7 +149,7 @@ def log_refused_connection(error: MmgateError, request_line: bytes, seconds: flo
         "request_id": None, "method": method.decode("latin-1") or "-", "path": target.decode("latin-1") or "-",
         "route": "other", "kind": "text", "status": error.status, "code": error.code,
         "duration_ms": round(seconds * 1000, 2), "stages_ms": {}, "bytes_in": 0, "media_in": 0, "media_out": 0,
-        "fetched": 0,
+        "fetched": 0, "answered_by": "mmgate",
     })
 
 
@@ -150,7 +158,7 @@ def log_refused_request(error: MmgateError, request: web.Request, request_id: st
     _write_line({
         "request_id": request_id, "method": request.method, "path": request.path, "route": "other", "kind": "text",
         "status": error.status, "code": error.code, "duration_ms": round(seconds * 1000, 2), "stages_ms": {},
-        "bytes_in": 0, "media_in": 0, "media_out": 0, "fetched": 0,
+        "bytes_in": 0, "media_in": 0, "media_out": 0, "fetched": 0, "answered_by": "mmgate",
     })
 
 

@@ -21,7 +21,7 @@ from preprocessors.errors import (
     PATH_NOT_ALLOWED,
     REQUEST_TIMEOUT,
     UNSUPPORTED_CONTENT_ENCODING,
-    UPSTREAM_UNAVAILABLE,
+    UPSTREAM_DOWN,
     WEBSOCKET_NOT_SUPPORTED,
     MmgateError,
     UpstreamError,
@@ -278,7 +278,7 @@ async def _answer(request: web.Request, state: AppState, ex: Exchange, error: Mm
     ex.status, ex.code = error.status, error.code
     if isinstance(error, UpstreamError):
         state.metrics.upstream_errors.labels(error.kind).inc()
-        if error.entry is UPSTREAM_UNAVAILABLE:  # this request could not connect: the upstream is known down
+        if error.entry is UPSTREAM_DOWN:  # this request could not connect (or the upstream is known down already)
             state.upstream.unreachable(f"a request: {error.message}")
     else:
         state.metrics.rejected.labels(error.code).inc()

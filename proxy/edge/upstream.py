@@ -35,9 +35,9 @@ from preprocessors.errors import (
     LOCAL_RESOURCES_EXHAUSTED,
     UPSTREAM_RESET,
     UPSTREAM_TIMEOUT,
-    UPSTREAM_UNAVAILABLE,
     MmgateError,
 )
+from proxy.edge.upstream_health import upstream_down
 from proxy.media.buffers import MediaBuffer
 
 HOP_BY_HOP = frozenset(
@@ -200,7 +200,10 @@ def _classify(exc: BaseException, *, headers_received: bool) -> MmgateError:
     if (shortage := local_shortage(exc)) is not None:
         return local_resources_exhausted(shortage)
     if isinstance(exc, (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError)):
-        return UPSTREAM_UNAVAILABLE.error(f"cannot connect to the upstream: {exc.__class__.__name__}")
+        # The same answer as a media request gets while the upstream is known to be down: one down backend,
+        # one status, code and Retry-After for every request (an answer the backend gave itself, a 502 of its
+        # own included, is relayed as it came).
+        return upstream_down(f"cannot connect to the upstream ({exc.__class__.__name__})")
     if isinstance(exc, (aiohttp.SocketTimeoutError, aiohttp.ServerTimeoutError, TimeoutError)):
         where = "while streaming" if headers_received else "before answering"
         return UPSTREAM_TIMEOUT.error(f"the upstream sent nothing for too long {where}")

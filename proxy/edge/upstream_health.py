@@ -6,10 +6,11 @@ any answer from it. Only a failed connect counts: an upstream that answers, even
 path, is reachable, and its requests are forwarded for it to answer. A connect that failed for want of mmgate's
 own resources (``upstream.LOCAL_ERRNOS``: no descriptor, port or buffer left) does not count either.
 
-While it is down, media requests are refused before any decoding with 503 ``upstream_down`` and
-``Retry-After`` (RFC 9110 section 10.2.3): decoding a request whose forward cannot connect would spend the
-pool on a certain 502. Text requests are forwarded as ever (they cost nothing to try). The URL goes to the
-log only, never to a client.
+A request whose forward cannot connect gets 503 ``upstream_down`` with ``Retry-After`` (RFC 9110 section
+10.2.3), text and media alike: one down backend, one answer. While the upstream is known to be down, media
+requests get that answer before any decoding (decoding a request whose forward cannot connect would spend the
+pool for nothing); text requests are still tried (they cost nothing to try), and get the same answer when
+their connect fails. The URL goes to the log only, never to a client.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ log = logging.getLogger("mmgate")
 RECHECK_SECONDS = 1.0
 
 
-def upstream_down() -> UpstreamError:
-    """503 for a media request while the upstream is known to be down: nothing was decoded, retry shortly."""
-    return UPSTREAM_DOWN.error(
-        "the upstream cannot be reached at the moment; the request was not processed, retry shortly",
-        headers={"Retry-After": str(int(RECHECK_SECONDS))})
+def upstream_down(reason: str = "the upstream cannot be reached at the moment") -> UpstreamError:
+    """503 for a request the upstream cannot take: a media request while it is known to be down (nothing was
+    decoded), or any request whose connect failed; retry shortly."""
+    return UPSTREAM_DOWN.error(f"{reason}; the request was not processed, retry shortly",
+                               headers={"Retry-After": str(int(RECHECK_SECONDS))})
 
 
 def loggable(url: str) -> str:

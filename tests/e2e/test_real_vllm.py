@@ -281,8 +281,8 @@ def test_ready_200_while_vllm_up_and_503_for_dead_upstream(gate: h.Server,
     assert h.http_get(dead.url + "/mmgate/health")[0] == 200  # liveness never depends on the upstream
     with pytest.raises(openai.APIStatusError) as e:
         client(dead).chat.completions.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "x"}])
-    assert e.value.status_code == 502
-    assert isinstance(e.value.body, dict) and e.value.body["code"] == "upstream_unavailable"
+    assert e.value.status_code == 503
+    assert isinstance(e.value.body, dict) and e.value.body["code"] == "upstream_down"
 
 
 def test_zz_ready_turns_503_when_vllm_stops(gate: h.Server, vllm: h.Server) -> None:

@@ -213,14 +213,14 @@ async def test_anthropic_route_errors_in_anthropic_shape(upstream: Upstream, sta
     assert "body_too_large" in body["error"]["message"]
 
 
-async def test_upstream_down_is_502(start_proxy: StartProxy) -> None:
+async def test_upstream_down_is_503_with_retry_after(start_proxy: StartProxy) -> None:
     from proxy.serve.demo import free_port
 
     proxy = await start_proxy(f"http://127.0.0.1:{free_port()}")
     async with aiohttp.ClientSession() as client:
         async with client.post(proxy.url + "/v1/chat/completions", data=b"{}") as response:
-            assert response.status == 502
-            assert (await response.json())["error"]["code"] == "upstream_unavailable"
+            assert response.status == 503 and response.headers["Retry-After"] == "1"
+            assert (await response.json())["error"]["code"] == "upstream_down"
         async with client.get(proxy.url + "/mmgate/ready") as response:
             assert response.status == 503
     assert proxy.state.metrics.upstream_errors.labels("connect")._value.get() == 1

@@ -4,6 +4,7 @@ retryable 503 before any decoding while it is known to be down, served again as 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import sys
 from collections.abc import AsyncIterator
@@ -125,7 +126,9 @@ async def _echo_size(request: web.Request) -> web.Response:
 async def test_a_request_that_cannot_connect_marks_the_upstream_down_and_text_still_goes(
     upstream: Upstream, start_proxy: StartProxy
 ) -> None:
-    """Known down from a forwarded request's failed connect too; text is still forwarded (nothing to spend on it)."""
+    """Known down from a forwarded request's failed connect too; text is still forwarded (nothing to spend on
+    it). One down backend, one answer: every request that cannot reach it, text or media, before or after it is
+    known down, gets 503 ``upstream_down`` with ``Retry-After``."""
     proxy = await start_proxy(upstream.url)
     state = proxy.state
     await eventually(lambda: state.ready_cache[0] > 0, "the start-up check")
@@ -134,8 +137,9 @@ async def test_a_request_that_cannot_connect_marks_the_upstream_down_and_text_st
     await upstream.server.close()  # the upstream goes away after the start-up check found it
     async with aiohttp.ClientSession() as client:
         async with client.post(proxy.url + CHAT, data=MEDIA_BODY) as response:
-            assert response.status == 502  # not known yet: decoded, then the forward could not connect
-            assert (await response.json())["error"]["code"] == "upstream_unavailable"
+            # not known yet: decoded, then the forward could not connect
+            assert response.status == 503 and response.headers["Retry-After"] == "1"
+            assert (await response.json())["error"]["code"] == "upstream_down"
         assert state.upstream.down
         preprocessed = sample(state.metrics.exposition().decode(), "mmgate_stage_duration_seconds_count",
                               stage="preprocess")
@@ -146,8 +150,47 @@ async def test_a_request_that_cannot_connect_marks_the_upstream_down_and_text_st
         assert sample(state.metrics.exposition().decode(), "mmgate_stage_duration_seconds_count",
                       stage="preprocess") == preprocessed, "the refused request was not decoded"
         async with client.post(proxy.url + CHAT, data=TEXT_BODY) as response:
-            assert response.status == 502, "text is forwarded, and answers for itself"
+            assert response.status == 503 and response.headers["Retry-After"] == "1", "tried, and the same answer"
+            assert (await response.json())["error"]["code"] == "upstream_down"
     assert state.metrics.upstream_errors.labels("connect")._value.get() == 3
+
+
+@pytest.mark.parametrize("body", [TEXT_BODY, MEDIA_BODY], ids=["text", "media"])
+async def test_a_text_or_media_request_to_a_backend_that_refuses_connections_gets_one_answer(
+    start_proxy: StartProxy, body: bytes
+) -> None:
+    """Nothing listens at the upstream's address from the start (connection refused)."""
+    proxy = await start_proxy(f"http://127.0.0.1:{free_port()}")
+    async with aiohttp.ClientSession() as client, client.post(proxy.url + CHAT, data=body) as response:
+        assert response.status == 503 and response.headers["Retry-After"] == "1"
+        assert (await response.json())["error"]["code"] == "upstream_down"
+
+
+async def test_a_502_the_backend_answered_itself_is_relayed_and_marks_nothing_down(
+    upstream: Upstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The backend is reachable and said 502 (its own engine failed, or a proxy of its own): the answer is the
+    backend's, relayed as it came, logged as the upstream's, counted as no refusal of mmgate's, and the backend
+    is not down."""
+    upstream.route(CHAT, lambda request: _own_502())
+    proxy = await start_proxy(upstream.url, MMGATE_ACCESS_LOG="on")
+    caplog.set_level(logging.INFO, logger="mmgate.access")
+    await eventually(lambda: proxy.state.ready_cache[0] > 0, "the start-up check")
+    async with aiohttp.ClientSession() as client:
+        for body in (TEXT_BODY, MEDIA_BODY):
+            async with client.post(proxy.url + CHAT, data=body) as response:
+                assert response.status == 502 and "Retry-After" not in response.headers
+                assert await response.json() == {"backend": "engine failed"}
+    assert not proxy.state.upstream.down
+    metrics = proxy.state.metrics
+    assert [metrics.upstream_errors.labels(kind)._value.get() for kind in ("connect", "timeout", "reset")] == [0] * 3
+    assert "mmgate_rejected_total{" not in metrics.exposition().decode()
+    lines = [r.fields for r in caplog.records if r.name == "mmgate.access"]  # type: ignore[attr-defined]
+    assert [(line["status"], line["code"], line["answered_by"]) for line in lines] == [(502, None, "upstream")] * 2
+
+
+async def _own_502() -> web.Response:
+    return web.json_response({"backend": "engine failed"}, status=502)
 
 
 async def test_an_upstream_that_answers_is_not_down_whatever_its_health_path_says(

@@ -211,7 +211,7 @@ async def _hang_up_during_preprocessing(proxy: Proxy, upstream: Upstream) -> int
     return await _in_a_blocked_pool(proxy, leave)
 
 
-async def _upstream_unavailable(proxy: Proxy, upstream: Upstream) -> int:
+async def _upstream_gone(proxy: Proxy, upstream: Upstream) -> int:
     """The upstream was there at start-up and is gone now: decoded, then the forward cannot connect."""
     await eventually(lambda: proxy.state.ready_cache[0] > 0, "the start-up check")
     assert upstream.server is not None and not proxy.state.upstream.down
@@ -267,7 +267,7 @@ FAULTS: dict[str, Fault] = {
     "preprocess_timeout_504": Fault({"MMGATE_DECODE_WORKERS": "1", "MMGATE_PREPROCESS_TIMEOUT": "0.2"},
                                     _preprocess_timeout, 504),
     "hang_up_during_preprocessing": Fault({"MMGATE_DECODE_WORKERS": "1"}, _hang_up_during_preprocessing, 0),
-    "upstream_unavailable_502": Fault({}, _upstream_unavailable, 502),
+    "upstream_gone_503": Fault({}, _upstream_gone, 503),
     "upstream_down_503": Fault({"MMGATE_UPSTREAM": "closed-port"}, _upstream_down, 503),
     "upstream_silent_504": Fault({"MMGATE_UPSTREAM_READ_TIMEOUT": "0.2"}, _upstream_silent, 504),
     "hang_up_while_upstream_works": Fault({}, _hang_up_while_upstream_works, 0),
