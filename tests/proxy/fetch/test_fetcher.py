@@ -262,10 +262,10 @@ async def test_two_identical_first_fetches_decode_once(remote: Upstream, upstrea
     assert await decodes_and_hits(proxy) == (1, 1)
 
 
-async def test_a_cache_hit_of_a_fetched_item_costs_nothing_at_the_gate(
+async def test_a_cache_hit_of_a_fetched_item_weighs_only_what_it_forwards(
         remote: Upstream, upstream: Upstream, start_proxy: StartProxy) -> None:
     """Charged the per-item cap while it is fetched; once its bytes are known, a miss weighs what it is and
-    a hit nothing, for as long as the request holds its slot."""
+    the base64 that takes its URL's place, a hit only that base64, for as long as the request holds its slot."""
     png = image_bytes(40, 40, color="white")
     remote.route("/w.png", serve(png))
     arrived = asyncio.Event()
@@ -278,7 +278,8 @@ async def test_a_cache_hit_of_a_fetched_item_costs_nothing_at_the_gate(
     upstream.route("/v1/chat/completions", held)
     proxy = await fetching(start_proxy, upstream, MMGATE_RELEASE_AT="complete")
     gate = proxy.state.gate
-    for weighs in (len(png), 0):  # a miss, then a hit
+    forwarded = len(base64.b64encode(png))
+    for weighs in (len(png) + forwarded, forwarded):  # a miss, then a hit
         arrived.clear()
         upstream.release.clear()
         sending = asyncio.create_task(post(proxy, chat_with_image(f"{remote.url}/w.png")))
