@@ -124,8 +124,9 @@ def load_model(spec: str) -> Model:
                           "(transformers is not installed)") from None
     image_type = _image_processor_type(folder)
     model_type = _model_type(folder)
-    if image_type in GENERIC:  # no PIL processor to load: the generic rule, with the reason
-        names, reason = GENERIC[image_type]
+    generic = GENERIC.get(image_type) or _remote_code(folder, model_type or image_type)
+    if generic is not None:  # no PIL processor to load: the generic rule, with the reason
+        names, reason = generic
         log.warning("MMGATE_MODEL=%s: the %s family (%s) has no model geometry in mmgate (%s); images follow the "
                     "generic rule (MMGATE_RESIZE_MAX_*) and no image tokens are counted", spec, names, image_type,
                     reason)
@@ -185,6 +186,17 @@ def _image_processor_type(folder: Path) -> str:
             return kind
     raise ConfigError(f"MMGATE_MODEL: {folder} has no image processor configuration (looked for "
                       f"{' or '.join(PROCESSOR_FILES)} naming an image_processor_type)")
+
+
+def _remote_code(folder: Path, family: str) -> tuple[str, str] | None:
+    """``(family, reason)`` where the folder's image processor is remote code (its configuration maps it with
+    ``auto_map``), which transformers loads only with ``trust_remote_code`` and mmgate never runs."""
+    for name in PROCESSOR_FILES:
+        config = read_json(folder / name) or {}
+        config = config.get("image_processor", config) if isinstance(config.get("image_processor"), dict) else config
+        if isinstance(config.get("auto_map"), dict):
+            return family, "its processor is remote code (`auto_map`), which mmgate never runs"
+    return None
 
 
 def _model_type(folder: Path) -> str:

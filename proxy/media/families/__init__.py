@@ -38,7 +38,7 @@ GENERIC: dict[str, tuple[str, str]] = {
     "Llama4ImageProcessor": ("Llama 4", "transformers ships only a torch image processor (`Llama4ImageProcessorFast`)"),
     "Phi4MultimodalImageProcessor": ("Phi-4-multimodal", "transformers ships only a torch image processor "
                                      "(`Phi4MultimodalImageProcessorFast`)"),
-    "MoonViTImageProcessor": ("Kimi-VL", "its processor is remote code (`trust_remote_code`), which mmgate never runs"),
+    "KimiVLImageProcessor": ("Kimi-VL", "its processor is remote code (`auto_map`), which mmgate never runs"),
 }
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "model.md"

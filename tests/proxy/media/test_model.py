@@ -444,8 +444,19 @@ def _torch_only_folder(path: Path) -> Path:
     return path
 
 
+def _remote_code_folder(path: Path) -> Path:
+    """A model whose image processor is remote code, mapped by ``auto_map`` as such checkpoints ship it."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "preprocessor_config.json").write_text(
+        '{"image_processor_type": "OwnImageProcessor", "auto_map": {"AutoImageProcessor": "own.OwnImageProcessor"}}')
+    (path / "config.json").write_text('{"model_type": "own_vl"}')
+    return path
+
+
 @pytest.mark.parametrize(("build", "family", "warned"), [
     (_unknown_family_folder, "blip-2", "blip-2 family (CLIPImageProcessor) has no model geometry"),
+    (_remote_code_folder, "own_vl", "own_vl family (OwnImageProcessor) has no model geometry in mmgate (its "
+                                    "processor is remote code"),
     (_torch_only_folder, "Llama 4", "Llama 4 family (Llama4ImageProcessor) has no model geometry in mmgate "
                                     "(transformers ships only a torch image processor")])
 def test_an_unsupported_family_keeps_the_generic_rule_with_a_warning(
