@@ -4,9 +4,12 @@ client's SDK whether a retry can help."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -14,8 +17,9 @@ import anthropic
 import pytest
 from aiohttp.test_utils import TestServer
 
+from preprocessors.errors import REGISTRY, UpstreamError
 from proxy.app import build_admin_app
-from testkit.media import chat_with_image, data_uri, image_bytes
+from testkit.media import chat_with_image, data_uri, eventually, image_bytes
 from tests.conftest import Proxy, StartProxy, Upstream
 
 PNG = image_bytes(16, 16, "PNG")
@@ -215,3 +219,145 @@ async def test_the_admin_port_refuses_in_the_api_shape_too(upstream: Upstream, s
                 assert response.status == 200
     finally:
         await admin.close()
+
+
+# --- every refusal of mmgate's own is counted and logged under its code ---------------------------------------
+
+CHAT = "/v1/chat/completions"
+
+
+def _image_request(uri: str, **extra: Any) -> bytes:
+    return json.dumps(chat_with_image(uri, **extra)).encode()
+
+
+def _raw_post(body: bytes, path: str = CHAT, headers: bytes = b"") -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: mmgate\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+            % (path.encode(), len(body), headers, body))
+
+
+TWO_IMAGES = json.dumps({"model": "m", "messages": [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": data_uri(PNG)}},
+    {"type": "image_url", "image_url": {"url": data_uri(PNG)}}]}]}).encode()
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """A request that makes mmgate refuse with one code: the settings, the raw bytes sent (the connection is then
+    read to its end, the client sending nothing more), and whether the upstream goes away first."""
+
+    env: dict[str, str]
+    sent: bytes
+    upstream_gone: bool = False
+
+
+TRIGGERS: dict[tuple[int, str], Trigger] = {
+    (400, "invalid_request"): Trigger({}, _raw_post(json.dumps({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": 5}]}]}).encode())),
+    (400, "json_too_deep"): Trigger({}, _raw_post(json.dumps({"image_data": _nested(200, "x")}).encode(), "/generate")),
+    (400, "unsupported_media_type"): Trigger({}, _raw_post(_image_request(data_uri(b"plain words, no image")))),
+    (400, "invalid_json"): Trigger({}, _raw_post(b'{"messages": [{"content": "image_url')),
+    (400, "invalid_path"): Trigger({}, b"GET /v1/a%2Fb HTTP/1.1\r\nHost: mmgate\r\n\r\n"),
+    (400, "invalid_base64"): Trigger({}, _raw_post(_image_request("data:image/png;base64,@@@@"))),
+    (400, "invalid_media_type"): Trigger({}, _raw_post(_image_request(data_uri(PNG, "text/plain")))),
+    (400, "image_too_large"): Trigger({"MMGATE_MAX_IMAGE_PIXELS": "100"}, _raw_post(_image_request(data_uri(PNG)))),
+    (400, "too_many_media"): Trigger({"MMGATE_MAX_MEDIA_PER_REQUEST": "1"}, _raw_post(TWO_IMAGES)),
+    (400, "media_url_not_allowed"): Trigger({"MMGATE_MEDIA_URLS": "reject"},
+                                            _raw_post(_image_request("http://images.example/a.png"))),
+    (400, "media_url_scheme_not_allowed"): Trigger({}, _raw_post(_image_request("ftp://images.example/a.png"))),
+    (400, "invalid_timeout_header"): Trigger({}, _raw_post(b"{}", headers=b"X-MMGate-Timeout: soon\r\n")),
+    (404, "path_not_allowed"): Trigger({"MMGATE_ALLOW_PATHS": "/v1/"}, b"GET /admin HTTP/1.1\r\nHost: mmgate\r\n\r\n"),
+    (408, "header_timeout"): Trigger({"MMGATE_HEADER_TIMEOUT": "0.2"}, b"GET /v1/models HTTP/1.1\r\nHost: mm"),
+    (408, "body_read_timeout"): Trigger(
+        {"MMGATE_BODY_READ_TIMEOUT": "0.2"},
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nContent-Length: 100\r\n\r\n{\"model\""),
+    (413, "body_too_large"): Trigger(
+        {"MMGATE_MAX_BODY_MB": "1"}, b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nContent-Length: %d\r\n\r\n"
+        % (2 << 20)),
+    (415, "unsupported_content_encoding"): Trigger({}, _raw_post(b"{}", headers=b"Content-Encoding: gzip\r\n")),
+    (417, "expectation_failed"): Trigger({}, _raw_post(b"{}", headers=b"Expect: 200-ok\r\n")),
+    (501, "websocket_not_supported"): Trigger(
+        {}, b"GET /v1/realtime HTTP/1.1\r\nHost: mmgate\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"),
+    (503, "upstream_down"): Trigger({}, _raw_post(b'{"model": "m", "messages": []}'), upstream_gone=True),
+}
+
+# Codes whose trigger needs a setup of its own (a held gate, a killed worker, SIGTERM, a fetch server, a model):
+# where each is answered, and the test that makes it. Every one of them is raised inside ``handle_request`` and
+# goes through ``pipeline._answer``, the one place a refusal is counted, before ``exchange.record`` logs it.
+ELSEWHERE: dict[tuple[int, str], str] = {
+    (400, "incomplete_body"): "edge/body.py read_body: a body that ends before its Content-Length (no test yet)",
+    (400, "json_too_complex"): "tests/proxy/payload/test_locate.py: MMGATE_MAX_JSON_STRUCTURE_KB",
+    (400, "invalid_data_uri"): "tests/proxy/payload: the walkers' data URI checks",
+    (400, "image_decode_failed"): "tests/preprocessors: MMGATE_VALIDATE=full",
+    (400, "image_truncated"): "tests/preprocessors: the image-end check",
+    (400, "too_many_frames"): "tests/preprocessors: MMGATE_MAX_FRAMES",
+    (400, "audio_invalid"): "tests/preprocessors: audio checks",
+    (400, "invalid_priority_header"): "tests/proxy/admission: a trusted peer's priority header",
+    (400, "invalid_flow_header"): "tests/proxy/admission: a trusted peer's fairness header",
+    (400, "image_unsupported_by_model"): "tests/proxy/media: MMGATE_MODEL",
+    (400, "video_unsupported_by_model"): "tests/proxy/media: MMGATE_MODEL",
+    (400, "decoder_crashed"): "tests/preprocessors: a worker that dies on an item",
+    (400, "video_invalid"): "tests/preprocessors: the video probe",
+    (400, "video_too_large"): "tests/preprocessors: the video probe",
+    (400, "video_unavailable"): "tests/preprocessors/test_video.py: without PyAV",
+    (400, "fetch_url_not_allowed"): "tests/proxy/fetch: MMGATE_MEDIA_URLS=fetch",
+    (400, "fetch_host_not_allowed"): "tests/proxy/fetch",
+    (400, "fetch_address_forbidden"): "tests/proxy/fetch",
+    (400, "fetch_too_many_redirects"): "tests/proxy/fetch",
+    (400, "fetch_too_large"): "tests/proxy/fetch",
+    (400, "fetch_timeout"): "tests/proxy/fetch",
+    (400, "fetch_bad_content_type"): "tests/proxy/fetch",
+    (400, "fetch_failed"): "tests/proxy/fetch",
+    (405, "invalid_request"): "test_refusals.py: the admin port's refusals (refusals_in_api_shape counts them)",
+    (413, "media_too_large"): "tests/proxy/media: MMGATE_MAX_MEDIA_ITEM_MB",
+    (413, "too_many_image_tokens"): "tests/proxy/media: MMGATE_MAX_INFLIGHT_IMAGE_TOKENS",
+    (429, "queue_full"): "tests/proxy/admission: a held gate",
+    (429, "queue_timeout"): "tests/proxy/admission: a held gate",
+    (500, "internal_error"): "tests/preprocessors/test_errors.py: a fault in the pipeline",
+    (502, "upstream_reset"): "edge/upstream.py _classify: an upstream connection that fails (no HTTP test yet)",
+    (503, "draining"): "tests/proxy/serve: SIGTERM",
+    (503, "too_many_connections"): "test_connections.py: the burst over the cap (metric and access-log line)",
+    (503, "gate_unavailable"): "tests/proxy/processes: a supervisor that does not answer",
+    (503, "local_resources_exhausted"): "tests/proxy/serve/test_fd_limit.py: EMFILE on the upstream connect",
+    (503, "decoder_unavailable"): "tests/preprocessors: two workers killed on one item",
+    (504, "preprocess_timeout"): "tests/proxy/media/test_buffers.py: MMGATE_PREPROCESS_TIMEOUT",
+    (504, "request_timeout"): "tests/proxy/test_app.py: MMGATE_REQUEST_TIMEOUT",
+    (504, "upstream_timeout"): "tests/proxy/test_app.py: a stalled upstream",
+}
+
+
+def test_every_code_of_the_registry_has_a_trigger_here_or_a_named_test_elsewhere() -> None:
+    assert not set(TRIGGERS) & set(ELSEWHERE)
+    assert sorted(set(REGISTRY) - set(TRIGGERS) - set(ELSEWHERE)) == []
+    assert sorted((set(TRIGGERS) | set(ELSEWHERE)) - set(REGISTRY)) == []
+
+
+@pytest.mark.parametrize(("status", "code"), list(TRIGGERS), ids=[code for _, code in TRIGGERS])
+async def test_each_refusal_is_answered_counted_and_logged_under_its_code(
+    upstream: Upstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture, status: int, code: str
+) -> None:
+    trigger = TRIGGERS[status, code]
+    proxy = await start_proxy(upstream.url, MMGATE_ACCESS_LOG="on", **trigger.env)
+    if trigger.upstream_gone:
+        await eventually(lambda: proxy.state.ready_cache[0] > 0, "the start-up check")
+        assert upstream.server is not None
+        await upstream.server.close()
+    caplog.set_level(logging.INFO, logger="mmgate.access")
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+    writer.write(trigger.sent)
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), head
+    length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)[1])  # type: ignore[index]
+    answer = json.loads(await reader.readexactly(length))
+    writer.close()
+    assert code in (answer["error"]["code"], answer["error"].get("type"))
+
+    metrics = proxy.state.metrics
+    if REGISTRY[status, code].raised_as is UpstreamError:
+        kind = REGISTRY[status, code].error("").kind
+        assert metrics.upstream_errors.labels(kind)._value.get() == 1
+    else:
+        await eventually(lambda: metrics.rejected.labels(code)._value.get() == 1, "the refusal counted")
+    await eventually(lambda: any(getattr(r, "fields", {}).get("code") == code for r in caplog.records
+                                 if r.name == "mmgate.access"), "its access-log line")
+    [line] = [r.fields for r in caplog.records if r.name == "mmgate.access"]  # type: ignore[attr-defined]
+    assert (line["status"], line["code"], line["answered_by"]) == (status, code, "mmgate")
