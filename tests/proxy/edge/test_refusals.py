@@ -9,12 +9,14 @@ import base64
 import json
 import logging
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import anthropic
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from preprocessors.errors import REGISTRY, UpstreamError
@@ -235,19 +237,37 @@ def _raw_post(body: bytes, path: str = CHAT, headers: bytes = b"") -> bytes:
             % (path.encode(), len(body), headers, body))
 
 
+IMAGE_REQUEST = _raw_post(_image_request(data_uri(PNG)))
 TWO_IMAGES = json.dumps({"model": "m", "messages": [{"role": "user", "content": [
     {"type": "image_url", "image_url": {"url": data_uri(PNG)}},
     {"type": "image_url", "image_url": {"url": data_uri(PNG)}}]}]}).encode()
 
 
+async def _stall(upstream: Upstream, request: web.Request) -> web.Response:
+    """The backend takes the request and says nothing until the test ends."""
+    await upstream.release.wait()
+    return web.Response(text="late")
+
+
+async def _hang_up(upstream: Upstream, request: web.Request) -> web.Response:
+    """The backend takes the request and closes the connection without an answer."""
+    assert request.transport is not None
+    request.transport.close()
+    await upstream.release.wait()
+    return web.Response(text="never sent")
+
+
 @dataclass(frozen=True)
 class Trigger:
     """A request that makes mmgate refuse with one code: the settings, the raw bytes sent (the connection is then
-    read to its end, the client sending nothing more), and whether the upstream goes away first."""
+    read to its end, the client sending nothing more), whether the upstream goes away first, and how the
+    backend handles what is forwarded to it."""
 
     env: dict[str, str]
     sent: bytes
     upstream_gone: bool = False
+    backend: Callable[[Upstream, web.Request], Awaitable[web.StreamResponse]] | None = None
+    held: bytes = b""  # sent first on a connection of its own, and in the backend's hands (stalled) before ``sent``
 
 
 TRIGGERS: dict[tuple[int, str], Trigger] = {
@@ -259,7 +279,7 @@ TRIGGERS: dict[tuple[int, str], Trigger] = {
     (400, "invalid_path"): Trigger({}, b"GET /v1/a%2Fb HTTP/1.1\r\nHost: mmgate\r\n\r\n"),
     (400, "invalid_base64"): Trigger({}, _raw_post(_image_request("data:image/png;base64,@@@@"))),
     (400, "invalid_media_type"): Trigger({}, _raw_post(_image_request(data_uri(PNG, "text/plain")))),
-    (400, "image_too_large"): Trigger({"MMGATE_MAX_IMAGE_PIXELS": "100"}, _raw_post(_image_request(data_uri(PNG)))),
+    (400, "image_too_large"): Trigger({"MMGATE_MAX_IMAGE_PIXELS": "100"}, IMAGE_REQUEST),
     (400, "too_many_media"): Trigger({"MMGATE_MAX_MEDIA_PER_REQUEST": "1"}, _raw_post(TWO_IMAGES)),
     (400, "media_url_not_allowed"): Trigger({"MMGATE_MEDIA_URLS": "reject"},
                                             _raw_post(_image_request("http://images.example/a.png"))),
@@ -278,6 +298,14 @@ TRIGGERS: dict[tuple[int, str], Trigger] = {
     (501, "websocket_not_supported"): Trigger(
         {}, b"GET /v1/realtime HTTP/1.1\r\nHost: mmgate\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"),
     (503, "upstream_down"): Trigger({}, _raw_post(b'{"model": "m", "messages": []}'), upstream_gone=True),
+    (502, "upstream_reset"): Trigger({}, _raw_post(b'{"model": "m", "messages": []}'), backend=_hang_up),
+    (504, "upstream_timeout"): Trigger({"MMGATE_UPSTREAM_READ_TIMEOUT": "0.2"}, _raw_post(b'{"model": "m"}'),
+                                       backend=_stall),
+    (429, "queue_full"): Trigger({"MMGATE_MAX_MM_CONCURRENCY": "1", "MMGATE_MAX_QUEUE": "0",
+                                  "MMGATE_RELEASE_AT": "complete"}, IMAGE_REQUEST, backend=_stall, held=IMAGE_REQUEST),
+    (503, "too_many_connections"): Trigger({"MMGATE_MAX_CONNECTIONS": "1"}, _raw_post(b'{"model": "m"}'),
+                                           backend=_stall, held=_raw_post(b'{"model": "m"}')),
+    (504, "request_timeout"): Trigger({"MMGATE_REQUEST_TIMEOUT": "0.2"}, _raw_post(b'{"model": "m"}'), backend=_stall),
 }
 
 # Codes whose trigger needs a setup of its own (a held gate, a killed worker, SIGTERM, a fetch server, a model):
@@ -310,18 +338,13 @@ ELSEWHERE: dict[tuple[int, str], str] = {
     (405, "invalid_request"): "test_refusals.py: the admin port's refusals (refusals_in_api_shape counts them)",
     (413, "media_too_large"): "tests/proxy/media: MMGATE_MAX_MEDIA_ITEM_MB",
     (413, "too_many_image_tokens"): "tests/proxy/media: MMGATE_MAX_INFLIGHT_IMAGE_TOKENS",
-    (429, "queue_full"): "tests/proxy/admission: a held gate",
     (429, "queue_timeout"): "tests/proxy/admission: a held gate",
     (500, "internal_error"): "tests/preprocessors/test_errors.py: a fault in the pipeline",
-    (502, "upstream_reset"): "edge/upstream.py _classify: an upstream connection that fails (no HTTP test yet)",
     (503, "draining"): "tests/proxy/serve: SIGTERM",
-    (503, "too_many_connections"): "test_connections.py: the burst over the cap (metric and access-log line)",
     (503, "gate_unavailable"): "tests/proxy/processes: a supervisor that does not answer",
     (503, "local_resources_exhausted"): "tests/proxy/serve/test_fd_limit.py: EMFILE on the upstream connect",
     (503, "decoder_unavailable"): "tests/preprocessors: two workers killed on one item",
     (504, "preprocess_timeout"): "tests/proxy/media/test_buffers.py: MMGATE_PREPROCESS_TIMEOUT",
-    (504, "request_timeout"): "tests/proxy/test_app.py: MMGATE_REQUEST_TIMEOUT",
-    (504, "upstream_timeout"): "tests/proxy/test_app.py: a stalled upstream",
 }
 
 
@@ -336,12 +359,18 @@ async def test_each_refusal_is_answered_counted_and_logged_under_its_code(
     upstream: Upstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture, status: int, code: str
 ) -> None:
     trigger = TRIGGERS[status, code]
+    if (backend := trigger.backend) is not None:
+        upstream.route(CHAT, lambda request: backend(upstream, request))
     proxy = await start_proxy(upstream.url, MMGATE_ACCESS_LOG="on", **trigger.env)
     if trigger.upstream_gone:
         await eventually(lambda: proxy.state.ready_cache[0] > 0, "the start-up check")
         assert upstream.server is not None
         await upstream.server.close()
     caplog.set_level(logging.INFO, logger="mmgate.access")
+    if trigger.held:
+        _held_reader, held_writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+        held_writer.write(trigger.held)
+        await asyncio.wait_for(upstream.arrived.get(), 10)
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
     writer.write(trigger.sent)
     head = await reader.readuntil(b"\r\n\r\n")
