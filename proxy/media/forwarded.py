@@ -4,8 +4,9 @@ An image mmgate rewrites is forwarded as a new file whose size depends on what m
 the client sent: a solid-colour 5000x4000 PNG of 67 KB becomes, for Qwen2.5-VL (12.8 MP), a 38 MB BMP. So the
 size of a rewritten image is worked out from what its header says (width, height, EXIF orientation, whether it
 may carry alpha), the resize the policy or the served model's geometry asks for (``geometry.resize_target``,
-or the generic limits) and the handoff format (``image._encode``'s choice: BMP with a model, JPEG without, PNG
-where alpha must survive, or ``MMGATE_IMAGE_FORMAT``):
+or the generic limits; with a model, ``handoff.handoff_target``, which also forwards as it is an original that
+costs the path less than its resize) and the handoff format (``image._encode``'s choice: BMP with a model, JPEG
+without, PNG where alpha must survive, or ``MMGATE_IMAGE_FORMAT``):
 
 - BMP: exact (24-bit rows padded to 4 bytes; an 8-bit grey one with its palette is smaller);
 - PNG: the filtered rows stored uncompressed, and deflate's and the chunks' overhead: what level 1 makes of
@@ -31,11 +32,12 @@ from io import BytesIO
 from PIL import Image
 
 from preprocessors.base import ImagePolicy
-from preprocessors.dataurl import decode_head
+from preprocessors.dataurl import checked_size, decode_head
 from preprocessors.dimensions import HEAD_STEPS, Dimensions, header_dimensions, peek_dimensions
 from preprocessors.errors import MediaError
 from preprocessors.formats import sniff_image_format
-from preprocessors.geometry import QwenVL, Square, resize_target
+from preprocessors.geometry import QwenVL, Square
+from preprocessors.handoff import handoff_target
 from proxy.payload.item import BodyRef, MediaItem
 
 # What a rewritten token adds besides its base64: ``"data:image/jpeg;base64,"`` and its quotes, or an
@@ -76,21 +78,23 @@ def encoded_bytes(width: int, height: int, alpha: bool, policy: ImagePolicy) -> 
 @dataclass(frozen=True, slots=True)
 class Header:
     """What an image's first bytes say: its stored size and EXIF orientation, and whether it may carry alpha
-    (True where the head does not say)."""
+    (True where the head does not say); its format and the file's length."""
 
     dimensions: Dimensions | None  # None: the head does not say
     alpha: bool
+    format: str = "PNG"
+    file_bytes: int = 0
 
 
-def read_header(head: bytes, dimensions: Dimensions | None) -> Header | None:
-    """The header of the image whose decoded first bytes are ``head`` (``dimensions`` as
+def read_header(head: bytes, dimensions: Dimensions | None, file_bytes: int = 0) -> Header | None:
+    """The header of the ``file_bytes``-long image whose decoded first bytes are ``head`` (``dimensions`` as
     ``preprocessors.dimensions`` read them); None when it is no image mmgate accepts (the decode refuses it, so
     it forwards nothing)."""
     try:
         fmt = sniff_image_format(head)
     except MediaError:
         return None
-    return Header(dimensions, _may_have_alpha(fmt, head))
+    return Header(dimensions, _may_have_alpha(fmt, head), fmt, file_bytes)
 
 
 def _may_have_alpha(fmt: str, head: bytes) -> bool:
@@ -126,7 +130,7 @@ def forwarded_file_bytes(header: Header | None, policy: ImagePolicy) -> int:
         side = math.isqrt(_largest_output_pixels(policy)) + 1
         return encoded_bytes(side, side, header.alpha, policy)
     try:
-        target = _target(found, policy)
+        target = _target(found, policy, header)
     except MediaError:  # the model's processor refuses it: so does the decode
         return 0
     if target is None:
@@ -135,10 +139,11 @@ def forwarded_file_bytes(header: Header | None, policy: ImagePolicy) -> int:
     return max(encoded_bytes(width, height, header.alpha, policy), encoded_bytes(height, width, header.alpha, policy))
 
 
-def _target(found: Dimensions, policy: ImagePolicy) -> tuple[int, int] | None:
+def _target(found: Dimensions, policy: ImagePolicy, header: Header) -> tuple[int, int] | None:
     """The size the decode resizes to (``image._checked_target``), or None to forward the image as it is."""
     if policy.geometry is not None:
-        return resize_target(policy.geometry, found.width, found.height, found.orientation)
+        return handoff_target(policy.geometry, header.format, header.file_bytes, found.width, found.height,
+                              found.orientation, header.alpha, policy.output_format)
     width, height = found.width, found.height
     scale = 1.0
     if policy.resize_max_pixels and width * height > policy.resize_max_pixels:
@@ -172,14 +177,15 @@ def inline_header(payload: bytes | memoryview) -> Header | None:
     alpha from the first KiBs; None when it is not base64 of an accepted image (the decode refuses it)."""
     try:
         head = decode_head(payload, HEAD_STEPS[0])
+        file_bytes = checked_size(payload, len(payload))
     except MediaError:
         return None
-    return read_header(head, peek_dimensions(payload))
+    return read_header(head, peek_dimensions(payload), file_bytes)
 
 
 def fetched_header(data: bytes) -> Header | None:
     """The header of a fetched image, from its bytes."""
-    return read_header(data[: HEAD_STEPS[0]], header_dimensions(data))
+    return read_header(data[: HEAD_STEPS[0]], header_dimensions(data), len(data))
 
 
 @dataclass(slots=True)
@@ -220,7 +226,7 @@ def estimate(items: Sequence[MediaItem], body: BodyRef, received: int, policy: I
             if item.kind == "image":
                 file = max(file, forwarded_file_bytes(fetched_header(item.fetched), policy))
             forward.set(item, base64_length(file))
-        elif item.kind == "image":
+        elif item.kind == "image" and policy.resizes:  # else no inline image is re-encoded: no header to read
             file = forwarded_file_bytes(inline_header(item.payload(body)), policy)
             forward.set(item, base64_length(file) if file else 0)
     return forward
