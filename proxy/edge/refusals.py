@@ -20,7 +20,7 @@ from preprocessors.errors import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_ALL
 from proxy.edge.error_response import error_response
 from proxy.edge.paths import normalise_target
 from proxy.edge.upstream import request_id_for
-from proxy.exchange import loggable
+from proxy.exchange import log_refused_request, loggable
 from proxy.payload.dialects import Dialect, dialect_for_path
 from proxy.state import STATE
 
@@ -83,7 +83,10 @@ async def refusals_in_api_shape(request: web.Request, handler: Any) -> web.Strea
         error = refused
     except Exception:
         error = internal_error(request_id, f" ({request.method} {loggable(request.path)})")
-    request.app[STATE].metrics.rejected.labels(error.code).inc()
+    state = request.app[STATE]
+    state.metrics.rejected.labels(error.code).inc()
+    if state.settings.logs.access_log:
+        log_refused_request(error, request, request_id, 0.0)
     return error_response(error, dialect_for_path(request.path), request_id)
 
 

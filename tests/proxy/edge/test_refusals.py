@@ -208,8 +208,12 @@ async def test_an_anthropic_media_type_with_spaces_is_refused(upstream: Upstream
     assert status == 400 and "invalid_media_type" in answer["error"]["message"]
 
 
-async def test_the_admin_port_refuses_in_the_api_shape_too(upstream: Upstream, start_proxy: StartProxy) -> None:
-    proxy = await start_proxy(upstream.url, MMGATE_ADMIN_PORT="1")
+async def test_the_admin_port_refuses_in_the_api_shape_too(
+    upstream: Upstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """And each of its refusals is counted and logged under its code, like the main port's."""
+    proxy = await start_proxy(upstream.url, MMGATE_ADMIN_PORT="1", MMGATE_ACCESS_LOG="on")
+    caplog.set_level(logging.INFO, logger="mmgate.access")
     admin = TestServer(build_admin_app(proxy.state), host="127.0.0.1")
     await admin.start_server()
     try:
@@ -219,8 +223,17 @@ async def test_the_admin_port_refuses_in_the_api_shape_too(upstream: Upstream, s
                 assert (await response.json())["error"]["code"] == "path_not_allowed"
             async with client.get(f"http://127.0.0.1:{admin.port}/mmgate/health") as response:
                 assert response.status == 200
+            async with client.delete(f"http://127.0.0.1:{admin.port}/mmgate/health") as response:
+                assert response.status == 405
+                assert (await response.json())["error"]["code"] == "invalid_request"
     finally:
         await admin.close()
+    rejected = proxy.state.metrics.rejected
+    assert [rejected.labels(code)._value.get() for code in ("path_not_allowed", "invalid_request")] == [1, 1]
+    lines = [r.fields for r in caplog.records if r.name == "mmgate.access"]  # type: ignore[attr-defined]
+    assert [(line["method"], line["path"], line["status"], line["code"], line["answered_by"]) for line in lines] == [
+        ("GET", "/v1/models", 404, "path_not_allowed", "mmgate"),
+        ("DELETE", "/mmgate/health", 405, "invalid_request", "mmgate")]
 
 
 # --- every refusal of mmgate's own is counted and logged under its code ---------------------------------------
@@ -335,7 +348,7 @@ ELSEWHERE: dict[tuple[int, str], str] = {
     (400, "fetch_timeout"): "tests/proxy/fetch",
     (400, "fetch_bad_content_type"): "tests/proxy/fetch",
     (400, "fetch_failed"): "tests/proxy/fetch",
-    (405, "invalid_request"): "test_refusals.py: the admin port's refusals (refusals_in_api_shape counts them)",
+    (405, "invalid_request"): "test_refusals.py: the admin port's refusals, counted and logged",
     (413, "media_too_large"): "tests/proxy/media: MMGATE_MAX_MEDIA_ITEM_MB",
     (413, "too_many_image_tokens"): "tests/proxy/media: MMGATE_MAX_INFLIGHT_IMAGE_TOKENS",
     (429, "queue_timeout"): "tests/proxy/admission: a held gate",
