@@ -75,7 +75,8 @@ FULL_COUNT = 3  # ... and this many of them end startup (BBR bbr_full_bw_cnt)
 NARROW_STEPS = 3  # startup: middles tried between the best limit and its neighbours at most
 FALLEN = 0.9  # startup: a step whose rate is under this share of the best is past the knee
 NEAR_BEST = 0.95  # startup settles on the smallest limit that gave this share of the best rate
-STARTUP_GAIN = 1.5  # startup's smallest step, near the knee (a smaller one is lost in the noise of a phase)
+DOUBLING_GROWTH = 1.6  # startup doubles while a doubling grows the rate this much ...
+STARTUP_GAIN = 1.5  # ... else it steps by what a doubling grew it, at least this (less is lost in the noise)
 UP_GAIN, DOWN_GAIN = 1.25, 0.875  # BBR bbr_pacing_gain is 5/4 up, 3/4 down: see the module's docstring
 CYCLE: tuple[Kind, ...] = ("up", "down", *("cruise",) * 6)  # BBR: CYCLE_LEN 8, up, drain, six cruising
 CYCLE_RAND = 7  # BBR bbr_cycle_rand: the cycle starts at one of this many phases, never at the probe down
@@ -114,20 +115,23 @@ class _Phase:
     seconds: dict[SampleClass, list[float]] = field(default_factory=dict)  # cruise: each class's seconds
     longest: float = 0.0  # its longest request, in seconds
     lower: bool = False  # its limit is below the last phase's
-    in_flight: list[float] = field(default_factory=list)  # when each of its requests still at the backend went
     timed: list[float] = field(default_factory=list)  # the seconds of its first completions (``MAX_TIMED``)
+    in_flight: list[float] = field(default_factory=list)  # when each of its requests at the backend now went
 
     def mix(self) -> Mix:
         """Completions per second per class: its requests' delivery rates, averaged weighing each by its
         class's reference (a thousand tiny answers do not outvote one long one)."""
         return {cls: delivered / self.weight for cls, delivered in self.delivered.items()} if self.weight else {}
 
-    def median_at_least(self, now: float) -> float | None:
-        """A floor under the median time at the backend of its requests: the median of the times of those that
-        completed and the ages of those still there (an age only grows). None before any was handed off."""
-        ages = [now - started for started in self.in_flight]
+    def median_at_least(self, ages: list[float]) -> float | None:
+        """A floor under the median time at the backend of its requests, given the ages of the requests at the
+        backend now (ascending): the median of its completions' times and those ages (an age only grows), or,
+        when larger, the median age alone (answers that stopped coming, behind many that came before). None
+        with neither."""
         times = sorted(self.timed + ages)
-        return times[(len(times) - 1) // 2] if times else None
+        if not times:
+            return None
+        return max(times[(len(times) - 1) // 2], ages[(len(ages) - 1) // 2] if ages else 0.0)
 
     def effective(self) -> float:
         """Its rate samples as an effective number (Kish's, weighing each by its work): answers worth a
@@ -167,6 +171,7 @@ class AdaptiveLimit:
         self._ups = 0  # probes up in a row that raised the rate in proportion
         self._floor_phases = 0
         self._deliveries = Deliveries()
+        self._at_backend: list[float] = []  # when each request at the backend now was handed off (ascending)
         self._in_use = self._waiting = 0
         now = clock()
         self._last_at = now
@@ -231,18 +236,16 @@ class AdaptiveLimit:
     def started(self, phase: int) -> float:
         """A request admitted in ``phase`` was handed to the backend: returns when (pass it to ``ended``)."""
         now = self._clock()
+        self._at_backend.append(now)  # the clock does not go back: still ascending
         if phase == self.phase:
-            self._now.in_flight.append(now)  # the clock does not go back: still ascending
+            self._now.in_flight.append(now)
         return now
 
     def ended(self, phase: int, started_at: float) -> None:
         """The request ``started`` returned ``started_at`` for left the backend, however it ended."""
-        if phase != self.phase:
-            return
-        in_flight = self._now.in_flight
-        at = bisect_left(in_flight, started_at)
-        if at < len(in_flight) and in_flight[at] == started_at:
-            del in_flight[at]
+        _forget(self._at_backend, started_at)
+        if phase == self.phase:
+            _forget(self._now.in_flight, started_at)
 
     def observe(self, sample: Sample, phase: int) -> bool:
         """One normal completion; ``phase`` is ``self.phase`` when its request was admitted. Returns whether
@@ -288,18 +291,22 @@ class AdaptiveLimit:
         """The most work per second the phase can still show, by Little's law: ``limit`` requests at once, none
         back sooner than the floor under its median time in flight, each worth at most the costliest class of
         ``compared`` (the classes of requests in flight are not known yet; a flood of cheap answers in the mix
-        must not make honest ones look overdue). None when the phase has no such floor, or demand does not
-        fill its limit."""
-        at_least = self._now.median_at_least(now)
-        if at_least is None or at_least <= 0 or not compared or not self._filled(now):
+        must not make honest ones look overdue). Demand that does not fill the limit counts as what it holds.
+        None when the phase has no such floor."""
+        # A step up is judged on its own requests (the last phase's are held to the last limit); a probe down
+        # on all the backend holds (answers may have stopped coming before it began).
+        since = self._now.in_flight if self.kind in ("startup", "up") else self._at_backend
+        at_least = self._now.median_at_least([now - started for started in reversed(since)])
+        if at_least is None or at_least <= 0 or not compared:
             return None
         worth = max(self.references.value(cls) for cls in compared)
-        return self.limit * worth / at_least
+        return min(self.limit, self._in_use) * worth / at_least
 
     def _overdue(self, now: float) -> bool:
-        """Whether the requests still in flight already show that the phase cannot do what it is for: a
-        doubling in startup or a probe up that cannot beat the rate it must beat, or a cruise whose latency is
-        past the tolerance (the backend slowed down and nothing completes to say so)."""
+        """Whether the requests at the backend already show that the phase cannot do what it is for: a step of
+        startup or a probe up that cannot beat the rate it must beat, a probe down that cannot keep what it must
+        keep, or a cruise whose latency is past the tolerance (the backend slowed down, and nothing completes to
+        say so)."""
         if self.kind == "startup":
             compared = max((mix for mix, _latency in self._table.values()), key=self.rate_of, default=None)
             ceiling = self._ceiling_rate(now, compared)
@@ -307,25 +314,40 @@ class AdaptiveLimit:
         if self.kind == "up" and self.mix is not None:
             ceiling = self._ceiling_rate(now, self.mix)
             return ceiling is not None and ceiling < (1 + GROW_MIN) * self.rate_of(self.mix)
-        if self.kind == "cruise" and self.mix is not None:
+        if self.kind == "down" and self.mix is not None:
             ceiling = self._ceiling_rate(now, self.mix)
-            return ceiling is not None and TOLERANCE * ceiling < self.rate_of(self.mix)
+            return ceiling is not None and ceiling < KEEP_DOWN * self._to_keep()
+        if self.kind == "cruise":
+            slower = self._slower(now)
+            return slower is not None and slower > TOLERANCE
         return False
 
+    def _slower(self, now: float) -> float | None:
+        """How many times its usual latency the floor under the cruise phase's median latency is: the usual is
+        the larger of the cruise latency and the classes' references, as for a cruise phase that completed (so
+        that a flood of fast answers, which lowers the former, does not make honest answers after it look late)."""
+        if self.mix is None or self.latency is None:
+            return None
+        at_least = self._now.median_at_least([now - started for started in reversed(self._at_backend)])
+        if at_least is None:
+            return None
+        worth = max(self.references.value(cls) for cls in self.mix)
+        return at_least / max(TINY, worth) / max(1.0, self.latency)
+
     def _cut_short(self, now: float) -> bool:
-        """End an overdue phase without waiting for its answers: startup is past the knee, the probe up lost,
-        or the cruise limit gives way in proportion to how far its rate fell (no deeper than half)."""
+        """End an overdue phase without waiting for its answers: startup is past the knee, the probe lost, or
+        the cruise limit gives way in proportion to how far its rate fell (no deeper than half)."""
         before = self.limit
         if self.kind == "startup":
             self._lost.add(self.cruise_limit)
             kind = self._narrow()
-        elif self.kind == "up":
+        elif self.kind in ("up", "down"):
             self._ups = 0
             kind = self._next_in_cycle()
         else:
-            ceiling, rate = self._ceiling_rate(now, self.mix), self.rate
-            assert ceiling is not None and rate
-            kind = self._give_way(ceiling / rate)
+            slower = self._slower(now)
+            assert slower is not None
+            kind = self._give_way(1 / slower)
         self._begin(now, kind)
         return self.limit != before
 
@@ -434,9 +456,9 @@ class AdaptiveLimit:
             return self._narrow()
         gain = 2.0 if self._resume is None else STARTUP_GAIN  # after giving way: the knee is near
         if last is not None and last[1] and step > 1:
-            grown = rate / last[1]
-            if grown < 1 + PROPORTIONAL * (step - 1):  # short of proportion: the knee is near
-                gain = min(2.0, max(STARTUP_GAIN, grown ** (1 / math.log2(step))))
+            per_doubling = (rate / last[1]) ** (1 / math.log2(step))
+            if per_doubling < DOUBLING_GROWTH:  # the gains dwindle: the knee is near
+                gain = min(2.0, max(STARTUP_GAIN, per_doubling))
         self._last_step = (limit, rate)
         following = round(limit * gain)
         if self._resume is not None and self._resume > limit:
@@ -461,19 +483,25 @@ class AdaptiveLimit:
 
     def _narrow(self) -> Kind:
         """Between the best limit startup tried and its tried neighbours, try the middle of the wider gap (a
-        golden-section search in halves), up to ``NARROW_STEPS`` times: a thrashing knee at 6 between 4 and 8
-        is found in two phases. Then startup is over."""
+        search in halves), up to ``NARROW_STEPS`` times: a thrashing knee at 6 between 4 and 8 is found in two
+        phases. A best limit with none tried below it (a search begun where the limit gave way) has a quarter
+        less tried below it. Then startup is over."""
         self._narrowing = True
         rates = self._rates()
         if not rates or self._narrowed >= NARROW_STEPS:
             return self._finish()
         best = max(rates, key=lambda limit: (rates[limit], -limit))
         tried = set(rates) | self._lost
-        gaps = [(best - below, (below + best + 1) // 2) for below in [max((t for t in tried if t < best),
-                                                                          default=None)] if below is not None]
-        gaps += [(above - best, (best + above) // 2) for above in [min((t for t in tried if t > best),
-                                                                       default=None)] if above is not None]
-        gaps = [(gap, middle) for gap, middle in gaps if gap > 1 and middle not in tried]
+        below = max((limit for limit in tried if limit < best), default=None)
+        above = min((limit for limit in tried if limit > best), default=None)
+        gaps: list[tuple[int, int]] = []  # (the gap, its middle)
+        if below is not None:
+            gaps.append((best - below, (below + best + 1) // 2))
+        elif best > self.floor:
+            gaps.append((best - self.floor, max(self.floor, min(best - 1, round(best * 0.75)))))
+        if above is not None:
+            gaps.append((above - best, (best + above) // 2))
+        gaps = [(gap, middle) for gap, middle in gaps if (gap > 1 or below is None) and middle not in tried]
         if not gaps:
             return self._finish()
         self._narrowed += 1
@@ -538,9 +566,10 @@ class AdaptiveLimit:
             # classes' long averages both, so that a burst of fast answers, which lowers the former, does not
             # make the honest latency after it look like a slowdown (Gradient2's comparison is the latter).
             return self._give_way(self.latency / latency)
-        elif cruise is not None and rate < FELL * cruise:
-            # The rate fell under the same limit while its latency did not say so: the backend changed (its
-            # knee moved below the limit, its work got dearer). Search again from a share as much lower.
+        elif cruise is not None and rate < FELL * cruise and latency > max(1.0, self.latency or 0.0):
+            # The rate fell under the same limit, and its latency grew, if less than the tolerance: the backend
+            # changed (its knee moved below the limit, its work got dearer). Search again from a share as much
+            # lower. (A rate that fell at the usual latency is demand, or a flood of fast answers, ending.)
             return self._give_way(rate / cruise)
         else:  # the rate is the last phase's (a backend that got faster must not be judged by an old one)
             self._cruise_on(mix, latency if self.latency is None else self.latency + SMOOTHING * (
@@ -550,6 +579,13 @@ class AdaptiveLimit:
             self._floor_phases, self._index = 0, 0
             return "up"
         return self._next_in_cycle()
+
+
+def _forget(times: list[float], time: float) -> None:
+    """Take one ``time`` out of ascending ``times``, if it is there."""
+    at = bisect_left(times, time)
+    if at < len(times) and times[at] == time:
+        del times[at]
 
 
 def weighted_median(pairs: list[tuple[float, float]]) -> float | None:

@@ -31,8 +31,10 @@ what is ahead of that flow only. The requests of one client without a fairness i
 Every other guarantee (budgets, deadlines, release exactly once) is per request and so per flow.
 
 With ``MMGATE_MAX_MM_CONCURRENCY=auto`` an ``adaptive.AdaptiveLimit`` moves ``limit``: it hears of every change
-of the counters, and ``observe`` hands it the ``sample.Sample`` of each request that completed normally (a
-release alone teaches it nothing); budgets apply as ever.
+of the counters, of each hand-off to the backend and each lease given back after one (so it knows how long the
+requests still at the backend have been there), of a tick every ``adaptive.TICK_S``, and ``observe`` hands it
+the ``sample.Sample`` of each request that completed normally (a release alone teaches it nothing); budgets
+apply as ever.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from preprocessors.errors import (
     MmgateError,
     draining,
 )
-from proxy.admission.adaptive import AdaptiveLimit
+from proxy.admission.adaptive import TICK_S, AdaptiveLimit
 from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.admission.lease import Lease
 from proxy.admission.sample import Sample
@@ -124,6 +126,7 @@ class Gate:
         self._reading_by_flow: dict[tuple[str, str], int] = {}
         self._on_change = on_change
         self._hold_seconds = 1.0  # moving average of how long a lease is held; seeds Retry-After
+        self._ticking: asyncio.TimerHandle | None = None  # the adaptive limit's timer, from the first request on
         on_change(self)
 
     @property
@@ -211,6 +214,8 @@ class Gate:
             place.release()
         if self.lifecycle.refusing:
             raise draining()
+        if self.adaptive is not None and self._ticking is None:
+            self._tick()  # on the first request: the gate is made before the event loop runs
         if self.byte_budget and cost > self.byte_budget:
             raise MEDIA_TOO_LARGE.error(
                 f"the request's media weigh {cost} bytes (decoded, and forwarded in place of rewritten images), "
@@ -319,7 +324,24 @@ class Gate:
         self._load()  # a limit that grows here lets ``_wake`` go on granting
         return phase
 
+    def _handed_off(self, lease: Lease) -> None:
+        self.preparing -= 1
+        if self.adaptive is not None:
+            lease.at_backend_since = self.adaptive.started(lease.phase)
+
+    def _tick(self) -> None:
+        """The adaptive limit looks at the requests still at the backend every ``TICK_S``, whether or not the
+        counters change: answers that stopped coming say as much as answers that come."""
+        assert self.adaptive is not None
+        self._ticking = asyncio.get_running_loop().call_later(TICK_S, self._tick)
+        if self.adaptive.tick():
+            self.limit = self.adaptive.limit
+            self._wake()
+            self._on_change(self)
+
     def _give_back(self, lease: Lease) -> None:
+        if lease.forwarded and self.adaptive is not None:
+            self.adaptive.ended(lease.phase, lease.at_backend_since)
         self.in_use -= 1
         if not lease.forwarded:
             self.preparing -= 1

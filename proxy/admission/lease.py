@@ -16,6 +16,8 @@ class Holder(Protocol):
 
     preparing: int  # leases granted and not yet handed to the backend
 
+    def _handed_off(self, lease: Lease) -> None: ...
+
     def _give_back(self, lease: Lease) -> None: ...
 
     def _lower(self, lease: Lease, cost: int) -> None: ...
@@ -34,6 +36,7 @@ class Lease:
     deferred: bool = False  # the release waits for work that has not stopped yet
     phase: int = 0  # the adaptive limit's phase at admission: its sample judges that phase only
     forwarded: bool = False  # the request went on to the backend: no longer waiting in mmgate
+    at_backend_since: float = 0.0  # the adaptive limit's clock at the hand-off
 
     def handed_off(self) -> None:
         """The request is on its way to the backend: from here on it no longer counts as waiting in mmgate
@@ -41,7 +44,7 @@ class Lease:
         if not self.forwarded:
             self.forwarded = True
             if not self.released:
-                self.gate.preparing -= 1
+                self.gate._handed_off(self)
 
     def release(self) -> None:
         if not self.released and not self.deferred:

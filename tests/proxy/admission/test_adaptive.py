@@ -176,15 +176,16 @@ def test_a_vllm_shaped_backend(seed: int) -> None:
 def test_a_backend_slowing_down_is_given_way_and_taken_back(seed: int) -> None:
     """Three times slower from 40 s to 60 s (other work on it): the first cruising phase that sees it cuts the
     limit, by no more than half (a probe up and down may come first: they do not judge latency); then it is
-    found again, and once the backend is fast again the limit and the throughput come back."""
+    searched for again, and once the backend is fast again the limit (within one step of a probe up) and the
+    throughput come back."""
     curve: Curve = slowed(thrashing(0.1, 8), 3.0, 40, 60)
     run = Simulation([Group("clients", 32, curve)], adaptive=auto(seed), seed=seed).run(90)
     pre = run.cruise_at(40)
     assert pre == 8
     cut_at, cut = next((t, limit) for t, limit in run.cruise if t >= 40)
     assert cut_at <= 45 and MIN_GRADIENT * pre <= cut < pre
-    assert run.cruise_at(75) == pre
-    assert run.rate("clients", 75, 90) >= 0.95 * run.rate("clients", 25, 40)
+    assert pre <= run.cruise_at(75) <= pre + 1  # found again, give or take one step of its probe up
+    assert run.rate("clients", 75, 90) >= 0.9 * run.rate("clients", 25, 40)  # issue 43: back to 0.9 of the best
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -1,0 +1,172 @@
+"""Issue 43's goals for MMGATE_MAX_MM_CONCURRENCY=auto, in the deterministic simulator (``testkit.adaptive_sim``:
+its clock is injected, so the throughput ratios asserted here are the same on every machine).
+
+Converge in seconds: 24 closed-loop clients, 15 s cells from a cold start (the floor, 1), against a batching
+backend given by its throughput, a thrashing one and a knee-shaped one; ``auto`` against the best fixed limit
+found by sweeping. Follow the backend: the same load while, 8 s into a 20 s cell, the backend becomes 2× slower,
+2× faster, or its best concurrency moves from 8 to 4; ``auto`` from 5 s after the step against the best fixed
+limit of the backend after it. Each goal is asserted on the median of 3 seeds; a floor is asserted on every seed.
+A goal not met yet is an expected failure (strict: meeting it fails the test until the mark goes), with the
+figures measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+from collections.abc import Callable
+
+import pytest
+
+from proxy.admission.adaptive import AdaptiveLimit
+from proxy.admission.gate import Gate
+from proxy.admission.lease import Lease
+from proxy.admission.sample import Sample
+from testkit.adaptive_sim import (
+    HONEST,
+    Curve,
+    Group,
+    Run,
+    Simulation,
+    batching,
+    by_throughput,
+    flat,
+    slowed,
+    switched,
+    thrashing,
+)
+from testkit.media import eventually
+
+CLIENTS, CELL, SEEDS = 24, 15.0, range(3)
+FIXED = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24)
+BATCHING = by_throughput({1: 3.5, 2: 6.4, 4: 10.7, 8: 16, 16: 5.3})  # the issue's: best at 8, 16 collapses
+COLD_START: dict[str, Curve] = {"batching": BATCHING, "thrashing": thrashing(0.25, 6), "knee": batching(0.2, 8)}
+STEP_AT, STEP_CELL, SETTLED = 8.0, 20.0, 5.0
+KNEE = batching(0.2, 8)
+BATCHING_AT_4 = by_throughput({1: 3.5, 2: 6.4, 4: 10.7, 8: 5.3, 16: 2.0})
+STEPS: dict[str, tuple[Curve, Curve]] = {  # (the cell's backend, the backend after the step)
+    "2x slower": (slowed(KNEE, 2.0, STEP_AT, math.inf), slowed(KNEE, 2.0, 0, math.inf)),
+    "2x faster": (slowed(KNEE, 0.5, STEP_AT, math.inf), slowed(KNEE, 0.5, 0, math.inf)),
+    "knee 8 to 4": (switched(KNEE, batching(0.2, 4), STEP_AT), batching(0.2, 4)),
+    "batching best 8 to 4": (switched(BATCHING, BATCHING_AT_4, STEP_AT), BATCHING_AT_4),
+}
+
+
+def auto(seed: int) -> Callable[[Callable[[], float]], AdaptiveLimit]:
+    return lambda clock: AdaptiveLimit(1, 64, clock=clock, rng=random.Random(seed))
+
+
+def best_fixed(curve: Curve, duration: float) -> float:
+    """The best fixed limit's completions per second over the whole cell."""
+    return max(Simulation([Group("clients", CLIENTS, curve)], fixed=limit).run(duration).rate("clients", 0, duration)
+               for limit in FIXED)
+
+
+def runs(curve: Curve, duration: float) -> list[Run]:
+    return [Simulation([Group("clients", CLIENTS, curve)], adaptive=auto(seed), seed=seed).run(duration)
+            for seed in SEEDS]
+
+
+def cold_start(name: str) -> tuple[list[float], list[float]]:
+    """Per seed: ``auto`` over the best fixed limit over the whole cell, and from 5 s on."""
+    curve = COLD_START[name]
+    best = best_fixed(curve, CELL)
+    done = runs(curve, CELL)
+    return ([run.rate("clients", 0, CELL) / best for run in done],
+            [run.rate("clients", SETTLED, CELL) / best for run in done])
+
+
+def after_step(name: str) -> list[float]:
+    """Per seed: ``auto`` from 5 s after the step to the end of the cell, over the new backend's best fixed limit."""
+    curve, after = STEPS[name]
+    best = best_fixed(after, STEP_CELL - STEP_AT)
+    return [run.rate("clients", STEP_AT + SETTLED, STEP_CELL) / best for run in runs(curve, STEP_CELL)]
+
+
+@pytest.mark.parametrize("name", COLD_START)
+def test_from_a_cold_start_auto_is_near_the_best_fixed_limit_within_5_s(name: str) -> None:
+    """From 5 s to the end of the cell. Measured: batching 0.93 (0.91-0.94), thrashing 0.94 (0.83-0.97), knee 0.92
+    (0.84-0.96). Last round: 0.38, 0.59, 0.26 (startup doubled 8 to 16 and waited for 16 answers of 3 s there)."""
+    _whole, settled = cold_start(name)
+    assert statistics.median(settled) >= 0.9
+    assert min(settled) >= 0.8
+
+
+@pytest.mark.xfail(strict=True, reason="issue 43's goal, not met: measured batching 0.82 (0.80-0.82), thrashing 0.80 "
+                                       "(0.73-0.81), knee 0.85 (0.81-0.89); the climb from 1 costs most of the gap")
+@pytest.mark.parametrize("name", COLD_START)
+def test_from_a_cold_start_auto_over_the_whole_cell_is_09_of_the_best_fixed_limit(name: str) -> None:
+    whole, _settled = cold_start(name)
+    assert statistics.median(whole) >= 0.9
+
+
+@pytest.mark.parametrize("name", COLD_START)
+def test_from_a_cold_start_auto_over_the_whole_cell_is_far_above_last_round(name: str) -> None:
+    """Last round: batching 0.45, thrashing 0.54, knee 0.40."""
+    whole, _settled = cold_start(name)
+    assert min(whole) >= 0.7
+
+
+@pytest.mark.parametrize("name", [
+    "2x slower",
+    "2x faster",
+    pytest.param("knee 8 to 4", marks=pytest.mark.xfail(
+        strict=True, reason="issue 43's goal, not met: measured 0.84 (0.53-0.93); last round 0.00")),
+    pytest.param("batching best 8 to 4", marks=pytest.mark.xfail(
+        strict=True, reason="issue 43's goal, not met: measured 0.76 (0.72-0.79); last round 0.22: the phases "
+                            "right after the step still measure the slow requests the backend holds")),
+])
+def test_a_capacity_step_is_followed_within_5_s(name: str) -> None:
+    """Measured: 2x slower 0.91 (0.89-0.91), 2x faster 0.96 (0.92-0.97). Last round: 0.32 (the limit gave way and
+    stayed down) and 0.94."""
+    assert statistics.median(after_step(name)) >= 0.9
+
+
+@pytest.mark.parametrize("name", STEPS)
+def test_a_capacity_step_costs_at_most_half(name: str) -> None:
+    """A floor on every seed, far above the last round's 0.32 (2x slower), 0.00 (knee 8 to 4) and 0.22 (batching
+    best 8 to 4: the limit stayed past the new knee, and nothing completed)."""
+    assert min(after_step(name)) >= 0.5
+
+
+def test_a_backend_that_stops_answering_is_given_way_before_anything_completes() -> None:
+    """From 10 s every answer takes a minute: no sample arrives for a minute, but the requests' ages say the
+    rate fell, and the tick acts on them (last round: the limit stayed at 16 until answers came)."""
+    curve = switched(flat(0.1), flat(60.0), 10)
+    run = Simulation([Group("clients", 16, curve)], adaptive=auto(0), seed=0).run(14)
+    assert run.cruise_at(10) == 16
+    assert run.samples_between(10.2, 14) == 0
+    assert run.cruise_at(14) <= 8
+
+
+async def test_the_gate_ticks_the_limit_while_nothing_completes() -> None:
+    """Startup went from 1 to 2; the two requests of the phase at 2 stay at the backend 10 s, ten times what
+    one took at 1: without any answer or counter change, the gate's timer lets the controller see that the
+    phase cannot beat 1's rate, and the limit comes back to 1."""
+    now = [0.0]
+    adaptive = AdaptiveLimit(1, 8, clock=lambda: now[0], rng=random.Random(0))
+    gate = Gate(0, byte_budget=0, max_queue=100, adaptive=adaptive, clock=lambda: now[0])
+    waiting = asyncio.create_task(gate.acquire(0, 60))  # demand beyond the limit all along: the phases are busy
+    await eventually(lambda: gate.waiting == 1 or waiting.done(), "one request waiting")
+    first = await waiting if waiting.done() else None
+    while gate.limit == 1:
+        lease = first or await gate.acquire(0, 60)
+        first = None
+        lease.handed_off()
+        now[0] += 0.1
+        gate.observe(lease, Sample(0.1, HONEST))
+        lease.release()
+    held: list[Lease] = [await gate.acquire(0, 60) for _ in range(gate.limit)]
+    extra = asyncio.create_task(gate.acquire(0, 60))
+    for lease in held:
+        lease.handed_off()
+    samples = adaptive.samples
+    now[0] += 10.0
+    await eventually(lambda: gate.limit == 1, "the limit back at 1 with nothing completed")
+    assert adaptive.samples == samples and gate.in_use == 2
+    for lease in held:
+        lease.release()
+    (await extra).release()
+    assert gate.in_use == 0
