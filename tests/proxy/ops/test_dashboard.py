@@ -486,8 +486,6 @@ async def test_dashboard_fits_1000_px_and_advises_beside_each_warning(servers: S
         await page.wait_for_function(f"() => {_value('total-429')} === 2 && {_value('rate-429')} > 0",
                                      timeout=PAGE_TIMEOUT_MS)
         await page.screenshot(path=str(tmp_path / "dashboard-1000.png"), full_page=True)
-        if os.environ.get("MMGATE_DASHBOARD_SHOT"):
-            await page.screenshot(path=os.environ["MMGATE_DASHBOARD_SHOT"], full_page=True)
         assert await page.evaluate(OVERFLOWING) == []
         for element, (advice, setting) in WARNINGS.items():
             assert await _coloured(page, element), element
