@@ -194,7 +194,7 @@ async def test_the_upstream_restarting_with_another_model_brings_its_geometry(
     port = upstream.server.port
     await upstream.server.close()  # the server restarts: a request meanwhile finds it down
     response = await _post(proxy.url, chat_with_image(data_uri(_png(*WIDE))))
-    assert response.status == 502
+    assert response.status == 503  # upstream_down, as for every request while the backend cannot be reached
     assert proxy.state.upstream.down and proxy.state.model is None  # no old geometry once it went away
     upstream.route("/v1/models", _answering(_vllm_models("idefics3", str(idefics3))))
     app = web.Application(client_max_size=1 << 30, handler_args={"auto_decompress": False})
