@@ -20,11 +20,22 @@ step, and come back once the flood ends). Other gateways' load on the same backe
 a higher latency. It learns only as fast as answers complete: with answers that take minutes, a phase takes
 minutes. More classes in turn than ``reference.MAX_CLASSES`` evict each other's references.
 
+What it sees of requests still at the backend: their ages (``started`` at the hand-off, ``ended`` when the lease
+goes back), a floor under their latency. By Little's law a step whose requests' median time at the backend is
+at least *a* delivers at most ``limit × worth / a`` (``_ceiling_rate``; *worth*, the costliest class's
+reference: their classes are not known until they complete). A step up that cannot beat what it must, a probe
+down that cannot keep what it must, a cruise whose requests are older than the tolerance allows, end at the next
+``tick`` without waiting for answers that may not come. A step is judged on its own requests (the last phase's
+were admitted under the last limit), a cruise and a probe down on all the backend holds.
+
 What it borrows, and from whom:
 
 - TCP BBR (``net/ipv4/tcp_bbr.c``, ``net/ipv4/tcp_rate.c``): rate probing. From the floor the limit doubles each phase
-  while the rate still grows by a quarter (BBR's startup and its full-bandwidth test; here a doubling that
-  lowers the rate ends it at once), and settles on the smallest limit that gave 90 % of the best rate. Then it
+  while a doubling grows the rate by 60 %, then steps by what a doubling grew it (×1.5 at least: the knee is
+  near, and a backend that collapses past it is overshot by a little, not by double), while the rate still grows
+  (BBR's startup and its full-bandwidth test, three steps without growth; here a step that loses a tenth of the
+  best rate ends it at once). Past the knee it tries the middles between the best limit and its neighbours, and
+  settles on the smallest limit that gave 95 % of the best rate. Then it
   cycles through eight phases, one up (×1.25), one down, six cruising, from a random phase (``bbr_cycle_rand``)
   so that replicas do not probe in step. A probe up is kept if the rate grew 5 %, and the climb goes on; a probe
   down if the rate held 95 % of the best lately (so that steps down cannot add up). So a batching server, whose
@@ -40,15 +51,18 @@ What it borrows, and from whom:
   is deeper than half. Not taken: pinning the limit low every minute to re-measure the minimum latency.
 - Netflix concurrency-limits' ``Gradient2Limit``: the per-class reference is its long exponential average
   (``reference``); its tolerance of 1.5: a cruise phase whose latency exceeds both the last phases' and the
-  references by half again is the backend slowing down (other work on it), and the limit gives way in
-  proportion; a phase that did not keep the limit full raises nothing (the app-limited rule). Not taken: growth
+  references by half again is the backend slowing down (other work on it, or it changed), and the limit gives
+  way in proportion, then searches again from there as startup does, up to the old limit at most (a cruise
+  whose rate fell by a quarter while its latency grew does the same: the knee moved below the limit); a phase
+  that did not keep the limit full raises nothing (the app-limited rule). Not taken: growth
   by a fixed queue size per window, and the drift of its long average (``reference`` says why).
 - TCP congestion window validation (RFC 7661): a limit that demand did not fill for a whole phase comes down to
   what demand used, so a burst (or an attack's extra connections) cannot leave it high.
 
 The controller is arithmetic on the event loop, with an injected clock and random generator. ``Gate`` calls
-``load`` on every change of its counters and ``observe`` once per normal completion; either returns whether
-``limit`` changed.
+``load`` on every change of its counters, ``started`` and ``ended`` around each request's time at the backend,
+``tick`` every ``TICK_S`` and ``observe`` once per normal completion; ``load``, ``tick`` and ``observe`` return
+whether ``limit`` changed.
 """
 
 from __future__ import annotations
@@ -70,9 +84,10 @@ Kind = Literal["startup", "up", "down", "cruise"]
 Mix = dict[SampleClass, float]  # completions per second of each class
 Measured = tuple[Mix, float | None, bool]  # a phase's mix, median normalised latency, and whether it was busy
 
-FULL_GROWTH = 1.25  # BBR bbr_full_bw_thresh: a doubling that adds less is no growth ...
+FULL_GROWTH = 1.25  # BBR bbr_full_bw_thresh: a doubling that adds less (a smaller step: by its log) is no growth ...
 FULL_COUNT = 3  # ... and this many of them end startup (BBR bbr_full_bw_cnt)
-NARROW_STEPS = 3  # startup: middles tried between the best limit and its neighbours at most
+NARROW_STEPS = 3  # startup: middles tried between the best limit and its neighbours at most ...
+BELOW = 0.75  # ... or this share of a best limit with none tried below it
 FALLEN = 0.9  # startup: a step whose rate is under this share of the best is past the knee
 NEAR_BEST = 0.95  # startup settles on the smallest limit that gave this share of the best rate
 DOUBLING_GROWTH = 1.6  # startup doubles while a doubling grows the rate this much ...
@@ -498,7 +513,7 @@ class AdaptiveLimit:
         if below is not None:
             gaps.append((best - below, (below + best + 1) // 2))
         elif best > self.floor:
-            gaps.append((best - self.floor, max(self.floor, min(best - 1, round(best * 0.75)))))
+            gaps.append((best - self.floor, max(self.floor, min(best - 1, round(best * BELOW)))))
         if above is not None:
             gaps.append((above - best, (best + above) // 2))
         gaps = [(gap, middle) for gap, middle in gaps if (gap > 1 or below is None) and middle not in tried]
