@@ -22,9 +22,11 @@ Speed
   - The resize runs before the EXIF rotation and the alpha handling, on the fewest pixels possible.
 
 The handoff (with a model)
-  - An image the model would shrink always reaches the backend at the model's size: what the backend pays
-    for an image is mostly its pixels, so an original forwarded because its file is smaller costs the
-    backend the decode and resize mmgate already did.
+  - An image the model would shrink reaches the backend at the model's size where that costs the whole path
+    less than the original does (``handoff.forward_original``: mmgate's decode, resize and encode, the bytes
+    and the backend's decode, against the original's bytes and the backend's decode and resize of it), decided
+    from the header: a 12 MP JPEG bound for 1.6 MP goes resized, a 6 MP one the model keeps nearly whole goes
+    as it came.
   - The resize uses the model processor's own filter, and the file is lossless: an uncompressed BMP (a
     PNG where alpha must survive, which 32-bit BMP does not carry through Pillow). BMP is chosen by what the
     whole path pays (mmgate's encode, the bytes, the backend's decode): a small fraction of a JPEG q100
@@ -61,7 +63,7 @@ from .base import Checkpoint, ImagePolicy, Processed, no_checkpoint
 from .dimensions import HEAD_STEPS, MAX_HEAD_BYTES, header_dimensions
 from .errors import IMAGE_DECODE_FAILED, IMAGE_TOO_LARGE, TOO_MANY_FRAMES
 from .formats import MIME_BY_FORMAT, TAIL_BYTES, check_whole, sniff_image_format
-from .geometry import resize_target
+from .handoff import handoff_target
 
 # Our header check (exact, per policy, with a message naming the setting) replaces Pillow's global
 # guard. Set once here, at import: never per call, never from a worker thread.
@@ -133,7 +135,7 @@ def process_image(
         if fmt not in _OPENED_WHOLE:  # a header Pillow could not read is corrupt (above), not cut short
             check_whole(fmt, data, data[-TAIL_BYTES:], len(data))
         width, height = img.size
-        target = _checked_target(img, data, fmt, policy)
+        target = _checked_target(img, data, fmt, policy, len(data))
         checkpoint()
         if target is None:
             if policy.validate == "full":
@@ -198,13 +200,14 @@ def judge_header(head: Callable[[int], bytes], tail: Callable[[int], bytes], siz
                 raise
         with img:
             check_whole(fmt, data, tail(TAIL_BYTES), size)  # the head holds the header Pillow just read
-            return MIME_BY_FORMAT[fmt] if _checked_target(img, data, fmt, policy) is None else None
+            return MIME_BY_FORMAT[fmt] if _checked_target(img, data, fmt, policy, size) is None else None
     return None
 
 
-def _checked_target(img: Image.Image, data: bytes, fmt: str, policy: ImagePolicy) -> tuple[int, int] | None:
+def _checked_target(img: Image.Image, data: bytes, fmt: str, policy: ImagePolicy,
+                    size: int) -> tuple[int, int] | None:
     """The header's checks (pixels, frames; with a model, the size the token count read) on the opened
-    ``img``, and the size to resize it to: None to keep it as it is."""
+    ``img`` of a ``size``-byte file, and the size to resize it to: None to keep it as it is."""
     width, height = img.size
     if width * height > policy.max_pixels:
         raise IMAGE_TOO_LARGE.error(
@@ -221,7 +224,15 @@ def _checked_target(img: Image.Image, data: bytes, fmt: str, policy: ImagePolicy
     if policy.geometry is None:
         return _fit(width, height, policy)
     _same_as_counted(data, fmt, width, height)
-    return resize_target(policy.geometry, width, height, _orientation(img))
+    return handoff_target(policy.geometry, fmt, size, width, height, _orientation(img), _may_carry_alpha(img),
+                          policy.output_format)
+
+
+def _may_carry_alpha(img: Image.Image) -> bool:
+    """Whether the opened image may come out with alpha, read as ``proxy/media/forwarded.py`` reads it from the
+    header, so the handoff rule decides the same there and here."""
+    return img.format != "JPEG" and (img.has_transparency_data
+                                     or img.mode in ("RGBA", "LA", "PA", "La", "RGBa"))
 
 
 def _same_as_counted(data: bytes, fmt: str, width: int, height: int) -> None:

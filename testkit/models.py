@@ -263,3 +263,17 @@ def gemma4_folder(path: Path, max_soft_tokens: int = 280) -> Path:
     Gemma4ImageProcessorPil(max_soft_tokens=max_soft_tokens).save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": "gemma4"}))
     return path
+
+
+# Real checkpoints' own image processor configurations, as they ship them: name -> the folder builder with its
+# values (the handoff rule's tests and bench measure against these, not the small folders above).
+REAL_CHECKPOINTS: dict[str, Any] = {
+    "Qwen2.5-VL": lambda path: qwen_folder(path, "qwen2_5_vl", max_pixels=QWEN25_MAX_PIXELS),
+    "Qwen3-VL": lambda path: qwen_folder(path, "qwen3_vl"),
+    "Idefics3": lambda path: idefics3_folder(path),
+    "Gemma 3": lambda path: gemma3_folder(path),
+    "InternVL 3": lambda path: internvl_folder(path),
+    "Mistral 3": lambda path: pixtral_folder(path),
+    "LLaVA-OneVision": lambda path: llava_onevision_folder(path),
+    "GLM-4.1V": lambda path: glm4v_folder(path),
+}

@@ -25,9 +25,10 @@ from PIL import Image
 from preprocessors.base import ImagePolicy
 from preprocessors.errors import MediaError
 from preprocessors.geometry import resize_target, upright
+from preprocessors.handoff import handoff_target
 from preprocessors.image import process_image
 from proxy.media.model import load_model
-from testkit.media import chat_with_image, data_uri, decode_uri, photo_sized
+from testkit.media import chat_with_image, data_uri, decode_uri
 from tests.conftest import StartProxy, Upstream
 
 transformers = pytest.importorskip("transformers", reason="the model extra: pip install -e '.[model]'")
@@ -351,7 +352,9 @@ async def test_the_upstream_gets_the_family_size_and_its_count(
     assert model.geometry is not None
     proxy = await start_proxy(upstream.url, MMGATE_MODEL=folder)
     photo = io.BytesIO()
-    photo_sized(*size).save(photo, "PNG")
+    # Incompressible: the model-sized BMP is smaller than this PNG, so it is what goes (preprocessors/handoff.py).
+    noise = np.random.default_rng(sum(size)).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(noise).save(photo, "PNG", compress_level=1)
     sent = data_uri(photo.getvalue())
     async with aiohttp.ClientSession() as session:
         response = await session.post(proxy.url + "/v1/chat/completions", data=orjson.dumps(chat_with_image(sent)),
@@ -360,7 +363,8 @@ async def test_the_upstream_gets_the_family_size_and_its_count(
     seen = upstream.seen[-1]
     assert seen.headers.getall("x-mmgate-image-tokens") == [str(model.image_tokens(*size))]
     forwarded = orjson.loads(seen.body)["messages"][0]["content"][1]["image_url"]["url"]
-    target = resize_target(model.geometry, *size, 1)
+    target = handoff_target(model.geometry, "PNG", len(photo.getvalue()), *size, 1, False, "auto")
+    assert target == resize_target(model.geometry, *size, 1)
     if target is None:
         assert forwarded == sent
     else:

@@ -4,7 +4,9 @@ admitted request forwards, a cached rewrite included.
 
 The header estimate is checked against what the decode really makes (a property over sizes, modes, source and
 handoff formats); the attack of issue 39 runs in small through the real proxy with a Qwen2.5-VL processor of
-the real bounds: solid 5000x4000 PNGs of 67 KB, each of which the model's size makes a 38 MB BMP.
+the real bounds: solid 8064x6400 JPEGs of a few hundred KB, each of which the model's size makes a 38 MB BMP (a
+JPEG that large is resized: libjpeg decodes it at half scale, which the handoff rule counts; a PNG the model
+keeps more than half of goes as it came, see ``tests/preprocessors/test_handoff.py``).
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from testkit.models import QWEN25_MAX_PIXELS, qwen_folder
 from tests.conftest import StartProxy, Upstream
 
 CHAT = "/v1/chat/completions"
-# Qwen2.5-VL's processor at 12.8 MP turns a 5000x4000 image into 4004x3192: a 38.3 MB BMP, 51.1 MB of base64.
-BIG_SIDES = (5000, 4000)
+# Qwen2.5-VL's processor at 12.8 MP turns an 8064x6400 image into 4004x3192: a 38.3 MB BMP, 51.1 MB of base64.
+BIG_SIDES = (8064, 6400)
 BIG_FORWARD_SIDES = (4004, 3192)
 BIG_BMP = 54 + BIG_FORWARD_SIDES[0] * 3 * BIG_FORWARD_SIDES[1]
 
@@ -44,6 +46,13 @@ BIG_BMP = 54 + BIG_FORWARD_SIDES[0] * 3 * BIG_FORWARD_SIDES[1]
 def solid_png(width: int, height: int, color: str = "teal") -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (width, height), color).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@functools.cache
+def solid_jpeg(width: int, height: int, color: str = "teal") -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buffer, "JPEG", quality=90)
     return buffer.getvalue()
 
 
@@ -121,12 +130,12 @@ def test_the_header_bounds_the_file_the_decode_makes(width: int, height: int, so
 
 async def test_the_attack_in_small_is_refused_from_the_headers_before_any_decode(
         upstream: Upstream, start_proxy: StartProxy, tmp_path: Path) -> None:
-    """Issue 39: three 67 KB PNGs that the model's size makes 3 x 51 MB of base64. Refused 413 in the API's
+    """Issue 39: three small JPEGs that the model's size makes 3 x 51 MB of base64. Refused 413 in the API's
     shape naming an image, nothing forwarded, nothing decoded or hashed; the gate never saw it."""
     proxy = await start_proxy(upstream.url, MMGATE_MODEL=qwen25(tmp_path), MMGATE_MAX_BODY_MB="8",
                               MMGATE_MAX_INFLIGHT_MEDIA_MB="16", MMGATE_MAX_MM_CONCURRENCY="2")
-    uri = data_uri(solid_png(*BIG_SIDES))
-    assert len(uri) < 100_000
+    uri = data_uri(solid_jpeg(*BIG_SIDES), "image/jpeg")
+    assert len(uri) * 3 < 8 << 20  # as received, the body is within the bound
     status, answer = await post(proxy.url, chat_with_images([uri] * 3))
     assert status == 413
     assert answer["error"]["code"] == "body_too_large"
@@ -141,10 +150,10 @@ async def test_the_attack_in_small_is_refused_from_the_headers_before_any_decode
 
 async def test_a_body_its_image_keeps_within_the_bound_passes_and_one_past_it_does_not(
         upstream: Upstream, start_proxy: StartProxy, tmp_path: Path) -> None:
-    """One such PNG is forwarded as a 4004x3192 BMP (51.1 MB of base64): under a 56 MiB bound it passes, and
+    """One such JPEG is forwarded as a 4004x3192 BMP (51.1 MB of base64): under a 56 MiB bound it passes, and
     the bytes the backend gets stay under it; under 48 MiB it is refused before its decode."""
     folder = qwen25(tmp_path)
-    body = chat_with_image(data_uri(solid_png(*BIG_SIDES)))
+    body = chat_with_image(data_uri(solid_jpeg(*BIG_SIDES), "image/jpeg"))
     proxy = await start_proxy(upstream.url, MMGATE_MODEL=folder, MMGATE_MAX_BODY_MB="56")
     assert (await post(proxy.url, body))[0] == 200
     (seen,) = upstream.seen
@@ -164,12 +173,12 @@ async def test_a_body_its_image_keeps_within_the_bound_passes_and_one_past_it_do
 async def test_the_gate_weighs_what_a_request_forwards_and_a_cached_rewrite_weighs_its_own(
         upstream: Upstream, start_proxy: StartProxy, tmp_path: Path) -> None:
     """Held at the backend (the lease lasts until the answer is complete): a first request weighs its decoded
-    PNG and the BMP's base64 its header foretells (at most a palette over the real one); the same image again,
+    JPEG and the BMP's base64 its header foretells (at most a palette over the real one); the same image again,
     answered from the cache, weighs exactly the base64 it forwards."""
     proxy = await start_proxy(upstream.url, MMGATE_MODEL=str(qwen_folder(tmp_path, "qwen2_5_vl")),
                               MMGATE_RELEASE_AT="complete")
-    png = solid_png(1600, 1200)
-    body = chat_with_image(data_uri(png))
+    png = solid_jpeg(3200, 2400)
+    body = chat_with_image(data_uri(png, "image/jpeg"))
     gate = proxy.state.gate
 
     async def weighed(request_number: int) -> tuple[int, bytes]:

@@ -322,18 +322,18 @@ def _jpeg(width: int, height: int, orientation: int = 1, exif_padding: int = 0) 
 def test_a_rotated_photo_is_resized_upright_to_the_processor_size(
         family: str, orientation: int, folders: dict[str, Path], references: dict[str, Reference]) -> None:
     model = load_model(str(folders[family]))
-    data = _jpeg(2400, 1600, orientation)
+    data = _jpeg(4800, 3200, orientation)
     found = peek_dimensions(base64.b64encode(data))
-    assert found is not None and (found.width, found.height, found.orientation) == (2400, 1600, orientation)
+    assert found is not None and (found.width, found.height, found.orientation) == (4800, 3200, orientation)
     estimate = model.image_tokens(found.width, found.height, found.orientation)
 
-    # At quality 90 the re-encode is smaller than this smooth photo, so what is sent is the resize (at the
-    # model's own quality it would not be, and the original would go as it is).
-    processed = process_image(data, ImagePolicy(geometry=model.geometry, jpeg_quality=90))
+    # Large enough that libjpeg decodes it at half scale: the handoff costs the path less than the original
+    # (preprocessors/handoff.py), so what is sent is the resize.
+    processed = process_image(data, ImagePolicy(geometry=model.geometry))
     assert processed is not None
     out = Image.open(io.BytesIO(processed.data))
     seen = out.size  # upright: EXIF applied and stripped
-    assert seen == references[family].run(Image.new("RGB", upright(2400, 1600, orientation)))[0]
+    assert seen == references[family].run(Image.new("RGB", upright(4800, 3200, orientation)))[0]
     assert references[family].run(out.convert("RGB")) == (seen, estimate)
 
 
