@@ -76,7 +76,7 @@ from proxy.admission.client import LocalGate
 from proxy.admission.lease import Lease
 from proxy.edge.write_deadline import WRITE_TIMEOUT_CODE
 from proxy.state import AppState
-from testkit.adaptive_sim import Curve, batching, thrashing
+from testkit.adaptive_sim import Curve, batching, by_throughput, slowed, switched, thrashing
 from testkit.media import chat_with_image, data_uri, image_bytes
 from testkit.servers import start_proxy_server
 
@@ -101,6 +101,14 @@ MODELS = (
           f"{BASE_SECONDS * 1000:.0f} ms × max(1, (c/4)²), 32 clients"),
     Model("batching", batching(BASE_SECONDS, 12), 48, (1, 2, 4, 8, 12, 16, 24), (4, 12, 24), 24,
           f"{BASE_SECONDS * 1000:.0f} ms × (1 + (c-1)/4) × max(1, (c/12)²), 48 clients"),
+    # issue 43: a backend given by its throughput that collapses past 8, and capacity steps 8 s into the cell
+    Model("collapsing", by_throughput({1: 3.5, 2: 6.4, 4: 10.7, 8: 16, 16: 5.3}), 24, (4, 6, 8, 12, 16), (4, 8, 16),
+          16, "c / throughput(c), 3.5 answers/s at 1, 16 at 8, 5.3 at 16, 24 clients"),
+    Model("2x slower at 8 s", slowed(batching(2 * BASE_SECONDS, 8), 2.0, 8.0, float("inf")), 24, (4, 8, 12), (4, 8),
+          12, f"{2 * BASE_SECONDS * 1000:.0f} ms × (1 + (c-1)/4) × max(1, (c/8)²), twice that from 8 s, 24 clients"),
+    Model("knee 8 to 4 at 8 s", switched(batching(2 * BASE_SECONDS, 8), batching(2 * BASE_SECONDS, 4), 8.0), 24,
+          (4, 8, 12), (4, 8), 12, f"{2 * BASE_SECONDS * 1000:.0f} ms × (1 + (c-1)/4) × max(1, (c/8)²), its knee 4 "
+          "from 8 s, 24 clients"),
 )
 ATTACK_WARMUP, ATTACK_SECONDS, ATTACK_AFTER = 30.0, 3.0, 15.0
 HONEST_LOOPS, ATTACKERS, HONEST_SECONDS, GIVE_UP_AFTER = 8, 2, 1.0, 0.05
