@@ -146,7 +146,9 @@ def log_refused_connection(error: MmgateError, request_line: bytes, seconds: flo
     method, _, rest = request_line.partition(b" ")
     target = rest.partition(b" ")[0].partition(b"?")[0] if rest else b""
     _write_line({
-        "request_id": None, "method": method.decode("latin-1") or "-", "path": target.decode("latin-1") or "-",
+        # Unparsed bytes (a TLS handshake to the plain port is one): escaped like any client-chosen log text.
+        "request_id": None, "method": loggable(method.decode("latin-1"), 32) or "-",
+        "path": loggable(target.decode("latin-1")) or "-",
         "route": "other", "kind": "text", "status": error.status, "code": error.code,
         "duration_ms": round(seconds * 1000, 2), "stages_ms": {}, "bytes_in": 0, "media_in": 0, "media_out": 0,
         "fetched": 0, "answered_by": "mmgate",

@@ -605,3 +605,22 @@ async def test_a_request_that_arrived_but_is_not_read_yet_keeps_its_connection_a
     for _reader, writer in waiting:
         writer.close()
     assert _idle_closed(proxy) == 0
+
+
+async def test_a_refused_connection_s_access_line_escapes_what_it_sent(
+    upstream: Upstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Over the cap, the access line of a refusal names the request line as it arrived, whatever it was (a TLS
+    handshake, control characters): escaped, so it cannot forge log lines."""
+    caplog.set_level(logging.INFO, logger="mmgate.access")
+    proxy = await start_proxy(upstream.url, MMGATE_MAX_CONNECTIONS="1", MMGATE_ACCESS_LOG="on")
+    busy = await _mid_request(proxy)
+    reader, writer = await _connect(proxy)
+    writer.write(b"\x16\x03\x01\nGET /x\r\nforged 200 HTTP/1.1\r\n\r\n")
+    status, _headers, _body = await _read_answer(reader)
+    assert status == 503
+    writer.close()
+    assert await _finish_request(*busy) == 200
+    [line] = [r for r in caplog.records if r.name == "mmgate.access" and r.fields["status"] == 503]  # type: ignore[attr-defined]
+    assert "\n" not in line.getMessage() and "\r" not in line.getMessage() and "\x16" not in line.getMessage()
+    assert line.fields["code"] == "too_many_connections"  # type: ignore[attr-defined]
