@@ -329,7 +329,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="result path without suffix")
     args = parser.parse_args()
     stamp = R.stamp(SCRIPT, WHAT)
-    from proxy.media.model import load_model
+    from proxy.media.model_folder import load_model
 
     photos = [PHOTOS[i] for i in QUICK_PHOTOS] if args.quick else list(PHOTOS)
     rounds = max(args.rounds, R.MIN_ROUNDS)

@@ -94,7 +94,7 @@ def model_policy() -> ImagePolicy:
     """The policy of ``MMGATE_MODEL`` set to a Qwen2-VL processor (built locally: no weights, no downloads)."""
     import tempfile
 
-    from proxy.media.model import load_model
+    from proxy.media.model_folder import load_model
     from testkit.models import qwen_folder
 
     folder = Path(tempfile.mkdtemp(prefix="mmgate-bench-qwen-"))

@@ -41,7 +41,8 @@ from bench import _results as R
 from preprocessors.base import ImagePolicy
 from preprocessors.dimensions import peek_dimensions
 from preprocessors.image import process_image
-from proxy.media.model import Model, load_model
+from proxy.media.model import Model
+from proxy.media.model_folder import load_model
 from testkit import vllm as h
 from testkit.models import gemma3_folder, idefics3_folder, llava_folder, llava_next_folder, qwen_folder
 

@@ -44,7 +44,8 @@ from proxy.media.discovery import (
     explicit_folder,
     find_once,
 )
-from proxy.media.model import Model, load_model
+from proxy.media.model import Model
+from proxy.media.model_folder import load_model
 from proxy.media.step import MediaStage, Policies
 from proxy.ops.admin import add_admin_routes, probe_upstream
 from proxy.ops.backend_metrics import METRICS_PATH, merged_metrics

@@ -41,7 +41,8 @@ import aiohttp
 import orjson
 
 from proxy.edge.upstream_health import UpstreamHealth
-from proxy.media.model import Model, load_model
+from proxy.media.model import Model
+from proxy.media.model_folder import load_model
 from proxy.settings import ConfigError
 
 log = logging.getLogger("mmgate")

@@ -23,7 +23,7 @@ from PIL import Image, JpegImagePlugin
 from preprocessors.base import ImagePolicy
 from preprocessors.image import GENERIC_JPEG_QUALITY, MODEL_JPEG_QUALITY, _encode, process_image
 from proxy.app import build_state
-from proxy.media.model import load_model
+from proxy.media.model_folder import load_model
 from proxy.settings import AUTO, ConfigError, Settings
 from testkit.media import chat_with_image, data_uri, decode_uri, detailed_photo, psnr
 from tests.conftest import StartProxy, Upstream

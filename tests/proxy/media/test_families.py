@@ -27,7 +27,7 @@ from preprocessors.errors import MediaError
 from preprocessors.geometry import resize_target, upright
 from preprocessors.handoff import handoff_target
 from preprocessors.image import process_image
-from proxy.media.model import load_model
+from proxy.media.model_folder import load_model
 from testkit.media import chat_with_image, data_uri, decode_uri
 from tests.conftest import StartProxy, Upstream
 

@@ -30,7 +30,8 @@ from preprocessors.geometry import resize_target, upright
 from preprocessors.image import process_image
 from proxy.app import build_state
 from proxy.cli import main
-from proxy.media.model import Model, load_model
+from proxy.media.model import Model
+from proxy.media.model_folder import load_model
 from proxy.settings import ConfigError, Settings
 from testkit.media import chat_with_image, data_uri, decode_uri, photo_sized
 from tests.conftest import StartProxy, Upstream

@@ -354,7 +354,7 @@ async def test_dashboard_in_chromium_shows_requests_whose_body_is_still_being_re
 @pytest.mark.browser
 async def test_dashboard_shows_image_tokens_in_flight_against_the_budget(page: Any, tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the model extra: pip install -e '.[model]'")
-    from proxy.media.model import load_model
+    from proxy.media.model_folder import load_model
     from testkit.models import qwen_folder
 
     folder = str(qwen_folder(tmp_path / "qwen2-vl"))
