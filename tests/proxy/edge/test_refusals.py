@@ -325,7 +325,8 @@ TRIGGERS: dict[tuple[int, str], Trigger] = {
 # where each is answered, and the test that makes it. Every one of them is raised inside ``handle_request`` and
 # goes through ``pipeline._answer``, the one place a refusal is counted, before ``exchange.record`` logs it.
 ELSEWHERE: dict[tuple[int, str], str] = {
-    (400, "incomplete_body"): "edge/body.py read_body: a body that ends before its Content-Length (no test yet)",
+    (400, "incomplete_body"): "edge/body.py read_body: a guard aiohttp never lets through (a body cut short ends "
+                              "the connection inside aiohttp first): no request reaches it",
     (400, "json_too_complex"): "tests/proxy/payload/test_locate.py: MMGATE_MAX_JSON_STRUCTURE_KB",
     (400, "invalid_data_uri"): "tests/proxy/payload: the walkers' data URI checks",
     (400, "image_decode_failed"): "tests/preprocessors: MMGATE_VALIDATE=full",
