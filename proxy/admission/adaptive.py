@@ -62,7 +62,8 @@ What it borrows, and from whom:
 The controller is arithmetic on the event loop, with an injected clock and random generator. ``Gate`` calls
 ``load`` on every change of its counters, ``started`` and ``ended`` around each request's time at the backend,
 ``tick`` every ``TICK_S`` and ``observe`` once per normal completion; ``load``, ``tick`` and ``observe`` return
-whether ``limit`` changed.
+whether ``limit`` changed. ``explain`` says where it stands and why the limit last moved: each of the last
+``MOVES_KEPT`` changes with its reason and what the phase before it had measured (``Move``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ import random
 import statistics
 import time
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -100,6 +102,7 @@ KEEP_DOWN = 0.95  # ... a probe down when the rate held this much
 PROPORTIONAL = 0.8  # two probes up in a row that raise the rate by this share of the slots added: doubling again
 TOLERANCE = 1.5  # Gradient2Limit rttTolerance: latency this many times the usual is the backend slowing down
 FELL = 0.75  # a cruise phase whose rate is under this share of the cruise rate: the backend changed
+STUCK = 3.0  # a probe down gives way when the requests at the backend are this many times the usual latency
 MIN_GRADIENT = 0.5  # Gradient2Limit and Envoy: no one cut deeper than this
 BUSY_SHARE = 0.5  # Gradient2Limit: under half-full is app-limited (there: inflight < limit / 2)
 FLOOR_PHASES = 5  # Envoy: this many windows at the minimum force a new measurement
@@ -112,7 +115,30 @@ MAX_LATENCIES = 100_000  # latencies a phase keeps at most (a flood of tiny answ
 SMOOTHING = 0.5  # the cruise latency: the average of the last phases, each weighing half
 TINY = 1e-6  # seconds: a sample's smallest worth (a zero would weigh nothing and divide by zero)
 MAX_TIMED = 1024  # a phase's completions whose seconds are kept for ``_Phase.median_at_least``, at most
+MOVES_KEPT = 64  # the last changes of the limit ``explain`` tells
 TICK_S = 0.1  # how often the gate asks ``tick`` to look at the requests still in flight
+
+
+@dataclass(frozen=True)
+class Move:
+    """One change of the limit, and why: what the phase that ended had measured."""
+
+    at: float  # the controller's clock
+    limit: int  # the limit from here on ...
+    before: int  # ... and before
+    cruise_limit: int
+    mode: Literal["startup", "probe"]
+    kind: Kind  # the phase that begins
+    why: str  # what decided it, in words
+    samples: float  # the ended phase's effective number of rate samples
+    rate: float | None  # its work per second, with the references of the moment
+    latency: float | None  # its median normalised latency
+    at_least: float | None  # the floor under its median seconds at the backend (a phase ended on ages)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"at": self.at, "limit": self.limit, "before": self.before, "cruise_limit": self.cruise_limit,
+                "mode": self.mode, "kind": self.kind, "why": self.why, "samples": round(self.samples, 1),
+                "rate": self.rate, "latency": self.latency, "at_least": self.at_least}
 
 
 @dataclass
@@ -188,6 +214,9 @@ class AdaptiveLimit:
         self._deliveries = Deliveries()
         self._at_backend: list[float] = []  # when each request at the backend now was handed off (ascending)
         self._in_use = self._waiting = 0
+        self.moves: deque[Move] = deque(maxlen=MOVES_KEPT)  # the last changes of the limit, and why
+        self._why = "the floor, before any sample"
+        self._evidence: tuple[float, float | None, float | None, float | None] = (0.0, None, None, None)
         now = clock()
         self._last_at = now
         self._last_busy = False
@@ -213,6 +242,13 @@ class AdaptiveLimit:
     def rate(self) -> float | None:
         """The cruise limit's work per second (seconds of typical service completed per second), as of now."""
         return self.rate_of(self.mix) if self.mix is not None else None
+
+    def explain(self) -> dict[str, object]:
+        """What ``/mmgate/stats`` shows of it: the limit, the phase it is in, and the last changes of the limit
+        with why each was made and what the phase before it had measured."""
+        return {"limit": self.limit, "cruise_limit": self.cruise_limit, "mode": self.mode, "phase": self.kind,
+                "rate": self.rate, "latency": self.latency, "samples": self.samples,
+                "moves": [move.as_dict() for move in self.moves]}
 
     # --- what the gate reports ---------------------------------------------------------------------------------
 
@@ -308,9 +344,7 @@ class AdaptiveLimit:
         ``compared`` (the classes of requests in flight are not known yet; a flood of cheap answers in the mix
         must not make honest ones look overdue). Demand that does not fill the limit counts as what it holds.
         None when the phase has no such floor."""
-        # A step up is judged on its own requests (the last phase's are held to the last limit); a probe down
-        # on all the backend holds (answers may have stopped coming before it began).
-        since = self._now.in_flight if self.kind in ("startup", "up") else self._at_backend
+        since = self._now.in_flight  # a step up is judged on its own requests: the last phase's had the last limit
         at_least = self._now.median_at_least([now - started for started in reversed(since)])
         if at_least is None or at_least <= 0 or not compared:
             return None
@@ -319,9 +353,9 @@ class AdaptiveLimit:
 
     def _overdue(self, now: float) -> bool:
         """Whether the requests at the backend already show that the phase cannot do what it is for: a step of
-        startup or a probe up that cannot beat the rate it must beat, a probe down that cannot keep what it must
-        keep, or a cruise whose latency is past the tolerance (the backend slowed down, and nothing completes to
-        say so)."""
+        startup or a probe up that cannot beat the rate it must beat, or a cruise whose latency is past the
+        tolerance, a probe down whose is far past it (the backend slowed down, and nothing completes to say
+        so)."""
         if self.kind == "startup":
             compared = max((mix for mix, _latency in self._table.values()), key=self.rate_of, default=None)
             ceiling = self._ceiling_rate(now, compared)
@@ -329,12 +363,11 @@ class AdaptiveLimit:
         if self.kind == "up" and self.mix is not None:
             ceiling = self._ceiling_rate(now, self.mix)
             return ceiling is not None and ceiling < (1 + GROW_MIN) * self.rate_of(self.mix)
-        if self.kind == "down" and self.mix is not None:
-            ceiling = self._ceiling_rate(now, self.mix)
-            return ceiling is not None and ceiling < KEEP_DOWN * self._to_keep()
-        if self.kind == "cruise":
+        if self.kind in ("cruise", "down"):
+            # a probe down holds what the probe up before it left at the backend: only answers that stopped
+            # coming are judged there
             slower = self._slower(now)
-            return slower is not None and slower > TOLERANCE
+            return slower is not None and slower > (TOLERANCE if self.kind == "cruise" else STUCK)
         return False
 
     def _slower(self, now: float) -> float | None:
@@ -353,15 +386,21 @@ class AdaptiveLimit:
         """End an overdue phase without waiting for its answers: startup is past the knee, the probe lost, or
         the cruise limit gives way in proportion to how far its rate fell (no deeper than half)."""
         before = self.limit
+        ages = self._now.in_flight if self.kind in ("startup", "up") else self._at_backend
+        self._evidence = (self._now.effective(), None, None,
+                          self._now.median_at_least([now - started for started in reversed(ages)]))
         if self.kind == "startup":
+            self._why = f"startup: its requests at the backend are too old for {self.limit} to beat the best rate"
             self._lost.add(self.cruise_limit)
             kind = self._narrow()
-        elif self.kind in ("up", "down"):
+        elif self.kind == "up":
+            self._why = "probe up lost: its requests at the backend are too old for it to pay"
             self._ups = 0
             kind = self._next_in_cycle()
         else:
             slower = self._slower(now)
             assert slower is not None
+            self._why = f"{self.kind}: its requests at the backend are {slower:.2f}× the usual latency; giving way"
             kind = self._give_way(1 / slower)
         self._begin(now, kind)
         return self.limit != before
@@ -409,6 +448,9 @@ class AdaptiveLimit:
         self._deliveries.shorten(max(self._now.longest, self._longest_before))
         self._longest_before = self._now.longest
         self._now = _Phase(now, self._in_use + self._waiting, lower=self.limit < before)
+        if self.limit != before or not self.moves:
+            self.moves.append(Move(now, self.limit, before, self.cruise_limit, self.mode, kind, self._why,
+                                   *self._evidence))
         self._last_busy = self._busy_now()
         self._settle_down(now)
 
@@ -431,6 +473,8 @@ class AdaptiveLimit:
     def _end(self, now: float) -> bool:
         before = self.limit
         measured = self._measured(now)
+        self._evidence = (self._now.effective(), self.rate_of(self._now.mix()) if self._now.weight else None,
+                          weighted_median(self._now.latencies), None)
         for cls, seconds in self._now.seconds.items():
             # Learnt at the cruise limit, one value a phase (Gradient2 takes one a window): probes and startup's
             # doublings are measured against it, and a flood of answers in one phase is one value.
@@ -449,25 +493,30 @@ class AdaptiveLimit:
             return "startup"
         mix, latency, busy = measured
         if not busy:
+            self._why = "demand did not fill the limit"
             return self._finish()
         assert latency is not None  # a busy phase is judged on two samples at least
         limit = self.cruise_limit
         best = max(self._rates().values(), default=0.0)
         self._table[limit] = (mix, latency)
         if self._narrowing:
+            self._why = f"startup: {limit} measured"
             return self._narrow()
         rate = self.rate_of(mix)
         last = self._last_step
         step = limit / last[0] if last is not None else 2.0
         if best and rate < FALLEN * best:  # past the knee (a little less than the best is no growth)
+            self._why = f"startup: {limit} is past the knee (rate {rate / best:.2f}× the best)"
             return self._narrow()
         if best and rate < best * (1 + (FULL_GROWTH - 1) * math.log2(max(step, 1.0))):
             self._no_growth += 1
             if self._no_growth >= FULL_COUNT:
+                self._why = f"startup: the rate stopped growing ({FULL_COUNT} steps)"
                 return self._narrow()
         else:
             self._no_growth = 0
         if limit >= self.ceiling:
+            self._why = "startup: at the ceiling"
             return self._narrow()
         gain = 2.0 if self._resume is None else STARTUP_GAIN  # after giving way: the knee is near
         if last is not None and last[1] and step > 1:
@@ -480,6 +529,8 @@ class AdaptiveLimit:
             following = min(following, self._resume)
         self._resume = None
         self.cruise_limit = self._bounded(max(limit + 1, following))
+        self._why = f"startup: the rate grew ×{rate / last[1]:.2f} at {limit}" if last is not None and last[1] else (
+            "startup: the first step")
         return "startup"
 
     def _give_way(self, share: float) -> Kind:
@@ -490,6 +541,8 @@ class AdaptiveLimit:
         before = self.cruise_limit
         self.cruise_limit = self._bounded(int(before * max(MIN_GRADIENT, share)))
         self._cruise_on(None, None)
+        if self.cruise_limit == before:  # at the floor already: nothing below to search
+            return self._next_in_cycle()
         self.mode, self._no_growth, self._last_step, self._resume = "startup", 0, None, before
         return "startup"
 
@@ -521,6 +574,7 @@ class AdaptiveLimit:
             return self._finish()
         self._narrowed += 1
         self.cruise_limit = max(gaps, key=lambda gap: (gap[0], -gap[1]))[1]  # a tie: the lower, cheaper to lose
+        self._why += f"; narrowing the knee around the best so far, {best}"
         return "startup"
 
     def _finish(self) -> Kind:
@@ -529,6 +583,7 @@ class AdaptiveLimit:
             rates = self._rates()
             best = max(rates.values())
             self.cruise_limit = min(limit for limit, rate in rates.items() if rate >= NEAR_BEST * best)
+            self._why += f"; startup over: the smallest limit with {NEAR_BEST:.0%} of the best rate"
             self._top = max((mix for mix, _latency in self._table.values()), key=self.rate_of)
             self._cruise_on(*self._table[self.cruise_limit])
         self._table, self._lost, self._last_step, self._resume = {}, set(), None, None
@@ -553,16 +608,21 @@ class AdaptiveLimit:
                     and self.rate_of(mix) >= (1 + GROW_MIN) * cruise):
                 # more demand than the cruise limit, less than the probe's: the probe paid, up to what was used
                 self.cruise_limit = min(self.limit, self._now.peak)
+                self._why = "probe up paid, up to what demand used"
                 self._cruise_on(mix, latency)
             elif self._now.peak < limit:  # RFC 7661: a limit that demand left unused comes down to what it used
                 self.cruise_limit = max(self.floor, self._now.peak)
+                self._why = f"demand used only {self._now.peak}"
                 self.mix, self.latency, self._top = mix or None, latency, None  # what was used, not what it could
+            else:
+                self._why = f"{kind}: demand did not fill the limit"
             self._ups = self._floor_phases = 0
             return self._next_in_cycle()
         assert latency is not None  # a busy phase is judged on two samples at least
         rate, cruise = self.rate_of(mix), self.rate
         if kind == "up":
             if cruise is not None and rate >= (1 + GROW_MIN) * cruise:
+                self._why = f"probe up paid: the rate grew ×{rate / cruise:.2f}"
                 in_proportion = rate >= cruise * (1 + PROPORTIONAL * (self.limit / limit - 1))
                 self.cruise_limit = self.limit
                 self._cruise_on(mix, latency)
@@ -572,26 +632,34 @@ class AdaptiveLimit:
                     return self._after_startup(measured)
                 self._index = 0
                 return "up"  # the climb goes on
+            self._why = "probe up did not pay"
             self._ups = 0
         elif kind == "down":
             if cruise is not None and rate >= KEEP_DOWN * self._to_keep():
                 self.cruise_limit, self.mix, self.latency = self.limit, mix, latency
+                self._why = "probe down kept the rate"
+            else:
+                self._why = "probe down lost rate"
         elif self.latency is not None and latency > TOLERANCE * max(1.0, self.latency):
             # The backend slowed down under the same limit: give way. Slower than the last phases and than the
             # classes' long averages both, so that a burst of fast answers, which lowers the former, does not
             # make the honest latency after it look like a slowdown (Gradient2's comparison is the latter).
+            self._why = f"cruise: latency {latency / max(1.0, self.latency):.2f}× the usual; giving way"
             return self._give_way(self.latency / latency)
         elif cruise is not None and rate < FELL * cruise and latency > max(1.0, self.latency or 0.0):
             # The rate fell under the same limit, and its latency grew, if less than the tolerance: the backend
             # changed (its knee moved below the limit, its work got dearer). Search again from a share as much
             # lower. (A rate that fell at the usual latency is demand, or a flood of fast answers, ending.)
+            self._why = f"cruise: the rate fell to {rate / cruise:.2f}× while latency grew; giving way"
             return self._give_way(rate / cruise)
         else:  # the rate is the last phase's (a backend that got faster must not be judged by an old one)
+            self._why = "cruise"
             self._cruise_on(mix, latency if self.latency is None else self.latency + SMOOTHING * (
                 latency - self.latency))
         self._floor_phases = self._floor_phases + 1 if self.cruise_limit == self.floor else 0
         if self._floor_phases >= FLOOR_PHASES:
             self._floor_phases, self._index = 0, 0
+            self._why = f"{FLOOR_PHASES} busy phases at the floor: probing up"
             return "up"
         return self._next_in_cycle()
 
