@@ -126,7 +126,7 @@ class Gate:
         self._reading_by_flow: dict[tuple[str, str], int] = {}
         self._on_change = on_change
         self._hold_seconds = 1.0  # moving average of how long a lease is held; seeds Retry-After
-        self._ticking: asyncio.TimerHandle | None = None  # the adaptive limit's timer, from the first request on
+        self._ticking: asyncio.TimerHandle | None = None  # the adaptive limit's timer, while requests are about
         on_change(self)
 
     @property
@@ -214,8 +214,8 @@ class Gate:
             place.release()
         if self.lifecycle.refusing:
             raise draining()
-        if self.adaptive is not None and self._ticking is None:
-            self._tick()  # on the first request: the gate is made before the event loop runs
+        if self.adaptive is not None and self._ticking is None:  # the first request, or the first after a lull
+            self._ticking = asyncio.get_running_loop().call_later(TICK_S, self._tick)
         if self.byte_budget and cost > self.byte_budget:
             raise MEDIA_TOO_LARGE.error(
                 f"the request's media weigh {cost} bytes (decoded, and forwarded in place of rewritten images), "
@@ -330,10 +330,13 @@ class Gate:
             lease.at_backend_since = self.adaptive.started(lease.phase)
 
     def _tick(self) -> None:
-        """The adaptive limit looks at the requests still at the backend every ``TICK_S``, whether or not the
-        counters change: answers that stopped coming say as much as answers that come."""
+        """The adaptive limit looks at the requests still at the backend every ``TICK_S`` while any is held or
+        waiting, whether or not the counters change: answers that stopped coming say as much as answers that
+        come."""
         assert self.adaptive is not None
-        self._ticking = asyncio.get_running_loop().call_later(TICK_S, self._tick)
+        # idle, it sleeps: the next request wakes it (``acquire``)
+        busy = self.in_use or self._waiting
+        self._ticking = asyncio.get_running_loop().call_later(TICK_S, self._tick) if busy else None
         if self.adaptive.tick():
             self.limit = self.adaptive.limit
             self._wake()
