@@ -101,7 +101,8 @@ GROW_MIN = 0.05  # a probe up is kept when the rate grew this much ...
 KEEP_DOWN = 0.95  # ... a probe down when the rate held this much
 PROPORTIONAL = 0.8  # two probes up in a row that raise the rate by this share of the slots added: doubling again
 TOLERANCE = 1.5  # Gradient2Limit rttTolerance: latency this many times the usual is the backend slowing down
-FELL = 0.75  # a cruise phase whose rate is under this share of the cruise rate: the backend changed
+FELL = 0.75  # a cruise phase whose rate is under this share of the cruise rate ...
+GREW = 1.2  # ... while its latency grew this much: the backend changed
 STUCK = 3.0  # a probe down gives way when the requests at the backend are this many times the usual latency
 MIN_GRADIENT = 0.5  # Gradient2Limit and Envoy: no one cut deeper than this
 BUSY_SHARE = 0.5  # Gradient2Limit: under half-full is app-limited (there: inflight < limit / 2)
@@ -646,7 +647,7 @@ class AdaptiveLimit:
             # make the honest latency after it look like a slowdown (Gradient2's comparison is the latter).
             self._why = f"cruise: latency {latency / max(1.0, self.latency):.2f}× the usual; giving way"
             return self._give_way(self.latency / latency)
-        elif cruise is not None and rate < FELL * cruise and latency > max(1.0, self.latency or 0.0):
+        elif cruise is not None and rate < FELL * cruise and latency > GREW * max(1.0, self.latency or 0.0):
             # The rate fell under the same limit, and its latency grew, if less than the tolerance: the backend
             # changed (its knee moved below the limit, its work got dearer). Search again from a share as much
             # lower. (A rate that fell at the usual latency is demand, or a flood of fast answers, ending.)
