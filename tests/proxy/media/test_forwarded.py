@@ -199,6 +199,27 @@ async def test_the_gate_weighs_what_a_request_forwards_and_a_cached_rewrite_weig
     assert gate.counters().bytes_in_use == 0
 
 
+async def test_a_lossy_handoff_past_its_estimate_is_refused_before_it_is_forwarded(
+        upstream: Upstream, start_proxy: StartProxy, tmp_path: Path) -> None:
+    """The header bounds a JPEG handoff by its raw pixels, which noise at quality 100 (4:4:4) passes: the body's
+    exact size is checked again once decoded, and one over MMGATE_MAX_BODY_MB is refused with nothing forwarded.
+    Here a 2200x2000 noise JPEG (q75, decoded at half scale) becomes 1064x952: about 0.84, 0.98 and 1.03 of the
+    4 MiB bound as received, as estimated and as it would be forwarded."""
+    noise = np.random.default_rng(7).integers(0, 256, (2000, 2200, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(noise, "RGB").save(buffer, "JPEG", quality=75)
+    body = chat_with_image(data_uri(buffer.getvalue(), "image/jpeg"))
+    assert len(json.dumps(body)) < 4 << 20
+    proxy = await start_proxy(upstream.url, MMGATE_IMAGE_FORMAT="jpeg", MMGATE_MAX_BODY_MB="4",
+                              MMGATE_MODEL=str(qwen_folder(tmp_path, "qwen2_5_vl", max_pixels=28 * 28 * 1320)))
+    status, answer = await post(proxy.url, body)
+    assert (status, answer["error"]["code"]) == (413, "body_too_large")
+    assert "MMGATE_MAX_BODY_MB" in answer["error"]["message"]
+    assert upstream.seen == []
+    assert (await scrape(proxy.url))[("mmgate_cache_misses_total", ())] == 1  # this one was decoded
+    assert proxy.state.gate.counters().in_use == 0
+
+
 async def _held(upstream: Upstream) -> Any:
     from aiohttp import web
 
