@@ -10,6 +10,10 @@ PROCESS_MODE_FROM_CPUS = 2
 
 DecodeMode = Literal["thread", "process"]
 
+# The fewest media requests MMGATE_MAX_MM_CONCURRENCY admits by default, whatever the decode workers: below it a
+# backend that batches idles between admissions (docs/tuning.md, "Concurrency": the measurement on 2 cores).
+MIN_DEFAULT_MM_CONCURRENCY = 4
+
 
 def usable_cpus() -> int:
     """CPUs this process may really use: affinity mask and cgroup v2 quota, not ``os.cpu_count()``."""
@@ -44,3 +48,15 @@ def auto_processes(cpus: int, decode_workers: int) -> int:
     more loops than CPUs only add memory and context switches), at most one per decode worker (each front
     decodes with its share of ``MMGATE_DECODE_WORKERS``, at least one)."""
     return max(1, min(cpus, decode_workers))
+
+
+def default_mm_concurrency(decode_workers: int) -> int:
+    """``MMGATE_MAX_MM_CONCURRENCY``'s default: one media request past admission a decode worker, so none waits
+    idle while requests queue, and never under ``MIN_DEFAULT_MM_CONCURRENCY``, so a backend is kept busy while
+    mmgate decodes the next request's images."""
+    return max(MIN_DEFAULT_MM_CONCURRENCY, decode_workers)
+
+
+def usable_mm_concurrency() -> int:
+    """``default_mm_concurrency`` with the default decode workers (this machine's usable CPUs)."""
+    return default_mm_concurrency(usable_cpus())

@@ -13,7 +13,14 @@ from typing import Literal
 
 import aiohttp
 
-from proxy.settings.cpus import PROCESS_MODE_FROM_CPUS, DecodeMode, usable_cpus, usable_decode_mode
+from proxy.settings.cpus import (
+    MIN_DEFAULT_MM_CONCURRENCY,
+    PROCESS_MODE_FROM_CPUS,
+    DecodeMode,
+    usable_cpus,
+    usable_decode_mode,
+    usable_mm_concurrency,
+)
 from proxy.settings.declare import AUTO, Auto, setting
 from proxy.settings.parsers import (
     MAX_PROCESSES,
@@ -122,7 +129,8 @@ class Gate:
     """Admission of media requests: the concurrency limit, the queue and its order, the budgets."""
 
     max_mm_concurrency: int | Auto = setting(
-        4, parse=integer(1, 100_000), essential=True,
+        default_factory=usable_mm_concurrency, parse=integer(1, 100_000), essential=True,
+        shown=f"MMGATE_DECODE_WORKERS, at least {MIN_DEFAULT_MM_CONCURRENCY}",
         auto="found from the backend's completions per second and latency",
         help="media requests past admission at once", details="see [fleet](fleet.md) for `auto`")
     max_queue: int = setting(64, parse=integer(0, 1_000_000), essential=True,

@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any
 
-from proxy.settings.cpus import auto_processes, default_decode_mode, usable_cpus
+from proxy.settings.cpus import auto_processes, default_decode_mode, default_mm_concurrency, usable_cpus
 from proxy.settings.declare import AUTO, ConfigError, Info, env_name, flag_name, info_of
 from proxy.settings.sections import SECTIONS
 
@@ -145,6 +145,8 @@ def sections_from_env(environ: Mapping[str, str], overrides: Mapping[str, str]) 
                           "is served on the admin port only")
     if "decode_mode" not in values:
         values["decode_mode"] = default_decode_mode(usable_cpus())
+    if "max_mm_concurrency" not in values:
+        values["max_mm_concurrency"] = default_mm_concurrency(values["decode_workers"])
     if values.get("processes") is AUTO:
         values["processes"] = auto_processes(usable_cpus(), values["decode_workers"])
     elif values.get("processes", setting_default("processes")) > values["decode_workers"]:
