@@ -44,7 +44,7 @@ _DRAFT_SCALES = (8, 4, 2, 1)
 
 def draft_scale(source_format: str, width: int, height: int, target_w: int, target_h: int) -> int:
     """The scale a JPEG's draft decode reduces a stored ``width`` x ``height`` image by for a resize to
-    ``target_w`` x ``target_h`` (Pillow's ``JpegImageFile.draft``: the largest of 8, 4, 2 that still covers the
+    ``target_w`` x ``target_h`` (Pillow's JPEG draft: the largest of 8, 4, 2 that still covers the
     target); 1 for other formats."""
     if source_format != "JPEG":
         return 1
