@@ -52,8 +52,9 @@ What it borrows, and from whom:
 - Netflix concurrency-limits' ``Gradient2Limit``: the per-class reference is its long exponential average
   (``reference``); its tolerance of 1.5: a cruise phase whose latency exceeds both the last phases' and the
   references by half again is the backend slowing down (other work on it, or it changed), and the limit gives
-  way in proportion, then searches again from there as startup does, up to the old limit at most (a cruise
-  whose rate fell by a quarter while its latency grew does the same: the knee moved below the limit); a phase
+  way in proportion, then narrows the knee down again between a quarter below the cut and the old limit, now
+  known to be too high (a cruise whose rate fell by a quarter while its latency grew a fifth does the same: the
+  knee moved below the limit); a phase
   that did not keep the limit full raises nothing (the app-limited rule). Not taken: growth
   by a fixed queue size per window, and the drift of its long average (``reference`` says why).
 - TCP congestion window validation (RFC 7661): a limit that demand did not fill for a whole phase comes down to
@@ -536,15 +537,17 @@ class AdaptiveLimit:
 
     def _give_way(self, share: float) -> Kind:
         """The backend slowed down under the same limit (other work on it, or it changed): the limit gives way
-        in proportion to how much slower (no deeper than half), then startup searches again from there, its
-        first step going back no further than where it was (a backend uniformly slower has its knee where it
-        had; one whose knee moved is cut short on the way up, and the search narrows down to the new one)."""
+        in proportion to how much slower (no deeper than half), then startup narrows the knee down again from
+        there, the old limit counted as too high: a quarter below the cut and halfway back up are tried (a
+        backend uniformly slower has its knee where it had, one whose knee moved has it lower: measuring each
+        beats guessing which)."""
         before = self.cruise_limit
         self.cruise_limit = self._bounded(int(before * max(MIN_GRADIENT, share)))
         self._cruise_on(None, None)
         if self.cruise_limit == before:  # at the floor already: nothing below to search
             return self._next_in_cycle()
         self.mode, self._no_growth, self._last_step, self._resume = "startup", 0, None, before
+        self._narrowing, self._narrowed, self._lost = True, 0, {before}
         return "startup"
 
     def _rates(self) -> dict[int, float]:

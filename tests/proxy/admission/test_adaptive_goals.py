@@ -111,26 +111,17 @@ def test_from_a_cold_start_auto_over_the_whole_cell_is_far_above_last_round(name
     assert min(whole) >= 0.7
 
 
-@pytest.mark.parametrize("name", [
-    "2x slower",
-    "2x faster",
-    pytest.param("knee 8 to 4", marks=pytest.mark.xfail(
-        strict=True, reason="issue 43's goal, not met: measured 0.84 (0.53-0.92); last round 0.00")),
-    pytest.param("batching best 8 to 4", marks=pytest.mark.xfail(
-        strict=True, reason="issue 43's goal, not met: measured 0.76 (0.72-0.79); last round 0.22: the phases "
-                            "right after the step still measure the slow requests the backend holds")),
-])
+@pytest.mark.parametrize("name", STEPS)
 def test_a_capacity_step_is_followed_within_5_s(name: str) -> None:
-    """Measured: 2x slower 0.91 (0.89-0.91), 2x faster 0.96 (0.92-0.97). Last round: 0.32 (the limit gave way and
-    stayed down) and 0.94."""
+    """Measured: 2x slower 0.93 (0.91-0.99), 2x faster 0.96 (0.92-0.96), knee 8 to 4 0.95 (0.92-0.97), batching
+    best 8 to 4 0.98 (0.83-1.01). Last round: 0.32 (the limit gave way and stayed down), 0.94, 0.00 and 0.22 (the
+    limit stayed past the new knee, and nothing completed)."""
     assert statistics.median(after_step(name)) >= 0.9
 
 
 @pytest.mark.parametrize("name", STEPS)
-def test_a_capacity_step_costs_at_most_half(name: str) -> None:
-    """A floor on every seed, far above the last round's 0.32 (2x slower), 0.00 (knee 8 to 4) and 0.22 (batching
-    best 8 to 4: the limit stayed past the new knee, and nothing completed)."""
-    assert min(after_step(name)) >= 0.5
+def test_a_capacity_step_costs_at_most_a_fifth_on_every_seed(name: str) -> None:
+    assert min(after_step(name)) >= 0.8
 
 
 def test_a_backend_that_stops_answering_is_given_way_before_anything_completes() -> None:
