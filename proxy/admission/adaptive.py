@@ -207,7 +207,6 @@ class AdaptiveLimit:
         self._last_step: tuple[int, float] | None = None  # startup: the last limit that grew, and its rate
         self._lost: set[int] = set()  # startup: limits cut short, their rate plainly below the best
         self._narrowing = False  # startup: past the knee, narrowing it down
-        self._resume: int | None = None  # startup after giving way: the limit its first step goes back to at most
         self._narrowed = 0
         self._no_growth = 0
         self._index = 0  # the phase's place in CYCLE
@@ -520,17 +519,13 @@ class AdaptiveLimit:
         if limit >= self.ceiling:
             self._why = "startup: at the ceiling"
             return self._narrow()
-        gain = 2.0 if self._resume is None else STARTUP_GAIN  # after giving way: the knee is near
+        gain = 2.0
         if last is not None and last[1] and step > 1:
             per_doubling = (rate / last[1]) ** (1 / math.log2(step))
             if per_doubling < DOUBLING_GROWTH:  # the gains dwindle: the knee is near
                 gain = min(2.0, max(STARTUP_GAIN, per_doubling))
         self._last_step = (limit, rate)
-        following = round(limit * gain)
-        if self._resume is not None and self._resume > limit:
-            following = min(following, self._resume)
-        self._resume = None
-        self.cruise_limit = self._bounded(max(limit + 1, following))
+        self.cruise_limit = self._bounded(max(limit + 1, round(limit * gain)))
         self._why = f"startup: the rate grew ×{rate / last[1]:.2f} at {limit}" if last is not None and last[1] else (
             "startup: the first step")
         return "startup"
@@ -546,7 +541,7 @@ class AdaptiveLimit:
         self._cruise_on(None, None)
         if self.cruise_limit == before:  # at the floor already: nothing below to search
             return self._next_in_cycle()
-        self.mode, self._no_growth, self._last_step, self._resume = "startup", 0, None, before
+        self.mode, self._no_growth, self._last_step = "startup", 0, None
         self._narrowing, self._narrowed, self._lost = True, 0, {before}
         return "startup"
 
@@ -590,7 +585,7 @@ class AdaptiveLimit:
             self._why += f"; startup over: the smallest limit with {NEAR_BEST:.0%} of the best rate"
             self._top = max((mix for mix, _latency in self._table.values()), key=self.rate_of)
             self._cruise_on(*self._table[self.cruise_limit])
-        self._table, self._lost, self._last_step, self._resume = {}, set(), None, None
+        self._table, self._lost, self._last_step = {}, set(), None
         self._narrowing, self._narrowed, self._no_growth = False, 0, 0
         self.mode = "probe"
         self._ups = self._floor_phases = 0
