@@ -135,11 +135,18 @@ async def test_on_stall_is_called_once_when_the_answer_waits_on_the_client() -> 
         conn.on_stall = on_stall
         response = web.StreamResponse()
         await response.prepare(request)
+        stall = asyncio.ensure_future(stalled.wait())
         try:
             while not stalled.is_set():
-                await response.write(EVENT)
+                # The write that goes over the high-water mark may itself wait on the client (aiohttp drains
+                # every 64 KiB), so the stall is awaited beside it, not after it.
+                writing = asyncio.ensure_future(response.write(EVENT))
+                await asyncio.wait({writing, stall}, return_when=asyncio.FIRST_COMPLETED)
+                if not writing.done():
+                    writing.cancel()
             assert conn.on_stall is None
         finally:
+            stall.cancel()
             done.set()
         return response
 
