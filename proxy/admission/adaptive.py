@@ -343,20 +343,21 @@ class AdaptiveLimit:
         """The most work per second the phase can still show, by Little's law: ``limit`` requests at once, none
         back sooner than the floor under its median time in flight, each worth at most the costliest class of
         ``compared`` (the classes of requests in flight are not known yet; a flood of cheap answers in the mix
-        must not make honest ones look overdue). Demand that does not fill the limit counts as what it holds.
-        None when the phase has no such floor."""
+        must not make honest ones look overdue). None when the phase has no such floor, or when demand does not
+        fill its limit (demand, not the backend, is what holds its rate down)."""
         since = self._now.in_flight  # a step up is judged on its own requests: the last phase's had the last limit
         at_least = self._now.median_at_least([now - started for started in reversed(since)])
-        if at_least is None or at_least <= 0 or not compared:
+        if at_least is None or at_least <= 0 or not compared or not self._filled(now):
             return None
         worth = max(self.references.value(cls) for cls in compared)
-        return min(self.limit, self._in_use) * worth / at_least
+        return self.limit * worth / at_least
 
     def _overdue(self, now: float) -> bool:
         """Whether the requests at the backend already show that the phase cannot do what it is for: a step of
         startup or a probe up that cannot beat the rate it must beat, or a cruise whose latency is past the
-        tolerance, a probe down whose is far past it (the backend slowed down, and nothing completes to say
-        so)."""
+        tolerance, a probe whose is far past it (the backend slowed down, and nothing completes to say so)."""
+        if self._stuck(now):
+            return True
         if self.kind == "startup":
             compared = max((mix for mix, _latency in self._table.values()), key=self.rate_of, default=None)
             ceiling = self._ceiling_rate(now, compared)
@@ -364,12 +365,15 @@ class AdaptiveLimit:
         if self.kind == "up" and self.mix is not None:
             ceiling = self._ceiling_rate(now, self.mix)
             return ceiling is not None and ceiling < (1 + GROW_MIN) * self.rate_of(self.mix)
-        if self.kind in ("cruise", "down"):
-            # a probe down holds what the probe up before it left at the backend: only answers that stopped
-            # coming are judged there
-            slower = self._slower(now)
-            return slower is not None and slower > (TOLERANCE if self.kind == "cruise" else STUCK)
         return False
+
+    def _stuck(self, now: float) -> bool:
+        """Whether the requests at the backend are late past the tolerance (cruise) or far past it (a probe: a
+        probe down holds what the probe up before it left there, and a probe up's own requests take longer)."""
+        if self.kind == "startup":
+            return False
+        slower = self._slower(now)
+        return slower is not None and slower > (TOLERANCE if self.kind == "cruise" else STUCK)
 
     def _slower(self, now: float) -> float | None:
         """How many times its usual latency the floor under the cruise phase's median latency is: the usual is
@@ -384,17 +388,18 @@ class AdaptiveLimit:
         return at_least / max(TINY, worth) / max(1.0, self.latency)
 
     def _cut_short(self, now: float) -> bool:
-        """End an overdue phase without waiting for its answers: startup is past the knee, the probe lost, or
-        the cruise limit gives way in proportion to how far its rate fell (no deeper than half)."""
+        """End an overdue phase without waiting for its answers: startup is past the knee, the probe up lost, or
+        the limit gives way in proportion to how late the requests at the backend are (no deeper than half)."""
         before = self.limit
-        ages = self._now.in_flight if self.kind in ("startup", "up") else self._at_backend
+        stuck = self._stuck(now)
+        ages = self._at_backend if stuck else self._now.in_flight
         self._evidence = (self._now.effective(), None, None,
                           self._now.median_at_least([now - started for started in reversed(ages)]))
         if self.kind == "startup":
             self._why = f"startup: its requests at the backend are too old for {self.limit} to beat the best rate"
             self._lost.add(self.cruise_limit)
             kind = self._narrow()
-        elif self.kind == "up":
+        elif self.kind == "up" and not stuck:
             self._why = "probe up lost: its requests at the backend are too old for it to pay"
             self._ups = 0
             kind = self._next_in_cycle()

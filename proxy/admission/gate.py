@@ -324,11 +324,6 @@ class Gate:
         self._load()  # a limit that grows here lets ``_wake`` go on granting
         return phase
 
-    def _handed_off(self, lease: Lease) -> None:
-        self.preparing -= 1
-        if self.adaptive is not None:
-            lease.at_backend_since = self.adaptive.started(lease.phase)
-
     def _tick(self) -> None:
         """The adaptive limit looks at the requests still at the backend every ``TICK_S`` while any is held or
         waiting, whether or not the counters change: answers that stopped coming say as much as answers that

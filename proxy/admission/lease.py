@@ -8,15 +8,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from proxy.admission.adaptive import AdaptiveLimit
 
 
 class Holder(Protocol):
     """What a lease needs of the gate that granted it."""
 
     preparing: int  # leases granted and not yet handed to the backend
-
-    def _handed_off(self, lease: Lease) -> None: ...
+    adaptive: AdaptiveLimit | None  # with MMGATE_MAX_MM_CONCURRENCY=auto: told when a request reaches the backend
 
     def _give_back(self, lease: Lease) -> None: ...
 
@@ -44,7 +46,9 @@ class Lease:
         if not self.forwarded:
             self.forwarded = True
             if not self.released:
-                self.gate._handed_off(self)
+                self.gate.preparing -= 1
+                if self.gate.adaptive is not None:
+                    self.at_backend_since = self.gate.adaptive.started(self.phase)
 
     def release(self) -> None:
         if not self.released and not self.deferred:
