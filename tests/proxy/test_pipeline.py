@@ -41,8 +41,8 @@ from tests.conftest import StartProxy, Upstream
 ROOT = Path(__file__).resolve().parents[2]
 OURS = tuple(str(ROOT / package) + "/" for package in ("proxy", "preprocessors"))
 
-# Raised from 30 and 3 (5 for the head decodes of dataurl) when the forwarded-size bound (media/forwarded.py) came: it reads a resized image's
-# header a second time, after job.judge_head; handing judge_head's header on is the way back down.
+# Raised from 30 entries and 3 a module when the forwarded-size bound (media/forwarded.py) came: it reads a
+# resized image's header again after job.judge_head; handing judge_head's header on is the way back down.
 MAX_ENTRIES = 38
 MAX_ENTRIES_PER_MODULE = 5
 PIPELINE = "proxy.pipeline"  # the story itself: it calls every stage
