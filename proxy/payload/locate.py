@@ -206,6 +206,7 @@ class Plan:
     """
 
     is_stream: bool = False
+    model: str | None = None  # the body's "model" field, where it is a string
     parts: int = 0  # media items found, URLs included
     items: list[MediaItem] = field(default_factory=list)
     urls: list[MediaItem] = field(default_factory=list)
@@ -247,8 +248,10 @@ def plan_steps(route: Route, body: bytes, limits: Limits) -> Steps[Plan]:
     the first item over ``limits.max_parts``."""
     skeleton, found = yield from find_media_steps(route, body, limits.max_depth, limits.max_parts + 1,
                                                   limits.max_structure)
-    plan = Plan(is_stream=skeleton is not None and isinstance(skeleton.doc, dict)
-                and skeleton.doc.get("stream") is True)
+    doc = skeleton.doc if skeleton is not None and isinstance(skeleton.doc, dict) else {}
+    model = skeleton.text(doc.get("model")) if skeleton is not None else None  # a long name is a placeholder
+    plan = Plan(is_stream=doc.get("stream") is True, model=model)
+    del doc
     del skeleton  # it references the body; the spans in ``found`` are all a plan keeps
     plan.parts = len(found)
     if len(found) > limits.max_parts:

@@ -71,7 +71,7 @@ async def _post(proxy_url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
         return response
 
 
-async def _sent_image(proxy_url: str, upstream: Upstream, model: str = "m") -> tuple[tuple[int, int], str | None]:
+async def _sent_image(proxy_url: str, upstream: Upstream, model: str) -> tuple[tuple[int, int], str | None]:
     """The size of a WIDE image as the upstream received it, and the image-token header it came with."""
     response = await _post(proxy_url, chat_with_image(data_uri(_png(*WIDE)), model=model))
     assert response.status == 200
@@ -141,7 +141,7 @@ async def test_auto_finds_a_model_folder_the_server_loaded_and_works_to_its_geom
         found = await _found(proxy.app, lambda now: now.model is not None)
     assert found.model is not None and found.model.family == "qwen2-vl" and found.folder == str(folder)
     assert "the upstream serves 'qwen': model qwen2-vl (QwenVL(" in caplog.text and str(folder) in caplog.text
-    size, tokens = await _sent_image(proxy.url, upstream)
+    size, tokens = await _sent_image(proxy.url, upstream, "qwen")
     assert size == _resized(found) != WIDE and tokens == str(found.model.image_tokens(*WIDE))
     async with aiohttp.ClientSession() as client, client.get(proxy.url + "/mmgate/stats") as response:
         served = (await response.json())["served_model"]
@@ -156,7 +156,7 @@ async def test_auto_finds_a_hub_id_in_the_hugging_face_cache(
     proxy = await start_proxy(upstream.url)
     found = await _found(proxy.app, lambda now: now.model is not None)
     assert found.model is not None and found.model.family == "idefics3" and found.folder == str(snapshot)
-    size, tokens = await _sent_image(proxy.url, upstream)
+    size, tokens = await _sent_image(proxy.url, upstream, "org/tiny-idefics3")
     assert size == _resized(found) != WIDE and tokens == str(found.model.image_tokens(*WIDE))
 
 
@@ -167,7 +167,21 @@ async def test_a_lora_adapter_keeps_the_base_models_geometry(
     proxy = await start_proxy(upstream.url, MMGATE_MODEL_DIRS=str(places["models"]))
     found = await _found(proxy.app, lambda now: now.model is not None)
     assert found.served is not None and found.served.adapters == {"sql-lora"} and found.served.serves("sql-lora")
-    assert await _sent_image(proxy.url, upstream, model="sql-lora") == await _sent_image(proxy.url, upstream)
+    assert await _sent_image(proxy.url, upstream, model="sql-lora") == await _sent_image(proxy.url, upstream, "qwen")
+
+
+async def test_a_model_the_upstream_does_not_serve_is_forwarded_untouched(
+        upstream: Upstream, start_proxy: StartProxy, places: dict[str, Path]) -> None:
+    """Not the served model, nor an adapter of it: the upstream's to answer, with no geometry of another model."""
+    folder = qwen_folder(places["models"] / "qwen")
+    served = "org/" + "q" * 100  # past the skeleton's literal strings: the request's name read through its placeholder
+    upstream.route("/v1/models", _answering(_vllm_models(served, str(folder), adapters=("sql-lora",))))
+    proxy = await start_proxy(upstream.url, MMGATE_MODEL_DIRS=str(places["models"]))
+    found = await _found(proxy.app, lambda now: now.model is not None)
+    assert (await _sent_image(proxy.url, upstream, served))[0] == _resized(found) != WIDE
+    assert (await _sent_image(proxy.url, upstream, "sql-lora"))[0] == _resized(found)
+    assert (await _sent_image(proxy.url, upstream, "another-model"))[0] == WIDE
+    assert (await _sent_image(proxy.url, upstream, served + "x"))[0] == WIDE
 
 
 async def test_the_servers_processor_kwargs_set_the_geometry(
@@ -178,7 +192,7 @@ async def test_the_servers_processor_kwargs_set_the_geometry(
                               MMGATE_MM_PROCESSOR_KWARGS=json.dumps({"max_pixels": 256 * 28 * 28}))
     found = await _found(proxy.app, lambda now: now.model is not None)
     assert found.model is not None and found.model.geometry.max_pixels == 256 * 28 * 28  # type: ignore[union-attr]
-    size, _tokens = await _sent_image(proxy.url, upstream)
+    size, _tokens = await _sent_image(proxy.url, upstream, "qwen")
     assert size[0] * size[1] <= 256 * 28 * 28 and size == _resized(found)
     explicit = build_state(Settings.from_env({"MMGATE_UPSTREAM": upstream.url, "MMGATE_MODEL": str(folder),
                                               "MMGATE_MM_PROCESSOR_KWARGS": '{"max_pixels": 200704}'}))
@@ -192,7 +206,7 @@ async def test_the_upstream_restarting_with_another_model_brings_its_geometry(
     upstream.route("/v1/models", _answering(_vllm_models("qwen", str(qwen))))
     proxy = await start_proxy(upstream.url, MMGATE_MODEL_DIRS=str(places["models"]))
     first = await _found(proxy.app, lambda now: now.model is not None)
-    assert (await _sent_image(proxy.url, upstream))[0] == _resized(first)
+    assert (await _sent_image(proxy.url, upstream, "qwen"))[0] == _resized(first)
     assert upstream.server is not None
     port = upstream.server.port
     await upstream.server.close()  # the server restarts: a request meanwhile finds it down
@@ -207,7 +221,7 @@ async def test_the_upstream_restarting_with_another_model_brings_its_geometry(
     found = await _found(proxy.app, lambda now: now.model is not None)
     assert found.model is not None and found.model.family == "idefics3"
     assert _resized(found) != _resized(first)
-    assert await _sent_image(proxy.url, upstream) == (_resized(found), str(found.model.image_tokens(*WIDE)))
+    assert await _sent_image(proxy.url, upstream, "idefics3") == (_resized(found), str(found.model.image_tokens(*WIDE)))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -224,7 +238,7 @@ async def test_a_model_not_found_keeps_the_generic_rule_with_a_line_saying_where
     assert found.model is None
     line = next(record.getMessage() for record in caplog.records if "org/absent" in record.getMessage())
     assert str(places["cache"]) in line and str(places["models"]) in line and "MMGATE_MODEL_DIRS" in line
-    assert await _sent_image(proxy.url, upstream) == (WIDE, None)
+    assert await _sent_image(proxy.url, upstream, "m") == (WIDE, None)
 
 
 def _outside_model(places: dict[str, Path]) -> Path:
@@ -265,7 +279,7 @@ async def test_a_root_outside_the_model_folders_is_refused_and_never_read(
         found = await _found(proxy.app, lambda now: now.served is not None)
     assert found.model is None and "refused to read" in found.note
     assert "refused to read" in caplog.text
-    assert await _sent_image(proxy.url, upstream) == (WIDE, None)
+    assert await _sent_image(proxy.url, upstream, "m") == (WIDE, None)
 
 
 async def _slow(_request: web.Request) -> web.Response:
@@ -301,7 +315,7 @@ async def test_a_bad_answer_keeps_the_generic_rule_and_mmgate_serving(
         assert response.status == 200  # readiness never waits on the lookup
     found = await _watcher(proxy.app).wait_for(1)
     assert found.model is None and "refused the upstream's answer" in found.note and said in found.note
-    assert await _sent_image(proxy.url, upstream) == (WIDE, None)
+    assert await _sent_image(proxy.url, upstream, "m") == (WIDE, None)
 
 
 async def test_none_turns_the_model_mode_off(
@@ -310,7 +324,7 @@ async def test_none_turns_the_model_mode_off(
     upstream.route("/v1/models", _answering(_vllm_models("qwen", str(folder))))
     proxy = await start_proxy(upstream.url, MMGATE_MODEL="none", MMGATE_MODEL_DIRS=str(places["models"]))
     assert MODEL_WATCHER not in proxy.app and proxy.state.served.mode == "none"
-    assert await _sent_image(proxy.url, upstream) == (WIDE, None)
+    assert await _sent_image(proxy.url, upstream, "m") == (WIDE, None)
     with pytest.raises(ConfigError, match="MMGATE_MODEL=none"):
         build_state(Settings.from_env({"MMGATE_UPSTREAM": upstream.url, "MMGATE_MODEL": "none",
                                        "MMGATE_MAX_INFLIGHT_IMAGE_TOKENS": "1000"}))
