@@ -217,9 +217,9 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
     if plan.refusals:
         raise plan.refusals.pop()  # popped: no cycle through the plan keeps the body alive
     served = state.served.served
-    if served is not None and plan.model is not None and not served.serves(plan.model):
-        # MMGATE_MODEL=auto: a model the upstream does not serve (nor an adapter of it) is the upstream's to
-        # answer, untouched: no geometry of another model is applied to it.
+    if state.model is not None and served is not None and plan.model is not None and not served.serves(plan.model):
+        # MMGATE_MODEL=auto found the served model: a request for another one (nor an adapter of it) is the
+        # upstream's to answer, untouched: no geometry of the served model is applied to it.
         return plan.is_stream
     if state.upstream.down:  # its forward cannot connect: refuse before the queue and the pool spend anything
         raise upstream_down()
