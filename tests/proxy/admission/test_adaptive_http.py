@@ -185,3 +185,19 @@ async def test_a_client_that_stops_reading_gives_its_slot_back_and_is_no_sample(
     assert received > 512 * len(EVENT)  # the whole answer came after all
     await eventually(lambda: proxy.state.in_flight == 0, "the request is done")
     assert recording.seen == []
+
+
+async def test_stats_show_the_controller_and_why_the_limit_last_moved(upstream: Upstream,
+                                                                      start_proxy: StartProxy) -> None:
+    """/mmgate/stats carries ``AdaptiveLimit.explain``: its phase, and each move of the limit with its reason."""
+    proxy = await start_proxy(upstream.url, **AUTO)
+    for _ in range(3):
+        assert (await _post(proxy, _body()))[0] == 200
+    await _all_back(proxy)
+    async with aiohttp.ClientSession() as client, client.get(proxy.url + "/mmgate/stats") as response:
+        stats = await response.json()
+    controller = stats["gate"]["controller"]
+    assert controller["samples"] == 3 and controller["limit"] == stats["gate"]["limit"]
+    assert controller["mode"] in ("startup", "probe") and controller["phase"] in ("startup", "up", "down", "cruise")
+    assert controller["moves"][0]["why"] == "the floor, before any sample"
+    assert all(move["why"] for move in controller["moves"])
