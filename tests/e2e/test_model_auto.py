@@ -35,6 +35,6 @@ def test_unset_model_finds_the_folder_vllm_loaded_and_runs_in_the_model_mode(
         time.sleep(0.2)
     assert served["mode"] == "auto" and served["family"] == "idefics3", served
     assert served["served"] == h.SERVED_MODEL and served["folder"] == str(folder.resolve())
-    data = photo(2000, 1500, 1)  # Idefics3 brings it to 1456x1092: mmgate resizes it
+    data = photo(4000, 3000, 1)  # Idefics3 brings it to 1456x1092: mmgate resizes it (the handoff pays)
     through, estimate, bytes_in, bytes_out = counted(gate, data)
     assert through == prompt_tokens(vllm, data) and estimate > 0 and bytes_out != bytes_in
