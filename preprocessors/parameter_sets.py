@@ -21,7 +21,7 @@ states; without such a record (Annex B extradata) they are split at start codes,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 Size = tuple[int, int]
 
@@ -313,16 +313,7 @@ def _avcc_units(record: memoryview) -> Iterator[memoryview]:
         if at >= len(record):
             return
         count = record[at] & mask
-        at += 1
-        for _ in range(count):
-            if at + 2 > len(record):
-                raise UncheckableParameterSet("the avcC record ends inside its parameter sets")
-            size = int.from_bytes(record[at:at + 2], "big")
-            at += 2
-            if at + size > len(record):
-                raise UncheckableParameterSet("the avcC record ends inside its parameter sets")
-            yield record[at:at + size]
-            at += size
+        at = yield from _sized_units(record, at + 1, count, "avcC")
 
 
 def _hvcc_units(record: memoryview) -> Iterator[memoryview]:
@@ -334,13 +325,19 @@ def _hvcc_units(record: memoryview) -> Iterator[memoryview]:
         if at + 3 > len(record):
             raise UncheckableParameterSet("the hvcC record ends inside its parameter sets")
         count = int.from_bytes(record[at + 1:at + 3], "big")
-        at += 3
-        for _ in range(count):
-            if at + 2 > len(record):
-                raise UncheckableParameterSet("the hvcC record ends inside its parameter sets")
-            size = int.from_bytes(record[at:at + 2], "big")
-            at += 2
-            if at + size > len(record):
-                raise UncheckableParameterSet("the hvcC record ends inside its parameter sets")
-            yield record[at:at + size]
-            at += size
+        at = yield from _sized_units(record, at + 3, count, "hvcC")
+
+
+def _sized_units(record: memoryview, at: int, count: int, name: str) -> Generator[memoryview, None, int]:
+    """``count`` units from ``at``, each after its 16-bit big-endian size (both records lay them out so);
+    returns where the last one ends."""
+    for _ in range(count):
+        if at + 2 > len(record):
+            raise UncheckableParameterSet(f"the {name} record ends inside its parameter sets")
+        size = int.from_bytes(record[at:at + 2], "big")
+        at += 2
+        if at + size > len(record):
+            raise UncheckableParameterSet(f"the {name} record ends inside its parameter sets")
+        yield record[at:at + size]
+        at += size
+    return at
