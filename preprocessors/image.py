@@ -222,7 +222,7 @@ def _checked_target(img: Image.Image, data: bytes, fmt: str, policy: ImagePolicy
             "send a still image or a shorter animation",
         )
     if policy.geometry is None:
-        return _fit(width, height, policy)
+        return fit_within(width, height, policy)
     _same_as_counted(data, fmt, width, height)
     return handoff_target(policy.geometry, fmt, size, width, height, _orientation(img), _may_carry_alpha(img),
                           policy.output_format)
@@ -287,7 +287,7 @@ def _count_frames(img: Image.Image, limit: int) -> int:
     return count
 
 
-def _fit(width: int, height: int, policy: ImagePolicy) -> tuple[int, int] | None:
+def fit_within(width: int, height: int, policy: ImagePolicy) -> tuple[int, int] | None:
     """The largest size with the same aspect ratio within the resize limits; None if it fits already.
 
     Both limits (pixel count, longest side) are the same for either orientation, so the header size

@@ -38,6 +38,7 @@ from preprocessors.errors import MediaError
 from preprocessors.formats import sniff_image_format
 from preprocessors.geometry import QwenVL, Square
 from preprocessors.handoff import handoff_target
+from preprocessors.image import fit_within
 from proxy.payload.item import BodyRef, MediaItem
 
 # What a rewritten token adds besides its base64: ``"data:image/jpeg;base64,"`` and its quotes, or an
@@ -144,16 +145,7 @@ def _target(found: Dimensions, policy: ImagePolicy, header: Header) -> tuple[int
     if policy.geometry is not None:
         return handoff_target(policy.geometry, header.format, header.file_bytes, found.width, found.height,
                               found.orientation, header.alpha, policy.output_format)
-    width, height = found.width, found.height
-    scale = 1.0
-    if policy.resize_max_pixels and width * height > policy.resize_max_pixels:
-        scale = math.sqrt(policy.resize_max_pixels / (width * height))
-    if policy.resize_max_side and max(width, height) > policy.resize_max_side:
-        scale = min(scale, policy.resize_max_side / max(width, height))
-    if scale >= 1.0:
-        return None
-    # ``image._fit`` rounds so and then only ever lowers a side: this is never smaller than what it makes.
-    return max(1, round(width * scale)), max(1, round(height * scale))
+    return fit_within(found.width, found.height, policy)
 
 
 def _largest_output_pixels(policy: ImagePolicy) -> int:

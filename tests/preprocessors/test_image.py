@@ -24,7 +24,7 @@ from PIL import GifImagePlugin, Image, ImageDraw, ImageOps
 from preprocessors.base import AudioPolicy, Cancelled, ImagePolicy, no_checkpoint
 from preprocessors.errors import MediaError
 from preprocessors.formats import ALLOWED_FORMATS, MIME_BY_FORMAT
-from preprocessors.image import _fit, process_image
+from preprocessors.image import fit_within, process_image
 from preprocessors.job import MediaTask, Verdict, judge_head, run_task
 from testkit.media import image_bytes
 from tests.preprocessors.conftest import decode, encode, expect_error, noisy
@@ -41,7 +41,7 @@ RESIZE_SMALL = ImagePolicy(resize_max_pixels=10_000)
 )
 def test_fit_respects_limits_and_aspect(width: int, height: int, max_pixels: int, max_side: int) -> None:
     policy = ImagePolicy(resize_max_pixels=max_pixels, resize_max_side=max_side)
-    target = _fit(width, height, policy)
+    target = fit_within(width, height, policy)
     fits = (not max_pixels or width * height <= max_pixels) and (
         not max_side or max(width, height) <= max_side
     )
