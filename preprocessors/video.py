@@ -123,7 +123,7 @@ def probe_video(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> Vid
                "analyzeduration": str(_PROBE_MICROSECONDS), "max_streams": str(MAX_STREAMS + 1),
                "skip_frame": "all", "max_pixels": str(policy.max_pixels)}
     try:
-        container = av.open(BytesIO(data), mode="r", options=options, metadata_errors="ignore")
+        container = av.open(BytesIO(data), mode="r", options=options, **_metadata_arguments(av))
     except av.MemoryError:  # the MP4 demuxer's answer to a stream past max_streams
         raise VIDEO_INVALID.error(f"the clip holds more than {MAX_STREAMS} streams, or tables out of proportion "
                                   "to its size: send one video stream, with its audio if it has any") from None
@@ -134,6 +134,14 @@ def probe_video(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> Vid
         return _judge(av, container, policy, checkpoint)
     finally:
         container.close()
+
+
+def _metadata_arguments(av: Any) -> dict[str, str]:
+    """What ``av.open`` needs so that a tag that is not UTF-8 (a camera's title in Latin-1) does not fail the
+    probe: PyAV before 19 decodes tags strictly unless told ``metadata_errors="ignore"``; PyAV 19 removed the
+    argument and always decodes with ``surrogateescape``, which cannot fail."""
+    major = int(str(av.__version__).split(".", 1)[0])
+    return {"metadata_errors": "ignore"} if major < 19 else {}
 
 
 def _judge_tables(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> None:

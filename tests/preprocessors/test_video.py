@@ -52,6 +52,37 @@ async def test_a_valid_clip_reaches_the_upstream_byte_for_byte(upstream: Upstrea
     assert upstream.seen[-1].body == body
 
 
+def with_a_latin1_title(clip_of: str) -> bytes:
+    """A clip whose container and stream titles are Latin-1, not UTF-8, as some cameras and old muxers write
+    them: written as UTF-8 ``é`` (two bytes), then swapped for Latin-1's one-byte ``é`` and a space."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=clip_of) as output:
+        output.metadata["title"] = "caf\u00e9 title"
+        stream = output.add_stream("libx264", rate=10)
+        assert isinstance(stream, av.VideoStream)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        stream.metadata["title"] = "caf\u00e9 title"
+        for frame in flat_frames(32, 32, 3):
+            output.mux(stream.encode(frame))
+        output.mux(stream.encode(None))
+    clip = buffer.getvalue()
+    assert b"caf\xc3\xa9 title" in clip
+    return clip.replace(b"caf\xc3\xa9 title", b"caf\xe9  title")
+
+
+@pytest.mark.parametrize("container", ["mp4", "matroska"])
+async def test_a_clip_whose_titles_are_not_utf8_reaches_the_upstream(upstream: Upstream, proxy: Proxy,
+                                                                     container: str) -> None:
+    """Tags are not the probe's business: one in another encoding passes, on every PyAV the extra allows."""
+    body = orjson.dumps(chat_with_video(data_uri(with_a_latin1_title(container), "video/mp4")))
+    async with aiohttp.ClientSession() as session, session.post(
+            proxy.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}) as response:
+        assert response.status == 200, await response.text()
+    assert upstream.seen[-1].body == body
+
+
 async def test_a_valid_clip_through_the_openai_sdk(upstream: Upstream, proxy: Proxy) -> None:
     uri = data_uri(video_clip(), "video/mp4")
     client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
