@@ -87,24 +87,29 @@ class ServedModel:
     served: Served | None = None
     folder: str = ""
     note: str = ""
+    reason: str = ""  # why no model is, as a key of ``FIXES`` ("" where a model is in force)
 
     @classmethod
     def at_start(cls, spec: str, model: Model | None) -> ServedModel:
         """What is in force at start-up for MMGATE_MODEL=``spec``, and ``model`` loaded from it."""
         if spec == AUTO:
-            return cls(AUTO, note="the upstream has not been asked yet")
+            return cls(AUTO, note="the upstream has not been asked yet", reason="not_asked")
         if spec == NONE:
-            return cls(NONE, note="MMGATE_MODEL=none turns the model mode off")
-        return cls("explicit", model, folder=spec,
-                   note="" if model is not None else f"MMGATE_MODEL={spec}: its family has no model geometry in mmgate")
+            return cls(NONE, note="MMGATE_MODEL=none turns the model mode off", reason="off")
+        if model is not None:
+            return cls("explicit", model, folder=spec)
+        return cls("explicit", folder=spec, note=f"MMGATE_MODEL={spec}: its family has no model geometry in mmgate",
+                   reason="unsupported")
 
     def describe(self) -> dict[str, Any]:
-        """The JSON /mmgate/stats shows under ``served_model``."""
+        """The JSON /mmgate/stats shows under ``served_model`` (and the dashboard draws): ``reason`` and ``fix``
+        (the setting that fixes it) are None where a model is in force."""
         model = self.model
+        reason = (self.reason or None) if model is None else None
         return {"mode": self.mode, "family": model.family if model is not None else None,
                 "geometry": geometry_text(model), "served": self.served.name if self.served else None,
                 "root": self.served.root if self.served else None, "folder": self.folder or None,
-                "note": self.note}
+                "note": self.note, "reason": reason, "fix": FIXES.get(reason or "")}
 
     def line(self) -> str:
         """One line for the log and ``--print-config``."""
@@ -112,6 +117,22 @@ class ServedModel:
             where = f" from {self.folder}" if self.folder else ""
             return f"model {self.model.family} ({geometry_text(self.model)}){where}"
         return f"no model geometry, the generic rule (MMGATE_RESIZE_MAX_*): {self.note}"
+
+
+# Why no model is in force (``ServedModel.reason``), and what fixes it.
+FIXES = {
+    "not_asked": "nothing yet: the upstream is asked once mmgate has started",
+    "off": "MMGATE_MODEL=auto (the default) finds the model the upstream serves",
+    "upstream_silent": "start the upstream (it is asked again until it answers), or set MMGATE_MODEL to the "
+                       "model's folder",
+    "upstream_down": "nothing: the upstream is asked again once it answers",
+    "answer_refused": "set MMGATE_MODEL to the model's folder, where the upstream cannot name it",
+    "refused": "mount the model's folder inside MMGATE_MODEL_DIRS or the Hugging Face cache (HF_HOME), or set "
+               "MMGATE_MODEL to the model's folder",
+    "not_found": FIX_HINT,
+    "not_loadable": "set MMGATE_MODEL to a folder whose processor files transformers reads",
+    "unsupported": "none in mmgate: the generic rule applies (MMGATE_RESIZE_MAX_PIXELS, MMGATE_RESIZE_MAX_SIDE)",
+}
 
 
 def geometry_text(model: Model | None) -> str | None:
@@ -381,13 +402,14 @@ class ModelWatcher:
         self._cache = cache
         self._wake = asyncio.Event()
         self._looked = asyncio.Condition()
-        self.current = ServedModel(AUTO, note="the upstream has not been asked yet")
+        self.current = ServedModel(AUTO, note="the upstream has not been asked yet", reason="not_asked")
         self.lookups = 0
 
     def upstream_down(self) -> None:
         """The upstream went away: the generic rule until it answers again and says what it serves."""
         if self.current.model is not None:
-            self._put(ServedModel(AUTO, note="the upstream is down; it is asked again once it answers"))
+            self._put(ServedModel(AUTO, note="the upstream is down; it is asked again once it answers",
+                                  reason="upstream_down"))
 
     def upstream_back(self) -> None:
         self._wake.set()
@@ -416,7 +438,7 @@ class ModelWatcher:
         except (aiohttp.ClientError, OSError) as error:
             answered = False
             found = ServedModel(AUTO, note=f"the upstream did not answer GET /v1/models ({type(error).__name__}); "
-                                           "asked again until it answers")
+                                           "asked again until it answers", reason="upstream_silent")
         async with self._looked:
             self._put(found)
             self.lookups += 1
@@ -428,30 +450,32 @@ class ModelWatcher:
             served = await self._ask()
         except AnswerError as error:
             return ServedModel(AUTO, note=f"refused the upstream's answer: {error}; MMGATE_MODEL names the model "
-                                          "where the upstream cannot")
+                                          "where the upstream cannot", reason="answer_refused")
         cache = self._cache or hub_cache()
         try:
             folder = await asyncio.to_thread(locate, served, self._dirs, cache)
         except Refused as refusal:
             return ServedModel(AUTO, served=served, note=f"the upstream serves {served.root!r}; refused to read: "
-                                                         f"{refusal}")
+                                                         f"{refusal}", reason="refused")
         except LookupError as missing:
             return ServedModel(AUTO, served=served, note=f"the upstream serves {served.name!r}, whose processor "
                                                          f"files were looked for and not found: {missing}; "
-                                                         f"{FIX_HINT}")
+                                                         f"{FIX_HINT}", reason="not_found")
         if self.current.model is not None and self.current.folder == str(folder) and self.current.served == served:
             return self.current
         try:
             model = await asyncio.to_thread(load, folder, served.name, self._overrides)
         except ConfigError as error:
-            return ServedModel(AUTO, served=served, folder=str(folder), note=f"found {folder}, not usable: {error}")
+            return ServedModel(AUTO, served=served, folder=str(folder), note=f"found {folder}, not usable: {error}",
+                               reason="not_loadable")
         except Exception as error:  # a processor transformers cannot read must not stop mmgate serving
             return ServedModel(AUTO, served=served, folder=str(folder),
-                               note=f"found {folder}, not loadable ({type(error).__name__}: {str(error)[:200]})")
+                               note=f"found {folder}, not loadable ({type(error).__name__}: {str(error)[:200]})",
+                               reason="not_loadable")
         if not model.supported:
             return ServedModel(AUTO, served=served, folder=str(folder),
                                note=f"{served.name!r} is a {model.family} model, which has no model geometry in "
-                                    "mmgate")
+                                    "mmgate", reason="unsupported")
         return ServedModel(AUTO, model, served, str(folder), f"found in {folder}")
 
     def _put(self, found: ServedModel) -> None:

@@ -76,7 +76,8 @@ async def servers() -> AsyncIterator[Servers]:
 
 
 @contextlib.asynccontextmanager
-async def _servers(**env: str) -> AsyncIterator[Servers]:
+async def _servers(models: dict[str, Any] | None = None, **env: str) -> AsyncIterator[Servers]:
+    """``models``: what the upstream answers to GET /v1/models (without it, 404: it names no model)."""
     hold = asyncio.Event()
     hold.set()
     arrived: asyncio.Queue[None] = asyncio.Queue()
@@ -93,6 +94,13 @@ async def _servers(**env: str) -> AsyncIterator[Servers]:
     upstream_app = web.Application(client_max_size=64 << 20)
     upstream_app.router.add_post("/v1/chat/completions", chat)
     upstream_app.router.add_get("/health", health)
+    if models is not None:
+        answer = models
+
+        async def served_models(request: web.Request) -> web.Response:
+            return web.json_response(answer)
+
+        upstream_app.router.add_get("/v1/models", served_models)
     upstream_runner, upstream_url = await _start(upstream_app)
 
     settings = Settings.from_env({
@@ -379,6 +387,65 @@ async def test_dashboard_shows_image_tokens_in_flight_against_the_budget(page: A
             servers.hold.set()
             assert await asyncio.gather(*held) == [200, 200, 200]
             await page.wait_for_function(f"() => {_value('tokens-inflight')} === 0", timeout=PAGE_TIMEOUT_MS)
+
+
+def _vllm_models(name: str, root: str) -> dict[str, Any]:
+    """vLLM's answer to GET /v1/models: ``root`` is the path or Hub id it loaded."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "root": root, "parent": None}]}
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("case", ["found", "not_found", "off"])
+async def test_dashboard_and_stats_name_the_model_in_force_or_why_none_is(
+        case: str, page: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MMGATE_MODEL=auto with the served model's folder in MMGATE_MODEL_DIRS: the family and its geometry; a
+    Hub id found nowhere, or MMGATE_MODEL=none: the generic rule, why, and the setting that fixes it."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty cache: only MMGATE_MODEL_DIRS holds models
+    models = tmp_path / "models"
+    env: dict[str, str] = {"MMGATE_MODEL_DIRS": str(models)}
+    answer: dict[str, Any] | None = _vllm_models("org/missing-vl", "org/missing-vl")
+    if case == "found":
+        pytest.importorskip("transformers", reason="the model extra: pip install -e '.[model]'")
+        from testkit.models import qwen_folder
+
+        folder = str(qwen_folder(models / "qwen"))
+        answer = _vllm_models("qwen", folder)
+    elif case == "off":
+        env["MMGATE_MODEL"], answer = "none", None
+    async with _servers(models=answer, **env) as servers:
+        await page.goto(servers.proxy_url + "/mmgate/dashboard")
+        # Found in the background: the page shows the lookup's outcome once it has ended.
+        shown = ("() => document.querySelector('[data-testid=\"model-family\"]').dataset.value === 'qwen2-vl'"
+                 if case == "found" else
+                 f"() => document.querySelector('[data-testid=\"model-reason\"]').dataset.value === '{case}'")
+        await page.wait_for_function(shown, timeout=PAGE_TIMEOUT_MS)
+        async with aiohttp.ClientSession() as client, client.get(servers.proxy_url + "/mmgate/stats") as response:
+            served = (await response.json())["served_model"]
+        family = await page.text_content('[data-testid="model-family"]')
+        geometry = await page.text_content('[data-testid="model-geometry"]')
+        reason_shown = await page.is_visible('[data-testid="model-reason"]')
+        fix_shown = await page.is_visible('[data-testid="model-fix"]')
+        fix = await page.text_content('[data-testid="model-fix"]') or ""
+        assert await page.text_content('[data-testid="model-mode"]') == served["mode"]
+        if case == "found":
+            assert served["family"] == family == "qwen2-vl" == await page.text_content('[data-testid="tokens-model"]')
+            assert served["geometry"].startswith("QwenVL(") and geometry == served["geometry"]
+            assert served["reason"] is None and served["fix"] is None and served["folder"] == folder
+            assert await page.text_content('[data-testid="model-folder"]') == folder
+            assert await page.text_content('[data-testid="model-served"]') == "qwen"
+            assert not reason_shown and not fix_shown
+            return
+        assert served["family"] is None and served["geometry"] is None and served["reason"] == case
+        assert family == "none: the generic rule" and "MMGATE_RESIZE_MAX_PIXELS" in (geometry or "")
+        assert reason_shown and await page.text_content('[data-testid="model-reason"]') == served["note"]
+        assert fix_shown and fix == "Fix: " + served["fix"]
+        if case == "not_found":
+            assert served["mode"] == "auto" and served["served"] == "org/missing-vl"
+            assert "'org/missing-vl'" in served["note"] and str(models) in served["note"]
+            assert "MMGATE_MODEL_DIRS" in fix
+        else:
+            assert served["mode"] == "none" and "MMGATE_MODEL=auto" in fix
+        assert await page.evaluate(OVERFLOWING) == []  # the longest of the texts, the reason, wraps inside its tile
 
 
 @pytest.mark.browser
