@@ -51,7 +51,7 @@ from PIL import Image
 
 from preprocessors.dataurl import decode_base64, parse_data_url
 from preprocessors.errors import MediaError, MmgateError
-from proxy.payload.rawjson import Span, skeletonize, splice
+from proxy.payload.rawjson import MAX_NESTING, Span, skeletonize, splice
 
 from .media import video_clip
 from .servers import Proxy, Upstream
@@ -1519,18 +1519,23 @@ def check_pure_splice(case: JsonCase) -> None:
 
 
 def check_pure_skeleton(case: JsonCase) -> None:
-    """``skeletonize(body).resolve()`` equals ``json.loads`` of the body for any JSON json.loads takes; for
-    anything else skeletonize and resolve raise nothing but ``MmgateError(400, "invalid_json")``.
+    """``skeletonize(body).resolve()`` equals ``json.loads`` of the body for any JSON json.loads takes that
+    nests at most ``MAX_NESTING`` deep; deeper JSON is refused, and anything else too, with nothing but
+    ``MmgateError(400, "invalid_json")``: the same bound on every Python, whatever its recursion accounting.
 
     Both run with the same 1000 frames of headroom (a fresh interpreter's limit), whatever the caller's
-    stack or hypothesis' raised limit: how deep json.loads (the reference, and skeletonize's fallback)
-    goes depends on it."""
-    with stack_headroom(1000):
+    stack or hypothesis' raised limit; the reference gets ``MAX_NESTING`` more, so that it parses all JSON
+    within the bound on any Python."""
+    too_deep = _nesting(case.body) > MAX_NESTING
+    with stack_headroom(1000 + MAX_NESTING):
         # From a str: json.loads(bytes) would also take a UTF-8 byte order mark, which RFC 8259 section 8.1
         # lets a parser refuse (mmgate does: 400 invalid_json).
         expected, reference_error = attempt(lambda: json.loads(case.body.decode("utf-8")))
+    with stack_headroom(1000):
         got, error = attempt(lambda: skeletonize(case.body).resolve())
-    valid = reference_error is None  # RecursionError too: deeper than Python's parser goes, only "no crash"
+    valid = reference_error is None and not too_deep
+    if too_deep and not isinstance(error, MmgateError):
+        raise fail("skeleton-took-too-deep", f"nested past {MAX_NESTING} and not refused: {case.body[:100]!r}")
     if isinstance(error, MmgateError):
         if error.status != 400 or error.code != "invalid_json":
             raise fail("skeleton-wrong-error", f"{error.status} {error.code}")
@@ -1538,13 +1543,34 @@ def check_pure_skeleton(case: JsonCase) -> None:
             raise fail("skeleton-refused-valid-json", f"{error.message}: {case.body[:200]!r}")
         return
     if isinstance(error, RecursionError):
-        if valid:
-            raise fail("skeleton-recursion", f"RecursionError on JSON json.loads accepts: {case.body[:100]!r}")
-        return
+        raise fail("skeleton-recursion", f"RecursionError: {case.body[:100]!r}")
     if error is not None:
         raise fail(f"skeleton-raised:{type(error).__name__}", f"{error!r}: {case.body[:200]!r}")
     if valid and _orjson_numbers(got) != _orjson_numbers(expected):
         raise fail("skeleton-differs", f"resolve() != json.loads: {got!r:.200} vs {expected!r:.200}")
+
+
+def _nesting(body: bytes) -> int:
+    """How deep objects and arrays nest in ``body``, brackets inside strings not counted: read byte by byte,
+    apart from the product's own scan."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in b"]}":
+            depth -= 1
+    return deepest
 
 
 def _orjson_numbers(doc: Any) -> Any:

@@ -21,10 +21,12 @@ import functools
 import json
 import re
 import secrets
+import sys
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy
 import orjson
 
 from preprocessors.errors import INVALID_JSON, InvalidJson
@@ -377,20 +379,64 @@ def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | N
     return Skeleton(body, _parse(skeleton_bytes), cuts, "\x00" + nonce + ":")
 
 
+# How deep objects and arrays may nest in a body: orjson's own bound, held on the stdlib fallback too, so that
+# the answer is the same on every Python (3.11's json.loads stops where the recursion limit is, near 1000
+# frames less the caller's; 3.12 and later count its C recursion apart, allowing thousands).
+MAX_NESTING = 1024
+_STRING_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_OPENERS = numpy.frombuffer(b"[{", numpy.uint8)
+_CLOSERS = numpy.frombuffer(b"]}", numpy.uint8)
+
+
+def _too_deep() -> InvalidJson:
+    return INVALID_JSON.error(f"request body is not valid JSON: objects and arrays are nested more than "
+                              f"{MAX_NESTING} levels deep")
+
+
+def _nesting(data: bytes) -> int:
+    """The deepest nesting of objects and arrays in ``data``, brackets inside strings not counted."""
+    brackets = numpy.frombuffer(_STRING_TOKEN.sub(b"", data), numpy.uint8)
+    steps = numpy.isin(brackets, _OPENERS).astype(numpy.int64) - numpy.isin(brackets, _CLOSERS)
+    return int(numpy.cumsum(steps).max(initial=0))
+
+
 def _parse(data: bytes) -> Any:
     """orjson; the stdlib as a fallback for JSON it refuses but Python backends accept (NaN, Infinity, numbers
     beyond a double, lone surrogate escapes), tried only where one of those could be why: the stdlib is
-    slower, and a second full parse of a body that is plain invalid would double the time the GIL is held."""
+    slower, and a second full parse of a body that is plain invalid would double the time the GIL is held.
+    Either way nesting deeper than ``MAX_NESTING`` is refused, and nesting within it is parsed."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         reason = exc.msg
+    if reason.startswith("depth limit exceeded"):
+        raise _too_deep() from None
     if not ("surrogate" in reason or "infinity" in reason or b"NaN" in data or b"Infinity" in data):
         raise INVALID_JSON.error(f"request body is not valid JSON: {reason}") from None
+    if _nesting(data) > MAX_NESTING:
+        raise _too_deep()
     try:
-        return json.loads(data.decode("utf-8"))
+        return _stdlib_loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise INVALID_JSON.error(f"request body is not valid JSON: {reason}") from None
+
+
+def _stdlib_loads(text: str) -> Any:
+    """``json.loads`` with room for ``MAX_NESTING`` levels: before 3.12 its C scanner counts against the Python
+    recursion limit, which is raised (never lowered) to the caller's depth and that much more."""
+    if sys.version_info < (3, 12):
+        needed = len(_frames()) + MAX_NESTING + 50
+        if sys.getrecursionlimit() < needed:
+            sys.setrecursionlimit(needed)
+    return json.loads(text)
+
+
+def _frames() -> list[Any]:
+    frame, frames = sys._getframe(), []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back  # type: ignore[assignment]
+    return frames
 
 
 def splice(body: bytes, replacements: Iterable[tuple[Span, bytes]]) -> bytes:

@@ -33,6 +33,7 @@ from proxy.payload.locate import (
     may_contain_media,
 )
 from proxy.payload.rawjson import (
+    MAX_NESTING,
     STEP_BYTES,
     STEP_TOKENS,
     Skeleton,
@@ -155,6 +156,30 @@ def test_numbers_and_literals_pass_through_untouched() -> None:
 def test_stdlib_fallback_for_what_orjson_refuses() -> None:
     sk = skeletonize(b'{"x": NaN, "s": "\\ud800", "d": "data:,"}')
     assert sk.doc["x"] != sk.doc["x"] and sk.text(sk.doc["s"]) == "\ud800"
+
+
+def nested(depth: int, inner: bytes) -> bytes:
+    """``inner`` inside ``depth`` arrays and objects, alternating, with a string of brackets at every level."""
+    head = b"".join(b'[" [{ ",' if level % 2 == 0 else b'{"k[": ' for level in range(depth))
+    tail = b"".join(b"]" if level % 2 == 0 else b"}" for level in reversed(range(depth)))
+    return head + inner + tail
+
+
+@pytest.mark.parametrize("inner", [b"1", b"NaN"], ids=["orjson", "stdlib-fallback"])
+def test_json_nested_to_the_documented_depth_parses_and_deeper_is_a_400(inner: bytes) -> None:
+    """``MAX_NESTING`` on every Python: 3.11's json.loads stops near its recursion limit (1000 frames less the
+    caller's), 3.12 and later's goes thousands deep, and orjson stops at 1024."""
+    assert MAX_NESTING == 1024
+    doc, depth = skeletonize(nested(MAX_NESTING, inner)).resolve(), 0
+    while isinstance(doc, list | dict):
+        assert list(doc) == ([" [{ ", doc[1]] if isinstance(doc, list) else ["k["])
+        doc, depth = doc[1] if isinstance(doc, list) else doc["k["], depth + 1
+    assert depth == MAX_NESTING and str(float(doc)) == str(float(inner))
+    for depth in (MAX_NESTING + 1, 3 * MAX_NESTING):
+        with pytest.raises(MmgateError) as caught:
+            skeletonize(nested(depth, inner))
+        assert caught.value.status == 400 and caught.value.code == "invalid_json"
+        assert f"nested more than {MAX_NESTING} levels deep" in caught.value.message
 
 
 @pytest.mark.parametrize(
