@@ -116,7 +116,9 @@ class ServedModel:
         if self.model is not None:
             where = f" from {self.folder}" if self.folder else ""
             return f"model {self.model.family} ({geometry_text(self.model)}){where}"
-        return f"no model geometry, the generic rule (MMGATE_RESIZE_MAX_*): {self.note}"
+        fix = FIXES.get(self.reason, "")
+        said = f"{self.note}; fix: {fix}" if fix and fix not in self.note else self.note
+        return f"no model geometry, the generic rule (MMGATE_RESIZE_MAX_*): {said}"
 
 
 # Why no model is in force (``ServedModel.reason``), and what fixes it.

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -352,6 +353,21 @@ async def test_print_config_names_the_model_the_upstream_serves(upstream: Upstre
     assert child.returncode == 0, err.decode()
     line = next(line for line in out.decode().splitlines() if line.startswith("# served model:"))
     assert "model qwen2-vl (QwenVL(" in line and str(folder) in line
+
+
+async def test_print_config_names_the_setting_that_fixes_a_silent_upstream(places: dict[str, Path]) -> None:
+    """An upstream that does not answer (its port closed): the generic rule, why, and what to set meanwhile."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    env = {**os.environ, "MMGATE_UPSTREAM": f"http://127.0.0.1:{port}", "MMGATE_MODEL_DIRS": str(places["models"])}
+    child = await asyncio.create_subprocess_exec(sys.executable, "-m", "proxy", "--print-config", env=env,
+                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await child.communicate()
+    assert child.returncode == 0, err.decode()
+    line = next(line for line in out.decode().splitlines() if line.startswith("# served model:"))
+    assert "the generic rule" in line and "did not answer GET /v1/models" in line
+    assert "fix: " + discovery.FIXES["upstream_silent"] in line
 
 
 # ---------------------------------------------------------------------------------------------------------
