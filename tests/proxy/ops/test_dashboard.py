@@ -436,7 +436,7 @@ async def test_dashboard_and_stats_name_the_model_in_force_or_why_none_is(
             assert not reason_shown and not fix_shown
             return
         assert served["family"] is None and served["geometry"] is None and served["reason"] == case
-        assert family == "none: the generic rule" and "MMGATE_RESIZE_MAX_PIXELS" in (geometry or "")
+        assert family == "none" and "the generic rule (MMGATE_RESIZE_MAX_PIXELS" in (geometry or "")
         assert reason_shown and await page.text_content('[data-testid="model-reason"]') == served["note"]
         assert fix_shown and fix == "Fix: " + served["fix"]
         if case == "not_found":
