@@ -87,7 +87,7 @@ def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
     gives, unless ``env`` names another (``MMGATE_LOOP``): the test extra installs uvloop, which ``auto`` would
     pick, and bench/passthrough.py measures uvloop beside asyncio."""
     port = free_port()
-    full_env = mmgate_env(keep=(), MMGATE_LOOP="asyncio", **(env or {}))
+    full_env = mmgate_env(keep=(), **({"MMGATE_LOOP": "asyncio"} | (env or {})))
     cmd = [sys.executable, "-m", "proxy"] if variant is None else [sys.executable, "-m", "testkit.variants", variant]
     cmd += ["--upstream", upstream, "--port", str(port), "--host", "127.0.0.1", "--access-log", "off",
             "--drain-grace", "0", "--drain-timeout", "2", "--cache-mb", "0", *flags]
