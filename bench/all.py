@@ -63,6 +63,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("pacing", "bench.pacing", quick=("--quick",)),
     Entry("loop_stall", "bench.loop_stall", quick=("--quick",),
           notes="measures main (git archive) beside this tree"),
+    Entry("metrics_flood", "bench.metrics_flood", quick=("--quick",)),
     Entry("scale", "bench.scale", quick=("--seconds", "1", "--rounds", "1", "--out", "{out}"),
           notes="the 14-worker goals need 16 cores: scale_16cores measures them"),
     Entry("scale_16cores", "bench.scale",

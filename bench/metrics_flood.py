@@ -1,0 +1,250 @@
+#!/usr/bin/env python
+"""Does a /metrics flood slow mmgate's other answers? /mmgate/health and a small text chat completion, idle and
+while 8 clients loop on ``GET /metrics`` with ``MMGATE_BACKEND_METRICS=merge`` (issue 39).
+
+Per round and exposition size (300 KB and 4 MB, decimal): a backend in its own process (``testkit.servers``'
+scriptable upstream) whose ``/metrics`` answers a vLLM-shaped exposition of that size, with a
+``vllm:num_requests_waiting`` gauge so mmgate merges it; mmgate in front (``python -m proxy``, merge on, default
+settings otherwise). Then three windows of ``--seconds`` each: idle; flood, ``--clients`` clients (this process,
+one keep-alive connection each) sending ``GET /metrics`` to mmgate back to back, reading each answer whole; and
+floor, the same clients looping on the backend's own ``/metrics`` (a bare aiohttp server answering the same bytes,
+prebuilt): what serving them costs any aiohttp loop on this machine. Probers (own processes, one keep-alive
+connection each, every ``--interval``) record /mmgate/health, a small text chat POSTed through mmgate, the
+backend's /health and GET /health of a control server (a bare aiohttp app in its own process, doing nothing
+else: what the shared machine's scheduling alone costs a loop that does no work). Goals: under the flood, health
+and text p50 within their idle p50 + 5 ms (the difference per round, median over rounds); p99 reported beside.
+
+    python -m bench.metrics_flood [--rounds 3] [--sizes-kb 300,4000] [--seconds 5] [--clients 8]
+    python -m bench.metrics_flood --quick       # 1 round, 1 s windows, 300 KB only, nothing written
+    python -m bench.metrics_flood --render      # rebuild the .md and the goals from the committed .json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from bench import _results as R
+from testkit import load as L
+
+WHAT = "health and text chat latency, idle and while 8 clients loop on GET /metrics (merge on; 300 KB, 4 MB)"
+GOAL_OVER_IDLE_MS = 5.0
+TEXT_BODY = json.dumps({"model": "stub-vlm", "max_tokens": 16,
+                        "messages": [{"role": "user", "content": "Say hello in one short sentence."}]}).encode()
+PROBES = ("health", "text", "bare", "control")
+WINDOWS = ("idle", "flood", "floor")
+Probes = dict[str, tuple[str, str, bytes | None]]  # name: url, path, body to POST (None: GET)
+
+
+# --- the backend (its own process) --------------------------------------------------------------------------
+
+def exposition(size: int) -> bytes:
+    """A vLLM-shaped Prometheus text exposition of about ``size`` bytes: histogram buckets of many label sets,
+    with the queue gauge mmgate merges near the top, as vLLM writes it."""
+    head = (b"# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            b"# TYPE vllm:num_requests_waiting gauge\n"
+            b'vllm:num_requests_waiting{engine="0",model_name="stub-vlm"} 2.0\n'
+            b"# HELP vllm:e2e_request_latency_seconds Histogram of end to end request latency in seconds.\n"
+            b"# TYPE vllm:e2e_request_latency_seconds histogram\n")
+    rows = (f'vllm:e2e_request_latency_seconds_bucket{{engine="0",model_name="stub-vlm",lora="a{i // 20}",'
+            f'le="{0.01 * (1 + i % 20):.2f}"}} {i * 3}.0\n'.encode() for i in range(max(1, (size - len(head)) // 105)))
+    return head + b"".join(rows)
+
+
+async def serve_backend(size: int) -> None:
+    """The scriptable upstream with ``/metrics`` answering ``exposition(size)``; its port on stdout."""
+    from testkit.servers import start_upstream
+
+    body = exposition(size)
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    upstream = await start_upstream()
+    upstream.keep_bodies = False
+    upstream.route("/metrics", metrics)
+    print(upstream.url.rsplit(":", 1)[1], flush=True)
+    await asyncio.Event().wait()
+
+
+def start_backend(size: int) -> tuple[subprocess.Popen[bytes], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "bench.metrics_flood", "--backend", str(size)], cwd=R.REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
+    L._wait_http(url + "/health", proc)
+    return proc, url
+
+
+# --- the flood ----------------------------------------------------------------------------------------------
+
+async def window(probes: Probes, seconds: float, interval: float, pid: int) -> dict[str, Any]:
+    """One prober per probe (own processes) over one window; mmgate's CPU share over it."""
+    hz = os.sysconf("SC_CLK_TCK")
+    cpu0, t0 = L.proc_jiffies(pid), time.perf_counter()
+    probers = {name: L.start_prober(url, seconds, interval, path, body) for name, (url, path, body) in probes.items()}
+    answers = {k: await asyncio.to_thread(L.prober_result, *v) for k, v in probers.items()}
+    cpu_pct = round(100 * (L.proc_jiffies(pid) - cpu0) / hz / (time.perf_counter() - t0), 1)
+    return {k: L.summarize_ms(v["latencies"]) | {"statuses": v["statuses"]} for k, v in answers.items()} | {
+        "mmgate": {"cpu_pct": cpu_pct}}
+
+
+async def flooded(url: str, probes: Probes, args: argparse.Namespace, pid: int) -> dict[str, Any]:
+    """One window while ``args.clients`` clients, one keep-alive connection each, GET ``url``/metrics back to
+    back, each answer read whole."""
+    stop, statuses, sizes = asyncio.Event(), dict[str, int](), set[int]()
+
+    async def client() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+            while not stop.is_set():
+                async with session.get(url + "/metrics") as response:
+                    sizes.add(len(await response.read()))
+                statuses[str(response.status)] = statuses.get(str(response.status), 0) + 1
+
+    started = time.perf_counter()
+    flooding = asyncio.gather(*(client() for _ in range(args.clients)))
+    await asyncio.sleep(0.5)  # every client past its first answer
+    row = await window(probes, args.seconds, args.interval, pid)
+    stop.set()
+    await flooding
+    return row | {"flood": {"statuses": statuses, "body_bytes": sorted(sizes),
+                            "answers_per_s": round(sum(statuses.values()) / (time.perf_counter() - started), 1)}}
+
+
+async def run_size(size: int, args: argparse.Namespace, control_url: str) -> dict[str, Any]:
+    backend, backend_url = start_backend(size)
+    proc = None
+    try:
+        proc, url = L.start_mmgate(backend_url, env={"MMGATE_BACKEND_METRICS": "merge"})
+        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+            merged = await response.read()
+        if response.status != 200 or b"mmgate_" not in merged:
+            raise RuntimeError(f"GET /metrics answered {response.status} without mmgate's families")
+        mmgate: Probes = {"health": (url, "/mmgate/health", None), "text": (url, "/v1/chat/completions", TEXT_BODY)}
+        bare: Probes = {"bare": (backend_url, "/health", None), "control": (control_url, "/health", None)}
+        idle = await window(mmgate | bare, args.seconds, args.interval, proc.pid)
+        loaded = await flooded(url, mmgate | {"control": bare["control"]}, args, proc.pid)
+        floor = await flooded(backend_url, bare, args, proc.pid)
+    finally:
+        log = L.stop(proc)
+        L.stop(backend)
+    problems = [line for line in log.splitlines() if any(w in line for w in ("ERROR", "Traceback"))][-10:]
+    return {"idle": idle, "flood": loaded, "floor": floor, "merged_bytes": len(merged), "log_problems": problems}
+
+
+# --- results ------------------------------------------------------------------------------------------------
+
+def over_idle(data: dict[str, Any], size: int, probe: str, q: str, loaded: str = "flood") -> list[float]:
+    """Per round: the probe's ``q`` in the ``loaded`` window minus its ``q`` idle, ms."""
+    return [round(r[str(size)][loaded][probe][q] - r[str(size)]["idle"][probe][q], 3) for r in data["rounds"]]
+
+
+def goals(data: dict[str, Any]) -> list[R.Goal]:
+    out = []
+    for size in data["sizes_kb"]:
+        for probe, words in (("health", "/mmgate/health"), ("text", "text chat")):
+            out.append(R.goal(f"{size} KB exposition: {words} p50 under the flood − idle", over_idle(data, size, probe,
+                              "p50"), f"≤ {GOAL_OVER_IDLE_MS:g}", lambda v: v <= GOAL_OVER_IDLE_MS, unit="ms"))
+            out.append(R.goal(f"{size} KB exposition: {words} p99 under the flood − idle",
+                              over_idle(data, size, probe, "p99"), unit="ms"))
+        out.append(R.goal(f"{size} KB exposition: control server p50 under the flood − idle (the machine's share)",
+                          over_idle(data, size, "control", "p50"), unit="ms"))
+        out.append(R.goal(f"{size} KB exposition: a bare aiohttp server's health p50 under the same flood of it − "
+                          "idle (the floor)", over_idle(data, size, "bare", "p50", "floor"), unit="ms"))
+    return out
+
+
+def render(data: dict[str, Any]) -> str:
+    def cell(size: int, phase: str, probe: str, figure: str) -> str:
+        s = R.summary(r[str(size)][phase].get(probe, {}).get(figure) for r in data["rounds"])
+        return "–" if s["median"] is None else \
+            f"{R.number(s['median'])} ({R.number(s['spread'][0])}–{R.number(s['spread'][1])})"
+
+    lines = [
+        "# A /metrics flood and mmgate's other answers (MMGATE_BACKEND_METRICS=merge)",
+        "",
+        f"`python -m bench.metrics_flood` — {len(data['rounds'])} rounds, windows of {data['seconds']:g} s, probes "
+        f"every {data['interval'] * 1000:g} ms, {data['clients']} flood clients (one process, this bench's).",
+        "",
+        "Each cell: median over rounds (min–max), ms. Health: GET /mmgate/health; text: a "
+        f"{len(TEXT_BODY)}-byte text chat POSTed through mmgate to the backend; control: GET /health of a bare "
+        "aiohttp server in its own process (what the shared machine's scheduling alone costs a loop doing "
+        "nothing); bare: GET /health of the backend, a bare aiohttp server answering the same exposition, "
+        "prebuilt, on its /metrics. Windows: idle; flood (the clients loop on mmgate's /metrics); floor (the "
+        "same clients loop on the bare server's /metrics instead: what serving those bytes costs any aiohttp "
+        "loop). Answers/s: the clients' GET /metrics answers per second. CPU: mmgate's process over the window "
+        "(its socket sends' softirq time not counted).",
+        "",
+        "| exposition | window | health p50 | health p99 | text p50 | text p99 | bare p50 | bare p99 | control p50 "
+        "| control p99 | /metrics answers/s | mmgate CPU % |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for size in data["sizes_kb"]:
+        for phase in WINDOWS:
+            figures = [*((p, q) for p in PROBES for q in ("p50", "p99")), ("flood", "answers_per_s"),
+                       ("mmgate", "cpu_pct")]
+            lines.append(f"| {size} KB | {phase} | {' | '.join(cell(size, phase, *f) for f in figures)} |")
+    lines += ["", f"Start: `{data['uptime_start']}`  ", f"End: `{data['uptime_end']}`", ""]
+    return "\n".join(lines)
+
+
+async def measure(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    control, control_url = L.start_control()
+    try:
+        for rnd in range(args.rounds):
+            rows = {}
+            for size in data["sizes_kb"]:
+                rows[str(size)] = row = await run_size(size * 1000, args, control_url)
+                p50s = {ph: {p: row[ph][p]["p50"] for p in PROBES if p in row[ph]} for ph in WINDOWS}
+                print(f"r{rnd} {size} KB p50 ms {json.dumps(p50s)}", flush=True)
+            data["rounds"].append(rows)
+    finally:
+        L.stop(control)
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--backend":
+        asyncio.run(serve_backend(int(sys.argv[2])))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
+    ap.add_argument("--sizes-kb", default="300,4000", help="exposition sizes in KB (1000 bytes), comma-separated")
+    ap.add_argument("--seconds", type=float, default=5.0, help="each window's length")
+    ap.add_argument("--interval", type=float, default=0.01, help="seconds between probes")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="1 round, 1 s windows, 300 KB only, nothing written")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--render", action="store_true", help="only rebuild the .md from the .json")
+    args = ap.parse_args()
+    if args.render:
+        kept: dict[str, Any] = json.loads((R.RESULTS / "metrics_flood.json").read_text())
+        kept |= R.kept_stamp(kept, "metrics_flood.py", WHAT, kept.get("date"))
+        kept["goals"] = goals(kept)
+        R.write("metrics_flood", kept, render(kept))
+        return
+    if args.quick:
+        args.rounds, args.seconds, args.sizes_kb, args.no_write = 1, 1.0, "300", True
+    data: dict[str, Any] = R.stamp("metrics_flood.py", WHAT) | {
+        "sizes_kb": [int(s) for s in args.sizes_kb.split(",")], "seconds": args.seconds,
+        "interval": args.interval, "clients": args.clients, "uptime_start": L.uptime(), "rounds": []}
+    asyncio.run(measure(args, data))
+    data["uptime_end"] = L.uptime()
+    data["goals"] = goals(data)
+    md = render(data)
+    print(md)
+    R.print_goals(data["goals"])
+    if not args.no_write:
+        R.write("metrics_flood", data, md)
+
+
+if __name__ == "__main__":
+    main()
