@@ -12,7 +12,8 @@ GIL time and change bytes the client sent (big integers, ``1e2``, duplicate keys
    its token.
 3. ``splice`` builds the outgoing body in one join: original bytes, with only the chosen tokens replaced.
 
-This module knows JSON, not APIs nor HTTP: what is not JSON raises ``InvalidJson``.
+This module knows JSON, not APIs nor HTTP: what is not JSON raises ``InvalidJson``, and so does JSON nested more
+than ``MAX_NESTING`` (1024, orjson's bound) deep, on the stdlib fallback too, whatever the Python.
 """
 
 from __future__ import annotations
