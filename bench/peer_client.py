@@ -7,7 +7,7 @@ vLLM's venv), not mmgate's: streaming chat requests of one image and 8 output to
 backend and mmgate spent per request (``/proc`` of their process trees) and, with a model, checks that the
 backend counted the same prompt tokens through mmgate as directly.
 
-Backends (both on this machine's cores, beside mmgate and the client, as a sidecar runs):
+Backends (all on this machine's cores, beside mmgate and the client, as a sidecar runs):
 
 * ``stub``: ``demo.backend``, which base64-decodes and Pillow-decodes every image to an RGB array;
 * ``stub-frontend``: ``demo.backend --profile frontend``, which works like a real server's frontend: one decode
@@ -36,6 +36,8 @@ its served name (no ``root``), found as a folder of that name (a copy of the tin
 ``MMGATE_MODEL_DIRS``. Every model cell waits for ``/mmgate/stats`` to name the Idefics3 family and the expected
 folder before the client starts, and checks it again after, and every other cell checks that no model was in
 force, so a discovery that fails stops the bench instead of passing the generic rule off as the model mode.
+A model found by auto is not warmed into the decode pool as one named at start-up is, so a model cell sends
+warm-up requests before its client starts, their cost recorded in the cell and kept out of its figures.
 mmgate starts afresh for every cell. In ``model`` its cache is off: the client sends its first request twice (an
 initial test, then in the run), and a cached second one would be work mmgate did not do.
 
@@ -43,8 +45,7 @@ Each cell runs ``--rounds`` times (≥ 3), the modes taking turns within a round
 of the rounds with its spread; ratios are through mmgate ÷ direct, round by round.
 
     python -m bench.peer_client [--backends stub,stub-frontend,vllm,vllm-hf] [--images noise,photo,camera]
-                                [--clients 1,8]
-                                [--rounds 3] [--quick] [--out PATH]
+                                [--clients 1,8] [--rounds 3] [--quick] [--out PATH]
 
 Needs ``bash tests/e2e/setup_vllm.sh`` (the client lives in that venv). Writes bench/results/peer_client.md/.json.
 """
@@ -96,6 +97,7 @@ SINGLE_TILE = ("--mm-processor-kwargs", '{"do_image_splitting": false}')
 TICK = os.sysconf("SC_CLK_TCK")
 # Backend name -> the stub's profile (demo/backend.py's PROFILES).
 STUB_PROFILES = {"stub": "plain", "stub-frontend": "frontend"}
+BACKENDS = (*STUB_PROFILES, "vllm", "vllm-hf")
 
 
 @dataclass(frozen=True)
@@ -379,6 +381,9 @@ def run_cell(client: Client, served: Backend, mode: str, argv: list[str], scratc
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
     clients_list = [int(c) for c in args.clients.split(",")]
+    unknown = set(args.backends.split(",")) - set(BACKENDS)
+    if unknown:
+        raise SystemExit(f"--backends: unknown {', '.join(sorted(unknown))}; the backends are {', '.join(BACKENDS)}")
     requests = {c: (2 if args.quick else max(args.requests_per_client * c, args.min_requests)) for c in clients_list}
     data["settings"] = {"rounds": args.rounds, "requests": requests, "output_tokens": OUTPUT_TOKENS,
                         "vllm_profile": "single (do_image_splitting off)", "modes": MODES,
@@ -553,7 +558,7 @@ def report(data: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backends", default="stub,stub-frontend,vllm,vllm-hf")
+    ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--images", default="noise,photo,camera")
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
