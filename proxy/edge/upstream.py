@@ -195,8 +195,28 @@ def local_resources_exhausted(shortage: str) -> MmgateError:
         "retry shortly", headers={"Retry-After": str(LOCAL_RETRY_AFTER)})
 
 
+def _drop_tracebacks(exc: BaseException) -> None:
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending += [current.__cause__, current.__context__, getattr(current, "os_error", None)]
+        if isinstance(current, BaseExceptionGroup):
+            pending += current.exceptions
+
+
 def _classify(exc: BaseException, *, headers_received: bool) -> MmgateError:
-    """A client-library failure as the error a client sees and the kind the metrics count."""
+    """A client-library failure as the error a client sees and the kind the metrics count.
+
+    The tracebacks of the failure and of every error it chains are dropped: aiohttp's connector and
+    aiohappyeyeballs keep the errors they raise in locals of frames those tracebacks hold (``last_exc``,
+    ``exceptions``), cycles that would keep the request's frames, and its media buffer, alive until the garbage
+    collector runs."""
+    _drop_tracebacks(exc)
     if (shortage := local_shortage(exc)) is not None:
         return local_resources_exhausted(shortage)
     if isinstance(exc, (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError)):
