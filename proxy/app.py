@@ -23,6 +23,7 @@ import aiohttp
 from aiohttp import web
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
+from preprocessors.job import warm_up
 from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool
 from proxy.admission.client import GateClient, GateCounters, LocalGate, configured_limit, gate_from_settings
@@ -271,6 +272,12 @@ def _media_cache(base: AppBase) -> VerdictCache:
     return cache
 
 
+async def _warm_for(state: AppState, model: Model) -> None:
+    """The model's geometry run once on a tiny image before it is put in force, as a model named at start-up is
+    when the pool starts: its processor's helpers load here, not on the first client's image (about a second)."""
+    await asyncio.to_thread(warm_up, replace(state.image_policy, geometry=model.geometry))
+
+
 def _put_in_force(state: AppState, found: ServedModel, settings_print: str) -> None:
     """Make ``found`` the model every request from now on works to: its geometry in the image policy the
     decode tasks carry, its count, and a cache key of its own (a verdict made for another geometry is never a
@@ -298,7 +305,8 @@ async def _model_watcher(app: web.Application) -> AsyncIterator[None]:
     settings_print = state.media.cache.settings_print if isinstance(state.media.cache, MediaCache) else ""
     watcher = ModelWatcher(lambda: ask_upstream(state.session, settings.backend.upstream),
                            settings.decode.model_dirs, settings.decode.mm_processor_kwargs,
-                           lambda found: _put_in_force(state, found, settings_print))
+                           lambda found: _put_in_force(state, found, settings_print),
+                           prepare=lambda model: _warm_for(state, model))
     app[MODEL_WATCHER] = watcher
     if isinstance(state.upstream, WatchedUpstream):
         state.upstream.on_down, state.upstream.on_back = watcher.upstream_down, watcher.upstream_back

@@ -399,8 +399,10 @@ class ModelWatcher:
     docstring for when it looks."""
 
     def __init__(self, ask: Callable[[], Awaitable[Served]], model_dirs: tuple[str, ...], overrides: str,
-                 apply: Callable[[ServedModel], None], cache: Path | None = None) -> None:
+                 apply: Callable[[ServedModel], None], cache: Path | None = None,
+                 prepare: Callable[[Model], Awaitable[None]] | None = None) -> None:
         self._ask, self._dirs, self._overrides, self._apply = ask, model_dirs, overrides, apply
+        self._prepare = prepare  # runs before a found model is put in force (the decode code warmed for it)
         self._cache = cache
         self._wake = asyncio.Event()
         self._looked = asyncio.Condition()
@@ -478,6 +480,8 @@ class ModelWatcher:
             return ServedModel(AUTO, served=served, folder=str(folder),
                                note=f"{served.name!r} is a {model.family} model, which has no model geometry in "
                                     "mmgate", reason="unsupported")
+        if self._prepare is not None:
+            await self._prepare(model)
         return ServedModel(AUTO, model, served, str(folder), f"found in {folder}")
 
     def _put(self, found: ServedModel) -> None:

@@ -30,6 +30,7 @@ from preprocessors.geometry import model_size
 from proxy.app import MODEL_WATCHER, build_state
 from proxy.media import discovery
 from proxy.media.discovery import AnswerError, ModelWatcher, Refused, Served, ServedModel, locate
+from proxy.media.model import Model
 from proxy.settings import ConfigError, Settings
 from testkit.media import chat_with_image, data_uri, decode_uri
 from tests.conftest import StartProxy, Upstream
@@ -159,6 +160,33 @@ async def test_auto_finds_a_hub_id_in_the_hugging_face_cache(
     assert found.model is not None and found.model.family == "idefics3" and found.folder == str(snapshot)
     size, tokens = await _sent_image(proxy.url, upstream, "org/tiny-idefics3")
     assert size == _resized(found) != WIDE and tokens == str(found.model.image_tokens(*WIDE))
+
+
+async def test_a_found_model_is_prepared_before_it_is_put_in_force(places: dict[str, Path]) -> None:
+    """The decode code is warmed for a found model (its processor's helpers loaded) before any request can get
+    its geometry, as it is for a model named at start-up; the first client's image does not pay for it."""
+    folder = qwen_folder(places["models"] / "qwen")
+    preparing, release = asyncio.Event(), asyncio.Event()
+    prepared: list[str] = []
+
+    async def ask() -> Served:
+        return Served("qwen", str(folder))
+
+    async def prepare(model: Model) -> None:
+        preparing.set()
+        await release.wait()
+        prepared.append(model.family)
+
+    applied: list[ServedModel] = []
+    watcher = ModelWatcher(ask, (str(places["models"]),), "", applied.append, cache=places["cache"],
+                           prepare=prepare)
+    looking = asyncio.create_task(watcher.look())
+    await preparing.wait()
+    assert watcher.current.model is None and applied == []  # nothing in force while the warm-up runs
+    release.set()
+    assert await looking
+    assert prepared == ["qwen2-vl"] and watcher.current.model is not None
+    assert applied[-1].model is watcher.current.model
 
 
 async def test_a_lora_adapter_keeps_the_base_models_geometry(
