@@ -39,8 +39,8 @@ HEADLINE_END = "<!-- /bench:headline -->"
 # (result file, goal name): the figures a newcomer sees first, on a user's own path: what the model mode gains,
 # then what the defaults cost. Every other goal (the 1 KB passthrough against nginx among them) is on the page.
 HEADLINES: tuple[tuple[str, str], ...] = (
-    ("peer_client", "vllm, camera, 8 clients: model, req/s ÷ direct"),
-    ("peer_client", "vllm, camera, 1 client: model, mean TTFT ÷ direct"),
+    ("peer_client", "vllm, camera, 8 clients: model found by auto discovery, req/s ÷ direct"),
+    ("peer_client", "vllm, camera, 1 client: model found by auto discovery, mean TTFT ÷ direct"),
     ("peer_client", "vllm, camera, 8 clients: defaults, req/s ÷ direct"),
     ("passthrough", "4 MB text, 32 conns: mmgate CPU per MB ÷ minimal aiohttp"),
     ("loop_latency", "health p99 over the control server's, loaded, pool (default settings)"),
