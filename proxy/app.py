@@ -4,7 +4,7 @@ What exists without an event loop is built with the app (``build_state``: settin
 policies) and stored under ``state.BASE``. The resources live in ``cleanup_ctx`` (created on start-up, closed
 on shutdown, in reverse order): ``_resources`` builds the upstream ClientSession, the fetch client, the decode
 pool (its workers started and ready; its worker processes killed and reaped at shutdown) and the media cache,
-each closed where it was built, and the media step that works with them (``step.MediaStage``), and stores
+each closed where it was built, and the media step that works with them (``step.MediaStep``), and stores
 the complete ``AppState`` under ``state.STATE``; then the upstream watcher, the event-loop lag watcher and the
 idle trimmer.
 """
@@ -47,7 +47,7 @@ from proxy.media.discovery import (
 )
 from proxy.media.model import Model
 from proxy.media.model_folder import load_model
-from proxy.media.step import MediaStage, Policies
+from proxy.media.step import MediaStep, Policies
 from proxy.ops.admin import add_admin_routes, probe_upstream
 from proxy.ops.backend_metrics import METRICS_PATH, merged_metrics
 from proxy.ops.dashboard_stats import rss_bytes
@@ -197,7 +197,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         resources.callback(cache.close)
         pool = make_pool(base.settings, base.metrics, base.image_policy)
         app[STATE] = state = AppState.completing(base, session=session,
-                                                 media=_media_stage(base, pool, cache, fetcher))
+                                                 media=_media_step(base, pool, cache, fetcher))
         # the pool the state holds at shutdown: a bench may have swapped in its own (testkit.variants)
         resources.callback(lambda: state.pool.shutdown())
         metrics = state.metrics
@@ -211,11 +211,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-def _media_stage(base: AppBase, pool: DecodePool, cache: VerdictCache, fetcher: Fetcher | None) -> MediaStage:
+def _media_step(base: AppBase, pool: DecodePool, cache: VerdictCache, fetcher: Fetcher | None) -> MediaStep:
     """The media step of every request, with what it works with."""
     settings = base.settings
     policies = Policies(settings.limits.max_media_item_bytes, base.image_policy, base.audio_policy, base.video_policy)
-    return MediaStage(cache, pool, base.gate, fetcher, base.metrics, policies, settings.timeouts.queue_timeout,
+    return MediaStep(cache, pool, base.gate, fetcher, base.metrics, policies, settings.timeouts.queue_timeout,
                       settings.timeouts.preprocess_timeout, base.model, settings.limits.max_body_bytes)
 
 

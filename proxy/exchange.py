@@ -105,38 +105,39 @@ def loggable(text: str, limit: int = 512) -> str:
     return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
-def record(metrics: Metrics, access_log: bool, model: Model | None, ex: Exchange, request: web.Request) -> None:
+def record(metrics: Metrics, access_log: bool, model: Model | None, exchange: Exchange, request: web.Request) -> None:
     """Count the finished request and, with ``access_log`` (MMGATE_ACCESS_LOG), write its access log line
     (with ``model``, MMGATE_MODEL's, its image and video tokens)."""
-    status = ex.status or (ex.response.status if ex.response is not None else 0)
-    duration = ex.watch.elapsed()
+    status = exchange.status or (exchange.response.status if exchange.response is not None else 0)
+    duration = exchange.watch.elapsed()
     m = metrics
-    m.child(m.requests, ex.route, ex.kind, str(status)).inc()
-    m.child(m.request_duration, ex.route, ex.kind).observe(duration)
-    for stage, seconds in ex.watch.stages.items():
+    m.child(m.requests, exchange.route, exchange.kind, str(status)).inc()
+    m.child(m.request_duration, exchange.route, exchange.kind).observe(duration)
+    for stage, seconds in exchange.watch.stages.items():
         m.child(m.stage_duration, stage).observe(seconds)
     m.child(m.stage_duration, "total").observe(duration)
     if access_log:
         fields = {
-            "request_id": ex.request_id, "method": request.method, "path": request.path, "route": ex.route,
-            "kind": ex.kind, "status": status, "code": ex.code or None, "duration_ms": round(duration * 1000, 2),
-            "stages_ms": {k: round(v * 1000, 2) for k, v in ex.watch.stages.items()},
-            "bytes_in": ex.bytes_in, "media_in": ex.media_in, "media_out": ex.media_out,
-            "fetched": ex.fetched, "answered_by": answered_by(ex, status),
+            "request_id": exchange.request_id, "method": request.method, "path": request.path, "route": exchange.route,
+            "kind": exchange.kind, "status": status, "code": exchange.code or None,
+            "duration_ms": round(duration * 1000, 2),
+            "stages_ms": {k: round(v * 1000, 2) for k, v in exchange.watch.stages.items()},
+            "bytes_in": exchange.bytes_in, "media_in": exchange.media_in, "media_out": exchange.media_out,
+            "fetched": exchange.fetched, "answered_by": answered_by(exchange, status),
         }
         if model is not None:
-            fields["image_tokens"] = ex.image_tokens
+            fields["image_tokens"] = exchange.image_tokens
             if model.counts_video:
-                fields["video_tokens"] = ex.video_tokens
+                fields["video_tokens"] = exchange.video_tokens
         _write_line(fields)
 
 
-def answered_by(ex: Exchange, status: int) -> Literal["mmgate", "upstream", "-"]:
+def answered_by(exchange: Exchange, status: int) -> Literal["mmgate", "upstream", "-"]:
     """Whose answer the client got: mmgate's (a refusal, its code logged), the upstream's (relayed as it came,
     whatever its status: a 502 the backend sent is the backend's), or none (the client left first)."""
     if status == CLIENT_CLOSED:
         return "-"
-    return "mmgate" if ex.code else "upstream"
+    return "mmgate" if exchange.code else "upstream"
 
 
 def log_refused_connection(error: MmgateError, request_line: bytes, seconds: float) -> None:

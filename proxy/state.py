@@ -31,7 +31,7 @@ from proxy.media.buffers import BufferLedger
 from proxy.media.cache import VerdictCache
 from proxy.media.discovery import ServedModel
 from proxy.media.model import Model
-from proxy.media.step import MediaStage
+from proxy.media.step import MediaStep
 from proxy.ops.backend_scrapes import BackendScrapes
 from proxy.ops.metrics import Metrics
 from proxy.payload.locate import Limits
@@ -117,11 +117,11 @@ class AppState(AppBase):
     """Everything a request handler needs: the base and the resources built at start-up."""
 
     session: aiohttp.ClientSession  # to the upstream
-    media: MediaStage  # the media step, with the decode pool, the media cache and the fetch client
+    media: MediaStep  # the media step, with the decode pool, the media cache and the fetch client
     ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")
 
     @classmethod
-    def completing(cls, base: AppBase, *, session: aiohttp.ClientSession, media: MediaStage) -> AppState:
+    def completing(cls, base: AppBase, *, session: aiohttp.ClientSession, media: MediaStep) -> AppState:
         """``base`` (its very objects, shared with whatever already holds them) and the resources."""
         return cls(**base.parts(), session=session, media=media)
 

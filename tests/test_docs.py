@@ -75,7 +75,7 @@ ALLOWED = {
     "example paths in the description of a format": ("path/to/file.py", "pkg/file.py"),
 }
 # Instance names the docs use for one object of ours, resolved through its class.
-INSTANCES = {"settings": "Settings", "state": "AppState", "ex": "Exchange"}
+INSTANCES = {"settings": "Settings", "state": "AppState"}
 
 DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")

@@ -17,7 +17,7 @@ from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.admission.gate import Gate, Lease, Place
 from proxy.admission.sample import Sample
 from proxy.serve.lifecycle import Lifecycle
-from proxy.settings.sections import Gate as GateSettings
+from proxy.settings.sections import GateSettings
 
 
 class GateCounters(NamedTuple):

@@ -125,7 +125,7 @@ class Listen:
 
 
 @dataclass(frozen=True, slots=True)
-class Gate:
+class GateSettings:
     """Admission of media requests: the concurrency limit, the queue and its order, the budgets."""
 
     max_mm_concurrency: int | Auto = setting(
@@ -394,6 +394,7 @@ class Logs:
     log_format: LogFormat = setting("text", parse=Choice(LogFormat), help="text or json (one object per line)")
 
 
-# In the order of ``Settings``' fields, each named there as its class in lower case: the order of --help,
-# --print-config and docs/configuration.md.
-SECTIONS: tuple[type, ...] = (Backend, Listen, Gate, Timeouts, Limits, Decode, Fetch, Memory, Drain, Logs)
+# In the order of ``Settings``' fields, each named there as its class in lower case (``spec.section_name``;
+# ``GateSettings`` is ``gate``, since ``Gate`` is admission's class): the order of --help, --print-config and
+# docs/configuration.md.
+SECTIONS: tuple[type, ...] = (Backend, Listen, GateSettings, Timeouts, Limits, Decode, Fetch, Memory, Drain, Logs)

@@ -19,7 +19,7 @@ from proxy.settings.reference import (
     render_essentials,
     with_essentials,
 )
-from proxy.settings.spec import settings_of
+from proxy.settings.spec import section_title, settings_of
 
 
 def _help() -> str:
@@ -57,7 +57,7 @@ def test_configuration_md_is_generated_from_the_declarations() -> None:
 
 def test_configuration_md_has_a_table_per_section_with_every_variable_once() -> None:
     text = render_configuration_md()
-    assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == [s.__name__ for s in SECTIONS]
+    assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == [section_title(s) for s in SECTIONS]
     rows = re.findall(r"^\| `(MMGATE_[A-Z0-9_]+)` \| `(--[a-z0-9-]+)[^`]*` \|", text, re.MULTILINE)
     assert rows == [(env_name(name), flag_name(name)) for name in SPEC]
     assert ("| `MMGATE_CLIENT_WRITE_TIMEOUT` | `--client-write-timeout` | `30` | a client that reads nothing of the "
