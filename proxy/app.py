@@ -21,11 +21,15 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.job import warm_up
 from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool
+from proxy.admin.backend_metrics import METRICS_PATH, merged_metrics
+from proxy.admin.dashboard_stats import rss_bytes
+from proxy.admin.routes import add_admin_routes, probe_upstream
 from proxy.admission.client import GateClient, GateCounters, LocalGate, configured_limit, gate_from_settings
 from proxy.edge.connections import ConnectionGuard
 from proxy.edge.pacing import Pacer
@@ -48,18 +52,14 @@ from proxy.media.discovery import (
 from proxy.media.model import Model
 from proxy.media.model_folder import load_model
 from proxy.media.step import MediaStep, Policies
-from proxy.ops.admin import add_admin_routes, probe_upstream
-from proxy.ops.backend_metrics import METRICS_PATH, merged_metrics
-from proxy.ops.dashboard_stats import rss_bytes
+from proxy.ops.merged_metrics import report_of
 from proxy.ops.metrics import Metrics, watch_loop_lag
 from proxy.pipeline import expect_continue, handle_request, warm_up_request_path
 from proxy.processes.link import Link
-from proxy.processes.merged_metrics import report_of
 from proxy.processes.remote_gate import RemoteGate
-from proxy.serve.lifecycle import Lifecycle
-from proxy.serve.memory import IdleTrimmer, release_freed_memory, worker_environment
+from proxy.runtime.memory import IdleTrimmer, release_freed_memory, worker_environment
 from proxy.settings import AUTO, MIB, ConfigError, Settings
-from proxy.state import BASE, STATE, AppBase, AppState
+from proxy.state import BASE, STATE, AppBase, AppState, Lifecycle
 
 log = logging.getLogger("mmgate")
 # The served model's watcher (MMGATE_MODEL=auto), where tests and tools can await what it found.
@@ -91,7 +91,7 @@ def build_state(settings: Settings, link: Link | None = None,
     lifecycle = Lifecycle()
     gate: GateClient
     if link is None:
-        gate = LocalGate(gate_from_settings(settings.gate, gate_changed, lifecycle))
+        gate = LocalGate(gate_from_settings(settings.gate, gate_changed, lambda: lifecycle.refusing))
     else:
         gate = RemoteGate(link, configured_limit(settings.gate)[0], gate_changed, lifecycle,
                           report=lambda: front_report(state, front_index), on_lost=on_gate_lost,
@@ -350,7 +350,7 @@ def build_app(settings: Settings, *, admin: bool | None = None,
     state = build_state(settings, link, on_gate_lost, front_index)
     app = web.Application(client_max_size=settings.limits.max_body_bytes,
                           handler_args={"max_field_size": 65536, "auto_decompress": False},
-                          middlewares=[mark_head_received(state.connections), refusals_in_api_shape])
+                          middlewares=[mark_head_received(state.connections), _refusals(state)])
     app[BASE] = state
     app.cleanup_ctx.extend([_resources, _model_watcher, _upstream_watcher, _loop_lag_watcher, _idle_trimmer])
     if admin if admin is not None else not settings.listen.admin_port:
@@ -373,9 +373,15 @@ def make_runner(app: web.Application) -> web.AppRunner:
 def build_admin_app(state: AppState) -> web.Application:
     """The admin-only app for MMGATE_ADMIN_PORT: /mmgate/* and nothing else, sharing the proxy's state; with
     MMGATE_BACKEND_METRICS=merge-admin also the merged /metrics."""
-    app = web.Application(middlewares=[refusals_in_api_shape])
+    app = web.Application(middlewares=[_refusals(state)])
     app[STATE] = state
     add_admin_routes(app)
     if state.settings.backend.backend_metrics == "merge-admin":
         app.router.add_get(METRICS_PATH, merged_metrics)
     return app
+
+
+def _refusals(state: AppBase) -> Middleware:
+    """The door's refusals in the client's API shape, counted and logged as every refusal is."""
+    return refusals_in_api_shape(lambda code: state.metrics.rejected.labels(code).inc(),
+                                 state.settings.logs.access_log)

@@ -32,6 +32,7 @@ from proxy.admission.client import GateLease
 from proxy.admission.flows import flow_for
 from proxy.admission.sample import Sample, sample_class
 from proxy.edge.body import HEAD_BYTES, joined, read_body
+from proxy.edge.buffers import MediaBuffer
 from proxy.edge.connections import ConnectionGuard, GuardedConnection
 from proxy.edge.paths import Target, is_allowed, normalise_target
 from proxy.edge.refusals import internal_error, refuse
@@ -39,7 +40,6 @@ from proxy.edge.upstream import close_upstream, open_upstream, relay_body, relay
 from proxy.edge.upstream_health import upstream_down
 from proxy.edge.write_deadline import client_gone_code
 from proxy.exchange import CLIENT_CLOSED, Exchange, record
-from proxy.media.buffers import MediaBuffer
 from proxy.media.model import Model
 from proxy.media.step import MediaStep
 from proxy.media.tokens import plan_image_tokens

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from functools import cached_property
 from typing import Any
 
@@ -23,11 +24,11 @@ from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.pool import DecodePool
 from proxy.admission.client import GateClient
 from proxy.admission.flows import FlowRules
+from proxy.edge.buffers import BufferLedger
 from proxy.edge.connections import ConnectionGuard
 from proxy.edge.pacing import Pacer
 from proxy.edge.upstream_health import UpstreamHealth
 from proxy.fetch.fetcher import Fetcher
-from proxy.media.buffers import BufferLedger
 from proxy.media.cache import VerdictCache
 from proxy.media.discovery import ServedModel
 from proxy.media.model import Model
@@ -35,9 +36,43 @@ from proxy.media.step import MediaStep
 from proxy.ops.backend_scrapes import BackendScrapes
 from proxy.ops.metrics import Metrics
 from proxy.payload.locate import Limits
-from proxy.serve.lifecycle import Lifecycle
-from proxy.serve.memory import IdleTrimmer
+from proxy.runtime.memory import IdleTrimmer
 from proxy.settings import PRIORITY_MAX, PRIORITY_MIN, Settings
+
+
+class Phase(Enum):
+    """Where the process is in its life. One state instead of flags kept in step: readiness fails from the grace
+    on (the load balancer is told to stop sending), new requests and new media admissions are refused only once
+    the drain proper starts (the requests already accepted keep their place). ``server.drain`` moves it forward;
+    nothing moves it back."""
+
+    SERVING = "serving"
+    GRACE = "grace"  # SIGTERM received: readiness fails, requests are still served
+    DRAINING = "draining"  # new requests get 503 draining; those in flight may finish
+
+
+class Lifecycle:
+    """The app's phase, shared by the handlers, the admin routes and the gate."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.SERVING
+
+    @property
+    def ready(self) -> bool:
+        """Whether readiness may pass (the upstream is asked only then)."""
+        return self.phase is Phase.SERVING
+
+    @property
+    def refusing(self) -> bool:
+        """Whether new requests and new admissions are refused."""
+        return self.phase is Phase.DRAINING
+
+    def start_grace(self) -> None:
+        if self.phase is Phase.SERVING:
+            self.phase = Phase.GRACE
+
+    def start_draining(self) -> None:
+        self.phase = Phase.DRAINING
 
 
 @dataclass

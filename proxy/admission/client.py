@@ -16,7 +16,6 @@ from proxy.admission.adaptive import AdaptiveLimit
 from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.admission.gate import Gate, Lease, Place
 from proxy.admission.sample import Sample
-from proxy.serve.lifecycle import Lifecycle
 from proxy.settings.sections import GateSettings
 
 
@@ -106,7 +105,7 @@ class GateClient(Protocol[PlaceT, LeaseT]):
         """``counters`` as of now."""
 
     async def collect(self) -> dict[str, Any] | None:
-        """Every front process's metrics merged (``processes.merged_metrics``); None when this process is the
+        """Every front process's metrics merged (``ops.merged_metrics``); None when this process is the
         only one."""
 
     def share_cache(self, lookup: Callable[[bytes], Verdict | None]) -> PeerLookup | None:
@@ -123,12 +122,12 @@ def configured_limit(settings: GateSettings) -> tuple[int, AdaptiveLimit | None]
 
 
 def gate_from_settings(settings: GateSettings, on_change: Callable[[GateCounters], None] = lambda counters: None,
-                       lifecycle: Lifecycle | None = None) -> Gate:
+                       refusing: Callable[[], bool] = lambda: False) -> Gate:
     """The one ``Gate`` of mmgate (of this process, or of the supervisor of several), as the settings say;
     ``on_change`` sees its counters after every change."""
     limit, adaptive = configured_limit(settings)
     return Gate(limit, settings.max_inflight_media_bytes, settings.max_queue,
-                lambda gate: on_change(GateCounters.of(gate)), lifecycle,
+                lambda gate: on_change(GateCounters.of(gate)), refusing,
                 token_budget=settings.max_inflight_image_tokens, max_queue_per_flow=settings.max_queue_per_flow,
                 adaptive=adaptive)
 

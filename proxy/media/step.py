@@ -63,8 +63,8 @@ from preprocessors.job import MediaJob, MediaTask, Verdict, judge_head
 from preprocessors.pool import Batch, DecodePool
 from proxy.admission.client import GateClient, GateLease, GatePlace
 from proxy.admission.flows import Flow
+from proxy.edge.buffers import MediaBuffer
 from proxy.fetch.fetcher import Fetcher, fetch_items
-from proxy.media.buffers import MediaBuffer
 from proxy.media.cache import VerdictCache, refused
 from proxy.media.forwarded import ForwardEstimate, estimate
 from proxy.media.keys import key_items

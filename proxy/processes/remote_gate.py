@@ -42,7 +42,7 @@ from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.admission.sample import Sample
 from proxy.processes import messages
 from proxy.processes.link import Link
-from proxy.serve.lifecycle import Lifecycle
+from proxy.state import Lifecycle
 
 log = logging.getLogger("mmgate")
 

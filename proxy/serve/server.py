@@ -1,5 +1,5 @@
 """Serving in one process: start the app and its sites, announce, and on SIGTERM/SIGINT drain and stop. A front
-process of several (``proxy.processes.front``) runs the same ``serve`` on the supervisor's sockets.
+process of several (``proxy.serve.front``) runs the same ``serve`` on the supervisor's sockets.
 
 Shutdown follows Kubernetes' order of events: SIGTERM arrives while the endpoint is still being removed, so
 readiness fails at once but requests are still served for MMGATE_DRAIN_GRACE seconds; then new requests
@@ -31,9 +31,9 @@ from proxy.app import build_admin_app, build_app, make_runner
 from proxy.edge.site import GuardedSite
 from proxy.edge.upstream_health import loggable
 from proxy.processes.link import Link
-from proxy.serve.fd_limit import fit_fd_limit
-from proxy.serve.lifecycle import FORCED_EXIT_STATUS, StopSignals
-from proxy.serve.loop import loop_name
+from proxy.runtime.fd_limit import fit_fd_limit
+from proxy.runtime.loop import loop_name
+from proxy.runtime.signals import FORCED_EXIT_STATUS, StopSignals
 from proxy.settings import Settings
 from proxy.state import BASE, STATE, AppState
 

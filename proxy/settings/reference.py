@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--kebab-name`` flag per setting, in one group per section; values stay raw strings so one parser
     validates both sources (a choice is checked by its setting, with the same message as its variable)."""
     for section in SECTIONS:
-        group = parser.add_argument_group(section.__name__, summary(section))
+        group = parser.add_argument_group(section_title(section), summary(section))
         for setting in settings_of(section):
             group.add_argument(flag_name(setting.name), dest=setting.name, default=None, metavar=metavar(setting),
                                help=help_text(setting.name))

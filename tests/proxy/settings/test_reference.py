@@ -30,7 +30,7 @@ def _help() -> str:
 
 def test_help_has_one_group_per_section_holding_its_flags_in_order() -> None:
     text = _help()
-    titles = [f"\n{section.__name__}:\n" for section in SECTIONS]
+    titles = [f"\n{section_title(section)}:\n" for section in SECTIONS]
     starts = [text.index(title) for title in titles]
     assert starts == sorted(starts)
     for section, start, end in zip(SECTIONS, starts, [*starts[1:], len(text)], strict=True):

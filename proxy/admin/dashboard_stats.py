@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
 
+from proxy.ops.merged_metrics import MergedFamilies
 from proxy.ops.metrics import FAST_BUCKETS, REQUEST_BUCKETS
-from proxy.processes.merged_metrics import MergedFamilies
 
 if TYPE_CHECKING:
     from prometheus_client.metrics import MetricWrapperBase

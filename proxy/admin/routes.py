@@ -18,11 +18,11 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from proxy.admin.backend_metrics import backend_metrics
+from proxy.admin.dashboard_stats import snapshot
 from proxy.admission.client import LocalGate
 from proxy.edge.upstream import local_shortage
-from proxy.ops.backend_metrics import backend_metrics
-from proxy.ops.dashboard_stats import snapshot
-from proxy.processes.merged_metrics import MergedFamilies
+from proxy.ops.merged_metrics import MergedFamilies
 from proxy.state import STATE, AppState
 
 READY_CACHE_SECONDS = 1.0
