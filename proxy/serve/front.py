@@ -25,7 +25,8 @@ def main() -> None:
     parser.add_argument("--admin-fd", type=int, default=None)
     args = parser.parse_args()
     settings = pickle.loads(sys.stdin.buffer.read())  # from the supervisor, which started this process
-    assert isinstance(settings, Settings)
+    if not isinstance(settings, Settings):
+        raise TypeError(f"a front process reads its Settings on stdin, not a {type(settings).__name__}")
     configure_logging(settings)
     tune_process(dict(os.environ), memory_first=settings.memory.malloc_tuning,
                  decode_threads=settings.decode.decode_workers if settings.decode.decode_mode == "thread" else 0)
