@@ -91,6 +91,7 @@ MODEL_JPEG_QUALITY = 100
 _HEADER_FORMATS = frozenset(("JPEG", "PNG", "BMP"))
 # Formats Pillow opens only from the whole file: whether it is whole is checked before the open.
 _OPENED_WHOLE = frozenset(("WEBP",))
+_PNG_COMPRESS_LEVEL = 1  # fast: the output is consumed once, by the backend, on the same network
 
 # EXIF orientation -> the transpose that makes the image upright (the table of ImageOps.exif_transpose).
 _UPRIGHT = {
@@ -358,7 +359,7 @@ def _encode(img: Image.Image, policy: ImagePolicy) -> tuple[bytes, str]:
         if fmt == "jpeg":  # subsampling 0 is 4:4:4; -1 is Pillow's default, 4:2:0
             img.save(out, "JPEG", quality=quality, subsampling=0 if model else -1)
         elif fmt == "png":
-            img.save(out, "PNG", compress_level=policy.png_compress_level)
+            img.save(out, "PNG", compress_level=_PNG_COMPRESS_LEVEL)
         elif fmt == "bmp":
             img.save(out, "BMP")
         else:

@@ -34,8 +34,6 @@ class ImageSettings:
     # MMGATE_JPEG_QUALITY: JPEG/WebP quality of re-encoded images, or auto: 90 (4:2:0 chroma), and with a model
     # 100 with 4:4:4 chroma, its fidelity bound; auto is 0 here
     jpeg_quality: int = 0
-    # MMGATE_PNG_COMPRESS_LEVEL: zlib level of re-encoded PNG images: 1 fastest, 9 smallest
-    png_compress_level: int = 1
 
 
 @dataclass(frozen=True, slots=True)

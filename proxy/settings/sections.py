@@ -329,9 +329,6 @@ class Decode:
         AUTO, parse=integer(1, 100), policy=PolicyField("image"),
         auto="90 (4:2:0 chroma), and with a model 100 with 4:4:4 chroma, its fidelity bound",
         help="JPEG/WebP quality of re-encoded images", details="see [tuning](tuning.md)")
-    png_compress_level: int = setting(1, parse=integer(0, 9), policy=PolicyField("image"),
-                                      help="zlib level of re-encoded PNG images: 1 fastest, 9 smallest",
-                                      details="1: the file is read once, by the backend, on the same network")
 
 
 @dataclass(frozen=True, slots=True)
