@@ -58,7 +58,7 @@ from proxy.pipeline import expect_continue, handle_request, warm_up_request_path
 from proxy.processes.link import Link
 from proxy.processes.remote_gate import RemoteGate
 from proxy.runtime.memory import IdleTrimmer, release_freed_memory, worker_environment
-from proxy.settings import AUTO, MIB, ConfigError, Settings
+from proxy.settings import MIB, ConfigError, Settings, policy_values
 from proxy.state import BASE, STATE, AppBase, AppState, Lifecycle
 
 log = logging.getLogger("mmgate")
@@ -96,16 +96,8 @@ def build_state(settings: Settings, link: Link | None = None,
         gate = RemoteGate(link, configured_limit(settings.gate)[0], gate_changed, lifecycle,
                           report=lambda: front_report(state, front_index), on_lost=on_gate_lost,
                           answer_timeout=settings.listen.process_timeout)
-    image_policy = ImagePolicy(
-        max_pixels=settings.limits.max_image_pixels,
-        max_frames=settings.limits.max_frames,
-        resize_max_pixels=settings.decode.resize_max_pixels,
-        resize_max_side=settings.decode.resize_max_side,
-        output_format=settings.decode.image_format,
-        jpeg_quality=0 if settings.decode.jpeg_quality is AUTO else settings.decode.jpeg_quality,  # worker: 0 = auto
-        validate=settings.decode.validate,
-        geometry=model.geometry if model is not None else None,
-    )
+    image_policy = ImagePolicy(**policy_values(settings, "image"),
+                               geometry=model.geometry if model is not None else None)
     connections = ConnectionGuard(settings.listen.max_connections, settings.timeouts.header_timeout,
                                   lambda code: metrics.rejected.labels(code).inc(),
                                   metrics.idle_connections_closed.inc,
@@ -115,9 +107,8 @@ def build_state(settings: Settings, link: Link | None = None,
                                   access_log=settings.logs.access_log)
     metrics.client_connections.set_function(lambda: connections.open)
     state = AppBase(settings=settings, metrics=metrics, gate=gate, image_policy=image_policy,
-                    audio_policy=AudioPolicy(max_seconds=settings.limits.max_audio_seconds),
-                    video_policy=VideoPolicy(settings.limits.max_video_pixels, settings.limits.max_video_frames,
-                                             settings.limits.max_video_seconds),
+                    audio_policy=AudioPolicy(**policy_values(settings, "audio")),
+                    video_policy=VideoPolicy(**policy_values(settings, "video")),
                     trimmer=trimmer, connections=connections, lifecycle=lifecycle, model=model,
                     pacer=Pacer(settings.listen.loop_lag_target, metrics.upload_holds.inc),
                     upstream=WatchedUpstream(settings.backend.upstream, settings.backend.upstream_health_path),

@@ -31,7 +31,7 @@ from typing import Literal
 from preprocessors.errors import MediaError
 from preprocessors.job import Refusal, Verdict
 from preprocessors.pool import lower_priority
-from proxy.settings import Settings
+from proxy.settings import Settings, verdict_settings
 
 Encoding = Literal["base64", "raw"]
 
@@ -64,12 +64,9 @@ def media_digest(data: bytes | memoryview, encoding: Encoding) -> bytes:
 
 
 def settings_fingerprint(settings: Settings) -> str:
-    """Every setting that changes what a media item becomes (decode limit, image and audio policy)."""
-    s = settings
-    return (f"v{_FORMAT};item={s.limits.max_media_item_mb};px={s.limits.max_image_pixels};frames={s.limits.max_frames};"
-            f"validate={s.decode.validate};resize={s.decode.resize_max_pixels}x{s.decode.resize_max_side};fmt={s.decode.image_format};"
-            f"q={s.decode.jpeg_quality};audio={s.limits.max_audio_seconds!r};model={s.decode.model};"
-            f"video={s.limits.max_video_pixels}x{s.limits.max_video_frames}x{s.limits.max_video_seconds!r}")
+    """Every setting that changes what a media item becomes (``verdict_settings``: the workers' policies, the item
+    limit, the model), with the entries' format."""
+    return f"v{_FORMAT};" + ";".join(f"{name}={value!r}" for name, value in verdict_settings(settings))
 
 
 def context_fingerprint(settings_print: str, kind: str, audio_format: str | None, extra: str = "") -> bytes:

@@ -2,9 +2,10 @@
 docs/configuration.md and the README's table of the essential settings. (``--print-config``'s text is
 ``Settings.describe``.)
 
-``python -m proxy.settings.reference`` writes docs/configuration.md, and the essentials table between the
-README's ``<!-- settings:essentials -->`` and ``<!-- /settings:essentials -->`` markers where it has them;
-``--check`` writes nothing and exits 1 if either differs from what it would write.
+``python -m proxy.settings.reference`` writes docs/configuration.md, the essentials table between the
+README's ``<!-- settings:essentials -->`` and ``<!-- /settings:essentials -->`` markers where it has them, and
+the decode workers' settings (preprocessors/policy_settings.py, ``policies.render_policy_settings``);
+``--check`` writes nothing and exits 1 if any differs from what it would write.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from proxy.settings.declare import env_name, flag_name
+from proxy.settings.policies import POLICY_SETTINGS_PATH, render_policy_settings
 from proxy.settings.sections import SECTIONS
 from proxy.settings.spec import SPEC, Setting, section_name, section_title, settings_of
 
@@ -115,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=REPO, help="the repository to write in (default: this one)")
     args = parser.parse_args(argv)
     readme = args.root / "README.md"
-    wanted = {args.root / "docs" / "configuration.md": render_configuration_md()}
+    wanted = {args.root / "docs" / "configuration.md": render_configuration_md(),
+              args.root / POLICY_SETTINGS_PATH: render_policy_settings()}
     if readme.is_file():
         wanted[readme] = with_essentials(readme.read_text())
     stale = [path for path, text in wanted.items() if not path.is_file() or path.read_text() != text]

@@ -1,5 +1,5 @@
 """What is told about the settings is made from their declarations: --help's groups and choices, the reference
-page docs/configuration.md and the README's essentials table."""
+page docs/configuration.md, the README's essentials table and the decode workers' policy fields."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from proxy.settings import SECTIONS, SPEC, env_name, flag_name
+from proxy.settings.policies import POLICY_SETTINGS_PATH, render_policy_settings
 from proxy.settings.reference import (
     ESSENTIALS_BEGIN,
     ESSENTIALS_END,
@@ -92,15 +93,19 @@ def test_check_fails_on_a_stale_file_and_writing_makes_it_pass(tmp_path: Path) -
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "configuration.md").write_text("# Configuration\n\nhand-edited\n")
     (tmp_path / "README.md").write_text(f"intro\n{ESSENTIALS_BEGIN}\n{ESSENTIALS_END}\n")
+    (tmp_path / "preprocessors").mkdir()
+    (tmp_path / POLICY_SETTINGS_PATH).write_text('"""hand-edited"""\n')
     stale = _reference("--check", "--root", str(tmp_path))
     assert stale.returncode == 1
     assert stale.stderr.splitlines() == [
         "docs/configuration.md is not what python -m proxy.settings.reference writes: run it",
+        "preprocessors/policy_settings.py is not what python -m proxy.settings.reference writes: run it",
         "README.md is not what python -m proxy.settings.reference writes: run it"]
     assert (tmp_path / "docs" / "configuration.md").read_text() == "# Configuration\n\nhand-edited\n"
     written = _reference("--root", str(tmp_path))
     assert written.returncode == 0 and written.stderr == ""
     assert (tmp_path / "docs" / "configuration.md").read_text() == render_configuration_md()
     assert render_essentials() in (tmp_path / "README.md").read_text()
+    assert (tmp_path / POLICY_SETTINGS_PATH).read_text() == render_policy_settings()
     fresh = _reference("--check", "--root", str(tmp_path))
     assert (fresh.returncode, fresh.stdout, fresh.stderr) == (0, "", "")
