@@ -280,8 +280,7 @@ def _put_in_force(state: AppState, found: ServedModel, settings_print: str) -> N
     media = state.media
     media.model = model
     media.policies = replace(media.policies, image=state.image_policy)
-    if isinstance(media.cache, MediaCache):
-        media.cache.settings_print = settings_print + (f";served={found.folder}" if model is not None else "")
+    media.cache.settings_print = settings_print + (f";served={found.folder}" if model is not None else "")
 
 
 async def _model_watcher(app: web.Application) -> AsyncIterator[None]:
@@ -293,7 +292,7 @@ async def _model_watcher(app: web.Application) -> AsyncIterator[None]:
         log.info("served model: %s", state.served.line())
         yield
         return
-    settings_print = state.media.cache.settings_print if isinstance(state.media.cache, MediaCache) else ""
+    settings_print = state.media.cache.settings_print
     watcher = ModelWatcher(lambda: ask_upstream(state.session, settings.backend.upstream),
                            settings.decode.model_dirs, settings.decode.mm_processor_kwargs,
                            lambda found: _put_in_force(state, found, settings_print),

@@ -17,7 +17,7 @@ item's bytes come from (``MediaItem.source``: inline base64, or a fetched URL):
    header, the resize and the handoff format. A body that would be forwarded over MMGATE_MAX_BODY_MB is
    refused here, 413 ``body_too_large``, with nothing hashed, admitted or decoded: what mmgate sends upstream
    is bounded as what it receives is.
-3. **Key** every other inline item (``keys.key_items``: the payload's digest and the item's context).
+3. **Key** every other inline item (``cache.MediaCache.key_items``: the payload's digest and the item's context).
 4. **Look up.** A cached verdict is a hit. A key another request is deciding is waited for *before* this
    request leads anything, so two requests can never wait on each other. A leader that stopped for a reason not
    the media's settles its key with None and the waiter looks again (at most ``cache.FOLLOW_ROUNDS`` times, then
@@ -67,7 +67,6 @@ from proxy.edge.buffers import MediaBuffer
 from proxy.fetch.fetcher import Fetcher, fetch_items
 from proxy.media.cache import VerdictCache, refused
 from proxy.media.forwarded import ForwardEstimate, estimate
-from proxy.media.keys import key_items
 from proxy.media.model import Model
 from proxy.ops.metrics import Metrics, Stopwatch
 from proxy.payload.item import BodyRef, MediaItem
@@ -138,7 +137,7 @@ class MediaStep:
             inline = [item for item in inline if item.key not in verdicts]
             forward = estimate(inline, body, len(media.data), self.policies.image)
             self._bound_forward(plan, forward)
-            await key_items(self.cache, inline, body)
+            await self.cache.key_items(inline, body)
             misses = await self._look_up(inline, verdicts, leading, may_wait=True)
             self._refuse_cached(plan, inline, verdicts)
             watch.add("preprocess", time.perf_counter() - started)
@@ -155,7 +154,7 @@ class MediaStep:
                 if urls is not None:
                     await self._fetch(urls, watch, fetched)
                     started = time.perf_counter()
-                    await key_items(self.cache, urls.items, body)
+                    await self.cache.key_items(urls.items, body)
                     misses += await self._look_up(urls.items, verdicts, leading, may_wait=not leading)
                     self._refuse_cached(plan, urls.items, verdicts)
                     fetched_forward = estimate(urls.items, body, 0, self.policies.image)
