@@ -44,7 +44,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "state": ("preprocessors", "settings", "payload", "admission", "fetch", "ops", "edge", "runtime", "media"),
     "exchange": ("payload", "admission", "ops", "edge", "media"),
     "pipeline": ("preprocessors", "payload", "admission", "ops", "edge", "media", "state", "exchange"),
-    "admin": ("preprocessors", "admission", "ops", "edge", "state"),
+    "admin": ("preprocessors", "ops", "edge", "state"),
     "processes": ("preprocessors", "settings", "admission", "ops", "runtime", "state"),
     "app": ("preprocessors", "settings", "admission", "fetch", "ops", "edge", "runtime", "media", "state",
             "pipeline", "admin", "processes"),

@@ -20,7 +20,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from proxy.admin.backend_metrics import backend_metrics
 from proxy.admin.dashboard_stats import snapshot
-from proxy.admission.client import LocalGate
 from proxy.edge.upstream import local_shortage
 from proxy.ops.merged_metrics import MergedFamilies
 from proxy.state import STATE, AppState
@@ -105,9 +104,10 @@ async def stats(request: web.Request) -> web.Response:
     state = _state(request)
     view = snapshot(state, await state.gate.collect())
     view["served_model"] = state.served.describe()  # the family and geometry in force, or why none is
-    if isinstance(state.gate, LocalGate) and state.gate.gate.adaptive is not None:
+    controller = state.gate.controller()
+    if controller is not None:
         # MMGATE_MAX_MM_CONCURRENCY=auto: the phase it is in, and why the limit last moved (one process only)
-        view["gate"]["controller"] = state.gate.gate.adaptive.explain()
+        view["gate"]["controller"] = controller
     return web.Response(body=orjson.dumps(view), content_type="application/json")
 
 

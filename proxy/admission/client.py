@@ -98,6 +98,10 @@ class GateClient(Protocol[PlaceT, LeaseT]):
         """``Gate.observe``: the request ``lease`` admitted completed normally (its ``Sample``), for
         ``MMGATE_MAX_MM_CONCURRENCY=auto``; before the lease is released."""
 
+    def controller(self) -> dict[str, object] | None:
+        """With ``MMGATE_MAX_MM_CONCURRENCY=auto`` in one process, the controller's phase and why the limit last
+        moved (``AdaptiveLimit.explain``); None otherwise (a supervisor's controller is not this process's)."""
+
     async def reachable(self, timeout: float) -> bool:
         """Whether the gate answers within ``timeout`` seconds (/mmgate/ready)."""
 
@@ -159,6 +163,9 @@ class LocalGate:
 
     def observe(self, lease: Lease, sample: Sample) -> None:
         self.gate.observe(lease, sample)
+
+    def controller(self) -> dict[str, object] | None:
+        return self.gate.adaptive.explain() if self.gate.adaptive is not None else None
 
     async def reachable(self, timeout: float) -> bool:
         return True

@@ -295,6 +295,10 @@ class RemoteGate:
                                    messages.Admitted, messages.Release, self.answer_timeout, queue_timeout=timeout)
         return RemoteLease(self, admitted.lease, cost)
 
+    def controller(self) -> dict[str, object] | None:
+        """The supervisor's controller is not shown by a front (``/mmgate/stats`` of one process only)."""
+        return None
+
     def observe(self, lease: RemoteLease, sample: Sample) -> None:
         """``Gate.observe`` at the supervisor's gate: one message, sent before the lease's release."""
         if not lease.released:
