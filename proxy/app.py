@@ -30,7 +30,7 @@ from preprocessors.workers import ProcessPool
 from proxy.admin.backend_metrics import METRICS_PATH, merged_metrics
 from proxy.admin.dashboard_stats import rss_bytes
 from proxy.admin.routes import add_admin_routes, probe_upstream
-from proxy.admission.client import GateClient, GateCounters, LocalGate, configured_limit, gate_from_settings
+from proxy.admission.client import Fleet, GateClient, GateCounters, LocalGate, configured_limit, gate_from_settings
 from proxy.edge.connections import ConnectionGuard
 from proxy.edge.pacing import Pacer
 from proxy.edge.refusals import refusals_in_api_shape
@@ -73,7 +73,8 @@ def build_state(settings: Settings, link: Link | None = None,
 
     With ``link`` (a front process of several) the gate is the supervisor's, reached through it
     (``remote_gate.RemoteGate``); ``on_gate_lost`` is called if the supervisor goes away. That is the one
-    place which gate serves is chosen: everything else uses either through ``GateClient``."""
+    place which gate serves is chosen: everything else uses either through ``GateClient``, and the other
+    front processes through ``state.fleet`` (None in one process)."""
     model = served_model(settings)
     served = ServedModel.at_start(settings.decode.model, model)
     metrics = Metrics()
@@ -90,12 +91,14 @@ def build_state(settings: Settings, link: Link | None = None,
 
     lifecycle = Lifecycle()
     gate: GateClient
+    fleet: Fleet | None = None
     if link is None:
         gate = LocalGate(gate_from_settings(settings.gate, gate_changed, lambda: lifecycle.refusing))
     else:
-        gate = RemoteGate(link, configured_limit(settings.gate)[0], gate_changed, lifecycle,
-                          report=lambda: front_report(state, front_index), on_lost=on_gate_lost,
-                          answer_timeout=settings.listen.process_timeout)
+        # The supervisor's gate is also how this front reaches the others: one connection, both roles.
+        gate = fleet = RemoteGate(link, configured_limit(settings.gate)[0], gate_changed, lifecycle,
+                                  report=lambda: front_report(state, front_index), on_lost=on_gate_lost,
+                                  answer_timeout=settings.listen.process_timeout)
     image_policy = ImagePolicy(**policy_values(settings, "image"),
                                geometry=model.geometry if model is not None else None)
     connections = ConnectionGuard(settings.listen.max_connections, settings.timeouts.header_timeout,
@@ -106,7 +109,7 @@ def build_state(settings: Settings, link: Link | None = None,
                                   on_write_timeout=metrics.client_write_timeouts.inc,
                                   access_log=settings.logs.access_log)
     metrics.client_connections.set_function(lambda: connections.open)
-    state = AppBase(settings=settings, metrics=metrics, gate=gate, image_policy=image_policy,
+    state = AppBase(settings=settings, metrics=metrics, gate=gate, fleet=fleet, image_policy=image_policy,
                     audio_policy=AudioPolicy(**policy_values(settings, "audio")),
                     video_policy=VideoPolicy(**policy_values(settings, "video")),
                     trimmer=trimmer, connections=connections, lifecycle=lifecycle, model=model,
@@ -256,7 +259,7 @@ def _media_cache(base: AppBase) -> VerdictCache:
     cache = MediaCache(settings.memory.cache_bytes, settings_fingerprint(settings),
                        min(4, settings.decode.decode_workers),
                        metrics.cache_hits.inc, metrics.cache_misses.inc, metrics.cache_evictions.inc)
-    cache.peers = base.gate.share_cache(cache.get)
+    cache.peers = base.fleet.share_cache(cache.get) if base.fleet is not None else None
     metrics.cache_bytes.set_function(lambda: cache.bytes_held)
     metrics.cache_entries.set_function(lambda: cache.entries)
     metrics.cache_waiting.set_function(lambda: cache.waiting)

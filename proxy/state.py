@@ -22,7 +22,7 @@ from aiohttp import web
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.pool import DecodePool
-from proxy.admission.client import GateClient
+from proxy.admission.client import Fleet, GateClient
 from proxy.admission.flows import FlowRules
 from proxy.edge.buffers import BufferLedger
 from proxy.edge.connections import ConnectionGuard
@@ -95,6 +95,7 @@ class AppBase:
     settings: Settings
     metrics: Metrics
     gate: GateClient  # this process's, or with several front processes the supervisor's
+    fleet: Fleet | None  # the other front processes, through the supervisor; None in one process
     image_policy: ImagePolicy
     audio_policy: AudioPolicy
     video_policy: VideoPolicy

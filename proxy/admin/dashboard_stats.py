@@ -131,7 +131,7 @@ class _MergedMetrics:
 def snapshot(state: AppState, merged: dict[str, Any] | None = None) -> dict[str, Any]:
     """Cumulative counters, histogram buckets, current gauges and effective limits, as one JSON-able dict.
 
-    ``merged``: with several front processes, every front's metrics and totals (``GateClient.collect``):
+    ``merged``: with several front processes, every front's metrics and totals (``Fleet.collect``):
     the numbers are mmgate's as a whole, not those of the process that answers."""
     m: Any = state.metrics if merged is None else _MergedMetrics(state.metrics, merged)
     s = state.settings

@@ -98,7 +98,7 @@ class MediaCache:
         self.hasher = ThreadPoolExecutor(max(1, hash_threads), thread_name_prefix="mmgate-hash",
                                          initializer=lower_priority)
         self.count_hit, self.count_miss, self._count_evict = on_hit, on_miss, on_evict
-        # With several front processes: what the other fronts' caches hold of some keys (``GateClient.share_cache``).
+        # With several front processes: what the other fronts' caches hold of some keys (``Fleet.share_cache``).
         self.peers: Callable[[list[bytes]], Awaitable[dict[bytes, Verdict]]] | None = None
 
     @property

@@ -101,8 +101,9 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
     link = await Link.over(front.gate) if front is not None else None
     app = build_app(settings, link=link, on_gate_lost=lambda: signals(signal.SIGINT),
                     front_index=front.index if front is not None else 0)
-    gate = app[BASE].gate
-    gate.start()
+    fleet = app[BASE].fleet  # the other front processes; None when this one is the whole
+    if fleet is not None:
+        fleet.start()
     runner = make_runner(app)
     try:
         await runner.setup()
@@ -130,7 +131,8 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
         if admin_runner is not None:
             await admin_runner.cleanup()
         raise
-    gate.ready()
+    if fleet is not None:
+        fleet.ready()
     if front is not None:
         log.info("front process %d ready (pid %d)", front.index, os.getpid())
     else:
@@ -144,7 +146,8 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
     await runner.cleanup()
     if admin_runner is not None:
         await admin_runner.cleanup()
-    await gate.close()
+    if fleet is not None:
+        await fleet.close()
     if front is None and not forced:
         log.info("mmgate stopped")
     if forced:
