@@ -54,7 +54,7 @@ from preprocessors.pool import DecodePool
 from preprocessors.worker_handle import read_all as _read_all
 from preprocessors.worker_process import write_all as _write_all
 from preprocessors.workers import ProcessPool
-from proxy.serve.memory import tune_process, worker_environment
+from proxy.runtime.memory import tune_process, worker_environment
 from testkit.media import photo_jpeg
 
 WHAT = "GIL held by media work: a 1 ms sleeper's late wake-ups beside each step and beside saturated pools"

@@ -4,9 +4,9 @@ Every decode thread that mallocs gets its own glibc arena (up to 8 × cores), an
 blocks sit right at glibc's *dynamic* mmap threshold: after the first mmapped block is freed, the
 threshold rises and later blocks come from the arenas, where freed memory often stays mapped. On top, with
 ``MMGATE_MALLOC_TUNING=off`` mmgate keeps up to 16 freed Pillow blocks for reuse (``PILLOW_BLOCKS_KEPT`` in
-proxy/serve/memory.py, 256 MiB at most; ``PILLOW_BLOCKS_MAX`` overrides it).
+proxy/runtime/memory.py, 256 MiB at most; ``PILLOW_BLOCKS_MAX`` overrides it).
 
-mmgate sets its allocators itself when it starts serving (``proxy.serve.memory.tune_process``): with
+mmgate sets its allocators itself when it starts serving (``proxy.runtime.memory.tune_process``): with
 ``MMGATE_MALLOC_TUNING`` on (its default) it would apply the tuned settings over every variant below, so
 every run but ``shipped`` starts mmgate with ``MMGATE_MALLOC_TUNING=off`` and the variant's own environment:
 the baseline is glibc's defaults with mmgate's 16 kept blocks, and each variant changes only what it names.

@@ -3,7 +3,7 @@
 
 Each start is ``python -m proxy`` in a fresh process in front of the stub backend (``demo.backend``). The time is
 from just before the process is started to the first ``GET /mmgate/health`` that answers 200 with
-``draining: false`` (what the app answers once it serves: ``proxy/ops/admin.health``), polled every 5 ms; the RSS
+``draining: false`` (what the app answers once it serves: ``proxy/admin/routes.health``), polled every 5 ms; the RSS
 is read from /proc at that moment, of mmgate's own process and of its whole process tree (its decode workers).
 With ``MMGATE_MODEL=auto`` readiness never waits on the model (it is looked for in the background), so a found
 model's start-up is also timed to the moment ``/mmgate/stats`` shows its family in force, with the RSS then.

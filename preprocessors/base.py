@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from .policy_settings import AudioSettings, ImageSettings, VideoSettings
+
 if TYPE_CHECKING:
     from .geometry import Geometry
 
@@ -29,17 +31,11 @@ class Cancelled(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class ImagePolicy:
-    """What the image preprocessor enforces and produces; built from Settings."""
+class ImagePolicy(ImageSettings):
+    """What the image preprocessor enforces and produces: the image settings (``ImageSettings``, made from their
+    declarations), and the served model's geometry, which is found, not set."""
 
-    max_pixels: int = 64_000_000
-    max_frames: int = 64
-    resize_max_pixels: int = 0  # 0 = no pixel-count limit
-    resize_max_side: int = 0  # 0 = no side limit
-    output_format: ImageFormat = "auto"
-    jpeg_quality: int = 0  # 0 = auto: image.GENERIC_JPEG_QUALITY, or MODEL_JPEG_QUALITY with a geometry
-    validate: Literal["full", "header"] = "full"
-    # The served model's own geometry (MMGATE_MODEL): when set, it replaces the two resize limits above.
+    # The served model's own geometry (MMGATE_MODEL): when set, it replaces the two resize limits.
     geometry: Geometry | None = None
 
     @property
@@ -48,17 +44,13 @@ class ImagePolicy:
 
 
 @dataclass(frozen=True, slots=True)
-class AudioPolicy:
-    max_seconds: float = 600.0
+class AudioPolicy(AudioSettings):
+    """What the audio check enforces (``preprocessors/audio.py``): the audio settings."""
 
 
 @dataclass(frozen=True, slots=True)
-class VideoPolicy:
-    """What the video probe enforces (``preprocessors/video.py``); built from Settings."""
-
-    max_pixels: int = 8_294_400  # one 3840x2160 frame
-    max_frames: int = 3600
-    max_seconds: float = 600.0
+class VideoPolicy(VideoSettings):
+    """What the video probe enforces (``preprocessors/video.py``): the video settings."""
 
 
 @dataclass(slots=True)

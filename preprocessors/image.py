@@ -18,7 +18,7 @@ Speed
   - An image that needs no change is never re-encoded: the caller forwards the original bytes.
   - JPEG draft mode: libjpeg decodes at 1/2, 1/4 or 1/8 scale (DCT scaling), the smallest that still
     covers the target, so a 12 MP photo bound for 1 MP is decoded as 3 MP and resized from there.
-  - How many freed memory blocks Pillow keeps for reuse is process-global: ``proxy/serve/memory.py`` sets it.
+  - How many freed memory blocks Pillow keeps for reuse is process-global: ``proxy/runtime/memory.py`` sets it.
   - The resize runs before the EXIF rotation and the alpha handling, on the fewest pixels possible.
 
 The handoff (with a model)

@@ -68,7 +68,7 @@ class ProcessPool(DecodePool):
     ``lost`` those ended otherwise (a kill from outside) while processing one or while idle; ``on_exit``
     hears of every worker ended while the pool runs: ``recycled``, ``killed`` (by the pool, its request gave
     up), ``crashed`` or ``lost``.
-    ``environment``: variables added to each worker's (the allocator tuning of ``proxy/serve/memory.py``);
+    ``environment``: variables added to each worker's (the allocator tuning of ``proxy/runtime/memory.py``);
     ``trim_idle``: seconds after which an idle worker gives back the memory it keeps for the next item.
     """
 

@@ -4,7 +4,7 @@ What exists without an event loop is built with the app (``build_state``: settin
 policies) and stored under ``state.BASE``. The resources live in ``cleanup_ctx`` (created on start-up, closed
 on shutdown, in reverse order): ``_resources`` builds the upstream ClientSession, the fetch client, the decode
 pool (its workers started and ready; its worker processes killed and reaped at shutdown) and the media cache,
-each closed where it was built, and the media step that works with them (``step.MediaStage``), and stores
+each closed where it was built, and the media step that works with them (``step.MediaStep``), and stores
 the complete ``AppState`` under ``state.STATE``; then the upstream watcher, the event-loop lag watcher and the
 idle trimmer.
 """
@@ -21,12 +21,16 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.job import warm_up
 from preprocessors.pool import DecodePool
 from preprocessors.workers import ProcessPool
-from proxy.admission.client import GateClient, GateCounters, LocalGate, configured_limit, gate_from_settings
+from proxy.admin.backend_metrics import METRICS_PATH, merged_metrics
+from proxy.admin.dashboard_stats import rss_bytes
+from proxy.admin.routes import add_admin_routes, probe_upstream
+from proxy.admission.client import Fleet, GateClient, GateCounters, LocalGate, configured_limit, gate_from_settings
 from proxy.edge.connections import ConnectionGuard
 from proxy.edge.pacing import Pacer
 from proxy.edge.refusals import refusals_in_api_shape
@@ -47,19 +51,15 @@ from proxy.media.discovery import (
 )
 from proxy.media.model import Model
 from proxy.media.model_folder import load_model
-from proxy.media.step import MediaStage, Policies
-from proxy.ops.admin import add_admin_routes, probe_upstream
-from proxy.ops.backend_metrics import METRICS_PATH, merged_metrics
-from proxy.ops.dashboard_stats import rss_bytes
+from proxy.media.step import MediaStep, Policies
+from proxy.ops.merged_metrics import report_of
 from proxy.ops.metrics import Metrics, watch_loop_lag
 from proxy.pipeline import expect_continue, handle_request, warm_up_request_path
 from proxy.processes.link import Link
-from proxy.processes.merged_metrics import report_of
 from proxy.processes.remote_gate import RemoteGate
-from proxy.serve.lifecycle import Lifecycle
-from proxy.serve.memory import IdleTrimmer, release_freed_memory, worker_environment
-from proxy.settings import AUTO, MIB, ConfigError, Settings
-from proxy.state import BASE, STATE, AppBase, AppState
+from proxy.runtime.memory import IdleTrimmer, release_freed_memory, worker_environment
+from proxy.settings import MIB, ConfigError, Settings, policy_values
+from proxy.state import BASE, STATE, AppBase, AppState, Lifecycle
 
 log = logging.getLogger("mmgate")
 # The served model's watcher (MMGATE_MODEL=auto), where tests and tools can await what it found.
@@ -73,7 +73,8 @@ def build_state(settings: Settings, link: Link | None = None,
 
     With ``link`` (a front process of several) the gate is the supervisor's, reached through it
     (``remote_gate.RemoteGate``); ``on_gate_lost`` is called if the supervisor goes away. That is the one
-    place which gate serves is chosen: everything else uses either through ``GateClient``."""
+    place which gate serves is chosen: everything else uses either through ``GateClient``, and the other
+    front processes through ``state.fleet`` (None in one process)."""
     model = served_model(settings)
     served = ServedModel.at_start(settings.decode.model, model)
     metrics = Metrics()
@@ -90,22 +91,16 @@ def build_state(settings: Settings, link: Link | None = None,
 
     lifecycle = Lifecycle()
     gate: GateClient
+    fleet: Fleet | None = None
     if link is None:
-        gate = LocalGate(gate_from_settings(settings.gate, gate_changed, lifecycle))
+        gate = LocalGate(gate_from_settings(settings.gate, gate_changed, lambda: lifecycle.refusing))
     else:
-        gate = RemoteGate(link, configured_limit(settings.gate)[0], gate_changed, lifecycle,
-                          report=lambda: front_report(state, front_index), on_lost=on_gate_lost,
-                          answer_timeout=settings.listen.process_timeout)
-    image_policy = ImagePolicy(
-        max_pixels=settings.limits.max_image_pixels,
-        max_frames=settings.limits.max_frames,
-        resize_max_pixels=settings.decode.resize_max_pixels,
-        resize_max_side=settings.decode.resize_max_side,
-        output_format=settings.decode.image_format,
-        jpeg_quality=0 if settings.decode.jpeg_quality is AUTO else settings.decode.jpeg_quality,  # worker: 0 = auto
-        validate=settings.decode.validate,
-        geometry=model.geometry if model is not None else None,
-    )
+        # The supervisor's gate is also how this front reaches the others: one connection, both roles.
+        gate = fleet = RemoteGate(link, configured_limit(settings.gate)[0], gate_changed, lifecycle,
+                                  report=lambda: front_report(state, front_index), on_lost=on_gate_lost,
+                                  answer_timeout=settings.listen.process_timeout)
+    image_policy = ImagePolicy(**policy_values(settings, "image"),
+                               geometry=model.geometry if model is not None else None)
     connections = ConnectionGuard(settings.listen.max_connections, settings.timeouts.header_timeout,
                                   lambda code: metrics.rejected.labels(code).inc(),
                                   metrics.idle_connections_closed.inc,
@@ -114,10 +109,9 @@ def build_state(settings: Settings, link: Link | None = None,
                                   on_write_timeout=metrics.client_write_timeouts.inc,
                                   access_log=settings.logs.access_log)
     metrics.client_connections.set_function(lambda: connections.open)
-    state = AppBase(settings=settings, metrics=metrics, gate=gate, image_policy=image_policy,
-                    audio_policy=AudioPolicy(max_seconds=settings.limits.max_audio_seconds),
-                    video_policy=VideoPolicy(settings.limits.max_video_pixels, settings.limits.max_video_frames,
-                                             settings.limits.max_video_seconds),
+    state = AppBase(settings=settings, metrics=metrics, gate=gate, fleet=fleet, image_policy=image_policy,
+                    audio_policy=AudioPolicy(**policy_values(settings, "audio")),
+                    video_policy=VideoPolicy(**policy_values(settings, "video")),
                     trimmer=trimmer, connections=connections, lifecycle=lifecycle, model=model,
                     pacer=Pacer(settings.listen.loop_lag_target, metrics.upload_holds.inc),
                     upstream=WatchedUpstream(settings.backend.upstream, settings.backend.upstream_health_path),
@@ -197,7 +191,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         resources.callback(cache.close)
         pool = make_pool(base.settings, base.metrics, base.image_policy)
         app[STATE] = state = AppState.completing(base, session=session,
-                                                 media=_media_stage(base, pool, cache, fetcher))
+                                                 media=_media_step(base, pool, cache, fetcher))
         # the pool the state holds at shutdown: a bench may have swapped in its own (testkit.variants)
         resources.callback(lambda: state.pool.shutdown())
         metrics = state.metrics
@@ -211,11 +205,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-def _media_stage(base: AppBase, pool: DecodePool, cache: VerdictCache, fetcher: Fetcher | None) -> MediaStage:
+def _media_step(base: AppBase, pool: DecodePool, cache: VerdictCache, fetcher: Fetcher | None) -> MediaStep:
     """The media step of every request, with what it works with."""
     settings = base.settings
     policies = Policies(settings.limits.max_media_item_bytes, base.image_policy, base.audio_policy, base.video_policy)
-    return MediaStage(cache, pool, base.gate, fetcher, base.metrics, policies, settings.timeouts.queue_timeout,
+    return MediaStep(cache, pool, base.gate, fetcher, base.metrics, policies, settings.timeouts.queue_timeout,
                       settings.timeouts.preprocess_timeout, base.model, settings.limits.max_body_bytes)
 
 
@@ -265,7 +259,7 @@ def _media_cache(base: AppBase) -> VerdictCache:
     cache = MediaCache(settings.memory.cache_bytes, settings_fingerprint(settings),
                        min(4, settings.decode.decode_workers),
                        metrics.cache_hits.inc, metrics.cache_misses.inc, metrics.cache_evictions.inc)
-    cache.peers = base.gate.share_cache(cache.get)
+    cache.peers = base.fleet.share_cache(cache.get) if base.fleet is not None else None
     metrics.cache_bytes.set_function(lambda: cache.bytes_held)
     metrics.cache_entries.set_function(lambda: cache.entries)
     metrics.cache_waiting.set_function(lambda: cache.waiting)
@@ -289,8 +283,7 @@ def _put_in_force(state: AppState, found: ServedModel, settings_print: str) -> N
     media = state.media
     media.model = model
     media.policies = replace(media.policies, image=state.image_policy)
-    if isinstance(media.cache, MediaCache):
-        media.cache.settings_print = settings_print + (f";served={found.folder}" if model is not None else "")
+    media.cache.settings_print = settings_print + (f";served={found.folder}" if model is not None else "")
 
 
 async def _model_watcher(app: web.Application) -> AsyncIterator[None]:
@@ -302,7 +295,7 @@ async def _model_watcher(app: web.Application) -> AsyncIterator[None]:
         log.info("served model: %s", state.served.line())
         yield
         return
-    settings_print = state.media.cache.settings_print if isinstance(state.media.cache, MediaCache) else ""
+    settings_print = state.media.cache.settings_print
     watcher = ModelWatcher(lambda: ask_upstream(state.session, settings.backend.upstream),
                            settings.decode.model_dirs, settings.decode.mm_processor_kwargs,
                            lambda found: _put_in_force(state, found, settings_print),
@@ -350,7 +343,7 @@ def build_app(settings: Settings, *, admin: bool | None = None,
     state = build_state(settings, link, on_gate_lost, front_index)
     app = web.Application(client_max_size=settings.limits.max_body_bytes,
                           handler_args={"max_field_size": 65536, "auto_decompress": False},
-                          middlewares=[mark_head_received(state.connections), refusals_in_api_shape])
+                          middlewares=[mark_head_received(state.connections), _refusals(state)])
     app[BASE] = state
     app.cleanup_ctx.extend([_resources, _model_watcher, _upstream_watcher, _loop_lag_watcher, _idle_trimmer])
     if admin if admin is not None else not settings.listen.admin_port:
@@ -373,9 +366,15 @@ def make_runner(app: web.Application) -> web.AppRunner:
 def build_admin_app(state: AppState) -> web.Application:
     """The admin-only app for MMGATE_ADMIN_PORT: /mmgate/* and nothing else, sharing the proxy's state; with
     MMGATE_BACKEND_METRICS=merge-admin also the merged /metrics."""
-    app = web.Application(middlewares=[refusals_in_api_shape])
+    app = web.Application(middlewares=[_refusals(state)])
     app[STATE] = state
     add_admin_routes(app)
     if state.settings.backend.backend_metrics == "merge-admin":
         app.router.add_get(METRICS_PATH, merged_metrics)
     return app
+
+
+def _refusals(state: AppBase) -> Middleware:
+    """The door's refusals in the client's API shape, counted and logged as every refusal is."""
+    return refusals_in_api_shape(lambda code: state.metrics.rejected.labels(code).inc(),
+                                 state.settings.logs.access_log)

@@ -17,9 +17,9 @@ from functools import partial
 from preprocessors.worker_handle import WorkerStartError
 from proxy.app import model_in_force, served_model
 from proxy.processes.supervisor import supervise
+from proxy.runtime.loop import loop_factory, run
+from proxy.runtime.memory import tune_process
 from proxy.serve.demo import DEMO_HOST, print_demo_help, start_stub_backend
-from proxy.serve.loop import loop_factory, run
-from proxy.serve.memory import tune_process
 from proxy.serve.server import ListenError, announce, bound, configure_logging, exit_with, serve
 from proxy.settings import ConfigError, Settings, overrides_from_args, unknown_variables
 from proxy.settings.reference import add_arguments

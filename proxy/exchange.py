@@ -3,7 +3,6 @@ when it ends (the request metrics and the access log line)."""
 
 from __future__ import annotations
 
-import logging
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -11,15 +10,13 @@ from typing import Literal
 
 from aiohttp import web
 
-from preprocessors.errors import MmgateError
 from proxy.admission.client import GateLease, GatePlace
 from proxy.admission.flows import DEFAULT_FLOW, Flow
-from proxy.media.buffers import MediaBuffer
+from proxy.edge.access_log import write_line
+from proxy.edge.buffers import MediaBuffer
 from proxy.media.model import Model
 from proxy.ops.metrics import Metrics, Stopwatch, server_timing
 from proxy.payload.dialects import Dialect, Route
-
-log = logging.getLogger("mmgate.access")
 
 CLIENT_CLOSED = 499  # nginx's convention for "client went away"; metrics label only
 
@@ -98,73 +95,36 @@ class Exchange:
             media.release()
 
 
-def loggable(text: str, limit: int = 512) -> str:
-    """A client-chosen string for a text log line: control characters escaped, so a path cannot forge lines
-    or drive a terminal."""
-    text = text[:limit]
-    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
-
-
-def record(metrics: Metrics, access_log: bool, model: Model | None, ex: Exchange, request: web.Request) -> None:
+def record(metrics: Metrics, access_log: bool, model: Model | None, exchange: Exchange, request: web.Request) -> None:
     """Count the finished request and, with ``access_log`` (MMGATE_ACCESS_LOG), write its access log line
     (with ``model``, MMGATE_MODEL's, its image and video tokens)."""
-    status = ex.status or (ex.response.status if ex.response is not None else 0)
-    duration = ex.watch.elapsed()
+    status = exchange.status or (exchange.response.status if exchange.response is not None else 0)
+    duration = exchange.watch.elapsed()
     m = metrics
-    m.child(m.requests, ex.route, ex.kind, str(status)).inc()
-    m.child(m.request_duration, ex.route, ex.kind).observe(duration)
-    for stage, seconds in ex.watch.stages.items():
+    m.child(m.requests, exchange.route, exchange.kind, str(status)).inc()
+    m.child(m.request_duration, exchange.route, exchange.kind).observe(duration)
+    for stage, seconds in exchange.watch.stages.items():
         m.child(m.stage_duration, stage).observe(seconds)
     m.child(m.stage_duration, "total").observe(duration)
     if access_log:
         fields = {
-            "request_id": ex.request_id, "method": request.method, "path": request.path, "route": ex.route,
-            "kind": ex.kind, "status": status, "code": ex.code or None, "duration_ms": round(duration * 1000, 2),
-            "stages_ms": {k: round(v * 1000, 2) for k, v in ex.watch.stages.items()},
-            "bytes_in": ex.bytes_in, "media_in": ex.media_in, "media_out": ex.media_out,
-            "fetched": ex.fetched, "answered_by": answered_by(ex, status),
+            "request_id": exchange.request_id, "method": request.method, "path": request.path, "route": exchange.route,
+            "kind": exchange.kind, "status": status, "code": exchange.code or None,
+            "duration_ms": round(duration * 1000, 2),
+            "stages_ms": {k: round(v * 1000, 2) for k, v in exchange.watch.stages.items()},
+            "bytes_in": exchange.bytes_in, "media_in": exchange.media_in, "media_out": exchange.media_out,
+            "fetched": exchange.fetched, "answered_by": answered_by(exchange, status),
         }
         if model is not None:
-            fields["image_tokens"] = ex.image_tokens
+            fields["image_tokens"] = exchange.image_tokens
             if model.counts_video:
-                fields["video_tokens"] = ex.video_tokens
-        _write_line(fields)
+                fields["video_tokens"] = exchange.video_tokens
+        write_line(fields)
 
 
-def answered_by(ex: Exchange, status: int) -> Literal["mmgate", "upstream", "-"]:
+def answered_by(exchange: Exchange, status: int) -> Literal["mmgate", "upstream", "-"]:
     """Whose answer the client got: mmgate's (a refusal, its code logged), the upstream's (relayed as it came,
     whatever its status: a 502 the backend sent is the backend's), or none (the client left first)."""
     if status == CLIENT_CLOSED:
         return "-"
-    return "mmgate" if ex.code else "upstream"
-
-
-def log_refused_connection(error: MmgateError, request_line: bytes, seconds: float) -> None:
-    """The access log line of a refusal no request handler saw (one connection too many, a head too slow):
-    the method and path from ``request_line``, what arrived of the request line (``-`` where they did not),
-    no request id (none was read), no route."""
-    method, _, rest = request_line.partition(b" ")
-    target = rest.partition(b" ")[0].partition(b"?")[0] if rest else b""
-    _write_line({
-        # Unparsed bytes (a TLS handshake to the plain port is one): escaped like any client-chosen log text.
-        "request_id": None, "method": loggable(method.decode("latin-1"), 32) or "-",
-        "path": loggable(target.decode("latin-1")) or "-",
-        "route": "other", "kind": "text", "status": error.status, "code": error.code,
-        "duration_ms": round(seconds * 1000, 2), "stages_ms": {}, "bytes_in": 0, "media_in": 0, "media_out": 0,
-        "fetched": 0, "answered_by": "mmgate",
-    })
-
-
-def log_refused_request(error: MmgateError, request: web.Request, request_id: str, seconds: float) -> None:
-    """The access log line of a request refused by the door before ``pipeline.handle_request`` saw it."""
-    _write_line({
-        "request_id": request_id, "method": request.method, "path": request.path, "route": "other", "kind": "text",
-        "status": error.status, "code": error.code, "duration_ms": round(seconds * 1000, 2), "stages_ms": {},
-        "bytes_in": 0, "media_in": 0, "media_out": 0, "fetched": 0, "answered_by": "mmgate",
-    })
-
-
-def _write_line(fields: dict[str, object]) -> None:
-    """One access log line: the readable text, and every field for a structured formatter (``extra``)."""
-    log.info("%s %s %s %s %s %.1fms %s", fields["request_id"] or "-", fields["method"], loggable(str(fields["path"])),
-             fields["status"], fields["kind"], fields["duration_ms"], fields["code"] or "-", extra={"fields": fields})
+    return "mmgate" if exchange.code else "upstream"

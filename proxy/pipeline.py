@@ -32,6 +32,7 @@ from proxy.admission.client import GateLease
 from proxy.admission.flows import flow_for
 from proxy.admission.sample import Sample, sample_class
 from proxy.edge.body import HEAD_BYTES, joined, read_body
+from proxy.edge.buffers import MediaBuffer
 from proxy.edge.connections import ConnectionGuard, GuardedConnection
 from proxy.edge.paths import Target, is_allowed, normalise_target
 from proxy.edge.refusals import internal_error, refuse
@@ -39,9 +40,8 @@ from proxy.edge.upstream import close_upstream, open_upstream, relay_body, relay
 from proxy.edge.upstream_health import upstream_down
 from proxy.edge.write_deadline import client_gone_code
 from proxy.exchange import CLIENT_CLOSED, Exchange, record
-from proxy.media.buffers import MediaBuffer
 from proxy.media.model import Model
-from proxy.media.step import MediaStage
+from proxy.media.step import MediaStep
 from proxy.media.tokens import plan_image_tokens
 from proxy.ops.metrics import Metrics
 from proxy.payload.dialects import dialect_for_path, route_for
@@ -58,7 +58,7 @@ T = TypeVar("T")
 
 async def handle_request(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    ex = Exchange(request_id_for(request.headers.get("X-Request-Id")), "other", dialect_for_path(request.path))
+    exchange = Exchange(request_id_for(request.headers.get("X-Request-Id")), "other", dialect_for_path(request.path))
     state.request_started()
     deadline: asyncio.Timeout | None = None
     try:
@@ -66,41 +66,42 @@ async def handle_request(request: web.Request) -> web.StreamResponse:
             raise draining()
         when = _request_deadline(request, state.settings.timeouts.request_timeout)
         if when is None:  # the common case: no timer to arm and cancel for every request
-            return await _serve(request, state, ex)
+            return await _serve(request, state, exchange)
         deadline = asyncio.timeout_at(when)
         async with deadline:
-            return await _serve(request, state, ex)
+            return await _serve(request, state, exchange)
     except TimeoutError:
         if deadline is None or not deadline.expired():
-            return await _answer(request, state, ex, _internal_error(ex))
-        return await _answer(request, state, ex, _deadline_passed(request, state.settings.timeouts.request_timeout))
+            return await _answer(request, state, exchange, _internal_error(exchange))
+        passed = _deadline_passed(request, state.settings.timeouts.request_timeout)
+        return await _answer(request, state, exchange, passed)
     except MmgateError as error:
-        return await _answer(request, state, ex, error)
+        return await _answer(request, state, exchange, error)
     except (asyncio.CancelledError, ConnectionResetError):
-        ex.status, ex.code = CLIENT_CLOSED, client_gone_code(request)
+        exchange.status, exchange.code = CLIENT_CLOSED, client_gone_code(request)
         raise
     except Exception:
         # The last guard: a fault of mmgate's own is logged once with its traceback, and the client gets a
         # 500 in its API's shape naming the request id, never a traceback.
-        return await _answer(request, state, ex, _internal_error(ex))
+        return await _answer(request, state, exchange, _internal_error(exchange))
     finally:
-        ex.let_go()
+        exchange.let_go()
         state.request_finished()
-        record(state.metrics, state.settings.logs.access_log, state.model, ex, request)
+        record(state.metrics, state.settings.logs.access_log, state.model, exchange, request)
 
 
-async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.StreamResponse:
+async def _serve(request: web.Request, state: AppState, exchange: Exchange) -> web.StreamResponse:
     settings = state.settings
     target = _checked_target(request, settings.backend.allow_paths)
-    ex.dialect = dialect_for_path(target.path)
-    ex.route = route_for(request.method, target.path)
-    ex.declared_length = request.content_length
-    _check_headers(request, media_route=ex.route != "other")
-    if ex.route != "other":
-        ex.flow = flow_for(request.headers, request.remote, state.flow_rules)
+    exchange.dialect = dialect_for_path(target.path)
+    exchange.route = route_for(request.method, target.path)
+    exchange.declared_length = request.content_length
+    _check_headers(request, media_route=exchange.route != "other")
+    if exchange.route != "other":
+        exchange.flow = flow_for(request.headers, request.remote, state.flow_rules)
 
     started = time.perf_counter()
-    on_head = partial(_take_place_for_media, state, ex) if ex.route != "other" else None
+    on_head = partial(_take_place_for_media, state, exchange) if exchange.route != "other" else None
     state.traffic.reading += 1
     try:
         with state.pacer.upload(_big_upload(request, state.connections)):
@@ -108,22 +109,22 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
                                      on_head)
     finally:
         state.traffic.reading -= 1
-    ex.watch.add("read", time.perf_counter() - started)
-    ex.bytes_in = sum(map(len, chunks))
+    exchange.watch.add("read", time.perf_counter() - started)
+    exchange.bytes_in = sum(map(len, chunks))
 
     # A text body leaves as the chunks it came in: the sniff is the only pass over it, nothing copies it.
     outgoing: list[bytes] | MediaBuffer = chunks
     is_stream = False
-    if ex.route != "other":
-        ex.sniffed_media = chunks_may_contain_media(chunks)
-    if ex.sniffed_media:
+    if exchange.route != "other":
+        exchange.sniffed_media = chunks_may_contain_media(chunks)
+    if exchange.sniffed_media:
         media = state.buffers.hold(await joined(chunks))  # from here on the owner is the only holder of the bytes
-        outgoing, ex.media = media, weakref.ref(media)
-        is_stream = await _prepare_media(state, ex, media)
+        outgoing, exchange.media = media, weakref.ref(media)
+        is_stream = await _prepare_media(state, exchange, media)
         del media
     del chunks
-    if ex.place is not None:  # the body held no media after all: give the place back before forwarding
-        ex.place.release()  # (nothing when the media step's admission used it)
+    if exchange.place is not None:  # the body held no media after all: give the place back before forwarding
+        exchange.place.release()  # (nothing when the media step's admission used it)
 
     # Where the gate lease ends (MMGATE_RELEASE_AT; auto: at the headers when streaming, else once sent).
     # The media bytes themselves are always let go at the handoff, by the payload.
@@ -132,88 +133,91 @@ async def _serve(request: web.Request, state: AppState, ex: Exchange) -> web.Str
         release_at = "complete"  # the adaptive limit learns from the backend's latency: the lease must span it
     elif release_at == "auto":
         release_at = "headers" if is_stream else "sent"
-    lease = ex.lease
+    lease = exchange.lease
     on_sent = lease.release if lease is not None and release_at == "sent" else None
     if lease is not None:
         lease.handed_off()
 
-    ex.upstream_started = time.perf_counter()
-    stalls = _watch_stalls(state, request, ex) if lease is not None and settings.gate.adaptive_concurrency else None
+    exchange.upstream_started = time.perf_counter()
+    adaptive = lease is not None and settings.gate.adaptive_concurrency
+    stalls = _watch_stalls(state, request, exchange) if adaptive else None
     try:
         upstream = await open_upstream(state.session, request, settings.backend.upstream + target.forwarded,
-                                       outgoing if ex.bytes_in else None, ex.request_id,
-                                       _own_headers(state.model, ex), on_sent, settings.timeouts.upstream_client)
+                                       outgoing if exchange.bytes_in else None, exchange.request_id,
+                                       _own_headers(state.model, exchange), on_sent, settings.timeouts.upstream_client)
         del outgoing
         state.upstream.reached()
         try:
             if lease is not None and release_at == "headers":
                 lease.release()
-            ex.response = await relay_head(request, upstream, ex.response_headers(settings.logs.server_timing))
-            output_tokens = await relay_body(upstream, ex.response)  # which ends the upstream's answer too
+            exchange.response = await relay_head(request, upstream,
+                                                 exchange.response_headers(settings.logs.server_timing))
+            output_tokens = await relay_body(upstream, exchange.response)  # which ends the upstream's answer too
         except BaseException:
             close_upstream(upstream)
             raise
         if lease is not None and settings.gate.adaptive_concurrency and 200 <= upstream.status < 300:
-            _completed(state, ex, lease, is_stream, output_tokens)
-        return ex.response
+            _completed(state, exchange, lease, is_stream, output_tokens)
+        return exchange.response
     finally:
         if stalls is not None:
             stalls.on_stall = None
-        ex.watch.add("upstream", time.perf_counter() - ex.upstream_started)
+        exchange.watch.add("upstream", time.perf_counter() - exchange.upstream_started)
 
 
-def _watch_stalls(state: AppState, request: web.Request, ex: Exchange) -> GuardedConnection | None:
+def _watch_stalls(state: AppState, request: web.Request, exchange: Exchange) -> GuardedConnection | None:
     """With the adaptive limit: the client's connection, told to call ``_client_stalled`` the first time the
     answer waits on the client (``GuardedConnection.on_stall``)."""
     conn = state.connections.connection_for(request.protocol)
     if conn is not None:
-        conn.on_stall = partial(_client_stalled, ex)
+        conn.on_stall = partial(_client_stalled, exchange)
     return conn
 
 
-def _client_stalled(ex: Exchange) -> None:
+def _client_stalled(exchange: Exchange) -> None:
     """The answer waits on the client, which stopped reading: its lease goes back now (what the backend does
     is no longer what holds it), and the exchange will be no sample: its time measures the client too."""
-    ex.client_stalled = True
-    if ex.lease is not None:
-        ex.lease.release()
+    exchange.client_stalled = True
+    if exchange.lease is not None:
+        exchange.lease.release()
 
 
-def _completed(state: AppState, ex: Exchange, lease: GateLease, is_stream: bool, output_tokens: int | None) -> None:
+def _completed(state: AppState, exchange: Exchange, lease: GateLease, is_stream: bool,
+               output_tokens: int | None) -> None:
     """A media request the backend answered 2xx, relayed to its last byte: its sample teaches the adaptive limit
     (``admission.sample``), unless the client stalled. Every other ending (the client gone, a refusal, an
     error, a deadline) never gets here, and teaches it nothing."""
-    if ex.client_stalled:
+    if exchange.client_stalled:
         return
-    seconds = time.perf_counter() - ex.upstream_started  # from the hand-off to the backend to the last byte
-    image_tokens = ex.image_tokens if state.model is not None else None
-    state.gate.observe(lease, Sample(seconds, sample_class(ex.route, is_stream, output_tokens, image_tokens,
-                                                           ex.media_in)))
+    seconds = time.perf_counter() - exchange.upstream_started  # from the hand-off to the backend to the last byte
+    image_tokens = exchange.image_tokens if state.model is not None else None
+    state.gate.observe(lease, Sample(seconds, sample_class(exchange.route, is_stream, output_tokens, image_tokens,
+                                                           exchange.media_in)))
 
 
-def _own_headers(model: Model | None, ex: Exchange) -> dict[str, str | None]:
+def _own_headers(model: Model | None, exchange: Exchange) -> dict[str, str | None]:
     """The headers mmgate sets on the way up (None: removed), never a client's own: with MMGATE_MODEL the
     request's image tokens, and its video tokens where the family counts them."""
     if model is None:
         return {}
-    return {IMAGE_TOKENS_HEADER: str(ex.image_tokens),
-            VIDEO_TOKENS_HEADER: str(ex.video_tokens) if model.counts_video else None}
+    return {IMAGE_TOKENS_HEADER: str(exchange.image_tokens),
+            VIDEO_TOKENS_HEADER: str(exchange.video_tokens) if model.counts_video else None}
 
 
-async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> bool:
+async def _prepare_media(state: AppState, exchange: Exchange, media: MediaBuffer) -> bool:
     """Locate, admit, preprocess and splice ``media`` in place. Returns whether the client streams.
 
     Only ``media`` holds the body: nothing here keeps the bytes in a local, so a released owner (the
     request ended) leaves nothing behind in a frame or a queued job."""
     started = time.perf_counter()
-    plan = await _in_steps(plan_steps(ex.route, media.data, state.plan_limits))
-    ex.watch.add("parse", time.perf_counter() - started)
-    ex.parsed_media = bool(plan.parts)
+    plan = await _in_steps(plan_steps(exchange.route, media.data, state.plan_limits))
+    exchange.watch.add("parse", time.perf_counter() - started)
+    exchange.parsed_media = bool(plan.parts)
     if not plan.parts:
         return plan.is_stream
-    stage = state.media
+    step = state.media
     if plan.urls:
-        stage.count_urls(plan.urls)
+        step.count_urls(plan.urls)
     if plan.refusals:
         raise plan.refusals.pop()  # popped: no cycle through the plan keeps the body alive
     served = state.served.served
@@ -225,27 +229,27 @@ async def _prepare_media(state: AppState, ex: Exchange, media: MediaBuffer) -> b
         raise upstream_down()
     if state.model is not None:  # MMGATE_MODEL: the image tokens, from the headers, before admission
         started = time.perf_counter()
-        ex.image_tokens = _count_image_tokens(state.model, state.metrics, plan, media.data)
-        ex.watch.add("parse", time.perf_counter() - started)
+        exchange.image_tokens = _count_image_tokens(state.model, state.metrics, plan, media.data)
+        exchange.watch.add("parse", time.perf_counter() - started)
 
     fetched = [0]
     try:  # admits weighing only what the cache lacks
-        result = await stage.run(plan, media, place=ex.place, flow=ex.flow, image_tokens=ex.image_tokens,
-                                 watch=ex.watch, fetched=fetched)
+        result = await step.run(plan, media, place=exchange.place, flow=exchange.flow,
+                                image_tokens=exchange.image_tokens, watch=exchange.watch, fetched=fetched)
     finally:
-        ex.fetched = fetched[0]
+        exchange.fetched = fetched[0]
 
     started = time.perf_counter()
-    ex.lease, ex.media_in, ex.media_out, ex.video_tokens = (result.lease, result.media_in, result.media_out,
-                                                            result.video_tokens)
+    exchange.lease, exchange.media_in, exchange.media_out, exchange.video_tokens = (
+        result.lease, result.media_in, result.media_out, result.video_tokens)
     if result.replacements:
         media.replace(splice(media.data, result.replacements))
     del result
-    ex.watch.add("splice", time.perf_counter() - started)
+    exchange.watch.add("splice", time.perf_counter() - started)
     return plan.is_stream
 
 
-def warm_up_request_path(stage: MediaStage, limits: Limits) -> None:
+def warm_up_request_path(step: MediaStep, limits: Limits) -> None:
     """A tiny image request's body through what a media request runs on the loop (the sniff, the plan, the
     header judge), once at start: the first call of each costs more than every later one, and the first client
     should not pay it."""
@@ -254,7 +258,7 @@ def warm_up_request_path(stage: MediaStage, limits: Limits) -> None:
         + image + b'"}}]}]}'
     chunks_may_contain_media([body])
     for item in plan_media("chat", body, limits).items:
-        judge_head(stage.task(item), image)
+        judge_head(step.task(item), image)
 
 
 async def _in_steps(steps: Steps[T]) -> T:
@@ -278,20 +282,20 @@ def _count_image_tokens(model: Model, metrics: Metrics, plan: Plan, body: bytes)
     return sum(per_image)
 
 
-async def _answer(request: web.Request, state: AppState, ex: Exchange, error: MmgateError) -> web.StreamResponse:
+async def _answer(request: web.Request, state: AppState, exchange: Exchange, error: MmgateError) -> web.StreamResponse:
     """The one place a refusal is counted and answered."""
-    ex.status, ex.code = error.status, error.code
+    exchange.status, exchange.code = error.status, error.code
     if isinstance(error, UpstreamError):
         state.metrics.upstream_errors.labels(error.kind).inc()
         if error.entry is UPSTREAM_DOWN:  # this request could not connect (or the upstream is known down already)
             state.upstream.unreachable(f"a request: {error.message}")
     else:
         state.metrics.rejected.labels(error.code).inc()
-    return await refuse(request, error, ex.dialect, ex.request_id, ex.response)
+    return await refuse(request, error, exchange.dialect, exchange.request_id, exchange.response)
 
 
-def _internal_error(ex: Exchange) -> MmgateError:
-    return internal_error(ex.request_id, "")
+def _internal_error(exchange: Exchange) -> MmgateError:
+    return internal_error(exchange.request_id, "")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -356,12 +360,12 @@ def _big_upload(request: web.Request, connections: ConnectionGuard) -> GuardedCo
     return connections.connection_for(request.protocol)
 
 
-async def _take_place_for_media(state: AppState, ex: Exchange, head: bytes) -> None:
+async def _take_place_for_media(state: AppState, exchange: Exchange, head: bytes) -> None:
     """``read_body``'s look at the first bytes of a big body: if they name media, hold a place in line
     before reading the rest (or refuse now, with the rest unread)."""
-    ex.sniffed_media = may_contain_media(head)
-    if ex.sniffed_media:
-        ex.place = await state.gate.take_place(ex.flow)
+    exchange.sniffed_media = may_contain_media(head)
+    if exchange.sniffed_media:
+        exchange.place = await state.gate.take_place(exchange.flow)
 
 
 async def expect_continue(request: web.Request) -> None:

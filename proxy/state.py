@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from functools import cached_property
 from typing import Any
 
@@ -21,23 +22,57 @@ from aiohttp import web
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.pool import DecodePool
-from proxy.admission.client import GateClient
+from proxy.admission.client import Fleet, GateClient
 from proxy.admission.flows import FlowRules
+from proxy.edge.buffers import BufferLedger
 from proxy.edge.connections import ConnectionGuard
 from proxy.edge.pacing import Pacer
 from proxy.edge.upstream_health import UpstreamHealth
 from proxy.fetch.fetcher import Fetcher
-from proxy.media.buffers import BufferLedger
 from proxy.media.cache import VerdictCache
 from proxy.media.discovery import ServedModel
 from proxy.media.model import Model
-from proxy.media.step import MediaStage
+from proxy.media.step import MediaStep
 from proxy.ops.backend_scrapes import BackendScrapes
 from proxy.ops.metrics import Metrics
 from proxy.payload.locate import Limits
-from proxy.serve.lifecycle import Lifecycle
-from proxy.serve.memory import IdleTrimmer
+from proxy.runtime.memory import IdleTrimmer
 from proxy.settings import PRIORITY_MAX, PRIORITY_MIN, Settings
+
+
+class Phase(Enum):
+    """Where the process is in its life. One state instead of flags kept in step: readiness fails from the grace
+    on (the load balancer is told to stop sending), new requests and new media admissions are refused only once
+    the drain proper starts (the requests already accepted keep their place). ``server.drain`` moves it forward;
+    nothing moves it back."""
+
+    SERVING = "serving"
+    GRACE = "grace"  # SIGTERM received: readiness fails, requests are still served
+    DRAINING = "draining"  # new requests get 503 draining; those in flight may finish
+
+
+class Lifecycle:
+    """The app's phase, shared by the handlers, the admin routes and the gate."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.SERVING
+
+    @property
+    def ready(self) -> bool:
+        """Whether readiness may pass (the upstream is asked only then)."""
+        return self.phase is Phase.SERVING
+
+    @property
+    def refusing(self) -> bool:
+        """Whether new requests and new admissions are refused."""
+        return self.phase is Phase.DRAINING
+
+    def start_grace(self) -> None:
+        if self.phase is Phase.SERVING:
+            self.phase = Phase.GRACE
+
+    def start_draining(self) -> None:
+        self.phase = Phase.DRAINING
 
 
 @dataclass
@@ -60,6 +95,7 @@ class AppBase:
     settings: Settings
     metrics: Metrics
     gate: GateClient  # this process's, or with several front processes the supervisor's
+    fleet: Fleet | None  # the other front processes, through the supervisor; None in one process
     image_policy: ImagePolicy
     audio_policy: AudioPolicy
     video_policy: VideoPolicy
@@ -117,11 +153,11 @@ class AppState(AppBase):
     """Everything a request handler needs: the base and the resources built at start-up."""
 
     session: aiohttp.ClientSession  # to the upstream
-    media: MediaStage  # the media step, with the decode pool, the media cache and the fetch client
+    media: MediaStep  # the media step, with the decode pool, the media cache and the fetch client
     ready_cache: tuple[float, bool, str] = (0.0, False, "not probed yet")
 
     @classmethod
-    def completing(cls, base: AppBase, *, session: aiohttp.ClientSession, media: MediaStage) -> AppState:
+    def completing(cls, base: AppBase, *, session: aiohttp.ClientSession, media: MediaStep) -> AppState:
         """``base`` (its very objects, shared with whatever already holds them) and the resources."""
         return cls(**base.parts(), session=session, media=media)
 

@@ -17,9 +17,9 @@ from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.admin.routes import PROBE_USER_AGENT
 from proxy.app import build_app, make_runner
 from proxy.edge.site import GuardedSite
-from proxy.ops.admin import PROBE_USER_AGENT
 from proxy.settings import Settings
 from proxy.state import STATE, AppState
 

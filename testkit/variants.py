@@ -32,7 +32,7 @@ from preprocessors.pool import Batch, DecodePool
 from proxy.app import build_app, make_runner
 from proxy.cli import parse_args
 from proxy.edge.site import GuardedSite
-from proxy.serve.memory import PILLOW_BLOCKS_PER_THREAD, tune_allocators
+from proxy.runtime.memory import PILLOW_BLOCKS_PER_THREAD, tune_allocators
 from proxy.serve.server import configure_logging
 from proxy.settings import Settings, overrides_from_args
 from proxy.state import STATE

@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 README_MAX_BYTES = 15_000
-ARCHITECTURE_MAX_BYTES = 30_000
+ARCHITECTURE_MAX_BYTES = 12_000
 
 RUN = {("media.md", "Media URLs")}  # each runs beside the README's stub backend on its port 8000
 _NO_ENGINE = "docker, docker compose and kubectl need an engine or a cluster this machine does not have"
@@ -75,7 +75,7 @@ ALLOWED = {
     "example paths in the description of a format": ("path/to/file.py", "pkg/file.py"),
 }
 # Instance names the docs use for one object of ours, resolved through its class.
-INSTANCES = {"settings": "Settings", "state": "AppState", "ex": "Exchange"}
+INSTANCES = {"settings": "Settings", "state": "AppState"}
 
 DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")

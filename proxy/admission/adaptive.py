@@ -4,7 +4,7 @@ backend completes the most work per second, and gives way when the backend slows
 What it measures. Only normal completions are measured (``sample.Sample``: a 2xx answer relayed to its last
 byte to a client that kept reading): the backend's seconds from the hand-off to the last byte, and the request's
 class (route, streamed or not, output-token and image buckets). Each class has its own long average of seconds
-at the cruise limit, its *reference* (``reference``). A completion is worth its class's reference in *work*
+at the cruise limit, its *reference* (``class_reference``). A completion is worth its class's reference in *work*
 (seconds of typical service); its latency is read *normalised*, as its seconds over that reference. The limit
 moves in phases of a few rounds of requests. For each the controller takes the *rate*: completions per second
 per class, from each request's own delivery-rate sample (``delivery``), valued in work; the work-weighted median
@@ -18,7 +18,7 @@ count at the class's usual worth: a flood of fast answers inside an honest class
 2/601 a sample, but its work counts, so while it lasts a probe may be kept that should not (the limit may move a
 step, and come back once the flood ends). Other gateways' load on the same backend shows only as a lower rate or
 a higher latency. It learns only as fast as answers complete: with answers that take minutes, a phase takes
-minutes. More classes in turn than ``reference.MAX_CLASSES`` evict each other's references.
+minutes. More classes in turn than ``class_reference.MAX_CLASSES`` evict each other's references.
 
 What it sees of requests still at the backend: their ages (``started`` at the hand-off, ``ended`` when the lease
 goes back), a floor under their latency. By Little's law a step whose requests' median time at the backend is
@@ -50,13 +50,13 @@ What it borrows, and from whom:
   five busy phases at the floor force a probe up (Envoy re-measures after five windows at its minimum); no cut
   is deeper than half. Not taken: pinning the limit low every minute to re-measure the minimum latency.
 - Netflix concurrency-limits' ``Gradient2Limit``: the per-class reference is its long exponential average
-  (``reference``); its tolerance of 1.5: a cruise phase whose latency exceeds both the last phases' and the
+  (``class_reference``); its tolerance of 1.5: a cruise phase whose latency exceeds both the last phases' and the
   references by half again is the backend slowing down (other work on it, or it changed), and the limit gives
   way in proportion, then narrows the knee down again between a quarter below the cut and the old limit, now
   known to be too high (a cruise whose rate fell by a quarter while its latency grew a fifth does the same: the
   knee moved below the limit); a phase
   that did not keep the limit full raises nothing (the app-limited rule). Not taken: growth
-  by a fixed queue size per window, and the drift of its long average (``reference`` says why).
+  by a fixed queue size per window, and the drift of its long average (``class_reference`` says why).
 - TCP congestion window validation (RFC 7661): a limit that demand did not fill for a whole phase comes down to
   what demand used, so a burst (or an attack's extra connections) cannot leave it high.
 
@@ -77,15 +77,32 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
+from proxy.admission.class_reference import References
 from proxy.admission.delivery import Deliveries
-from proxy.admission.reference import References
 from proxy.admission.sample import Sample, SampleClass
 
 Kind = Literal["startup", "up", "down", "cruise"]
 Mix = dict[SampleClass, float]  # completions per second of each class
-Measured = tuple[Mix, float | None, bool]  # a phase's mix, median normalised latency, and whether it was busy
+
+
+class Busy(NamedTuple):
+    """A phase demand kept full: its mix and median normalised latency (judged on two samples at least)."""
+
+    mix: Mix
+    latency: float
+
+
+class AppLimited(NamedTuple):
+    """A phase demand did not fill, judged on that alone: its mix and median normalised latency, None when
+    nothing completed."""
+
+    mix: Mix
+    latency: float | None
+
+
+Measured = Busy | AppLimited
 
 FULL_GROWTH = 1.25  # BBR bbr_full_bw_thresh: a doubling that adds less (a smaller step: by its log) is no growth ...
 FULL_COUNT = 3  # ... and this many of them end startup (BBR bbr_full_bw_cnt)
@@ -356,7 +373,7 @@ class AdaptiveLimit:
         """Whether the requests at the backend already show that the phase cannot do what it is for: a step of
         startup or a probe up that cannot beat the rate it must beat, or a cruise whose latency is past the
         tolerance, a probe whose is far past it (the backend slowed down, and nothing completes to say so)."""
-        if self._stuck(now):
+        if self._stuck(now) is not None:
             return True
         if self.kind == "startup":
             compared = max((mix for mix, _latency in self._table.values()), key=self.rate_of, default=None)
@@ -367,13 +384,16 @@ class AdaptiveLimit:
             return ceiling is not None and ceiling < (1 + GROW_MIN) * self.rate_of(self.mix)
         return False
 
-    def _stuck(self, now: float) -> bool:
-        """Whether the requests at the backend are late past the tolerance (cruise) or far past it (a probe: a
-        probe down holds what the probe up before it left there, and a probe up's own requests take longer)."""
+    def _stuck(self, now: float) -> float | None:
+        """How many times their usual latency the requests at the backend take (``_slower``) when that is past the
+        tolerance (cruise) or far past it (a probe: a probe down holds what the probe up before it left there, and
+        a probe up's own requests take longer); None when they are not stuck, and in startup."""
         if self.kind == "startup":
-            return False
+            return None
         slower = self._slower(now)
-        return slower is not None and slower > (TOLERANCE if self.kind == "cruise" else STUCK)
+        if slower is None or slower <= (TOLERANCE if self.kind == "cruise" else STUCK):
+            return None
+        return slower
 
     def _slower(self, now: float) -> float | None:
         """How many times its usual latency the floor under the cruise phase's median latency is: the usual is
@@ -391,21 +411,19 @@ class AdaptiveLimit:
         """End an overdue phase without waiting for its answers: startup is past the knee, the probe up lost, or
         the limit gives way in proportion to how late the requests at the backend are (no deeper than half)."""
         before = self.limit
-        stuck = self._stuck(now)
-        ages = self._at_backend if stuck else self._now.in_flight
+        slower = self._stuck(now)
+        ages = self._at_backend if slower is not None else self._now.in_flight
         self._evidence = (self._now.effective(), None, None,
                           self._now.median_at_least([now - started for started in reversed(ages)]))
         if self.kind == "startup":
             self._why = f"startup: its requests at the backend are too old for {self.limit} to beat the best rate"
             self._lost.add(self.cruise_limit)
             kind = self._narrow()
-        elif self.kind == "up" and not stuck:
+        elif slower is None:  # a probe up (a cruise or a probe down is overdue only when stuck)
             self._why = "probe up lost: its requests at the backend are too old for it to pay"
             self._ups = 0
             kind = self._next_in_cycle()
         else:
-            slower = self._slower(now)
-            assert slower is not None
             self._why = f"{self.kind}: its requests at the backend are {slower:.2f}× the usual latency; giving way"
             kind = self._give_way(1 / slower)
         self._begin(now, kind)
@@ -468,13 +486,15 @@ class AdaptiveLimit:
             self._now.settled_at = now
 
     def _measured(self, now: float) -> Measured | None:
-        """The phase's (mix, median normalised latency, busy), or None when too little was measured to judge
-        a busy phase (an app-limited one needs nothing measured: it is judged on that alone)."""
-        busy = self._filled(now)
+        """What the phase measured, or None when too little was measured to judge a busy phase (an
+        app-limited one needs nothing measured: it is judged on that alone)."""
         current = self._now
-        if busy and (len(current.latencies) < 2 or not current.weight):
+        latency = weighted_median(current.latencies)
+        if not self._filled(now):
+            return AppLimited(current.mix(), latency)
+        if latency is None or len(current.latencies) < 2 or not current.weight:
             return None
-        return current.mix(), weighted_median(current.latencies), busy
+        return Busy(current.mix(), latency)
 
     def _end(self, now: float) -> bool:
         before = self.limit
@@ -497,11 +517,10 @@ class AdaptiveLimit:
         stepped over it by a little, not by double. Then the knee is narrowed down."""
         if measured is None:
             return "startup"
-        mix, latency, busy = measured
-        if not busy:
+        if isinstance(measured, AppLimited):
             self._why = "demand did not fill the limit"
             return self._finish()
-        assert latency is not None  # a busy phase is judged on two samples at least
+        mix, latency = measured
         limit = self.cruise_limit
         best = max(self._rates().values(), default=0.0)
         self._table[limit] = (mix, latency)
@@ -605,24 +624,25 @@ class AdaptiveLimit:
         kind, limit = self.kind, self.cruise_limit
         if measured is None:
             return self._next_in_cycle()
-        mix, latency, busy = measured
-        if not busy:
+        if isinstance(measured, AppLimited):
+            mix, unfilled_latency = measured
             cruise = self.rate
             if (kind == "up" and limit < self._now.peak and cruise is not None
                     and self.rate_of(mix) >= (1 + GROW_MIN) * cruise):
                 # more demand than the cruise limit, less than the probe's: the probe paid, up to what was used
                 self.cruise_limit = min(self.limit, self._now.peak)
                 self._why = "probe up paid, up to what demand used"
-                self._cruise_on(mix, latency)
+                self._cruise_on(mix, unfilled_latency)
             elif self._now.peak < limit:  # RFC 7661: a limit that demand left unused comes down to what it used
                 self.cruise_limit = max(self.floor, self._now.peak)
                 self._why = f"demand used only {self._now.peak}"
-                self.mix, self.latency, self._top = mix or None, latency, None  # what was used, not what it could
+                # what was used, not what it could
+                self.mix, self.latency, self._top = mix or None, unfilled_latency, None
             else:
                 self._why = f"{kind}: demand did not fill the limit"
             self._ups = self._floor_phases = 0
             return self._next_in_cycle()
-        assert latency is not None  # a busy phase is judged on two samples at least
+        mix, latency = measured
         rate, cruise = self.rate_of(mix), self.rate
         if kind == "up":
             if cruise is not None and rate >= (1 + GROW_MIN) * cruise:

@@ -2,8 +2,9 @@
 (``LocalGate``) or in the supervisor of several front processes (``processes.remote_gate.RemoteGate``). Which one
 serves is chosen once, when the app's state is built (``app.build_state``); nothing else asks.
 
-What only several processes need (a link to start and close, a gate that may not answer, every front's metrics
-to merge, the other fronts' caches) is part of the interface, and does nothing here: one process is the whole.
+``GateClient`` is admission only: take a place, acquire, observe, the counters. What only several processes
+have (a link to start and close, a gate that may not answer, every front's metrics to merge, the other fronts'
+caches) is the ``Fleet``, which is absent (None) in one process: one process is the whole.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from proxy.admission.adaptive import AdaptiveLimit
 from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.admission.gate import Gate, Lease, Place
 from proxy.admission.sample import Sample
-from proxy.serve.lifecycle import Lifecycle
-from proxy.settings.sections import Gate as GateSettings
+from proxy.settings.sections import GateSettings
 
 
 class GateCounters(NamedTuple):
@@ -76,17 +76,8 @@ class GateClient(Protocol[PlaceT, LeaseT]):
     """Admission as a request handler uses it. A place or a lease goes back to the gate that gave it out (the
     type parameters say which kind each gate gives)."""
 
-    def start(self) -> None:
-        """Once the event loop runs, before the first request."""
-
-    def ready(self) -> None:
-        """This process listens: requests may come."""
-
-    async def close(self) -> None:
-        """After the last request."""
-
     def counters(self) -> GateCounters:
-        """The gate's counters (a remote gate's as of its last answer: ``refresh`` asks it)."""
+        """The gate's counters (a remote gate's as of its last answer: ``Fleet.refresh`` asks it)."""
 
     async def take_place(self, flow: Flow = DEFAULT_FLOW) -> PlaceT:
         """``Gate.take_place``: a place in line for a body still arriving, or the refusal (429, 503)."""
@@ -99,19 +90,34 @@ class GateClient(Protocol[PlaceT, LeaseT]):
         """``Gate.observe``: the request ``lease`` admitted completed normally (its ``Sample``), for
         ``MMGATE_MAX_MM_CONCURRENCY=auto``; before the lease is released."""
 
+    def controller(self) -> dict[str, object] | None:
+        """With ``MMGATE_MAX_MM_CONCURRENCY=auto`` in one process, the controller's phase and why the limit last
+        moved (``AdaptiveLimit.explain``); None otherwise (a supervisor's controller is not this process's)."""
+
+
+class Fleet(Protocol):
+    """The front processes around the supervisor's gate, as one front sees them; None in one process."""
+
+    def start(self) -> None:
+        """Once the event loop runs, before the first request."""
+
+    def ready(self) -> None:
+        """This process listens: requests may come."""
+
+    async def close(self) -> None:
+        """After the last request."""
+
     async def reachable(self, timeout: float) -> bool:
         """Whether the gate answers within ``timeout`` seconds (/mmgate/ready)."""
 
     async def refresh(self) -> None:
-        """``counters`` as of now."""
+        """The gate's ``counters`` as of now."""
 
-    async def collect(self) -> dict[str, Any] | None:
-        """Every front process's metrics merged (``processes.merged_metrics``); None when this process is the
-        only one."""
+    async def collect(self) -> dict[str, Any]:
+        """Every front process's metrics merged (``ops.merged_metrics``)."""
 
-    def share_cache(self, lookup: Callable[[bytes], Verdict | None]) -> PeerLookup | None:
-        """Let the other front processes read this one's cache through ``lookup``; how a miss here asks theirs,
-        or None when there are none."""
+    def share_cache(self, lookup: Callable[[bytes], Verdict | None]) -> PeerLookup:
+        """Let the other front processes read this one's cache through ``lookup``; how a miss here asks theirs."""
 
 
 def configured_limit(settings: GateSettings) -> tuple[int, AdaptiveLimit | None]:
@@ -123,12 +129,12 @@ def configured_limit(settings: GateSettings) -> tuple[int, AdaptiveLimit | None]
 
 
 def gate_from_settings(settings: GateSettings, on_change: Callable[[GateCounters], None] = lambda counters: None,
-                       lifecycle: Lifecycle | None = None) -> Gate:
+                       refusing: Callable[[], bool] = lambda: False) -> Gate:
     """The one ``Gate`` of mmgate (of this process, or of the supervisor of several), as the settings say;
     ``on_change`` sees its counters after every change."""
     limit, adaptive = configured_limit(settings)
     return Gate(limit, settings.max_inflight_media_bytes, settings.max_queue,
-                lambda gate: on_change(GateCounters.of(gate)), lifecycle,
+                lambda gate: on_change(GateCounters.of(gate)), refusing,
                 token_budget=settings.max_inflight_image_tokens, max_queue_per_flow=settings.max_queue_per_flow,
                 adaptive=adaptive)
 
@@ -138,15 +144,6 @@ class LocalGate:
 
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
-
-    def start(self) -> None:
-        pass
-
-    def ready(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
     def counters(self) -> GateCounters:
         return GateCounters.of(self.gate)
@@ -161,14 +158,5 @@ class LocalGate:
     def observe(self, lease: Lease, sample: Sample) -> None:
         self.gate.observe(lease, sample)
 
-    async def reachable(self, timeout: float) -> bool:
-        return True
-
-    async def refresh(self) -> None:
-        pass
-
-    async def collect(self) -> dict[str, Any] | None:
-        return None
-
-    def share_cache(self, lookup: Callable[[bytes], Verdict | None]) -> PeerLookup | None:
-        return None
+    def controller(self) -> dict[str, object] | None:
+        return self.gate.adaptive.explain() if self.gate.adaptive is not None else None

@@ -59,7 +59,6 @@ from proxy.admission.adaptive import TICK_S, AdaptiveLimit
 from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.admission.lease import Lease
 from proxy.admission.sample import Sample
-from proxy.serve.lifecycle import Lifecycle
 
 RETRY_AFTER_MIN, RETRY_AFTER_MAX = 1, 60
 
@@ -101,7 +100,7 @@ class Gate:
         byte_budget: int,
         max_queue: int,
         on_change: Callable[[Gate], None] = lambda gate: None,
-        lifecycle: Lifecycle | None = None,
+        refusing: Callable[[], bool] = lambda: False,
         token_budget: int = 0,
         max_queue_per_flow: int = 0,
         adaptive: AdaptiveLimit | None = None,
@@ -119,7 +118,7 @@ class Gate:
         self.preparing = 0  # admitted and not yet handed to the backend (being fetched, decoded, spliced)
         self.bytes_in_use = 0
         self.reading = 0  # places held by requests whose body is still arriving
-        self.lifecycle = lifecycle if lifecycle is not None else Lifecycle()  # refuses new arrivals once draining
+        self.refusing = refusing  # true once the process drains: new arrivals are refused
         # band -> flow key -> that flow's waiters; a dict keeps the flows' turn order (served: to the back)
         self._bands: dict[int, dict[tuple[str, str], deque[_Waiter]]] = {}
         self._waiting = 0
@@ -189,7 +188,7 @@ class Gate:
 
     def take_place(self, flow: Flow = DEFAULT_FLOW) -> Place:
         """Reserve a place in line for a request whose body is still arriving, or refuse it now (429)."""
-        if self.lifecycle.refusing:
+        if self.refusing():
             raise draining()
         if self.in_use + self.waiting + self.reading >= self.limit + self.max_queue:
             slots = f"{self.limit} slot" if self.limit == 1 else f"{self.limit} slots"
@@ -212,10 +211,10 @@ class Gate:
         place was counted when the line was checked."""
         if place is not None:
             place.release()
-        if self.lifecycle.refusing:
+        if self.refusing():
             raise draining()
         if self.adaptive is not None and self._ticking is None:  # the first request, or the first after a lull
-            self._ticking = asyncio.get_running_loop().call_later(TICK_S, self._tick)
+            self._ticking = asyncio.get_running_loop().call_later(TICK_S, self._tick, self.adaptive)
         if self.byte_budget and cost > self.byte_budget:
             raise MEDIA_TOO_LARGE.error(
                 f"the request's media weigh {cost} bytes (decoded, and forwarded in place of rewritten images), "
@@ -324,16 +323,15 @@ class Gate:
         self._load()  # a limit that grows here lets ``_wake`` go on granting
         return phase
 
-    def _tick(self) -> None:
+    def _tick(self, adaptive: AdaptiveLimit) -> None:
         """The adaptive limit looks at the requests still at the backend every ``TICK_S`` while any is held or
         waiting, whether or not the counters change: answers that stopped coming say as much as answers that
         come."""
-        assert self.adaptive is not None
         # idle, it sleeps: the next request wakes it (``acquire``)
         busy = self.in_use or self._waiting
-        self._ticking = asyncio.get_running_loop().call_later(TICK_S, self._tick) if busy else None
-        if self.adaptive.tick():
-            self.limit = self.adaptive.limit
+        self._ticking = asyncio.get_running_loop().call_later(TICK_S, self._tick, adaptive) if busy else None
+        if adaptive.tick():
+            self.limit = adaptive.limit
             self._wake()
             self._on_change(self)
 

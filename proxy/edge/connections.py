@@ -45,11 +45,11 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from preprocessors.errors import HEADER_TIMEOUT, TOO_MANY_CONNECTIONS, MmgateError
+from proxy.edge.access_log import log_refused_connection
 from proxy.edge.aiohttp_internals import reading_held_by_aiohttp, waits_for_next_request
 from proxy.edge.error_response import raw_error_response
 from proxy.edge.timer import Timer
 from proxy.edge.write_deadline import WriteDeadline, cut_for_reading_nothing
-from proxy.exchange import log_refused_connection
 from proxy.settings import PROBE_RESERVE
 
 PROBE_PATHS = frozenset({"/mmgate/health", "/mmgate/ready"})

@@ -27,8 +27,7 @@ def error_response(error: MmgateError, dialect: Dialect, request_id: str | None)
 def raw_error_response(error: MmgateError) -> bytes:
     """A complete HTTP/1.1 answer for a connection no request handler will ever see, then close."""
     answer = error_response(error, Dialect.OPENAI, None)
-    body = answer.body
-    assert isinstance(body, bytes)
+    body = Dialect.OPENAI.error_body(error)  # what ``answer`` holds, typed as the bytes it is
     head = [f"HTTP/1.1 {answer.status} {answer.reason}", f"Content-Type: {answer.headers[hdrs.CONTENT_TYPE]}",
             f"Content-Length: {len(body)}", "Connection: close"]
     head.extend(f"{name}: {value}" for name, value in answer.headers.items() if name != hdrs.CONTENT_TYPE)

@@ -12,17 +12,17 @@ logger, apart from the access log (``mmgate.access``), under the request id the 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from preprocessors.errors import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_ALLOWED, PATH_NOT_ALLOWED, MmgateError
+from proxy.edge.access_log import log_refused_request, loggable
 from proxy.edge.error_response import error_response
 from proxy.edge.paths import normalise_target
 from proxy.edge.upstream import request_id_for
-from proxy.exchange import log_refused_request, loggable
 from proxy.payload.dialects import Dialect, dialect_for_path
-from proxy.state import STATE
 
 error_log = logging.getLogger("mmgate.error")
 
@@ -65,29 +65,33 @@ async def refuse(request: web.Request, error: MmgateError, dialect: Dialect, req
     return answer
 
 
-@web.middleware
-async def refusals_in_api_shape(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Answers aiohttp gives before ``handle_request`` runs (a target the router cannot match, a method the
-    admin routes do not serve) or from the admin routes, in the client's API shape like every other refusal;
-    a fault is a 500, never a traceback."""
-    request_id = request_id_for(request.headers.get("X-Request-Id"))
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
+def refusals_in_api_shape(on_refused: Callable[[str], None], access_log: bool) -> Middleware:
+    """The middleware that answers what aiohttp refuses before ``handle_request`` runs (a target the router
+    cannot match, a method the admin routes do not serve) or the admin routes raise, in the client's API shape
+    like every other refusal; a fault is a 500, never a traceback. Each refusal's code goes to ``on_refused``
+    (the rejected counter) and, with ``access_log`` (MMGATE_ACCESS_LOG), its access log line is written."""
+
+    @web.middleware
+    async def refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
+        request_id = request_id_for(request.headers.get("X-Request-Id"))
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            error = _refusal_for(request, exc)
+        except ConnectionResetError:  # the client left mid-answer (handle_request counted it as 499): none to send
             raise
-        error = _refusal_for(request, exc)
-    except ConnectionResetError:  # the client left mid-answer (handle_request counted it as 499): none to send
-        raise
-    except MmgateError as refused:  # an admin route's own refusal (the shared gate hung or gone: 503)
-        error = refused
-    except Exception:
-        error = internal_error(request_id, f" ({request.method} {loggable(request.path)})")
-    state = request.app[STATE]
-    state.metrics.rejected.labels(error.code).inc()
-    if state.settings.logs.access_log:
-        log_refused_request(error, request, request_id, 0.0)
-    return error_response(error, dialect_for_path(request.path), request_id)
+        except MmgateError as refused:  # an admin route's own refusal (the shared gate hung or gone: 503)
+            error = refused
+        except Exception:
+            error = internal_error(request_id, f" ({request.method} {loggable(request.path)})")
+        on_refused(error.code)
+        if access_log:
+            log_refused_request(error, request, request_id, 0.0)
+        return error_response(error, dialect_for_path(request.path), request_id)
+
+    return refusals
 
 
 def _refusal_for(request: web.Request, exc: web.HTTPException) -> MmgateError:

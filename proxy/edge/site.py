@@ -10,11 +10,11 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.edge.access_log import log_refused_request
 from proxy.edge.aiohttp_internals import listening_server, set_listening_server
 from proxy.edge.connections import PROBE_PATHS, ConnectionGuard, GuardedConnection
 from proxy.edge.error_response import error_response
 from proxy.edge.upstream import request_id_for
-from proxy.exchange import log_refused_request
 from proxy.payload.dialects import dialect_for_path
 
 

@@ -37,8 +37,8 @@ from preprocessors.errors import (
     UPSTREAM_TIMEOUT,
     MmgateError,
 )
+from proxy.edge.buffers import MediaBuffer
 from proxy.edge.upstream_health import upstream_down
-from proxy.media.buffers import MediaBuffer
 
 HOP_BY_HOP = frozenset(
     h.lower()

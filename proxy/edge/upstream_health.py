@@ -1,6 +1,6 @@
 """What mmgate knows of the upstream's reachability: checked at start-up, re-checked while it is down.
 
-The upstream is *known to be down* once a check (``admin.probe_upstream``, the same probe /mmgate/ready
+The upstream is *known to be down* once a check (``routes.probe_upstream``, the same probe /mmgate/ready
 runs) or a forwarded request could not connect to it; it is up again as soon as a check or a request gets
 any answer from it. Only a failed connect counts: an upstream that answers, even 404 or 503 on its health
 path, is reachable, and its requests are forwarded for it to answer. A connect that failed for want of mmgate's

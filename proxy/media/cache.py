@@ -24,36 +24,23 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
 
 from preprocessors.errors import MediaError
 from preprocessors.job import Refusal, Verdict
 from preprocessors.pool import lower_priority
-from proxy.settings import Settings
+from proxy.media.keys import Encoding, digests, new_hasher
+from proxy.payload.item import BodyRef, MediaItem
+from proxy.settings import Settings, verdict_settings
 
-Encoding = Literal["base64", "raw"]
-
-# Fixed-length prefixes: base64 text and raw bytes never share a key, even where one spells the other.
-_DOMAINS: dict[Encoding, bytes] = {"base64": b"mmgate-media/b64\x00", "raw": b"mmgate-media/raw\x00"}
 DIGEST_BYTES = 32
-# Below this a thread hop costs more than hashing on the loop (SHA-256 runs at about 1-2 GB/s).
-HASH_INLINE_BYTES = 64 << 10
-HASH_CHUNK = 1 << 20
 # Dict slot, key, Verdict object and its small fields, counted against the bound with the payload.
 ENTRY_OVERHEAD = 320
 # Bump when the meaning of a cached verdict changes, so no old entry is read with new eyes.
 _FORMAT = 1
 # How often a request waits for other requests' leads of its keys before it decodes them itself.
 FOLLOW_ROUNDS = 3
-
-
-def new_hasher(encoding: Encoding) -> hashlib._Hash:
-    """A SHA-256 already fed its domain prefix; feed it the media, in as many pieces as convenient."""
-    hasher = hashlib.sha256()
-    hasher.update(_DOMAINS[encoding])
-    return hasher
 
 
 def media_digest(data: bytes | memoryview, encoding: Encoding) -> bytes:
@@ -64,12 +51,9 @@ def media_digest(data: bytes | memoryview, encoding: Encoding) -> bytes:
 
 
 def settings_fingerprint(settings: Settings) -> str:
-    """Every setting that changes what a media item becomes (decode limit, image and audio policy)."""
-    s = settings
-    return (f"v{_FORMAT};item={s.limits.max_media_item_mb};px={s.limits.max_image_pixels};frames={s.limits.max_frames};"
-            f"validate={s.decode.validate};resize={s.decode.resize_max_pixels}x{s.decode.resize_max_side};fmt={s.decode.image_format};"
-            f"q={s.decode.jpeg_quality};audio={s.limits.max_audio_seconds!r};model={s.decode.model};"
-            f"video={s.limits.max_video_pixels}x{s.limits.max_video_frames}x{s.limits.max_video_seconds!r}")
+    """Every setting that changes what a media item becomes (``verdict_settings``: the workers' policies, the item
+    limit, the model), with the entries' format."""
+    return f"v{_FORMAT};" + ";".join(f"{name}={value!r}" for name, value in verdict_settings(settings))
 
 
 def context_fingerprint(settings_print: str, kind: str, audio_format: str | None, extra: str = "") -> bytes:
@@ -114,7 +98,7 @@ class MediaCache:
         self.hasher = ThreadPoolExecutor(max(1, hash_threads), thread_name_prefix="mmgate-hash",
                                          initializer=lower_priority)
         self.count_hit, self.count_miss, self._count_evict = on_hit, on_miss, on_evict
-        # With several front processes: what the other fronts' caches hold of some keys (``GateClient.share_cache``).
+        # With several front processes: what the other fronts' caches hold of some keys (``Fleet.share_cache``).
         self.peers: Callable[[list[bytes]], Awaitable[dict[bytes, Verdict]]] | None = None
 
     @property
@@ -123,6 +107,13 @@ class MediaCache:
 
     def context(self, kind: str, audio_format: str | None, extra: str = "") -> bytes:
         return context_fingerprint(self.settings_print, kind, audio_format, extra)
+
+    async def key_items(self, items: Sequence[MediaItem], body: BodyRef) -> None:
+        """Set every item's key: its payload's digest joined with its context."""
+        for item, digest in zip(items, await digests(self.hasher, items, body), strict=True):
+            # A fetched body's declared type joins its key: it names an audio file's type when its bytes do not.
+            item.key = cache_key(digest, self.context(item.kind, item.audio_format, item.fetched_mime))
+            item.state = "keyed"
 
     def get(self, key: bytes) -> Verdict | None:
         verdict = self._entries.get(key)
@@ -214,12 +205,21 @@ class MediaCache:
 
 class NoCache:
     """The cache's place when MMGATE_CACHE_MB is 0: holds nothing, so every look-up misses and every key is led
-    by the request that asks (each item gets a key of its own, nothing is hashed: ``keys.key_items``)."""
+    by the request that asks (each item gets a key of its own, nothing is hashed: ``key_items``)."""
 
     waiting = 0
     bytes_held = 0
     entries = 0
     peers: Callable[[list[bytes]], Awaitable[dict[bytes, Verdict]]] | None = None
+
+    def __init__(self) -> None:
+        # Kept as given, though no key is made from it (the served model's fingerprint, ``app._put_in_force``).
+        self.settings_print = ""
+
+    async def key_items(self, items: Sequence[MediaItem], body: BodyRef) -> None:
+        """Nothing is hashed: each item is keyed by itself, so no two items share a key."""
+        for item in items:
+            item.key, item.state = item.own_key, "keyed"
 
     def get(self, key: bytes) -> Verdict | None:
         return None

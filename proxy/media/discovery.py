@@ -55,7 +55,7 @@ RECHECK_SECONDS = 30.0  # how often the upstream is asked again while it is up
 RETRY_SECONDS = 2.0  # how soon it is asked again when the answer did not come
 MAX_FOLDER_ENTRIES = 10_000  # a model folder with more entries is not checked, and not used
 MAX_NAME_CHARS = 1024
-# The user agent of mmgate's own upstream checks (``admin.PROBE_USER_AGENT``): a check, not client traffic.
+# The user agent of mmgate's own upstream checks (``routes.PROBE_USER_AGENT``): a check, not client traffic.
 CHECK_USER_AGENT = "mmgate-upstream-check"
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")

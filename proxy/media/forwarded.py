@@ -13,7 +13,7 @@ without, PNG where alpha must survive, or ``MMGATE_IMAGE_FORMAT``):
   noise;
 - JPEG, WebP: the raw pixels (3 bytes each, 4 for WebP with alpha), what a lossy encoder stays under except on
   noise at quality 100, whose bytes the media step checks again before anything is forwarded
-  (``MediaStage``).
+  (``MediaStep``).
 
 ``ForwardEstimate`` holds, per item, the base64 bytes mmgate would forward in its place (0: forwarded as it
 came) and the whole body's bound: the body as received, less the tokens rewritten, plus the new ones. The

@@ -1,4 +1,5 @@
-"""A media item's cache key, from its bytes as they arrived.
+"""A media item's content digest, from its bytes as they arrived; the cache joins it with the item's context
+to make the key (``cache.MediaCache.key_items``).
 
 An item's bytes come from one of two places, and that is a property of the item (``MediaItem.source``):
 
@@ -7,37 +8,45 @@ An item's bytes come from one of two places, and that is a property of the item 
   ``Cancelled`` instead of keeping the body alive (``MediaItem.payload``);
 - **fetched** (``MMGATE_MEDIA_URLS=fetch``): the body read from the item's URL, known only once fetched.
 
-``key_items`` is the one key function: the SHA-256 of the payload as it arrived (base64 text, or the raw
-fetched bytes; ``cache.media_digest`` keeps the two apart) joined with the item's context. A payload that
-repeats an earlier one of the same request byte for byte reuses its digest: comparing costs a memcmp, about a
-ninth of hashing. With the cache off (``cache.NoCache``) nothing is hashed: each item gets a key of its own.
+``digests`` is the one digest function: the SHA-256 of the payload as it arrived (base64 text, or the raw
+fetched bytes; a fixed domain prefix keeps the two apart). A payload that repeats an earlier one of the same
+request byte for byte reuses its digest: comparing costs a memcmp, about a ninth of hashing. With the cache off
+(``cache.NoCache``) nothing is hashed: each item gets a key of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor
+from typing import Literal
 
 from preprocessors.base import Cancelled
-from proxy.media.cache import HASH_CHUNK, HASH_INLINE_BYTES, MediaCache, VerdictCache, cache_key, new_hasher
 from proxy.payload.item import BodyRef, MediaItem
 
+Encoding = Literal["base64", "raw"]
 
-async def key_items(cache: VerdictCache, items: Sequence[MediaItem], body: BodyRef) -> None:
-    """Set every item's key. Hashing runs in the cache's hasher threads unless the payloads are small
-    enough that a thread hop costs more; with the cache off nothing is hashed."""
-    if not isinstance(cache, MediaCache):
-        for item in items:
-            item.key, item.state = item.own_key, "keyed"
-        return
+# Fixed-length prefixes: base64 text and raw bytes never share a key, even where one spells the other.
+_DOMAINS: dict[Encoding, bytes] = {"base64": b"mmgate-media/b64\x00", "raw": b"mmgate-media/raw\x00"}
+# Below this a thread hop costs more than hashing on the loop (SHA-256 runs at about 1-2 GB/s).
+HASH_INLINE_BYTES = 64 << 10
+HASH_CHUNK = 1 << 20
+
+
+def new_hasher(encoding: Encoding) -> hashlib._Hash:
+    """A SHA-256 already fed its domain prefix; feed it the media, in as many pieces as convenient."""
+    hasher = hashlib.sha256()
+    hasher.update(_DOMAINS[encoding])
+    return hasher
+
+
+async def digests(hasher: Executor, items: Sequence[MediaItem], body: BodyRef) -> list[bytes]:
+    """Every item's digest. Hashing runs in ``hasher``'s threads unless the payloads are small enough that a
+    thread hop costs more."""
     if sum(item.weight for item in items) * 4 // 3 > HASH_INLINE_BYTES:
-        digests = await asyncio.get_running_loop().run_in_executor(cache.hasher, _digests, body, items)
-    else:
-        digests = _digests(body, items)
-    for item, digest in zip(items, digests, strict=True):
-        # A fetched body's declared type joins its key: it names an audio file's type when its bytes do not.
-        item.key = cache_key(digest, cache.context(item.kind, item.audio_format, item.fetched_mime))
-        item.state = "keyed"
+        return await asyncio.get_running_loop().run_in_executor(hasher, _digests, body, items)
+    return _digests(body, items)
 
 
 def _data(body: BodyRef) -> bytes:

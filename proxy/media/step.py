@@ -1,8 +1,8 @@
 """The media step: every item of a plan decoded, checked and maybe rewritten once, behind the gate, on the
 decode pool (threads or worker processes), and turned into replacements for ``rawjson.splice``.
 
-``MediaStage`` is built once per app with what the step uses (the cache, the pool, the gate, the fetcher, the
-metrics, the policies and limits, the served model); ``MediaStage.run`` takes one request's plan and body and
+``MediaStep`` is built once per app with what the step uses (the cache, the pool, the gate, the fetcher, the
+metrics, the policies and limits, the served model); ``MediaStep.run`` takes one request's plan and body and
 returns a ``MediaResult``: the lease it was admitted with, the replacements, the media bytes in and out. Once
 admitted, whatever goes wrong gives the lease back (only once the work it stands for has stopped) and is
 raised. The pipeline keeps what it owns: the queue place (``Gate.acquire`` uses it up) and the response.
@@ -17,7 +17,7 @@ item's bytes come from (``MediaItem.source``: inline base64, or a fetched URL):
    header, the resize and the handoff format. A body that would be forwarded over MMGATE_MAX_BODY_MB is
    refused here, 413 ``body_too_large``, with nothing hashed, admitted or decoded: what mmgate sends upstream
    is bounded as what it receives is.
-3. **Key** every other inline item (``keys.key_items``: the payload's digest and the item's context).
+3. **Key** every other inline item (``cache.MediaCache.key_items``: the payload's digest and the item's context).
 4. **Look up.** A cached verdict is a hit. A key another request is deciding is waited for *before* this
    request leads anything, so two requests can never wait on each other. A leader that stopped for a reason not
    the media's settles its key with None and the waiter looks again (at most ``cache.FOLLOW_ROUNDS`` times, then
@@ -63,11 +63,10 @@ from preprocessors.job import MediaJob, MediaTask, Verdict, judge_head
 from preprocessors.pool import Batch, DecodePool
 from proxy.admission.client import GateClient, GateLease, GatePlace
 from proxy.admission.flows import Flow
+from proxy.edge.buffers import MediaBuffer
 from proxy.fetch.fetcher import Fetcher, fetch_items
-from proxy.media.buffers import MediaBuffer
 from proxy.media.cache import VerdictCache, refused
 from proxy.media.forwarded import ForwardEstimate, estimate
-from proxy.media.keys import key_items
 from proxy.media.model import Model
 from proxy.ops.metrics import Metrics, Stopwatch
 from proxy.payload.item import BodyRef, MediaItem
@@ -107,7 +106,7 @@ class _UrlItems:
 
 
 @dataclass(slots=True)
-class MediaStage:
+class MediaStep:
     """The media step of every request (see the module's docstring)."""
 
     cache: VerdictCache
@@ -131,38 +130,38 @@ class MediaStage:
         urls = self._url_items(items)
         inline = [item for item in items if item.source == "inline"]
         verdicts: dict[bytes, Verdict] = {}
-        led: list[bytes] = []  # the keys this request leads: settled when it decodes them, given up otherwise
+        leading: list[bytes] = []  # the keys this request leads: settled when it decodes them, given up otherwise
         try:
             started = time.perf_counter()
-            headed = self._judge_heads(plan, inline, body, verdicts)
+            judged_by_header = self._judge_heads(plan, inline, body, verdicts)
             inline = [item for item in inline if item.key not in verdicts]
             forward = estimate(inline, body, len(media.data), self.policies.image)
             self._bound_forward(plan, forward)
-            await key_items(self.cache, inline, body)
-            misses = await self._look_up(inline, verdicts, led, may_wait=True)
+            await self.cache.key_items(inline, body)
+            misses = await self._look_up(inline, verdicts, leading, may_wait=True)
             self._refuse_cached(plan, inline, verdicts)
             watch.add("preprocess", time.perf_counter() - started)
 
             # From the last look (which leads the misses) to the gate nothing awaits: a leader is in line before
             # any request that could wait on it.
             started = time.perf_counter()
-            judged = sum(item.weight for item in headed)
+            judged_weight = sum(item.weight for item in judged_by_header)
             url_cost = sum(item.weight for item in urls.items) if urls is not None else 0
-            lease = await self.gate.acquire(judged + _weight(inline, misses, verdicts, forward) + url_cost,
+            lease = await self.gate.acquire(judged_weight + _weight(inline, misses, verdicts, forward) + url_cost,
                                             self.queue_timeout, place, image_tokens, flow)
             watch.add("queue", time.perf_counter() - started)
             try:
                 if urls is not None:
                     await self._fetch(urls, watch, fetched)
                     started = time.perf_counter()
-                    await key_items(self.cache, urls.items, body)
-                    misses += await self._look_up(urls.items, verdicts, led, may_wait=not led)
+                    await self.cache.key_items(urls.items, body)
+                    misses += await self._look_up(urls.items, verdicts, leading, may_wait=not leading)
                     self._refuse_cached(plan, urls.items, verdicts)
                     fetched_forward = estimate(urls.items, body, 0, self.policies.image)
                     forward.replaced.update(fetched_forward.replaced)
                     forward.token_bytes.update(fetched_forward.token_bytes)
                     self._bound_forward(plan, forward)
-                    lease.lower(judged + _weight(items, misses, verdicts, forward))
+                    lease.lower(judged_weight + _weight(items, misses, verdicts, forward))
                     watch.add("preprocess", time.perf_counter() - started)
                 if misses:
                     started = time.perf_counter()
@@ -170,14 +169,14 @@ class MediaStage:
                         await self._decode(lease, plan, _first_of_each(items, misses), body, verdicts)
                     finally:
                         watch.add("preprocess", time.perf_counter() - started)
-                for _hit in range(len(items) - len(misses) - len(headed)):  # every item the cache answered
+                for _hit in range(len(items) - len(misses) - len(judged_by_header)):  # every item the cache answered
                     self.cache.count_hit()
                 return self._result(plan, lease, items, verdicts, body, forward.received)
             except BaseException:
                 lease.release()
                 raise
         except BaseException:
-            self.cache.give_up(led)  # whatever did not finish: the waiters look again
+            self.cache.give_up(leading)  # whatever did not finish: the waiters look again
             raise
 
     def count_urls(self, urls: list[MediaItem]) -> None:
@@ -209,7 +208,7 @@ class MediaStage:
         """The inline images whose header alone decides them (``job.judge_head``), judged here on the loop from
         the head of their base64: nothing to hash, cache or decode. Each gets a key of its own and its verdict;
         a refusal refuses the request."""
-        headed = []
+        judged_by_header = []
         for item in inline:
             try:
                 verdict = judge_head(self.task(item), item.payload(body))
@@ -219,13 +218,13 @@ class MediaStage:
             if verdict is not None:
                 item.key, item.state = item.own_key, "keyed"
                 verdicts[item.key] = verdict
-                headed.append(item)
-        return headed
+                judged_by_header.append(item)
+        return judged_by_header
 
-    async def _look_up(self, items: Sequence[MediaItem], verdicts: dict[bytes, Verdict], led: list[bytes], *,
+    async def _look_up(self, items: Sequence[MediaItem], verdicts: dict[bytes, Verdict], leading: list[bytes], *,
                        may_wait: bool) -> list[bytes]:
         """Fill ``verdicts`` from the cache (and the other fronts' caches); return the keys still missing, each
-        once, in plan order, and lead them (into ``led``) where no other request does. Waits for the leaders
+        once, in plan order, and lead them (into ``leading``) where no other request does. Waits for the leaders
         of keys being decoded now only when ``may_wait``."""
         cache = self.cache
         keys = [item.key for item in items]
@@ -236,7 +235,7 @@ class MediaStage:
                 verdicts[key] = peer_verdict
             # Again: a lead may have started meanwhile.
             misses, leads = await cache.follow(keys, verdicts, may_wait=may_wait, lead=True)
-        led += leads
+        leading += leads
         return misses
 
     def _bound_forward(self, plan: Plan, forward: ForwardEstimate) -> None:

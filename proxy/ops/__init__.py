@@ -1,1 +1,1 @@
-"""Operations: Prometheus metrics, the admin endpoints, the dashboard and the backend's metrics."""
+"""What mmgate measures: its Prometheus metrics, the backend's scraped metrics, and every front process's merged."""

@@ -29,7 +29,7 @@ Source = Literal["inline", "fetched"]
 
 
 class HeldBody(Protocol):
-    """The request body's one owner (``media.buffers.MediaBuffer``)."""
+    """The request body's one owner (``edge.buffers.MediaBuffer``)."""
 
     @property
     def data(self) -> bytes: ...

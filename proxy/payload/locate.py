@@ -43,7 +43,7 @@ from proxy.payload.rawjson import (
     skeleton_steps,
     string_value,
 )
-from proxy.payload.walkers import WALKERS, Collected, EnoughParts
+from proxy.payload.walkers import WALKERS, BoundedParts, EnoughParts
 
 # Every media part a walker can find sits under a key or a ``type`` value that contains "image", "audio"
 # or "video" (compared case-sensitively, after JSON unescaping). A JSON string can only hide those letters
@@ -137,7 +137,7 @@ def locate(route: Route, skeleton: Skeleton, max_depth: int = DEFAULT_MAX_DEPTH,
     doc = skeleton.doc
     if walker is None or not isinstance(doc, dict):
         return []
-    out: list[MediaItem] = [] if max_parts is None else Collected(max_parts)
+    out: list[MediaItem] = [] if max_parts is None else BoundedParts(max_parts)
     try:
         walker(skeleton, doc, out, max_depth)
     except EnoughParts:

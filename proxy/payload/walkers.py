@@ -22,10 +22,10 @@ from proxy.payload.rawjson import Skeleton
 
 
 class EnoughParts(Exception):
-    """Raised by ``Collected.append`` once the collection is full: the walk stops there."""
+    """Raised by ``BoundedParts.append`` once the collection is full: the walk stops there."""
 
 
-class Collected(list[MediaItem]):
+class BoundedParts(list[MediaItem]):
     """The parts a walker finds, at most ``limit`` of them: the part that fills it ends the walk (a request
     over a limit is refused at the first part past it, without visiting the rest of its document)."""
 

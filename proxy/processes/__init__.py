@@ -1,2 +1,2 @@
-"""Several front processes (``MMGATE_PROCESSES``): the supervisor, each front, the one gate they share and the
-link between them, and the metrics the supervisor merges from the fronts."""
+"""Several front processes (``MMGATE_PROCESSES``) as one mmgate: the supervisor, the one gate they share and the
+link between them (each front runs ``serve.front``)."""

@@ -15,9 +15,9 @@ from preprocessors.errors import MmgateError
 from proxy.admission.client import GateCounters
 from proxy.admission.flows import Flow
 from proxy.admission.gate import Gate, Lease, Place
+from proxy.ops.merged_metrics import departed, merge_reports
 from proxy.processes import messages
 from proxy.processes.link import Link
-from proxy.processes.merged_metrics import departed, merge_reports
 
 log = logging.getLogger("mmgate")
 

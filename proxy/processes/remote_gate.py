@@ -42,7 +42,7 @@ from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.admission.sample import Sample
 from proxy.processes import messages
 from proxy.processes.link import Link
-from proxy.serve.lifecycle import Lifecycle
+from proxy.state import Lifecycle
 
 log = logging.getLogger("mmgate")
 
@@ -294,6 +294,10 @@ class RemoteGate:
         admitted = await self._ask(lambda rid: messages.Acquire(rid, cost, timeout, place_id, tokens, flow),
                                    messages.Admitted, messages.Release, self.answer_timeout, queue_timeout=timeout)
         return RemoteLease(self, admitted.lease, cost)
+
+    def controller(self) -> dict[str, object] | None:
+        """The supervisor's controller is not shown by a front (``/mmgate/stats`` of one process only)."""
+        return None
 
     def observe(self, lease: RemoteLease, sample: Sample) -> None:
         """``Gate.observe`` at the supervisor's gate: one message, sent before the lease's release."""

@@ -2,7 +2,7 @@
 
 The supervisor (the process ``mmgate`` started as) binds the listening sockets, runs the one
 ``admission.gate.Gate`` behind a ``gate_server.GateServer``, and starts N front processes (``python -m
-proxy.processes.front``). Each inherits the listening sockets (one accept queue in the kernel, as uvicorn's and
+proxy.serve.front``). Each inherits the listening sockets (one accept queue in the kernel, as uvicorn's and
 gunicorn's workers share theirs) and its end of a Unix socket pair to the gate, and serves the whole app:
 connections, bodies, decoding with its share of the decode workers, the cache, forwarding, streaming.
 
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from proxy.admission.client import gate_from_settings
 from proxy.processes.gate_server import GateServer
 from proxy.processes.messages import PING_INTERVAL
-from proxy.serve.lifecycle import FORCED_EXIT_STATUS, StopSignals
-from proxy.serve.loop import run
+from proxy.runtime.loop import run
+from proxy.runtime.signals import FORCED_EXIT_STATUS, StopSignals
 from proxy.settings import Settings
 
 log = logging.getLogger("mmgate")
@@ -69,7 +69,7 @@ class Supervisor:
     async def _start(self, index: int) -> _Child:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = [self.listen.fileno(), child_end.fileno()]
-        argv = [sys.executable, "-m", "proxy.processes.front", "--index", str(index), "--listen-fd", str(fds[0]),
+        argv = [sys.executable, "-m", "proxy.serve.front", "--index", str(index), "--listen-fd", str(fds[0]),
                 "--gate-fd", str(fds[1])]
         if self.admin is not None:
             fds.append(self.admin.fileno())

@@ -1,2 +1,1 @@
-"""Serving one process: the server's start and drain, signals, the process's memory and descriptor limits, and
-the demo's stub backend."""
+"""Serving: one process, or one front process of several, from start to drain; and the demo's stub backend."""

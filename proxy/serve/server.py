@@ -1,5 +1,5 @@
 """Serving in one process: start the app and its sites, announce, and on SIGTERM/SIGINT drain and stop. A front
-process of several (``proxy.processes.front``) runs the same ``serve`` on the supervisor's sockets.
+process of several (``proxy.serve.front``) runs the same ``serve`` on the supervisor's sockets.
 
 Shutdown follows Kubernetes' order of events: SIGTERM arrives while the endpoint is still being removed, so
 readiness fails at once but requests are still served for MMGATE_DRAIN_GRACE seconds; then new requests
@@ -31,9 +31,9 @@ from proxy.app import build_admin_app, build_app, make_runner
 from proxy.edge.site import GuardedSite
 from proxy.edge.upstream_health import loggable
 from proxy.processes.link import Link
-from proxy.serve.fd_limit import fit_fd_limit
-from proxy.serve.lifecycle import FORCED_EXIT_STATUS, StopSignals
-from proxy.serve.loop import loop_name
+from proxy.runtime.fd_limit import fit_fd_limit
+from proxy.runtime.loop import loop_name
+from proxy.runtime.signals import FORCED_EXIT_STATUS, StopSignals
 from proxy.settings import Settings
 from proxy.state import BASE, STATE, AppState
 
@@ -101,8 +101,9 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
     link = await Link.over(front.gate) if front is not None else None
     app = build_app(settings, link=link, on_gate_lost=lambda: signals(signal.SIGINT),
                     front_index=front.index if front is not None else 0)
-    gate = app[BASE].gate
-    gate.start()
+    fleet = app[BASE].fleet  # the other front processes; None when this one is the whole
+    if fleet is not None:
+        fleet.start()
     runner = make_runner(app)
     try:
         await runner.setup()
@@ -130,7 +131,8 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
         if admin_runner is not None:
             await admin_runner.cleanup()
         raise
-    gate.ready()
+    if fleet is not None:
+        fleet.ready()
     if front is not None:
         log.info("front process %d ready (pid %d)", front.index, os.getpid())
     else:
@@ -144,7 +146,8 @@ async def serve(settings: Settings, on_ready: Callable[[Settings, int], None] | 
     await runner.cleanup()
     if admin_runner is not None:
         await admin_runner.cleanup()
-    await gate.close()
+    if fleet is not None:
+        await fleet.close()
     if front is None and not forced:
         log.info("mmgate stopped")
     if forced:

@@ -2,14 +2,17 @@
 
 ``declare`` says how a setting is declared (``setting(...)``, ``AUTO``); ``sections`` declares every setting, once,
 as a field of its section; ``spec`` reads them (``SPEC``, made from those fields); ``frozen`` holds the
-``Settings`` they make together (``Settings.describe`` is ``--print-config``); ``reference`` makes ``--help``'s
-flags and docs/configuration.md from the declarations (imported on its own: ``python -m`` runs it).
+``Settings`` they make together (``Settings.describe`` is ``--print-config``); ``policies`` makes from them what
+the decode workers receive and what the cache's key holds; ``reference`` makes ``--help``'s flags,
+docs/configuration.md and the workers' policy fields from the declarations (imported on its own: ``python -m``
+runs it).
 """
 
 from proxy.settings.cpus import PROCESS_MODE_FROM_CPUS, auto_processes, default_decode_mode, usable_cpus
 from proxy.settings.declare import AUTO, Auto, ConfigError, Info, env_name, flag_name, setting
 from proxy.settings.frozen import Settings
 from proxy.settings.parsers import MAX_PROCESSES
+from proxy.settings.policies import policy_values, verdict_settings
 from proxy.settings.sections import (
     CONNECTION_BYTES,
     MIB,
@@ -32,5 +35,6 @@ __all__ = [
     "PROCESS_MODE_FROM_CPUS", "SECTIONS", "SPEC", "WORKER_PROCESS_BYTES",
     "Auto", "ConfigError", "Info", "Settings",
     "auto_processes", "default_decode_mode", "env_name", "flag_name",
-    "overrides_from_args", "setting", "setting_default", "setting_value", "unknown_variables", "usable_cpus",
+    "overrides_from_args", "policy_values", "setting", "setting_default", "setting_value", "unknown_variables",
+    "usable_cpus", "verdict_settings",
 ]

@@ -23,14 +23,14 @@ from proxy.settings.sections import (
     Decode,
     Drain,
     Fetch,
-    Gate,
+    GateSettings,
     Limits,
     Listen,
     Logs,
     Memory,
     Timeouts,
 )
-from proxy.settings.spec import sections_from_env, setting_value, settings_of, spelt
+from proxy.settings.spec import section_title, sections_from_env, setting_value, settings_of, spelt
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,7 @@ class Settings:
 
     backend: Backend = field(default_factory=Backend)
     listen: Listen = field(default_factory=Listen)
-    gate: Gate = field(default_factory=Gate)
+    gate: GateSettings = field(default_factory=GateSettings)
     timeouts: Timeouts = field(default_factory=Timeouts)
     limits: Limits = field(default_factory=Limits)
     decode: Decode = field(default_factory=Decode)
@@ -115,7 +115,7 @@ class Settings:
         ``  # default: Y`` where it differs from its default; then the worst-case memory, always the last line."""
         lines: list[str] = []
         for section in SECTIONS:
-            lines += ["", f"# {section.__name__}"] if lines else [f"# {section.__name__}"]
+            lines += ["", f"# {section_title(section)}"] if lines else [f"# {section_title(section)}"]
             for setting in settings_of(section):
                 value = setting_value(self, setting.name)
                 line = f"{env_name(setting.name)}={spelt(value)}"

@@ -170,8 +170,7 @@ def peer_cidrs(raw: str) -> tuple[str, ...]:
     for text in (p.strip() for p in raw.split(",") if p.strip()):
         network = _network(text)
         if isinstance(network, ipaddress.IPv6Network) and network.subnet_of(IPV4_MAPPED):
-            mapped = network.network_address.ipv4_mapped
-            assert mapped is not None  # every address of ::ffff:0:0/96 maps one
+            mapped = ipaddress.IPv4Address(int(network.network_address) & 0xFFFF_FFFF)  # its low 32 bits
             network = ipaddress.IPv4Network((mapped, network.prefixlen - IPV4_MAPPED.prefixlen))
         networks.append(str(network))
     return tuple(networks)

@@ -2,8 +2,10 @@
 
 A field is named as its variable without the prefix: ``settings.limits.max_body_mb`` is ``MMGATE_MAX_BODY_MB``
 and ``--max-body-mb``. Each field is the one declaration of its setting (``declare.setting``): type, default,
-parser, help text, what ``0`` and ``auto`` mean; reading, ``--help``, ``--print-config`` and
-docs/configuration.md are made from it. ``SECTIONS`` lists the sections in the order ``Settings`` holds them.
+parser, help text, what ``0`` and ``auto`` mean, and what it changes of the media (``policy=PolicyField(...)``:
+a field of the policy the decode workers receive; ``shapes_verdict``); reading, ``--help``, ``--print-config``,
+docs/configuration.md, the workers' policies and the cache's key are made from it. ``SECTIONS`` lists the
+sections in the order ``Settings`` holds them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from proxy.settings.cpus import (
     usable_decode_mode,
     usable_mm_concurrency,
 )
-from proxy.settings.declare import AUTO, Auto, setting
+from proxy.settings.declare import AUTO, Auto, PolicyField, setting
 from proxy.settings.parsers import (
     MAX_PROCESSES,
     Choice,
@@ -125,7 +127,7 @@ class Listen:
 
 
 @dataclass(frozen=True, slots=True)
-class Gate:
+class GateSettings:
     """Admission of media requests: the concurrency limit, the queue and its order, the budgets."""
 
     max_mm_concurrency: int | Auto = setting(
@@ -244,18 +246,20 @@ class Limits:
         details="keys, numbers, short strings, brackets, and at most one object or array per 8 bytes of it. A "
                 "chat of thousands of messages fits; a body of tens of thousands of tiny parts does not. Raising "
                 "it lets one request hold the loop longer")
-    max_media_item_mb: int = setting(32, parse=integer(1, 4096),
+    max_media_item_mb: int = setting(32, parse=integer(1, 4096), shapes_verdict=True,
                                      help="one decoded media item in MiB -> 413 media_too_large")
-    max_image_pixels: int = setting(64_000_000, parse=integer(1),
+    max_image_pixels: int = setting(64_000_000, parse=integer(1), policy=PolicyField("image", "max_pixels"),
                                     help="decompression-bomb guard, from the header -> 400 image_too_large")
-    max_frames: int = setting(64, parse=integer(1, 100_000), help="frames of an animated image -> 400 too_many_frames")
-    max_audio_seconds: float = setting(600.0, parse=seconds(False), help="WAV duration limit -> 400 audio_invalid")
-    max_video_pixels: int = setting(8_294_400, parse=integer(1),
+    max_frames: int = setting(64, parse=integer(1, 100_000), policy=PolicyField("image"),
+                              help="frames of an animated image -> 400 too_many_frames")
+    max_audio_seconds: float = setting(600.0, parse=seconds(False), policy=PolicyField("audio", "max_seconds"),
+                                       help="WAV duration limit -> 400 audio_invalid")
+    max_video_pixels: int = setting(8_294_400, parse=integer(1), policy=PolicyField("video", "max_pixels"),
                                     help="pixels of one video frame, from the container -> 400 video_too_large",
                                     details="the default is 3840×2160")
-    max_video_frames: int = setting(3600, parse=integer(1, 10_000_000),
+    max_video_frames: int = setting(3600, parse=integer(1, 10_000_000), policy=PolicyField("video", "max_frames"),
                                     help="frames of a video, from its index or packets -> 400 video_too_large")
-    max_video_seconds: float = setting(600.0, parse=seconds(False),
+    max_video_seconds: float = setting(600.0, parse=seconds(False), policy=PolicyField("video", "max_seconds"),
                                        help="duration of a video -> 400 video_too_large")
 
     @property
@@ -289,18 +293,20 @@ class Decode:
     worker_max_rss_mb: int = setting(1024, parse=integer(0), zero="never",
                                      help="process mode: a worker whose peak resident MiB went above this is "
                                           "replaced after its item")
+    # A policy made by hand (a benchmark, the warm-up, a library user) decodes every image: the header-only
+    # judgement is what a server in front of a decoding backend can afford, not what a preprocessor alone should.
     validate: Validate = setting(
-        "header", parse=Choice(Validate),
+        "header", parse=Choice(Validate), policy=PolicyField("image", default="full"),
         help="header = format, size and frames from the header (the backend decodes the image anyway); full = "
              "also decode every image",
         details="`header` judges each image from the head of its base64 and keeps every bound, and refuses a "
                 "truncated file from its last bytes (`image_truncated`); a file corrupt in its middle is left to "
                 "the backend. `full` catches that at the cost of a second decode (see [tuning](tuning.md))")
-    resize_max_pixels: int = setting(0, parse=integer(0), zero="never",
+    resize_max_pixels: int = setting(0, parse=integer(0), zero="never", policy=PolicyField("image"),
                                      help="downscale to at most this many pixels", details="the aspect is kept")
-    resize_max_side: int = setting(0, parse=integer(0), zero="never", help="downscale so the longer side fits",
-                                   details="the aspect is kept")
-    model: str = setting("auto", parse=model_name,
+    resize_max_side: int = setting(0, parse=integer(0), zero="never", policy=PolicyField("image"),
+                                   help="downscale so the longer side fits", details="the aspect is kept")
+    model: str = setting("auto", parse=model_name, shapes_verdict=True,
                          help="served model: its resize and image tokens; auto = ask the upstream which it serves, "
                               "none = off, or the model's folder or cached name",
                          details="auto looks for the upstream's model in the Hugging Face cache and MMGATE_MODEL_DIRS, "
@@ -311,16 +317,16 @@ class Decode:
         help="with MMGATE_MODEL=auto: folders the server's model may lie in (where `vllm serve /models/x` loads it)",
         details="a path the upstream names is read only inside these or the Hugging Face cache, symlinks resolved")
     mm_processor_kwargs: str = setting(
-        "", parse=json_object, shown="none",
+        "", parse=json_object, shown="none", shapes_verdict=True,
         help="the server's --mm-processor-kwargs as JSON (e.g. {\"max_pixels\": 1003520}), written onto the "
              "model's image processor configuration",
         details="so that mmgate and the server agree on the geometry (see [model](model.md))")
     image_format: ImageFormat = setting(
-        "auto", parse=Choice(ImageFormat),
+        "auto", parse=Choice(ImageFormat), policy=PolicyField("image", "output_format"),
         help="format of re-encoded images; auto = BMP with a model (lossless, cheapest for the backend), else "
              "JPEG; PNG where alpha must survive")
     jpeg_quality: int | Auto = setting(
-        AUTO, parse=integer(1, 100),
+        AUTO, parse=integer(1, 100), policy=PolicyField("image"),
         auto="90 (4:2:0 chroma), and with a model 100 with 4:4:4 chroma, its fidelity bound",
         help="JPEG/WebP quality of re-encoded images", details="see [tuning](tuning.md)")
 
@@ -394,6 +400,7 @@ class Logs:
     log_format: LogFormat = setting("text", parse=Choice(LogFormat), help="text or json (one object per line)")
 
 
-# In the order of ``Settings``' fields, each named there as its class in lower case: the order of --help,
-# --print-config and docs/configuration.md.
-SECTIONS: tuple[type, ...] = (Backend, Listen, Gate, Timeouts, Limits, Decode, Fetch, Memory, Drain, Logs)
+# In the order of ``Settings``' fields, each named there as its class in lower case (``spec.section_name``;
+# ``GateSettings`` is ``gate``, since ``Gate`` is admission's class): the order of --help, --print-config and
+# docs/configuration.md.
+SECTIONS: tuple[type, ...] = (Backend, Listen, GateSettings, Timeouts, Limits, Decode, Fetch, Memory, Drain, Logs)

@@ -68,8 +68,13 @@ def spelt(value: Any) -> str:
 
 
 def section_name(section: type) -> str:
-    """``Gate`` -> ``gate``: the name ``Settings`` holds the section under."""
-    return section.__name__.lower()
+    """``Limits`` -> ``limits``, ``GateSettings`` -> ``gate``: the name ``Settings`` holds the section under."""
+    return section.__name__.removesuffix("Settings").lower()
+
+
+def section_title(section: type) -> str:
+    """``Gate``: the section's heading in --print-config and docs/configuration.md."""
+    return section_name(section).capitalize()
 
 
 def _settings() -> dict[str, Setting]:

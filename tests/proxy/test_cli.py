@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 
 from proxy.cli import main
+from proxy.runtime.memory import tune_allocators
 from proxy.serve.demo import free_port
-from proxy.serve.memory import tune_allocators
 from proxy.serve.server import where_note
 from proxy.settings import SPEC
 from testkit.environment import mmgate_env
@@ -36,7 +36,7 @@ TOOLING_VARIABLES: frozenset[str] = frozenset({
     "MMGATE_FUZZ_SAVE",  # testkit/fuzzing.py: save a failing example to the corpus
     "MMGATE_FUZZ_SEED",  # testkit/fuzzing.py: the hypothesis seed
     "MMGATE_REQUIRE_HEAVY",  # CI: a skipped heavy test fails instead
-    "MMGATE_UPDATE_SCREENSHOT",  # tests/proxy/ops/test_dashboard.py: rewrite docs/dashboard.png
+    "MMGATE_UPDATE_SCREENSHOT",  # tests/proxy/admin/test_dashboard.py: rewrite docs/dashboard.png
 })
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from proxy.admission.client import GateCounters, LocalGate, configured_limit, gate_from_settings
 from proxy.admission.flows import Flow
+from proxy.app import build_state
 from proxy.ops.metrics import Metrics
 from proxy.settings import Settings
 
@@ -39,14 +40,10 @@ async def test_every_change_is_seen_as_counters() -> None:
 
 
 async def test_one_process_is_the_whole() -> None:
-    gate = LocalGate(gate_from_settings(_settings().gate))
-    gate.start()
-    gate.ready()
-    assert await gate.reachable(0.0)
-    assert await gate.collect() is None  # the process's own metrics are all there is
-    assert gate.share_cache(lambda key: None) is None  # no other front to ask
-    await gate.refresh()
-    await gate.close()
+    """In one process there is no fleet: nothing to start or close, no other front's metrics or cache to ask."""
+    state = build_state(_settings())
+    assert state.fleet is None and state.gate.counters().in_use == 0
+
 
 
 def test_the_counters_show_as_the_gauges_of_the_same_names() -> None:

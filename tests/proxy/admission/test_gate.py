@@ -109,11 +109,12 @@ async def test_queue_timeout() -> None:
 
 
 async def test_cost_over_whole_budget_is_413_and_draining_503() -> None:
-    gate = Gate(limit=1, byte_budget=100, max_queue=5)
+    draining = False
+    gate = Gate(limit=1, byte_budget=100, max_queue=5, refusing=lambda: draining)
     with pytest.raises(MmgateError) as caught:
         await gate.acquire(101, 5)
     assert (caught.value.status, caught.value.code) == (413, "media_too_large")
-    gate.lifecycle.start_draining()
+    draining = True
     with pytest.raises(MmgateError) as caught:
         await gate.acquire(1, 5)
     assert (caught.value.status, caught.value.code) == (503, "draining")

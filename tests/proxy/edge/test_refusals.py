@@ -356,9 +356,9 @@ ELSEWHERE: dict[tuple[int, str], str] = {
     (500, "internal_error"): "tests/preprocessors/test_errors.py: a fault in the pipeline",
     (503, "draining"): "tests/proxy/serve: SIGTERM",
     (503, "gate_unavailable"): "tests/proxy/processes: a supervisor that does not answer",
-    (503, "local_resources_exhausted"): "tests/proxy/serve/test_fd_limit.py: EMFILE on the upstream connect",
+    (503, "local_resources_exhausted"): "tests/proxy/runtime/test_fd_limit.py: EMFILE on the upstream connect",
     (503, "decoder_unavailable"): "tests/preprocessors: two workers killed on one item",
-    (504, "preprocess_timeout"): "tests/proxy/media/test_buffers.py: MMGATE_PREPROCESS_TIMEOUT",
+    (504, "preprocess_timeout"): "tests/proxy/edge/test_buffers.py: MMGATE_PREPROCESS_TIMEOUT",
 }
 
 

@@ -27,7 +27,7 @@ from proxy.processes.messages import (
     verdict_from_wire,
     verdict_to_wire,
 )
-from proxy.serve.lifecycle import Lifecycle
+from proxy.state import Lifecycle
 from tests.proxy.processes.conftest import COUNTERS, SAMPLES, VERDICT
 
 
@@ -79,7 +79,7 @@ async def _refusals_of_a_gate() -> list[MmgateError]:
     """Every refusal a real Gate gives, each caught as it raised it."""
     caught: list[MmgateError] = []
     lifecycle = Lifecycle()
-    gate = Gate(1, 100, 1, lifecycle=lifecycle, token_budget=10, max_queue_per_flow=1)
+    gate = Gate(1, 100, 1, refusing=lambda: lifecycle.refusing, token_budget=10, max_queue_per_flow=1)
     held = await gate.acquire(1, 30)
     attempts = [
         lambda: gate.acquire(101, 30),  # 413 media_too_large

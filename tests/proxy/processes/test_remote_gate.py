@@ -41,7 +41,7 @@ from proxy.processes.messages import (
     verdict_to_wire,
 )
 from proxy.processes.remote_gate import RemoteGate
-from proxy.serve.lifecycle import Lifecycle
+from proxy.state import Lifecycle
 
 POLLS = 600  # bounded polls of the gate's counters, 10 ms apart: far more than a message over the socket needs
 

@@ -13,8 +13,8 @@ from functools import partial
 import aiohttp
 import pytest
 
+from proxy.runtime.loop import uvloop_installed
 from proxy.serve.demo import free_port
-from proxy.serve.loop import uvloop_installed
 from proxy.serve.server import FORCED_EXIT_STATUS, drain
 from proxy.state import STATE
 from testkit import environment

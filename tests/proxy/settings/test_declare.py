@@ -10,6 +10,8 @@ import pytest
 
 from proxy.settings import AUTO, SECTIONS, SPEC, Auto, ConfigError, Settings, env_name
 from proxy.settings.declare import info_of
+from proxy.settings.sections import GateSettings
+from proxy.settings.spec import section_name, section_title
 
 
 def test_every_section_field_is_a_declared_setting_and_every_setting_is_read() -> None:
@@ -19,7 +21,8 @@ def test_every_section_field_is_a_declared_setting_and_every_setting_is_read() -
 
 
 def test_settings_holds_the_sections_in_their_order_named_after_them() -> None:
-    assert [f.name for f in fields(Settings)] == [section.__name__.lower() for section in SECTIONS]
+    assert [f.name for f in fields(Settings)] == [section_name(section) for section in SECTIONS]
+    assert section_name(GateSettings) == "gate" and section_title(GateSettings) == "Gate"
     assert [type(getattr(Settings(), f.name)) for f in fields(Settings)] == list(SECTIONS)
 
 

@@ -1,5 +1,5 @@
 """What is told about the settings is made from their declarations: --help's groups and choices, the reference
-page docs/configuration.md and the README's essentials table."""
+page docs/configuration.md, the README's essentials table and the decode workers' policy fields."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from proxy.settings import SECTIONS, SPEC, env_name, flag_name
+from proxy.settings.policies import POLICY_SETTINGS_PATH, render_policy_settings
 from proxy.settings.reference import (
     ESSENTIALS_BEGIN,
     ESSENTIALS_END,
@@ -19,7 +20,7 @@ from proxy.settings.reference import (
     render_essentials,
     with_essentials,
 )
-from proxy.settings.spec import settings_of
+from proxy.settings.spec import section_title, settings_of
 
 
 def _help() -> str:
@@ -30,7 +31,7 @@ def _help() -> str:
 
 def test_help_has_one_group_per_section_holding_its_flags_in_order() -> None:
     text = _help()
-    titles = [f"\n{section.__name__}:\n" for section in SECTIONS]
+    titles = [f"\n{section_title(section)}:\n" for section in SECTIONS]
     starts = [text.index(title) for title in titles]
     assert starts == sorted(starts)
     for section, start, end in zip(SECTIONS, starts, [*starts[1:], len(text)], strict=True):
@@ -57,7 +58,7 @@ def test_configuration_md_is_generated_from_the_declarations() -> None:
 
 def test_configuration_md_has_a_table_per_section_with_every_variable_once() -> None:
     text = render_configuration_md()
-    assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == [s.__name__ for s in SECTIONS]
+    assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == [section_title(s) for s in SECTIONS]
     rows = re.findall(r"^\| `(MMGATE_[A-Z0-9_]+)` \| `(--[a-z0-9-]+)[^`]*` \|", text, re.MULTILINE)
     assert rows == [(env_name(name), flag_name(name)) for name in SPEC]
     assert ("| `MMGATE_CLIENT_WRITE_TIMEOUT` | `--client-write-timeout` | `30` | a client that reads nothing of the "
@@ -92,15 +93,19 @@ def test_check_fails_on_a_stale_file_and_writing_makes_it_pass(tmp_path: Path) -
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "configuration.md").write_text("# Configuration\n\nhand-edited\n")
     (tmp_path / "README.md").write_text(f"intro\n{ESSENTIALS_BEGIN}\n{ESSENTIALS_END}\n")
+    (tmp_path / "preprocessors").mkdir()
+    (tmp_path / POLICY_SETTINGS_PATH).write_text('"""hand-edited"""\n')
     stale = _reference("--check", "--root", str(tmp_path))
     assert stale.returncode == 1
     assert stale.stderr.splitlines() == [
         "docs/configuration.md is not what python -m proxy.settings.reference writes: run it",
+        "preprocessors/policy_settings.py is not what python -m proxy.settings.reference writes: run it",
         "README.md is not what python -m proxy.settings.reference writes: run it"]
     assert (tmp_path / "docs" / "configuration.md").read_text() == "# Configuration\n\nhand-edited\n"
     written = _reference("--root", str(tmp_path))
     assert written.returncode == 0 and written.stderr == ""
     assert (tmp_path / "docs" / "configuration.md").read_text() == render_configuration_md()
     assert render_essentials() in (tmp_path / "README.md").read_text()
+    assert (tmp_path / POLICY_SETTINGS_PATH).read_text() == render_policy_settings()
     fresh = _reference("--check", "--root", str(tmp_path))
     assert (fresh.returncode, fresh.stdout, fresh.stderr) == (0, "", "")

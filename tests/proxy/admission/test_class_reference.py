@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.admission.reference import MAX_CLASSES, WARMUP, WINDOW, Reference, References
+from proxy.admission.class_reference import MAX_CLASSES, WARMUP, WINDOW, Reference, References
 
 
 def test_the_first_values_are_averaged_plainly_then_each_moves_it_by_2_in_601() -> None:

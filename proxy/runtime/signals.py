@@ -1,48 +1,12 @@
-"""Where the process is in its life: serving, in the grace after SIGTERM, or draining.
-
-One state instead of flags kept in step: readiness fails from the grace on (the load balancer is told to
-stop sending), new requests and new media admissions are refused only once the drain proper starts (the
-requests already accepted keep their place). ``server.drain`` moves it forward; nothing moves it back.
-"""
+"""The signals that stop a process of mmgate: SIGTERM and SIGINT, and Ctrl-C again (``server.drain`` says what
+each sets off)."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 from collections.abc import Coroutine
-from enum import Enum
 from typing import Any
-
-
-class Phase(Enum):
-    SERVING = "serving"
-    GRACE = "grace"  # SIGTERM received: readiness fails, requests are still served
-    DRAINING = "draining"  # new requests get 503 draining; those in flight may finish
-
-
-class Lifecycle:
-    """The app's phase, shared by the handlers, the admin routes and the gate."""
-
-    def __init__(self) -> None:
-        self.phase = Phase.SERVING
-
-    @property
-    def ready(self) -> bool:
-        """Whether readiness may pass (the upstream is asked only then)."""
-        return self.phase is Phase.SERVING
-
-    @property
-    def refusing(self) -> bool:
-        """Whether new requests and new admissions are refused."""
-        return self.phase is Phase.DRAINING
-
-    def start_grace(self) -> None:
-        if self.phase is Phase.SERVING:
-            self.phase = Phase.GRACE
-
-    def start_draining(self) -> None:
-        self.phase = Phase.DRAINING
-
 
 FORCED_EXIT_STATUS = 128 + signal.SIGINT  # a second Ctrl-C: the status a shell gives a process SIGINT ended
 

@@ -218,8 +218,9 @@ async def merged_metrics(request: web.Request) -> web.Response:
         if merged is not None:
             # With several front processes, the one gate's count, not as of this front's last exchange with
             # it; if the gate is hung, as of that.
-            with contextlib.suppress(MmgateError):
-                await state.gate.refresh()
+            if state.fleet is not None:
+                with contextlib.suppress(MmgateError):
+                    await state.fleet.refresh()
             body = merged.render(state.gate.counters().waiting_media)
             if not content_type.startswith("application/openmetrics-text"):
                 content_type = CONTENT_TYPE_LATEST

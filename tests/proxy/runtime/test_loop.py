@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from proxy.serve.loop import loop_factory, loop_name, run, uvloop_installed
+from proxy.runtime.loop import loop_factory, loop_name, run, uvloop_installed
 from proxy.settings import ConfigError, Settings
 from tests.conftest import require_heavy
 

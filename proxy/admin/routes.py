@@ -18,11 +18,10 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from proxy.admission.client import LocalGate
+from proxy.admin.backend_metrics import backend_metrics
+from proxy.admin.dashboard_stats import snapshot
 from proxy.edge.upstream import local_shortage
-from proxy.ops.backend_metrics import backend_metrics
-from proxy.ops.dashboard_stats import snapshot
-from proxy.processes.merged_metrics import MergedFamilies
+from proxy.ops.merged_metrics import MergedFamilies
 from proxy.state import STATE, AppState
 
 READY_CACHE_SECONDS = 1.0
@@ -78,7 +77,8 @@ async def ready(request: web.Request) -> web.Response:
     state = _state(request)
     if not state.lifecycle.ready:
         return web.json_response({"ready": False, "reason": "draining"}, status=503)
-    if not await state.gate.reachable(min(READY_PROBE_TIMEOUT, state.settings.listen.process_timeout)):
+    fleet = state.fleet
+    if fleet is not None and not await fleet.reachable(min(READY_PROBE_TIMEOUT, state.settings.listen.process_timeout)):
         return web.json_response({"ready": False, "reason": "the shared gate did not answer"}, status=503)
     ok, detail = await probe_upstream(state)
     return web.json_response({"ready": ok, "reason": detail}, status=200 if ok else 503)
@@ -88,7 +88,7 @@ async def metrics(request: web.Request) -> web.Response:
     """Prometheus text; with several front processes, every front's series summed (whichever process serves
     this request) and the gate's gauges from the one gate."""
     state = _state(request)
-    merged = await state.gate.collect()
+    merged = await state.fleet.collect() if state.fleet is not None else None
     if merged is not None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(MergedFamilies(merged))
@@ -103,11 +103,12 @@ async def metrics(request: web.Request) -> web.Response:
 async def stats(request: web.Request) -> web.Response:
     """A small JSON view for the dashboard (the same numbers as /mmgate/metrics)."""
     state = _state(request)
-    view = snapshot(state, await state.gate.collect())
+    view = snapshot(state, await state.fleet.collect() if state.fleet is not None else None)
     view["served_model"] = state.served.describe()  # the family and geometry in force, or why none is
-    if isinstance(state.gate, LocalGate) and state.gate.gate.adaptive is not None:
+    controller = state.gate.controller()
+    if controller is not None:
         # MMGATE_MAX_MM_CONCURRENCY=auto: the phase it is in, and why the limit last moved (one process only)
-        view["gate"]["controller"] = state.gate.gate.adaptive.explain()
+        view["gate"]["controller"] = controller
     return web.Response(body=orjson.dumps(view), content_type="application/json")
 
 

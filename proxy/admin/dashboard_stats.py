@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
 
-from proxy.processes.merged_metrics import MergedFamilies
+from proxy.ops.merged_metrics import MergedFamilies
+from proxy.ops.metrics import FAST_BUCKETS, REQUEST_BUCKETS
 
 if TYPE_CHECKING:
     from prometheus_client.metrics import MetricWrapperBase
@@ -49,13 +50,15 @@ def _gauge_value(metric: MetricWrapperBase) -> float:
     return sum(s.value for s in _samples(metric))
 
 
-def _histograms(metric: MetricWrapperBase, group_by: str | None) -> tuple[list[float], dict[str, dict[str, Any]]]:
-    """Bucket upper bounds (without +Inf) and, per value of ``group_by`` (or "all"), cumulative counts.
+def _histograms(metric: MetricWrapperBase, group_by: str | None,
+                buckets: Sequence[float]) -> tuple[list[float], dict[str, dict[str, Any]]]:
+    """The bucket upper bounds ``metric`` was made with (``buckets``, without +Inf: a labelled histogram
+    exposes none before its first observation) and, per value of ``group_by`` (or "all"), cumulative counts.
 
     ``counts`` has one more entry than ``le``: the last is the +Inf bucket (= count). Series with other
     labels (route, kind...) are summed, which is valid for cumulative bucket counts.
     """
-    bounds: list[float] = []
+    bounds = [float(b) for b in buckets if not math.isinf(b)]
     groups: dict[str, dict[str, Any]] = {}
     for s in _samples(metric):
         key = s.labels.get(group_by, "") if group_by else "all"
@@ -67,16 +70,11 @@ def _histograms(metric: MetricWrapperBase, group_by: str | None) -> tuple[list[f
             group["sum"] += s.value
         elif s.name.endswith("_count"):
             group["count"] += s.value
-    for group in groups.values():
-        bounds = sorted(b for b in group["buckets"] if not math.isinf(b))
-        break
-    if not bounds:  # no observation yet: labelled histograms expose no series, read the configured bounds
-        bounds = [b for b in getattr(metric, "_upper_bounds", []) if not math.isinf(b)]
     out: dict[str, dict[str, Any]] = {}
     for key, group in groups.items():
-        buckets = group["buckets"]
+        by_bound = group["buckets"]
         out[key] = {
-            "counts": [buckets.get(b, 0.0) for b in bounds] + [buckets.get(math.inf, group["count"])],
+            "counts": [by_bound.get(b, 0.0) for b in bounds] + [by_bound.get(math.inf, group["count"])],
             "sum": group["sum"],
             "count": group["count"],
         }
@@ -104,11 +102,10 @@ def _process_start_time(state: AppState) -> float:
 
 
 class _MergedFamily:
-    """One merged family where ``snapshot`` expects a metric object: ``collect()`` and its bounds."""
+    """One merged family where ``snapshot`` expects a metric object: its ``collect()``."""
 
-    def __init__(self, family: Metric | None, metric: MetricWrapperBase) -> None:
+    def __init__(self, family: Metric | None) -> None:
         self._family = family
-        self._upper_bounds = getattr(metric, "_upper_bounds", [])
 
     def collect(self) -> list[Metric]:
         return [self._family] if self._family is not None else []
@@ -122,8 +119,9 @@ class _MergedMetrics:
         self._families = MergedFamilies(merged).by_name
 
     def __getattr__(self, name: str) -> _MergedFamily:
-        metric = getattr(self._metrics, name)
-        return _MergedFamily(self._families.get(metric._name), metric)
+        metric: MetricWrapperBase = getattr(self._metrics, name)
+        (described,) = metric.describe()  # the family's name, as the merged report keys it
+        return _MergedFamily(self._families.get(described.name))
 
     def started(self) -> float | None:
         family = self._families.get("process_start_time_seconds")
@@ -133,7 +131,7 @@ class _MergedMetrics:
 def snapshot(state: AppState, merged: dict[str, Any] | None = None) -> dict[str, Any]:
     """Cumulative counters, histogram buckets, current gauges and effective limits, as one JSON-able dict.
 
-    ``merged``: with several front processes, every front's metrics and totals (``GateClient.collect``):
+    ``merged``: with several front processes, every front's metrics and totals (``Fleet.collect``):
     the numbers are mmgate's as a whole, not those of the process that answers."""
     m: Any = state.metrics if merged is None else _MergedMetrics(state.metrics, merged)
     s = state.settings
@@ -150,10 +148,10 @@ def snapshot(state: AppState, merged: dict[str, Any] | None = None) -> dict[str,
         cls = (code[:1] + "xx") if code[:1].isdigit() else "other"
         by_class[cls] = by_class.get(cls, 0.0) + value
 
-    req_le, req_all = _histograms(m.request_duration, None)
-    _, req_kind = _histograms(m.request_duration, "kind")
-    stage_le, stages = _histograms(m.stage_duration, "stage")
-    lag_le, lag = _histograms(m.event_loop_lag, None)
+    req_le, req_all = _histograms(m.request_duration, None, REQUEST_BUCKETS)
+    _, req_kind = _histograms(m.request_duration, "kind", REQUEST_BUCKETS)
+    stage_le, stages = _histograms(m.stage_duration, "stage", FAST_BUCKETS)
+    lag_le, lag = _histograms(m.event_loop_lag, None, FAST_BUCKETS)
 
     media_bytes = _counter_by(m.media_bytes, "direction")
     bytes_in, bytes_out = media_bytes.get("in", 0.0), media_bytes.get("out", 0.0)

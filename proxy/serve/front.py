@@ -1,4 +1,4 @@
-"""``python -m proxy.processes.front``: one front process of several (``MMGATE_PROCESSES``), started by
+"""``python -m proxy.serve.front``: one front process of several (``MMGATE_PROCESSES``), started by
 ``proxy.processes.supervisor`` with the listening sockets and its link to the shared gate as inherited file
 descriptors and its Settings on stdin. Not a command for people: ``mmgate --processes N`` starts these."""
 
@@ -11,21 +11,22 @@ import socket
 import sys
 
 from preprocessors.worker_handle import WorkerStartError
-from proxy.serve.loop import run
-from proxy.serve.memory import tune_process
+from proxy.runtime.loop import run
+from proxy.runtime.memory import tune_process
 from proxy.serve.server import FrontSockets, configure_logging, exit_with, serve
 from proxy.settings import ConfigError, Settings
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m proxy.processes.front")
+    parser = argparse.ArgumentParser(prog="python -m proxy.serve.front")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--listen-fd", type=int, required=True)
     parser.add_argument("--gate-fd", type=int, required=True)
     parser.add_argument("--admin-fd", type=int, default=None)
     args = parser.parse_args()
     settings = pickle.loads(sys.stdin.buffer.read())  # from the supervisor, which started this process
-    assert isinstance(settings, Settings)
+    if not isinstance(settings, Settings):
+        raise TypeError(f"a front process reads its Settings on stdin, not a {type(settings).__name__}")
     configure_logging(settings)
     tune_process(dict(os.environ), memory_first=settings.memory.malloc_tuning,
                  decode_threads=settings.decode.decode_workers if settings.decode.decode_mode == "thread" else 0)

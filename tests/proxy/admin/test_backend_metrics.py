@@ -19,8 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.admin.backend_metrics import merge
 from proxy.app import build_admin_app
-from proxy.ops.backend_metrics import merge
 from proxy.ops.backend_scrapes import SCRAPE_REUSE_SECONDS
 from proxy.settings import ConfigError
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
@@ -276,7 +276,7 @@ async def test_a_large_exposition_is_merged_whole(upstream: Upstream, start_prox
 
 async def test_an_exposition_over_the_cap_or_cut_short_is_a_bad_gateway(
         upstream: Upstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture) -> None:
-    from proxy.ops.backend_metrics import MAX_EXPOSITION_BYTES
+    from proxy.admin.backend_metrics import MAX_EXPOSITION_BYTES
 
     async def too_big(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/plain; version=0.0.4"})

@@ -300,7 +300,7 @@ async def test_nothing_left_after_fault(upstream: Upstream, start_proxy: StartPr
 
 
 # ----------------------------------------------------------------------------------------------------------
-# giving freed heap back (proxy/serve/memory.py)
+# giving freed heap back (proxy/runtime/memory.py)
 
 
 async def test_heap_trimmed_once_media_work_goes_idle(upstream: Upstream, start_proxy: StartProxy) -> None:

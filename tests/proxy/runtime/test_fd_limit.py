@@ -16,8 +16,8 @@ import orjson
 import pytest
 from aiohttp import web
 
+from proxy.runtime.fd_limit import connections_within, fds_needed, plan_fd_limit
 from proxy.serve.demo import free_port
-from proxy.serve.fd_limit import connections_within, fds_needed, plan_fd_limit
 from proxy.settings import Settings
 from testkit.environment import mmgate_env
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
