@@ -16,8 +16,10 @@ A scrape of the backend is reused for a second and concurrent scrapes share the 
 (``backend_scrapes.BackendScrapes``): many scrapers cost the backend one exposition a second at most. The merge
 is made once per scrape of the backend too (``MergedExposition``, counted by
 ``mmgate_backend_metrics_merges_total``), with mmgate's families as of then: every scrape of mmgate until the
-next is served from it, only the waiting count read afresh and written into the queue gauges' samples. So
-scrapers looping on ``/metrics`` cost mmgate's event loop a copy of the exposition each, not a parse.
+next is served from it, only the waiting count read afresh and written into the queue gauges' samples. An
+answer is written from views of the scraped body, a slice at a time (``send_exposition``): scrapers looping on
+``/metrics`` cost mmgate's event loop neither a parse nor a copy of the exposition each, and take turns with the
+other answers.
 
 Exposition formats: Prometheus text 0.0.4 (asked for) and OpenMetrics 1.0 (mmgate's families then go before
 ``# EOF``). A sample line is ``name[{labels}] value [timestamp]``; label values are quoted with backslash
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+from collections.abc import Sequence
 from functools import partial
 
 import aiohttp
@@ -49,6 +52,7 @@ METRICS_PATH = "/metrics"
 FETCH_TIMEOUT = 5.0  # seconds for the backend's exposition: a scrape must not hang on a stuck backend
 MAX_EXPOSITION_BYTES = 16 << 20
 ACCEPT = "text/plain;version=0.0.4;q=1.0, application/openmetrics-text;version=1.0.0;q=0.5"
+WRITE_SLICE = 256 << 10  # bytes per write of an exposition (``send_exposition``)
 _NAME_END = re.compile(rb"[{ \t]")
 log = logging.getLogger("mmgate")
 
@@ -102,55 +106,100 @@ def _queue_sample(line: bytes) -> tuple[bytes, float, bytes] | None:
 
 class MergedExposition:
     """The backend's exposition with ``own`` (mmgate's families, in the same format) appended, parsed once:
-    the text between queue gauge samples kept as it is, each sample's value kept apart for ``render`` to add
-    the waiting count to."""
+    the text between queue gauge samples kept as views of the scraped body (never copied), each sample's
+    value kept apart for ``render`` to add the waiting count to."""
 
-    def __init__(self, parts: list[bytes | tuple[bytes, float, bytes]]) -> None:
+    def __init__(self, parts: list[memoryview | bytes | tuple[bytes, float, bytes]]) -> None:
         self.parts = parts
-        self._rendered: tuple[int, bytes] | None = None
+        self._rendered: tuple[int, list[memoryview | bytes]] | None = None
 
     @classmethod
     def of(cls, exposition: bytes, own: bytes) -> MergedExposition | None:
-        """None when ``exposition`` has no known queue gauge (it is passed through)."""
-        lines = exposition.split(b"\n")
-        while lines and not lines[-1]:
-            lines.pop()
-        tail = b""
-        if lines and lines[-1].strip() == b"# EOF":  # OpenMetrics: one EOF, at the very end
-            lines.pop()
-            own, tail = own.removesuffix(b"# EOF\n"), b"# EOF\n"
-        parts: list[bytes | tuple[bytes, float, bytes]] = []
-        text: list[bytes] = []
-        for line in lines:
-            sample = None if not line or line.startswith(b"#") else _queue_sample(line)
+        """None when ``exposition`` has no known queue gauge (it is passed through). The gauges' sample lines
+        are found with ``bytes.find`` (a scan at memchr speed), not by splitting the exposition into lines: a
+        4 MB exposition is parsed in a few milliseconds of the loop."""
+        end = len(exposition)
+        while end and exposition[end - 1] == NEWLINE:  # trailing empty lines are dropped
+            end -= 1
+        last_line = exposition.rfind(b"\n", 0, end) + 1
+        ending = b"\n"
+        if exposition[last_line:end].strip() == b"# EOF":  # OpenMetrics: one EOF, at the very end
+            end, ending = last_line, b""
+            own = own.removesuffix(b"# EOF\n") + b"# EOF\n"
+        view = memoryview(exposition)
+        parts: list[memoryview | bytes | tuple[bytes, float, bytes]] = []
+        text_from = 0
+        for start in _gauge_lines(exposition, end):
+            line_end = exposition.find(b"\n", start, end)
+            line_end = end if line_end < 0 else line_end
+            sample = _queue_sample(exposition[start:line_end])
             if sample is None:
-                text.append(line + b"\n")
                 continue
-            parts.append(b"".join(text))
-            text = []
-            head, value, after = sample
-            parts.append((head, value, after + b"\n"))
+            parts += [view[text_from:start], sample]
+            text_from = line_end  # the sample's newline opens the next text
         if not parts:
             return None
-        parts.append(b"".join(text) + own + tail)
+        parts += [view[text_from:end], ending + own]
         return cls(parts)
 
-    def render(self, waiting: int) -> bytes:
-        """The exposition with ``waiting`` added to each queue gauge sample (the last one made is kept)."""
+    def render(self, waiting: int) -> list[memoryview | bytes]:
+        """The exposition with ``waiting`` added to each queue gauge sample, as the pieces to write in turn
+        (the last one made is kept)."""
         if self._rendered is not None and self._rendered[0] == waiting:
             return self._rendered[1]
-        body = b"".join(part if isinstance(part, bytes)
-                        else part[0] + floatToGoString(part[1] + waiting).encode() + part[2]
-                        for part in self.parts)
-        self._rendered = (waiting, body)
-        return body
+        pieces = [part if not isinstance(part, tuple)
+                  else part[0] + floatToGoString(part[1] + waiting).encode() + part[2]
+                  for part in self.parts]
+        self._rendered = (waiting, pieces)
+        return pieces
+
+
+NEWLINE = ord("\n")
+
+
+def _gauge_lines(exposition: bytes, end: int) -> list[int]:
+    """Where each line before ``end`` that starts with a known queue gauge's name (then ``{``, a space or a tab)
+    starts, in order."""
+    starts = []
+    for name in QUEUE_GAUGES:
+        at = 0 if exposition.startswith(name) else _next_line_with(exposition, name, 0, end)
+        while at >= 0:
+            after = at + len(name)
+            if exposition[after:after + 1] in (b"{", b" ", b"\t"):
+                starts.append(at)
+            at = _next_line_with(exposition, name, after, end)
+    return sorted(starts)
+
+
+def _next_line_with(exposition: bytes, name: bytes, start: int, end: int) -> int:
+    """Where the next line after ``start`` that begins with ``name`` starts; -1 when none does before ``end``."""
+    found = exposition.find(b"\n" + name, start, end)
+    return found + 1 if found >= 0 else -1
 
 
 def merge(exposition: bytes, waiting: int, own: bytes) -> bytes | None:
     """The backend's ``exposition`` with ``waiting`` added to each known queue gauge sample and ``own`` (mmgate's
     families, in the same format) appended; None when it has no known queue gauge (pass it through)."""
     merged = MergedExposition.of(exposition, own)
-    return merged.render(waiting) if merged is not None else None
+    return b"".join(merged.render(waiting)) if merged is not None else None
+
+
+async def send_exposition(request: web.Request, status: int, content_type: str,
+                          pieces: Sequence[memoryview | bytes]) -> web.StreamResponse:
+    """Answer an exposition written a slice at a time (``WRITE_SLICE``) from views of the pieces: no copy of the
+    whole is made (a copy of a few MB is a fresh memory mapping each time under ``runtime.memory``'s
+    threshold), and scrapers looping on ``/metrics`` take turns with every other answer on the loop."""
+    response = web.StreamResponse(status=status)
+    response.headers["Content-Type"] = content_type
+    response.content_length = sum(len(piece) for piece in pieces)
+    await response.prepare(request)
+    if request.method != "HEAD":
+        for piece in pieces:
+            view = memoryview(piece)
+            for start in range(0, len(view), WRITE_SLICE):
+                await response.write(view[start:start + WRITE_SLICE])
+    await response.write_eof()
+    return response
 
 
 async def _fetch(state: AppState) -> Scraped:
@@ -206,13 +255,14 @@ def _merged_of(state: AppState, scrape: Scrape) -> MergedExposition | None:
     return MergedExposition.of(scrape.body, generate_openmetrics(own) if openmetrics else generate_latest(own))
 
 
-async def merged_metrics(request: web.Request) -> web.Response:
+async def merged_metrics(request: web.Request) -> web.StreamResponse:
     """``GET /metrics`` with ``MMGATE_BACKEND_METRICS=merge`` (main port) or ``merge-admin`` (admin port)."""
     state = request.app[STATE]
     scraped = await _scrape(state)
     if isinstance(scraped, ScrapeFailed):
         return web.Response(status=scraped.status, text=scraped.reason + "\n")
-    body, content_type = scraped.body, scraped.content_type
+    pieces: Sequence[memoryview | bytes] = (scraped.body,)
+    content_type = scraped.content_type
     if scraped.status == 200:
         merged = state.backend_scrapes.derived(scraped, partial(_merged_of, state))
         if merged is not None:
@@ -221,19 +271,15 @@ async def merged_metrics(request: web.Request) -> web.Response:
             if state.fleet is not None:
                 with contextlib.suppress(MmgateError):
                     await state.fleet.refresh()
-            body = merged.render(state.gate.counters().waiting_media)
+            pieces = merged.render(state.gate.counters().waiting_media)
             if not content_type.startswith("application/openmetrics-text"):
                 content_type = CONTENT_TYPE_LATEST
-    response = web.Response(status=scraped.status, body=body)
-    response.headers["Content-Type"] = content_type
-    return response
+    return await send_exposition(request, scraped.status, content_type, pieces)
 
 
-async def backend_metrics(request: web.Request) -> web.Response:
+async def backend_metrics(request: web.Request) -> web.StreamResponse:
     """``GET /mmgate/backend/metrics``: the backend's own exposition, unmodified."""
     scraped = await _scrape(request.app[STATE])
     if isinstance(scraped, ScrapeFailed):
         return web.Response(status=scraped.status, text=scraped.reason + "\n")
-    response = web.Response(status=scraped.status, body=scraped.body)
-    response.headers["Content-Type"] = scraped.content_type
-    return response
+    return await send_exposition(request, scraped.status, scraped.content_type, (scraped.body,))
