@@ -18,6 +18,10 @@ Variants, one fresh process each, taking turns within a round (the order turns r
 * ``auto-found``: ``auto``, a second stub serving the model folder inside ``MMGATE_MODEL_DIRS``;
 * ``explicit``: ``--model`` naming that folder.
 
+Both trees are byte-compiled first (``compileall``), as ``pip install`` leaves an installed package: a start that
+compiles mmgate's own modules from source (a source checkout under ``PYTHONDONTWRITEBYTECODE``, as on this
+project's machines) measures the compiler, about a second of it on 2 cores, and more for the tree with more code.
+
 The model folder is a real checkpoint's processor configuration (``testkit.models.REAL_CHECKPOINTS``, Idefics3's
 by default), built offline. Every variant starts ``--rounds`` times (≥ 5); ratios to ``base`` are round by round.
 
@@ -49,6 +53,7 @@ WHAT = "seconds from process start to /mmgate/health ready, and RSS then, with a
 VARIANTS = ("base", "none", "auto-unknown", "auto-found", "explicit")
 BASELINE = "ed6881d"  # the round's base commit: "today's" start-up without a model
 POLL_S = 0.005
+PACKAGES = ("proxy", "preprocessors")  # mmgate's own packages, byte-compiled before the rounds
 TIMEOUT_S = 60.0
 
 
@@ -109,6 +114,14 @@ def start_once(tree: Path, upstream: str, env: dict[str, str], flags: tuple[str,
     return out
 
 
+def byte_compiled(tree: Path) -> Path:
+    """``tree`` with its packages' bytecode written (``__pycache__``, ignored by git), as an install leaves them."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0",
+                    *(str(tree / package) for package in PACKAGES if (tree / package).is_dir())],
+                   check=True, stdout=subprocess.DEVNULL)
+    return tree
+
+
 def baseline_tree(ref: str) -> Path:
     """``ref``'s files (``git archive``) in a temporary folder: nothing in any worktree is touched."""
     where = Path(tempfile.mkdtemp(prefix="mmgate-startup-base-"))
@@ -120,7 +133,8 @@ def baseline_tree(ref: str) -> Path:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
     data["settings"] = {"rounds": args.rounds, "baseline_ref": args.baseline_ref, "checkpoint": args.checkpoint,
-                        "baseline_commit": R.git("rev-parse", args.baseline_ref), "poll_s": POLL_S}
+                        "baseline_commit": R.git("rev-parse", args.baseline_ref), "poll_s": POLL_S,
+                        "byte_compiled": True}
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MMGATE_", "HF_", "TRANSFORMERS_"))}
     clean["MMGATE_LOOP"] = "asyncio"  # what pip install mmgate runs on (the test extra's uvloop would be picked)
     rows: list[dict[str, Any]] = []
@@ -129,7 +143,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         models = scratch / "models"
         folder = REAL_CHECKPOINTS[args.checkpoint](models / "checkpoint")
         (scratch / "hf").mkdir()
-        base = baseline_tree(args.baseline_ref)
+        base = byte_compiled(baseline_tree(args.baseline_ref))
+        byte_compiled(R.REPO)
         plain, plain_url = start_stub()  # serves "stub-vlm", found nowhere
         serving, serving_url = start_stub("--model", str(folder))  # serves the folder's path, as vLLM's root
         auto = clean | {"HF_HOME": str(scratch / "hf"), "MMGATE_MODEL_DIRS": str(models)}
@@ -198,7 +213,9 @@ def report(data: dict[str, Any]) -> str:
         f"`python -m bench.startup`: `python -m proxy` in front of the stub backend, {s['rounds']} rounds, the "
         f"variants taking turns; base = `{s['baseline_ref']}` (`{(s.get('baseline_commit') or '')[:10]}`). Ready: "
         f"the first `/mmgate/health` answering 200 with `draining: false` (polled every {s['poll_s'] * 1000:.0f} "
-        f"ms), timed from just before the process starts. Model: {s['checkpoint']}'s own processor configuration. "
+        f"ms), timed from just before the process starts"
+        + (", both trees byte-compiled first, as an install leaves them" if s.get("byte_compiled") else "")
+        + f". Model: {s['checkpoint']}'s own processor configuration. "
         "RSS: mmgate's process at that moment (its process tree's sum beside it). Median (min–max) of the rounds.",
         "",
         "| variant | s to ready | s to the model in force | RSS MB at ready (tree) | RSS MB with the model in force |",
