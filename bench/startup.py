@@ -238,7 +238,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--baseline-ref", default=BASELINE, help="the commit whose start-up is 'today's'")
     ap.add_argument("--checkpoint", default="Idefics3", choices=sorted(REAL_CHECKPOINTS))
-    ap.add_argument("--quick", action="store_true", help="one round: proves the bench runs")
+    ap.add_argument("--quick", action="store_true", help="one round, nothing written: proves the bench runs")
     ap.add_argument("--render", action="store_true", help="rebuild the .md from the committed .json")
     ap.add_argument("--out", default=None, help="results path without extension [bench/results/startup]")
     args = ap.parse_args()
@@ -252,6 +252,8 @@ def main() -> None:
     R.print_goals(data["goals"])
     md = report(data)
     print(md)
+    if args.quick and not args.out:
+        return
     R.write("startup", data, md, out=Path(args.out) if args.out else None)
 
 

@@ -9,6 +9,12 @@ Sizes are ``(width, height)`` of the image as the backend sees it: upright, afte
 (vLLM applies it before the processor runs). ``resize_target`` turns that into what a decode worker does
 with the image as stored.
 
+A decode worker in another process need not import ``transformers`` at all (about a second of its start-up,
+and tens of MB): the proxy, which loaded the processor anyway, works out ``resize_target`` from each image's
+header before the image goes to a worker, and the task carries the answers (``planned_targets``; the worker
+opens them with ``known_targets``). A size the proxy could not read from the header is worked out in the
+worker, importing the helpers then.
+
 Each also carries the processor's ``resample``, the filter its PIL backend resizes with (LANCZOS for
 Idefics3/SmolVLM, BICUBIC for Qwen and LLaVA, BILINEAR for Gemma 3): a decode worker resizes with that
 filter, so the image the backend receives is close to what the processor would make of the original
@@ -19,10 +25,13 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import IMAGE_UNSUPPORTED_BY_MODEL
+from .errors import IMAGE_UNSUPPORTED_BY_MODEL, MediaError
 
 # EXIF orientations whose transpose swaps width and height.
 SWAPS_SIDES = frozenset((5, 6, 7, 8))
@@ -46,6 +55,39 @@ class Geometry(Protocol):
         ...
 
 
+# (stored width, height, EXIF orientation, the size ``resize_target`` gives or None): its answers for one image.
+KnownTargets = tuple[tuple[int, int, int, tuple[int, int] | None], ...]
+_Table = dict[tuple[int, int, int], tuple[int, int] | None]
+# The answers of the image being judged in this thread (a context variable: each decode thread its own).
+_ANSWERS: ContextVar[_Table | None] = ContextVar("resize_targets", default=None)
+
+
+@contextmanager
+def known_targets(known: KnownTargets = ()) -> Iterator[_Table]:
+    """Within: ``resize_target`` answers from ``known`` first, and records what it works out into the table
+    yielded."""
+    token = _ANSWERS.set({(w, h, orientation): target for w, h, orientation, target in known})
+    try:
+        yield _ANSWERS.get() or {}
+    finally:
+        _ANSWERS.reset(token)
+
+
+def planned_targets(geometry: Geometry, width: int, height: int) -> KnownTargets:
+    """``resize_target``'s answers a decode worker needs for a stored ``width`` x ``height`` image, under each
+    EXIF orientation (Pillow may find one the header did not say: in XMP, or past the head); worked out once
+    for the sides as stored and once turned. A size the processor refuses is left out (the worker refuses it)."""
+    known = []
+    for turned in (False, True):
+        try:
+            target = resize_target(geometry, width, height, 6 if turned else 1)
+        except MediaError:
+            continue
+        known += [(width, height, orientation, target) for orientation in range(1, 9)
+                  if (orientation in SWAPS_SIDES) == turned]
+    return tuple(known)
+
+
 def upright(width: int, height: int, orientation: int) -> tuple[int, int]:
     """The size of a stored ``width`` x ``height`` image once its EXIF ``orientation`` is applied."""
     return (height, width) if orientation in SWAPS_SIDES else (width, height)
@@ -56,8 +98,19 @@ def resize_target(geometry: Geometry, width: int, height: int, orientation: int)
 
     The target is exactly what the model's processor would produce, so the backend's own resize is a no-op.
     mmgate never enlarges: where the processor would make either side larger than the image has, the image is
-    forwarded unchanged and the backend upscales it itself.
+    forwarded unchanged and the backend upscales it itself. Answered from the table ``known_targets`` opened,
+    if one is (and recorded there).
     """
+    answers = _ANSWERS.get()
+    if answers is None:
+        return _resize_target(geometry, width, height, orientation)
+    key = (width, height, orientation)
+    if key not in answers:
+        answers[key] = _resize_target(geometry, width, height, orientation)
+    return answers[key]
+
+
+def _resize_target(geometry: Geometry, width: int, height: int, orientation: int) -> tuple[int, int] | None:
     up_w, up_h = upright(width, height, orientation)
     out_w, out_h = model_size(geometry, up_w, up_h)
     if out_w > up_w or out_h > up_h or (out_w, out_h) == (up_w, up_h):

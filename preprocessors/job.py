@@ -17,8 +17,10 @@ from functools import partial
 from .audio import sniff_audio_format, validate_audio
 from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaKind, VideoPolicy, no_checkpoint
 from .dataurl import checked_size, decode_base64, decode_head, decode_tail, encode_base64
+from .dimensions import MAX_HEAD_BYTES, header_dimensions, peek_dimensions
 from .errors import MediaError, MmgateError, rebuild
 from .formats import image_mime
+from .geometry import KnownTargets, known_targets, planned_targets
 from .image import judge_header, process_image
 from .video import import_pyav, probe_video, pyav_available
 
@@ -38,6 +40,9 @@ class MediaTask:
     audio_format: str | None = None
     fetched_mime: str | None = None  # a fetched body (MMGATE_MEDIA_URLS=fetch) and its declared type; None: base64
     video_policy: VideoPolicy = field(default_factory=VideoPolicy)
+    # With a served model: ``resize_target``'s answers the proxy worked out from the image's header
+    # (``geometry.planned_targets``), so a worker process never imports the processor's helpers for them.
+    known_targets: KnownTargets = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +92,29 @@ def run_task(task: MediaTask, payload: Payload, checkpoint: Checkpoint) -> Verdi
     """The item's work; MediaError names ``task.path``. ``payload`` is called once, and what it returns is
     not kept: an inline item's payload is a view into the request's body, which must not outlive the read."""
     try:
-        if task.fetched_mime is not None:
-            return _judge(task, _fetched(payload), checkpoint)
-        return _judge(task, decode_base64(payload(), max_bytes=task.max_bytes), checkpoint)
+        with known_targets(task.known_targets):
+            if task.fetched_mime is not None:
+                return _judge(task, _fetched(payload), checkpoint)
+            return _judge(task, decode_base64(payload(), max_bytes=task.max_bytes), checkpoint)
     except MediaError as error:
         raise error.at(task.path) from None
+
+
+def with_planned_targets(task: MediaTask, payload: bytes | memoryview) -> MediaTask:
+    """``task`` carrying the served model's answers for its image (``geometry.planned_targets``), worked out here
+    from its header (base64, or a fetched body), where the processor's helpers are loaded already: a decode
+    worker process then never imports them. The task as it is without a model, for other media, or where the
+    header does not say the image's size."""
+    geometry = task.image_policy.geometry
+    if task.kind != "image" or geometry is None:
+        return task
+    if task.fetched_mime is None:
+        found = peek_dimensions(payload)
+    else:
+        found = header_dimensions(bytes(payload[:MAX_HEAD_BYTES]))
+    if found is None:
+        return task
+    return replace(task, known_targets=planned_targets(geometry, found.width, found.height))
 
 
 def judge_head(task: MediaTask, payload: bytes | memoryview) -> Verdict | None:
@@ -150,17 +173,18 @@ def _judge(task: MediaTask, data: bytes, checkpoint: Checkpoint) -> Verdict:
     return Verdict(size, size)  # audio is validated and forwarded unchanged
 
 
-def warm_up(policy: ImagePolicy | None = None) -> None:
+def warm_up(policy: ImagePolicy | None = None, *, formats: bool = True) -> None:
     """One tiny image of each common format through the whole job (decode, resize, encode, each output format),
     so Pillow's plugins and codecs are loaded at start-up and not on the first client's item; PyAV too, where
     installed. With the served model's ``policy``, its geometry runs once too: the processor's helpers are
-    imported here, not on the first image the model would shrink."""
+    imported here, not on the first image the model would shrink. ``formats=False``: the geometry alone (a
+    model found after start-up, whose formats are warm already)."""
     from io import BytesIO
 
     from PIL import Image
 
     generic = ImagePolicy(resize_max_side=8)
-    policies = [replace(generic, output_format=fmt) for fmt in ("auto", "png", "bmp")]
+    policies = [replace(generic, output_format=fmt) for fmt in ("auto", "png", "bmp")] if formats else []
     if policy is not None and policy.geometry is not None:  # a tiny image the model enlarges: its helpers load
         policies.append(replace(generic, geometry=policy.geometry))
     for fmt in ("JPEG", "PNG", "WEBP"):
@@ -170,5 +194,5 @@ def warm_up(policy: ImagePolicy | None = None) -> None:
         for each in policies:
             run_task(MediaTask("image", "warm-up", 1 << 20, each, AudioPolicy()), partial(bytes, payload),
                      no_checkpoint)
-    if pyav_available():
+    if formats and pyav_available():
         import_pyav()

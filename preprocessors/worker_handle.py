@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -18,7 +17,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from .base import ImagePolicy
 from .errors import rebuild
 from .job import MediaJob, Verdict
 from .pool import Batch
@@ -56,8 +54,7 @@ class WorkerFault(RuntimeError):
 class WorkerHandle:
     """One decode process and the memfd its payloads and answers travel through; owned by one pool thread."""
 
-    def __init__(self, environment: Mapping[str, str], trim_idle: float = 0.0,
-                 warm_policy: ImagePolicy | None = None) -> None:
+    def __init__(self, environment: Mapping[str, str], trim_idle: float = 0.0) -> None:
         self.memfd = os.memfd_create("mmgate-decode", os.MFD_CLOEXEC)
         ours, theirs = socket.socketpair()
         env = {**os.environ, **environment}
@@ -66,7 +63,7 @@ class WorkerHandle:
             self.process = subprocess.Popen(
                 # -P: never a ``preprocessors`` from the working directory, only the one beside this file
                 [sys.executable, "-P", "-m", "preprocessors.worker_process", str(theirs.fileno()), str(self.memfd),
-                 repr(trim_idle), pickle.dumps(warm_policy).hex()],
+                 repr(trim_idle)],
                 pass_fds=(theirs.fileno(), self.memfd), stdin=subprocess.DEVNULL, env=env, close_fds=True,
             )
         except BaseException:

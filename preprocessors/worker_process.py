@@ -1,17 +1,15 @@
-"""One decode worker process: ``python -m preprocessors.worker_process SOCKET_FD MEMFD TRIM_IDLE WARM_POLICY``.
+"""One decode worker process: ``python -m preprocessors.worker_process SOCKET_FD MEMFD TRIM_IDLE``.
 
 The other end of ``workers.ProcessPool``. A fresh interpreter that imports this package only (Pillow,
-pybase64, never aiohttp or the proxy): it says it is ready once warmed up (``job.warm_up`` with the image
-policy its tasks will carry, pickled in hex), then answers one task at a time. The task comes pickled over
-the socket; the payload lies in the memfd, which the answer's encoded bytes
-overwrite.
+pybase64, never aiohttp or the proxy): it says it is ready once warmed up (``job.warm_up``: the formats, not
+the served model's helpers, whose answers each task carries), then answers one task at a time. The task
+comes pickled over the socket; the payload lies in the memfd, which the answer's encoded bytes overwrite.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import pickle
 import signal
 import sys
 import traceback
@@ -108,7 +106,10 @@ def main(argv: list[str]) -> None:
     lower_priority()
     conn = Connection(int(argv[0]))
     try:
-        warm_up(pickle.loads(bytes.fromhex(argv[3])))
+        # The formats only: the proxy gives each task the served model's answers for its image
+        # (``geometry.known_targets``), so the processor's helpers (transformers: about a second and tens of MB
+        # here) are imported only for an image whose header the proxy could not read.
+        warm_up()
     except Exception:  # mmgate's start-up fails with this, instead of every item failing later
         conn.send(("fault", traceback.format_exc()))
         return

@@ -41,7 +41,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from .base import Cancelled, ImagePolicy
+from .base import Cancelled
 from .errors import DECODER_CRASHED, DECODER_UNAVAILABLE
 from .job import MediaJob
 from .pool import Batch, DecodePool, Job
@@ -74,8 +74,7 @@ class ProcessPool(DecodePool):
 
     def __init__(self, workers: int, *, max_jobs: int = 0, max_rss_bytes: int = 0,
                  on_exit: Callable[[str], None] = lambda reason: None,
-                 environment: Mapping[str, str] | None = None, trim_idle: float = 0.0,
-                 warm_policy: ImagePolicy | None = None) -> None:
+                 environment: Mapping[str, str] | None = None, trim_idle: float = 0.0) -> None:
         self.max_jobs = max_jobs
         self.trim_idle = trim_idle  # a worker gives back what it keeps after this many idle seconds (0 = never)
         self._environment = dict(environment or {})  # added to each worker's environment (allocator tuning)
@@ -87,8 +86,9 @@ class ProcessPool(DecodePool):
         self._local = threading.local()
         self._all: set[WorkerHandle] = set()
         self._closed = False
-        # the threads only wait; the processes lower their priority and warm up with ``warm_policy`` themselves
-        super().__init__(workers, lower_priority=False, warm_policy=warm_policy)
+        # The threads only wait; the processes lower their priority and warm up themselves, the formats only:
+        # each task carries the served model's answers for its image (``job.MediaTask.known_targets``).
+        super().__init__(workers, lower_priority=False)
 
     def worker_pids(self) -> list[int]:
         """The pids of the worker processes alive now (tests, the bench)."""
@@ -114,7 +114,7 @@ class ProcessPool(DecodePool):
         if worker is None:
             if self._closed:
                 raise Cancelled()
-            worker = WorkerHandle(self._environment, self.trim_idle, self.warm_policy)
+            worker = WorkerHandle(self._environment, self.trim_idle)
             with self._lock:
                 self._all.add(worker)
                 closed = self._closed

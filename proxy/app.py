@@ -3,16 +3,18 @@
 What exists without an event loop is built with the app (``build_state``: settings, metrics, gate,
 policies) and stored under ``state.BASE``. The resources live in ``cleanup_ctx`` (created on start-up, closed
 on shutdown, in reverse order): ``_resources`` builds the upstream ClientSession, the fetch client, the decode
-pool (its workers started and ready; its worker processes killed and reaped at shutdown) and the media cache,
-each closed where it was built, and the media step that works with them (``step.MediaStep``), and stores
-the complete ``AppState`` under ``state.STATE``; then the upstream watcher, the event-loop lag watcher and the
-idle trimmer.
+pool (its worker processes killed and reaped at shutdown) and the media cache, each closed where it was
+built, and the media step that works with them (``step.MediaStep``), and stores the complete ``AppState``
+under ``state.STATE``; then the served model's watcher (``auto``), the decode pool's start (its workers
+started and ready, while the watcher looks), the upstream watcher, the event-loop lag watcher and the idle
+trimmer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -169,20 +171,21 @@ def model_in_force(settings: Settings) -> str:
 
 def make_pool(settings: Settings, metrics: Metrics, image_policy: ImagePolicy) -> DecodePool:
     """The decode pool MMGATE_DECODE_MODE names: threads, or threads that each drive a worker process; either
-    warms up with ``image_policy`` (the served model's geometry included) before the first request."""
+    warms up before the first request, threads with ``image_policy`` (the served model's geometry included:
+    its helpers load in this process), worker processes with the formats only (``MediaTask.known_targets``)."""
     if settings.decode.decode_mode == "process":
         return ProcessPool(settings.decode.decode_workers, max_jobs=settings.decode.worker_max_jobs,
                            max_rss_bytes=settings.decode.worker_max_rss_mb * MIB,
                            on_exit=lambda reason: metrics.decode_worker_exits.labels(reason).inc(),
                            environment=worker_environment(os.environ, memory_first=settings.memory.malloc_tuning),
-                           trim_idle=settings.memory.trim_idle, warm_policy=image_policy)
+                           trim_idle=settings.memory.trim_idle)
     return DecodePool(settings.decode.decode_workers, warm_policy=image_policy)
 
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:
-    """Build every resource the handlers need once the loop runs, store the complete ``AppState``, start the
-    decode pool, and close each resource at shutdown, in reverse order (the pool before the cache); a pool
-    that fails to start closes them all."""
+    """Build every resource the handlers need once the loop runs, store the complete ``AppState``, and close
+    each resource at shutdown, in reverse order (the pool before the cache); the pool is started by
+    ``_decode_pool_started``, and one that fails to start closes them all."""
     base = app[BASE]
     async with contextlib.AsyncExitStack() as resources:
         session = await resources.enter_async_context(_upstream_session(base.settings))
@@ -197,12 +200,18 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         metrics = state.metrics
         metrics.pool_queue_depth.set_function(lambda: state.pool.queued)
         metrics.pool_stuck_workers.set_function(lambda: state.pool.stuck)
-        # Every worker (a process in process mode) started and ready before the first request: the first
-        # media request is as fast as the next, and a worker that cannot start stops mmgate here (the state
-        # stays, so what the failed start left can be inspected; nothing is served).
-        await asyncio.to_thread(pool.start)
-        warm_up_request_path(state.media, state.plan_limits)
         yield
+
+
+async def _decode_pool_started(app: web.Application) -> AsyncIterator[None]:
+    """Every decode worker (a process in process mode) started and ready before the first request: the first
+    media request is as fast as the next, and a worker that cannot start stops mmgate here (the state stays,
+    so what the failed start left can be inspected; nothing is served). After ``_model_watcher``: under
+    ``auto`` the served model is looked for, and its processor loaded, while the workers start."""
+    state = app[STATE]
+    await asyncio.to_thread(state.pool.start)
+    warm_up_request_path(state.media, state.plan_limits)
+    yield
 
 
 def _media_step(base: AppBase, pool: DecodePool, cache: VerdictCache, fetcher: Fetcher | None) -> MediaStep:
@@ -268,8 +277,10 @@ def _media_cache(base: AppBase) -> VerdictCache:
 
 async def _warm_for(state: AppState, model: Model) -> None:
     """The model's geometry run once on a tiny image before it is put in force, as a model named at start-up is
-    when the pool starts: its processor's helpers load here, not on the first client's image (about a second)."""
-    await asyncio.to_thread(warm_up, replace(state.image_policy, geometry=model.geometry))
+    when the pool starts: its processor's helpers load here, not on the first client's image (about a second).
+    The formats are warm already; decode worker processes need none of it (``job.MediaTask.known_targets``)."""
+    policy = replace(state.image_policy, geometry=model.geometry)
+    await asyncio.to_thread(functools.partial(warm_up, policy, formats=False))
 
 
 def _put_in_force(state: AppState, found: ServedModel, settings_print: str) -> None:
@@ -345,7 +356,8 @@ def build_app(settings: Settings, *, admin: bool | None = None,
                           handler_args={"max_field_size": 65536, "auto_decompress": False},
                           middlewares=[mark_head_received(state.connections), _refusals(state)])
     app[BASE] = state
-    app.cleanup_ctx.extend([_resources, _model_watcher, _upstream_watcher, _loop_lag_watcher, _idle_trimmer])
+    app.cleanup_ctx.extend([_resources, _model_watcher, _decode_pool_started, _upstream_watcher, _loop_lag_watcher,
+                            _idle_trimmer])
     if admin if admin is not None else not settings.listen.admin_port:
         add_admin_routes(app)
     # What an endpoint picker scrapes: the backend's, with mmgate's queue.

@@ -59,7 +59,7 @@ from functools import partial
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.errors import BODY_TOO_LARGE, PREPROCESS_TIMEOUT, MediaError, MmgateError
-from preprocessors.job import MediaJob, MediaTask, Verdict, judge_head
+from preprocessors.job import MediaJob, MediaTask, Verdict, judge_head, with_planned_targets
 from preprocessors.pool import Batch, DecodePool
 from proxy.admission.client import GateClient, GateLease, GatePlace
 from proxy.admission.flows import Flow
@@ -200,8 +200,9 @@ class MediaStep:
         return _UrlItems(self.fetcher, urls) if urls else None
 
     def _job(self, item: MediaItem, body: BodyRef) -> MediaJob:
-        """The item as a job for either pool: its task, and its payload read on demand (``MediaItem.payload``)."""
-        return MediaJob(self.task(item), partial(item.payload, body))
+        """The item as a job for either pool: its task (with the served model's answers for its header,
+        ``job.with_planned_targets``), and its payload read on demand (``MediaItem.payload``)."""
+        return MediaJob(with_planned_targets(self.task(item), item.payload(body)), partial(item.payload, body))
 
     def _judge_heads(self, plan: Plan, inline: list[MediaItem], body: BodyRef,
                      verdicts: dict[bytes, Verdict]) -> list[MediaItem]:

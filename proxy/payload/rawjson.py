@@ -27,7 +27,6 @@ from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy
 import orjson
 
 from preprocessors.errors import INVALID_JSON, InvalidJson
@@ -385,8 +384,6 @@ def skeleton_steps(body: bytes, *, long_string: int = 64, max_structure: int | N
 # frames less the caller's; 3.12 and later count its C recursion apart, allowing thousands).
 MAX_NESTING = 1024
 _STRING_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_OPENERS = numpy.frombuffer(b"[{", numpy.uint8)
-_CLOSERS = numpy.frombuffer(b"]}", numpy.uint8)
 
 
 def _too_deep() -> InvalidJson:
@@ -395,9 +392,13 @@ def _too_deep() -> InvalidJson:
 
 
 def _nesting(data: bytes) -> int:
-    """The deepest nesting of objects and arrays in ``data``, brackets inside strings not counted."""
+    """The deepest nesting of objects and arrays in ``data``, brackets inside strings not counted. numpy is
+    imported here, on the rare fallback path, not with the module (about 0.1 s of every start)."""
+    import numpy
+
     brackets = numpy.frombuffer(_STRING_TOKEN.sub(b"", data), numpy.uint8)
-    steps = numpy.isin(brackets, _OPENERS).astype(numpy.int64) - numpy.isin(brackets, _CLOSERS)
+    openers, closers = numpy.frombuffer(b"[{", numpy.uint8), numpy.frombuffer(b"]}", numpy.uint8)
+    steps = numpy.isin(brackets, openers).astype(numpy.int64) - numpy.isin(brackets, closers)
     return int(numpy.cumsum(steps).max(initial=0))
 
 
