@@ -239,8 +239,30 @@ class ParameterSetReader:
         if self.codec == "av1":
             return list(self._obu_sizes(memoryview(packet)))
         if self.length_size:
-            return list(self._nal_sizes(_length_prefixed_units(memoryview(packet), self.length_size)))
+            return self._length_prefixed_sizes(memoryview(packet))
         return list(self._nal_sizes(_annex_b_units(bytes(packet))))
+
+    def _length_prefixed_sizes(self, data: memoryview) -> list[Size]:
+        """``_nal_sizes`` of a packet's NAL units, each after its ``length_size``-byte length, in one loop: it
+        runs on every packet of a clip, where layers of generators cost more than the walk."""
+        found: list[Size] = []
+        length_size, end, at = self.length_size, len(data), 0
+        h264 = self.codec == "h264"
+        while at < end:
+            if at + length_size > end:
+                raise UncheckableParameterSet("a packet's NAL unit length runs past its end")
+            size = int.from_bytes(data[at:at + length_size], "big")
+            at += length_size
+            if at + size > end:
+                raise UncheckableParameterSet("a packet's NAL unit runs past its end")
+            if size:
+                header = data[at]
+                if h264 and header & 0x1F in (_H264_SPS, _H264_SUBSET_SPS):
+                    found.append(h264_sps_size(data[at:at + size]))
+                elif not h264 and (header >> 1) & 0x3F == _HEVC_SPS:
+                    found.append(hevc_sps_size(data[at:at + size]))
+            at += size
+        return found
 
     def _nal_sizes(self, units: Iterator[memoryview | bytes]) -> Iterator[Size]:
         for unit in units:
@@ -281,19 +303,6 @@ def _leb128(data: memoryview, at: int) -> tuple[int, int]:
         if not byte & 0x80:
             return value, at
     raise UncheckableParameterSet("an AV1 OBU's size field is malformed")
-
-
-def _length_prefixed_units(data: memoryview, length_size: int) -> Iterator[memoryview]:
-    at = 0
-    while at < len(data):
-        if at + length_size > len(data):
-            raise UncheckableParameterSet("a packet's NAL unit length runs past its end")
-        size = int.from_bytes(data[at:at + length_size], "big")
-        at += length_size
-        if at + size > len(data):
-            raise UncheckableParameterSet("a packet's NAL unit runs past its end")
-        yield data[at:at + size]
-        at += size
 
 
 def _annex_b_units(data: bytes) -> Iterator[bytes]:

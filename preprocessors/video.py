@@ -268,8 +268,9 @@ def _seconds(container: Any, stream: Any) -> float:
 def _walk(av: Any, container: Any, stream: Any, policy: VideoPolicy, checkpoint: Checkpoint) -> tuple[int, float]:
     """Packets of ``stream`` (one frame each for the allowed codecs) and the end time of the last, stopping one
     past ``max_frames``; the frame size of every frame that states one is checked on the way."""
-    frames, end = 0, 0.0
+    frames, end_ticks = 0, None
     time_base = Fraction(stream.time_base) if stream.time_base else None
+    seconds_a_tick = float(time_base) if time_base is not None else 0.0  # for messages; the end is exact
     sizes = _sizes_reader(av, stream, policy)
     try:
         for packet in container.demux(stream):
@@ -278,15 +279,17 @@ def _walk(av: Any, container: Any, stream: Any, policy: VideoPolicy, checkpoint:
             frames += 1
             if frames > policy.max_frames:
                 break
-            start = 0.0
-            if time_base is not None and packet.pts is not None:
-                start = float(packet.pts * time_base)
-                end = max(end, float((packet.pts + (packet.duration or 0)) * time_base))
-            if sizes(packet, f" from {start:.1f} s") or frames % _CHECK_EVERY == 0:
+            pts = packet.pts
+            if pts is not None:
+                ends = pts + (packet.duration or 0)
+                end_ticks = ends if end_ticks is None or ends > end_ticks else end_ticks
+            if sizes(packet, f" from {(pts or 0) * seconds_a_tick:.1f} s") or frames % _CHECK_EVERY == 0:
                 checkpoint()
     except av.FFmpegError as error:
         raise VIDEO_INVALID.error(f"the video stream cannot be read: {_reason(error)}") from None
-    return frames, end
+    if time_base is None or end_ticks is None:
+        return frames, 0.0
+    return frames, max(0.0, float(end_ticks * time_base))
 
 
 def _sizes_reader(av: Any, stream: Any, policy: VideoPolicy) -> Callable[[Any, str], bool]:
@@ -327,6 +330,16 @@ def _sizes_reader(av: Any, stream: Any, policy: VideoPolicy) -> Callable[[Any, s
     return decoded_sizes
 
 
+def _has_new_extradata(packet: Any) -> bool:
+    """Whether the packet brings new extradata (FFmpeg's MP4 demuxer: a sample of another sample description).
+    ``iter_sidedata`` walks only what the packet has; ``has_sidedata`` (where PyAV has no ``iter_sidedata``)
+    checks its argument's name against a type on every call, a microsecond on each packet of a clip."""
+    sides = getattr(packet, "iter_sidedata", None)
+    if sides is None:
+        return bool(packet.has_sidedata("new_extradata"))
+    return any(side.data_type == "new_extradata" for side in sides())
+
+
 def _parameter_sets_checker(stream: Any, codec: str, policy: VideoPolicy) -> Callable[[Any, str], None]:
     """What checks the frame size of every parameter set a packet carries (``parameter_sets``), in its data or
     as new extradata (an MP4 with several sample descriptions); the stream's header is checked now."""
@@ -349,7 +362,7 @@ def _parameter_sets_checker(stream: Any, codec: str, policy: VideoPolicy) -> Cal
         check(lambda: reader.extradata_sizes(extradata), " in the container's header")
 
     def packet_sets(packet: Any, where: str) -> None:
-        if packet.has_sidedata("new_extradata"):
+        if _has_new_extradata(packet):
             new = bytes(packet.get_sidedata("new_extradata"))
             check(lambda: reader.extradata_sizes(new), where)
         check(lambda: reader.packet_sizes(memoryview(packet)), where)
