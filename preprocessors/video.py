@@ -346,9 +346,10 @@ def _parameter_sets_checker(stream: Any, codec: str, policy: VideoPolicy) -> Cal
     extradata = stream.codec_context.extradata
     reader = ParameterSetReader(codec, extradata)
 
-    def check(sizes: Callable[[], list[tuple[int, int]]], where: str) -> None:
+    def check(read: Callable[[bytes | memoryview], list[tuple[int, int]]], data: bytes | memoryview,
+              where: str) -> None:
         try:
-            found = sizes()
+            found = read(data)
         except UncheckableParameterSet as error:
             raise VIDEO_INVALID.error(f"the video's frame size cannot be checked{where}: {error}") from None
         for width, height in found:
@@ -359,11 +360,10 @@ def _parameter_sets_checker(stream: Any, codec: str, policy: VideoPolicy) -> Cal
                     "or not a key frame uses it: send a smaller clip")
 
     if extradata:
-        check(lambda: reader.extradata_sizes(extradata), " in the container's header")
+        check(reader.extradata_sizes, extradata, " in the container's header")
 
     def packet_sets(packet: Any, where: str) -> None:
         if _has_new_extradata(packet):
-            new = bytes(packet.get_sidedata("new_extradata"))
-            check(lambda: reader.extradata_sizes(new), where)
-        check(lambda: reader.packet_sizes(memoryview(packet)), where)
+            check(reader.extradata_sizes, bytes(packet.get_sidedata("new_extradata")), where)
+        check(reader.packet_sizes, memoryview(packet), where)
     return packet_sets
