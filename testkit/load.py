@@ -59,7 +59,8 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -
                     return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer within {timeout} s")
+    log = stop(proc)  # never left running behind the error: nobody else holds it
+    raise RuntimeError(f"{url} did not answer within {timeout} s: {log[-2000:]}")
 
 
 def _pin(cpus: set[int] | None) -> Callable[[], None] | None:

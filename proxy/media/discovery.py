@@ -497,8 +497,13 @@ class ModelWatcher:
 
 
 async def find_once(upstream: str, model_dirs: tuple[str, ...], overrides: str) -> ServedModel:
-    """What ``MMGATE_MODEL=auto`` would put in force now (``--print-config``): the upstream asked once."""
+    """What ``MMGATE_MODEL=auto`` would put in force now (``--print-config``): the upstream asked once. The
+    watcher's own log line is held back: the caller prints the answer, which would otherwise show twice."""
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         watcher = ModelWatcher(lambda: ask_upstream(session, upstream), model_dirs, overrides, lambda _found: None)
-        await watcher.look()
+        was, log.disabled = log.disabled, True
+        try:
+            await watcher.look()
+        finally:
+            log.disabled = was
         return watcher.current

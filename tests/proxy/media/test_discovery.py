@@ -396,6 +396,8 @@ async def test_print_config_names_the_setting_that_fixes_a_silent_upstream(place
     line = next(line for line in out.decode().splitlines() if line.startswith("# served model:"))
     assert "the generic rule" in line and "did not answer GET /v1/models" in line
     assert "fix: " + discovery.FIXES["upstream_silent"] in line
+    said = (out + err).decode()
+    assert said.count("did not answer GET /v1/models") == 1, said  # said once: not by the watcher's log too
 
 
 # ---------------------------------------------------------------------------------------------------------
