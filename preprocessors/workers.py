@@ -133,7 +133,8 @@ class ProcessPool(DecodePool):
         return returncode
 
     def _execute(self, batch: Batch, job: Job[T]) -> T:
-        assert isinstance(job, MediaJob), "a process pool runs MediaJob items only"
+        if not isinstance(job, MediaJob):  # a job of the thread pool's shape: its function cannot be sent
+            raise TypeError(f"a process pool runs MediaJob items only, not {type(job).__name__}")
         deaths: list[int | None] = []  # the exit statuses of the workers that ended on this item
         while True:
             worker = self._worker()

@@ -35,12 +35,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("command", nargs="?", choices=("serve", "demo"), default="serve",
                         help="serve (default) or demo: the proxy in front of the built-in stub backend")
-    parser.add_argument("--print-config", action="store_true", help="print the effective settings and exit")
-    add_arguments(parser)
+    flags = ["-h", "--help"]  # argparse's own
+    flags += parser.add_argument("--print-config", action="store_true",
+                                 help="print the effective settings and exit").option_strings
+    flags += add_arguments(parser)
     args = list(sys.argv[1:] if argv is None else argv)
-    if (unknown := unknown_flag(parser, args)) is not None:
+    if (unknown := unknown_flag(flags, args)) is not None:
         # Checked first: argparse would take the misspelt flag's value for the command and name that instead.
-        close = difflib.get_close_matches(unknown, list(parser._option_string_actions), n=1)
+        close = difflib.get_close_matches(unknown, flags, n=1)
         hint = f"did you mean {close[0]}?" if close else "mmgate --help lists every flag"
         parser.exit(2, f"mmgate: unknown flag {unknown} ({hint})\n")
     return parser.parse_args(args)
@@ -49,9 +51,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 _NUMBER = re.compile(r"-\d+(\.\d*)?|-\.\d+")
 
 
-def unknown_flag(parser: argparse.ArgumentParser, args: Sequence[str]) -> str | None:
-    """The first ``-flag`` in ``args`` that is neither one of the parser's options nor an abbreviation of one."""
-    known = list(parser._option_string_actions)
+def unknown_flag(known: Sequence[str], args: Sequence[str]) -> str | None:
+    """The first ``-flag`` in ``args`` that is neither one of the ``known`` flags nor an abbreviation of one."""
     for arg in args:
         if arg == "--":
             return None

@@ -55,14 +55,18 @@ def metavar(setting: Setting) -> str:
     return "{" + ",".join(setting.info.choices) + "}" if setting.info.choices else "V"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> list[str]:
     """One ``--kebab-name`` flag per setting, in one group per section; values stay raw strings so one parser
-    validates both sources (a choice is checked by its setting, with the same message as its variable)."""
+    validates both sources (a choice is checked by its setting, with the same message as its variable).
+    Returns the flags added."""
+    flags: list[str] = []
     for section in SECTIONS:
         group = parser.add_argument_group(section_title(section), summary(section))
         for setting in settings_of(section):
-            group.add_argument(flag_name(setting.name), dest=setting.name, default=None, metavar=metavar(setting),
-                               help=help_text(setting.name))
+            action = group.add_argument(flag_name(setting.name), dest=setting.name, default=None,
+                                        metavar=metavar(setting), help=help_text(setting.name))
+            flags += action.option_strings
+    return flags
 
 
 def _cell(text: str) -> str:

@@ -417,7 +417,7 @@ async def test_results_are_the_same_in_a_thread_and_in_a_process(
 
 
 async def test_a_job_in_a_process_pool_must_be_a_media_job(process_pool: ProcessPool) -> None:
-    with pytest.raises(AssertionError):
+    with pytest.raises(TypeError, match="MediaJob items only"):
         await process_pool.batch().run([lambda checkpoint: 1], 5)
 
 
