@@ -133,7 +133,7 @@ class ProcessPool(DecodePool):
         return returncode
 
     def _execute(self, batch: Batch, job: Job[T]) -> T:
-        if not isinstance(job, MediaJob):  # a job of the thread pool's shape: its function cannot be sent
+        if not isinstance(job, MediaJob):  # a bare function cannot be sent to a worker process
             raise TypeError(f"a process pool runs MediaJob items only, not {type(job).__name__}")
         deaths: list[int | None] = []  # the exit statuses of the workers that ended on this item
         while True:

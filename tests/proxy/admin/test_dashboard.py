@@ -235,6 +235,22 @@ def _value(testid: str) -> str:
     """JS expression: the raw number a tile shows."""
     return f'Number(document.querySelector(\'[data-testid="{testid}"]\').dataset.value)'
 
+async def _fill_the_gate(client: aiohttp.ClientSession, servers: Servers, page: Any) -> list[asyncio.Task[int]]:
+    """Two media requests held at the backend and two waiting at the gate, shown so on the page; the next two
+    are refused with 429. Returns the four held requests."""
+    def send_media() -> asyncio.Task[int]:
+        return asyncio.create_task(_post(client, servers.proxy_url, media=True, image=_image_data_uri()))
+
+    held = [send_media() for _ in range(2)]
+    for _ in range(2):
+        await servers.arrived.get()
+    held += [send_media() for _ in range(2)]
+    await page.wait_for_function(f"() => {_value('gate-in-use')} === 2 && {_value('gate-waiting')} === 2",
+                                 timeout=PAGE_TIMEOUT_MS)
+    assert await asyncio.gather(send_media(), send_media()) == [429, 429]
+    return held
+
+
 
 @pytest.mark.browser
 async def test_dashboard_in_chromium_follows_live_traffic(servers: Servers, page: Any, tmp_path: Path) -> None:
@@ -279,16 +295,7 @@ async def test_dashboard_in_chromium_follows_live_traffic(servers: Servers, page
         while not servers.arrived.empty():
             servers.arrived.get_nowait()
 
-        def send_media() -> asyncio.Task[int]:
-            return asyncio.create_task(_post(client, servers.proxy_url, media=True, image=_image_data_uri()))
-
-        held = [send_media() for _ in range(2)]
-        for _ in range(2):
-            await servers.arrived.get()
-        held += [send_media() for _ in range(2)]
-        await page.wait_for_function(f"() => {_value('gate-in-use')} === 2 && {_value('gate-waiting')} === 2",
-                                     timeout=PAGE_TIMEOUT_MS)
-        assert await asyncio.gather(send_media(), send_media()) == [429, 429]
+        held = await _fill_the_gate(client, servers, page)
         await page.wait_for_function(
             f"() => {_value('gate-in-use')} === 2 && {_value('gate-waiting')} === 2 && {_value('total-429')} === 2"
             f" && {_value('rate-429')} > 0",
@@ -533,16 +540,7 @@ async def test_dashboard_fits_1000_px_and_advises_beside_each_warning(servers: S
             timeout=PAGE_TIMEOUT_MS)
         servers.hold.clear()
 
-        def send_media() -> asyncio.Task[int]:
-            return asyncio.create_task(_post(client, servers.proxy_url, media=True, image=_image_data_uri()))
-
-        held = [send_media() for _ in range(2)]
-        for _ in range(2):
-            await servers.arrived.get()
-        held += [send_media() for _ in range(2)]
-        await page.wait_for_function(f"() => {_value('gate-in-use')} === 2 && {_value('gate-waiting')} === 2",
-                                     timeout=PAGE_TIMEOUT_MS)
-        assert await asyncio.gather(send_media(), send_media()) == [429, 429]
+        held = await _fill_the_gate(client, servers, page)
         # The cause the loop-lag tile warns of: the proxy's event loop (this test's) blocked, again and again,
         # until a poll shows its p99 red (bounded: a page that never turns red fails below).
         for _ in range(PAGE_TIMEOUT_MS // 300):
