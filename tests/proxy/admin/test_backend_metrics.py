@@ -439,7 +439,9 @@ async def test_serving_a_large_exposition_copies_none_of_it_whole(upstream: Upst
     ``runtime.memory``'s mmap threshold every copy of a few MB is a fresh memory mapping, and eight scrapers
     looping on a 4 MB exposition pushed health answers from 0.5 to 38 ms. Once the backend's scrape is kept,
     answering it allocates (Python's allocator, traced) well under the exposition's size, merged or passed
-    through; the client reads it in slices it drops. The body still arrives whole and in order."""
+    through: what the client's reading and the loop's transport buffer (about 1 MB on uvloop), not a copy of
+    the whole (each was at least the exposition's size). The client reads it in slices it drops. The body
+    still arrives whole and in order."""
     import hashlib
     import tracemalloc
 
@@ -471,4 +473,4 @@ async def test_serving_a_large_exposition_copies_none_of_it_whole(upstream: Upst
     assert again == first
     if merge_mode == "passthrough":
         assert first == (len(exposition), hashlib.sha256(exposition).hexdigest())
-    assert peak < len(exposition) / 4, f"{peak} bytes allocated to answer a {len(exposition)}-byte exposition"
+    assert peak < len(exposition) / 2, f"{peak} bytes allocated to answer a {len(exposition)}-byte exposition"
