@@ -63,12 +63,11 @@ _ANSWERS: ContextVar[_Table | None] = ContextVar("resize_targets", default=None)
 
 
 @contextmanager
-def known_targets(known: KnownTargets = ()) -> Iterator[_Table]:
-    """Within: ``resize_target`` answers from ``known`` first, and records what it works out into the table
-    yielded."""
+def known_targets(known: KnownTargets = ()) -> Iterator[None]:
+    """Within: ``resize_target`` answers from ``known`` first, and keeps what it works out for the next call."""
     token = _ANSWERS.set({(w, h, orientation): target for w, h, orientation, target in known})
     try:
-        yield _ANSWERS.get() or {}
+        yield
     finally:
         _ANSWERS.reset(token)
 

@@ -247,7 +247,6 @@ class ParameterSetReader:
         runs on every packet of a clip, where layers of generators cost more than the walk."""
         found: list[Size] = []
         length_size, end, at = self.length_size, len(data), 0
-        h264 = self.codec == "h264"
         while at < end:
             if at + length_size > end:
                 raise UncheckableParameterSet("a packet's NAL unit length runs past its end")
@@ -255,24 +254,25 @@ class ParameterSetReader:
             at += length_size
             if at + size > end:
                 raise UncheckableParameterSet("a packet's NAL unit runs past its end")
-            if size:
-                header = data[at]
-                if h264 and header & 0x1F in (_H264_SPS, _H264_SUBSET_SPS):
-                    found.append(h264_sps_size(data[at:at + size]))
-                elif not h264 and (header >> 1) & 0x3F == _HEVC_SPS:
-                    found.append(hevc_sps_size(data[at:at + size]))
+            if size and self._is_sps(data[at]):
+                found.append(self._sps_size(data[at:at + size]))
             at += size
         return found
 
     def _nal_sizes(self, units: Iterator[memoryview | bytes]) -> Iterator[Size]:
         for unit in units:
-            if not unit:
-                continue
-            if self.codec == "h264":
-                if unit[0] & 0x1F in (_H264_SPS, _H264_SUBSET_SPS):
-                    yield h264_sps_size(unit)
-            elif (unit[0] >> 1) & 0x3F == _HEVC_SPS:
-                yield hevc_sps_size(unit)
+            if unit and self._is_sps(unit[0]):
+                yield self._sps_size(unit)
+
+    def _is_sps(self, nal_header: int) -> bool:
+        """Whether a NAL unit whose first byte is ``nal_header`` is a sequence parameter set (H.264's subset SPS
+        included)."""
+        if self.codec == "h264":
+            return nal_header & 0x1F in (_H264_SPS, _H264_SUBSET_SPS)
+        return (nal_header >> 1) & 0x3F == _HEVC_SPS
+
+    def _sps_size(self, unit: memoryview | bytes) -> Size:
+        return h264_sps_size(unit) if self.codec == "h264" else hevc_sps_size(unit)
 
     @staticmethod
     def _obu_sizes(data: memoryview) -> Iterator[Size]:
