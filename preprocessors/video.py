@@ -57,6 +57,7 @@ from typing import Any, NoReturn
 
 from .base import Checkpoint, VideoPolicy
 from .errors import VIDEO_INVALID, VIDEO_TOO_LARGE, VIDEO_UNAVAILABLE
+from .mp4_tables import TableError, declared_tracks
 from .parameter_sets import ParameterSetReader, UncheckableParameterSet
 from .vpx import vp8_sizes, vp9_sizes
 
@@ -103,10 +104,8 @@ def pyav_available() -> bool:
 
 
 def import_pyav() -> Any:
-    """PyAV, and the MP4 table reader the probe runs first (it needs numpy, imported with it here: a decode
-    worker's warm-up, never a start without video)."""
+    """PyAV (a decode worker's warm-up, never a start without video)."""
     try:
-        importlib.import_module("preprocessors.mp4_tables")
         return importlib.import_module("av")
     except ImportError:
         raise VIDEO_UNAVAILABLE.error(
@@ -150,8 +149,6 @@ def _judge_tables(data: bytes, policy: VideoPolicy, checkpoint: Checkpoint) -> N
     """The sample counts an MP4's tables declare (``mp4_tables``), judged before FFmpeg builds an index entry
     for each: a video track's against the frame limit, another track's against what the duration limit allows
     a track of audio or metadata (``_SAMPLES_PER_SECOND`` packets a second, uncompressed audio by the sample)."""
-    from .mp4_tables import TableError, declared_tracks  # with numpy: loaded by ``import_pyav``
-
     try:
         tracks = declared_tracks(data, max(_MAX_BOXES, _BOXES_PER_FRAME * policy.max_frames), checkpoint)
     except TableError as error:

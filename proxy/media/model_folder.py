@@ -21,8 +21,6 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from proxy.media.families import FAMILIES, GENERIC
-from proxy.media.families.base import Found
 from proxy.media.model import PROCESSOR_FILES, Model, read_json
 from proxy.settings import ConfigError
 
@@ -44,6 +42,11 @@ def load_model(spec: str) -> Model:
     except ImportError:
         raise ConfigError("MMGATE_MODEL needs the model extra: pip install 'mmgate[model]' "
                           "(transformers is not installed)") from None
+    # The families load with the first model, as transformers does: a start without one (MMGATE_MODEL=none, or
+    # nothing found yet) does not pay their 20 ms.
+    from proxy.media.families import FAMILIES, GENERIC
+    from proxy.media.families.base import Found
+
     image_type = _image_processor_type(folder)
     model_type = _model_type(folder)
     generic = GENERIC.get(image_type) or _remote_code(folder, model_type or image_type)
