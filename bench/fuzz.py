@@ -1,6 +1,6 @@
 """The fuzzing properties of ``tests/proxy/test_app_fuzz.py`` with a large budget, to find what CI's small one misses.
 
-Same strategies and properties (``testkit/fuzzing.py``), run in rounds with fresh random seeds until each
+Same strategies and properties (``testkit/fuzzing/``), run in rounds with fresh random seeds until each
 property has run ``--examples`` inputs or its share of ``--minutes`` is spent. Unlike CI, a failure whose
 signature is already known (kept in ``tests/fuzz_corpus/`` or found earlier in this run) does not stop the
 search: it is counted and the round goes on, so the budget goes to finding *new* faults. A new fault is
@@ -33,17 +33,9 @@ import aiohttp
 from hypothesis import HealthCheck, given, seed, settings
 
 from bench import _results as R
-from testkit.fuzzing import (
-    PROPERTIES,
-    FaultLog,
-    Harness,
-    Tally,
-    corpus_files,
-    corpus_signatures,
-    keep_failures,
-    signature_of,
-    strategy_for,
-)
+from testkit.fuzzing.corpus import Tally, corpus_files, corpus_signatures, keep_failures, signature_of
+from testkit.fuzzing.faults import FaultLog, Harness
+from testkit.fuzzing.properties import PROPERTIES, strategy_for
 from testkit.servers import start_proxy_server, start_upstream
 
 RESULTS = Path(__file__).resolve().parent / "results"

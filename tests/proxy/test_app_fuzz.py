@@ -1,7 +1,7 @@
 """Fuzzing in CI: every request shape mmgate parses, thrown at the real proxy (and at its pure parts) with a
 small, fixed budget; the same properties run with a large budget in ``bench/fuzz.py``.
 
-Strategies and properties live in ``testkit/fuzzing.py`` (shared with the bench). Each HTTP test starts one
+Strategies and properties live in ``testkit/fuzzing/`` (shared with the bench). Each HTTP test starts one
 proxy in front of the scripted upstream (conftest fixtures) and reuses it for all its examples: the
 properties are about one request at a time, and a proxy per example would spend the budget on start-ups.
 
@@ -10,7 +10,7 @@ Reproducible, yet exploring (hypothesis settings below):
 - ``database=None``: no hidden state from earlier runs on this machine; what a run does depends only on the
   checkout. The memory of past failures is ``tests/fuzz_corpus/`` instead: reviewed, in git, replayed by
   ``test_corpus_replay`` on every run.
-- ``@seed`` from the commit (``testkit.fuzzing.ci_seed``): re-running a commit replays exactly its inputs, so
+- ``@seed`` from the commit (``testkit.fuzzing.corpus.ci_seed``): re-running a commit replays exactly its inputs, so
   a red CI run reproduces; each new commit draws new inputs, so CI keeps exploring over time. Not
   ``derandomize=True``: that would fix the inputs forever (derived from the test's source) and CI would
   never see anything new. ``MMGATE_FUZZ_SEED=<int>`` pins a seed, ``MMGATE_FUZZ_SEED=random`` lets
@@ -34,33 +34,23 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from testkit.fuzzing import (
-    PATHS_ENV,
-    PROPERTIES,
-    RESIZE_ENV,
+from testkit.fuzzing.corpus import ci_seed, corpus_files, keep_failures, replay_http
+from testkit.fuzzing.documents import HttpCase, http_cases
+from testkit.fuzzing.faults import FaultLog, Harness
+from testkit.fuzzing.http_media import RESIZE_ENV, check_http_media, check_http_resize
+from testkit.fuzzing.paths import PATHS_ENV, PathCase, check_http_paths, targets
+from testkit.fuzzing.properties import PROPERTIES
+from testkit.fuzzing.pure import (
     BytesCase,
-    FaultLog,
-    Harness,
-    HttpCase,
     JsonCase,
-    PathCase,
     base64_inputs,
-    check_http_media,
-    check_http_paths,
-    check_http_resize,
     check_pure_base64,
     check_pure_data_url,
     check_pure_skeleton,
     check_pure_splice,
-    ci_seed,
-    corpus_files,
     data_url_inputs,
-    http_cases,
     json_bodies,
-    keep_failures,
-    replay_http,
     splice_cases,
-    targets,
 )
 from tests.conftest import Proxy, StartProxy, Upstream
 

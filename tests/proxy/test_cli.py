@@ -33,8 +33,8 @@ TOOLING_VARIABLES: frozenset[str] = frozenset({
     "MMGATE_E2E_SETUP_TIMEOUT",
     "MMGATE_E2E_VLLM_START_TIMEOUT",
     "MMGATE_E2E_VLLM_URL",
-    "MMGATE_FUZZ_SAVE",  # testkit/fuzzing.py: save a failing example to the corpus
-    "MMGATE_FUZZ_SEED",  # testkit/fuzzing.py: the hypothesis seed
+    "MMGATE_FUZZ_SAVE",  # testkit/fuzzing/corpus.py: save a failing example to the corpus
+    "MMGATE_FUZZ_SEED",  # testkit/fuzzing/corpus.py: the hypothesis seed
     "MMGATE_REQUIRE_HEAVY",  # CI: a skipped heavy test fails instead
     "MMGATE_UPDATE_SCREENSHOT",  # tests/proxy/admin/test_dashboard.py: rewrite docs/dashboard.png
 })
