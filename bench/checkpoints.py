@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import tempfile
 import time
@@ -50,7 +49,7 @@ from bench import _results as R
 from preprocessors.geometry import resize_target
 from proxy.media.model_folder import load_model
 from testkit.load import run_load, start_mmgate, start_stub, stop
-from testkit.media import chat_body, detailed_photo
+from testkit.media import camera_jpeg, camera_photo, chat_body, detailed_photo
 from testkit.models import REAL_CHECKPOINTS
 
 SCRIPT = "checkpoints.py"
@@ -63,17 +62,10 @@ KEPT = 0.9  # the share of each side the model's size keeps, at least, for an im
 IMAGES: dict[str, tuple[str, tuple[int, int], Callable[[], Image.Image]]] = {
     "photo": ("3000×2000 photo", (3000, 2000), lambda: detailed_photo(
         3200, 2200, seed=5, slope=1.5, contrast=50).crop((37, 53, 3037, 2053))),
-    "camera": ("12 MP camera JPEG", (4000, 3000), lambda: detailed_photo(
-        4200, 3200, seed=1, slope=1.0, contrast=40, shared=0.4, optics=0.7).crop((37, 53, 4037, 3053))),
+    "camera": ("12 MP camera JPEG", (4000, 3000), camera_photo),
 }
 TARGETS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "photo": ("≥ 0.95", lambda v: v >= 0.95), "camera": ("≥ 1.0", lambda v: v >= 1.0)}
-
-
-def jpeg(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, "JPEG", quality=90, subsampling=2)  # as cameras write them
-    return out.getvalue()
 
 
 def kept_whole(folder: Path, size: tuple[int, int]) -> bool:
@@ -107,7 +99,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     images = [n for n in args.images.split(",") if n]
     data["settings"] = {"rounds": args.rounds, "clients": args.clients, "requests": args.requests,
                         "checkpoints": names, "output_tokens": OUTPUT_TOKENS}
-    bodies = {name: chat_body(jpeg(IMAGES[name][2]()), stream=True, max_tokens=OUTPUT_TOKENS) for name in images}
+    bodies = {name: chat_body(camera_jpeg(IMAGES[name][2]()), stream=True, max_tokens=OUTPUT_TOKENS) for name in images}
     data["image_bytes"] = {name: len(body) for name, body in bodies.items()}
     cells: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="mmgate-checkpoints-") as tmp:

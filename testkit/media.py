@@ -157,6 +157,19 @@ def detailed_photo(width: int, height: int, seed: int = 0, slope: float = 1.0, c
     return Image.fromarray(np.clip(pixels + 128, 0, 255).astype(np.uint8), "RGB")
 
 
+def camera_photo() -> Image.Image:
+    """The 12 MP camera picture of the model-mode benches: 4000x3000, detail at every scale behind a lens's blur."""
+    return detailed_photo(4200, 3200, seed=1, slope=1.0, contrast=40, shared=0.4, optics=0.7).crop(
+        (37, 53, 4037, 3053))
+
+
+def camera_jpeg(image: Image.Image) -> bytes:
+    """``image`` as cameras write it: JPEG quality 90, 4:2:0 chroma."""
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=90, subsampling=2)
+    return out.getvalue()
+
+
 def psnr(image: Image.Image, reference: Image.Image) -> float:
     """Peak signal-to-noise ratio in dB of ``image`` against ``reference`` (RGB, 8 bits; inf when equal)."""
     import numpy as np

@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""The default ``MMGATE_MAX_MM_CONCURRENCY`` against the other limits, where the limit matters most.
+
+Issue 40: the default limit follows the machine (the decode workers, never under 4: ``proxy.settings.cpus``),
+chosen by measurement. This bench is that measurement on the machine it runs on: mmgate's model mode in front of
+``demo.backend --profile frontend`` (one decode thread, processor CPU per megapixel, a short prefill: the backend
+whose frontend the model mode relieves, so the one where mmgate's own decode pool is the busy part), 12 MP camera
+JPEGs (``testkit.media.camera_photo``, q90 4:2:0) that Idefics3's own configuration
+(``testkit.models.REAL_CHECKPOINTS``) shrinks to its 1456 px edge, one streaming chat request each, 8 output
+tokens, from closed-loop clients (``testkit.load.run_load``).
+
+Cells: each limit of ``--limits`` (one mmgate each, ``--max-mm-concurrency`` that limit, the queue long enough
+that nobody is refused) × each client count of ``--clients``. Within a round the limits take turns, the order
+turning round by round; each mmgate lives for the whole run and is warmed with one request first. Per cell:
+req/s and the median latency (send → last byte); per round, each limit's req/s ÷ the best limit's (the limit of
+the highest median req/s at that client count). Goal: the default's req/s ≥ 0.95× the best limit's at every
+client count. Every figure is the median of
+``--rounds`` (≥ 3) with its spread.
+
+    python -m bench.default_limit [--limits 2,4,8,16] [--clients 8,32] [--requests 128] [--rounds 3] [--quick]
+
+Writes bench/results/default_limit.md/.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import _results as R
+from proxy.settings.cpus import usable_mm_concurrency
+from testkit.load import run_load, start_mmgate, start_stub, stop
+from testkit.media import camera_jpeg, camera_photo, chat_body
+from testkit.models import REAL_CHECKPOINTS
+
+SCRIPT = "default_limit.py"
+WHAT = "req/s of mmgate's model mode at each MMGATE_MAX_MM_CONCURRENCY, frontend-like stub, 12 MP camera JPEGs"
+CHECKPOINT = "Idefics3"
+OUTPUT_TOKENS = 8
+TARGET = 0.95  # the default's req/s ÷ the best limit's, at least
+
+
+def run_cell(url: str, body: bytes, clients: int, requests: int) -> dict[str, Any]:
+    run = asyncio.run(run_load(url, body, clients, requests_per_client=max(1, requests // clients)))
+    ok = run.ok()
+    return {"rps": len(ok) / (run.ended - run.started), "sent": len(run.results), "ok": len(ok),
+            "statuses": run.statuses(), "p50_s": statistics.median(r.latency for r in ok) if ok else None}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
+    limits = sorted({int(n) for n in args.limits.split(",") if n} | {usable_mm_concurrency()})
+    clients = [int(n) for n in args.clients.split(",") if n]
+    data["settings"] = {"rounds": args.rounds, "limits": limits, "clients": clients, "requests": args.requests,
+                        "default": usable_mm_concurrency(), "checkpoint": CHECKPOINT, "output_tokens": OUTPUT_TOKENS}
+    body = chat_body(camera_jpeg(camera_photo()), stream=True, max_tokens=OUTPUT_TOKENS)
+    data["body_bytes"] = len(body)
+    cells: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="mmgate-default-limit-") as tmp:
+        folder = REAL_CHECKPOINTS[CHECKPOINT](Path(tmp) / "model")
+        stub, stub_url = start_stub("--profile", "frontend", "--tokens", str(OUTPUT_TOKENS))
+        gates: dict[int, Any] = {}
+        try:
+            for limit in limits:
+                gates[limit] = start_mmgate(stub_url, "--model", str(folder), "--max-mm-concurrency", str(limit),
+                                            "--max-queue", "10000")
+                run_cell(gates[limit][1], body, 1, 1)  # warm-up, not measured
+            started = time.monotonic()
+            for round_ in range(args.rounds):
+                for n in clients:
+                    for limit in limits[round_ % len(limits):] + limits[: round_ % len(limits)]:
+                        cell = run_cell(gates[limit][1], body, n, max(args.requests, 2 * n))
+                        cells.append({"limit": limit, "clients": n, "round": round_, **cell})
+                        print(f"r={round_} {n:3} clients, limit {limit:3}: {cell['rps']:6.2f} req/s, p50 "
+                              f"{cell['p50_s'] or 0:.2f} s, {cell['statuses']}", flush=True)
+            data["measured_s"] = time.monotonic() - started
+        finally:
+            for proc, _ in gates.values():
+                stop(proc)
+            stop(stub)
+    data["cells"] = cells
+    return data
+
+
+def figure(data: dict[str, Any], limit: int, clients: int, key: str) -> dict[int, float]:
+    """Round → ``key`` of the cell (None-free: a cell with failed requests is left out)."""
+    return {c["round"]: c[key] for c in data["cells"]
+            if c["limit"] == limit and c["clients"] == clients and c["ok"] == c["sent"] and c[key] is not None}
+
+
+def best_limit(data: dict[str, Any], clients: int) -> int:
+    """The limit of the highest median req/s at ``clients`` clients."""
+    medians = {limit: R.summary(figure(data, limit, clients, "rps").values())["median"] or 0.0
+               for limit in data["settings"]["limits"]}
+    return max(medians, key=lambda limit: medians[limit])
+
+
+def of_best(data: dict[str, Any], limit: int, clients: int) -> list[float | None]:
+    """``limit``'s req/s ÷ the best limit's (``best_limit``: one limit for every round, not each round's own
+    maximum, which would favour whichever limit was luckiest that round), round by round."""
+    mine, best = figure(data, limit, clients, "rps"), figure(data, best_limit(data, clients), clients, "rps")
+    return [mine[r] / best[r] if r in mine and r in best else None for r in sorted({c["round"] for c in data["cells"]})]
+
+
+def goals(data: dict[str, Any]) -> list[R.Goal]:
+    s = data["settings"]
+    return [R.goal(f"default limit ({s['default']}), {n} clients: req/s ÷ the best limit's ({best_limit(data, n)})",
+                  of_best(data, s["default"], n), f"≥ {TARGET}", lambda v: v >= TARGET, unit="×")
+            for n in s["clients"]]
+
+
+def report(data: dict[str, Any]) -> str:
+    s = data["settings"]
+
+    def text(values: Any, unit: str = "") -> str:
+        m = R.summary(values)
+        return "–" if m["median"] is None else \
+            f"{R.number(m['median'])}{unit} ({R.number(m['spread'][0])}–{R.number(m['spread'][1])})"
+
+    lines = [
+        "# The default media concurrency limit against the others",
+        "",
+        f"`python -m bench.default_limit`: mmgate's model mode (`--model` {s['checkpoint']}'s own configuration) in "
+        "front of `demo.backend --profile frontend` (one decode thread, processor CPU per megapixel, a short "
+        f"prefill), 12 MP camera JPEGs ({data['body_bytes'] / 1e6:.2f} MB request bodies), {s['output_tokens']} "
+        f"output tokens, streaming; closed-loop clients (`testkit.load.run_load`), at least {s['requests']} requests "
+        f"a cell; {s['rounds']} rounds, the limits taking turns. The default on this machine: "
+        f"**{s['default']}** (the decode workers, never under 4). Median (min–max) of the rounds; ÷ best: the "
+        "limit's req/s over the best limit's (highest median) in the same round.",
+        "",
+        "| clients | limit | req/s | ÷ best | p50 latency s |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for n in s["clients"]:
+        for limit in s["limits"]:
+            mark = " (default)" if limit == s["default"] else ""
+            lines.append(f"| {n} | {limit}{mark} | {text(figure(data, limit, n, 'rps').values())} | "
+                         f"{text(of_best(data, limit, n))} | {text(figure(data, limit, n, 'p50_s').values())} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--limits", default="2,4,8,16", help="the default is always added")
+    ap.add_argument("--clients", default="8,32")
+    ap.add_argument("--requests", type=int, default=128, help="requests a cell, at least (2 a client at least)")
+    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
+    ap.add_argument("--quick", action="store_true", help="one round of 8 clients, 8 requests: proves the bench runs")
+    ap.add_argument("--render", action="store_true", help="rebuild the .md from the committed .json")
+    ap.add_argument("--out", default=None, help="results path without extension [bench/results/default_limit]")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.requests, args.clients, args.limits = 1, 8, "8", "2"
+    if args.render:
+        data = json.loads((R.RESULTS / "default_limit.json").read_text())
+    else:
+        data = measure(args)
+        data["goals"] = goals(data)
+    R.print_goals(data["goals"])
+    md = report(data)
+    print(md)
+    R.write("default_limit", data, md, out=Path(args.out) if args.out else None)
+
+
+if __name__ == "__main__":
+    main()
