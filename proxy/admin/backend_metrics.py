@@ -42,7 +42,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from preprocessors.errors import MmgateError
-from proxy.edge.upstream import local_shortage
+from proxy.edge.upstream import local_shortage, write_in_pieces
 from proxy.ops.backend_scrapes import Scrape, Scraped, ScrapeFailed
 from proxy.state import STATE, AppState
 
@@ -52,7 +52,6 @@ METRICS_PATH = "/metrics"
 FETCH_TIMEOUT = 5.0  # seconds for the backend's exposition: a scrape must not hang on a stuck backend
 MAX_EXPOSITION_BYTES = 16 << 20
 ACCEPT = "text/plain;version=0.0.4;q=1.0, application/openmetrics-text;version=1.0.0;q=0.5"
-WRITE_SLICE = 256 << 10  # bytes per write of an exposition (``send_exposition``)
 _NAME_END = re.compile(rb"[{ \t]")
 log = logging.getLogger("mmgate")
 
@@ -186,18 +185,15 @@ def merge(exposition: bytes, waiting: int, own: bytes) -> bytes | None:
 
 async def send_exposition(request: web.Request, status: int, content_type: str,
                           pieces: Sequence[memoryview | bytes]) -> web.StreamResponse:
-    """Answer an exposition written a slice at a time (``WRITE_SLICE``) from views of the pieces: no copy of the
-    whole is made (a copy of a few MB is a fresh memory mapping each time under ``runtime.memory``'s
-    threshold), and scrapers looping on ``/metrics`` take turns with every other answer on the loop."""
+    """Answer an exposition written a piece at a time from views of the pieces (``write_in_pieces``): no copy
+    of the whole is made, and scrapers looping on ``/metrics`` take turns with every other answer on the loop."""
     response = web.StreamResponse(status=status)
     response.headers["Content-Type"] = content_type
     response.content_length = sum(len(piece) for piece in pieces)
     await response.prepare(request)
     if request.method != "HEAD":
         for piece in pieces:
-            view = memoryview(piece)
-            for start in range(0, len(view), WRITE_SLICE):
-                await response.write(view[start:start + WRITE_SLICE])
+            await write_in_pieces(response.write, memoryview(piece))
     await response.write_eof()
     return response
 

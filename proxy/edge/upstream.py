@@ -22,7 +22,7 @@ import logging
 import os
 import random
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -68,6 +68,15 @@ LOCAL_RETRY_AFTER = 1
 log = logging.getLogger("mmgate")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+async def write_in_pieces(write: Callable[[memoryview], Awaitable[None]], view: memoryview) -> None:
+    """``view`` written ``WRITE_PIECE`` bytes at a time, each once the transport has sent the one before
+    (aiohttp drains after each write): the socket takes a piece straight from the buffer, the transport copies
+    at most a piece's remainder, never the whole rest of a big buffer (a copy into fresh pages under
+    ``runtime.memory``'s threshold), and the loop does one piece's work per turn."""
+    for low in range(0, len(view), WRITE_PIECE):
+        await write(view[low : low + WRITE_PIECE])
 
 
 def request_id_for(incoming: str | None) -> str:
@@ -150,12 +159,7 @@ class OneShotBody(Payload):
                         # write keeps that copy small.
                         await writer.write(view[:FIRST_WRITE])
                         view = view[FIRST_WRITE:]
-                    # In pieces, each written once the transport has sent the one before (aiohttp drains
-                    # after each): the socket takes a piece straight from the body, and the transport copies
-                    # at most a piece's remainder, never the whole rest of a big body (a copy into fresh
-                    # pages), and the loop does one piece's work per turn.
-                    for low in range(0, len(view), WRITE_PIECE):
-                        await writer.write(view[low : low + WRITE_PIECE])
+                    await write_in_pieces(writer.write, view)
                     del view
             del pieces
         finally:

@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from preprocessors.errors import MmgateError
+from proxy.edge.body import JOIN_STEP, ONE_COPY_MAX
 from proxy.payload.dialects import Route
 from proxy.payload.locate import Limits, locate, plan_media
 from proxy.payload.rawjson import run_steps, skeleton_steps, skeletonize
@@ -96,9 +97,9 @@ async def test_structure_under_the_bound_is_walked_as_before(upstream: Upstream,
 
 
 async def test_a_body_joined_in_steps_is_forwarded_byte_for_byte(upstream: Upstream, start_proxy: StartProxy) -> None:
-    """A media body bigger than one join step is copied into its buffer in steps: every byte arrives."""
+    """A media body bigger than one copy is copied into its buffer in steps: every byte arrives."""
     proxy = await start_proxy(upstream.url)
-    text = "an image of a cat, " * 400_000  # ~7.6 MB: two join steps and a half
+    text = "an image of a cat, " * ((ONE_COPY_MAX + JOIN_STEP * 5 // 2) // 19)  # two steps and a half past it
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [
         {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": TINY_PNG}}]}]})
     status, _ = await post(proxy.url + "/v1/chat/completions", body)
