@@ -26,7 +26,7 @@ turning round by round; each ratio is a checkpoint's req/s ÷ direct's in the sa
 median of ``--rounds`` (≥ 3) with its spread.
 
     python -m bench.checkpoints [--checkpoints Qwen2.5-VL,Qwen3-VL,Idefics3,Gemma 3] [--images photo,camera]
-                                [--clients 4] [--requests 64] [--rounds 3] [--quick] [--out PATH]
+                                [--clients 4] [--requests 160] [--rounds 3] [--quick] [--out PATH]
 
 Writes bench/results/checkpoints.md/.json.
 """
@@ -197,7 +197,7 @@ def main() -> None:
     ap.add_argument("--checkpoints", default=DEFAULT_CHECKPOINTS, help=f"of {', '.join(REAL_CHECKPOINTS)}")
     ap.add_argument("--images", default=",".join(IMAGES))
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=64, help="requests a cell (a multiple of --clients)")
+    ap.add_argument("--requests", type=int, default=160, help="requests a cell (a multiple of --clients)")
     ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
     ap.add_argument("--quick", action="store_true", help="one round of 8 requests a cell: proves the bench runs")
     ap.add_argument("--render", action="store_true", help="rebuild the .md from the committed .json")
