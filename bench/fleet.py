@@ -13,7 +13,7 @@ simulates (a request's service time is set by ``c``, the requests in the backend
 
 Each client sends its next media request when its answer comes, for ``--duration`` s per cell, with fixed
 limits and with ``auto`` (``MMGATE_MIN_MM_CONCURRENCY=1``, ``MMGATE_MAX_MM_CONCURRENCY_AUTO=64``, starting cold
-at 1 in every round). Throughput = answers completed within the cell's duration ÷ duration: ``auto`` pays for
+in every round, at its ``START``). Throughput = answers completed within the cell's duration ÷ duration: ``auto`` pays for
 its own convergence. Convergence (thrashing) = the first time from which the adaptive limit spends at least
 90 % of the rest of the cell within one of the best fixed limit of that round. Fixed limits use
 ``MMGATE_RELEASE_AT=complete`` like ``auto`` does, so both bound the backend. Answers carry
@@ -560,7 +560,7 @@ def render(data: dict[str, Any]) -> str:
     lines = ["# fleet: the adaptive limit on a thrashing and a batching backend, under attack, against a slow "
              "reader; fair waiting", "",
              f"`python -m bench.fleet --rounds {s['rounds']} --duration {s['duration']:g}`: closed-loop clients; "
-             "throughput in answers/s, median (min–max) of the rounds; `auto` starts cold at 1 every round."]
+             "throughput in answers/s, median (min–max) of the rounds; `auto` starts cold every round."]
     for model in MODELS:
         cells = rounds[0]["models"][model.name]["cells"]
         best = statistics.median(next(c["throughput"] for c in r["models"][model.name]["cells"]

@@ -30,12 +30,13 @@ were admitted under the last limit), a cruise and a probe down on all the backen
 
 What it borrows, and from whom:
 
-- TCP BBR (``net/ipv4/tcp_bbr.c``, ``net/ipv4/tcp_rate.c``): rate probing. From the floor the limit doubles each phase
-  while a doubling grows the rate by 60 %, then steps by what a doubling grew it (×1.5 at least: the knee is
-  near, and a backend that collapses past it is overshot by a little, not by double), while the rate still grows
-  (BBR's startup and its full-bandwidth test, three steps without growth; here a step that loses a tenth of the
-  best rate ends it at once). Past the knee it tries the middles between the best limit and its neighbours, and
-  settles on the smallest limit that gave 95 % of the best rate. Then it
+- TCP BBR (``net/ipv4/tcp_bbr.c``, ``net/ipv4/tcp_rate.c``): rate probing. From ``START`` (4: the smallest fixed
+  default; a climb from 1 spent seconds on two doublings) the limit doubles each phase while a doubling grows the
+  rate by 60 %, then steps by what a doubling grew it (×4/3 at least: the knee is near, and a backend that
+  collapses past it is overshot by a little, not by double), while the rate still grows (BBR's startup and its
+  full-bandwidth test, three steps without growth; here a step that loses a twentieth of the best rate ends it at
+  once). Past the knee it tries a middle between the best limit and its neighbours (the steps on the way were
+  measured), and settles on the smallest limit that gave 95 % of the best rate. Then it
   cycles through eight phases, one up (×1.25), one down, six cruising, from a random phase (``bbr_cycle_rand``)
   so that replicas do not probe in step. A probe up is kept if the rate grew 5 %, and the climb goes on; a probe
   down if the rate held 95 % of the best lately (so that steps down cannot add up). So a batching server, whose
@@ -106,12 +107,16 @@ Measured = Busy | AppLimited
 
 FULL_GROWTH = 1.25  # BBR bbr_full_bw_thresh: a doubling that adds less (a smaller step: by its log) is no growth ...
 FULL_COUNT = 3  # ... and this many of them end startup (BBR bbr_full_bw_cnt)
-NARROW_STEPS = 3  # startup: middles tried between the best limit and its neighbours at most ...
+# Startup: middles tried between the best limit and its neighbours at most, from a cold start (the steps to the
+# knee were measured on the way: one middle is worth its cost) and after giving way (three: where the knee moved
+# is not known) ...
+COLD_NARROW_STEPS, NARROW_STEPS = 1, 3
 BELOW = 0.75  # ... or this share of a best limit with none tried below it
-FALLEN = 0.9  # startup: a step whose rate is under this share of the best is past the knee
+FALLEN = 0.95  # startup: a step whose rate is under this share of the best is past the knee
 NEAR_BEST = 0.95  # startup settles on the smallest limit that gave this share of the best rate
 DOUBLING_GROWTH = 1.6  # startup doubles while a doubling grows the rate this much ...
-STARTUP_GAIN = 1.5  # ... else it steps by what a doubling grew it, at least this (less is lost in the noise)
+STARTUP_GAIN = 1.33  # ... else it steps by what a doubling grew it, at least this (a third: the knee is near)
+START = 4  # where a cold start begins: the smallest fixed default, so the climb from the floor is two steps shorter
 UP_GAIN, DOWN_GAIN = 1.25, 0.875  # BBR bbr_pacing_gain is 5/4 up, 3/4 down: see the module's docstring
 CYCLE: tuple[Kind, ...] = ("up", "down", *("cruise",) * 6)  # BBR: CYCLE_LEN 8, up, drain, six cruising
 CYCLE_RAND = 7  # BBR bbr_cycle_rand: the cycle starts at one of this many phases, never at the probe down
@@ -225,6 +230,7 @@ class AdaptiveLimit:
         self._lost: set[int] = set()  # startup: limits cut short, their rate plainly below the best
         self._narrowing = False  # startup: past the knee, narrowing it down
         self._narrowed = 0
+        self._narrow_steps = COLD_NARROW_STEPS
         self._no_growth = 0
         self._index = 0  # the phase's place in CYCLE
         self._ups = 0  # probes up in a row that raised the rate in proportion
@@ -233,7 +239,7 @@ class AdaptiveLimit:
         self._at_backend: list[float] = []  # when each request at the backend now was handed off (ascending)
         self._in_use = self._waiting = 0
         self.moves: deque[Move] = deque(maxlen=MOVES_KEPT)  # the last changes of the limit, and why
-        self._why = "the floor, before any sample"
+        self._why = "the start, before any sample"
         self._evidence: tuple[float, float | None, float | None, float | None] = (0.0, None, None, None)
         now = clock()
         self._last_at = now
@@ -566,7 +572,7 @@ class AdaptiveLimit:
         if self.cruise_limit == before:  # at the floor already: nothing below to search
             return self._next_in_cycle()
         self.mode, self._no_growth, self._last_step = "startup", 0, None
-        self._narrowing, self._narrowed, self._lost = True, 0, {before}
+        self._narrowing, self._narrowed, self._lost, self._narrow_steps = True, 0, {before}, NARROW_STEPS
         return "startup"
 
     def _rates(self) -> dict[int, float]:
@@ -579,7 +585,7 @@ class AdaptiveLimit:
         less tried below it. Then startup is over."""
         self._narrowing = True
         rates = self._rates()
-        if not rates or self._narrowed >= NARROW_STEPS:
+        if not rates or self._narrowed >= self._narrow_steps:
             return self._finish()
         best = max(rates, key=lambda limit: (rates[limit], -limit))
         tried = set(rates) | self._lost

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from preprocessors.job import Verdict
-from proxy.admission.adaptive import AdaptiveLimit
+from proxy.admission.adaptive import START, AdaptiveLimit
 from proxy.admission.flows import DEFAULT_FLOW, Flow
 from proxy.admission.gate import Gate, Lease, Place
 from proxy.admission.sample import Sample
@@ -123,9 +123,9 @@ class Fleet(Protocol):
 def configured_limit(settings: GateSettings) -> tuple[int, AdaptiveLimit | None]:
     """The limit the gate starts with, and with ``MMGATE_MAX_MM_CONCURRENCY=auto`` the controller that moves it."""
     if settings.adaptive_concurrency:
-        adaptive = AdaptiveLimit(settings.min_mm_concurrency, settings.max_mm_concurrency_auto)
+        adaptive = AdaptiveLimit(settings.min_mm_concurrency, settings.max_mm_concurrency_auto, initial=START)
         return adaptive.limit, adaptive
-    return settings.mm_concurrency_start, None
+    return settings.mm_concurrency_ceiling, None
 
 
 def gate_from_settings(settings: GateSettings, on_change: Callable[[GateCounters], None] = lambda counters: None,

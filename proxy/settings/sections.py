@@ -182,11 +182,6 @@ class GateSettings:
         return self.max_mm_concurrency_auto if self.max_mm_concurrency is AUTO else self.max_mm_concurrency
 
     @property
-    def mm_concurrency_start(self) -> int:
-        """The limit admission starts with: the fixed limit, or the adaptive limit's floor."""
-        return self.min_mm_concurrency if self.max_mm_concurrency is AUTO else self.max_mm_concurrency
-
-    @property
     def max_inflight_media_bytes(self) -> int:
         return self.max_inflight_media_mb * MIB
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.admission.adaptive import MIN_GRADIENT, AdaptiveLimit
+from proxy.admission.adaptive import MIN_GRADIENT, START, AdaptiveLimit
 from proxy.admission.gate import Gate
 from proxy.admission.lease import Lease
 from proxy.admission.sample import Sample, SampleClass
@@ -44,8 +44,10 @@ from tests.conftest import StartProxy, Upstream
 SETTLE, ATTACK, AFTER = 60.0, 3.0, 10.0
 
 
-def auto(seed: int = 0, floor: int = 1, ceiling: int = 64) -> Callable[[Callable[[], float]], AdaptiveLimit]:
-    return lambda clock: AdaptiveLimit(floor, ceiling, clock=clock, rng=random.Random(seed))
+def auto(seed: int = 0, floor: int = 1, ceiling: int = 64, initial: int = START
+         ) -> Callable[[Callable[[], float]], AdaptiveLimit]:
+    """As mmgate makes it (``GateClient``): a cold start at ``START``."""
+    return lambda clock: AdaptiveLimit(floor, ceiling, initial=initial, clock=clock, rng=random.Random(seed))
 
 
 def honest() -> Group:
@@ -190,14 +192,29 @@ def test_a_backend_slowing_down_is_given_way_and_taken_back(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_collapsed_limit_comes_back_within_10_s(seed: int) -> None:
-    """For 30 s the backend thrashes past one request: the limit sits at the floor. Then it has room for all 16
-    clients: five busy phases at the floor force a probe up, two that pay in proportion double again."""
+    """For 30 s the backend thrashes past one request: the limit sits at the floor (where it starts here: from
+    ``START`` it takes longer to come down, ``test_a_backend_whose_best_is_under_the_start_is_found``). Then it
+    has room for all 16 clients: five busy phases at the floor force a probe up, two that pay in proportion
+    double again."""
     curve = switched(thrashing(0.1, 1), flat(0.1), 30)
-    run = Simulation([Group("clients", 16, curve)], adaptive=auto(seed), seed=seed).run(45)
+    run = Simulation([Group("clients", 16, curve)], adaptive=auto(seed, initial=1), seed=seed).run(45)
     assert run.cruise_at(30) == 1
     back = next(t for t, limit in run.cruise if t >= 30 and abs(limit - 16) <= 1.6)
     assert back <= 40
     assert abs(run.cruise_at(45) - 16) <= 1.6
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_backend_whose_best_is_under_the_start_is_found(seed: int) -> None:
+    """A backend that thrashes past 2 requests: the cold start at 4 is too high, and the limit comes down to 2
+    by giving way. Measured: 2 by 15 s, from 20 s 0.91-0.92 of the best fixed limit's throughput (past one
+    request, the same backend costs more: 2 and 3 alternate for a minute, about 0.5; docs/fleet.md)."""
+    curve = thrashing(0.1, 2)
+    run = Simulation([Group("clients", 16, curve)], adaptive=auto(seed), seed=seed).run(60)
+    best = max(Simulation([Group("clients", 16, curve)], fixed=limit).run(60).rate("clients", 20, 60)
+               for limit in (1, 2, 3, 4))
+    assert run.cruise_at(15) == 2
+    assert run.rate("clients", 20, 60) / best >= 0.85
 
 
 # --- what it does not do -------------------------------------------------------------------------------------
@@ -334,13 +351,14 @@ async def test_auto_limit_is_exported_and_holds_the_slot_through_the_answer(upst
     body = chat_with_image(data_uri(image_bytes()))
     async with aiohttp.ClientSession() as session:
         async with session.get(proxy.url + "/mmgate/metrics") as response:
-            assert "mmgate_gate_limit 2.0" in await response.text()
-        posts = [asyncio.create_task(session.post(proxy.url + "/v1/chat/completions", json=body)) for _ in range(3)]
-        for _ in range(2):
+            assert f"mmgate_gate_limit {START}.0" in await response.text()  # where a cold start begins
+        posts = [asyncio.create_task(session.post(proxy.url + "/v1/chat/completions", json=body))
+                 for _ in range(START + 1)]
+        for _ in range(START):
             await upstream.arrived.get()
         # non-streaming, yet the slots stay held while the backend works: the latency it learns from
         counters = proxy.state.gate.counters
-        await eventually(lambda: (counters().in_use, counters().waiting) == (2, 1), "two held, one waiting")
+        await eventually(lambda: (counters().in_use, counters().waiting) == (START, 1), "all held, one waiting")
         upstream.release.set()
         for post in posts:
             async with await post as response:

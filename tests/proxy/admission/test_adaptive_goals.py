@@ -1,12 +1,12 @@
 """Issue 43's goals for MMGATE_MAX_MM_CONCURRENCY=auto, in the deterministic simulator (``testkit.adaptive_sim``:
 its clock is injected, so the throughput ratios asserted here are the same on every machine).
 
-Converge in seconds: 24 closed-loop clients, 15 s cells from a cold start (the floor, 1), against a batching
-backend given by its throughput, a thrashing one and a knee-shaped one; ``auto`` against the best fixed limit
-found by sweeping. Follow the backend: the same load while, 8 s into a 20 s cell, the backend becomes 2× slower,
-2× faster, or its best concurrency moves from 8 to 4; ``auto`` from 5 s after the step against the best fixed
-limit of the backend after it. Each goal is asserted on the median of 3 seeds; a floor is asserted on every seed.
-A goal not met yet is an expected failure (strict: meeting it fails the test until the mark goes), with the
+Converge in seconds: 24 closed-loop clients, 15 s cells from a cold start (at ``START``, as mmgate starts it),
+against a batching backend given by its throughput, a thrashing one and a knee-shaped one; ``auto`` against the best
+fixed limit found by sweeping. Follow the backend: the same load while, 8 s into a 20 s cell, the backend becomes 2×
+slower, 2× faster, or its best concurrency moves from 8 to 4; ``auto`` from 5 s after the step against the best
+fixed limit of the backend after it. Each goal is asserted on the median of 3 seeds; a floor is asserted on every
+seed. A goal not met yet is an expected failure (strict: meeting it fails the test until the mark goes), with the
 figures measured.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import orjson
 import pytest
 
-from proxy.admission.adaptive import UP_GAIN, AdaptiveLimit
+from proxy.admission.adaptive import START, TOLERANCE, UP_GAIN, AdaptiveLimit
 from proxy.admission.gate import Gate
 from proxy.admission.lease import Lease
 from proxy.admission.sample import Sample
@@ -57,7 +57,7 @@ STEPS: dict[str, tuple[Curve, Curve]] = {  # (the cell's backend, the backend af
 
 
 def auto(seed: int) -> Callable[[Callable[[], float]], AdaptiveLimit]:
-    return lambda clock: AdaptiveLimit(1, 64, clock=clock, rng=random.Random(seed))
+    return lambda clock: AdaptiveLimit(1, 64, initial=START, clock=clock, rng=random.Random(seed))
 
 
 def best_fixed(curve: Curve, duration: float) -> float:
@@ -89,8 +89,8 @@ def after_step(name: str) -> list[float]:
 
 @pytest.mark.parametrize("name", COLD_START)
 def test_from_a_cold_start_auto_is_near_the_best_fixed_limit_within_5_s(name: str) -> None:
-    """From 5 s to the end of the cell. Measured: batching 0.93 (0.91-0.94), thrashing 0.94 (0.83-0.97), knee 0.92
-    (0.84-0.96). Last round: 0.38, 0.59, 0.26 (startup doubled 8 to 16 and waited for 16 answers of 3 s there)."""
+    """From 5 s to the end of the cell. Measured: batching 1.02, thrashing 0.99, knee 1.00 (medians). Last round:
+    0.38, 0.59, 0.26 (startup doubled 8 to 16 and waited for 16 answers of 3 s there)."""
     _whole, settled = cold_start(name)
     assert statistics.median(settled) >= 0.9
     assert min(settled) >= 0.8
@@ -106,10 +106,11 @@ def test_once_found_the_limit_holds_within_one_step_of_its_probe(name: str, seed
     assert max(held) <= max(min(held) + 1, int(UP_GAIN * min(held)))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 43's goal, not met: measured batching 0.82 (0.80-0.82), thrashing 0.80 "
-                                       "(0.73-0.81), knee 0.85 (0.81-0.89); the climb from 1 costs most of the gap")
 @pytest.mark.parametrize("name", COLD_START)
 def test_from_a_cold_start_auto_over_the_whole_cell_is_09_of_the_best_fixed_limit(name: str) -> None:
+    """Measured: batching 0.93 (0.91-0.95), thrashing 0.91 (0.89-0.96), knee 0.94 (0.91-0.94). Before the start
+    at 4, a startup step of at least a third (not a half) and one middle tried past the knee: 0.82, 0.80, 0.85
+    (the climb from 1 and the search past the knee cost most of the gap)."""
     whole, _settled = cold_start(name)
     assert statistics.median(whole) >= 0.9
 
@@ -123,8 +124,8 @@ def test_from_a_cold_start_auto_over_the_whole_cell_is_far_above_last_round(name
 
 @pytest.mark.parametrize("name", STEPS)
 def test_a_capacity_step_is_followed_within_5_s(name: str) -> None:
-    """Measured: 2x slower 0.93 (0.91-0.99), 2x faster 0.96 (0.92-0.96), knee 8 to 4 0.95 (0.92-0.97), batching
-    best 8 to 4 0.98 (0.83-1.01). Last round: 0.32 (the limit gave way and stayed down), 0.94, 0.00 and 0.22 (the
+    """Measured: 2x slower 0.99 (0.91-1.03), 2x faster 0.97 (0.96-0.99), knee 8 to 4 0.97 (0.86-1.02), batching
+    best 8 to 4 1.01 (0.98-1.02). Last round: 0.32 (the limit gave way and stayed down), 0.94, 0.00 and 0.22 (the
     limit stayed past the new knee, and nothing completed)."""
     assert statistics.median(after_step(name)) >= 0.9
 
@@ -141,7 +142,7 @@ def test_a_backend_that_stops_answering_is_given_way_before_anything_completes()
     run = Simulation([Group("clients", 16, curve)], adaptive=auto(0), seed=0).run(14)
     assert run.cruise_at(10) == 16
     assert run.samples_between(10.2, 14) == 0
-    assert run.cruise_at(14) <= 8
+    assert run.cruise_at(14) <= 16 / TOLERANCE  # it gave way by the lateness it saw, without a single answer
 
 
 async def test_the_gate_ticks_the_limit_while_nothing_completes() -> None:

@@ -199,5 +199,5 @@ async def test_stats_show_the_controller_and_why_the_limit_last_moved(upstream: 
     controller = stats["gate"]["controller"]
     assert controller["samples"] == 3 and controller["limit"] == stats["gate"]["limit"]
     assert controller["mode"] in ("startup", "probe") and controller["phase"] in ("startup", "up", "down", "cruise")
-    assert controller["moves"][0]["why"] == "the floor, before any sample"
+    assert controller["moves"][0]["why"] == "the start, before any sample"
     assert all(move["why"] for move in controller["moves"])

@@ -21,6 +21,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from proxy.admission.adaptive import START
 from proxy.serve.demo import free_port
 from proxy.settings import Settings, auto_processes, usable_cpus
 from testkit.environment import mmgate_env
@@ -236,12 +237,12 @@ async def test_two_processes_do_not_admit_twice_the_gate(upstream: Upstream, sta
 async def test_answers_the_fronts_relay_move_the_supervisors_adaptive_limit(upstream: Upstream,
                                                                              start_mmgate: Any) -> None:
     """MMGATE_MAX_MM_CONCURRENCY=auto: each front's answered media requests cross the link as samples to the
-    supervisor's controller, which grows the limit from its floor while demand fills it."""
+    supervisor's controller, which grows the limit from where it starts while demand fills it."""
     mmgate = await start_mmgate(MMGATE_UPSTREAM=upstream.url, MMGATE_MAX_MM_CONCURRENCY="auto",
                                 MMGATE_MIN_MM_CONCURRENCY="1", MMGATE_MAX_MM_CONCURRENCY_AUTO="8",
                                 MMGATE_MAX_QUEUE="16")
     stats = await mmgate.stats()
-    assert stats["gate"]["adaptive"] is True and stats["gate"]["limit"] == 1
+    assert stats["gate"]["adaptive"] is True and stats["gate"]["limit"] == START
     grown = asyncio.Event()
 
     async def client_loop(seed: int) -> None:
@@ -253,7 +254,7 @@ async def test_answers_the_fronts_relay_move_the_supervisors_adaptive_limit(upst
             assert status == 200, body
 
     async def watch() -> None:
-        await mmgate.until("the limit grown from its floor", lambda stats: stats["gate"]["limit"] >= 2)
+        await mmgate.until("the limit grown from its start", lambda stats: stats["gate"]["limit"] > START)
         grown.set()
 
     await asyncio.gather(watch(), *(client_loop(seed) for seed in range(8)))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from proxy.admission.adaptive import START
+from proxy.admission.client import configured_limit
 from proxy.settings import AUTO, SPEC, ConfigError, Settings, setting_default, setting_value
 from proxy.settings.reference import help_text
 
@@ -32,13 +34,17 @@ def test_an_adaptive_limit_takes_the_leases_that_last_the_answer(release_at: str
     gate = Settings.from_env({"MMGATE_MAX_MM_CONCURRENCY": "auto", "MMGATE_RELEASE_AT": release_at}).gate
     assert gate.max_mm_concurrency is AUTO and gate.adaptive_concurrency and gate.release_at == release_at
     fixed = Settings.from_env({"MMGATE_MAX_MM_CONCURRENCY": "3", "MMGATE_RELEASE_AT": "headers"}).gate
-    assert not fixed.adaptive_concurrency and fixed.mm_concurrency_start == fixed.mm_concurrency_ceiling == 3
+    assert not fixed.adaptive_concurrency and configured_limit(fixed) == (3, None)
+    assert fixed.mm_concurrency_ceiling == 3
 
 
-def test_the_adaptive_limit_starts_at_its_floor_and_tops_out_at_its_ceiling() -> None:
-    gate = Settings.from_env({"MMGATE_MAX_MM_CONCURRENCY": "auto", "MMGATE_MIN_MM_CONCURRENCY": "2",
-                              "MMGATE_MAX_MM_CONCURRENCY_AUTO": "12"}).gate
-    assert (gate.mm_concurrency_start, gate.mm_concurrency_ceiling) == (2, 12)
+@pytest.mark.parametrize(("floor", "ceiling", "start"), [(2, 12, START), (6, 12, 6), (1, 3, 3)])
+def test_the_adaptive_limit_starts_at_its_start_within_its_floor_and_ceiling(floor: int, ceiling: int,
+                                                                              start: int) -> None:
+    gate = Settings.from_env({"MMGATE_MAX_MM_CONCURRENCY": "auto", "MMGATE_MIN_MM_CONCURRENCY": str(floor),
+                              "MMGATE_MAX_MM_CONCURRENCY_AUTO": str(ceiling)}).gate
+    limit, adaptive = configured_limit(gate)
+    assert adaptive is not None and limit == adaptive.limit == start and gate.mm_concurrency_ceiling == ceiling
 
 
 def test_the_client_write_timeout_is_read_in_seconds_with_0_off() -> None:
