@@ -27,6 +27,7 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
+from proxy.admission.adaptive import START
 from proxy.app import build_app
 from proxy.settings import Settings
 from proxy.state import STATE, AppState
@@ -457,7 +458,8 @@ async def test_dashboard_and_stats_name_the_model_in_force_or_why_none_is(
 
 @pytest.mark.browser
 async def test_dashboard_draws_the_adaptive_limit_as_it_moves(page: Any) -> None:
-    """MMGATE_MAX_MM_CONCURRENCY=auto: the page says auto, and its limit follows mmgate_gate_limit up."""
+    """MMGATE_MAX_MM_CONCURRENCY=auto: the page says auto, its limit follows mmgate_gate_limit up from where the
+    controller starts, and it shows the controller's phase and why the limit last moved, as /mmgate/stats does."""
     async with _servers(MMGATE_MAX_MM_CONCURRENCY="auto", MMGATE_MIN_MM_CONCURRENCY="1",
                         MMGATE_MAX_MM_CONCURRENCY_AUTO="8", MMGATE_MAX_QUEUE="16") as servers:
         await page.goto(servers.proxy_url + "/mmgate/dashboard")
@@ -465,22 +467,32 @@ async def test_dashboard_draws_the_adaptive_limit_as_it_moves(page: Any) -> None
                                      timeout=PAGE_TIMEOUT_MS)
         assert await page.text_content('[data-testid="gate-limit-mode"]') == "auto"
         assert await page.text_content('[data-testid="limit-max_mm_concurrency"]') == "auto"
-        assert await page.text_content('[data-testid="gate-limit"]') == "1"
+        assert await page.text_content('[data-testid="gate-limit"]') == str(START)
+        assert "the start, before any sample" in await page.text_content('[data-testid="gate-controller"]')
         sent = 0
 
         async def client_loop(client: aiohttp.ClientSession) -> None:
             nonlocal sent
-            while servers.state.gate.counters().limit < 2 and sent < 2000:
+            while servers.state.gate.counters().limit <= START and sent < 2000:
                 sent += 1
                 assert await _post(client, servers.proxy_url, media=True) == 200
 
         async with aiohttp.ClientSession() as client:
             # Quick answers at a steady latency from more client loops than the limit, so demand keeps it
-            # full (a limit that demand leaves unfilled does not grow): it doubles from its floor.
+            # full (a limit that demand leaves unfilled does not grow): it doubles from its start.
             await asyncio.gather(*(client_loop(client) for _ in range(8)))
         grown = servers.state.gate.counters().limit
-        assert grown >= 2
-        await page.wait_for_function(f"() => {_value('gate-limit')} >= 2", timeout=PAGE_TIMEOUT_MS)
+        assert grown > START
+        await page.wait_for_function(f"() => {_value('gate-limit')} > {START}", timeout=PAGE_TIMEOUT_MS)
+        # no traffic now: the controller holds still, and the page catches up with its last move
+        controller = servers.state.gate.controller()
+        assert controller is not None and isinstance(controller["moves"], list)
+        last = controller["moves"][-1]
+        moved = f"{last['before']} → {last['limit']}"
+        await page.wait_for_function(f"() => document.querySelector('[data-testid=\"gate-controller-move\"]')"
+                                     f".textContent === {moved!r}", timeout=PAGE_TIMEOUT_MS)
+        shown = await page.text_content('[data-testid="gate-controller"]')
+        assert last["why"] in shown and "samples" in shown
         assert await page.evaluate("window.mmgateDashboard.failures") == 0
 
 
