@@ -13,9 +13,9 @@ simulates (a request's service time is set by ``c``, the requests in the backend
 
 Each client sends its next media request when its answer comes, for ``--duration`` s per cell, with fixed
 limits and with ``auto`` (``MMGATE_MIN_MM_CONCURRENCY=1``, ``MMGATE_MAX_MM_CONCURRENCY_AUTO=64``, starting cold
-in every round, at its ``START``). Throughput = answers completed within the cell's duration ÷ duration: ``auto`` pays for
-its own convergence. Convergence (thrashing) = the first time from which the adaptive limit spends at least
-90 % of the rest of the cell within one of the best fixed limit of that round. Fixed limits use
+in every round, at its ``START``). Throughput = answers completed within the cell's duration ÷ duration:
+``auto`` pays for its own convergence. Convergence (thrashing) = the first time from which the adaptive limit
+spends at least 90 % of the rest of the cell within one of the best fixed limit of that round. Fixed limits use
 ``MMGATE_RELEASE_AT=complete`` like ``auto`` does, so both bound the backend. Answers carry
 ``completion_tokens`` in ``usage`` (16), as a model server's do.
 

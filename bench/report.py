@@ -75,8 +75,8 @@ flow's wait behind a burst, fair against FIFO;
 `vllm bench serve`. `python -m bench.checkpoints` measures the model mode with real checkpoints' own processor
 configurations against the stub (req/s ÷ direct, the bytes forwarded per image ÷ the client's),
 `python -m bench.default_limit` the default `MMGATE_MAX_MM_CONCURRENCY` against the other limits where mmgate's
-decode pool is the busy part, and `python -m bench.startup` mmgate's seconds to ready and RSS with and without a model, beside a commit from
-before `MMGATE_MODEL=auto`."""
+decode pool is the busy part, and `python -m bench.startup` mmgate's seconds to ready and RSS with and without a
+model, beside a commit from before `MMGATE_MODEL=auto`."""
 
 
 def cell(text: str) -> str:
