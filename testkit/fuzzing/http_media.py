@@ -112,17 +112,24 @@ def token_diff(sent: bytes, forwarded: bytes) -> list[tuple[int, bytes, bytes]] 
     return changed
 
 
-async def check_http_media(h: Harness, case: HttpCase) -> None:
-    """No resize configured: never a 5xx or traceback, errors in the API's shape, a clean request accepted
-    and forwarded byte for byte, any forwarded body identical except inside media string tokens."""
+async def _changed_on_its_way(h: Harness, case: HttpCase) -> bytes | None:
+    """Send ``case`` and check its answer (a clean request is never refused); the body the upstream got when
+    the request was forwarded with changes, None when it was refused or forwarded as sent."""
     status, answer, content_type = await _post(h, case)
     _answer_checks(h, case, status, answer, content_type)
     if case.clean and status != 200:
         raise fail(f"refused-clean:{status}", f"{case.route} refused a valid request: {answer[:300]!r}")
     if status >= 400:
-        return
-    forwarded = h.upstream.seen[0].body
-    if forwarded == case.body:
+        return None
+    forwarded: bytes = h.upstream.seen[0].body
+    return None if forwarded == case.body else forwarded
+
+
+async def check_http_media(h: Harness, case: HttpCase) -> None:
+    """No resize configured: never a 5xx or traceback, errors in the API's shape, a clean request accepted
+    and forwarded byte for byte, any forwarded body identical except inside media string tokens."""
+    forwarded = await _changed_on_its_way(h, case)
+    if forwarded is None:
         return
     if case.clean:
         raise fail("rewrote-clean", f"{case.route}: a valid request without resize was changed on its way")
@@ -204,14 +211,8 @@ async def check_http_resize(h: Harness, case: HttpCase) -> None:
     document sent with only media strings changed, each change a decodable image within the limit whose
     declared type (data URI header or Anthropic ``media_type``) is its real format, and an image that
     already fits is never rewritten."""
-    status, answer, content_type = await _post(h, case)
-    _answer_checks(h, case, status, answer, content_type)
-    if case.clean and status != 200:
-        raise fail(f"refused-clean:{status}", f"{case.route} refused a valid request: {answer[:300]!r}")
-    if status >= 400:
-        return
-    forwarded = h.upstream.seen[0].body
-    if forwarded == case.body:
+    forwarded = await _changed_on_its_way(h, case)
+    if forwarded is None:
         return
     docs, error = attempt(lambda: (_loads_deep(case.body), _loads_deep(forwarded)))
     if docs is None:
