@@ -77,9 +77,9 @@ async def read_body(request: web.Request, limit: int, timeout: float,
     return chunks
 
 
-# Bytes ``joined`` copies in one ``b"".join``: about 5 ms of the loop on a shared core, and one exact-size copy
-# costs a third of growing a buffer (a 6 MB body: 2.1 ms against 6.4 ms, each growth of a buffer this big a fresh
-# mapping under ``runtime.memory``'s threshold).
+# Bytes ``joined`` copies in one ``b"".join``, holding the loop for the whole copy: one exact-size copy costs a
+# third of growing a buffer (a 6 MB body: 2.1 ms against 6.4 ms, each growth of a buffer this big a fresh mapping
+# under ``runtime.memory``'s threshold); bench/loop_stall.py measures what the hold costs other requests.
 ONE_COPY_MAX = 16 << 20
 JOIN_STEP = 4 << 20  # bytes appended between two turns of the event loop, for a body over ONE_COPY_MAX
 
