@@ -53,8 +53,8 @@ class Exchange:
     image_tokens: int = 0  # with MMGATE_MODEL: the request's image tokens for the served model
     video_tokens: int = 0  # with MMGATE_MODEL and a family with video tokens: its clips', once probed
     upstream_started: float = 0.0
-    # With the adaptive limit: the answer waited on the client, which stopped reading (its lease went back then,
-    # and its time measures the client too: it is no sample).
+    # With the adaptive limit: the answer waited on the client, which stopped reading (its time measures the
+    # client too: it is no sample).
     client_stalled: bool = False
 
     @property

@@ -140,7 +140,9 @@ async def _serve(request: web.Request, state: AppState, exchange: Exchange) -> w
 
     exchange.upstream_started = time.perf_counter()
     adaptive = lease is not None and settings.gate.adaptive_concurrency
-    stalls = _watch_stalls(state, request, exchange) if adaptive else None
+    client = state.connections.connection_for(request.protocol) if lease is not None else None
+    if adaptive and client is not None:
+        client.on_stall = partial(_client_stalled, exchange)
     try:
         upstream = await open_upstream(state.session, request, settings.backend.upstream + target.forwarded,
                                        outgoing if exchange.bytes_in else None, exchange.request_id,
@@ -152,39 +154,46 @@ async def _serve(request: web.Request, state: AppState, exchange: Exchange) -> w
                 lease.release()
             exchange.response = await relay_head(request, upstream,
                                                  exchange.response_headers(settings.logs.server_timing))
-            output_tokens = await relay_body(upstream, exchange.response)  # which ends the upstream's answer too
+            # A lease that lasts to the end of the answer ends when the backend is done with it, which a client
+            # that stopped reading must not put off: the relay reads ahead for it (``relay_body``).
+            to_the_end = lease is not None and release_at == "complete"
+            await relay_body(  # which ends the upstream's answer too
+                upstream, exchange.response,
+                client_waits=client.waits_on_client if to_the_end and client is not None else None,
+                upstream_done=partial(_backend_done, state, exchange, upstream.status, is_stream)
+                if to_the_end else None)
         except BaseException:
             close_upstream(upstream)
             raise
-        if lease is not None and settings.gate.adaptive_concurrency and 200 <= upstream.status < 300:
-            _completed(state, exchange, lease, is_stream, output_tokens)
         return exchange.response
     finally:
-        if stalls is not None:
-            stalls.on_stall = None
+        if adaptive and client is not None:
+            client.on_stall = None
         exchange.watch.add("upstream", time.perf_counter() - exchange.upstream_started)
 
 
-def _watch_stalls(state: AppState, request: web.Request, exchange: Exchange) -> GuardedConnection | None:
-    """With the adaptive limit: the client's connection, told to call ``_client_stalled`` the first time the
-    answer waits on the client (``GuardedConnection.on_stall``)."""
-    conn = state.connections.connection_for(request.protocol)
-    if conn is not None:
-        conn.on_stall = partial(_client_stalled, exchange)
-    return conn
-
-
 def _client_stalled(exchange: Exchange) -> None:
-    """The answer waits on the client, which stopped reading: its lease goes back now (what the backend does
-    is no longer what holds it), and the exchange will be no sample: its time measures the client too."""
+    """With the adaptive limit, the answer waits on the client, which stopped reading: the exchange will be
+    no sample, since its time would measure the client too. Its lease stays: the backend still holds the
+    request until the relay, reading ahead, sees its answer end (``_backend_done``)."""
     exchange.client_stalled = True
-    if exchange.lease is not None:
-        exchange.lease.release()
+
+
+def _backend_done(state: AppState, exchange: Exchange, status: int, is_stream: bool,
+                  output_tokens: int | None) -> None:
+    """The backend has sent the whole answer of a request whose lease lasts to the end: the adaptive limit
+    learns from it, and the lease goes back, whether or not the client has read it all yet."""
+    lease = exchange.lease
+    if lease is None:
+        return
+    if state.settings.gate.adaptive_concurrency and 200 <= status < 300:
+        _completed(state, exchange, lease, is_stream, output_tokens)
+    lease.release()
 
 
 def _completed(state: AppState, exchange: Exchange, lease: GateLease, is_stream: bool,
                output_tokens: int | None) -> None:
-    """A media request the backend answered 2xx, relayed to its last byte: its sample teaches the adaptive limit
+    """A media request the backend answered 2xx, read to its last byte: its sample teaches the adaptive limit
     (``admission.sample``), unless the client stalled. Every other ending (the client gone, a refusal, an
     error, a deadline) never gets here, and teaches it nothing."""
     if exchange.client_stalled:

@@ -11,8 +11,9 @@ simulation's. Each request's outcome is its group's:
 - ``ok``: answered after its service time, a sample;
 - ``refused``: the backend answers at once with an error: no sample;
 - ``abort``: the client gives up after ``after`` s (the backend stops too): no sample;
-- ``stall``: the client stops reading after ``after`` s: the slot goes back then (mmgate's stall hook), the
-  backend finishes its work, and the client comes back after ``stall_for`` s (the write deadline).
+- ``stall``: the client stops reading after ``after`` s: no sample; the backend finishes its work all the same
+  (mmgate reads its answer ahead), and the slot goes back then; the client comes back ``stall_for`` s after its
+  stall (the write deadline).
 
 Service times carry a seeded jitter (±``jitter``), so clients do not finish in lockstep and a run is still the
 same run every time. With ``fixed=N`` the same loads run behind a fixed limit of N: the yardstick.
@@ -228,15 +229,11 @@ class Simulation:
         if group.outcome == "abort" and group.after < service:
             self._at(self.now + group.after, lambda: self._end(request, started, backend=True, sampled=False))
         elif group.outcome == "stall" and group.after < service:
-            self._at(self.now + group.after, lambda: self._end(request, started, backend=False, sampled=False,
-                                                              back_in=group.stall_for))
-            self._at(self.now + service, self._backend_done)
+            self._at(self.now + service, lambda: self._end(request, started, backend=True, sampled=False,
+                                                           back_in=group.after + group.stall_for - service))
         else:
             self._at(self.now + service, lambda: self._end(request, started, backend=True,
                                                            sampled=group.outcome == "ok"))
-
-    def _backend_done(self) -> None:
-        self.in_backend -= 1
 
     def _end(self, request: _Request, started: float, backend: bool, sampled: bool, back_in: float = 0.0) -> None:
         if backend:
@@ -252,7 +249,7 @@ class Simulation:
             self.adaptive.ended(request.phase, request.started_at)
         self._load()
         self._wake()
-        self._at(self.now + back_in, lambda: self._send(group))
+        self._at(self.now + max(0.0, back_in), lambda: self._send(group))
 
     def _wake(self) -> None:
         while self._line and self.in_use < self.limit:

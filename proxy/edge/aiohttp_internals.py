@@ -10,7 +10,10 @@ is checked in one module:
 * ``RequestHandler._reading_paused`` and ``_buffer_paused``: aiohttp paused the transport's reading for its
   body buffer or its queue of pipelined requests (``_buffer_paused`` is in 3.14.5, not in 3.14.3);
 * ``aiohttp.web.BaseSite._server``: the listening ``asyncio.Server`` a site closes when it stops
-  (``aiohttp.web.TCPSite.start`` sets it the same way).
+  (``aiohttp.web.TCPSite.start`` sets it the same way);
+* ``StreamResponse._payload_writer``: the response's ``StreamWriter``, whose ``write(..., drain=False)`` and
+  ``drain()`` (public on the writer) add to the transport's buffer without waiting for the client to read it
+  down, and wait for it apart; ``StreamResponse.write`` waits every 64 KiB, even on the write that fills it.
 
 Checked against aiohttp ``CHECKED_FROM`` up to, not including, ``CHECKED_BELOW`` (the source of 3.14.5,
 with this suite passing); ``pyproject.toml`` bounds the dependency to that range, and
@@ -23,6 +26,7 @@ import asyncio
 from typing import cast
 
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 from aiohttp.web_protocol import RequestHandler
 
 CHECKED_FROM = "3.14.5"
@@ -49,3 +53,21 @@ def listening_server(site: web.BaseSite) -> asyncio.Server | None:
 def set_listening_server(site: web.BaseSite, server: asyncio.Server) -> None:
     """Hand the site a listening server it started itself: aiohttp closes it when the site stops."""
     site._server = server
+
+
+async def write_without_waiting(response: web.StreamResponse, chunk: bytes) -> None:
+    """Add ``chunk`` to the answer without waiting for the client to read what is buffered: the transport
+    keeps it until the client reads (the caller bounds how much it adds this way, with ``client_read_down``)."""
+    await _writer(response).write(chunk, drain=False)
+
+
+async def client_read_down(response: web.StreamResponse) -> None:
+    """Wait until the client has read the answer's buffer down (at once if it is not over the high-water mark)."""
+    await _writer(response).drain()
+
+
+def _writer(response: web.StreamResponse) -> StreamWriter:
+    writer = response._payload_writer
+    if not isinstance(writer, StreamWriter):  # pragma: no cover - a response the relay has not prepared
+        raise RuntimeError("the response is not prepared, or already ended")
+    return writer

@@ -103,6 +103,11 @@ class ConnectionGuard:
         return sum(conn.idle_handler() is not None for conn in self._idle)
 
     @property
+    def waiting_on_clients(self) -> int:
+        """Connections whose answer waits on a client that is not reading it (``GuardedConnection.waits_on_client``)."""
+        return sum(conn.waits_on_client() for conn in self._by_handler.values())
+
+    @property
     def over_the_cap(self) -> int:
         """Connections beyond MMGATE_MAX_CONNECTIONS: read for their request line, or served a probe."""
         return len(self._sniffing) + self._probes
@@ -170,6 +175,7 @@ class GuardedConnection(asyncio.Protocol):
             self._transport, self._request, guard.on_write_timeout))
         # Called once, the first time the client's answer waits over the high-water mark (then cleared).
         self.on_stall: Callable[[], None] | None = None
+        self._paused_writing = False  # the answer waits over the high-water mark: the client is not reading
         self._awaiting_head = True  # no request in the handler's hands: the next bytes are a head
         self._request: web.BaseRequest | None = None  # the request in the handler's hands, or its body draining
         self._answered = False  # the handler is done with that request
@@ -241,6 +247,7 @@ class GuardedConnection(asyncio.Protocol):
         return None
 
     def pause_writing(self) -> None:
+        self._paused_writing = True
         if self._handler is not None:
             self._handler.pause_writing()
             self._write_deadline.start()
@@ -249,6 +256,7 @@ class GuardedConnection(asyncio.Protocol):
                 on_stall()
 
     def resume_writing(self) -> None:
+        self._paused_writing = False
         self._write_deadline.stop()
         if self._handler is not None:
             self._handler.resume_writing()
@@ -263,6 +271,11 @@ class GuardedConnection(asyncio.Protocol):
         self._guard._closed(self, handler)
         if handler is not None:
             handler.connection_lost(exc)
+
+    def waits_on_client(self) -> bool:
+        """Whether the answer waits on the client: more of it is buffered than the client reads (over the
+        transport's high-water mark, not yet read down to its low-water mark)."""
+        return self._paused_writing
 
     # --- pacing: a valve of proxy/edge/pacing.py ---
 

@@ -37,6 +37,7 @@ from preprocessors.errors import (
     UPSTREAM_TIMEOUT,
     MmgateError,
 )
+from proxy.edge.aiohttp_internals import client_read_down, write_without_waiting
 from proxy.edge.buffers import MediaBuffer
 from proxy.edge.upstream_health import upstream_down
 
@@ -57,6 +58,10 @@ _NOT_RETURNED = frozenset({"content-length"})
 FIRST_WRITE = 16 << 10  # bytes of a request body sent together with the request head
 WRITE_PIECE = 256 << 10  # bytes of a request body written upstream at a time
 SMALL_ANSWER = 64 << 10  # bytes: answers up to this size with a Content-Length are sent in one write
+# Bytes of one answer read on from the upstream while its client is not reading, kept in the client's transport
+# buffer (``relay_body``): a streamed chat answer of a few thousand tokens, so that the backend finishes it and
+# the gate stops counting it. The gate's limit bounds how many answers are read ahead at once.
+READ_AHEAD = 1 << 20
 
 # A connect that fails with one of these failed for want of mmgate's own resources (descriptors, local ports,
 # socket buffers), not because of the upstream: it is answered and logged as mmgate's, and never marks the
@@ -339,22 +344,40 @@ class OutputCount:
         return self._events - (self._end.rstrip().endswith(self._DONE))
 
 
-async def relay_body(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> int | None:
+async def relay_body(upstream: aiohttp.ClientResponse, response: web.StreamResponse, *,
+                     client_waits: Callable[[], bool] | None = None,
+                     upstream_done: Callable[[int | None], None] | None = None) -> None:
     """Copy the upstream's body to the client chunk by chunk, then end the response and the upstream's
     (``close_upstream``). A failure of the upstream now raises ``UpstreamError`` too, but the status already
     went out: the caller can only end the response as the client's API allows (and close the upstream's).
 
-    Returns the answer's output tokens as far as the relay could count them (``OutputCount``), or None."""
+    With ``client_waits`` (whether the answer waits on a client that is not reading), the relay reads on from
+    the upstream while the client is not reading, up to ``READ_AHEAD`` bytes more in the client's transport
+    buffer, so that a backend whose client stalled can still finish and free what it holds. ``upstream_done``
+    is called once the upstream's answer has been read to its end, before the end goes out to the client (the
+    moment the backend is done with the request), with the answer's output tokens as far as the relay could
+    count them (``OutputCount``), or None."""
     tokens: int | None = None
     if isinstance(response, web.Response):  # a small answer was read whole by relay_head
         tokens = OutputCount.of_whole(response.body) if isinstance(response.body, bytes) else None
     else:
         count = OutputCount() if upstream.content_type == "text/event-stream" else None
+        ahead = 0  # bytes added while the client was not reading
         try:
             async for chunk in upstream.content.iter_any():
                 if count is not None:
                     count.feed(chunk)
-                await response.write(chunk)
+                if client_waits is None:
+                    await response.write(chunk)  # waits while the client reads what is buffered down
+                    continue
+                await write_without_waiting(response, chunk)
+                if not client_waits():
+                    ahead = 0
+                    continue
+                ahead += len(chunk)
+                if ahead > READ_AHEAD:  # read ahead enough: from here on the upstream waits on the client too
+                    await client_read_down(response)
+                    ahead = 0
         except ConnectionResetError:
             # The client left: aiohttp's ClientConnectionResetError from the write is an aiohttp ClientError
             # too, but it is no upstream failure (499 client_closed, not 502 upstream_reset).
@@ -362,9 +385,10 @@ async def relay_body(upstream: aiohttp.ClientResponse, response: web.StreamRespo
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _classify(exc, headers_received=True) from None
         tokens = count.events if count is not None else None
-    await response.write_eof()
     close_upstream(upstream)
-    return tokens
+    if upstream_done is not None:
+        upstream_done(tokens)
+    await response.write_eof()
 
 
 def close_upstream(upstream: aiohttp.ClientResponse) -> None:

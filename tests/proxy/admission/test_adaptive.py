@@ -115,16 +115,17 @@ def test_fast_answers_of_the_same_class_barely_move_its_reference() -> None:
     assert run.rate("honest", SETTLE + ATTACK, SETTLE + ATTACK + AFTER) >= 0.8 * before
 
 
-def test_a_slow_reader_right_after_the_start_costs_nothing() -> None:
-    """Clients that stop reading after 50 ms: the gate gives their slot back at the stall (no sample), so the
-    limit grows from the floor as it would without them."""
+def test_a_slow_reader_right_after_the_start_costs_only_what_the_backend_holds_for_it() -> None:
+    """Clients that stop reading after 50 ms: no sample, so the limit grows from the start as it would without
+    them; their slots stay until the backend is done (2 s of every 5 s, 4 readers), so honest clients get
+    16 slots less theirs. Measured 0.93× the honest rate alone."""
     clients = [Group("honest", 16, flat(0.1))]
     readers = [Group("reader", 4, flat(2.0), outcome="stall", after=0.05, stall_for=5.0)]
     alone = Simulation(clients, adaptive=auto()).run(30)
     stalled = Simulation(clients + readers, adaptive=auto()).run(30)
     grown = next(t for t, limit in alone.cruise if limit >= 16)
     assert next(t for t, limit in stalled.cruise if limit >= 16) <= grown + 0.5
-    assert stalled.rate("honest", 0, 30) >= 0.95 * alone.rate("honest", 0, 30)
+    assert stalled.rate("honest", 0, 30) >= 0.9 * alone.rate("honest", 0, 30)
 
 
 def test_traffic_that_comes_a_minute_after_the_start_is_climbed_as_at_once() -> None:

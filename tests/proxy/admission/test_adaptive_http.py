@@ -22,6 +22,7 @@ from testkit.media import chat_with_image, data_uri, eventually, image_bytes
 from tests.conftest import Proxy, StartProxy, Upstream
 
 EVENT = b"data: " + b"x" * (16 << 10) + b"\n\n"
+EVENT_EVERY = 0.002  # seconds between a backend's events: a model's pace, not a wait for something
 HANG_BOUND = 60.0  # seconds: a bound on a hang, not a measure of speed
 AUTO = {"MMGATE_MAX_MM_CONCURRENCY": "auto", "MMGATE_MIN_MM_CONCURRENCY": "1",
         "MMGATE_MAX_MM_CONCURRENCY_AUTO": "8"}
@@ -153,20 +154,8 @@ async def test_one_output_token_is_another_class_than_sixty_four(upstream: Upstr
     assert len(set(classes)) == 4
 
 
-async def test_a_client_that_stops_reading_gives_its_slot_back_and_is_no_sample(upstream: Upstream,
-                                                                             start_proxy: StartProxy) -> None:
-    """A lease that waits on the client, not the backend, goes back when the answer first waits on it; once the
-    client reads the answer to its end after all, it is still no sample: its time measured the client."""
-    async def long_stream(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for _ in range(512):  # 8 MiB: more than every buffer between mmgate and a client that reads nothing
-            await response.write(EVENT)
-        await response.write(b"data: [DONE]\n\n")
-        return response
-
-    upstream.route("/v1/chat/completions", long_stream)
-    proxy, recording = await _auto_proxy(upstream, start_proxy)
+async def _reader_of_nothing(proxy: Proxy) -> socket.socket:
+    """A client with a 4 KiB receive buffer that sends a streamed media request and reads nothing yet."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
@@ -175,16 +164,86 @@ async def test_a_client_that_stops_reading_gives_its_slot_back_and_is_no_sample(
     body = _body(stream=True)
     await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nConnection: close\r\n"
                                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    await upstream.arrived.get()  # admitted and forwarded: the lease is held
-    await _all_back(proxy)  # and given back while the client has read nothing
-    received = 0
+    return sock
+
+
+async def _read_to_the_end(sock: socket.socket) -> bytes:
+    received = bytearray()
     async with asyncio.timeout(HANG_BOUND):
-        while chunk := await loop.sock_recv(sock, 1 << 16):
-            received += len(chunk)
+        while chunk := await asyncio.get_running_loop().sock_recv(sock, 1 << 16):
+            received += chunk
     sock.close()
-    assert received > 512 * len(EVENT)  # the whole answer came after all
+    return bytes(received)
+
+
+class StallingBackend:
+    """A streamed answer to a client that reads nothing: an event every ``EVENT_EVERY`` s (as a model generates:
+    the backend is never far ahead of mmgate) until mmgate sees its answer wait on the client, then ``after``
+    events more (``counted``: the gate's leases in use before each), then the end once ``finish`` is set."""
+
+    def __init__(self, proxy: Proxy, after: int) -> None:
+        self.proxy, self.after = proxy, after
+        self.finish = asyncio.Event()
+        self.ended = asyncio.Event()  # the backend's handler returned or was cut
+        self.counted: list[int] = []
+        self.events = 0
+
+    async def __call__(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            while not self.proxy.state.connections.waiting_on_clients and self.events < 4096:
+                await response.write(EVENT)
+                self.events += 1
+                await asyncio.sleep(EVENT_EVERY)
+            for _ in range(self.after):
+                self.counted.append(self.proxy.state.gate.counters().in_use)
+                await response.write(EVENT)
+                self.events += 1
+                await asyncio.sleep(EVENT_EVERY if self.after <= 64 else 0)
+            await self.finish.wait()
+            await response.write(b"data: [DONE]\n\n")
+        finally:
+            self.ended.set()
+        return response
+
+
+async def test_a_client_that_stops_reading_holds_its_slot_until_the_backend_is_done_and_is_no_sample(
+        upstream: Upstream, start_proxy: StartProxy) -> None:
+    """The backend still holds a request whose client stopped reading: its lease stays while the backend
+    generates, and goes back when the backend has sent its answer's end, which mmgate reads ahead for it
+    (``relay_body``) while the client reads nothing. The client gets the whole answer when it reads after all,
+    and the request is no sample: its time measured the client too."""
+    proxy, recording = await _auto_proxy(upstream, start_proxy)
+    backend = StallingBackend(proxy, after=16)  # 256 KiB after the stall: within READ_AHEAD
+    upstream.route("/v1/chat/completions", backend)
+    sock = await _reader_of_nothing(proxy)
+    await eventually(lambda: len(backend.counted) == backend.after, "the backend generated on after the stall")
+    assert backend.counted == [1] * backend.after  # counted while the backend generates for it
+    assert proxy.state.gate.counters().in_use == 1
+    backend.finish.set()
+    await _all_back(proxy)  # the backend is done; the client has read nothing yet
+    answer = await _read_to_the_end(sock)
+    assert answer.count(EVENT) == backend.events and b"data: [DONE]" in answer and answer.endswith(b"0\r\n\r\n")
     await eventually(lambda: proxy.state.in_flight == 0, "the request is done")
     assert recording.seen == []
+
+
+async def test_a_client_that_reads_nothing_of_an_answer_beyond_the_read_ahead_holds_its_slot_until_cut(
+        upstream: Upstream, start_proxy: StartProxy) -> None:
+    """An answer that goes on past what mmgate reads ahead (64 MiB after the stall, more than every buffer
+    between the backend and mmgate): the backend waits on the client, so the lease stays until the write
+    deadline cuts the client, and the backend's answer is cut with it."""
+    proxy = await start_proxy(upstream.url, **AUTO, MMGATE_CLIENT_WRITE_TIMEOUT="1")
+    backend = StallingBackend(proxy, after=4096)
+    upstream.route("/v1/chat/completions", backend)
+    sock = await _reader_of_nothing(proxy)
+    async with asyncio.timeout(HANG_BOUND):
+        await backend.ended.wait()  # cut: the backend could not write it all
+    assert len(backend.counted) < backend.after and set(backend.counted) == {1}
+    await _all_back(proxy)
+    answer = await _read_to_the_end(sock)
+    assert b"data: [DONE]" not in answer
 
 
 async def test_stats_show_the_controller_and_why_the_limit_last_moved(upstream: Upstream,
