@@ -1,23 +1,29 @@
 #!/usr/bin/env python
-"""mmgate in a fleet: the adaptive limit against fixed ones on a thrashing and on a batching backend, under
+"""mmgate in a fleet: the adaptive limit against fixed ones from a cold start and across capacity steps, under
 attack, against a client that reads nothing, and fair waiting.
 
-**Adaptive limit** (``MMGATE_MAX_MM_CONCURRENCY=auto``). Two backend models, the ones ``testkit.adaptive_sim``
-simulates (a request's service time is set by ``c``, the requests in the backend when it arrives):
+**Adaptive limit** (``MMGATE_MAX_MM_CONCURRENCY=auto``), issue 43's scenarios (``testkit.adaptive_sim``, which
+the simulator's tests in tests/proxy/admission/test_adaptive_goals.py share): 24 closed-loop clients, each sending
+its next media request when its answer comes, against a backend whose service time is set by the requests it
+holds (it sleeps, so the figures depend little on the shared machine).
 
-- *thrashing*: ``100 ms × max(1, (c / 4)²)``: throughput grows with ``c`` up to the knee (4) and falls as
-  ``1/c`` past it, the way a server that swaps KV cache or preempts does. 32 closed-loop clients.
-- *batching*: ``100 ms × (1 + (c - 1) / 4) × max(1, (c / 12)²)``: latency grows with the batch while throughput
-  still grows, up to the knee (12); past it, it swaps. 48 clients. A controller driven by latency alone reads
-  the rise as queueing and stays low.
+- *Cold start*, 15 s cells: the issue's batching backend (3.5, 6.4, 10.7, 16, 5.3 answers/s at 1, 2, 4, 8, 16),
+  a thrashing one (250 ms × max(1, (c/6)²)) and a knee (200 ms × (1 + (c-1)/4) × max(1, (c/8)²)). ``auto``
+  starts cold in every cell, at its ``START``. Goals: ``auto``'s answers/s over the whole cell ≥ 0.9× the best
+  fixed limit's; the end of the first 2 s window whose answers/s reach 0.9× the best's ≤ 5 s. On the thrashing
+  backend a fixed limit of 24, far past the knee, is measured too (``auto`` ≥ 2× it).
+- *Capacity steps*, 8 s into a 20 s cell: the knee 2× slower, 2× faster, its knee from 8 to 4, and the batching
+  backend's best from 8 to 4. The fixed limits run on the backend after the step (12 s cells: the new best).
+  Goals: ``auto`` from 5 s after the step to the end ≥ 0.9× the new best; the first 2 s window after the step at
+  0.9× the new best ends ≤ 5 s after the step.
 
-Each client sends its next media request when its answer comes, for ``--duration`` s per cell, with fixed
-limits and with ``auto`` (``MMGATE_MIN_MM_CONCURRENCY=1``, ``MMGATE_MAX_MM_CONCURRENCY_AUTO=64``, starting cold
-in every round, at its ``START``). Throughput = answers completed within the cell's duration ÷ duration:
-``auto`` pays for its own convergence. Convergence (thrashing) = the first time from which the adaptive limit
-spends at least 90 % of the rest of the cell within one of the best fixed limit of that round. Fixed limits use
-``MMGATE_RELEASE_AT=complete`` like ``auto`` does, so both bound the backend. Answers carry
-``completion_tokens`` in ``usage`` (16), as a model server's do.
+The fixed limits measured are the three the simulator finds best for the backend (``near_best``): the best over
+HTTP is among them, and a sweep of every limit would take ten times as long. Fixed limits use
+``MMGATE_RELEASE_AT=complete`` like ``auto`` does, so both bound the backend; ``auto`` runs between
+``MMGATE_MIN_MM_CONCURRENCY=1`` and ``MMGATE_MAX_MM_CONCURRENCY_AUTO=64``. Answers carry ``completion_tokens`` in
+``usage`` (16), as a model server's do. Throughput = answers completed within the cell ÷ its seconds: ``auto``
+pays for its own convergence. Recorded for ``auto``: the limit every 50 ms (the gate's, and between probes), and
+the range of the limit between probes over the cell's second half.
 
 **Attacks** (``auto``; the issue's scenario, unscaled): 8 honest client loops against a backend that takes 1 s
 an answer; after ``ATTACK_WARMUP`` s, 2 attacker loops for 3 s, then 15 s more. One cell per kind: answers at
@@ -29,14 +35,14 @@ of where it was when the attack began.
 **Slow reader** (``MMGATE_CLIENT_WRITE_TIMEOUT=5``, ``MMGATE_QUEUE_TIMEOUT=2``): one client with a 4 KiB receive
 buffer asks for an 8 MiB streamed answer and reads none of it; once it holds its lease, 8 honest client loops
 (backend 100 ms an answer) run for the deadline + 3 s. One cell with ``auto`` right after the start (its limit at
-its floor, 1: the slow reader holds the only slot), one with a fixed limit of 4 released at completion.
-Recorded: how long the slow reader's lease was held from its grant (polled every 5 ms; the backend streams at
-once, so the answer waits on the client from the start), when its request ended and its access log code, the
-honest answers' statuses. Goals: the slot held ≤ the deadline + 5 % (the deadline starts once mmgate's buffer
-for the client is full; the lease goes back once the cut connection's handler is cancelled); no honest 429 (the
-queue timeout is shorter than the deadline, so the only slot held to it shows as 429s); the slow reader cut
-(``client_write_timeout``) in both cells, else its answer fit in the buffers and the cell tested nothing.
-``auto`` gives the lease back when the answer first waits on the client; a fixed limit holds it until the cut.
+``START``), one with a fixed limit of 4 released at completion. Recorded: how long the slow reader's lease was
+held from its grant (polled every 5 ms; the backend streams at once, so the answer waits on the client from the
+start), when its request ended and its access log code, the honest answers' statuses. Both keep the slot as long
+as the backend is held: mmgate reads 1 MiB of the answer ahead for the client, and the rest waits on it. Goals: the
+slot held ≤ the deadline + 5 % (the deadline starts once mmgate's buffer for the client is full; the lease goes
+back once the cut connection's handler is cancelled); no honest 429 (the queue timeout is shorter than the
+deadline, so the only slot held to it would show as 429s); the slow reader cut (``client_write_timeout``) in both
+cells, else its answer fit in the buffers and the cell tested nothing.
 
 **Fairness.** A backend with a constant 200 ms service time behind mmgate with a limit of 2. Flow ``big``
 sends 12 media requests at once; once they are all in (2 admitted, 10 queued), flow ``small`` sends 2. With
@@ -47,8 +53,8 @@ is forwarded (slots), and ``small``'s wait (Server-Timing ``queue``), fair again
 Everything runs in this process on one event loop (clients, mmgate from ``build_app``, the model backends);
 the backends sleep rather than burn CPU, so the figures depend little on the shared machine.
 
-Usage: python -m bench.fleet [--rounds 3] [--duration 20] [--quick (1 round, fewer limits, 4 s cells, attacks
-       shortened; the slow-reader cells as they are)] [--out PATH]
+Usage: python -m bench.fleet [--rounds 3] [--quick (1 round: one cold start and one step, two fixed limits each;
+       attacks shortened; the slow-reader cells as they are)] [--out PATH]
 Writes bench/results/fleet.md and .json (or PATH.md / PATH.json).
 """
 
@@ -76,7 +82,17 @@ from proxy.admission.client import LocalGate
 from proxy.admission.lease import Lease
 from proxy.edge.write_deadline import WRITE_TIMEOUT_CODE
 from proxy.state import AppState
-from testkit.adaptive_sim import Curve, batching, by_throughput, slowed, switched, thrashing
+from testkit.adaptive_sim import (
+    CELL,
+    CLIENTS,
+    COLD_START,
+    SETTLED,
+    STEP_AT,
+    STEP_CELL,
+    STEPS,
+    Curve,
+    fixed_rates,
+)
 from testkit.media import chat_with_image, data_uri, image_bytes
 from testkit.servers import start_proxy_server
 
@@ -84,32 +100,32 @@ BASE_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
-class Model:
-    """A backend model and the fixed limits it is compared with."""
+class Scenario:
+    """One of issue 43's backends (``testkit.adaptive_sim``): ``curve`` the cell's, ``after`` the backend after a
+    capacity step (None: a cold start), and the fixed limits the cell's ``auto`` is held against."""
 
     name: str
     curve: Curve
-    clients: int
+    after: Curve | None
     fixed: tuple[int, ...]
-    quick: tuple[int, ...]
-    too_high: int
-    described: str
 
 
-MODELS = (
-    Model("thrashing", thrashing(BASE_SECONDS, 4), 32, (1, 2, 3, 4, 5, 6, 8, 16), (2, 4, 16), 16,
-          f"{BASE_SECONDS * 1000:.0f} ms × max(1, (c/4)²), 32 clients"),
-    Model("batching", batching(BASE_SECONDS, 12), 48, (1, 2, 4, 8, 12, 16, 24), (4, 12, 24), 24,
-          f"{BASE_SECONDS * 1000:.0f} ms × (1 + (c-1)/4) × max(1, (c/12)²), 48 clients"),
-    # issue 43: a backend given by its throughput that collapses past 8, and capacity steps 8 s into the cell
-    Model("collapsing", by_throughput({1: 3.5, 2: 6.4, 4: 10.7, 8: 16, 16: 5.3}), 24, (4, 6, 8, 12, 16), (4, 8, 16),
-          16, "c / throughput(c), 3.5 answers/s at 1, 16 at 8, 5.3 at 16, 24 clients"),
-    Model("2x slower at 8 s", slowed(batching(2 * BASE_SECONDS, 8), 2.0, 8.0, float("inf")), 24, (4, 8, 12), (4, 8),
-          12, f"{2 * BASE_SECONDS * 1000:.0f} ms × (1 + (c-1)/4) × max(1, (c/8)²), twice that from 8 s, 24 clients"),
-    Model("knee 8 to 4 at 8 s", switched(batching(2 * BASE_SECONDS, 8), batching(2 * BASE_SECONDS, 4), 8.0), 24,
-          (4, 8, 12), (4, 8), 12, f"{2 * BASE_SECONDS * 1000:.0f} ms × (1 + (c-1)/4) × max(1, (c/8)²), its knee 4 "
-          "from 8 s, 24 clients"),
-)
+def near_best(curve: Curve, duration: float, count: int) -> tuple[int, ...]:
+    """The ``count`` fixed limits with the best rates in the simulator: the best fixed limit over HTTP is among
+    them, and a sweep of every limit would take ten times as long."""
+    rates = fixed_rates(curve, duration)
+    return tuple(sorted(sorted(rates, key=lambda limit: -rates[limit])[:count]))
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    count = 2 if quick else 3
+    return ([Scenario(name, curve, None, near_best(curve, CELL, count)) for name, curve in COLD_START.items()]
+            + [Scenario(name, curve, after, near_best(after, STEP_CELL - STEP_AT, count))
+               for name, (curve, after) in STEPS.items()])
+
+
+TOO_HIGH = ("thrashing", 24)  # a fixed limit far past the thrashing backend's knee, which ``auto`` must beat by far
+WINDOW = 2.0  # seconds of completions a rate is read over, for the time ``auto`` took to reach the best's
 ATTACK_WARMUP, ATTACK_SECONDS, ATTACK_AFTER = 30.0, 3.0, 15.0
 HONEST_LOOPS, ATTACKERS, HONEST_SECONDS, GIVE_UP_AFTER = 8, 2, 1.0, 0.05
 ATTACKS = ("fast answers", "refusals", "aborts")
@@ -190,14 +206,16 @@ AUTO_ENV = {"MMGATE_RELEASE_AT": "complete", "MMGATE_MAX_QUEUE": "256", "MMGATE_
             "MMGATE_MIN_MM_CONCURRENCY": "1", "MMGATE_MAX_MM_CONCURRENCY_AUTO": "64"}
 
 
-async def load_cell(model: Model, limit: str, duration: float) -> dict[str, Any]:
-    backend = ModelBackend(model.curve)
+async def load_cell(name: str, curve: Curve, limit: str, duration: float) -> dict[str, Any]:
+    """``CLIENTS`` closed-loop clients for ``duration`` s through mmgate with ``limit`` in front of ``curve``;
+    with ``auto``, the seconds each answer came at and the limits every 50 ms (the gate's, and between probes)."""
+    backend = ModelBackend(curve)
     proxy, stop = await start_proxy_server(await backend.start(), MMGATE_MAX_MM_CONCURRENCY=limit, **AUTO_ENV)
-    body = _body(model.name, data_uri(image_bytes()))
+    body = _body(name, data_uri(image_bytes()))
     gate = proxy.state.gate
     done: list[float] = []
     statuses: dict[int, int] = {}
-    trace: list[tuple[float, int]] = []
+    trace: list[tuple[float, int, int]] = []
     started = time.perf_counter()
     end = started + duration
 
@@ -212,12 +230,12 @@ async def load_cell(model: Model, limit: str, duration: float) -> dict[str, Any]
 
     async def watch() -> None:
         while time.perf_counter() < end:
-            trace.append((time.perf_counter() - started, gate.counters().limit))
+            trace.append((time.perf_counter() - started, gate.counters().limit, cruise_limit(proxy.state)))
             await asyncio.sleep(0.05)
 
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=model.clients)) as session:
-            clients = [asyncio.create_task(client(session)) for _ in range(model.clients)]
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CLIENTS)) as session:
+            clients = [asyncio.create_task(client(session)) for _ in range(CLIENTS)]
             watcher = asyncio.create_task(watch())
             await asyncio.sleep(duration)
             await watcher
@@ -228,9 +246,47 @@ async def load_cell(model: Model, limit: str, duration: float) -> dict[str, Any]
         await stop()
         assert backend.server is not None
         await backend.server.close()
-    completed = sum(1 for t in done if t <= duration)
-    return {"model": model.name, "limit": limit, "throughput": completed / duration, "completed": completed,
-            "statuses": statuses, "trace": trace if limit == "auto" else [], "final_limit": gate.counters().limit}
+    done = [t for t in done if t <= duration]
+    cell: dict[str, Any] = {"limit": limit, "throughput": len(done) / duration, "completed": len(done),
+                            "statuses": statuses, "final_limit": gate.counters().limit}
+    if limit == "auto":
+        cell |= {"done": [round(t, 3) for t in done],
+                 "trace": R.downsample([[t, float(g), float(c)] for t, g, c in trace], 1)}
+    return cell
+
+
+def rate_between(done: list[float], start: float, end: float) -> float:
+    return sum(start <= t < end for t in done) / (end - start)
+
+
+def time_to_reach(done: list[float], target: float, since: float, end: float) -> float | None:
+    """Seconds from ``since`` to the end of the first ``WINDOW`` s after it whose answers/s reach ``target``
+    (read every 0.1 s); None if none does before ``end``."""
+    t = since + WINDOW
+    while t <= end + 1e-9:
+        if rate_between(done, t - WINDOW, t) >= target:
+            return round(t - since, 1)
+        t += 0.1
+    return None
+
+
+async def scenario_cells(scenario: Scenario, quick: bool) -> dict[str, Any]:
+    """The fixed limits (on the backend after the step, for a step), then ``auto``; its ratios and times."""
+    step = scenario.after is not None
+    fixed_curve = scenario.after if scenario.after is not None else scenario.curve
+    auto_seconds = STEP_CELL if step else CELL
+    limits = list(scenario.fixed) + ([TOO_HIGH[1]] if scenario.name == TOO_HIGH[0] and not quick else [])
+    cells = [await load_cell(scenario.name, fixed_curve, str(limit), (STEP_CELL - STEP_AT) if step else CELL)
+             for limit in limits]
+    auto = await load_cell(scenario.name, scenario.curve, "auto", auto_seconds)
+    best = max(cells[: len(scenario.fixed)], key=lambda c: c["throughput"])
+    done = auto["done"]
+    since = STEP_AT if step else 0.0
+    auto |= {"ratio": rate_between(done, STEP_AT + SETTLED if step else 0.0, auto_seconds) / best["throughput"],
+             "reach_s": time_to_reach(done, 0.9 * best["throughput"], since, auto_seconds)}
+    cruise = [c for t, _g, c in auto["trace"] if t >= auto_seconds / 2]
+    auto["cruise_second_half"] = [min(cruise), max(cruise)] if cruise else None
+    return {"cells": [*cells, auto], "best_fixed": best["limit"], "step": step}
 
 
 def cruise_limit(state: AppState) -> int:
@@ -409,18 +465,6 @@ async def slow_reader_cell(limit: str) -> dict[str, Any]:
             "ended_s": None if ended.at is None else ended.at - started, "code": ended.code, "honest": statuses}
 
 
-def convergence(trace: list[tuple[float, int]], best: int, share: float = 0.9) -> float | None:
-    """The first time from which the limit spends at least ``share`` of the rest of the run within one of
-    ``best`` (it keeps probing one above and backing off, so "never leaves" would be the wrong test); None if
-    it never does."""
-    near = [abs(limit - best) <= 1 for _t, limit in trace]
-    for index, (t, _limit) in enumerate(trace):
-        rest = near[index:]
-        if near[index] and sum(rest) >= share * len(rest):
-            return t
-    return None
-
-
 async def fairness_cell(fair: bool) -> dict[str, Any]:
     backend = ModelBackend(lambda concurrency, now: FAIR_SERVICE)
     proxy, stop = await start_proxy_server(await backend.start(), MMGATE_MAX_MM_CONCURRENCY=str(FAIR_LIMIT),
@@ -463,18 +507,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     for number in range(args.rounds):
         models = {}
-        for model in MODELS:
-            cells = []
-            for limit in [*map(str, model.quick if args.quick else model.fixed), "auto"]:  # taking turns
-                cell = await load_cell(model, limit, args.duration)
-                print(f"  round {number + 1} {model.name} limit {limit:>4}: {cell['throughput']:6.2f} answers/s "
-                      f"(final limit {cell['final_limit']}, statuses {cell['statuses']})", flush=True)
-                cells.append(cell)
-            best = max((c for c in cells if c["limit"] != "auto"), key=lambda c: c["throughput"])
-            auto = cells[-1]
-            auto["convergence_s"] = convergence(auto["trace"], int(best["limit"]))
-            auto["trace"] = R.downsample([[t, float(limit)] for t, limit in auto["trace"]], 1)
-            models[model.name] = {"cells": cells, "best_fixed": best["limit"]}
+        for scenario in scenarios(args.quick)[:: 4 if args.quick else 1]:  # quick: one cold start, one step
+            result = await scenario_cells(scenario, args.quick)
+            for cell in result["cells"]:
+                extra = (f", ratio {cell['ratio']:.3f}, 0.9× after {cell['reach_s']} s, cruise in the second half "
+                         f"{cell['cruise_second_half']}") if cell["limit"] == "auto" else ""
+                print(f"  round {number + 1} {scenario.name} limit {cell['limit']:>4}: {cell['throughput']:6.2f} "
+                      f"answers/s (statuses {cell['statuses']}){extra}", flush=True)
+            models[scenario.name] = result
         attacks = []
         for kind in ATTACKS:
             cell = await attack_cell(kind, *args.attack)
@@ -508,21 +548,24 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
     def attack(r: dict[str, Any], kind: str) -> dict[str, Any]:
         return next(c for c in r["attacks"] if c["kind"] == kind)
 
+    def auto_cell(r: dict[str, Any], name: str) -> dict[str, Any]:
+        return next(c for c in r["models"][name]["cells"] if c["limit"] == "auto")
+
     found: list[R.Goal] = []
-    for model in MODELS:
-        name = model.name
+    for name in rounds[0]["models"]:
+        step = rounds[0]["models"][name]["step"]
+        what = f"a step, {name}" if step else f"cold start, {name} backend"
         found += [
-            R.goal(f"auto ÷ best fixed limit, throughput ({name} backend)",
-                   [throughput(r, name, "auto") / throughput(r, name, r["models"][name]["best_fixed"]) for r in rounds],
-                   "≥ 0.85", lambda v: v >= 0.85),
-            R.goal(f"auto ÷ fixed limit {model.too_high} (too high), throughput ({name} backend)",
-                   [throughput(r, name, "auto") / throughput(r, name, str(model.too_high)) for r in rounds
-                    if any(c["limit"] == str(model.too_high) for c in r["models"][name]["cells"])],
-                   *(("≥ 2", lambda v: v >= 2) if name == "thrashing" else ())),
-            R.goal(f"auto: convergence from a cold start ({name} backend)",
-                   [next(c for c in r["models"][name]["cells"] if c["limit"] == "auto").get("convergence_s")
-                    for r in rounds], unit="s"),
+            R.goal(f"auto ÷ best fixed limit, answers/s ({what}; {'from 5 s after the step' if step else '15 s'})",
+                   [auto_cell(r, name)["ratio"] for r in rounds], "≥ 0.9", lambda v: v >= 0.9),
+            R.goal(f"auto: seconds {'from the step ' if step else ''}to a {WINDOW:g} s window at 0.9× the best "
+                   f"fixed limit ({what})", [auto_cell(r, name)["reach_s"] for r in rounds], "≤ 5",
+                   lambda v: v is not None and v <= 5, unit="s"),
         ]
+        if name == TOO_HIGH[0] and any(c["limit"] == str(TOO_HIGH[1]) for c in rounds[0]["models"][name]["cells"]):
+            found.append(R.goal(f"auto ÷ fixed limit {TOO_HIGH[1]} (too high), answers/s ({what})",
+                                [throughput(r, name, "auto") / throughput(r, name, str(TOO_HIGH[1])) for r in rounds],
+                                "≥ 2", lambda v: v >= 2))
     for kind in ATTACKS:
         found += [
             R.goal(f"attack, {kind}: honest answers/s during ÷ before", [attack(r, kind)["during"] for r in rounds],
@@ -559,19 +602,31 @@ def render(data: dict[str, Any]) -> str:
     rounds = data["rounds"]
     lines = ["# fleet: the adaptive limit on a thrashing and a batching backend, under attack, against a slow "
              "reader; fair waiting", "",
-             f"`python -m bench.fleet --rounds {s['rounds']} --duration {s['duration']:g}`: closed-loop clients; "
-             "throughput in answers/s, median (min–max) of the rounds; `auto` starts cold every round."]
-    for model in MODELS:
-        cells = rounds[0]["models"][model.name]["cells"]
-        best = statistics.median(next(c["throughput"] for c in r["models"][model.name]["cells"]
-                                      if c["limit"] == r["models"][model.name]["best_fixed"]) for r in rounds)
-        lines += ["", f"**{model.name}** backend: service time {model.described}.", "",
-                  "| limit | answers/s | spread | × best fixed |", "|---|---:|---|---:|"]
-        for limit in [c["limit"] for c in cells]:
-            m = R.summary(next(c["throughput"] for c in r["models"][model.name]["cells"] if c["limit"] == limit)
-                          for r in rounds)
-            lines.append(f"| {limit} | {R.number(m['median'])} | {R.number(m['spread'][0])}–"
-                         f"{R.number(m['spread'][1])} | {m['median'] / best:.2f} |")
+             f"`python -m bench.fleet --rounds {s['rounds']}`: {s['clients']} closed-loop clients; throughput in "
+             "answers/s, median (min–max) of the rounds; `auto` starts cold in every cell."]
+    for name, first in rounds[0]["models"].items():
+        step = first["step"]
+        where = (f"from {STEP_AT:g} s of a {STEP_CELL:g} s cell; the fixed limits on the backend after the step, "
+                 f"{STEP_CELL - STEP_AT:g} s cells; `auto` from {SETTLED:g} s after the step" if step
+                 else f"{CELL:g} s cells")
+        lines += ["", f"**{name}** ({'a capacity step' if step else 'cold start'}: `testkit.adaptive_sim`, "
+                  f"{where}).", "",
+                  "| limit | answers/s | spread | × best fixed | 0.9× reached after s | cruise limit, second half |",
+                  "|---|---:|---|---:|---|---|"]
+        for limit in [c["limit"] for c in first["cells"]]:
+            mine = [next(c for c in r["models"][name]["cells"] if c["limit"] == limit) for r in rounds]
+            m = R.summary(c["throughput"] for c in mine)
+            if limit == "auto":
+                ratio = R.summary(c["ratio"] for c in mine)
+                lines.append(f"| auto | {R.number(m['median'])} | {R.number(m['spread'][0])}–{R.number(m['spread'][1])}"
+                             f" | {R.number(ratio['median'])} | {', '.join(str(c['reach_s']) for c in mine)} | "
+                             f"{', '.join(str(c['cruise_second_half']) for c in mine)} |")
+            else:
+                best = [next(c["throughput"] for c in r["models"][name]["cells"]
+                             if c["limit"] == r["models"][name]["best_fixed"]) for r in rounds]
+                share = m["median"] / statistics.median(best)
+                lines.append(f"| {limit} | {R.number(m['median'])} | {R.number(m['spread'][0])}–"
+                             f"{R.number(m['spread'][1])} | {R.number(share)} | – | – |")
     warmup, length, after = s["attack"]
     lines += ["", f"**Attacks** on `auto`: {HONEST_LOOPS} honest loops, backend {HONEST_SECONDS:g} s an answer; "
               f"from {warmup:g} s, {ATTACKERS} attacker loops for {length:g} s, then {after:g} s more. Honest "
@@ -608,20 +663,18 @@ def render(data: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--duration", type=float, default=None, help="seconds per throughput cell [20; 4 quick]")
     parser.add_argument("--quick", action="store_true",
-                        help="1 round, 4 s cells, three fixed limits per model and auto; attacks 10 + 3 + 12 s")
+                        help="1 round: one cold start and one step, two fixed limits each; attacks 10 + 3 + 12 s")
     parser.add_argument("--out", type=Path, help="write PATH.json and PATH.md instead of bench/results/fleet")
     args = parser.parse_args()
     if args.quick:
         args.rounds = 1
-    args.duration = args.duration or (4.0 if args.quick else 20.0)
     args.attack = (10.0, ATTACK_SECONDS, 12.0) if args.quick else (ATTACK_WARMUP, ATTACK_SECONDS, ATTACK_AFTER)
     stamp = R.stamp("fleet.py", "adaptive concurrency limit vs fixed limits on thrashing and batching backends, "
                                 "under attack, against a slow reader; fair waiting")
     data = stamp | asyncio.run(run(args))
-    data["settings"] = {"rounds": args.rounds, "duration": args.duration, "quick": args.quick,
-                        "models": {m.name: {"clients": m.clients, "service": m.described} for m in MODELS},
+    data["settings"] = {"rounds": args.rounds, "quick": args.quick, "clients": CLIENTS, "cell": CELL,
+                        "step_at": STEP_AT, "step_cell": STEP_CELL, "settled": SETTLED,
                         "attack": list(args.attack), "base_seconds": BASE_SECONDS,
                         "slow_reader": {"write_deadline": WRITE_DEADLINE, "queue_timeout": SLOW_QUEUE_TIMEOUT,
                                         "rcvbuf": SLOW_RCVBUF, "stream_bytes": SLOW_EVENTS * len(SLOW_EVENT)}}

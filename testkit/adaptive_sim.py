@@ -254,3 +254,26 @@ class Simulation:
     def _wake(self) -> None:
         while self._line and self.in_use < self.limit:
             self._admit(self._line.popleft())
+
+
+# Issue 43's scenarios, measured by tests/proxy/admission/test_adaptive_goals.py here and by bench/fleet.py over
+# HTTP: 24 closed-loop clients; a cold start against three backends over 15 s cells; the backend changing 8 s into a
+# 20 s cell, judged from 5 s after the change against the best fixed limit of the backend after it.
+CLIENTS, CELL, STEP_AT, STEP_CELL, SETTLED = 24, 15.0, 8.0, 20.0, 5.0
+FIXED = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24)  # the fixed limits a best one is looked for among
+BATCHING = by_throughput({1: 3.5, 2: 6.4, 4: 10.7, 8: 16, 16: 5.3})  # the issue's: best at 8, 16 collapses
+KNEE = batching(0.2, 8)
+BATCHING_AT_4 = by_throughput({1: 3.5, 2: 6.4, 4: 10.7, 8: 5.3, 16: 2.0})
+COLD_START: dict[str, Curve] = {"batching": BATCHING, "thrashing": thrashing(0.25, 6), "knee": KNEE}
+STEPS: dict[str, tuple[Curve, Curve]] = {  # (the cell's backend, the backend after the step)
+    "2x slower": (slowed(KNEE, 2.0, STEP_AT, math.inf), slowed(KNEE, 2.0, 0, math.inf)),
+    "2x faster": (slowed(KNEE, 0.5, STEP_AT, math.inf), slowed(KNEE, 0.5, 0, math.inf)),
+    "knee 8 to 4": (switched(KNEE, batching(0.2, 4), STEP_AT), batching(0.2, 4)),
+    "batching best 8 to 4": (switched(BATCHING, BATCHING_AT_4, STEP_AT), BATCHING_AT_4),
+}
+
+
+def fixed_rates(curve: Curve, duration: float, clients: int = CLIENTS) -> dict[int, float]:
+    """Each fixed limit of ``FIXED``: its completions per second over ``duration`` in the simulator."""
+    return {limit: Simulation([Group("clients", clients, curve)], fixed=limit).run(duration)
+            .rate("clients", 0, duration) for limit in FIXED}

@@ -13,7 +13,6 @@ figures measured.
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import statistics
 from collections.abc import Callable
@@ -26,34 +25,26 @@ from proxy.admission.gate import Gate
 from proxy.admission.lease import Lease
 from proxy.admission.sample import Sample
 from testkit.adaptive_sim import (
+    CELL,
     CHEAP,
+    CLIENTS,
+    COLD_START,
     HONEST,
+    SETTLED,
+    STEP_AT,
+    STEP_CELL,
+    STEPS,
     Curve,
     Group,
     Run,
     Simulation,
-    batching,
-    by_throughput,
+    fixed_rates,
     flat,
-    slowed,
     switched,
-    thrashing,
 )
 from testkit.media import eventually
 
-CLIENTS, CELL, SEEDS = 24, 15.0, range(3)
-FIXED = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24)
-BATCHING = by_throughput({1: 3.5, 2: 6.4, 4: 10.7, 8: 16, 16: 5.3})  # the issue's: best at 8, 16 collapses
-COLD_START: dict[str, Curve] = {"batching": BATCHING, "thrashing": thrashing(0.25, 6), "knee": batching(0.2, 8)}
-STEP_AT, STEP_CELL, SETTLED = 8.0, 20.0, 5.0
-KNEE = batching(0.2, 8)
-BATCHING_AT_4 = by_throughput({1: 3.5, 2: 6.4, 4: 10.7, 8: 5.3, 16: 2.0})
-STEPS: dict[str, tuple[Curve, Curve]] = {  # (the cell's backend, the backend after the step)
-    "2x slower": (slowed(KNEE, 2.0, STEP_AT, math.inf), slowed(KNEE, 2.0, 0, math.inf)),
-    "2x faster": (slowed(KNEE, 0.5, STEP_AT, math.inf), slowed(KNEE, 0.5, 0, math.inf)),
-    "knee 8 to 4": (switched(KNEE, batching(0.2, 4), STEP_AT), batching(0.2, 4)),
-    "batching best 8 to 4": (switched(BATCHING, BATCHING_AT_4, STEP_AT), BATCHING_AT_4),
-}
+SEEDS = range(3)
 
 
 def auto(seed: int) -> Callable[[Callable[[], float]], AdaptiveLimit]:
@@ -62,8 +53,7 @@ def auto(seed: int) -> Callable[[Callable[[], float]], AdaptiveLimit]:
 
 def best_fixed(curve: Curve, duration: float) -> float:
     """The best fixed limit's completions per second over the whole cell."""
-    return max(Simulation([Group("clients", CLIENTS, curve)], fixed=limit).run(duration).rate("clients", 0, duration)
-               for limit in FIXED)
+    return max(fixed_rates(curve, duration).values())
 
 
 def runs(curve: Curve, duration: float) -> list[Run]:
