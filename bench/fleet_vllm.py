@@ -10,7 +10,8 @@ its own distribution) with its ``random-mm`` dataset: one random 1024×1024 imag
 prompt tokens, 16 output tokens (``--ignore-eos``), ``--max-concurrency`` clients, ``--num-prompts`` requests.
 Cells: fixed limits and ``auto`` (cold at its ``START`` each round, ``MMGATE_MIN_MM_CONCURRENCY=1``), taking
 turns round after round. Per cell: request throughput, median TTFT and end-to-end latency (vLLM's own report),
-failures. For ``auto``, a thread reads the limit from ``/mmgate/stats`` every 0.5 s: its trace, and its median over the
+failures. For ``auto``, a thread reads the limits from ``/mmgate/stats`` every 0.5 s (the gate's, and the one between
+probes): their trace, the controller's last moves with why, and the median limit between probes over the
 cell's second half (the limit it settled on; the gate's limit moves with each probe) next to the last one.
 A cell must outlast a few probe cycles for ``auto`` to settle: 256 prompts at ~5 requests/s is ~50 s. A cell of
 64 prompts (~13 s) measures a cold start, and the report says so.
@@ -71,12 +72,14 @@ def bench_serve(url: str, prompts: int, concurrency: int, seed: int, out: Path) 
 
 
 class LimitTrace(threading.Thread):
-    """Reads the gate's limit from ``/mmgate/stats`` every ``POLL_SECONDS`` until stopped."""
+    """Reads the gate's limit and the controller's limit between probes from ``/mmgate/stats`` every
+    ``POLL_SECONDS`` until stopped, and keeps the controller's last moves (each with why)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
         self.url = url
-        self.points: list[tuple[float, int]] = []
+        self.points: list[tuple[float, int, int | None]] = []
+        self.moves: list[dict[str, Any]] = []
         self.stopped = threading.Event()
         self.started_at = time.monotonic()
 
@@ -84,14 +87,19 @@ class LimitTrace(threading.Thread):
         while not self.stopped.wait(POLL_SECONDS):
             status, body = h.http_get(self.url + "/mmgate/stats", timeout=2.0)
             if status == 200:
-                self.points.append((round(time.monotonic() - self.started_at, 1), json.loads(body)["gate"]["limit"]))
+                gate = json.loads(body)["gate"]
+                controller = gate.get("controller") or {}
+                self.points.append((round(time.monotonic() - self.started_at, 1), gate["limit"],
+                                    controller.get("cruise_limit")))
+                self.moves = controller.get("moves") or self.moves
 
     def settled(self) -> float | None:
-        """The median limit over the second half of the cell."""
+        """The median limit between probes over the second half of the cell."""
         if not self.points:
             return None
         half = self.points[-1][0] / 2
-        return statistics.median(limit for t, limit in self.points if t >= half)
+        return statistics.median(cruise if cruise is not None else limit
+                                 for t, limit, cruise in self.points if t >= half)
 
 
 def run_cell(vllm: h.Server, limit: str, args: argparse.Namespace, seed: int, workdir: Path) -> dict[str, Any]:
@@ -113,7 +121,7 @@ def run_cell(vllm: h.Server, limit: str, args: argparse.Namespace, seed: int, wo
             "failed": result.get("failed", args.prompts - result["completed"]),
             "median_ttft_ms": result["median_ttft_ms"], "median_e2el_ms": result["median_e2el_ms"],
             "final_limit": metrics.get("mmgate_gate_limit"), "settled_limit": trace.settled(),
-            "trace": trace.points}
+            "trace": trace.points, "moves": trace.moves}
 
 
 def goals(data: dict[str, Any]) -> list[R.Goal]:

@@ -265,23 +265,22 @@ class LlavaNext:
         return int(w), int(h)
 
     def tokens(self, width: int, height: int) -> int:
-        """``LlavaNextProcessor._get_number_of_features`` (``LlavaOnevisionProcessor``'s with ``max_patches``) for an
-        image of this size: its grid's patches, unpadded, one newline token a row, and the base square's patches
-        (the same helpers, step for step; tests check it against the processor)."""
+        """What ``LlavaNextProcessor`` counts for an image of this size (``LlavaOnevisionProcessor`` with
+        ``max_patches``): its grid's patches, unpadded, one newline token a row, and the base square's patches.
+        The arithmetic is the processors', step for step; tests check it against them."""
         best_w, best_h = self._best(width, height)
         side = self.tile // self.patch_size
-        if self.max_patches:  # LlavaOnevisionProcessor's, which reads the bound off its vision_aspect_ratio
-            processor: Any = importlib.import_module("types").SimpleNamespace(
-                vision_aspect_ratio=f"anyres_max_{self.max_patches}")
-            unpadded_features = _helper("transformers.models.llava_onevision.processing_llava_onevision",
-                                        "LlavaOnevisionProcessor")._get_unpadded_features
+        rows, columns = side * (best_h // self.tile), side * (best_w // self.tile)
+        if width / height > columns / rows:  # wider than the grid: padded above and below
+            rows -= (rows - int(round(height * (columns / width), 7))) // 2 * 2
         else:
-            processor = None
-            unpadded_features = _helper("transformers.models.llava_next.processing_llava_next",
-                                        "LlavaNextProcessor")._get_unpadded_features
-        unpadded, newlines = unpadded_features(processor, height, width, side, side, best_h // self.tile,
-                                               best_w // self.tile)
-        return int(unpadded) + int(newlines) + side * side + self.extra_tokens
+            columns -= (columns - int(round(width * (rows / height), 7))) // 2 * 2
+        unpadded, newlines = rows * columns, rows
+        if self.max_patches:  # pooled down past max_patches base squares' patches
+            ratio = math.sqrt(rows * columns / (self.max_patches * side * side))
+            if ratio > 1.1:
+                unpadded, newlines = int(rows // ratio) * int(columns // ratio), int(rows // ratio)
+        return unpadded + newlines + side * side + self.extra_tokens
 
     def resize_keeps_tokens(self, width: int, height: int, out_w: int, out_h: int) -> bool:
         """Whether an image resized from ``width`` x ``height`` to ``out_w`` x ``out_h`` lands in the same grid

@@ -63,6 +63,7 @@ from .base import Checkpoint, ImagePolicy, Processed, no_checkpoint
 from .dimensions import HEAD_STEPS, MAX_HEAD_BYTES, header_dimensions
 from .errors import IMAGE_DECODE_FAILED, IMAGE_TOO_LARGE, TOO_MANY_FRAMES
 from .formats import MIME_BY_FORMAT, TAIL_BYTES, check_whole, sniff_image_format
+from .gif import gif_frames
 from .handoff import handoff_target
 
 # Our header check (exact, per policy, with a message naming the setting) replaces Pillow's global
@@ -215,7 +216,7 @@ def _checked_target(img: Image.Image, data: bytes, fmt: str, policy: ImagePolicy
             f"{policy.max_pixels} (MMGATE_MAX_IMAGE_PIXELS); downscale it before sending",
         )
     with _decode_errors(fmt):
-        frames = _count_frames(img, policy.max_frames)
+        frames = _count_frames(img, data, policy.max_frames)
     if frames > policy.max_frames:
         raise TOO_MANY_FRAMES.error(
             f"image has more than {policy.max_frames} frames; "
@@ -266,25 +267,16 @@ def _decode_errors(fmt: str) -> Iterator[None]:
         ) from None
 
 
-def _count_frames(img: Image.Image, limit: int) -> int:
+def _count_frames(img: Image.Image, data: bytes, limit: int) -> int:
     """The frame count from headers only, or ``limit + 1`` as soon as it is known to exceed ``limit``.
 
-    APNG, WEBP and MPO store their count. A GIF does not: Pillow's ``n_frames`` walks every frame
-    header, and a 32 MiB GIF of empty frames holds over a million (seconds of GIL-holding Python no
-    checkpoint can stop). So a GIF is walked here exactly as ``n_frames`` does it (``_seek(n, False)``:
-    headers, no pixels), stopping one frame past the limit, then rewound to frame 0.
+    APNG, WEBP and MPO store their count. A GIF does not, and Pillow's ``n_frames`` walks every frame header
+    (a 32 MiB GIF of empty frames holds over a million): ``gif.gif_frames`` walks ``data``, what ``img`` was
+    opened from, stopping one frame past the limit.
     """
-    if not isinstance(img, GifImagePlugin.GifImageFile):
-        return getattr(img, "n_frames", 1)
-    count = 1
-    try:
-        while count <= limit:
-            img._seek(count, False)
-            count += 1
-    except EOFError:
-        pass
-    img.seek(0)
-    return count
+    if isinstance(img, GifImagePlugin.GifImageFile):
+        return gif_frames(data, limit)
+    return getattr(img, "n_frames", 1)
 
 
 def fit_within(width: int, height: int, policy: ImagePolicy) -> tuple[int, int] | None:

@@ -37,10 +37,11 @@ What it borrows, and from whom:
   full-bandwidth test, three steps without growth; here a step that loses a twentieth of the best rate ends it at
   once). Past the knee it tries a middle between the best limit and its neighbours (the steps on the way were
   measured), and settles on the smallest limit that gave 95 % of the best rate. Then it
-  cycles through eight phases, one up (×1.25), one down, six cruising, from a random phase (``bbr_cycle_rand``)
-  so that replicas do not probe in step. A probe up is kept if the rate grew 5 %, and the climb goes on; a probe
-  down if the rate held 95 % of the best lately (so that steps down cannot add up). So a batching server, whose
-  latency grows with its batch while its rate still does, is climbed, and a thrashing one held at its knee. Two
+  cycles through eight phases, one up (×1.25), one down, six cruising, from a random phase (``bbr_cycle_rand``) so
+  that replicas do not probe in step. A probe up is kept if the rate grew 10 % (a real server's phases differ by
+  several per cent alone: on a plateau, a smaller gain is noise that would walk the limit up), and the climb goes on;
+  a probe down if the rate held 95 % of the best lately (so that steps down cannot add up). So a batching server,
+  whose latency grows with its batch while its rate still does, is climbed, and a thrashing one held at its knee. Two
   probes up in a row that raise the rate in proportion to the slots start doubling again. A phase is judged on
   requests admitted in it and handed off once the backend holds its load (BBR's round), each a delivery-rate
   sample. Not taken: BBR's limit of rate × minimum latency, which under-shoots a batching server, whose rate
@@ -120,7 +121,7 @@ START = 4  # where a cold start begins: the smallest fixed default, so the climb
 UP_GAIN, DOWN_GAIN = 1.25, 0.875  # BBR bbr_pacing_gain is 5/4 up, 3/4 down: see the module's docstring
 CYCLE: tuple[Kind, ...] = ("up", "down", *("cruise",) * 6)  # BBR: CYCLE_LEN 8, up, drain, six cruising
 CYCLE_RAND = 7  # BBR bbr_cycle_rand: the cycle starts at one of this many phases, never at the probe down
-GROW_MIN = 0.05  # a probe up is kept when the rate grew this much ...
+GROW_MIN = 0.1  # a probe up is kept when the rate grew this much ...
 KEEP_DOWN = 0.95  # ... a probe down when the rate held this much
 PROPORTIONAL = 0.8  # two probes up in a row that raise the rate by this share of the slots added: doubling again
 TOLERANCE = 1.5  # Gradient2Limit rttTolerance: latency this many times the usual is the backend slowing down

@@ -434,10 +434,12 @@ def _stdlib_loads(text: str) -> Any:
 
 
 def _frames() -> list[Any]:
-    frame, frames = sys._getframe(), []
+    import inspect  # only where the recursion limit may need raising (before 3.12), never at start-up
+
+    frame, frames = inspect.currentframe(), []
     while frame is not None:
         frames.append(frame)
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return frames
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from preprocessors.geometry import PanAndScan, Square
 
 from .base import Family, Found, Model, checked, load_processor
-from .llava import constant_model
+from .llava import constant_model, image_seq_length
 
 # Gemma3Processor's defaults, which vLLM applies where the image processor's own value is unset.
 _PAN_AND_SCAN = {"pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
@@ -25,7 +25,8 @@ class Gemma3(Family):
 
     def load(self, found: Found) -> Model:
         size = found.image_processor.size
-        return constant_model(found, "gemma3", Square("gemma3", int(size.width), int(size.height)))
+        return constant_model(found, "gemma3", Square("gemma3", int(size.width), int(size.height)),
+                              image_seq_length)
 
 
 @dataclass(frozen=True)

@@ -50,15 +50,23 @@ class Idefics3Family(Family):
 
 def _layout_tokens(family: str, found: Found) -> Callable[[int, int, Any], int]:
     """How many tokens an image of a given patch layout becomes, from the processor itself. Idefics3's processor
-    says it (``_get_num_multimodal_tokens``). SmolVLM's cannot load without torch (its video processor), so its
-    image prompt (``get_image_prompt_string``) is built and counted with the model's own tokenizer."""
+    counts it as the prompt it builds: ``image_seq_len`` tokens and two markers a tile, a newline a row, and the
+    global image's tokens and three markers, with one token more where the tokenizer keeps the "\\n\\n" between
+    the rows and the global image as two. SmolVLM's cannot load without torch (its video processor), so its image
+    prompt (``get_image_prompt_string``) is built and counted with the model's own tokenizer."""
     folder = found.folder
     if family == "idefics3":
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True, backend="pil")
-        return lambda width, height, _layout: int(
-            processor._get_num_multimodal_tokens(image_sizes=[[height, width]]).num_image_tokens[0])
+        seq = int(processor.image_seq_len)
+        split_newline = len(processor.tokenizer("\n\n", add_special_tokens=False)["input_ids"]) - 1
+
+        def idefics3_tokens(_width: int, _height: int, layout: Any) -> int:
+            _patches, rows, columns = layout
+            return seq + 3 + (split_newline + rows * ((seq + 2) * columns + 1) if rows else 0)
+
+        return idefics3_tokens
     from transformers import AutoTokenizer
     from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 

@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from preprocessors.geometry import Geometry, ShortestEdge, Square
 
 from .base import Family, Found, Model, checked, load_processor
 
 
-def constant_model(found: Found, family: str, geometry: Geometry) -> Model:
-    """A family that makes the same number of tokens of every image: its processor says how many."""
+def llava_tokens(processor: Any) -> int:
+    """What ``LlavaProcessor`` counts for any image: the vision tower's patches of the processor's crop and its
+    additional tokens, less the CLS token the "default" feature strategy drops."""
+    crop, patch = processor.image_processor.crop_size, int(processor.patch_size)
+    return ((int(crop["height"]) // patch) * (int(crop["width"]) // patch) + int(processor.num_additional_image_tokens)
+            - (processor.vision_feature_select_strategy == "default"))
+
+
+def image_seq_length(processor: Any) -> int:
+    """What ``Gemma3Processor`` and ``PaliGemmaProcessor`` count for any image: their ``image_seq_length``."""
+    return int(processor.image_seq_length)
+
+
+def constant_model(found: Found, family: str, geometry: Geometry, count: Callable[[Any], int]) -> Model:
+    """A family that makes the same number of tokens of every image: ``count`` reads it off its processor."""
     processor = load_processor(found, family)
     try:
-        tokens = int(processor._get_num_multimodal_tokens(image_sizes=[[1, 1]]).num_image_tokens[0])
+        tokens = count(processor)
     except Exception as error:
         from .base import needs_processor
 
@@ -32,7 +47,7 @@ class Llava(Family):
         pad = bool(found.image_type == "LlavaImageProcessor" and getattr(processor, "do_pad", False))
         geometry: Geometry = (ShortestEdge("llava", int(size.shortest_edge or size.height), pad)
                               if size.shortest_edge or pad else Square("llava", int(size.width), int(size.height)))
-        return constant_model(found, "llava", geometry)
+        return constant_model(found, "llava", geometry, llava_tokens)
 
 
 LLAVA = Llava(

@@ -1,4 +1,4 @@
-"""LLaVA-NeXT: the any-res grid; the count from ``LlavaNextProcessor._get_number_of_features``."""
+"""LLaVA-NeXT: the any-res grid; the count as ``LlavaNextProcessor`` makes it (``geometry.LlavaNext.tokens``)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ class LlavaNextFamily(Family):
         return found.image_type == "LlavaNextImageProcessor" and found.model_type == "llava_next"
 
     def load(self, found: Found) -> Model:
-        """The any-res geometry from the image processor, the count from ``LlavaNextProcessor`` (its
-        ``_get_number_of_features``, less the CLS token the "default" feature strategy drops)."""
+        """The any-res geometry from the image processor; the count from ``LlavaNextProcessor``'s settings (its
+        patch size and additional tokens, less the CLS token the "default" feature strategy drops)."""
         processor = load_processor(found, "llava-next")
         try:
             patch_size = int(processor.patch_size)
@@ -30,14 +30,11 @@ class LlavaNextFamily(Family):
         pinpoints = tuple((int(h), int(w)) for h, w in image_processor.image_grid_pinpoints)
         geometry = LlavaNext("llava-next", pinpoints, processed, patch_size, extra)
 
-        def count(width: int, height: int) -> int:
-            return int(processor._get_number_of_features(height, width, processed, processed)) - drops
-
         side = processed // patch_size
         # Every grid full (nothing unpadded), a newline token a row, and the base square.
         ceiling = max((h // processed * side) * (w // processed * side) + h // processed * side
                       for h, w in pinpoints) + side * side + extra
-        return Model(found.spec, "llava-next", geometry, checked(geometry, count), ceiling)
+        return Model(found.spec, "llava-next", geometry, checked(geometry, geometry.tokens), ceiling)
 
 
 LLAVA_NEXT = LlavaNextFamily(
@@ -46,5 +43,5 @@ LLAVA_NEXT = LlavaNextFamily(
     resizes_to="the size the processor brings the image to within its best `image_grid_pinpoints` resolution "
                "(`select_best_resolution`, `get_patch_output_size`); forwarded as it is where that size would count "
                "differently",
-    counts="grid patches, unpadded, + one newline a row + the base 336 px square, from `LlavaNextProcessor`",
+    counts="grid patches, unpadded, + one newline a row + the base 336 px square, as `LlavaNextProcessor` counts",
 )

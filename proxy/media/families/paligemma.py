@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from preprocessors.geometry import Square
 
 from .base import Family, Found, Model
-from .llava import constant_model
+from .llava import constant_model, image_seq_length
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class PaliGemma(Family):
 
     def load(self, found: Found) -> Model:
         size = found.image_processor.size
-        return constant_model(found, "paligemma", Square("paligemma", int(size.width), int(size.height)))
+        return constant_model(found, "paligemma", Square("paligemma", int(size.width), int(size.height)),
+                              image_seq_length)
 
 
 PALIGEMMA = PaliGemma(

@@ -114,7 +114,7 @@ def test_from_a_cold_start_auto_over_the_whole_cell_is_far_above_last_round(name
 
 @pytest.mark.parametrize("name", STEPS)
 def test_a_capacity_step_is_followed_within_5_s(name: str) -> None:
-    """Measured: 2x slower 0.99 (0.91-1.03), 2x faster 0.97 (0.96-0.99), knee 8 to 4 0.97 (0.86-1.02), batching
+    """Measured: 2x slower 0.99 (0.91-1.03), 2x faster 0.98 (0.97-0.99), knee 8 to 4 0.97 (0.86-1.02), batching
     best 8 to 4 1.01 (0.98-1.02). Last round: 0.32 (the limit gave way and stayed down), 0.94, 0.00 and 0.22 (the
     limit stayed past the new knee, and nothing completed)."""
     assert statistics.median(after_step(name)) >= 0.9
