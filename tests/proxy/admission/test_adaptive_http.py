@@ -23,6 +23,7 @@ from tests.conftest import Proxy, StartProxy, Upstream
 
 EVENT = b"data: " + b"x" * (16 << 10) + b"\n\n"
 EVENT_EVERY = 0.002  # seconds between a backend's events: a model's pace, not a wait for something
+SLOW_EVENTS = 256  # 4 MiB: more than the socket buffers between mmgate and a slow client hold (about 3 MiB here)
 HANG_BOUND = 60.0  # seconds: a bound on a hang, not a measure of speed
 AUTO = {"MMGATE_MAX_MM_CONCURRENCY": "auto", "MMGATE_MIN_MM_CONCURRENCY": "1",
         "MMGATE_MAX_MM_CONCURRENCY_AUTO": "8"}
@@ -167,6 +168,20 @@ async def _reader_of_nothing(proxy: Proxy) -> socket.socket:
     return sock
 
 
+def _dechunked(raw: bytes) -> bytes:
+    """The body of a raw chunked HTTP/1.1 answer (mmgate's chunks follow the upstream's reads, not its events)."""
+    _head, _, rest = raw.partition(b"\r\n\r\n")
+    body = bytearray()
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        body += rest[:size]
+        rest = rest[size + 2:]
+    return bytes(body)
+
+
 async def _read_to_the_end(sock: socket.socket) -> bytes:
     received = bytearray()
     async with asyncio.timeout(HANG_BOUND):
@@ -223,8 +238,8 @@ async def test_a_client_that_stops_reading_holds_its_slot_until_the_backend_is_d
     assert proxy.state.gate.counters().in_use == 1
     backend.finish.set()
     await _all_back(proxy)  # the backend is done; the client has read nothing yet
-    answer = await _read_to_the_end(sock)
-    assert answer.count(EVENT) == backend.events and b"data: [DONE]" in answer and answer.endswith(b"0\r\n\r\n")
+    raw = await _read_to_the_end(sock)
+    assert raw.endswith(b"0\r\n\r\n") and _dechunked(raw) == EVENT * backend.events + b"data: [DONE]\n\n"
     await eventually(lambda: proxy.state.in_flight == 0, "the request is done")
     assert recording.seen == []
 
@@ -244,6 +259,50 @@ async def test_a_client_that_reads_nothing_of_an_answer_beyond_the_read_ahead_ho
     await _all_back(proxy)
     answer = await _read_to_the_end(sock)
     assert b"data: [DONE]" not in answer
+
+
+async def test_slow_readers_never_keep_more_at_the_backend_than_the_limit(upstream: Upstream,
+                                                                          start_proxy: StartProxy) -> None:
+    """Issue 43's attack: six clients, each with a 4 KiB receive buffer, reading a 4 MiB streamed answer at an
+    eighth of the pace the backend generates it, under ``MMGATE_MAX_MM_CONCURRENCY_AUTO=2``. A request counts
+    until the backend has generated its answer's end (mmgate reads it ahead for its slow client, or the backend
+    waits on the client), so the backend never generates more than 2 at once; before, a slot went back at the
+    first stall, and the backend generated for every slow reader at once."""
+    holding = most = stalled = 0
+
+    async def long_stream(request: web.Request) -> web.StreamResponse:
+        nonlocal holding, most, stalled
+        holding += 1
+        most = max(most, holding)
+        try:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for _ in range(SLOW_EVENTS):
+                await response.write(EVENT)
+                stalled = max(stalled, proxy.state.connections.waiting_on_clients)
+                await asyncio.sleep(EVENT_EVERY)  # generating: a model's pace
+            await response.write(b"data: [DONE]\n\n")
+        finally:
+            holding -= 1
+        return response
+
+    upstream.route("/v1/chat/completions", long_stream)
+    proxy = await start_proxy(upstream.url, **(AUTO | {"MMGATE_MAX_MM_CONCURRENCY_AUTO": "2"}))
+
+    async def slow_reader() -> bytes:
+        sock = await _reader_of_nothing(proxy)
+        received = bytearray()
+        async with asyncio.timeout(HANG_BOUND):
+            while chunk := await asyncio.get_running_loop().sock_recv(sock, 4096):
+                received += chunk
+                await asyncio.sleep(2 * EVENT_EVERY)  # a client reading an eighth of an event a tick: its pace
+        sock.close()
+        return bytes(received)
+
+    answers = await asyncio.gather(*(slow_reader() for _ in range(6)))
+    assert all(_dechunked(answer) == EVENT * SLOW_EVENTS + b"data: [DONE]\n\n" for answer in answers)
+    assert stalled  # the answers waited on their clients: else the test tested nothing
+    assert most <= 2
 
 
 async def test_stats_show_the_controller_and_why_the_limit_last_moved(upstream: Upstream,
