@@ -29,6 +29,7 @@ from testkit.adaptive_sim import (
     CHEAP,
     CLIENTS,
     COLD_START,
+    FIXED,
     HONEST,
     SETTLED,
     STEP_AT,
@@ -103,6 +104,25 @@ def test_from_a_cold_start_auto_over_the_whole_cell_is_09_of_the_best_fixed_limi
     (the climb from 1 and the search past the knee cost most of the gap)."""
     whole, _settled = cold_start(name)
     assert statistics.median(whole) >= 0.9
+
+
+NOISY, NOISY_SEEDS = 0.3, range(7)  # service times ±30 %, seven seeds
+
+
+@pytest.mark.xfail(strict=True, reason="with a noisy backend, some cold starts settle a step off the knee")
+@pytest.mark.parametrize("name", COLD_START)
+def test_from_a_cold_start_on_a_noisy_backend_every_run_finds_the_knee(name: str) -> None:
+    """The same cold start with service times ±30 % instead of ±5 %: bench/fleet's runs over HTTP on the thrashing
+    backend (0.784, 0.943, 0.799 of the best fixed limit) look like these, not like the quiet simulator's. Goal:
+    median ≥ 0.9 and no run under 0.8. Measured, 7 seeds: batching 0.906 (0.72-0.94), thrashing 0.884 (0.70-0.92),
+    knee 0.916 (0.73-0.95): the low runs settled one step off the knee (7 for 8, 8 for 6) and the probes did not
+    bring them back within the cell."""
+    curve = COLD_START[name]
+    best = max(Simulation([Group("clients", CLIENTS, curve)], fixed=limit, jitter=NOISY).run(CELL)
+               .rate("clients", 0, CELL) for limit in FIXED)
+    whole = [Simulation([Group("clients", CLIENTS, curve)], adaptive=auto(seed), seed=seed, jitter=NOISY).run(CELL)
+             .rate("clients", 0, CELL) / best for seed in NOISY_SEEDS]
+    assert statistics.median(whole) >= 0.9 and min(whole) >= 0.8
 
 
 @pytest.mark.parametrize("name", COLD_START)
