@@ -140,7 +140,10 @@ async def _serve(request: web.Request, state: AppState, exchange: Exchange) -> w
 
     exchange.upstream_started = time.perf_counter()
     adaptive = lease is not None and settings.gate.adaptive_concurrency
-    client = state.connections.connection_for(request.protocol) if lease is not None else None
+    # A lease that lasts to the end of the answer ends when the backend is done with it, which a client that stopped
+    # reading must not put off: the relay reads ahead for it (``relay_body``), watching the client's connection.
+    to_the_end = lease is not None and release_at == "complete"
+    client = state.connections.connection_for(request.protocol) if to_the_end else None
     if adaptive and client is not None:
         client.on_stall = partial(_client_stalled, exchange)
     try:
@@ -154,12 +157,9 @@ async def _serve(request: web.Request, state: AppState, exchange: Exchange) -> w
                 lease.release()
             exchange.response = await relay_head(request, upstream,
                                                  exchange.response_headers(settings.logs.server_timing))
-            # A lease that lasts to the end of the answer ends when the backend is done with it, which a client
-            # that stopped reading must not put off: the relay reads ahead for it (``relay_body``).
-            to_the_end = lease is not None and release_at == "complete"
             await relay_body(  # which ends the upstream's answer too
                 upstream, exchange.response,
-                client_waits=client.waits_on_client if to_the_end and client is not None else None,
+                client_waits=client.waits_on_client if client is not None else None,
                 upstream_done=partial(_backend_done, state, exchange, upstream.status, is_stream)
                 if to_the_end else None)
         except BaseException:

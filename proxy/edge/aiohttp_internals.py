@@ -11,9 +11,9 @@ is checked in one module:
   body buffer or its queue of pipelined requests (``_buffer_paused`` is in 3.14.5, not in 3.14.3);
 * ``aiohttp.web.BaseSite._server``: the listening ``asyncio.Server`` a site closes when it stops
   (``aiohttp.web.TCPSite.start`` sets it the same way);
-* ``StreamResponse._payload_writer``: the response's ``StreamWriter``, whose ``write(..., drain=False)`` and
+* ``web.StreamResponse._payload_writer``: the response's ``StreamWriter``, whose ``write(..., drain=False)`` and
   ``drain()`` (public on the writer) add to the transport's buffer without waiting for the client to read it
-  down, and wait for it apart; ``StreamResponse.write`` waits every 64 KiB, even on the write that fills it.
+  down, and wait for it apart; ``web.StreamResponse.write`` waits every 64 KiB, even on the write that fills it.
 
 Checked against aiohttp ``CHECKED_FROM`` up to, not including, ``CHECKED_BELOW`` (the source of 3.14.5,
 with this suite passing); ``pyproject.toml`` bounds the dependency to that range, and
