@@ -65,7 +65,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -94,7 +93,7 @@ from testkit.adaptive_sim import (
     fixed_rates,
 )
 from testkit.media import chat_with_image, data_uri, image_bytes
-from testkit.servers import start_proxy_server
+from testkit.servers import READER_RCVBUF, reader_of_nothing, start_proxy_server
 
 BASE_SECONDS = 0.1
 
@@ -131,7 +130,6 @@ HONEST_LOOPS, ATTACKERS, HONEST_SECONDS, GIVE_UP_AFTER = 8, 2, 1.0, 0.05
 ATTACKS = ("fast answers", "refusals", "aborts")
 SLOW_LIMITS = ("auto", "4")
 WRITE_DEADLINE, SLOW_QUEUE_TIMEOUT, SLOW_AFTER, SLOW_SLACK = 5.0, 2.0, 3.0, 1.05
-SLOW_RCVBUF = 4096
 # 8 MiB of SSE events: more than every buffer between mmgate and a client that reads nothing (Linux lets a
 # socket's send buffer grow to tcp_wmem's maximum, 4 MiB by default; a 2 MiB answer fits in it whole)
 SLOW_EVENT, SLOW_EVENTS = b"data: " + b"x" * (16 << 10) + b"\n\n", 512
@@ -399,19 +397,6 @@ class AccessLogEnd(logging.Handler):
             self.at, self.code = time.perf_counter(), fields.get("code")
 
 
-async def reader_of_nothing(port: int, body: bytes) -> socket.socket:
-    """A client with a ``SLOW_RCVBUF`` receive buffer that sends ``body`` and never reads its answer."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_RCVBUF)  # before connecting: the window is agreed then
-    sock.setblocking(False)
-    loop = asyncio.get_running_loop()
-    await loop.sock_connect(sock, ("127.0.0.1", port))
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nX-Request-Id: {SLOW_ID}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
-    await loop.sock_sendall(sock, head.encode() + body)
-    return sock
-
-
 async def slow_reader_cell(limit: str) -> dict[str, Any]:
     """A client that reads nothing of its streamed answer; once its lease is granted, ``HONEST_LOOPS`` honest
     loops for ``WRITE_DEADLINE + SLOW_AFTER`` s."""
@@ -430,7 +415,7 @@ async def slow_reader_cell(limit: str) -> dict[str, Any]:
     granted = first_lease(proxy.state)
     sock = None
     try:
-        sock = await reader_of_nothing(proxy.server.port, _body("slow", image, stream=True))
+        sock = await reader_of_nothing(proxy.server.port, _body("slow", image, stream=True), SLOW_ID)
         lease = await asyncio.wait_for(granted, HANG_BOUND)
         started = time.perf_counter()
         end = started + WRITE_DEADLINE + SLOW_AFTER
@@ -639,7 +624,7 @@ def render(data: dict[str, Any]) -> str:
             lines.append(f"| {i} | {c['kind']} | {c['honest_before']:.2f} | {c['during']:.2f} | {c['after']:.2f} | "
                          f"{c['pre_limit']} | {c['limit_10s_after']} | {c['attacks']} |")
     lines += ["", f"**Slow reader**: `MMGATE_CLIENT_WRITE_TIMEOUT={WRITE_DEADLINE:g}`, "
-              f"`MMGATE_QUEUE_TIMEOUT={SLOW_QUEUE_TIMEOUT:g}`; one client with a {SLOW_RCVBUF // 1024} KiB receive "
+              f"`MMGATE_QUEUE_TIMEOUT={SLOW_QUEUE_TIMEOUT:g}`; one client with a {READER_RCVBUF // 1024} KiB receive "
               f"buffer asks for a stream of {SLOW_EVENTS * len(SLOW_EVENT) >> 20} MiB and reads nothing; then "
               f"{HONEST_LOOPS} honest loops (backend {BASE_SECONDS * 1000:.0f} ms an answer) for "
               f"{WRITE_DEADLINE + SLOW_AFTER:g} s. Seconds from its lease's grant.", "",
@@ -677,7 +662,7 @@ def main() -> None:
                         "step_at": STEP_AT, "step_cell": STEP_CELL, "settled": SETTLED,
                         "attack": list(args.attack), "base_seconds": BASE_SECONDS,
                         "slow_reader": {"write_deadline": WRITE_DEADLINE, "queue_timeout": SLOW_QUEUE_TIMEOUT,
-                                        "rcvbuf": SLOW_RCVBUF, "stream_bytes": SLOW_EVENTS * len(SLOW_EVENT)}}
+                                        "rcvbuf": READER_RCVBUF, "stream_bytes": SLOW_EVENTS * len(SLOW_EVENT)}}
     data["goals"] = goals(data)
     R.print_goals(data["goals"])
     R.write("fleet", data, render(data), args.out)

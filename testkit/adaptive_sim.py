@@ -273,7 +273,8 @@ STEPS: dict[str, tuple[Curve, Curve]] = {  # (the cell's backend, the backend af
 }
 
 
-def fixed_rates(curve: Curve, duration: float, clients: int = CLIENTS) -> dict[int, float]:
-    """Each fixed limit of ``FIXED``: its completions per second over ``duration`` in the simulator."""
-    return {limit: Simulation([Group("clients", clients, curve)], fixed=limit).run(duration)
+def fixed_rates(curve: Curve, duration: float, clients: int = CLIENTS, jitter: float = 0.05) -> dict[int, float]:
+    """Each fixed limit of ``FIXED``: its completions per second over ``duration`` in the simulator (service times
+    ±``jitter``, as ``Simulation`` takes it)."""
+    return {limit: Simulation([Group("clients", clients, curve)], fixed=limit, jitter=jitter).run(duration)
             .rate("clients", 0, duration) for limit in FIXED}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -164,3 +165,38 @@ async def start_proxy_server(upstream_url: str, **env: str) -> tuple[Proxy, Call
     site = GuardedSite(runner, "127.0.0.1", 0, app[STATE].connections)
     await site.start()
     return Proxy(site, app), runner.cleanup
+
+
+READER_RCVBUF = 4096  # bytes: the receive buffer of a client that reads nothing, so that its answer waits on it
+
+
+async def reader_of_nothing(port: int, body: bytes, request_id: str | None = None) -> socket.socket:
+    """A client with a ``READER_RCVBUF`` receive buffer (set before connecting: the window is agreed then) that
+    sends ``body`` as a chat request to 127.0.0.1:``port`` (``Connection: close``: the answer's end ends the
+    connection) and reads nothing of its answer yet."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, READER_RCVBUF)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nConnection: close\r\n"
+            + (f"X-Request-Id: {request_id}\r\n" if request_id else "")
+            + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    await loop.sock_sendall(sock, head.encode() + body)
+    return sock
+
+
+async def read_to_the_end(sock: socket.socket, bound: float = 60.0) -> bytes:
+    """What the kernel still holds for the client and the rest of its answer, until the connection ends (closed
+    or reset) or ``bound`` seconds pass (a bound on a hang); the socket is closed."""
+    loop = asyncio.get_running_loop()
+    received = bytearray()
+    try:
+        async with asyncio.timeout(bound):
+            while chunk := await loop.sock_recv(sock, 1 << 16):
+                received += chunk
+    except ConnectionResetError:
+        pass
+    finally:
+        sock.close()
+    return bytes(received)

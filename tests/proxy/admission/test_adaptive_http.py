@@ -9,7 +9,6 @@ goes back after its sample is taken, so once ``in_use`` is 0 every sample of the
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 import orjson
@@ -19,6 +18,7 @@ from proxy.admission.adaptive import AdaptiveLimit
 from proxy.admission.client import LocalGate
 from proxy.admission.sample import Sample, bucket
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
+from testkit.servers import read_to_the_end, reader_of_nothing
 from tests.conftest import Proxy, StartProxy, Upstream
 
 EVENT = b"data: " + b"x" * (16 << 10) + b"\n\n"
@@ -155,19 +155,6 @@ async def test_one_output_token_is_another_class_than_sixty_four(upstream: Upstr
     assert len(set(classes)) == 4
 
 
-async def _reader_of_nothing(proxy: Proxy) -> socket.socket:
-    """A client with a 4 KiB receive buffer that sends a streamed media request and reads nothing yet."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    loop = asyncio.get_running_loop()
-    await loop.sock_connect(sock, ("127.0.0.1", proxy.server.port))
-    body = _body(stream=True)
-    await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\nConnection: close\r\n"
-                                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    return sock
-
-
 def _dechunked(raw: bytes) -> bytes:
     """The body of a raw chunked HTTP/1.1 answer (mmgate's chunks follow the upstream's reads, not its events)."""
     _head, _, rest = raw.partition(b"\r\n\r\n")
@@ -180,15 +167,6 @@ def _dechunked(raw: bytes) -> bytes:
         body += rest[:size]
         rest = rest[size + 2:]
     return bytes(body)
-
-
-async def _read_to_the_end(sock: socket.socket) -> bytes:
-    received = bytearray()
-    async with asyncio.timeout(HANG_BOUND):
-        while chunk := await asyncio.get_running_loop().sock_recv(sock, 1 << 16):
-            received += chunk
-    sock.close()
-    return bytes(received)
 
 
 class StallingBackend:
@@ -232,13 +210,13 @@ async def test_a_client_that_stops_reading_holds_its_slot_until_the_backend_is_d
     proxy, recording = await _auto_proxy(upstream, start_proxy)
     backend = StallingBackend(proxy, after=16)  # 256 KiB after the stall: within READ_AHEAD
     upstream.route("/v1/chat/completions", backend)
-    sock = await _reader_of_nothing(proxy)
+    sock = await reader_of_nothing(proxy.server.port, _body(stream=True))
     await eventually(lambda: len(backend.counted) == backend.after, "the backend generated on after the stall")
     assert backend.counted == [1] * backend.after  # counted while the backend generates for it
     assert proxy.state.gate.counters().in_use == 1
     backend.finish.set()
     await _all_back(proxy)  # the backend is done; the client has read nothing yet
-    raw = await _read_to_the_end(sock)
+    raw = await read_to_the_end(sock, HANG_BOUND)
     assert raw.endswith(b"0\r\n\r\n") and _dechunked(raw) == EVENT * backend.events + b"data: [DONE]\n\n"
     await eventually(lambda: proxy.state.in_flight == 0, "the request is done")
     assert recording.seen == []
@@ -252,12 +230,12 @@ async def test_a_client_that_reads_nothing_of_an_answer_beyond_the_read_ahead_ho
     proxy = await start_proxy(upstream.url, **AUTO, MMGATE_CLIENT_WRITE_TIMEOUT="1")
     backend = StallingBackend(proxy, after=4096)
     upstream.route("/v1/chat/completions", backend)
-    sock = await _reader_of_nothing(proxy)
+    sock = await reader_of_nothing(proxy.server.port, _body(stream=True))
     async with asyncio.timeout(HANG_BOUND):
         await backend.ended.wait()  # cut: the backend could not write it all
     assert len(backend.counted) < backend.after and set(backend.counted) == {1}
     await _all_back(proxy)
-    answer = await _read_to_the_end(sock)
+    answer = await read_to_the_end(sock, HANG_BOUND)
     assert b"data: [DONE]" not in answer
 
 
@@ -290,7 +268,7 @@ async def test_slow_readers_never_keep_more_at_the_backend_than_the_limit(upstre
     proxy = await start_proxy(upstream.url, **(AUTO | {"MMGATE_MAX_MM_CONCURRENCY_AUTO": "2"}))
 
     async def slow_reader() -> bytes:
-        sock = await _reader_of_nothing(proxy)
+        sock = await reader_of_nothing(proxy.server.port, _body(stream=True))
         received = bytearray()
         async with asyncio.timeout(HANG_BOUND):
             while chunk := await asyncio.get_running_loop().sock_recv(sock, 4096):

@@ -18,6 +18,7 @@ from proxy.edge.connections import ConnectionGuard
 from proxy.edge.site import GuardedSite, mark_head_received
 from proxy.edge.write_deadline import WRITE_TIMEOUT_CODE, client_gone_code, stall_deadline
 from testkit.media import chat_with_image, data_uri, eventually, image_bytes
+from testkit.servers import read_to_the_end, reader_of_nothing
 from tests.conftest import StartProxy, Upstream
 
 IMAGE = data_uri(image_bytes(32, 32))
@@ -45,31 +46,6 @@ def endless_stream(upstream: Upstream, closed: asyncio.Event) -> None:
     upstream.route("/v1/chat/completions", handler)
 
 
-async def reader_that_reads_nothing(port: int, body: bytes) -> socket.socket:
-    """A client with a 4 KiB receive buffer that sends ``body`` as a streamed chat request and reads nothing."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    loop = asyncio.get_running_loop()
-    await loop.sock_connect(sock, ("127.0.0.1", port))
-    await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: mmgate\r\n"
-                                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    return sock
-
-
-async def read_to_the_end(sock: socket.socket) -> None:
-    """Read what the kernel still holds for the client, until the connection ends (closed or reset)."""
-    loop = asyncio.get_running_loop()
-    try:
-        async with asyncio.timeout(HANG_BOUND):
-            while await loop.sock_recv(sock, 1 << 16):
-                pass
-    except ConnectionResetError:
-        pass
-    finally:
-        sock.close()
-
-
 def media_stream_request() -> bytes:
     return orjson.dumps(chat_with_image(IMAGE, stream=True))
 
@@ -83,7 +59,7 @@ async def test_a_client_that_reads_nothing_is_cut_the_backend_sees_it_and_the_le
     proxy = await start_proxy(upstream.url, MMGATE_CLIENT_WRITE_TIMEOUT="0.5", MMGATE_RELEASE_AT="complete",
                               MMGATE_MAX_MM_CONCURRENCY="1", MMGATE_ACCESS_LOG="on")
     caplog.set_level(logging.INFO, logger="mmgate.access")
-    sock = await reader_that_reads_nothing(proxy.server.port, media_stream_request())
+    sock = await reader_of_nothing(proxy.server.port, media_stream_request())
     await eventually(lambda: proxy.state.gate.counters().in_use == 1, "the media request holds its lease")
     async with asyncio.timeout(HANG_BOUND):
         await closed.wait()
@@ -103,7 +79,7 @@ async def test_the_upstream_read_timeout_still_bounds_a_stall_when_the_write_dea
     closed = asyncio.Event()
     endless_stream(upstream, closed)
     proxy = await start_proxy(upstream.url, MMGATE_CLIENT_WRITE_TIMEOUT="0", MMGATE_UPSTREAM_READ_TIMEOUT="0.5")
-    sock = await reader_that_reads_nothing(proxy.server.port, media_stream_request())
+    sock = await reader_of_nothing(proxy.server.port, media_stream_request())
     async with asyncio.timeout(HANG_BOUND):
         await closed.wait()
     await read_to_the_end(sock)
