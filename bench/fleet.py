@@ -4,8 +4,13 @@ attack, against a client that reads nothing, and fair waiting.
 
 **Adaptive limit** (``MMGATE_MAX_MM_CONCURRENCY=auto``), issue 43's scenarios (``testkit.adaptive_sim``, which
 the simulator's tests in tests/proxy/admission/test_adaptive_goals.py share): 24 closed-loop clients, each sending
-its next media request when its answer comes, against a backend whose service time is set by the requests it
-holds (it sleeps, so the figures depend little on the shared machine).
+its next media request when its answer comes, against a backend that shares itself among the requests it holds,
+as a batching server's steps serve its whole batch: each request is one unit of work, done at ``1 / curve(c)``
+units a second while it holds ``c`` (it waits on timers, so the figures depend little on the shared machine).
+Shared, not fixed at each request's arrival as the simulator's: over HTTP the clients answered together send
+again a few milliseconds apart, and requests that came while the backend held fewer would keep their short times
+while the rest came after them, a rate that no server gives and that read a thrashing backend's 8 as ×1.8 of
+its 4 (it is ×1.1).
 
 - *Cold start*, 15 s cells: the issue's batching backend (3.5, 6.4, 10.7, 16, 5.3 answers/s at 1, 2, 4, 8, 16),
   a thrashing one (250 ms × max(1, (c/6)²)) and a knee (200 ms × (1 + (c-1)/4) × max(1, (c/8)²)). ``auto``
@@ -152,15 +157,17 @@ ANSWER, ONE_TOKEN = answer(16), answer(1)
 
 @dataclass
 class ModelBackend:
-    """A backend whose service time is ``curve(c, now)``, ``c`` the requests in it (this one counted); records
-    the order of arrivals. A request asking for one token is answered at once; one tagged ``refuse`` gets 400; a
-    streamed one gets ``SLOW_EVENTS`` SSE events at once."""
+    """A backend shared among the requests it holds (``serve``); records the order of arrivals. A request asking
+    for one token is answered at once; one tagged ``refuse`` gets 400; a streamed one gets ``SLOW_EVENTS`` SSE
+    events at once."""
 
     curve: Curve
-    active: int = 0
     order: list[str] = field(default_factory=list)
     server: TestServer | None = None
     started: float = field(default_factory=time.perf_counter)
+    remaining: dict[asyncio.Future[None], float] = field(default_factory=dict)  # each request's work left
+    _updated: float = 0.0
+    _timer: asyncio.TimerHandle | None = None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
@@ -172,12 +179,49 @@ class ModelBackend:
             return web.json_response(ONE_TOKEN)
         if body.get("stream"):
             return await self.stream(request)
-        self.active += 1
-        try:
-            await asyncio.sleep(self.curve(self.active, time.perf_counter() - self.started))
-        finally:
-            self.active -= 1
+        await self.serve()
         return web.json_response(ANSWER)
+
+    async def serve(self) -> None:
+        """One request's service, sharing the backend with every request it holds meanwhile: each request is one
+        unit of work, done at ``1 / curve(c, now)`` units a second while the backend holds ``c`` (as a batching
+        server's steps serve its whole batch, each step slower as the batch grows)."""
+        done = asyncio.get_running_loop().create_future()
+        self._advance()
+        self.remaining[done] = 1.0
+        self._reschedule()
+        try:
+            await done
+        finally:
+            if self.remaining.pop(done, None) is not None:  # cancelled: the client went away
+                self._advance()
+                self._reschedule()
+
+    def _advance(self) -> None:
+        now = time.perf_counter()
+        if self.remaining:
+            progress = (now - self._updated) / self.curve(len(self.remaining), now - self.started)
+            for request in self.remaining:
+                self.remaining[request] -= progress
+        self._updated = now
+
+    def _reschedule(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.remaining:
+            now = time.perf_counter()
+            left = min(self.remaining.values()) * self.curve(len(self.remaining), now - self.started)
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, left), self._finish)
+
+    def _finish(self) -> None:
+        self._timer = None
+        self._advance()
+        for request, left in list(self.remaining.items()):
+            if left <= 1e-9:
+                del self.remaining[request]
+                request.set_result(None)
+        self._reschedule()
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -2,7 +2,9 @@
 
 Closed-loop client groups (each client sends its next request as soon as its last one ended) go through an
 admission like ``gate.Gate``'s (a slot while ``in_use < limit``, else one FIFO line) to a backend whose
-service time is a function of how many requests it holds when one arrives, like ``bench/fleet.py``'s backends.
+service time is a function of how many requests it holds when one arrives (``bench/fleet.py``'s backends share
+themselves among the requests they hold instead: here a request is handed off the instant a slot frees, so each
+finds the backend as full as the limit, and the two agree).
 The controller is fed as the gate feeds it: ``load(in_use, waiting)`` on every change, ``started`` at each
 hand-off and ``ended`` when its slot goes back, ``observe`` once per normal completion, with the phase its
 request was admitted in, before its slot is given back, and ``tick`` every ``TICK_S``. Its clock is the

@@ -7,9 +7,10 @@ class (route, streamed or not, output-token and image buckets). Each class has i
 at the cruise limit, its *reference* (``class_reference``). A completion is worth its class's reference in *work*
 (seconds of typical service); its latency is read *normalised*, as its seconds over that reference. The limit
 moves in phases of a few rounds of requests. For each the controller takes the *rate*: completions per second
-per class, from each request's own delivery-rate sample (``delivery``), valued in work; the work-weighted median
-normalised latency; and whether demand kept the limit full (*busy*: at least half the time every slot was
-taken or someone waited). Rates of two phases are compared at one instant, valued with the same references.
+per class by Little's law (``occupancy``: the requests the backend held while each was there, over their seconds),
+valued in work; the work-weighted median normalised latency; and whether demand kept the limit full (*busy*: at
+least half the time every slot was taken or someone waited). Rates of two phases are compared at one instant,
+valued with the same references.
 
 What it cannot see. Failed work (errors, refusals, timeouts, aborted and stalled answers) is no sample: an
 overload that ends in errors shows only as a lower rate. Requests of one class that cost the backend more or
@@ -43,10 +44,12 @@ What it borrows, and from whom:
   a probe down if the rate held 95 % of the best lately (so that steps down cannot add up). So a batching server,
   whose latency grows with its batch while its rate still does, is climbed, and a thrashing one held at its knee. Two
   probes up in a row that raise the rate in proportion to the slots start doubling again. A phase is judged on
-  requests admitted in it and handed off once the backend holds its load (BBR's round), each a delivery-rate
-  sample. Not taken: BBR's limit of rate × minimum latency, which under-shoots a batching server, whose rate
-  grows with its batch; its probe of the minimum latency; its drain gain of 3/4 (here 7/8: a probe down that
-  loses costs a round).
+  requests admitted in it and handed off once the backend holds its load (BBR's round), each a rate sample. A
+  probe down that kept the rate is followed by the next at once, as a climb is; with nothing tried below the limit
+  startup settled on (a backend whose best is under ``START``), the cycle opens on its probe down. Not taken:
+  BBR's delivery-rate samples (``occupancy`` says why); its limit of rate × minimum latency, which under-shoots a
+  batching server, whose rate grows with its batch; its probe of the minimum latency; its drain gain of 3/4 (here
+  7/8: a probe down that loses costs a round).
 - Envoy's adaptive concurrency filter (gradient controller): the median of a phase's latencies; samples of
   requests admitted under another limit judge nothing (Envoy drops those started before its minRTT window);
   five busy phases at the floor force a probe up (Envoy re-measures after five windows at its minimum); no cut
@@ -82,7 +85,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from proxy.admission.class_reference import References
-from proxy.admission.delivery import Deliveries
+from proxy.admission.occupancy import Occupancy
 from proxy.admission.sample import Sample, SampleClass
 
 Kind = Literal["startup", "up", "down", "cruise"]
@@ -176,7 +179,8 @@ class _Phase:
     settled_at: float | None = None  # when its first request completed: the backend holds its load from here
     weight: float = 0.0  # the work of its rate samples ...
     weight_squared: float = 0.0  # ... and its square (for Kish's effective number of samples)
-    delivered: dict[SampleClass, float] = field(default_factory=dict)  # work-weighted sums of delivery rates
+    held: dict[SampleClass, float] = field(default_factory=dict)  # per class, its rate samples' mean requests held
+    held_seconds: float = 0.0  # the seconds of every rate sample
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (normalised latency, work)
     seconds: dict[SampleClass, list[float]] = field(default_factory=dict)  # cruise: each class's seconds
     longest: float = 0.0  # its longest request, in seconds
@@ -185,9 +189,9 @@ class _Phase:
     in_flight: list[float] = field(default_factory=list)  # when each of its requests at the backend now went
 
     def mix(self) -> Mix:
-        """Completions per second per class: its requests' delivery rates, averaged weighing each by its
-        class's reference (a thousand tiny answers do not outvote one long one)."""
-        return {cls: delivered / self.weight for cls, delivered in self.delivered.items()} if self.weight else {}
+        """Completions per second per class, by Little's law (``occupancy``): the mean requests held while each
+        of the class's rate samples was at the backend, summed, over the seconds of every sample."""
+        return {cls: held / self.held_seconds for cls, held in self.held.items()} if self.held_seconds else {}
 
     def median_at_least(self, ages: list[float]) -> float | None:
         """A floor under the median time at the backend of its requests, given the ages of the requests at the
@@ -232,17 +236,18 @@ class AdaptiveLimit:
         self._narrowing = False  # startup: past the knee, narrowing it down
         self._narrowed = 0
         self._narrow_steps = COLD_NARROW_STEPS
+        self._opening = False  # the cycle opened on a probe down, and goes on from a random phase after it
         self._no_growth = 0
         self._index = 0  # the phase's place in CYCLE
         self._ups = 0  # probes up in a row that raised the rate in proportion
         self._floor_phases = 0
-        self._deliveries = Deliveries()
         self._at_backend: list[float] = []  # when each request at the backend now was handed off (ascending)
         self._in_use = self._waiting = 0
         self.moves: deque[Move] = deque(maxlen=MOVES_KEPT)  # the last changes of the limit, and why
         self._why = "the start, before any sample"
         self._evidence: tuple[float, float | None, float | None, float | None] = (0.0, None, None, None)
         now = clock()
+        self._occupancy = Occupancy(now)
         self._last_at = now
         self._last_busy = False
         self._longest_before = 0.0  # the last phase's longest request
@@ -313,6 +318,7 @@ class AdaptiveLimit:
         """A request admitted in ``phase`` was handed to the backend: returns when (pass it to ``ended``)."""
         now = self._clock()
         self._at_backend.append(now)  # the clock does not go back: still ascending
+        self._occupancy.change(now, len(self._at_backend), self._at_backend[0])
         if phase == self.phase:
             self._now.in_flight.append(now)
         return now
@@ -320,6 +326,8 @@ class AdaptiveLimit:
     def ended(self, phase: int, started_at: float) -> None:
         """The request ``started`` returned ``started_at`` for left the backend, however it ended."""
         _forget(self._at_backend, started_at)
+        now = self._clock()
+        self._occupancy.change(now, len(self._at_backend), self._at_backend[0] if self._at_backend else now)
         if phase == self.phase:
             _forget(self._now.in_flight, started_at)
 
@@ -328,7 +336,6 @@ class AdaptiveLimit:
         ``limit`` changed."""
         now = self._clock()
         self.samples += 1
-        self._deliveries.add(now, sample.cls, sample.seconds)
         if phase != self.phase:  # Envoy's rule: admitted under another limit, it says nothing about this one
             return False
         current = self._now
@@ -352,8 +359,8 @@ class AdaptiveLimit:
             # In flight while the phase's first requests were: the backend still held the last phase's
             # requests. Its latency counts, its rate does not (BBR judges a gain after a round at it).
             return False
-        for cls, done in self._deliveries.during(now - sample.seconds, now).items():
-            current.delivered[cls] = current.delivered.get(cls, 0.0) + work * done / sample.seconds
+        current.held[sample.cls] = current.held.get(sample.cls, 0.0) + self._occupancy.mean(now - sample.seconds, now)
+        current.held_seconds += sample.seconds
         current.weight += work
         current.weight_squared += work * work
         if timely and (current.effective() >= self._need() or (
@@ -476,7 +483,6 @@ class AdaptiveLimit:
         self.kind = kind
         limit, before = self.cruise_limit, self.limit
         self.limit = self._up(limit) if kind == "up" else self._down(limit) if kind == "down" else limit
-        self._deliveries.shorten(max(self._now.longest, self._longest_before))
         self._longest_before = self._now.longest
         self._now = _Phase(now, self._in_use + self._waiting, lower=self.limit < before)
         if self.limit != before or not self.moves:
@@ -609,10 +615,13 @@ class AdaptiveLimit:
 
     def _finish(self) -> Kind:
         """Startup is over: cruise at the smallest limit that gave nearly the best rate."""
+        self._opening = False
         if self._table:
             rates = self._rates()
             best = max(rates.values())
             self.cruise_limit = min(limit for limit, rate in rates.items() if rate >= NEAR_BEST * best)
+            self._opening = self.cruise_limit > self.floor and all(
+                limit >= self.cruise_limit for limit in set(rates) | self._lost)
             self._why += f"; startup over: the smallest limit with {NEAR_BEST:.0%} of the best rate"
             self._top = max((mix for mix, _latency in self._table.values()), key=self.rate_of)
             self._cruise_on(*self._table[self.cruise_limit])
@@ -620,7 +629,9 @@ class AdaptiveLimit:
         self._narrowing, self._narrowed, self._no_growth = False, 0, 0
         self.mode = "probe"
         self._ups = self._floor_phases = 0
-        self._index = len(CYCLE) - 1 - self._rng.randrange(CYCLE_RAND)
+        # Nothing tried below the limit settled on (a backend whose best is under ``START``): the cycle opens on
+        # its probe down. Else it starts at a random phase.
+        self._index = 0 if self._opening else len(CYCLE) - 1 - self._rng.randrange(CYCLE_RAND)
         return self._next_in_cycle()
 
     def _next_in_cycle(self) -> Kind:
@@ -669,8 +680,14 @@ class AdaptiveLimit:
             if cruise is not None and rate >= KEEP_DOWN * self._to_keep():
                 self.cruise_limit, self.mix, self.latency = self.limit, mix, latency
                 self._why = "probe down kept the rate"
+                if self.cruise_limit > self.floor:
+                    self._index = 0
+                    return "down"  # the descent goes on, as the climb does
             else:
                 self._why = "probe down lost rate"
+            if self._opening:  # the cycle goes on from a random phase, so that replicas do not probe in step
+                self._opening = False
+                self._index = 1 + self._rng.randrange(CYCLE_RAND)
         elif self.latency is not None and latency > TOLERANCE * max(1.0, self.latency):
             # The backend slowed down under the same limit: give way. Slower than the last phases and than the
             # classes' long averages both, so that a burst of fast answers, which lowers the former, does not

@@ -108,14 +108,17 @@ def test_from_a_cold_start_auto_over_the_whole_cell_is_09_of_the_best_fixed_limi
 NOISY, NOISY_SEEDS = 0.3, range(7)  # service times ±30 %, seven seeds
 
 
-@pytest.mark.xfail(strict=True, reason="with a noisy backend, some cold starts settle a step off the knee")
-@pytest.mark.parametrize("name", COLD_START)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(
+    strict=True, reason="a noisy batching backend's 8 can read as a doubling's worth: some cold starts go on to 16"))
+    if name == "batching" else name for name in COLD_START])
 def test_from_a_cold_start_on_a_noisy_backend_every_run_finds_the_knee(name: str) -> None:
     """The same cold start with service times ±30 % instead of ±5 %: bench/fleet's runs over HTTP on the thrashing
     backend (0.784, 0.943, 0.799 of the best fixed limit) look like these, not like the quiet simulator's. Goal:
-    median ≥ 0.9 and no run under 0.8. Measured, 7 seeds: batching 0.906 (0.72-0.94), thrashing 0.884 (0.70-0.92),
-    knee 0.916 (0.73-0.95): the low runs settled one step off the knee (7 for 8, 8 for 6) and the probes did not
-    bring them back within the cell."""
+    median ≥ 0.9 and no run under 0.8. Measured, 7 seeds: thrashing 0.921 (0.90-0.93), knee 0.902 (0.89-0.95);
+    batching 0.877 (0.68-0.95): its 8 read as a doubling's worth over 4 in the low runs, the climb went on to 16,
+    where answers take 3 s, and the search back to 8 cost most of the cell. With a rate counted from completions
+    instead of Little's law (``occupancy``): thrashing 0.884 (0.70-0.92), knee 0.916 (0.73-0.95), batching 0.906
+    (0.72-0.94)."""
     curve = COLD_START[name]
     best = max(fixed_rates(curve, CELL, jitter=NOISY).values())
     whole = [Simulation([Group("clients", CLIENTS, curve)], adaptive=auto(seed), seed=seed, jitter=NOISY).run(CELL)
@@ -132,8 +135,8 @@ def test_from_a_cold_start_auto_over_the_whole_cell_is_far_above_last_round(name
 
 @pytest.mark.parametrize("name", STEPS)
 def test_a_capacity_step_is_followed_within_5_s(name: str) -> None:
-    """Measured: 2x slower 0.99 (0.91-1.03), 2x faster 0.98 (0.97-0.99), knee 8 to 4 0.97 (0.86-1.02), batching
-    best 8 to 4 1.01 (0.98-1.02). Last round: 0.32 (the limit gave way and stayed down), 0.94, 0.00 and 0.22 (the
+    """Measured: 2x slower 0.99 (0.91-1.01), 2x faster 0.93 (0.92-0.94), knee 8 to 4 0.98 (0.97-1.02), batching
+    best 8 to 4 1.01 (0.98-1.03). Last round: 0.32 (the limit gave way and stayed down), 0.94, 0.00 and 0.22 (the
     limit stayed past the new knee, and nothing completed)."""
     assert statistics.median(after_step(name)) >= 0.9
 
