@@ -11,8 +11,8 @@ from .base import Family, Found, Model, checked, load_processor, needs_processor
 
 @dataclass(frozen=True)
 class AyaVision(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type == "GotOcr2ImageProcessor" and found.model_type == "aya_vision"
+    image_types = ("GotOcr2ImageProcessor",)
+    model_types = ("aya_vision",)
 
     def load(self, found: Found) -> Model:
         image_processor = found.image_processor

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from preprocessors.geometry import Geometry, model_size
 from proxy.media.model import PROCESSOR_FILES, Model, no_video_tokens, read_json
@@ -45,7 +45,8 @@ class Found:
 class Family:
     """One family in the model mode: how it is recognised, what it loads, and its row of docs/model.md's table.
 
-    A family module defines a subclass with ``recognise`` and ``load`` and an instance of it, listed in
+    A family module defines a subclass with the ``image_types`` (and ``model_types``) it is recognised by, or
+    its own ``recognise``, and ``load``, and an instance of it, listed in
     ``proxy.media.families.FAMILIES``; the table is generated from these fields
     (``python -m proxy.media.families``)."""
 
@@ -56,8 +57,11 @@ class Family:
     kwargs: tuple[str, ...] = ()  # vLLM --mm-processor-kwargs keys whose values the processor config carries
     vllm: str = ""  # where vLLM's processing differs from transformers', and what mmgate follows
 
+    image_types: ClassVar[tuple[str, ...]] = ()  # the image processor classes it takes ...
+    model_types: ClassVar[tuple[str, ...]] = ()  # ... for these model types only (none: for any)
+
     def recognise(self, found: Found) -> bool:
-        raise NotImplementedError
+        return found.image_type in self.image_types and (not self.model_types or found.model_type in self.model_types)
 
     def load(self, found: Found) -> Model:
         raise NotImplementedError

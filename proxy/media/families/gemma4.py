@@ -11,8 +11,7 @@ from .base import Family, Found, Model, checked
 
 @dataclass(frozen=True)
 class Gemma4(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type == "Gemma4ImageProcessor"
+    image_types = ("Gemma4ImageProcessor",)
 
     def load(self, found: Found) -> Model:
         processor = found.image_processor

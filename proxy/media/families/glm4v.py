@@ -16,8 +16,7 @@ _MODEL_TYPES = {"glm4v": "glm-4.1v", "glm4v_moe": "glm-4.5v", "glm46v": "glm-4.6
 
 @dataclass(frozen=True)
 class Glm4vFamily(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type in _MODULES
+    image_types = tuple(_MODULES)
 
     def load(self, found: Found) -> Model:
         processor = found.image_processor

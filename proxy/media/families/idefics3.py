@@ -20,8 +20,7 @@ _MODULES = {
 
 @dataclass(frozen=True)
 class Idefics3Family(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type in _MODULES
+    image_types = tuple(_MODULES)
 
     def load(self, found: Found) -> Model:
         family, module = _MODULES[found.image_type]

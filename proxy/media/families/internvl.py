@@ -16,8 +16,8 @@ _TILE_TOKENS = 256
 
 @dataclass(frozen=True)
 class InternVL(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type == "GotOcr2ImageProcessor" and found.model_type == "internvl"
+    image_types = ("GotOcr2ImageProcessor",)
+    model_types = ("internvl",)
 
     def load(self, found: Found) -> Model:
         processor = found.image_processor

@@ -38,8 +38,8 @@ def constant_model(found: Found, family: str, geometry: Geometry, count: Callabl
 
 @dataclass(frozen=True)
 class Llava(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type in ("CLIPImageProcessor", "LlavaImageProcessor") and found.model_type == "llava"
+    image_types = ("CLIPImageProcessor", "LlavaImageProcessor")
+    model_types = ("llava",)
 
     def load(self, found: Found) -> Model:
         processor = found.image_processor

@@ -11,8 +11,8 @@ from .base import Family, Found, Model, checked, load_processor, needs_processor
 
 @dataclass(frozen=True)
 class LlavaNextFamily(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type == "LlavaNextImageProcessor" and found.model_type == "llava_next"
+    image_types = ("LlavaNextImageProcessor",)
+    model_types = ("llava_next",)
 
     def load(self, found: Found) -> Model:
         """The any-res geometry from the image processor; the count from ``LlavaNextProcessor``'s settings (its

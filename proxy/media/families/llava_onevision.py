@@ -14,8 +14,7 @@ _DEFAULTS = {"num_image_tokens": 729, "vision_feature_select_strategy": "full", 
 
 @dataclass(frozen=True)
 class LlavaOnevision(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type == "LlavaOnevisionImageProcessor"
+    image_types = ("LlavaOnevisionImageProcessor",)
 
     def load(self, found: Found) -> Model:
         """The geometry of LLaVA-NeXT's grid; the count of LlavaOnevisionProcessor's ``_get_num_multimodal_tokens``

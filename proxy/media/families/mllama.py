@@ -11,8 +11,7 @@ from .base import Family, Found, Model, checked, read_json
 
 @dataclass(frozen=True)
 class Mllama(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type == "MllamaImageProcessor"
+    image_types = ("MllamaImageProcessor",)
 
     def load(self, found: Found) -> Model:
         processor = found.image_processor

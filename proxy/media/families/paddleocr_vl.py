@@ -13,8 +13,7 @@ _MODULE = "transformers.models.paddleocr_vl.image_processing_pil_paddleocr_vl"
 
 @dataclass(frozen=True)
 class PaddleOCRVL(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type == "PaddleOCRVLImageProcessor"
+    image_types = ("PaddleOCRVLImageProcessor",)
 
     def load(self, found: Found) -> Model:
         processor = found.image_processor

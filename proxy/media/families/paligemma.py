@@ -12,8 +12,8 @@ from .llava import constant_model, image_seq_length
 
 @dataclass(frozen=True)
 class PaliGemma(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type == "SiglipImageProcessor" and found.model_type == "paligemma"
+    image_types = ("SiglipImageProcessor",)
+    model_types = ("paligemma",)
 
     def load(self, found: Found) -> Model:
         size = found.image_processor.size

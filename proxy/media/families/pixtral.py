@@ -16,8 +16,7 @@ _MERGE = 1
 
 @dataclass(frozen=True)
 class Pixtral(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type == "PixtralImageProcessor"
+    image_types = ("PixtralImageProcessor",)
 
     def load(self, found: Found) -> Model:
         config = read_json(found.folder / "processor_config.json") or {}

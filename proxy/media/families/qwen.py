@@ -15,8 +15,7 @@ _MODEL_TYPES = {"qwen2_vl": "qwen2-vl", "qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": 
 
 @dataclass(frozen=True)
 class Qwen(Family):
-    def recognise(self, found: Found) -> bool:
-        return found.image_type == "Qwen2VLImageProcessor"
+    image_types = ("Qwen2VLImageProcessor",)
 
     def load(self, found: Found) -> Model:
         processor = found.image_processor
