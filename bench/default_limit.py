@@ -14,10 +14,11 @@ that nobody is refused) × each client count of ``--clients``. Within a round th
 turning round by round; each mmgate lives for the whole run and is warmed with one request first. Per cell:
 req/s and the median latency (send → last byte); per round, each limit's req/s ÷ the best limit's (the limit of
 the highest median req/s at that client count). Goal: the default's req/s ≥ 0.95× the best limit's at every
-client count. Every figure is the median of
-``--rounds`` (≥ 3) with its spread.
+client count. ``auto`` (issue 43's adaptive limit) runs as one more cell, its mmgate living the whole run as the
+others do, so its limit is what it learnt by then; its req/s ÷ the best fixed limit's is recorded, the figure that
+decides whether it could be the default. Every figure is the median of ``--rounds`` (≥ 3) with its spread.
 
-    python -m bench.default_limit [--limits 2,4,8,16] [--clients 8,32] [--requests 128] [--rounds 3] [--quick]
+    python -m bench.default_limit [--limits 2,4,8,16,auto] [--clients 8,32] [--requests 128] [--rounds 3] [--quick]
 
 Writes bench/results/default_limit.md/.json.
 """
@@ -53,9 +54,15 @@ def run_cell(url: str, body: bytes, clients: int, requests: int) -> dict[str, An
             "statuses": run.statuses(), "p50_s": statistics.median(r.latency for r in ok) if ok else None}
 
 
+AUTO = "auto"
+Limit = int | str  # a fixed limit, or AUTO
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
-    limits = sorted({int(n) for n in args.limits.split(",") if n} | {usable_mm_concurrency()})
+    given = [n for n in args.limits.split(",") if n]
+    limits: list[Limit] = sorted({int(n) for n in given if n != AUTO} | {usable_mm_concurrency()})
+    limits += [AUTO] if AUTO in given else []
     clients = [int(n) for n in args.clients.split(",") if n]
     data["settings"] = {"rounds": args.rounds, "limits": limits, "clients": clients, "requests": args.requests,
                         "default": usable_mm_concurrency(), "checkpoint": CHECKPOINT, "output_tokens": OUTPUT_TOKENS}
@@ -65,7 +72,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="mmgate-default-limit-") as tmp:
         folder = REAL_CHECKPOINTS[CHECKPOINT](Path(tmp) / "model")
         stub, stub_url = start_stub("--profile", "frontend", "--tokens", str(OUTPUT_TOKENS))
-        gates: dict[int, Any] = {}
+        gates: dict[Limit, Any] = {}
         try:
             for limit in limits:
                 gates[limit] = start_mmgate(stub_url, "--model", str(folder), "--max-mm-concurrency", str(limit),
@@ -77,7 +84,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     for limit in limits[round_ % len(limits):] + limits[: round_ % len(limits)]:
                         cell = run_cell(gates[limit][1], body, n, max(args.requests, 2 * n))
                         cells.append({"limit": limit, "clients": n, "round": round_, **cell})
-                        print(f"r={round_} {n:3} clients, limit {limit:3}: {cell['rps']:6.2f} req/s, p50 "
+                        print(f"r={round_} {n:3} clients, limit {limit!s:>4}: {cell['rps']:6.2f} req/s, p50 "
                               f"{cell['p50_s'] or 0:.2f} s, {cell['statuses']}", flush=True)
             data["measured_s"] = time.monotonic() - started
         finally:
@@ -88,20 +95,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
-def figure(data: dict[str, Any], limit: int, clients: int, key: str) -> dict[int, float]:
+def figure(data: dict[str, Any], limit: Limit, clients: int, key: str) -> dict[int, float]:
     """Round → ``key`` of the cell (None-free: a cell with failed requests is left out)."""
     return {c["round"]: c[key] for c in data["cells"]
             if c["limit"] == limit and c["clients"] == clients and c["ok"] == c["sent"] and c[key] is not None}
 
 
 def best_limit(data: dict[str, Any], clients: int) -> int:
-    """The limit of the highest median req/s at ``clients`` clients."""
+    """The fixed limit of the highest median req/s at ``clients`` clients."""
     medians = {limit: R.summary(figure(data, limit, clients, "rps").values())["median"] or 0.0
-               for limit in data["settings"]["limits"]}
+               for limit in data["settings"]["limits"] if limit != AUTO}
     return max(medians, key=lambda limit: medians[limit])
 
 
-def of_best(data: dict[str, Any], limit: int, clients: int) -> list[float | None]:
+def of_best(data: dict[str, Any], limit: Limit, clients: int) -> list[float | None]:
     """``limit``'s req/s ÷ the best limit's (``best_limit``: one limit for every round, not each round's own
     maximum, which would favour whichever limit was luckiest that round), round by round."""
     mine, best = figure(data, limit, clients, "rps"), figure(data, best_limit(data, clients), clients, "rps")
@@ -110,9 +117,12 @@ def of_best(data: dict[str, Any], limit: int, clients: int) -> list[float | None
 
 def goals(data: dict[str, Any]) -> list[R.Goal]:
     s = data["settings"]
-    return [R.goal(f"default limit ({s['default']}), {n} clients: req/s ÷ the best limit's ({best_limit(data, n)})",
-                  of_best(data, s["default"], n), f"≥ {TARGET}", lambda v: v >= TARGET, unit="×")
-            for n in s["clients"]]
+    fixed = [R.goal(f"default limit ({s['default']}), {n} clients: req/s ÷ the best limit's ({best_limit(data, n)})",
+                    of_best(data, s["default"], n), f"≥ {TARGET}", lambda v: v >= TARGET, unit="×")
+             for n in s["clients"]]
+    adaptive = [R.goal(f"auto, {n} clients: req/s ÷ the best fixed limit's ({best_limit(data, n)})",
+                       of_best(data, AUTO, n), unit="×") for n in s["clients"] if AUTO in s["limits"]]
+    return fixed + adaptive
 
 
 def report(data: dict[str, Any]) -> str:
@@ -132,7 +142,8 @@ def report(data: dict[str, Any]) -> str:
         f"output tokens, streaming; closed-loop clients (`testkit.load.run_load`), at least {s['requests']} requests "
         f"a cell; {s['rounds']} rounds, the limits taking turns. The default on this machine: "
         f"**{s['default']}** (the decode workers, never under 4). Median (min–max) of the rounds; ÷ best: the "
-        "limit's req/s over the best limit's (highest median) in the same round.",
+        "limit's req/s over the best fixed limit's (highest median) in the same round; `auto`: the adaptive limit "
+        "(`MMGATE_MAX_MM_CONCURRENCY=auto`), its mmgate alive the whole run.",
         "",
         "| clients | limit | req/s | ÷ best | p50 latency s |",
         "| ---: | ---: | ---: | ---: | ---: |",
@@ -147,7 +158,7 @@ def report(data: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--limits", default="2,4,8,16", help="the default is always added")
+    ap.add_argument("--limits", default="2,4,8,16,auto", help="the default is always added")
     ap.add_argument("--clients", default="8,32")
     ap.add_argument("--requests", type=int, default=128, help="requests a cell, at least (2 a client at least)")
     ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
@@ -156,7 +167,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results path without extension [bench/results/default_limit]")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.requests, args.clients, args.limits = 1, 8, "8", "2"
+        args.rounds, args.requests, args.clients, args.limits = 1, 8, "8", "2,auto"
     if args.render:
         data = json.loads((R.RESULTS / "default_limit.json").read_text())
     else:
