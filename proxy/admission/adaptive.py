@@ -63,7 +63,9 @@ What it borrows, and from whom:
   that did not keep the limit full raises nothing (the app-limited rule). Not taken: growth
   by a fixed queue size per window, and the drift of its long average (``class_reference`` says why).
 - TCP congestion window validation (RFC 7661): a limit that demand did not fill for a whole phase comes down to
-  what demand used, so a burst (or an attack's extra connections) cannot leave it high.
+  what demand used, so a burst (or an attack's extra connections) cannot leave it high; when more demand than that
+  comes back within the non-validated period (five minutes), so does the limit it had, at once (it was measured).
+  Startup that has measured nothing yet (a lone warm-up request) waits for demand instead of ending.
 
 The controller is arithmetic on the event loop, with an injected clock and random generator. ``Gate`` calls
 ``load`` on every change of its counters, ``started`` and ``ended`` around each request's time at the backend,
@@ -134,6 +136,7 @@ STUCK = 3.0  # a probe down gives way when the requests at the backend are this 
 MIN_GRADIENT = 0.5  # Gradient2Limit and Envoy: no one cut deeper than this
 BUSY_SHARE = 0.5  # Gradient2Limit: under half-full is app-limited (there: inflight < limit / 2)
 FLOOR_PHASES = 5  # Envoy: this many windows at the minimum force a new measurement
+NON_VALIDATED_S = 300.0  # RFC 7661's non-validated period: how long a limit lowered for want of demand comes back
 STARTUP_SAMPLES, PHASE_SAMPLES = 2, 8  # a phase needs max(this, 1 or 2 × its limit) samples (BBR: 1 or 2 rounds)
 EARLY_SAMPLES = 4  # a probe down that loses already is ended after this many
 PHASE_MIN_S = 0.2  # BBR bbr_probe_rtt_mode_ms is 200 ms: no phase judged on less
@@ -237,6 +240,7 @@ class AdaptiveLimit:
         self._narrowed = 0
         self._narrow_steps = COLD_NARROW_STEPS
         self._opening = False  # the cycle opened on a probe down, and goes on from a random phase after it
+        self._validated: tuple[int, float] | None = None  # a limit lowered for want of demand, and when
         self._no_growth = 0
         self._index = 0  # the phase's place in CYCLE
         self._ups = 0  # probes up in a row that raised the rate in proportion
@@ -296,7 +300,25 @@ class AdaptiveLimit:
             phase.started_at, phase.busy_seconds = now, 0.0
         phase.peak = max(phase.peak, in_use + waiting)
         self._settle_down(now)
+        validated = self._validated
+        if validated is not None and waiting and in_use + waiting > self.cruise_limit:
+            self._validated = None
+            return self._demand_is_back(now, *validated)
         return self._out_of_time(now) and self._end(now)
+
+    def _demand_is_back(self, now: float, limit: int, lowered_at: float) -> bool:
+        """RFC 7661: demand is more than a limit lowered for want of it (requests wait, and more than the limit
+        arrived): the limit it had comes back at once (measured before, it is known to pay), unless that was longer
+        ago than the non-validated period."""
+        if now - lowered_at > NON_VALIDATED_S or limit <= self.cruise_limit or self.mode != "probe":
+            return False
+        before = self.limit
+        self.cruise_limit = limit
+        self._cruise_on(None, None)
+        self._why = f"demand is back: the limit it had, {limit}"
+        self._index = len(CYCLE) - 1  # a cruise at it first: measured before a probe moves it
+        self._begin(now, "cruise")
+        return self.limit != before
 
     def tick(self) -> bool:
         """The gate calls this every ``TICK_S``: a phase that ran out of time, or whose requests have been at
@@ -531,6 +553,9 @@ class AdaptiveLimit:
         if measured is None:
             return "startup"
         if isinstance(measured, AppLimited):
+            if not self._table and not self._narrowing:  # nothing measured yet: startup waits for demand
+                self._why = "startup: demand did not fill the limit yet"
+                return "startup"
             self._why = "demand did not fill the limit"
             return self._finish()
         mix, latency = measured
@@ -652,6 +677,8 @@ class AdaptiveLimit:
                 self._why = "probe up paid, up to what demand used"
                 self._cruise_on(mix, unfilled_latency)
             elif self._now.peak < limit:  # RFC 7661: a limit that demand left unused comes down to what it used
+                if self._validated is None or self._validated[0] < limit:
+                    self._validated = (limit, self._clock())
                 self.cruise_limit = max(self.floor, self._now.peak)
                 self._why = f"demand used only {self._now.peak}"
                 # what was used, not what it could

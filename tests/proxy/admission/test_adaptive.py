@@ -19,7 +19,7 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.admission.adaptive import MIN_GRADIENT, START, AdaptiveLimit
+from proxy.admission.adaptive import MIN_GRADIENT, NON_VALIDATED_S, START, AdaptiveLimit
 from proxy.admission.gate import Gate
 from proxy.admission.lease import Lease
 from proxy.admission.sample import Sample, SampleClass
@@ -253,6 +253,37 @@ def test_a_limit_demand_does_not_fill_never_grows_and_comes_down_to_what_was_use
     run = Simulation(groups, adaptive=auto(), seed=0).run(40)
     assert run.cruise_at(19) == 16
     assert {run.cruise_at(25 + t / 10) for t in range(150)} == {4}
+
+
+def test_startup_waits_for_demand_that_fills_the_limit() -> None:
+    """One request (a warm-up, a health probe with an image), a minute of nothing, then 16 clients: startup
+    measured nothing busy before, so it doubles from ``START`` when they come: 16 within a second. Measured: 153
+    answers/s over the 10 s, where ending startup on the lone request left the limit at 4 for 3 s, climbing by
+    probes to 12 by 4 s and 15 by 6 s (113 answers/s)."""
+    groups = [Group("warm", 1, flat(0.1), stop=0.05), Group("clients", 16, flat(0.1), start=60)]
+    run = Simulation(groups, adaptive=auto(), seed=0).run(70)
+    assert run.cruise_at(59) == START
+    assert run.cruise_at(61.5) >= 14
+
+
+def test_a_limit_lowered_for_want_of_demand_comes_back_when_demand_does() -> None:
+    """RFC 7661: 16 clients for 20 s, 2 for 20 s (the limit comes down to what they use), then 16 again: the limit
+    they had comes back at once, where a climb from 2 would take seconds."""
+    groups = [Group("steady", 2, flat(0.1)), Group("burst", 14, flat(0.1), stop=20),
+              Group("again", 14, flat(0.1), start=40)]
+    run = Simulation(groups, adaptive=auto(), seed=0).run(45)
+    assert run.cruise_at(19) >= 14
+    assert run.cruise_at(39) <= 3
+    assert run.cruise_at(40.05) >= 14
+
+
+def test_after_the_non_validated_period_a_lowered_limit_stays_lowered() -> None:
+    """After ``NON_VALIDATED_S`` the limit it had is forgotten: the backend may have changed meanwhile."""
+    groups = [Group("steady", 2, flat(0.1)), Group("burst", 14, flat(0.1), stop=20),
+              Group("again", 14, flat(0.1), start=30 + NON_VALIDATED_S)]
+    run = Simulation(groups, adaptive=auto(), seed=0).run(31 + NON_VALIDATED_S)
+    assert run.cruise_at(19) >= 14
+    assert run.cruise_at(30.05 + NON_VALIDATED_S) <= 3
 
 
 def test_samples_of_requests_admitted_in_an_earlier_phase_judge_nothing() -> None:
