@@ -381,7 +381,10 @@ class AdaptiveLimit:
             # In flight while the phase's first requests were: the backend still held the last phase's
             # requests. Its latency counts, its rate does not (BBR judges a gain after a round at it).
             return False
-        current.held[sample.cls] = current.held.get(sample.cls, 0.0) + self._occupancy.mean(now - sample.seconds, now)
+        # At least itself: the backend held it all along, whenever the gate heard of its hand-off (a front
+        # process's message comes a little after it).
+        held = max(1.0, self._occupancy.mean(now - sample.seconds, now))
+        current.held[sample.cls] = current.held.get(sample.cls, 0.0) + held
         current.held_seconds += sample.seconds
         current.weight += work
         current.weight_squared += work * work
@@ -691,7 +694,7 @@ class AdaptiveLimit:
         rate, cruise = self.rate_of(mix), self.rate
         if kind == "up":
             if cruise is not None and rate >= (1 + GROW_MIN) * cruise:
-                self._why = f"probe up paid: the rate grew ×{rate / cruise:.2f}"
+                self._why = f"probe up paid: the rate grew ×{rate / cruise:.2f}" if cruise else "probe up paid"
                 in_proportion = rate >= cruise * (1 + PROPORTIONAL * (self.limit / limit - 1))
                 self.cruise_limit = self.limit
                 self._cruise_on(mix, latency)
