@@ -77,8 +77,10 @@ async def servers() -> AsyncIterator[Servers]:
 
 
 @contextlib.asynccontextmanager
-async def _servers(models: dict[str, Any] | None = None, **env: str) -> AsyncIterator[Servers]:
-    """``models``: what the upstream answers to GET /v1/models (without it, 404: it names no model)."""
+async def _servers(models: dict[str, Any] | None = None, answer_after: float = 0.0, **env: str
+                   ) -> AsyncIterator[Servers]:
+    """``models``: what the upstream answers to GET /v1/models (without it, 404: it names no model);
+    ``answer_after``: the seconds the upstream takes over each chat answer (its service time)."""
     hold = asyncio.Event()
     hold.set()
     arrived: asyncio.Queue[None] = asyncio.Queue()
@@ -87,6 +89,8 @@ async def _servers(models: dict[str, Any] | None = None, **env: str) -> AsyncIte
         await request.read()
         arrived.put_nowait(None)
         await hold.wait()
+        if answer_after:
+            await asyncio.sleep(answer_after)
         return web.json_response(CHAT_COMPLETION)
 
     async def health(request: web.Request) -> web.Response:
@@ -460,7 +464,7 @@ async def test_dashboard_and_stats_name_the_model_in_force_or_why_none_is(
 async def test_dashboard_draws_the_adaptive_limit_as_it_moves(page: Any) -> None:
     """MMGATE_MAX_MM_CONCURRENCY=auto: the page says auto, its limit follows mmgate_gate_limit up from where the
     controller starts, and it shows the controller's phase and why the limit last moved, as /mmgate/stats does."""
-    async with _servers(MMGATE_MAX_MM_CONCURRENCY="auto", MMGATE_MIN_MM_CONCURRENCY="1",
+    async with _servers(answer_after=0.2, MMGATE_MAX_MM_CONCURRENCY="auto", MMGATE_MIN_MM_CONCURRENCY="1",
                         MMGATE_MAX_MM_CONCURRENCY_AUTO="8", MMGATE_MAX_QUEUE="16") as servers:
         await page.goto(servers.proxy_url + "/mmgate/dashboard")
         await page.wait_for_function("() => window.mmgateDashboard && window.mmgateDashboard.polls >= 1",
@@ -478,8 +482,10 @@ async def test_dashboard_draws_the_adaptive_limit_as_it_moves(page: Any) -> None
                 assert await _post(client, servers.proxy_url, media=True) == 200
 
         async with aiohttp.ClientSession() as client:
-            # Quick answers at a steady latency from more client loops than the limit, so demand keeps it
-            # full (a limit that demand leaves unfilled does not grow): it doubles from its start.
+            # Answers at a steady 200 ms from more client loops than the limit, so demand keeps it full (a limit
+            # that demand leaves unfilled does not grow) and the rate grows with it: it doubles from its start.
+            # (With instant answers the rate is mmgate's own decode pool's, flat from 2 requests with 2 decode
+            # processes: the limit probes down that plateau instead.)
             await asyncio.gather(*(client_loop(client) for _ in range(8)))
         grown = servers.state.gate.counters().limit
         assert grown > START
