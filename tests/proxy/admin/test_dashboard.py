@@ -424,7 +424,7 @@ async def test_dashboard_and_stats_name_the_model_in_force_or_why_none_is(
         answer = _vllm_models("qwen", folder)
     elif case == "off":
         env["MMGATE_MODEL"], answer = "none", None
-    async with _servers(models=answer, **env) as servers:
+    async with _servers(models=answer, answer_after=0.0, **env) as servers:
         await page.goto(servers.proxy_url + "/mmgate/dashboard")
         # Found in the background: the page shows the lookup's outcome once it has ended.
         shown = ("() => document.querySelector('[data-testid=\"model-family\"]').dataset.value === 'qwen2-vl'"
