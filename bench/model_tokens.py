@@ -39,6 +39,7 @@ from PIL import Image
 
 from bench import _results as R
 from preprocessors.base import ImagePolicy
+from preprocessors.dataurl import Base64Ends
 from preprocessors.dimensions import peek_dimensions
 from preprocessors.image import process_image
 from proxy.media.model import Model
@@ -84,7 +85,7 @@ def estimate_us(model: Model, payload: bytes, count: int) -> float:
     """Microseconds per image for the header read and the token count (what the plan step adds)."""
     started = time.perf_counter()
     for _ in range(count):
-        found = peek_dimensions(payload)
+        found = peek_dimensions(Base64Ends(payload).head)
         assert found is not None
         model.image_tokens(found.width, found.height, found.orientation)
     return (time.perf_counter() - started) / count * 1e6

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import binascii
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pybase64
 
@@ -111,6 +111,34 @@ def decode_tail(payload: bytes | memoryview, tail_bytes: int) -> bytes:
     length is no multiple of 4 is refused as the whole would be; the rest of the payload is not read."""
     start = max(0, len(payload) - tail_bytes // 3 * 4) // 4 * 4
     return _strict(payload[start:] if start else payload, offset=start)
+
+
+@dataclass(slots=True)
+class Base64Ends:
+    """Base64 read from its ends only, each stretch decoded once however often it is asked for: an inline image's
+    header is read by the header check, the bound on what is forwarded and the served model's plan alike.
+    ``head(n)`` is ``decode_head``'s, ``tail(n)`` ``decode_tail``'s, each raising what they raise. It holds a view
+    into the request's body: keep it only while the body is read on the loop, never across an await."""
+
+    payload: bytes | memoryview
+    _heads: dict[int, bytes] = field(default_factory=dict)
+    _tails: dict[int, bytes] = field(default_factory=dict)
+
+    def size(self) -> int:
+        """What the payload decodes to, in bytes, from its length (``checked_size`` without its checks)."""
+        return decoded_size(len(self.payload)) - _padding(self.payload) if self.payload else 0
+
+    def head(self, head_bytes: int) -> bytes:
+        data = self._heads.get(head_bytes)
+        if data is None:
+            data = self._heads[head_bytes] = decode_head(self.payload, head_bytes)
+        return data
+
+    def tail(self, tail_bytes: int) -> bytes:
+        data = self._tails.get(tail_bytes)
+        if data is None:
+            data = self._tails[tail_bytes] = decode_tail(self.payload, tail_bytes)
+        return data
 
 
 def _strict(payload: bytes | memoryview, offset: int = 0) -> bytes:

@@ -14,10 +14,10 @@ Pillow on the whole file.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from io import BytesIO
 
-import pybase64
 from PIL import Image
 
 from .errors import MediaError
@@ -37,19 +37,18 @@ class Dimensions:
     orientation: int = 1
 
 
-def peek_dimensions(payload: bytes | memoryview) -> Dimensions | None:
-    """The dimensions of the image whose base64 ``payload`` this is; None when its head does not say (not
-    base64, not an accepted format, a header longer than ``MAX_HEAD_BYTES``): the decode worker then refuses
-    the image or measures it, and this estimate counts nothing for it."""
+def peek_dimensions(head: Callable[[int], bytes]) -> Dimensions | None:
+    """The dimensions of an image from its first bytes, ``head(n)`` giving the first ``n`` decoded (fewer: the
+    whole file; ``dataurl.Base64Ends.head`` for base64); None when its head does not say (not base64, not an
+    accepted format, a header longer than ``MAX_HEAD_BYTES``): the decode worker then refuses the image or
+    measures it, and this estimate counts nothing for it."""
     for head_bytes in (*HEAD_STEPS, MAX_HEAD_BYTES):
-        chars = head_bytes // 3 * 4
-        head = payload[:chars]
         try:
-            data = pybase64.b64decode(head, validate=True)
-        except ValueError:
+            data = head(head_bytes)
+        except MediaError:
             return None
         found = _from_head(data)
-        if found is not None or len(head) < chars:
+        if found is not None or len(data) < head_bytes // 3 * 3:
             return found
     return None
 

@@ -16,8 +16,8 @@ from functools import partial
 
 from .audio import sniff_audio_format, validate_audio
 from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaKind, VideoPolicy, no_checkpoint
-from .dataurl import checked_size, decode_base64, decode_head, decode_tail, encode_base64
-from .dimensions import MAX_HEAD_BYTES, header_dimensions, peek_dimensions
+from .dataurl import Base64Ends, checked_size, decode_base64, encode_base64
+from .dimensions import Dimensions
 from .errors import MediaError, MmgateError, rebuild
 from .formats import image_mime
 from .geometry import KnownTargets, known_targets, planned_targets
@@ -100,25 +100,19 @@ def run_task(task: MediaTask, payload: Payload, checkpoint: Checkpoint) -> Verdi
         raise error.at(task.path) from None
 
 
-def with_planned_targets(task: MediaTask, payload: bytes | memoryview) -> MediaTask:
+def with_planned_targets(task: MediaTask, found: Dimensions | None) -> MediaTask:
     """``task`` carrying the served model's answers for its image (``geometry.planned_targets``), worked out here
-    from its header (base64, or a fetched body), where the processor's helpers are loaded already: a decode
+    from the size its header says (``dimensions``), where the processor's helpers are loaded already: a decode
     worker process then never imports them. The task as it is without a model, for other media, or where the
     header does not say the image's size."""
     geometry = task.image_policy.geometry
-    if task.kind != "image" or geometry is None:
-        return task
-    if task.fetched_mime is None:
-        found = peek_dimensions(payload)
-    else:
-        found = header_dimensions(bytes(payload[:MAX_HEAD_BYTES]))
-    if found is None:
+    if task.kind != "image" or geometry is None or found is None:
         return task
     return replace(task, known_targets=planned_targets(geometry, found.width, found.height))
 
 
-def judge_head(task: MediaTask, payload: bytes | memoryview) -> Verdict | None:
-    """An inline image's verdict from the head of its base64 alone, where its header decides
+def judge_head(task: MediaTask, ends: Base64Ends) -> Verdict | None:
+    """An inline image's verdict from the ends of its base64 alone, where its header decides
     (``image.judge_header``: header validation, nothing to resize): the decoded size from the payload's length,
     format, size and frames from its first bytes, and whether it is whole from its last; nothing between them is
     decoded, so the rest of the file (its base64 included) is the backend's to read, as it reads every image
@@ -127,8 +121,8 @@ def judge_head(task: MediaTask, payload: bytes | memoryview) -> Verdict | None:
     if task.kind != "image" or task.fetched_mime is not None or task.image_policy.validate != "header":
         return None
     try:
-        size = checked_size(payload, task.max_bytes)
-        mime = judge_header(partial(decode_head, payload), partial(decode_tail, payload), size, task.image_policy)
+        size = checked_size(ends.payload, task.max_bytes)
+        mime = judge_header(ends.head, ends.tail, size, task.image_policy)
     except MediaError as error:
         raise error.at(task.path) from None
     return None if mime is None else Verdict(size, size, mime.encode())

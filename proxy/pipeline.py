@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from aiohttp import HttpVersion11, hdrs, web
 
+from preprocessors.dataurl import Base64Ends
 from preprocessors.errors import (
     EXPECTATION_FAILED,
     INVALID_TIMEOUT_HEADER,
@@ -267,7 +268,7 @@ def warm_up_request_path(step: MediaStep, limits: Limits) -> None:
         + image + b'"}}]}]}'
     chunks_may_contain_media([body])
     for item in plan_media("chat", body, limits).items:
-        judge_head(step.task(item), image)
+        judge_head(step.task(item), Base64Ends(image))
 
 
 async def _in_steps(steps: Steps[T]) -> T:

@@ -25,21 +25,21 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from io import BytesIO
 
 from PIL import Image
 
 from preprocessors.base import ImagePolicy
-from preprocessors.dataurl import checked_size, decode_head
+from preprocessors.dataurl import Base64Ends
 from preprocessors.dimensions import HEAD_STEPS, Dimensions, header_dimensions, peek_dimensions
 from preprocessors.errors import MediaError
 from preprocessors.formats import sniff_image_format
 from preprocessors.geometry import QwenVL, Square
 from preprocessors.handoff import handoff_target
 from preprocessors.image import fit_within
-from proxy.payload.item import BodyRef, MediaItem
+from proxy.payload.item import MediaItem
 
 # What a rewritten token adds besides its base64: ``"data:image/jpeg;base64,"`` and its quotes, or an
 # Anthropic ``media_type`` rewritten beside it.
@@ -164,15 +164,14 @@ def _largest_output_pixels(policy: ImagePolicy) -> int:
     return largest
 
 
-def inline_header(payload: bytes | memoryview) -> Header | None:
+def inline_header(ends: Base64Ends) -> Header | None:
     """The header of an inline image from its base64: the dimensions as the token count reads them, and the
     alpha from the first KiBs; None when it is not base64 of an accepted image (the decode refuses it)."""
     try:
-        head = decode_head(payload, HEAD_STEPS[0])
-        file_bytes = checked_size(payload, len(payload))
+        head = ends.head(HEAD_STEPS[0])
     except MediaError:
         return None
-    return read_header(head, peek_dimensions(payload), file_bytes)
+    return read_header(head, peek_dimensions(ends.head), ends.size())
 
 
 def fetched_header(data: bytes) -> Header | None:
@@ -206,9 +205,11 @@ class ForwardEstimate:
         return self.received + max(0, grown)
 
 
-def estimate(items: Sequence[MediaItem], body: BodyRef, received: int, policy: ImagePolicy) -> ForwardEstimate:
-    """What ``items`` (inline, and fetched once read) will forward, from their headers. Only a rewritten image
-    changes size: audio and video go as they came, and a fetched body goes as its bytes in base64 at least."""
+def estimate(items: Sequence[MediaItem], ends: Mapping[int, Base64Ends], received: int,
+             policy: ImagePolicy) -> ForwardEstimate:
+    """What ``items`` (inline, each image's base64 read at its ``ends``, by plan index; and fetched once read)
+    will forward, from their headers. Only a rewritten image changes size: audio and video go as they came, and
+    a fetched body goes as its bytes in base64 at least."""
     forward = ForwardEstimate(received)
     for item in items:
         if item.span is None or (item.source == "fetched" and item.fetched is None):
@@ -219,6 +220,6 @@ def estimate(items: Sequence[MediaItem], body: BodyRef, received: int, policy: I
                 file = max(file, forwarded_file_bytes(fetched_header(item.fetched), policy))
             forward.set(item, base64_length(file))
         elif item.kind == "image" and policy.resizes:  # else no inline image is re-encoded: no header to read
-            file = forwarded_file_bytes(inline_header(item.payload(body)), policy)
+            file = forwarded_file_bytes(inline_header(ends[item.index]), policy)
             forward.set(item, base64_length(file) if file else 0)
     return forward

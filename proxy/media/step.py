@@ -12,7 +12,9 @@ item's bytes come from (``MediaItem.source``: inline base64, or a fetched URL):
 
 1. **Judge by the header** every inline image its header decides (header validation, nothing to resize:
    ``job.judge_head``), here on the loop from the head of its base64: hashing it would cost more than judging
-   it, so it is never keyed, cached or sent to the pool. It is weighed at the gate all the same.
+   it, so it is never keyed, cached or sent to the pool. It is weighed at the gate all the same. Each inline
+   image's base64 is read at its ends once (``dataurl.Base64Ends``): for this judge, the bound below and the
+   served model's plan of its resize.
 2. **Bound what is forwarded** (``forwarded.estimate``): what each image mmgate will rewrite becomes, from its
    header, the resize and the handoff format. A body that would be forwarded over MMGATE_MAX_BODY_MB is
    refused here, 413 ``body_too_large``, with nothing hashed, admitted or decoded: what mmgate sends upstream
@@ -58,6 +60,8 @@ from dataclasses import dataclass
 from functools import partial
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
+from preprocessors.dataurl import Base64Ends
+from preprocessors.dimensions import MAX_HEAD_BYTES, header_dimensions, peek_dimensions
 from preprocessors.errors import BODY_TOO_LARGE, PREPROCESS_TIMEOUT, MediaError, MmgateError
 from preprocessors.job import MediaJob, MediaTask, Verdict, judge_head, with_planned_targets
 from preprocessors.pool import Batch, DecodePool
@@ -133,9 +137,13 @@ class MediaStep:
         leading: list[bytes] = []  # the keys this request leads: settled when it decodes them, given up otherwise
         try:
             started = time.perf_counter()
-            judged_by_header = self._judge_heads(plan, inline, body, verdicts)
+            # Each inline image's header is read once, here: its ends are let go before the first await.
+            ends = {item.index: Base64Ends(item.payload(body)) for item in inline if item.kind == "image"}
+            judged_by_header = self._judge_heads(plan, inline, ends, verdicts)
             inline = [item for item in inline if item.key not in verdicts]
-            forward = estimate(inline, body, len(media.data), self.policies.image)
+            forward = estimate(inline, ends, len(media.data), self.policies.image)
+            tasks = {item.index: self._planned(item, ends.get(item.index)) for item in inline}
+            del ends
             self._bound_forward(plan, forward)
             await self.cache.key_items(inline, body)
             misses = await self._look_up(inline, verdicts, leading, may_wait=True)
@@ -157,7 +165,7 @@ class MediaStep:
                     await self.cache.key_items(urls.items, body)
                     misses += await self._look_up(urls.items, verdicts, leading, may_wait=not leading)
                     self._refuse_cached(plan, urls.items, verdicts)
-                    fetched_forward = estimate(urls.items, body, 0, self.policies.image)
+                    fetched_forward = estimate(urls.items, {}, 0, self.policies.image)
                     forward.replaced.update(fetched_forward.replaced)
                     forward.token_bytes.update(fetched_forward.token_bytes)
                     self._bound_forward(plan, forward)
@@ -166,7 +174,7 @@ class MediaStep:
                 if misses:
                     started = time.perf_counter()
                     try:
-                        await self._decode(lease, plan, _first_of_each(items, misses), body, verdicts)
+                        await self._decode(lease, plan, _first_of_each(items, misses), body, tasks, verdicts)
                     finally:
                         watch.add("preprocess", time.perf_counter() - started)
                 for _hit in range(len(items) - len(misses) - len(judged_by_header)):  # every item the cache answered
@@ -199,20 +207,36 @@ class MediaStep:
         urls = [item for item in items if item.source == "fetched"]
         return _UrlItems(self.fetcher, urls) if urls else None
 
-    def _job(self, item: MediaItem, body: BodyRef) -> MediaJob:
-        """The item as a job for either pool: its task (with the served model's answers for its header,
-        ``job.with_planned_targets``), and its payload read on demand (``MediaItem.payload``)."""
-        return MediaJob(with_planned_targets(self.task(item), item.payload(body)), partial(item.payload, body))
+    def _planned(self, item: MediaItem, ends: Base64Ends | None) -> MediaTask:
+        """The item's task, with the served model's answers for its image where its header says its size
+        (``job.with_planned_targets``): read from the ``ends`` of an inline image's base64, or from a fetched
+        body's first bytes."""
+        task = self.task(item)
+        if task.kind != "image" or task.image_policy.geometry is None:
+            return task
+        if ends is not None:
+            return with_planned_targets(task, peek_dimensions(ends.head))
+        if item.fetched is not None:
+            return with_planned_targets(task, header_dimensions(item.fetched[:MAX_HEAD_BYTES]))
+        return task
 
-    def _judge_heads(self, plan: Plan, inline: list[MediaItem], body: BodyRef,
+    def _job(self, item: MediaItem, body: BodyRef, tasks: dict[int, MediaTask]) -> MediaJob:
+        """The item as a job for either pool: its task (``_planned``), and its payload read on demand
+        (``MediaItem.payload``)."""
+        task = tasks.get(item.index) or self._planned(item, None)
+        return MediaJob(task, partial(item.payload, body))
+
+    def _judge_heads(self, plan: Plan, inline: list[MediaItem], ends: dict[int, Base64Ends],
                      verdicts: dict[bytes, Verdict]) -> list[MediaItem]:
         """The inline images whose header alone decides them (``job.judge_head``), judged here on the loop from
-        the head of their base64: nothing to hash, cache or decode. Each gets a key of its own and its verdict;
-        a refusal refuses the request."""
+        the ``ends`` of their base64: nothing to hash, cache or decode. Each gets a key of its own and its
+        verdict; a refusal refuses the request."""
         judged_by_header = []
         for item in inline:
+            if item.index not in ends:
+                continue
             try:
-                verdict = judge_head(self.task(item), item.payload(body))
+                verdict = judge_head(self.task(item), ends[item.index])
             except MediaError:
                 self._count_items(plan.items, "rejected")
                 raise
@@ -274,7 +298,7 @@ class MediaStep:
             watch.add("fetch", time.perf_counter() - started)
 
     async def _decode(self, lease: GateLease, plan: Plan, missed: list[MediaItem], body: BodyRef,
-                      verdicts: dict[bytes, Verdict]) -> None:
+                      tasks: dict[int, MediaTask], verdicts: dict[bytes, Verdict]) -> None:
         """Decode ``missed`` on the pool; settle each key as its item finishes (refusals too)."""
         cache = self.cache
         batch = self.pool.batch()
@@ -290,7 +314,7 @@ class MediaStep:
             elif isinstance(error, MediaError):  # the media's own fault: kept, so it is refused again undecoded
                 done[item.key] = refused(error, item.size)
 
-        jobs = [self._job(item, body) for item in missed]
+        jobs = [self._job(item, body, tasks) for item in missed]
         try:
             await batch.run(jobs, self.preprocess_timeout, record)
         except (MediaError, TimeoutError) as exc:

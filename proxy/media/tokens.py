@@ -13,6 +13,7 @@ An image the processor itself refuses (Qwen: an aspect ratio over 200) is 400 ``
 
 from __future__ import annotations
 
+from preprocessors.dataurl import Base64Ends
 from preprocessors.dimensions import peek_dimensions
 from preprocessors.errors import MediaError
 from proxy.media.model import Model
@@ -32,7 +33,7 @@ def plan_image_tokens(model: Model, plan: Plan, body: bytes) -> list[int]:
             payload: bytes | memoryview = view[span.start + 1 + item.payload_offset : span.end - 1]
         else:
             payload = inline_value(body, item)[item.payload_offset :]
-        found = peek_dimensions(payload)
+        found = peek_dimensions(Base64Ends(payload).head)
         if found is None:
             counts.append(model.most_tokens)
             continue

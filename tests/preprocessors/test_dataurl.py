@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pybase64
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from preprocessors.dataurl import (
+    Base64Ends,
     DataUrl,
+    checked_size,
     decode_base64,
+    decode_head,
     decode_tail,
     decoded_size,
     encode_base64,
@@ -122,3 +127,25 @@ def test_decode_tail_names_a_stray_byte_by_its_offset_in_the_whole_payload() -> 
     assert f"at offset {len(payload) - 10} " in error.message
     error = expect_error("invalid_base64", lambda: decode_tail(payload + b"QQ", 300))
     assert f"{len(payload) + 2} characters with wrong length" in error.message
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=600), head_bytes=st.integers(3, 700), tail_bytes=st.integers(3, 700),
+       view=st.booleans())
+def test_base64_ends_read_what_the_functions_read_each_stretch_once(data: bytes, head_bytes: int, tail_bytes: int,
+                                                                   view: bool) -> None:
+    """``Base64Ends`` gives what ``decode_head``, ``decode_tail`` and ``checked_size`` give, and a second ask of the
+    same stretch is the bytes already decoded, not a new decode."""
+    payload = pybase64.b64encode(data)
+    ends = Base64Ends(memoryview(payload) if view else payload)
+    assert ends.size() == (checked_size(payload, len(data)) if data else 0) == len(data)
+    head, tail = ends.head(head_bytes), ends.tail(tail_bytes)
+    assert head == decode_head(payload, head_bytes) and tail == decode_tail(payload, tail_bytes)
+    assert ends.head(head_bytes) is head and ends.tail(tail_bytes) is tail
+
+
+def test_base64_ends_refuse_what_the_functions_refuse() -> None:
+    ends = Base64Ends(b"QUJD!!!!" * 4)
+    for read in (ends.head, ends.tail):
+        error = expect_error("invalid_base64", partial(read, 300))
+        assert "!" in str(error)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from PIL import Image, PngImagePlugin
 
 from preprocessors.base import AudioPolicy, ImagePolicy
+from preprocessors.dataurl import Base64Ends
 from preprocessors.errors import MediaError
 from preprocessors.formats import TAIL_BYTES, check_whole, sniff_image_format
 from preprocessors.image import process_image
@@ -70,7 +71,7 @@ def task() -> MediaTask:
 
 # The ways a file is judged: on the loop from its base64, in a worker with each validation.
 JUDGES: dict[str, Callable[[bytes], object]] = {
-    "loop": lambda data: judge_head(task(), base64.b64encode(data)),
+    "loop": lambda data: judge_head(task(), Base64Ends(base64.b64encode(data))),
     "worker, header": lambda data: process_image(data, HEADER),
     "worker, full": lambda data: process_image(data, FULL),
 }
@@ -168,4 +169,4 @@ def test_the_loop_reads_only_the_tail_of_a_long_payload() -> None:
     text = bytearray(base64.b64encode(whole))
     middle = len(text) // 2 // 4 * 4
     text[middle : middle + 4] = b"!!!!"
-    assert judge_head(task(), bytes(text)) is not None
+    assert judge_head(task(), Base64Ends(bytes(text))) is not None

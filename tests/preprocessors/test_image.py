@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from PIL import GifImagePlugin, Image, ImageDraw, ImageOps
 
 from preprocessors.base import AudioPolicy, Cancelled, ImagePolicy, no_checkpoint
+from preprocessors.dataurl import Base64Ends
 from preprocessors.errors import MediaError
 from preprocessors.formats import ALLOWED_FORMATS, MIME_BY_FORMAT
 from preprocessors.image import fit_within, process_image
@@ -495,7 +496,7 @@ def _task(policy: ImagePolicy, max_bytes: int = 1 << 24) -> MediaTask:
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "BMP"])
 def test_an_image_is_judged_from_the_head_of_its_base64_where_its_header_decides(fmt: str) -> None:
     data = image_bytes(640, 480, fmt)
-    verdict = judge_head(_task(ImagePolicy(validate="header")), base64.b64encode(data))
+    verdict = judge_head(_task(ImagePolicy(validate="header")), Base64Ends(base64.b64encode(data)))
     assert verdict == Verdict(len(data), len(data), f"image/{fmt.lower()}".encode())
     # what the pool makes of the whole file is the same verdict
     assert run_task(_task(ImagePolicy(validate="header")), lambda: base64.b64encode(data), no_checkpoint) == verdict
@@ -507,19 +508,20 @@ def test_a_header_past_the_first_head_is_read_from_a_longer_one() -> None:
     exif[0x010E] = "x" * 40_000  # ImageDescription: a 40 KB APP1 before the frame header
     buf = io.BytesIO()
     Image.new("RGB", (640, 480), "teal").save(buf, "JPEG", exif=exif.tobytes())
-    verdict = judge_head(_task(ImagePolicy(validate="header")), base64.b64encode(buf.getvalue()))
+    verdict = judge_head(_task(ImagePolicy(validate="header")), Base64Ends(base64.b64encode(buf.getvalue())))
     assert verdict is not None and verdict.sniffed_mime == b"image/jpeg"
 
 
 @pytest.mark.parametrize("policy", [ImagePolicy(validate="full"), ImagePolicy(validate="header", resize_max_side=100)],
                          ids=["full", "resize"])
 def test_an_image_whose_pixels_are_needed_is_left_to_the_pool(policy: ImagePolicy) -> None:
-    assert judge_head(_task(policy), base64.b64encode(image_bytes(640, 480, "JPEG"))) is None
+    assert judge_head(_task(policy), Base64Ends(base64.b64encode(image_bytes(640, 480, "JPEG")))) is None
 
 
 @pytest.mark.parametrize("fmt", ["GIF", "WEBP"])
 def test_formats_whose_frames_need_the_whole_file_are_left_to_the_pool(fmt: str) -> None:
-    assert judge_head(_task(ImagePolicy(validate="header")), base64.b64encode(image_bytes(64, 48, fmt))) is None
+    payload = Base64Ends(base64.b64encode(image_bytes(64, 48, fmt)))
+    assert judge_head(_task(ImagePolicy(validate="header")), payload) is None
 
 
 def test_the_head_judges_what_the_header_says_and_leaves_the_rest_to_the_backend() -> None:
@@ -532,13 +534,13 @@ def test_the_head_judges_what_the_header_says_and_leaves_the_rest_to_the_backend
     encoded = base64.b64encode(data)
     middle = len(encoded) // 2 // 4 * 4
     policy = ImagePolicy(validate="header", max_pixels=640 * 480)
-    assert judge_head(_task(policy), encoded[:middle] + b"AAAAAAAA" + encoded[middle + 8 :]) is not None
-    assert judge_head(_task(policy), encoded[:middle] + b"!!!!" + encoded[middle + 4 :]) is not None
+    assert judge_head(_task(policy), Base64Ends(encoded[:middle] + b"AAAAAAAA" + encoded[middle + 8 :])) is not None
+    assert judge_head(_task(policy), Base64Ends(encoded[:middle] + b"!!!!" + encoded[middle + 4 :])) is not None
     for payload, max_bytes, code in ((base64.b64encode(image_bytes(641, 480, "PNG")), 1 << 24, "image_too_large"),
                                      (encoded, 100, "media_too_large"),
                                      (base64.b64encode(data[:-30]), 1 << 24, "image_truncated"),
                                      (encoded[:-8] + b"!!!!====", 1 << 24, "invalid_base64"),
                                      (b"iVBOR!" + encoded[6:], 1 << 24, "invalid_base64")):
         with pytest.raises(MediaError) as refused:
-            judge_head(_task(policy, max_bytes), payload)
+            judge_head(_task(policy, max_bytes), Base64Ends(payload))
         assert (refused.value.code, refused.value.param) == (code, "messages[0].content[1]")

@@ -527,6 +527,8 @@ async def test_a_worker_process_resizes_to_the_models_size_without_its_helpers(p
     (``job.with_planned_targets``). Shown with a geometry whose processor module does not exist: planned from
     the real Idefics3 processor's answers, the worker resizes to exactly its size; without them, it has to
     import the module, and fails."""
+    from preprocessors.dataurl import Base64Ends
+    from preprocessors.dimensions import peek_dimensions
     from preprocessors.geometry import Idefics3, planned_targets
     from preprocessors.job import with_planned_targets
 
@@ -537,7 +539,8 @@ async def test_a_worker_process_resizes_to_the_models_size_without_its_helpers(p
     photo_sized(3000, 2000).save(photo, "PNG")  # a PNG this size costs the backend more than the handoff
     payload = base64.b64encode(photo.getvalue())
     task = MediaTask("image", "p", 1 << 26, ImagePolicy(geometry=broken), AudioPolicy())
-    planned = with_planned_targets(replace(task, image_policy=ImagePolicy(geometry=real)), payload).known_targets
+    found = peek_dimensions(Base64Ends(payload).head)
+    planned = with_planned_targets(replace(task, image_policy=ImagePolicy(geometry=real)), found).known_targets
     assert planned == planned_targets(real, 3000, 2000) and len(planned) == 8
     (verdict,) = await process_pool.batch().run([MediaJob(replace(task, known_targets=planned), lambda: payload)], 60)
     assert verdict.encoded is not None

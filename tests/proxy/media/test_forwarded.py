@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from preprocessors.base import ImageFormat, ImagePolicy
+from preprocessors.dataurl import Base64Ends
 from preprocessors.errors import MediaError
 from preprocessors.geometry import QwenVL
 from preprocessors.image import process_image
@@ -116,7 +117,7 @@ def test_the_header_bounds_the_file_the_decode_makes(width: int, height: int, so
         processed = process_image(buffer.getvalue(), policy)
     except MediaError:  # refused (Qwen: an aspect ratio over 200): nothing is forwarded
         return
-    estimated = forwarded_file_bytes(inline_header(base64.b64encode(buffer.getvalue())), policy)
+    estimated = forwarded_file_bytes(inline_header(Base64Ends(base64.b64encode(buffer.getvalue()))), policy)
     if processed is None:
         assert estimated == 0
         return

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from preprocessors.base import ImagePolicy
+from preprocessors.dataurl import Base64Ends
 from preprocessors.dimensions import Dimensions, peek_dimensions
 from preprocessors.errors import MediaError
 from preprocessors.geometry import resize_target, upright
@@ -48,6 +49,10 @@ from testkit.models import (  # noqa: E402
 )
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "idefics3", "smolvlm"]
+
+
+def peek_dimensions_of(payload: bytes) -> Dimensions | None:
+    return peek_dimensions(Base64Ends(payload).head)
 
 
 def _build(family: str, path: Path) -> Path:
@@ -324,7 +329,7 @@ def test_a_rotated_photo_is_resized_upright_to_the_processor_size(
         family: str, orientation: int, folders: dict[str, Path], references: dict[str, Reference]) -> None:
     model = load_model(str(folders[family]))
     data = _jpeg(4800, 3200, orientation)
-    found = peek_dimensions(base64.b64encode(data))
+    found = peek_dimensions_of(base64.b64encode(data))
     assert found is not None and (found.width, found.height, found.orientation) == (4800, 3200, orientation)
     estimate = model.image_tokens(found.width, found.height, found.orientation)
 
@@ -380,7 +385,7 @@ def test_dimensions_from_the_head_equal_pillow_on_the_whole_file(
         options = {**options, "exif": exif.tobytes()}
     buf = io.BytesIO()
     image.save(buf, fmt, **options)
-    found = peek_dimensions(base64.b64encode(buf.getvalue()))
+    found = peek_dimensions_of(base64.b64encode(buf.getvalue()))
     whole = Image.open(io.BytesIO(buf.getvalue()))
     expected_orientation = whole.getexif().get(0x0112, 1) if fmt == "JPEG" else 1
     assert found == Dimensions(whole.width, whole.height, expected_orientation)
@@ -388,11 +393,11 @@ def test_dimensions_from_the_head_equal_pillow_on_the_whole_file(
 
 def test_a_long_exif_block_is_read_through_and_junk_says_nothing() -> None:
     data = _jpeg(640, 480, 6, exif_padding=40_000)
-    found = peek_dimensions(base64.b64encode(data))
+    found = peek_dimensions_of(base64.b64encode(data))
     assert found is not None and (found.width, found.height, found.orientation) == (640, 480, 6)
-    assert peek_dimensions(b"not base64 at all!") is None
-    assert peek_dimensions(base64.b64encode(b"%PDF-1.7 not an image" * 10)) is None
-    assert peek_dimensions(base64.b64encode(data[:200])) is None  # cut before the frame header
+    assert peek_dimensions_of(b"not base64 at all!") is None
+    assert peek_dimensions_of(base64.b64encode(b"%PDF-1.7 not an image" * 10)) is None
+    assert peek_dimensions_of(base64.b64encode(data[:200])) is None  # cut before the frame header
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -651,7 +656,7 @@ def test_a_jpeg_with_two_frame_headers_and_two_exif_blocks_reads_as_pillow_does(
     # first's segments through its frame header, then all of second's: two EXIF blocks, two frame headers
     head_end = first.index(b"\xff\xc4", first.index(b"\xff\xc0"))
     crafted = first[:head_end] + second[2:]
-    found = peek_dimensions(base64.b64encode(crafted))
+    found = peek_dimensions_of(base64.b64encode(crafted))
     whole = Image.open(io.BytesIO(crafted))
     assert found == Dimensions(whole.width, whole.height, whole.getexif().get(0x0112, 1))
 
