@@ -37,17 +37,17 @@ class Dimensions:
     orientation: int = 1
 
 
-def peek_dimensions(head: Callable[[int], bytes]) -> Dimensions | None:
+def peek_dimensions(head: Callable[[int], bytes], fmt: str | None = None) -> Dimensions | None:
     """The dimensions of an image from its first bytes, ``head(n)`` giving the first ``n`` decoded (fewer: the
-    whole file; ``dataurl.Base64Ends.head`` for base64); None when its head does not say (not base64, not an
-    accepted format, a header longer than ``MAX_HEAD_BYTES``): the decode worker then refuses the image or
-    measures it, and this estimate counts nothing for it."""
+    whole file; ``dataurl.Base64Ends.head`` for base64), its format ``fmt`` when already sniffed; None when its
+    head does not say (not base64, not an accepted format, a header longer than ``MAX_HEAD_BYTES``): the decode
+    worker then refuses the image or measures it, and this estimate counts nothing for it."""
     for head_bytes in (*HEAD_STEPS, MAX_HEAD_BYTES):
         try:
             data = head(head_bytes)
         except MediaError:
             return None
-        found = _from_head(data)
+        found = _from_head(data, fmt)
         if found is not None or len(data) < head_bytes // 3 * 3:
             return found
     return None
@@ -62,11 +62,12 @@ def header_dimensions(data: bytes) -> Dimensions | None:
     return None
 
 
-def _from_head(data: bytes) -> Dimensions | None:
-    try:
-        fmt = sniff_image_format(data)
-    except MediaError:
-        return None
+def _from_head(data: bytes, fmt: str | None = None) -> Dimensions | None:
+    if fmt is None:
+        try:
+            fmt = sniff_image_format(data)
+        except MediaError:
+            return None
     if fmt == "JPEG":
         return _jpeg(data)
     if fmt == "WEBP":

@@ -115,6 +115,24 @@ class MediaCache:
             item.key = cache_key(digest, self.context(item.kind, item.audio_format, item.fetched_mime))
             item.state = "keyed"
 
+    async def look_up(self, items: Sequence[MediaItem], body: BodyRef, verdicts: dict[bytes, Verdict], *,
+                      may_wait: bool) -> tuple[list[bytes], list[bytes]]:
+        """Key ``items`` (``key_items``) and fill ``verdicts`` with what this cache holds of them, and with several
+        front processes what the other fronts' caches hold of the rest (``peers``). The keys still missing, each
+        once, in plan order, and those of them this request now leads, where no other request does. Waits for the
+        leaders of keys being decoded now only when ``may_wait`` (``follow``)."""
+        await self.key_items(items, body)
+        keys = [item.key for item in items]
+        peers = self.peers
+        misses, leads = await self.follow(keys, verdicts, may_wait=may_wait, lead=peers is None)
+        if misses and peers is not None:  # another front process may have decoded them
+            for key, peer_verdict in (await peers(misses)).items():
+                self.put(key, peer_verdict)
+                verdicts[key] = peer_verdict
+            # Again: a lead may have started meanwhile.
+            misses, leads = await self.follow(keys, verdicts, may_wait=may_wait, lead=True)
+        return misses, leads
+
     def get(self, key: bytes) -> Verdict | None:
         verdict = self._entries.get(key)
         if verdict is not None:
@@ -216,10 +234,14 @@ class NoCache:
         # Kept as given, though no key is made from it (the served model's fingerprint, ``app._put_in_force``).
         self.settings_print = ""
 
-    async def key_items(self, items: Sequence[MediaItem], body: BodyRef) -> None:
-        """Nothing is hashed: each item is keyed by itself, so no two items share a key."""
+    async def look_up(self, items: Sequence[MediaItem], body: BodyRef, verdicts: dict[bytes, Verdict], *,
+                      may_wait: bool) -> tuple[list[bytes], list[bytes]]:
+        """Nothing is hashed: each item is keyed by itself, so no two items share a key; each is missing, and
+        led by this request."""
         for item in items:
             item.key, item.state = item.own_key, "keyed"
+        missing = [item.key for item in items if item.key not in verdicts]
+        return missing, list(missing)
 
     def get(self, key: bytes) -> Verdict | None:
         return None
@@ -232,11 +254,6 @@ class NoCache:
 
     def settle(self, key: bytes, verdict: Verdict | None) -> None:
         pass
-
-    async def follow(self, keys: list[bytes], verdicts: dict[bytes, Verdict], *, may_wait: bool,
-                     lead: bool) -> tuple[list[bytes], list[bytes]]:
-        missing = [key for key in dict.fromkeys(keys) if key not in verdicts]
-        return missing, list(missing) if lead else []
 
     def settle_decoded(self, decoded: dict[bytes, Verdict]) -> None:
         pass

@@ -24,20 +24,15 @@ hashed, admitted or decoded, and weighs each item's forwarded bytes at the gate.
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from io import BytesIO
-
-from PIL import Image
 
 from preprocessors.base import ImagePolicy
-from preprocessors.dataurl import Base64Ends
-from preprocessors.dimensions import HEAD_STEPS, Dimensions, header_dimensions, peek_dimensions
+from preprocessors.dimensions import Dimensions
 from preprocessors.errors import MediaError
-from preprocessors.formats import sniff_image_format
 from preprocessors.geometry import QwenVL, Square
 from preprocessors.handoff import handoff_target
+from preprocessors.header import Header, fetched_header
 from preprocessors.image import fit_within
 from proxy.payload.item import MediaItem
 
@@ -74,49 +69,6 @@ def encoded_bytes(width: int, height: int, alpha: bool, policy: ImagePolicy) -> 
         blocks = math.ceil(width / _JPEG_BLOCK) * math.ceil(height / _JPEG_BLOCK)
         return blocks * _JPEG_BLOCK * _JPEG_BLOCK * 3 + _LOSSY_HEADERS
     return width * height * (4 if alpha else 3) + _LOSSY_HEADERS  # webp
-
-
-@dataclass(frozen=True, slots=True)
-class Header:
-    """What an image's first bytes say: its stored size and EXIF orientation, and whether it may carry alpha
-    (True where the head does not say); its format and the file's length."""
-
-    dimensions: Dimensions | None  # None: the head does not say
-    alpha: bool
-    format: str = "PNG"
-    file_bytes: int = 0
-
-
-def read_header(head: bytes, dimensions: Dimensions | None, file_bytes: int = 0) -> Header | None:
-    """The header of the ``file_bytes``-long image whose decoded first bytes are ``head`` (``dimensions`` as
-    ``preprocessors.dimensions`` read them); None when it is no image mmgate accepts (the decode refuses it, so
-    it forwards nothing)."""
-    try:
-        fmt = sniff_image_format(head)
-    except MediaError:
-        return None
-    return Header(dimensions, _may_have_alpha(fmt, head), fmt, file_bytes)
-
-
-def _may_have_alpha(fmt: str, head: bytes) -> bool:
-    """Whether the image may come out with alpha (``image._to_working_mode``): never a JPEG; a WebP as its first
-    chunk says; a PNG, GIF or BMP as Pillow reads its header (a transparency chunk comes before the pixels)."""
-    if fmt == "JPEG":
-        return False
-    if fmt == "WEBP":
-        chunk = head[12:16]
-        if chunk == b"VP8 ":
-            return False
-        if chunk == b"VP8X" and len(head) > 20:
-            return bool(head[20] & 0x10)
-        if chunk == b"VP8L" and len(head) >= 25:
-            return bool(struct.unpack_from("<I", head, 21)[0] >> 28 & 1)
-        return True
-    try:
-        with Image.open(BytesIO(head), formats=(fmt,)) as img:
-            return img.has_transparency_data or img.mode in ("RGBA", "LA", "PA", "La", "RGBa")
-    except Exception:  # a head cut inside the header, or a corrupt one: alpha cannot be ruled out
-        return True
 
 
 def forwarded_file_bytes(header: Header | None, policy: ImagePolicy) -> int:
@@ -164,21 +116,6 @@ def _largest_output_pixels(policy: ImagePolicy) -> int:
     return largest
 
 
-def inline_header(ends: Base64Ends) -> Header | None:
-    """The header of an inline image from its base64: the dimensions as the token count reads them, and the
-    alpha from the first KiBs; None when it is not base64 of an accepted image (the decode refuses it)."""
-    try:
-        head = ends.head(HEAD_STEPS[0])
-    except MediaError:
-        return None
-    return read_header(head, peek_dimensions(ends.head), ends.size())
-
-
-def fetched_header(data: bytes) -> Header | None:
-    """The header of a fetched image, from its bytes."""
-    return read_header(data[: HEAD_STEPS[0]], header_dimensions(data), len(data))
-
-
 @dataclass(slots=True)
 class ForwardEstimate:
     """What one request will forward: per item (by its plan index) the base64 bytes of the file mmgate sends in
@@ -205,11 +142,11 @@ class ForwardEstimate:
         return self.received + max(0, grown)
 
 
-def estimate(items: Sequence[MediaItem], ends: Mapping[int, Base64Ends], received: int,
+def estimate(items: Sequence[MediaItem], headers: Mapping[int, Header | None], received: int,
              policy: ImagePolicy) -> ForwardEstimate:
-    """What ``items`` (inline, each image's base64 read at its ``ends``, by plan index; and fetched once read)
-    will forward, from their headers. Only a rewritten image changes size: audio and video go as they came, and
-    a fetched body goes as its bytes in base64 at least."""
+    """What ``items`` (inline, each image's ``headers`` by plan index, read where the policy resizes; and fetched
+    once read) will forward, from their headers. Only a rewritten image changes size: audio and video go as they
+    came, and a fetched body goes as its bytes in base64 at least."""
     forward = ForwardEstimate(received)
     for item in items:
         if item.span is None or (item.source == "fetched" and item.fetched is None):
@@ -220,6 +157,6 @@ def estimate(items: Sequence[MediaItem], ends: Mapping[int, Base64Ends], receive
                 file = max(file, forwarded_file_bytes(fetched_header(item.fetched), policy))
             forward.set(item, base64_length(file))
         elif item.kind == "image" and policy.resizes:  # else no inline image is re-encoded: no header to read
-            file = forwarded_file_bytes(inline_header(ends[item.index]), policy)
+            file = forwarded_file_bytes(headers.get(item.index), policy)
             forward.set(item, base64_length(file) if file else 0)
     return forward

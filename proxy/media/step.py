@@ -13,8 +13,8 @@ item's bytes come from (``MediaItem.source``: inline base64, or a fetched URL):
 1. **Judge by the header** every inline image its header decides (header validation, nothing to resize:
    ``job.judge_head``), here on the loop from the head of its base64: hashing it would cost more than judging
    it, so it is never keyed, cached or sent to the pool. It is weighed at the gate all the same. Each inline
-   image's base64 is read at its ends once (``dataurl.Base64Ends``): for this judge, the bound below and the
-   served model's plan of its resize.
+   image's base64 is read at its ends once (``dataurl.Base64Ends``), and where images are resized its header
+   (``header.inline_header``) once: for this judge, the bound below and the served model's plan of its resize.
 2. **Bound what is forwarded** (``forwarded.estimate``): what each image mmgate will rewrite becomes, from its
    header, the resize and the handoff format. A body that would be forwarded over MMGATE_MAX_BODY_MB is
    refused here, 413 ``body_too_large``, with nothing hashed, admitted or decoded: what mmgate sends upstream
@@ -61,8 +61,8 @@ from functools import partial
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.dataurl import Base64Ends
-from preprocessors.dimensions import MAX_HEAD_BYTES, header_dimensions, peek_dimensions
 from preprocessors.errors import BODY_TOO_LARGE, PREPROCESS_TIMEOUT, MediaError, MmgateError
+from preprocessors.header import Header, fetched_header, inline_header
 from preprocessors.job import MediaJob, MediaTask, Verdict, judge_head, with_planned_targets
 from preprocessors.pool import Batch, DecodePool
 from proxy.admission.client import GateClient, GateLease, GatePlace
@@ -139,14 +139,14 @@ class MediaStep:
             started = time.perf_counter()
             # Each inline image's header is read once, here: its ends are let go before the first await.
             ends = {item.index: Base64Ends(item.payload(body)) for item in inline if item.kind == "image"}
-            judged_by_header = self._judge_heads(plan, inline, ends, verdicts)
-            inline = [item for item in inline if item.key not in verdicts]
-            forward = estimate(inline, ends, len(media.data), self.policies.image)
-            tasks = {item.index: self._planned(item, ends.get(item.index)) for item in inline}
+            headers = {index: inline_header(each) for index, each in ends.items()} if self._resizes else {}
+            judged_by_header = self._judge_heads(plan, inline, ends, headers, verdicts)
             del ends
+            inline = [item for item in inline if item.key not in verdicts]
+            forward = estimate(inline, headers, len(media.data), self.policies.image)
+            tasks = {item.index: self._planned(item, headers.get(item.index)) for item in inline}
             self._bound_forward(plan, forward)
-            await self.cache.key_items(inline, body)
-            misses = await self._look_up(inline, verdicts, leading, may_wait=True)
+            misses = await self._look_up(inline, body, verdicts, leading, may_wait=True)
             self._refuse_cached(plan, inline, verdicts)
             watch.add("preprocess", time.perf_counter() - started)
 
@@ -162,8 +162,7 @@ class MediaStep:
                 if urls is not None:
                     await self._fetch(urls, watch, fetched)
                     started = time.perf_counter()
-                    await self.cache.key_items(urls.items, body)
-                    misses += await self._look_up(urls.items, verdicts, leading, may_wait=not leading)
+                    misses += await self._look_up(urls.items, body, verdicts, leading, may_wait=not leading)
                     self._refuse_cached(plan, urls.items, verdicts)
                     fetched_forward = estimate(urls.items, {}, 0, self.policies.image)
                     forward.replaced.update(fetched_forward.replaced)
@@ -207,18 +206,19 @@ class MediaStep:
         urls = [item for item in items if item.source == "fetched"]
         return _UrlItems(self.fetcher, urls) if urls else None
 
-    def _planned(self, item: MediaItem, ends: Base64Ends | None) -> MediaTask:
+    @property
+    def _resizes(self) -> bool:
+        return self.policies.image.resizes
+
+    def _planned(self, item: MediaItem, header: Header | None) -> MediaTask:
         """The item's task, with the served model's answers for its image where its header says its size
-        (``job.with_planned_targets``): read from the ``ends`` of an inline image's base64, or from a fetched
-        body's first bytes."""
+        (``job.with_planned_targets``): an inline image's ``header``, or a fetched body's."""
         task = self.task(item)
         if task.kind != "image" or task.image_policy.geometry is None:
             return task
-        if ends is not None:
-            return with_planned_targets(task, peek_dimensions(ends.head))
         if item.fetched is not None:
-            return with_planned_targets(task, header_dimensions(item.fetched[:MAX_HEAD_BYTES]))
-        return task
+            header = fetched_header(item.fetched)
+        return with_planned_targets(task, header.dimensions if header is not None else None)
 
     def _job(self, item: MediaItem, body: BodyRef, tasks: dict[int, MediaTask]) -> MediaJob:
         """The item as a job for either pool: its task (``_planned``), and its payload read on demand
@@ -227,7 +227,7 @@ class MediaStep:
         return MediaJob(task, partial(item.payload, body))
 
     def _judge_heads(self, plan: Plan, inline: list[MediaItem], ends: dict[int, Base64Ends],
-                     verdicts: dict[bytes, Verdict]) -> list[MediaItem]:
+                     headers: dict[int, Header | None], verdicts: dict[bytes, Verdict]) -> list[MediaItem]:
         """The inline images whose header alone decides them (``job.judge_head``), judged here on the loop from
         the ``ends`` of their base64: nothing to hash, cache or decode. Each gets a key of its own and its
         verdict; a refusal refuses the request."""
@@ -236,7 +236,7 @@ class MediaStep:
             if item.index not in ends:
                 continue
             try:
-                verdict = judge_head(self.task(item), ends[item.index])
+                verdict = judge_head(self.task(item), ends[item.index], headers.get(item.index))
             except MediaError:
                 self._count_items(plan.items, "rejected")
                 raise
@@ -246,20 +246,11 @@ class MediaStep:
                 judged_by_header.append(item)
         return judged_by_header
 
-    async def _look_up(self, items: Sequence[MediaItem], verdicts: dict[bytes, Verdict], leading: list[bytes], *,
-                       may_wait: bool) -> list[bytes]:
-        """Fill ``verdicts`` from the cache (and the other fronts' caches); return the keys still missing, each
-        once, in plan order, and lead them (into ``leading``) where no other request does. Waits for the leaders
-        of keys being decoded now only when ``may_wait``."""
-        cache = self.cache
-        keys = [item.key for item in items]
-        misses, leads = await cache.follow(keys, verdicts, may_wait=may_wait, lead=cache.peers is None)
-        if misses and cache.peers is not None:  # another front process may have decoded them
-            for key, peer_verdict in (await cache.peers(misses)).items():
-                cache.put(key, peer_verdict)
-                verdicts[key] = peer_verdict
-            # Again: a lead may have started meanwhile.
-            misses, leads = await cache.follow(keys, verdicts, may_wait=may_wait, lead=True)
+    async def _look_up(self, items: Sequence[MediaItem], body: BodyRef, verdicts: dict[bytes, Verdict],
+                       leading: list[bytes], *, may_wait: bool) -> list[bytes]:
+        """Key ``items`` and fill ``verdicts`` from the cache (``cache.MediaCache.look_up``); return the keys still
+        missing, and add those this request now leads to ``leading``."""
+        misses, leads = await self.cache.look_up(items, body, verdicts, may_wait=may_wait)
         leading += leads
         return misses
 

@@ -20,8 +20,9 @@ from preprocessors.dataurl import Base64Ends
 from preprocessors.errors import MediaError
 from preprocessors.geometry import Geometry, resize_target
 from preprocessors.handoff import draft_scale, forward_original, handoff_target
+from preprocessors.header import inline_header
 from preprocessors.image import process_image
-from proxy.media.forwarded import forwarded_file_bytes, inline_header
+from proxy.media.forwarded import forwarded_file_bytes
 from proxy.media.model import Model
 from proxy.media.model_folder import load_model
 from testkit.media import chat_with_image, data_uri, decode_uri, photo_sized

@@ -29,8 +29,9 @@ from preprocessors.base import ImageFormat, ImagePolicy
 from preprocessors.dataurl import Base64Ends
 from preprocessors.errors import MediaError
 from preprocessors.geometry import QwenVL
+from preprocessors.header import inline_header
 from preprocessors.image import process_image
-from proxy.media.forwarded import base64_length, forwarded_file_bytes, inline_header
+from proxy.media.forwarded import base64_length, forwarded_file_bytes
 from testkit.load import scrape
 from testkit.media import chat_with_image, data_uri, eventually
 from testkit.models import QWEN25_MAX_PIXELS, qwen_folder
