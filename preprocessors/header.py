@@ -2,9 +2,9 @@
 may carry alpha, and the file's length (``Header``), read once per image and handed on.
 
 An inline image's header is read from the ends of its base64 (``dataurl.Base64Ends``: ``inline_header``), a
-fetched one's from its bytes (``fetched_header``). The media step reads it once and hands it to each stage that
-asks: the header judge (``job.judge_head``, which then does not sniff again), the bound on what is forwarded
-(``proxy/media/forwarded.py``) and the served model's plan of the resize (``job.with_planned_targets``).
+fetched one's from its bytes (``fetched_header``). The media step reads it once for each image it may rewrite and
+hands it to each stage that asks: the bound on what is forwarded (``proxy/media/forwarded.py``) and the served
+model's plan of the resize (``job.with_planned_targets``).
 """
 
 from __future__ import annotations

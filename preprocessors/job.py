@@ -21,7 +21,6 @@ from .dimensions import Dimensions
 from .errors import MediaError, MmgateError, rebuild
 from .formats import image_mime
 from .geometry import KnownTargets, known_targets, planned_targets
-from .header import Header
 from .image import judge_header, process_image
 from .video import import_pyav, probe_video, pyav_available
 
@@ -112,18 +111,18 @@ def with_planned_targets(task: MediaTask, found: Dimensions | None) -> MediaTask
     return replace(task, known_targets=planned_targets(geometry, found.width, found.height))
 
 
-def judge_head(task: MediaTask, ends: Base64Ends, header: Header | None = None) -> Verdict | None:
+def judge_head(task: MediaTask, ends: Base64Ends) -> Verdict | None:
     """An inline image's verdict from the ends of its base64 alone, where its header decides
     (``image.judge_header``: header validation, nothing to resize): the decoded size from the payload's length,
     format, size and frames from its first bytes, and whether it is whole from its last; nothing between them is
     decoded, so the rest of the file (its base64 included) is the backend's to read, as it reads every image
-    anyway. ``header``: what ``preprocessors.header.inline_header`` read of it, when it did. None: a decode
-    worker judges the item (``run_task``), a truncated one already refused here. MediaError names ``task.path``."""
+    anyway. None: a decode worker judges the item (``run_task``), a truncated one already refused here.
+    MediaError names ``task.path``."""
     if task.kind != "image" or task.fetched_mime is not None or task.image_policy.validate != "header":
         return None
     try:
         size = checked_size(ends.payload, task.max_bytes)
-        mime = judge_header(ends.head, ends.tail, size, task.image_policy, header.format if header else None)
+        mime = judge_header(ends.head, ends.tail, size, task.image_policy)
     except MediaError as error:
         raise error.at(task.path) from None
     return None if mime is None else Verdict(size, size, mime.encode())

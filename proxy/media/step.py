@@ -13,8 +13,9 @@ item's bytes come from (``MediaItem.source``: inline base64, or a fetched URL):
 1. **Judge by the header** every inline image its header decides (header validation, nothing to resize:
    ``job.judge_head``), here on the loop from the head of its base64: hashing it would cost more than judging
    it, so it is never keyed, cached or sent to the pool. It is weighed at the gate all the same. Each inline
-   image's base64 is read at its ends once (``dataurl.Base64Ends``), and where images are resized its header
-   (``header.inline_header``) once: for this judge, the bound below and the served model's plan of its resize.
+   image's base64 is read at its ends once (``dataurl.Base64Ends``), for this judge and, where images are
+   resized, for the header of each image it did not decide (``header.inline_header``), read once for the bound
+   below and the served model's plan of its resize.
 2. **Bound what is forwarded** (``forwarded.estimate``): what each image mmgate will rewrite becomes, from its
    header, the resize and the handoff format. A body that would be forwarded over MMGATE_MAX_BODY_MB is
    refused here, 413 ``body_too_large``, with nothing hashed, admitted or decoded: what mmgate sends upstream
@@ -139,10 +140,12 @@ class MediaStep:
             started = time.perf_counter()
             # Each inline image's header is read once, here: its ends are let go before the first await.
             ends = {item.index: Base64Ends(item.payload(body)) for item in inline if item.kind == "image"}
-            headers = {index: inline_header(each) for index, each in ends.items()} if self._resizes else {}
-            judged_by_header = self._judge_heads(plan, inline, ends, headers, verdicts)
-            del ends
+            judged_by_header = self._judge_heads(plan, inline, ends, verdicts)
             inline = [item for item in inline if item.key not in verdicts]
+            # Read after the judge: an image it decided is forwarded as it came, and needs no more of its header.
+            headers = {item.index: inline_header(ends[item.index]) for item in inline
+                       if item.index in ends} if self._resizes else {}
+            del ends
             forward = estimate(inline, headers, len(media.data), self.policies.image)
             tasks = {item.index: self._planned(item, headers.get(item.index)) for item in inline}
             self._bound_forward(plan, forward)
@@ -227,7 +230,7 @@ class MediaStep:
         return MediaJob(task, partial(item.payload, body))
 
     def _judge_heads(self, plan: Plan, inline: list[MediaItem], ends: dict[int, Base64Ends],
-                     headers: dict[int, Header | None], verdicts: dict[bytes, Verdict]) -> list[MediaItem]:
+                     verdicts: dict[bytes, Verdict]) -> list[MediaItem]:
         """The inline images whose header alone decides them (``job.judge_head``), judged here on the loop from
         the ``ends`` of their base64: nothing to hash, cache or decode. Each gets a key of its own and its
         verdict; a refusal refuses the request."""
@@ -236,7 +239,7 @@ class MediaStep:
             if item.index not in ends:
                 continue
             try:
-                verdict = judge_head(self.task(item), ends[item.index], headers.get(item.index))
+                verdict = judge_head(self.task(item), ends[item.index])
             except MediaError:
                 self._count_items(plan.items, "rejected")
                 raise

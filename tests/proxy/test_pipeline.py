@@ -42,10 +42,10 @@ ROOT = Path(__file__).resolve().parents[2]
 OURS = tuple(str(ROOT / package) + "/" for package in ("proxy", "preprocessors"))
 
 # Raised from 30 entries and 3 a module when the forwarded-size bound (media/forwarded.py) came, and to 39 when a
-# decode task came to carry the served model's answers: each read the image's header again. Down to 30 since the
-# media step reads each inline image's header once (dataurl.Base64Ends, header.inline_header) for all three, and
-# the cache looks an item up in one call (cache.MediaCache.look_up: its key, its entry, the other fronts' entries).
-MAX_ENTRIES = 30
+# decode task came to carry the served model's answers: each read the image's header again. Down to 31 since the
+# media step reads each inline image's base64 at its ends once (dataurl.Base64Ends) and the header of an image it
+# may rewrite once (header.inline_header), and the cache looks an item up in one call (cache.MediaCache.look_up).
+MAX_ENTRIES = 31
 MAX_ENTRIES_PER_MODULE = 5
 PIPELINE = "proxy.pipeline"  # the story itself: it calls every stage
 
