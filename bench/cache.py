@@ -33,10 +33,8 @@ import argparse
 import asyncio
 import datetime
 import io
-import json
 import platform
 import statistics
-import struct
 import sys
 import time
 from pathlib import Path
@@ -45,7 +43,7 @@ from typing import Any
 from bench import _results as R
 from proxy.settings import setting_default
 from testkit import load as L
-from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, photo_jpeg, photo_sized
+from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, conversation, photo_jpeg, photo_sized, tagged, turns
 
 WHAT = "10-turn chat replay with one 12 MP photo (and with new photos): mmgate CPU, latency, RSS, cache on vs off"
 FLAGS = ("--resize-max-pixels", "1000000", "--max-body-mb", "256", "--max-inflight-media-mb", "4096",
@@ -57,38 +55,6 @@ GOAL_MISS_RATIO = 1.03
 
 
 # --- bodies ----------------------------------------------------------------------------------------------
-
-def tagged(jpeg: bytes, tag: str) -> bytes:
-    """``jpeg`` with a comment segment after SOI: decoders skip it, so the decode work is the same, the bytes
-    (and the cache key) are not."""
-    text = tag.encode()
-    return jpeg[:2] + b"\xff\xfe" + struct.pack(">H", len(text) + 2) + text + jpeg[2:]
-
-
-def conversation(images: list[bytes]) -> bytes:
-    """An OpenAI chat: one user turn per image (text + the image), an assistant answer between turns."""
-    import pybase64
-
-    messages: list[dict[str, Any]] = []
-    for n, image in enumerate(images):
-        if n:
-            messages.append({"role": "assistant", "content": f"Answer {n}: a photo of colour fields."})
-        uri = "data:image/jpeg;base64," + pybase64.b64encode(image).decode()
-        messages.append({"role": "user", "content": [{"type": "text", "text": f"Question {n + 1} about this photo."},
-                                                     {"type": "image_url", "image_url": {"url": uri}}]})
-    return json.dumps({"model": "stub-vlm", "max_tokens": 16, "messages": messages}).encode()
-
-
-def turns(name: str, photo: bytes, tag: str, count: int) -> list[bytes]:
-    """The bodies of one conversation, in order."""
-    if name == "one_photo":
-        one = tagged(photo, f"{tag}/one")
-        return [conversation([one] * n) for n in range(1, count + 1)]
-    if name == "new_photo_each_turn":
-        images = [tagged(photo, f"{tag}/each/{n}") for n in range(count)]
-        return [conversation(images[:n]) for n in range(1, count + 1)]
-    return [conversation([tagged(photo, f"{tag}/new/{n}")]) for n in range(count)]
-
 
 # --- processes and measurements --------------------------------------------------------------------------
 
@@ -133,7 +99,7 @@ def start_sink() -> tuple[Any, str]:
     proc = subprocess.Popen([sys.executable, "-m", "bench.cache", "sink", "--port", str(port)], cwd=L.REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    L._wait_http(url + "/health", proc)
+    L.wait_http(url + "/health", proc)
     return proc, url
 
 

@@ -4,11 +4,11 @@
 One event loop is a ceiling for what does not decode: SSE events relayed, small requests, text bodies. With
 ``--processes N`` the supervisor runs N front processes sharing the port and one gate. Per cell (processes),
 in each round, a fresh mmgate (``python -m proxy --processes N --decode-workers W``, W the same for every
-cell: the largest N, at least the usable cores) in front of ``bench.passthrough``'s raw asyncio upstream
+cell: the largest N, at least the usable cores) in front of ``testkit.text_load``'s raw asyncio upstream
 (its own processes, on one port with SO_REUSEPORT; it answers a fixed JSON or streams SSE events), driven by
 load-generator processes of their own:
 
-* **SSE events/s**: ``bench.passthrough``'s SSE client (each of --clients processes holds --streams streams,
+* **SSE events/s**: ``testkit.text_load``'s SSE client (each of --clients processes holds --streams streams,
   events every --sse-delay s, 100 per stream, each stream restarting when it ends), events counted by the
   clients over the window; while it runs, ``testkit.load``'s prober sends ``GET /mmgate/health`` every 10 ms
   (**health p99**);
@@ -53,9 +53,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import _results as R
-from bench.cache import conversation, tagged, turns
-from bench.passthrough import CLK_TCK, ROLE, chat_body, children_of, cpu_ticks
 from testkit import load as L
+from testkit.media import conversation, tagged, turns
+from testkit.procfs import CLK_TCK, cpu_ticks, descendants
+from testkit.text_load import ROLE, text_body
 
 WHAT = ("MMGATE_PROCESSES 1/2/4: SSE events/s, 1 KB req/s, 4 MB MB/s, cache-hit media req/s, CPU per "
         "event/request, health p99, cache hit rate on a chat replay")
@@ -136,21 +137,11 @@ def client_results(clients: list[subprocess.Popen[bytes]]) -> list[dict[str, Any
 # --- mmgate and its process tree ---------------------------------------------------------------------------
 
 
-def tree(pid: int) -> list[int]:
-    """``pid`` and every process below it (fronts, decode workers)."""
-    pids, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        pids.append(p)
-        todo.extend(children_of(p))
-    return pids
-
-
 class Window:
     """CPU of mmgate's whole tree over a measured window (pids read at its start: no restarts happen)."""
 
     def __init__(self, pid: int) -> None:
-        self.pids = tree(pid)
+        self.pids = [pid, *descendants(pid)]
         self.t0 = cpu_ticks(self.pids)
 
     def cpu_s(self) -> float:
@@ -256,7 +247,7 @@ def one_cell(processes: int, upstream: str, args: argparse.Namespace, round_no: 
              "--max-body-mb", "16", "--max-connections", "4096", "--drain-timeout", "5"]
     proc, url = L.start_mmgate(upstream, *flags, "--cache-mb", "256")
     try:
-        L._wait_http(url + "/mmgate/stats", proc)
+        L.wait_http(url + "/mmgate/stats", proc)
         for _ in range(600):  # every front ready before any window opens
             stats = asyncio.run(L.get_json(url, "/mmgate/stats"))
             if stats.get("processes") == processes:
@@ -265,9 +256,9 @@ def one_cell(processes: int, upstream: str, args: argparse.Namespace, round_no: 
         cell: dict[str, Any] = {"processes": processes}
         cell["sse"] = measure_sse(url, proc.pid, args, args.streams)
         cell["sse_paced"] = measure_sse(url, proc.pid, args, args.paced_streams)
-        cell["text_1k"] = measure_http(url, proc.pid, chat_body(1024), args.conns, args)
-        cell["text_1k_paced"] = measure_http(url, proc.pid, chat_body(1024), args.conns, args, rate=args.paced_rate)
-        cell["text_4m"] = measure_http(url, proc.pid, chat_body(4 << 20), max(2, args.clients * 2), args)
+        cell["text_1k"] = measure_http(url, proc.pid, text_body(1024), args.conns, args)
+        cell["text_1k_paced"] = measure_http(url, proc.pid, text_body(1024), args.conns, args, rate=args.paced_rate)
+        cell["text_4m"] = measure_http(url, proc.pid, text_body(4 << 20), max(2, args.clients * 2), args)
         media = conversation([tagged(photo, f"hit/{round_no}")])
         cell["media_hit"] = measure_http(url, proc.pid, media, args.conns, args)
         cell["chat_replay"] = asyncio.run(chat_replay_hit_rate(url, photo, f"replay/{round_no}/{processes}",
@@ -432,7 +423,7 @@ def main() -> None:
                                    "--sse-delay", str(args.sse_delay)], cwd=R.REPO) for _ in range(args.upstreams)]
     upstream = f"http://127.0.0.1:{port}"
     try:
-        L._wait_http(upstream + "/health", upstreams[0])
+        L.wait_http(upstream + "/health", upstreams[0])
         photo = small_photo()
         rounds: list[dict[int, dict[str, Any]]] = []
         for round_no in range(args.rounds):

@@ -46,12 +46,11 @@ import subprocess
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from bench import _results as R
-from bench.scale import descendants
 from testkit import load as L
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
+from testkit.procfs import descendants, tree_cpu_seconds, tree_minor_faults
 
 RESIZE = ("--resize-max-pixels", "1000000")
 THREADS = ("--decode-mode", "thread")  # the default is process from 2 CPUs: threads shown beside it
@@ -87,31 +86,6 @@ SCENARIOS = [
 GATE_CPUS, REST_CPUS = {0}, {1}
 
 
-def _stat_sum(pid: int, *indices: int) -> int:
-    """Fields of /proc/PID/stat summed over ``pid`` and the processes below it (decode worker processes)."""
-    total = 0
-    for one in (pid, *descendants(pid)):
-        try:
-            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        total += sum(int(fields[i]) for i in indices)
-    return total
-
-
-def minor_faults(pid: int) -> int:
-    """Minor page faults of mmgate and its worker processes so far (fresh memory costs ~3 µs per 4 KiB page on
-    these VMs)."""
-    return _stat_sum(pid, 7)
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of mmgate and its worker processes (all threads), seconds."""
-    import os
-
-    return _stat_sum(pid, 11, 12) / os.sysconf("SC_CLK_TCK")
-
-
 async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, control: subprocess.Popen[bytes],
                        control_url: str) -> dict:
     stub = gate = None
@@ -139,16 +113,16 @@ async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, cont
             await asyncio.sleep(args.ramp)
         before = L.histogram(await L.scrape(url), "mmgate_event_loop_lag_seconds")
         load_before = L.loadavg()
-        cpu0, t0 = cpu_seconds(gate.pid), time.perf_counter()
-        faults0 = minor_faults(gate.pid)
+        cpu0, t0 = tree_cpu_seconds(gate.pid), time.perf_counter()
+        faults0 = tree_minor_faults(gate.pid)
         watch = L.CpuWatch([gate.pid, *descendants(gate.pid), stub.pid, control.pid, os.getpid()])
         prober, out = L.start_prober(url, args.seconds, args.interval)
         ctl_prober, ctl_out = L.start_prober(control_url, args.seconds, args.interval, "/health")
         probe = await asyncio.to_thread(L.prober_result, prober, out)
         ctl = await asyncio.to_thread(L.prober_result, ctl_prober, ctl_out)
         t1 = time.perf_counter()
-        cpu1 = cpu_seconds(gate.pid)
-        faults1 = minor_faults(gate.pid)
+        cpu1 = tree_cpu_seconds(gate.pid)
+        faults1 = tree_minor_faults(gate.pid)
         machine = watch.stop(extra_cpu_s=probe["cpu_s"] + ctl["cpu_s"])
         after_prom = await L.scrape(url)
         lag = L.histogram_diff(L.histogram(after_prom, "mmgate_event_loop_lag_seconds"), before)

@@ -149,7 +149,7 @@ def start_mmgate(tree: Path, upstream: str, *flags: str) -> tuple[subprocess.Pop
         proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log)
     proc.log_path = log.name  # type: ignore[attr-defined]
     url = f"http://127.0.0.1:{port}"
-    L._wait_http(url + "/mmgate/health", proc)
+    L.wait_http(url + "/mmgate/health", proc)
     return proc, url
 
 

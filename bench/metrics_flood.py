@@ -81,7 +81,7 @@ def start_backend(size: int) -> tuple[subprocess.Popen[bytes], str]:
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
     url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
-    L._wait_http(url + "/health", proc)
+    L.wait_http(url + "/health", proc)
     return proc, url
 
 

@@ -44,10 +44,10 @@ import time
 from typing import Any
 
 from bench import _results as R
-from bench.loop_latency import cpu_seconds, minor_faults
 from proxy.settings import setting_default
 from testkit import load as L
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
+from testkit.procfs import tree_cpu_seconds, tree_minor_faults
 
 WHAT = "small text request and /mmgate/health latency while 16 clients resend one 12 MP photo (cache hits)"
 TEXT_BODY = json.dumps({"model": "stub-vlm", "max_tokens": 16,
@@ -96,14 +96,14 @@ async def run_scenario(name: str, body: bytes, upstream: str, control_url: str, 
         if name != "idle":
             load_task = asyncio.create_task(L.run_load(url, body, args.clients, stop_event=stop_load))
             await asyncio.sleep(args.ramp)
-        cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()  # with its decode worker processes
-        faults0 = minor_faults(proc.pid)
+        cpu0, t0 = tree_cpu_seconds(proc.pid), time.perf_counter()  # with its decode worker processes
+        faults0 = tree_minor_faults(proc.pid)
         probers = {"text": L.start_prober(url, args.seconds, args.interval, "/v1/chat/completions", TEXT_BODY),
                    "control": L.start_prober(control_url, args.seconds, args.interval, "/health")}
         if name != "minimal":
             probers["health"] = L.start_prober(url, args.seconds, args.interval)
         probes = {k: await asyncio.to_thread(L.prober_result, *v) for k, v in probers.items()}
-        t1, cpu1, faults1 = time.perf_counter(), cpu_seconds(proc.pid), minor_faults(proc.pid)
+        t1, cpu1, faults1 = time.perf_counter(), tree_cpu_seconds(proc.pid), tree_minor_faults(proc.pid)
         stop_load.set()
         run = await load_task if load_task else None
     finally:

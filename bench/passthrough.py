@@ -4,7 +4,7 @@
 What a text-only request pays for going through mmgate (README "How a request flows", step 3: no media marker ->
 bytes forwarded untouched). Everything runs on loopback, in separate processes:
 
-  upstream  a raw asyncio Protocol (in this file) that reads the whole request body, then answers a fixed
+  upstream  a raw asyncio Protocol (testkit/text_load.py) that reads the whole request body, then answers a fixed
             chat-completion JSON (~25 us CPU per 1 KB request), or streams SSE events when the request carries
             X-Bench-Stream. nginx `return 200 '...'` is cheaper (~15 us) but answers before it has read the
             body, and wrk then stalls on 4 MB bodies (one request per connection): a real inference server
@@ -44,7 +44,6 @@ Needs wrk and nginx (installed with apt-get when missing) and py-spy (pip) for t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.util
 import json
 import os
@@ -65,44 +64,16 @@ from pathlib import Path
 from typing import Any
 
 from bench import _results as R
+from testkit.procfs import CLK_TCK, cpu_ticks, descendants
+from testkit.text_load import ANSWER, ROLE, text_body
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 PROXY_CPU, LOAD_CPU = "0", "1"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-ANSWER = (b'{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,"model":"bench",'
-          b'"choices":[{"index":0,"message":{"role":"assistant","content":"Fixed answer from the bench upstream."},'
-          b'"finish_reason":"stop"}],"usage":{"prompt_tokens":256,"completion_tokens":8,"total_tokens":264}}')
-WORDS = [
-    "lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do", "eiusmod", "tempor",
-    "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim", "ad", "minim", "veniam", "quis",
-    "nostrud", "exercitation", "ullamco", "laboris", "nisi", "aliquip", "ex", "ea", "commodo", "consequat"
-]
 TARGETS = ("direct", "nginx", "minimal", "mmgate", "mmgate-uvloop")
 # The event loop each mmgate target runs on (MMGATE_LOOP); "mmgate" is asyncio's own, whatever is installed.
 LOOP_OF = {"mmgate": "asyncio", "mmgate-uvloop": "uvloop"}
-ROLE = (sys.executable, "-m", "bench.passthrough", "--role")  # this module in another process (cwd=REPO)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# bodies
-
-
-def chat_body(size: int) -> bytes:
-    """A text-only chat request of exactly ``size`` bytes, ASCII, no media marker."""
-    messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
-    doc = {"model": "bench", "max_tokens": 16, "messages": messages}
-    i = 0
-    while len(json.dumps(doc)) < size - 2100:
-        words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(280))
-        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": words})
-        i += 1
-    messages.append({"role": "user", "content": ""})
-    pad = size - len(json.dumps(doc))
-    messages[-1]["content"] = ("please answer briefly " * (pad // 22 + 1))[:pad]
-    raw = json.dumps(doc).encode()
-    assert len(raw) == size, (len(raw), size)
-    return raw
+OWN_ROLE = (sys.executable, "-m", "bench.passthrough", "--role")  # this module in another process (cwd=REPO)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -113,31 +84,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def cpu_ticks(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total
-
-
-def children_of(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
 
 
 class Procs:
@@ -284,190 +230,6 @@ def run_minimal_proxy(upstream: str, port: int) -> None:
     app.cleanup_ctx.append(session_ctx)
     app.router.add_route("*", "/{tail:.*}", handle)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
-
-
-def sse_event(n: int) -> bytes:
-    return (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
-            b'"choices":[{"index":0,"delta":{"content":" tok%d"},"finish_reason":null}]}\n\n' % n)
-
-
-def chunk(payload: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(payload), payload)
-
-
-SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-            b"X-Accel-Buffering: no\r\nTransfer-Encoding: chunked\r\n\r\n")
-SSE_DONE = chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
-PLAIN_OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER)
-
-
-def run_upstream(port: int, tokens: int, delay: float) -> None:
-    """The fixed-answer upstream: a raw asyncio HTTP/1.1 keep-alive server that reads the whole request body
-    (counted, not kept) before it answers, like a real inference server. A request carrying ``X-Bench-Stream``
-    gets ``tokens`` SSE events instead, one every ``delay`` s on an absolute schedule (so the server's own
-    overhead does not stretch the stream); every other request gets the fixed JSON answer."""
-    events = [chunk(sse_event(n)) for n in range(tokens)]
-    header_end = re.compile(rb"\r\n\r\n")
-    content_length = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
-
-    class Server(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport: asyncio.Transport = transport  # type: ignore[assignment]
-            self.buf = b""
-            self.remaining = -1  # body bytes still to come; -1 = reading a head
-            self.stream = False
-            self.streaming = False
-            self.handle: asyncio.TimerHandle | None = None
-            self.loop = asyncio.get_running_loop()
-
-        def data_received(self, data: bytes) -> None:
-            if self.remaining > 0 and not self.buf and len(data) <= self.remaining:
-                # the common case for a big body: count it, keep nothing
-                self.remaining -= len(data)
-                if self.remaining == 0:
-                    self.answer()
-                return
-            self.buf += data
-            self.next_request()
-
-        def next_request(self) -> None:
-            while not self.streaming:
-                if self.remaining < 0:
-                    match = header_end.search(self.buf)
-                    if match is None:
-                        return
-                    head = self.buf[: match.start()]
-                    if b"chunked" in head.lower():
-                        self.transport.write(b"HTTP/1.1 411 Length Required\r\nContent-Length: 0\r\n"
-                                             b"Connection: close\r\n\r\n")
-                        self.transport.close()
-                        return
-                    length = content_length.search(head)
-                    self.remaining = int(length.group(1)) if length else 0
-                    self.stream = b"\r\nx-bench-stream:" in head.lower()
-                    self.buf = self.buf[match.end() :]
-                take = min(self.remaining, len(self.buf))
-                self.remaining -= take
-                self.buf = self.buf[take:]
-                if self.remaining > 0:
-                    return
-                self.answer()
-
-        def answer(self) -> None:
-            self.remaining = -1
-            if self.stream:
-                self.streaming = True
-                self.transport.write(SSE_HEAD)
-                self.start = self.loop.time()
-                self.tick(0)
-            else:
-                self.transport.write(PLAIN_OK)
-                if self.buf:
-                    self.next_request()
-
-        def tick(self, n: int) -> None:
-            if self.transport.is_closing():
-                return
-            self.transport.write(events[n])
-            if n + 1 < tokens:
-                self.handle = self.loop.call_at(self.start + (n + 1) * delay, self.tick, n + 1)
-            else:
-                self.transport.write(SSE_DONE)
-                self.streaming = False
-                self.handle = None
-                self.next_request()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self.handle is not None:
-                self.handle.cancel()
-
-    async def main() -> None:
-        # reuse_port: bench.front starts several upstream processes on one port when one would be its limit
-        server = await asyncio.get_running_loop().create_server(Server, "127.0.0.1", port, backlog=1024,
-                                                                reuse_port=True)
-        stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        async with server:
-            await stop.wait()
-
-    asyncio.run(main())
-
-
-def run_sse_client(url: str, streams: int, warmup: float, duration: float, period: float) -> None:
-    """``streams`` concurrent SSE requests, each restarting when it ends. Prints START when the measured window
-    opens, then one JSON line when it closes."""
-    import aiohttp
-
-    body = json.dumps({"model": "bench", "stream": True,
-                       "messages": [{"role": "user", "content": "Say something long."}]}).encode()
-    gaps: list[float] = []
-    ttft: list[float] = []
-    state = {"tokens": 0, "requests": 0, "errors": 0, "measuring": False}
-    pattern = b"data: {"
-
-    async def one_stream(session: aiohttp.ClientSession, index: int) -> None:
-        await asyncio.sleep(period * index / streams)  # staggered, like independent users
-        while True:
-            sent = time.perf_counter()
-            try:
-                async with session.post(url, data=body, headers={"Content-Type": "application/json",
-                                                                 "X-Bench-Stream": "1"}) as resp:
-                    if resp.status != 200:
-                        state["errors"] += state["measuring"]
-                        await resp.read()
-                        continue
-                    last = None
-                    carry = b""
-                    async for data in resp.content.iter_any():
-                        now = time.perf_counter()
-                        data = carry + data
-                        count = data.count(pattern)
-                        carry = data[-(len(pattern) - 1) :]
-                        if not count:
-                            continue
-                        if state["measuring"]:
-                            state["tokens"] += count
-                            if last is None:
-                                ttft.append(now - sent)
-                            else:
-                                gaps.append(now - last)
-                            gaps.extend([0.0] * (count - 1))
-                        last = now
-                    state["requests"] += state["measuring"]
-            except aiohttp.ClientError:
-                state["errors"] += state["measuring"]
-
-    async def main() -> None:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            tasks = [asyncio.create_task(one_stream(session, i)) for i in range(streams)]
-            await asyncio.sleep(warmup)
-            state["measuring"] = True
-            cpu0, t0 = time.process_time(), time.perf_counter()
-            print("START", flush=True)
-            await asyncio.sleep(duration)
-            state["measuring"] = False
-            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-            gaps.sort()
-            ttft.sort()
-            print(json.dumps({
-                "tokens": state["tokens"], "seconds": wall, "tokens_per_s": state["tokens"] / wall,
-                "requests": state["requests"], "errors": state["errors"],
-                "gap_p50_ms": pct(gaps, 50) * 1e3, "gap_p99_ms": pct(gaps, 99) * 1e3,
-                "gap_max_ms": (gaps[-1] if gaps else 0) * 1e3,
-                "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
-                "client_cpu_share": cpu / wall,
-            }), flush=True)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    asyncio.run(main())
-
-
-def pct(sorted_values: list[float], p: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * p / 100))]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -706,7 +468,7 @@ def main() -> None:
     parser.add_argument("--baseline", metavar="REV",
                         help="also run mmgate as of git revision REV (a temporary worktree): before/after in one run")
     # roles of this script's own subprocesses
-    parser.add_argument("--role", choices=("bench", "minimal-proxy", "upstream", "sse-client"), default="bench",
+    parser.add_argument("--role", choices=("bench", "minimal-proxy"), default="bench",
                         help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", help=argparse.SUPPRESS)
@@ -717,10 +479,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "minimal-proxy":
         return run_minimal_proxy(args.upstream, args.port)
-    if args.role == "upstream":
-        return run_upstream(args.port, args.sse_tokens, args.sse_delay)
-    if args.role == "sse-client":
-        return run_sse_client(args.url, args.streams, args.warmup, args.duration, args.period)
     if args.render:
         return rerender(Path(args.out))
     if args.quick:
@@ -825,7 +583,7 @@ def bench(args: argparse.Namespace) -> None:
     round_s_big = max(round_s, 5)
     quiet = Quiet(budget=args.quiet_budget)
     try:
-        bodies = {"1 KB": chat_body(1024), "4 MB": chat_body(4 << 20)}
+        bodies = {"1 KB": text_body(1024), "4 MB": text_body(4 << 20)}
         scripts = {}
         for name, raw in bodies.items():
             assert not may_contain_media(raw), f"the {name} body would leave mmgate's text fast path"
@@ -849,7 +607,7 @@ def bench(args: argparse.Namespace) -> None:
         upstream_url = f"http://127.0.0.1:{ports['direct']}"
         wait_http(upstream_url + "/", proc=upstream)
         nginx = start_nginx(procs, "proxy", NGINX_PROXY.format(port=ports["nginx"], upstream=ports["direct"]), workdir)
-        minimal = procs.start([*ROLE, "minimal-proxy", "--port", str(ports["minimal"]),
+        minimal = procs.start([*OWN_ROLE, "minimal-proxy", "--port", str(ports["minimal"]),
                                "--upstream", upstream_url], PROXY_CPU, cwd=REPO, stderr=subprocess.DEVNULL)
         mmgates = {target: procs.start([sys.executable, "-m", "proxy", "--upstream", upstream_url, "--port",
                                         str(ports[target]), "--host", "127.0.0.1", "--access-log", "off", "--loop",
@@ -861,7 +619,7 @@ def bench(args: argparse.Namespace) -> None:
         for target, proc in mmgates.items():
             wait_http(f"http://127.0.0.1:{ports[target]}/mmgate/health", proc=proc)
         upstream_pids = [upstream.pid]
-        pids = {"direct": [], "nginx": [nginx.pid, *children_of(nginx.pid)], "minimal": [minimal.pid],
+        pids = {"direct": [], "nginx": [nginx.pid, *descendants(nginx.pid)], "minimal": [minimal.pid],
                 **{target: [proc.pid] for target, proc in mmgates.items()}}
         if args.baseline:
             before = procs.start([sys.executable, "-m", "proxy", "--upstream", upstream_url, "--port",
@@ -989,8 +747,8 @@ def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, 
         "used during the shown run (other jobs, plus kernel network work not charged to a process): read a row "
         "with a high value with care.",
         "",
-        "Upstream: a raw asyncio Protocol (in this file) that reads the whole body, then answers a fixed 330-byte "
-        "chat-completion JSON (~25 us CPU per 1 KB request, `upstream us/req`). nginx `return 200` was tried first "
+        "Upstream: a raw asyncio Protocol (testkit/text_load.py) that reads the whole body, then answers a fixed "
+        "330-byte chat-completion JSON (~25 us CPU per 1 KB request, `upstream us/req`). nginx `return 200` was tried first "
         "and is cheaper (~15 us) but answers before it has read the body: wrk then stalls on 4 MB bodies "
         "(0.7 req/s direct). nginx proxy: 1 worker, `proxy_http_version 1.1`, upstream keepalive, the body "
         "buffered in memory (`client_body_buffer_size 16m`, as mmgate does). minimal: a ~30-line aiohttp proxy "

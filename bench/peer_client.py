@@ -74,6 +74,7 @@ from typing import Any
 from PIL import Image
 
 from bench import _results as R
+from bench.report import ratios, rows_of
 from testkit import vllm as h
 from testkit.load import proc_jiffies, start_stub, stop
 from testkit.media import detailed_photo
@@ -447,28 +448,6 @@ def warm_up_summary(data: dict[str, Any]) -> str:
     cpu = R.summary(w["mmgate_cpu_ms"] / w["requests"] for w in warms)
     return (f"{warms[0]['requests']} requests a cell, mmgate CPU per warm-up request {R.number(cpu['median'])} ms "
             f"({R.number(cpu['spread'][0])}–{R.number(cpu['spread'][1])}) over {len(warms)} cells")
-
-
-def rows_of(data: dict[str, Any]) -> dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]]:
-    """(backend, images, clients) → mode → round → cell."""
-    rows: dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]] = {}
-    for cell in data["cells"]:
-        rows.setdefault((cell["backend"], cell["images"], cell["clients"]), {}).setdefault(
-            cell["mode"], {})[cell["round"]] = cell
-    return rows
-
-
-def ratios(modes: dict[str, dict[int, dict[str, Any]]], mode: str, key: str) -> list[float | None]:
-    """Through mmgate ÷ direct for ``key``, round by round."""
-    out: list[float | None] = []
-    for round_, direct in modes.get("direct", {}).items():
-        cell = modes.get(mode, {}).get(round_)
-        if cell is None or not direct.get(key) or cell.get(key) is None or cell.get("completed") != direct.get(
-                "completed"):
-            out.append(None)
-        else:
-            out.append(cell[key] / direct[key])
-    return out
 
 
 def ttft_excess(modes: dict[str, dict[int, dict[str, Any]]], mode: str) -> list[float | None]:

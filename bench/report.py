@@ -182,10 +182,30 @@ def scaling_table(data: dict[str, Any], result: str, many_cores_measured: bool) 
     return lines
 
 
+def rows_of(data: dict[str, Any]) -> dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]]:
+    """(backend, images, clients) → mode → round → cell."""
+    rows: dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]] = {}
+    for cell in data["cells"]:
+        rows.setdefault((cell["backend"], cell["images"], cell["clients"]), {}).setdefault(
+            cell["mode"], {})[cell["round"]] = cell
+    return rows
+
+
+def ratios(modes: dict[str, dict[int, dict[str, Any]]], mode: str, key: str) -> list[float | None]:
+    """Through mmgate ÷ direct for ``key``, round by round."""
+    out: list[float | None] = []
+    for round_, direct in modes.get("direct", {}).items():
+        cell = modes.get(mode, {}).get(round_)
+        if cell is None or not direct.get(key) or cell.get(key) is None or cell.get("completed") != direct.get(
+                "completed"):
+            out.append(None)
+        else:
+            out.append(cell[key] / direct[key])
+    return out
+
+
 def peer_table(data: dict[str, Any]) -> list[str]:
     """What each mode costs and gains with a peer's client (``peer_client.json``), for the page."""
-    from bench.peer_client import ratios, rows_of
-
     _, when = freshness(data)
     lines = [
         f"A peer's client (`bench/peer_client.py` → `peer_client.json`; {when}; {machine(data)}): `vllm bench "

@@ -59,6 +59,7 @@ from typing import Any
 from bench import _results as R
 from testkit import load as L
 from testkit.models import idefics3_folder
+from testkit.procfs import CLK_TCK, CSTIME, CUTIME, STIME, UTIME, cpu_ticks, descendants, stat_sum
 
 RESIZE_FLAGS = ("--resize-max-pixels", "1000000")
 MANY_CORES, MANY_WORKERS = 16, 14
@@ -79,43 +80,14 @@ MODE_VARIABLE = "MMGATE_" + "decode_mode".upper()
 # the process tree's CPU and memory, from /proc
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (process mode's forkserver and workers), from /proc's ppids."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            fields = _stat_fields(int(entry.name))
-            if fields is not None:
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def tree_cpu_s(root: int) -> float:
     """CPU seconds of ``root`` and its live descendants, children they reaped included (cutime, cstime): a
     worker that was recycled during the window still counts, through its parent."""
-    total = 0
-    for pid in (root, *descendants(root)):
-        fields = _stat_fields(pid)
-        if fields is not None:
-            total += sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
-    return total / os.sysconf("SC_CLK_TCK")
+    return stat_sum([root, *descendants(root)], UTIME, STIME, CUTIME, CSTIME) / CLK_TCK
 
 
 def cpu_s(pid: int) -> float:
-    fields = _stat_fields(pid)
-    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_ticks([pid]) / CLK_TCK
 
 
 def reset_peaks(root: int) -> None:

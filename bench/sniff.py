@@ -31,8 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import _results as R
-from bench.passthrough import chat_body
 from proxy.payload.locate import MARKERS, may_contain_media
+from testkit.text_load import text_body
 
 MiB = 1 << 20
 OLD_MARKERS = (b"image", b"audio", b"video", b"\\u")
@@ -54,7 +54,7 @@ def bodies() -> dict[str, bytes]:
     english = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "café", "naïve", "thinking",
                "about", "language", "models", "serving", "requests", "with", "latency", "budget", "résumé"]
     chinese = ["中文", "模型", "服务", "请求", "延迟", "你好", "世界", "文本"]
-    return {"text 4 MiB (passthrough's)": chat_body(4 * MiB), "English, json-escaped": chat_of(english, 4 * MiB, 1),
+    return {"text 4 MiB (passthrough's)": text_body(4 * MiB), "English, json-escaped": chat_of(english, 4 * MiB, 1),
             "Chinese, json-escaped": chat_of(chinese, 4 * MiB, 2)}
 
 

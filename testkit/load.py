@@ -44,7 +44,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     import urllib.request
 
     deadline = time.monotonic() + timeout
@@ -75,7 +75,7 @@ def start_stub(*args: str, cpus: set[int] | None = None) -> tuple[subprocess.Pop
                                  *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_pin(cpus))
     proc.log_path = log.name  # type: ignore[attr-defined]
     url = f"http://127.0.0.1:{port}"
-    _wait_http(url + "/health", proc)
+    wait_http(url + "/health", proc)
     return proc, url
 
 
@@ -97,7 +97,7 @@ def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
                                 preexec_fn=_pin(cpus))
     proc.log_path = log.name  # type: ignore[attr-defined]  # read it (never a pipe nobody drains)
     url = f"http://127.0.0.1:{port}"
-    _wait_http(url + "/mmgate/health", proc)
+    wait_http(url + "/mmgate/health", proc)
     return proc, url
 
 
@@ -496,7 +496,7 @@ def start_control() -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen([sys.executable, "-m", "testkit.load", "control-server", "--port", str(port)], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    _wait_http(url + "/health", proc)
+    wait_http(url + "/health", proc)
     return proc, url
 
 

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import io
 import json
+import struct
 import tempfile
 import threading
 from collections.abc import Callable
@@ -221,3 +222,35 @@ def chat_body(image: bytes, mime: str = "image/jpeg", *, stream: bool = False, m
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
     return json.dumps(body).encode()
+
+
+# --- conversations (bench/cache.py, bench/front.py) -----------------------------------------------------
+
+def tagged(jpeg: bytes, tag: str) -> bytes:
+    """``jpeg`` with a comment segment after SOI: decoders skip it, so the decode work is the same, the bytes
+    (and the cache key) are not."""
+    text = tag.encode()
+    return jpeg[:2] + b"\xff\xfe" + struct.pack(">H", len(text) + 2) + text + jpeg[2:]
+
+
+def conversation(images: list[bytes]) -> bytes:
+    """An OpenAI chat: one user turn per image (text + the image), an assistant answer between turns."""
+    messages: list[dict[str, Any]] = []
+    for n, image in enumerate(images):
+        if n:
+            messages.append({"role": "assistant", "content": f"Answer {n}: a photo of colour fields."})
+        uri = "data:image/jpeg;base64," + base64.b64encode(image).decode()
+        messages.append({"role": "user", "content": [{"type": "text", "text": f"Question {n + 1} about this photo."},
+                                                     {"type": "image_url", "image_url": {"url": uri}}]})
+    return json.dumps({"model": "stub-vlm", "max_tokens": 16, "messages": messages}).encode()
+
+
+def turns(name: str, photo: bytes, tag: str, count: int) -> list[bytes]:
+    """The bodies of one conversation, in order."""
+    if name == "one_photo":
+        one = tagged(photo, f"{tag}/one")
+        return [conversation([one] * n) for n in range(1, count + 1)]
+    if name == "new_photo_each_turn":
+        images = [tagged(photo, f"{tag}/each/{n}") for n in range(count)]
+        return [conversation(images[:n]) for n in range(1, count + 1)]
+    return [conversation([tagged(photo, f"{tag}/new/{n}")]) for n in range(count)]

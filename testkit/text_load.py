@@ -1,0 +1,257 @@
+"""The text-only load of the passthrough and front benchmarks: request bodies, a fixed-answer upstream and an SSE
+client, each a process of its own (``ROLE``: ``python -m testkit.text_load upstream|sse-client ...``).
+
+- ``text_body(size)``: a text-only chat request of exactly ``size`` bytes, ASCII, with no media marker.
+- ``upstream``: a raw asyncio HTTP/1.1 keep-alive server that reads the whole request body (counted, not kept)
+  before it answers the fixed chat completion ``ANSWER``, as a real inference server reads the body first; a
+  request carrying ``X-Bench-Stream`` gets SSE events instead, one every ``--sse-delay`` s on an absolute
+  schedule. Several may share a port (``SO_REUSEPORT``) where one would be the limit.
+- ``sse-client``: ``--streams`` concurrent SSE requests, each restarting when it ends; prints START when the
+  measured window opens, then one JSON line (tokens/s, inter-token gaps, TTFT, its own CPU share) when it closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import signal
+import sys
+import time
+
+ROLE = (sys.executable, "-m", "testkit.text_load")  # a role of this module in a process of its own (cwd: the repo)
+
+ANSWER = (b'{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,"model":"bench",'
+          b'"choices":[{"index":0,"message":{"role":"assistant","content":"Fixed answer from the bench upstream."},'
+          b'"finish_reason":"stop"}],"usage":{"prompt_tokens":256,"completion_tokens":8,"total_tokens":264}}')
+WORDS = [
+    "lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do", "eiusmod", "tempor",
+    "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim", "ad", "minim", "veniam", "quis",
+    "nostrud", "exercitation", "ullamco", "laboris", "nisi", "aliquip", "ex", "ea", "commodo", "consequat"
+]
+
+
+def text_body(size: int) -> bytes:
+    """A text-only chat request of exactly ``size`` bytes, ASCII, no media marker."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
+    doc = {"model": "bench", "max_tokens": 16, "messages": messages}
+    i = 0
+    while len(json.dumps(doc)) < size - 2100:
+        words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(280))
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": words})
+        i += 1
+    messages.append({"role": "user", "content": ""})
+    pad = size - len(json.dumps(doc))
+    messages[-1]["content"] = ("please answer briefly " * (pad // 22 + 1))[:pad]
+    raw = json.dumps(doc).encode()
+    assert len(raw) == size, (len(raw), size)
+    return raw
+
+
+def sse_event(n: int) -> bytes:
+    return (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
+            b'"choices":[{"index":0,"delta":{"content":" tok%d"},"finish_reason":null}]}\n\n' % n)
+
+
+def chunk(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+            b"X-Accel-Buffering: no\r\nTransfer-Encoding: chunked\r\n\r\n")
+SSE_DONE = chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+PLAIN_OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER)
+
+
+def run_upstream(port: int, tokens: int, delay: float) -> None:
+    """The fixed-answer upstream: a raw asyncio HTTP/1.1 keep-alive server that reads the whole request body
+    (counted, not kept) before it answers, like a real inference server. A request carrying ``X-Bench-Stream``
+    gets ``tokens`` SSE events instead, one every ``delay`` s on an absolute schedule (so the server's own
+    overhead does not stretch the stream); every other request gets the fixed JSON answer."""
+    events = [chunk(sse_event(n)) for n in range(tokens)]
+    header_end = re.compile(rb"\r\n\r\n")
+    content_length = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
+
+    class Server(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+            self.buf = b""
+            self.remaining = -1  # body bytes still to come; -1 = reading a head
+            self.stream = False
+            self.streaming = False
+            self.handle: asyncio.TimerHandle | None = None
+            self.loop = asyncio.get_running_loop()
+
+        def data_received(self, data: bytes) -> None:
+            if self.remaining > 0 and not self.buf and len(data) <= self.remaining:
+                # the common case for a big body: count it, keep nothing
+                self.remaining -= len(data)
+                if self.remaining == 0:
+                    self.answer()
+                return
+            self.buf += data
+            self.next_request()
+
+        def next_request(self) -> None:
+            while not self.streaming:
+                if self.remaining < 0:
+                    match = header_end.search(self.buf)
+                    if match is None:
+                        return
+                    head = self.buf[: match.start()]
+                    if b"chunked" in head.lower():
+                        self.transport.write(b"HTTP/1.1 411 Length Required\r\nContent-Length: 0\r\n"
+                                             b"Connection: close\r\n\r\n")
+                        self.transport.close()
+                        return
+                    length = content_length.search(head)
+                    self.remaining = int(length.group(1)) if length else 0
+                    self.stream = b"\r\nx-bench-stream:" in head.lower()
+                    self.buf = self.buf[match.end() :]
+                take = min(self.remaining, len(self.buf))
+                self.remaining -= take
+                self.buf = self.buf[take:]
+                if self.remaining > 0:
+                    return
+                self.answer()
+
+        def answer(self) -> None:
+            self.remaining = -1
+            if self.stream:
+                self.streaming = True
+                self.transport.write(SSE_HEAD)
+                self.start = self.loop.time()
+                self.tick(0)
+            else:
+                self.transport.write(PLAIN_OK)
+                if self.buf:
+                    self.next_request()
+
+        def tick(self, n: int) -> None:
+            if self.transport.is_closing():
+                return
+            self.transport.write(events[n])
+            if n + 1 < tokens:
+                self.handle = self.loop.call_at(self.start + (n + 1) * delay, self.tick, n + 1)
+            else:
+                self.transport.write(SSE_DONE)
+                self.streaming = False
+                self.handle = None
+                self.next_request()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.handle is not None:
+                self.handle.cancel()
+
+    async def main() -> None:
+        # reuse_port: bench.front starts several upstream processes on one port when one would be its limit
+        server = await asyncio.get_running_loop().create_server(Server, "127.0.0.1", port, backlog=1024,
+                                                                reuse_port=True)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        async with server:
+            await stop.wait()
+
+    asyncio.run(main())
+
+
+def run_sse_client(url: str, streams: int, warmup: float, duration: float, period: float) -> None:
+    """``streams`` concurrent SSE requests, each restarting when it ends. Prints START when the measured window
+    opens, then one JSON line when it closes."""
+    import aiohttp
+
+    body = json.dumps({"model": "bench", "stream": True,
+                       "messages": [{"role": "user", "content": "Say something long."}]}).encode()
+    gaps: list[float] = []
+    ttft: list[float] = []
+    state = {"tokens": 0, "requests": 0, "errors": 0, "measuring": False}
+    pattern = b"data: {"
+
+    async def one_stream(session: aiohttp.ClientSession, index: int) -> None:
+        await asyncio.sleep(period * index / streams)  # staggered, like independent users
+        while True:
+            sent = time.perf_counter()
+            try:
+                async with session.post(url, data=body, headers={"Content-Type": "application/json",
+                                                                 "X-Bench-Stream": "1"}) as resp:
+                    if resp.status != 200:
+                        state["errors"] += state["measuring"]
+                        await resp.read()
+                        continue
+                    last = None
+                    carry = b""
+                    async for data in resp.content.iter_any():
+                        now = time.perf_counter()
+                        data = carry + data
+                        count = data.count(pattern)
+                        carry = data[-(len(pattern) - 1) :]
+                        if not count:
+                            continue
+                        if state["measuring"]:
+                            state["tokens"] += count
+                            if last is None:
+                                ttft.append(now - sent)
+                            else:
+                                gaps.append(now - last)
+                            gaps.extend([0.0] * (count - 1))
+                        last = now
+                    state["requests"] += state["measuring"]
+            except aiohttp.ClientError:
+                state["errors"] += state["measuring"]
+
+    async def main() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            tasks = [asyncio.create_task(one_stream(session, i)) for i in range(streams)]
+            await asyncio.sleep(warmup)
+            state["measuring"] = True
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            print("START", flush=True)
+            await asyncio.sleep(duration)
+            state["measuring"] = False
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            gaps.sort()
+            ttft.sort()
+            print(json.dumps({
+                "tokens": state["tokens"], "seconds": wall, "tokens_per_s": state["tokens"] / wall,
+                "requests": state["requests"], "errors": state["errors"],
+                "gap_p50_ms": pct(gaps, 50) * 1e3, "gap_p99_ms": pct(gaps, 99) * 1e3,
+                "gap_max_ms": (gaps[-1] if gaps else 0) * 1e3,
+                "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
+                "client_cpu_share": cpu / wall,
+            }), flush=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def pct(sorted_values: list[float], p: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * p / 100))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    roles = parser.add_subparsers(dest="role", required=True)
+    upstream = roles.add_parser("upstream", help="the fixed-answer upstream")
+    upstream.add_argument("--port", type=int, required=True)
+    upstream.add_argument("--sse-tokens", type=int, default=100, help="events per streamed response [100]")
+    upstream.add_argument("--sse-delay", type=float, default=0.01, help="seconds between events [0.01]")
+    client = roles.add_parser("sse-client", help="concurrent SSE streams")
+    client.add_argument("--url", required=True)
+    client.add_argument("--streams", type=int, required=True)
+    client.add_argument("--warmup", type=float, required=True, help="seconds before the measured window")
+    client.add_argument("--duration", type=float, required=True, help="seconds of the measured window")
+    client.add_argument("--period", type=float, required=True, help="seconds over which the streams start")
+    args = parser.parse_args()
+    if args.role == "upstream":
+        run_upstream(args.port, args.sse_tokens, args.sse_delay)
+    else:
+        run_sse_client(args.url, args.streams, args.warmup, args.duration, args.period)
+
+
+if __name__ == "__main__":
+    main()
