@@ -748,8 +748,8 @@ def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, 
         "with a high value with care.",
         "",
         "Upstream: a raw asyncio Protocol (testkit/text_load.py) that reads the whole body, then answers a fixed "
-        "330-byte chat-completion JSON (~25 us CPU per 1 KB request, `upstream us/req`). nginx `return 200` was tried first "
-        "and is cheaper (~15 us) but answers before it has read the body: wrk then stalls on 4 MB bodies "
+        "330-byte chat-completion JSON (~25 us CPU per 1 KB request, `upstream us/req`). nginx `return 200` was tried "
+        "first and is cheaper (~15 us) but answers before it has read the body: wrk then stalls on 4 MB bodies "
         "(0.7 req/s direct). nginx proxy: 1 worker, `proxy_http_version 1.1`, upstream keepalive, the body "
         "buffered in memory (`client_body_buffer_size 16m`, as mmgate does). minimal: a ~30-line aiohttp proxy "
         "(the anchor's baseline). mmgate: `python -m proxy --access-log off`, defaults otherwise. Proxy CPU = "
