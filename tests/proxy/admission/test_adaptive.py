@@ -286,6 +286,19 @@ def test_after_the_non_validated_period_a_lowered_limit_stays_lowered() -> None:
     assert run.cruise_at(30.05 + NON_VALIDATED_S) <= 3
 
 
+def test_a_limit_lowered_for_want_of_demand_does_not_come_back_once_the_backend_changed() -> None:
+    """RFC 7661's restore brings back a limit that was measured. A backend that slowed down since (the limit gave
+    way) voids that measurement: here its knee moved from beyond 16 to 4 while demand was low, and the 14
+    clients who come back must not be let in at the old limit of 16 at once (by the time they wait, the
+    restore would put 16 requests at a backend that thrashes past 4)."""
+    curve = switched(flat(0.1), thrashing(0.2, 4), at=25)
+    groups = [Group("steady", 4, curve), Group("burst", 12, curve, stop=20), Group("again", 12, curve, start=40)]
+    run = Simulation(groups, adaptive=auto(), seed=0).run(42)
+    assert run.cruise_at(19) >= 14
+    assert run.cruise_at(39) <= 4
+    assert run.cruise_at(40.05) <= 4
+
+
 def test_samples_of_requests_admitted_in_an_earlier_phase_judge_nothing() -> None:
     now = [0.0]
     limit = AdaptiveLimit(1, 64, clock=lambda: now[0], rng=random.Random(0))
