@@ -102,7 +102,7 @@ def run_task(task: MediaTask, payload: Payload, checkpoint: Checkpoint) -> Verdi
 
 def with_planned_targets(task: MediaTask, found: Dimensions | None) -> MediaTask:
     """``task`` carrying the served model's answers for its image (``geometry.planned_targets``), worked out here
-    from the size its header says (``dimensions``), where the processor's helpers are loaded already: a decode
+    from the size its header says (``found``), where the processor's helpers are loaded already: a decode
     worker process then never imports them. The task as it is without a model, for other media, or where the
     header does not say the image's size."""
     geometry = task.image_policy.geometry

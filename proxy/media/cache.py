@@ -223,7 +223,7 @@ class MediaCache:
 
 class NoCache:
     """The cache's place when MMGATE_CACHE_MB is 0: holds nothing, so every look-up misses and every key is led
-    by the request that asks (each item gets a key of its own, nothing is hashed: ``key_items``)."""
+    by the request that asks (each item gets a key of its own, nothing is hashed: ``look_up``)."""
 
     waiting = 0
     bytes_held = 0

@@ -144,7 +144,7 @@ class MediaStep:
             inline = [item for item in inline if item.key not in verdicts]
             # Read after the judge: an image it decided is forwarded as it came, and needs no more of its header.
             headers = {item.index: inline_header(ends[item.index]) for item in inline
-                       if item.index in ends} if self._resizes else {}
+                       if item.index in ends} if self.policies.image.resizes else {}
             del ends
             forward = estimate(inline, headers, len(media.data), self.policies.image)
             tasks = {item.index: self._planned(item, headers.get(item.index)) for item in inline}
@@ -208,10 +208,6 @@ class MediaStep:
             return None
         urls = [item for item in items if item.source == "fetched"]
         return _UrlItems(self.fetcher, urls) if urls else None
-
-    @property
-    def _resizes(self) -> bool:
-        return self.policies.image.resizes
 
     def _planned(self, item: MediaItem, header: Header | None) -> MediaTask:
         """The item's task, with the served model's answers for its image where its header says its size
