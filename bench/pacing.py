@@ -9,7 +9,7 @@ pacing costs media throughput, against a minimal aiohttp proxy forwarding the sa
 
 Per round, fresh processes for each scenario (an idle control server runs throughout):
 
-  * upstream: the raw asyncio upstream of bench/passthrough.py (reads the whole body, answers a fixed JSON);
+  * upstream: the raw asyncio upstream of testkit/text_load.py (reads the whole body, answers a fixed JSON);
   * idle: mmgate (default settings), no load: a text prober POSTs a small text chat through mmgate every
     10 ms, a health prober GETs /mmgate/health every 10 ms, a third GETs the control server's /health;
   * mmgate: the same three probers while 16 clients (this process, aiohttp, one keep-alive connection each)
@@ -19,7 +19,7 @@ Per round, fresh processes for each scenario (an idle control server runs throug
   * mmgate on uvloop: the same with MMGATE_LOOP=uvloop (the other scenarios run on asyncio's own loop, what
     ``pip install mmgate`` gives): libuv reads up to 32 buffers from a socket in one pass of the loop, so a
     held upload's reading stops only between such bursts;
-  * minimal: the minimal aiohttp proxy of bench/passthrough.py (read the body, forward it, stream the answer)
+  * minimal: the minimal aiohttp proxy of testkit/text_load.py (read the body, forward it, stream the answer)
     under the same load, probed with the text request and the control.
 
 Figures per round: text p99 (idle and loaded), health p99 and the control's in the same window, media
@@ -39,7 +39,6 @@ import datetime
 import json
 import platform
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -48,6 +47,7 @@ from proxy.settings import setting_default
 from testkit import load as L
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
 from testkit.procfs import tree_cpu_seconds, tree_minor_faults
+from testkit.text_load import ROLE
 
 WHAT = "small text request and /mmgate/health latency while 16 clients resend one 12 MP photo (cache hits)"
 TEXT_BODY = json.dumps({"model": "stub-vlm", "max_tokens": 16,
@@ -64,9 +64,9 @@ SCENARIO_ENV = {"mmgate_unpaced": {"MMGATE_LOOP_LAG_TARGET": "0"}, "mmgate_uvloo
 
 
 def start_role(role: str, *args: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A role of bench/passthrough.py in its own process (the upstream, the minimal proxy)."""
+    """A role of testkit/text_load.py in its own process (the upstream, the minimal proxy)."""
     port = L.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.passthrough", "--role", role, "--port", str(port), *args],
+    proc = subprocess.Popen([*ROLE, role, "--port", str(port), *args],
                             cwd=L.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -233,7 +233,7 @@ def render(meta: dict[str, Any], f: dict[str, list[float]], names: list[str]) ->
         "",
         f"Load: {meta['clients']} clients back to back, each resending one {meta['photo']} as an OpenAI chat "
         f"({meta['body_mb']:.2f} MB body); with the cache on (mmgate's default) every request after the first "
-        "is a cache hit. Upstream: the raw asyncio upstream of bench/passthrough.py (reads each body whole, "
+        "is a cache hit. Upstream: the raw asyncio upstream of testkit/text_load.py (reads each body whole, "
         f"answers a fixed JSON). Probers (own processes, one keep-alive connection each, every "
         f"{meta['interval'] * 1000:g} ms): a {len(TEXT_BODY)}-byte text chat POSTed through the proxy, "
         "GET /mmgate/health, and GET /health of an idle control server (a bare aiohttp app). Each cell: the "

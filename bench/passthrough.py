@@ -73,7 +73,6 @@ PROXY_CPU, LOAD_CPU = "0", "1"
 TARGETS = ("direct", "nginx", "minimal", "mmgate", "mmgate-uvloop")
 # The event loop each mmgate target runs on (MMGATE_LOOP); "mmgate" is asyncio's own, whatever is installed.
 LOOP_OF = {"mmgate": "asyncio", "mmgate-uvloop": "uvloop"}
-OWN_ROLE = (sys.executable, "-m", "bench.passthrough", "--role")  # this module in another process (cwd=REPO)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -198,38 +197,6 @@ def start_nginx(procs: Procs, name: str, body: str, workdir: Path) -> subprocess
 
 # ----------------------------------------------------------------------------------------------------------
 # the minimal aiohttp proxy (the anchor's baseline), the SSE upstream, the SSE client: roles of this script
-
-
-def run_minimal_proxy(upstream: str, port: int) -> None:
-    import aiohttp
-    from aiohttp import web
-
-    skip_up = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"}
-    skip_down = {"connection", "keep-alive", "transfer-encoding"}
-
-    async def session_ctx(app: web.Application):  # type: ignore[no-untyped-def]
-        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
-        yield
-        await app["session"].close()
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in skip_up}
-        async with request.app["session"].request(request.method, upstream + request.raw_path, data=body,
-                                                  headers=headers, skip_auto_headers=("User-Agent", "Accept",
-                                                  "Accept-Encoding", "Content-Type")) as up:
-            response = web.StreamResponse(status=up.status, reason=up.reason,
-                                          headers={k: v for k, v in up.headers.items() if k.lower() not in skip_down})
-            await response.prepare(request)
-            async for chunk in up.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-            return response
-
-    app = web.Application(client_max_size=1 << 30)
-    app.cleanup_ctx.append(session_ctx)
-    app.router.add_route("*", "/{tail:.*}", handle)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -467,18 +434,7 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="only rebuild .md, medians and goals from the .json")
     parser.add_argument("--baseline", metavar="REV",
                         help="also run mmgate as of git revision REV (a temporary worktree): before/after in one run")
-    # roles of this script's own subprocesses
-    parser.add_argument("--role", choices=("bench", "minimal-proxy"), default="bench",
-                        help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--upstream", help=argparse.SUPPRESS)
-    parser.add_argument("--url", help=argparse.SUPPRESS)
-    parser.add_argument("--streams", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--warmup", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--period", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.role == "minimal-proxy":
-        return run_minimal_proxy(args.upstream, args.port)
     if args.render:
         return rerender(Path(args.out))
     if args.quick:
@@ -607,7 +563,7 @@ def bench(args: argparse.Namespace) -> None:
         upstream_url = f"http://127.0.0.1:{ports['direct']}"
         wait_http(upstream_url + "/", proc=upstream)
         nginx = start_nginx(procs, "proxy", NGINX_PROXY.format(port=ports["nginx"], upstream=ports["direct"]), workdir)
-        minimal = procs.start([*OWN_ROLE, "minimal-proxy", "--port", str(ports["minimal"]),
+        minimal = procs.start([*ROLE, "minimal-proxy", "--port", str(ports["minimal"]),
                                "--upstream", upstream_url], PROXY_CPU, cwd=REPO, stderr=subprocess.DEVNULL)
         mmgates = {target: procs.start([sys.executable, "-m", "proxy", "--upstream", upstream_url, "--port",
                                         str(ports[target]), "--host", "127.0.0.1", "--access-log", "off", "--loop",

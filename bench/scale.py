@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How one mmgate process scales with its decode workers: throughput, cores used, and a responsive loop.
 
-One mmgate process (``python -m proxy``, a subprocess) in front of a trivial upstream (``bench.passthrough``'s
+One mmgate process (``python -m proxy``, a subprocess) in front of a trivial upstream (``testkit.text_load``'s
 raw asyncio upstream, its own process: it reads the whole body, then answers a fixed completion). Clients
 send the same 12 MP photo-like JPEG (``testkit.media.photo_jpeg``, 3.5 MB as base64) in an OpenAI chat
 request, back to back, from load-generator processes of their own (``multiprocessing``), enough of them to
@@ -60,6 +60,7 @@ from bench import _results as R
 from testkit import load as L
 from testkit.models import idefics3_folder
 from testkit.procfs import CLK_TCK, CSTIME, CUTIME, STIME, UTIME, cpu_ticks, descendants, stat_sum
+from testkit.text_load import ROLE
 
 RESIZE_FLAGS = ("--resize-max-pixels", "1000000")
 MANY_CORES, MANY_WORKERS = 16, 14
@@ -153,9 +154,8 @@ def measure(mode: str, resize: bool, workers: int, args: argparse.Namespace, mod
              *(RESIZE_FLAGS if resize else ())]
     env = {MODE_VARIABLE: mode} if mode_env else {}
     upstream_port = L.free_port()
-    upstream = subprocess.Popen([sys.executable, "-m", "bench.passthrough", "--role", "upstream", "--port",
-                                 str(upstream_port)], cwd=R.REPO, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+    upstream = subprocess.Popen([*ROLE, "upstream", "--port", str(upstream_port)], cwd=R.REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     gate = None
     generators: list[tuple[Any, Any]] = []  # (process, the end of its pipe)
     try:
@@ -235,9 +235,8 @@ def first_request(mode: str, mode_env: bool, model: Path | None = None) -> dict[
 
     body = chat_body(photo_jpeg())
     upstream_port = L.free_port()
-    upstream = subprocess.Popen([sys.executable, "-m", "bench.passthrough", "--role", "upstream", "--port",
-                                 str(upstream_port)], cwd=R.REPO, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+    upstream = subprocess.Popen([*ROLE, "upstream", "--port", str(upstream_port)], cwd=R.REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     gate = None
     try:
         time.sleep(0.5)  # the upstream's interpreter; mmgate's start-up does not wait for it

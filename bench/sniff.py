@@ -11,7 +11,7 @@ in one run, each on the same bodies, single thread (wall time here is CPU time):
 * ``memchr`` (yardstick): ``bytes.find`` of one absent byte, the speed of a pass that does nothing.
 
 Bodies (all without a marker, the case that pays the whole pass): the 4 MiB text chat of
-``bench.passthrough``; a ~4 MiB English chat written by Python's json (``ensure_ascii``: accented letters
+``testkit.text_load.text_body``; a ~4 MiB English chat written by Python's json (``ensure_ascii``: accented letters
 become ``\\u00e9`` escapes); a ~4 MiB Chinese chat, every character an escape. The last two were "maybe
 media" for the previous markers (any ``\\u``) and paid a whole JSON parse: the ``old markers`` column says
 what the previous sniff answered. Each figure is the median of --rounds rounds (each the best of 3 runs)

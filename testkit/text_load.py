@@ -1,11 +1,13 @@
-"""The text-only load of the passthrough and front benchmarks: request bodies, a fixed-answer upstream and an SSE
-client, each a process of its own (``ROLE``: ``python -m testkit.text_load upstream|sse-client ...``).
+"""The text-only load of the passthrough, front, pacing and scale benchmarks: request bodies, a fixed-answer
+upstream, a minimal proxy and an SSE client, each a process of its own (``ROLE``: ``python -m testkit.text_load
+upstream|minimal-proxy|sse-client ...``).
 
 - ``text_body(size)``: a text-only chat request of exactly ``size`` bytes, ASCII, with no media marker.
 - ``upstream``: a raw asyncio HTTP/1.1 keep-alive server that reads the whole request body (counted, not kept)
   before it answers the fixed chat completion ``ANSWER``, as a real inference server reads the body first; a
   request carrying ``X-Bench-Stream`` gets SSE events instead, one every ``--sse-delay`` s on an absolute
   schedule. Several may share a port (``SO_REUSEPORT``) where one would be the limit.
+- ``minimal-proxy``: ``run_minimal_proxy``, the anchor of what passing text through costs.
 - ``sse-client``: ``--streams`` concurrent SSE requests, each restarting when it ends; prints START when the
   measured window opens, then one JSON line (tokens/s, inter-token gaps, TTFT, its own CPU share) when it closes.
 """
@@ -233,6 +235,40 @@ def pct(sorted_values: list[float], p: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * p / 100))]
 
 
+def run_minimal_proxy(upstream: str, port: int) -> None:
+    """The anchor of what passing text through costs: a ~30-line aiohttp proxy that reads the body, forwards it on
+    one pooled ``ClientSession`` and streams the answer back with ``iter_any``."""
+    import aiohttp
+    from aiohttp import web
+
+    skip_up = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"}
+    skip_down = {"connection", "keep-alive", "transfer-encoding"}
+
+    async def session_ctx(app: web.Application):  # type: ignore[no-untyped-def]
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        yield
+        await app["session"].close()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in skip_up}
+        async with request.app["session"].request(request.method, upstream + request.raw_path, data=body,
+                                                  headers=headers, skip_auto_headers=("User-Agent", "Accept",
+                                                  "Accept-Encoding", "Content-Type")) as up:
+            response = web.StreamResponse(status=up.status, reason=up.reason,
+                                          headers={k: v for k, v in up.headers.items() if k.lower() not in skip_down})
+            await response.prepare(request)
+            async for chunk in up.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    app = web.Application(client_max_size=1 << 30)
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_route("*", "/{tail:.*}", handle)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     roles = parser.add_subparsers(dest="role", required=True)
@@ -240,6 +276,9 @@ def main() -> None:
     upstream.add_argument("--port", type=int, required=True)
     upstream.add_argument("--sse-tokens", type=int, default=100, help="events per streamed response [100]")
     upstream.add_argument("--sse-delay", type=float, default=0.01, help="seconds between events [0.01]")
+    minimal = roles.add_parser("minimal-proxy", help="the minimal aiohttp proxy")
+    minimal.add_argument("--port", type=int, required=True)
+    minimal.add_argument("--upstream", required=True, help="the upstream's URL")
     client = roles.add_parser("sse-client", help="concurrent SSE streams")
     client.add_argument("--url", required=True)
     client.add_argument("--streams", type=int, required=True)
@@ -249,6 +288,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "upstream":
         run_upstream(args.port, args.sse_tokens, args.sse_delay)
+    elif args.role == "minimal-proxy":
+        run_minimal_proxy(args.upstream, args.port)
     else:
         run_sse_client(args.url, args.streams, args.warmup, args.duration, args.period)
 

@@ -22,8 +22,13 @@ def imported_benches(path: Path) -> set[str]:
     return found
 
 
-def test_no_bench_imports_another() -> None:
+def test_no_bench_imports_another_or_runs_one() -> None:
+    """Nor does one start another's module as a process (``python -m bench.x``): a role they share is testkit's."""
     benches = [path for path in BENCH.glob("*.py") if f"bench.{path.stem}" not in SHARED and path.stem != "__init__"]
     assert len(benches) > 20
     imports = {path.name: sorted(imported_benches(path) - SHARED) for path in benches}
     assert not {name: found for name, found in imports.items() if found}
+    names = {f"bench.{path.stem}" for path in benches}
+    runs = {path.name: sorted(name for name in names - {f"bench.{path.stem}"}
+                              if f'"{name}"' in path.read_text()) for path in benches}
+    assert not {name: found for name, found in runs.items() if found}
