@@ -62,8 +62,9 @@ from functools import partial
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.dataurl import Base64Ends
+from preprocessors.dimensions import header_dimensions
 from preprocessors.errors import BODY_TOO_LARGE, PREPROCESS_TIMEOUT, MediaError, MmgateError
-from preprocessors.header import Header, fetched_header, inline_header
+from preprocessors.header import Header, inline_header
 from preprocessors.job import MediaJob, MediaTask, Verdict, judge_head, with_planned_targets
 from preprocessors.pool import Batch, DecodePool
 from proxy.admission.client import GateClient, GateLease, GatePlace
@@ -216,7 +217,7 @@ class MediaStep:
         if task.kind != "image" or task.image_policy.geometry is None:
             return task
         if item.fetched is not None:
-            header = fetched_header(item.fetched)
+            return with_planned_targets(task, header_dimensions(item.fetched))
         return with_planned_targets(task, header.dimensions if header is not None else None)
 
     def _job(self, item: MediaItem, body: BodyRef, tasks: dict[int, MediaTask]) -> MediaJob:
