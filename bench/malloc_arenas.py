@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import threading
 import time
@@ -56,6 +55,7 @@ from typing import Any
 from bench import _results as R
 from testkit.load import RESULTS, start_mmgate, start_stub, stop, uptime
 from testkit.media import chat_body, photo_jpeg
+from testkit.procfs import CLK_TCK, cpu_ticks
 
 MIB = 1 << 20
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -75,9 +75,7 @@ UNTUNED = {"MMGATE_MALLOC_TUNING": "off"}  # under every variant: mmgate's own t
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of the whole process (all threads), from /proc/PID/stat: robust to a shared machine."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_ticks([pid]) / CLK_TCK
 
 
 def status(pid: int) -> dict[str, int]:

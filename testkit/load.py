@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from testkit.environment import mmgate_env
+from testkit.procfs import cpu_ticks
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -169,11 +170,7 @@ def machine_jiffies() -> tuple[int, int]:
 
 def proc_jiffies(pid: int) -> int:
     """utime + stime of one process (all its threads), jiffies; 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])
+    return cpu_ticks([pid])
 
 
 class CpuWatch:
