@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 import pybase64
 
+from .dimensions import HEAD_STEPS
 from .errors import INVALID_BASE64, INVALID_DATA_URI, MEDIA_TOO_LARGE
+from .formats import sniff_image_format
 
 # "data:" + a MIME type with parameters fits easily; a longer header is not a media data URL.
 _HEADER_LIMIT = 256
@@ -115,18 +117,31 @@ def decode_tail(payload: bytes | memoryview, tail_bytes: int) -> bytes:
 
 @dataclass(slots=True)
 class Base64Ends:
-    """Base64 read from its ends only, each stretch decoded once however often it is asked for: an inline image's
-    header is read by the header check, the bound on what is forwarded and the served model's plan alike.
+    """Base64 read from its ends only, each stretch decoded once however often it is asked for, and its image
+    format sniffed once: an inline image's header is read by the header check, the bound on what is forwarded and
+    the served model's plan alike.
     ``head(n)`` is ``decode_head``'s, ``tail(n)`` ``decode_tail``'s, each raising what they raise. It holds a view
     into the request's body: keep it only while the body is read on the loop, never across an await."""
 
     payload: bytes | memoryview
     _heads: dict[int, bytes] = field(default_factory=dict)
     _tails: dict[int, bytes] = field(default_factory=dict)
+    _format: str = ""
 
     def size(self) -> int:
         """What the payload decodes to, in bytes, from its length (``checked_size`` without its checks)."""
         return decoded_size(len(self.payload)) - _padding(self.payload) if self.payload else 0
+
+    def checked_size(self, max_bytes: int) -> int:
+        """``checked_size`` of the payload: its decoded size, refused when empty or over ``max_bytes``."""
+        return checked_size(self.payload, max_bytes)
+
+    def image_format(self) -> str:
+        """The image format its first bytes name (``formats.sniff_image_format``), sniffed once from the first
+        head a header check reads (``dimensions.HEAD_STEPS``); raises what ``head`` and the sniff raise."""
+        if not self._format:
+            self._format = sniff_image_format(self.head(HEAD_STEPS[0]))
+        return self._format
 
     def head(self, head_bytes: int) -> bytes:
         data = self._heads.get(head_bytes)

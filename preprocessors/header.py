@@ -36,8 +36,8 @@ def inline_header(ends: Base64Ends) -> Header | None:
     """The header of an inline image from its base64: the dimensions as the token count reads them, and the
     alpha from the first KiBs; None when it is not base64 of an accepted image (the decode refuses it)."""
     try:
+        fmt = ends.image_format()
         head = ends.head(HEAD_STEPS[0])
-        fmt = sniff_image_format(head)
     except MediaError:
         return None
     return Header(peek_dimensions(ends.head, fmt), _may_have_alpha(fmt, head), fmt, ends.size())

@@ -173,26 +173,25 @@ def process_image(
     )
 
 
-def judge_header(head: Callable[[int], bytes], tail: Callable[[int], bytes], size: int,
+def judge_header(fmt: str, head: Callable[[int], bytes], tail: Callable[[int], bytes], size: int,
                  policy: ImagePolicy) -> str | None:
-    """With header validation, the MIME type of an image that its header alone decides: valid, and left as it
-    is. ``head(n)`` gives the file's first ``n`` bytes (fewer: the whole file), ``tail(n)`` its last ``n``,
-    ``size`` its length; heads of ``dimensions.HEAD_STEPS`` and then ``MAX_HEAD_BYTES`` are tried, as the token
-    count reads them. Every image's end is checked
-    (``formats.check_whole``: a file cut short is refused here, whatever judges the rest). None where the
-    header does not decide: an image to resize, a GIF or WebP (their frames, and Pillow's WebP opener, need the
-    whole file), or a header past the longest head; ``process_image`` then judges the whole file, in a decode
-    worker. Raises what ``process_image`` raises for
-    the same header. Thread-safe, and cheap enough for the event loop (a Pillow open of a few KiB)."""
+    """With header validation, the MIME type of an image of format ``fmt`` (as ``formats.sniff_image_format``
+    names it) that its header alone decides: valid, and left as it is. ``head(n)`` gives the file's first ``n``
+    bytes (fewer: the whole file), ``tail(n)`` its last ``n``, ``size`` its length; heads of
+    ``dimensions.HEAD_STEPS`` and then ``MAX_HEAD_BYTES`` are tried, as the token count reads them. Every image's
+    end is checked (``formats.check_whole``: a file cut short is refused here, whatever judges the rest). None
+    where the header does not decide: an image to resize, a GIF or WebP (their frames, and Pillow's WebP opener,
+    need the whole file), or a header past the longest head; ``process_image`` then judges the whole file, in a
+    decode worker. Raises what ``process_image`` raises for the same header. Thread-safe, and cheap enough for
+    the event loop (a Pillow open of a few KiB)."""
     if policy.validate != "header":
+        return None
+    if fmt not in _HEADER_FORMATS:
+        check_whole(fmt, head(HEAD_STEPS[0]), tail(TAIL_BYTES), size)
         return None
     for head_bytes in (*HEAD_STEPS, MAX_HEAD_BYTES):
         data = head(head_bytes)
         whole = len(data) < head_bytes // 3 * 3
-        fmt = sniff_image_format(data)
-        if fmt not in _HEADER_FORMATS:
-            check_whole(fmt, data, tail(TAIL_BYTES), size)
-            return None
         try:
             img = Image.open(BytesIO(data), formats=(fmt,))
         except Exception:

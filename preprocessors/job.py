@@ -16,7 +16,7 @@ from functools import partial
 
 from .audio import sniff_audio_format, validate_audio
 from .base import AudioPolicy, Checkpoint, ImagePolicy, MediaKind, VideoPolicy, no_checkpoint
-from .dataurl import Base64Ends, checked_size, decode_base64, encode_base64
+from .dataurl import Base64Ends, decode_base64, encode_base64
 from .dimensions import Dimensions
 from .errors import MediaError, MmgateError, rebuild
 from .formats import image_mime
@@ -121,8 +121,8 @@ def judge_head(task: MediaTask, ends: Base64Ends) -> Verdict | None:
     if task.kind != "image" or task.fetched_mime is not None or task.image_policy.validate != "header":
         return None
     try:
-        size = checked_size(ends.payload, task.max_bytes)
-        mime = judge_header(ends.head, ends.tail, size, task.image_policy)
+        size = ends.checked_size(task.max_bytes)
+        mime = judge_header(ends.image_format(), ends.head, ends.tail, size, task.image_policy)
     except MediaError as error:
         raise error.at(task.path) from None
     return None if mime is None else Verdict(size, size, mime.encode())

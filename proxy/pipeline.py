@@ -32,12 +32,12 @@ from preprocessors.job import judge_head
 from proxy.admission.client import GateLease
 from proxy.admission.flows import flow_for
 from proxy.admission.sample import Sample, sample_class
-from proxy.edge.body import HEAD_BYTES, joined, read_body
+from proxy.edge.body import HEAD_BYTES, read_body
 from proxy.edge.buffers import MediaBuffer
 from proxy.edge.connections import ConnectionGuard, GuardedConnection
 from proxy.edge.paths import Target, is_allowed, normalise_target
 from proxy.edge.refusals import internal_error, refuse
-from proxy.edge.upstream import close_upstream, open_upstream, relay_body, relay_head, request_id_for
+from proxy.edge.upstream import close_upstream, open_upstream, relay, request_id_for
 from proxy.edge.upstream_health import upstream_down
 from proxy.edge.write_deadline import client_gone_code
 from proxy.exchange import CLIENT_CLOSED, Exchange, record
@@ -47,7 +47,7 @@ from proxy.media.tokens import plan_image_tokens
 from proxy.ops.metrics import Metrics
 from proxy.payload.dialects import dialect_for_path, route_for
 from proxy.payload.locate import Limits, Plan, chunks_may_contain_media, may_contain_media, plan_media, plan_steps
-from proxy.payload.rawjson import Steps, splice
+from proxy.payload.rawjson import Steps
 from proxy.state import STATE, AppState
 
 # Sent upstream with MMGATE_MODEL: the request's image tokens for the served model, for a router or scheduler.
@@ -119,7 +119,7 @@ async def _serve(request: web.Request, state: AppState, exchange: Exchange) -> w
     if exchange.route != "other":
         exchange.sniffed_media = chunks_may_contain_media(chunks)
     if exchange.sniffed_media:
-        media = state.buffers.hold(await joined(chunks))  # from here on the owner is the only holder of the bytes
+        media = await state.buffers.hold(chunks)  # from here on the owner is the only holder of the bytes
         outgoing, exchange.media = media, weakref.ref(media)
         is_stream = await _prepare_media(state, exchange, media)
         del media
@@ -142,7 +142,7 @@ async def _serve(request: web.Request, state: AppState, exchange: Exchange) -> w
     exchange.upstream_started = time.perf_counter()
     adaptive = lease is not None and settings.gate.adaptive_concurrency
     # A lease that lasts to the end of the answer ends when the backend is done with it, which a client that stopped
-    # reading must not put off: the relay reads ahead for it (``relay_body``), watching the client's connection.
+    # reading must not put off: the relay reads ahead for it (``upstream.relay``), watching the client's connection.
     to_the_end = lease is not None and release_at == "complete"
     client = state.connections.connection_for(request.protocol) if to_the_end else None
     if adaptive and client is not None:
@@ -156,21 +156,24 @@ async def _serve(request: web.Request, state: AppState, exchange: Exchange) -> w
         try:
             if lease is not None and release_at == "headers":
                 lease.release()
-            exchange.response = await relay_head(request, upstream,
-                                                 exchange.response_headers(settings.logs.server_timing))
-            await relay_body(  # which ends the upstream's answer too
-                upstream, exchange.response,
+            return await relay(  # which ends the upstream's answer too
+                request, upstream, exchange.response_headers(settings.logs.server_timing),
+                started=partial(_answer_started, exchange),
                 client_waits=client.waits_on_client if client is not None else None,
                 upstream_done=partial(_backend_done, state, exchange, upstream.status, is_stream)
                 if to_the_end else None)
         except BaseException:
             close_upstream(upstream)
             raise
-        return exchange.response
     finally:
         if adaptive and client is not None:
             client.on_stall = None
         exchange.watch.add("upstream", time.perf_counter() - exchange.upstream_started)
+
+
+def _answer_started(exchange: Exchange, response: web.StreamResponse) -> None:
+    """The answer's headers went out: a refusal from here on can only end ``response`` (``refusals.refuse``)."""
+    exchange.response = response
 
 
 def _client_stalled(exchange: Exchange) -> None:
@@ -253,7 +256,7 @@ async def _prepare_media(state: AppState, exchange: Exchange, media: MediaBuffer
     exchange.lease, exchange.media_in, exchange.media_out, exchange.video_tokens = (
         result.lease, result.media_in, result.media_out, result.video_tokens)
     if result.replacements:
-        media.replace(splice(media.data, result.replacements))
+        media.splice(result.replacements)
     del result
     exchange.watch.add("splice", time.perf_counter() - started)
     return plan.is_stream

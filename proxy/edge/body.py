@@ -1,5 +1,6 @@
 """Reading a request body whole, as the chunks it arrived in, within MMGATE_MAX_BODY_MB and
-MMGATE_BODY_READ_TIMEOUT; joining them into one buffer only where one is needed (a body that may hold media).
+MMGATE_BODY_READ_TIMEOUT (``read_body``); a body that may hold media is joined into one buffer by its owner
+(``buffers.BufferLedger.hold``).
 
 A Content-Length over the limit is refused before a byte is read, a chunked body as soon as it crosses
 the limit, and a body that trickles is cut at the deadline (aiohttp has no body-read deadline of its own).
@@ -22,8 +23,8 @@ async def read_body(request: web.Request, limit: int, timeout: float,
                     on_head: Callable[[bytes], Awaitable[None]] | None = None) -> list[bytes]:
     """The whole body, as the chunks the HTTP parser delivered, refusing more than ``limit`` bytes (413 up
     front from Content-Length, or as soon as a chunked body crosses it) and more than ``timeout`` seconds (408:
-    aiohttp has no body-read timeout). Only a caller that needs one buffer joins them (``joined``): a text
-    body is forwarded as it came, never copied.
+    aiohttp has no body-read timeout). Only a caller that needs one buffer joins them
+    (``buffers.BufferLedger.hold``): a text body is forwarded as it came, never copied.
 
     ``on_head`` is called once with the first ``HEAD_BYTES`` of a body bigger than that which has not fully
     arrived yet; it may raise to refuse the request before the rest is read."""
@@ -75,40 +76,6 @@ async def read_body(request: web.Request, limit: int, timeout: float,
     if expected is not None and size != expected:  # pragma: no cover - aiohttp raises on a short body first
         raise INCOMPLETE_BODY.error(f"the body ended after {size} of {expected} bytes")
     return chunks
-
-
-# Bytes ``joined`` copies in one ``b"".join``, holding the loop for the whole copy: one exact-size copy costs a
-# third of growing a buffer (a 6 MB body: 2.1 ms against 6.4 ms, each growth of a buffer this big a fresh mapping
-# under ``runtime.memory``'s threshold); bench/loop_stall.py measures what the hold costs other requests.
-ONE_COPY_MAX = 16 << 20
-JOIN_STEP = 4 << 20  # bytes appended between two turns of the event loop, for a body over ONE_COPY_MAX
-
-
-async def joined(chunks: list[bytes]) -> bytes:
-    """The chunks as one buffer, the list emptied. Up to ``ONE_COPY_MAX`` bytes in one copy (``b"".join``);
-    a bigger body is appended to one growing ``bytearray`` ``JOIN_STEP`` bytes at a time, letting the loop
-    serve others between two steps, and each chunk is let go once copied: a body that big is never held
-    twice, a chunk's worth at most. Growing costs no copy: glibc maps a buffer this big on its own
-    (``memory.tune_process``) and grows it with ``mremap``; ``bytearray(total)`` would zero it all first, in
-    one call."""
-    if len(chunks) == 1:
-        return chunks.pop()
-    total = sum(map(len, chunks))
-    if total <= ONE_COPY_MAX:
-        body = b"".join(chunks)
-        chunks.clear()
-        return body
-    out = bytearray()
-    copied = 0
-    for i, chunk in enumerate(chunks):
-        out += chunk
-        chunks[i] = b""
-        copied += len(chunk)
-        if copied >= JOIN_STEP:
-            copied = 0
-            await asyncio.sleep(0)
-    chunks.clear()
-    return out  # a bytes-like buffer: everything downstream reads it through find, slices and memoryviews
 
 
 def _head(chunks: list[bytes], small: bytearray) -> bytes:

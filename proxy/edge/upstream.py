@@ -2,10 +2,10 @@
 
 ``open_upstream`` sends the request and returns the upstream's response once its headers arrived, or raises
 ``UpstreamError`` (or 503 ``local_resources_exhausted`` when mmgate's own descriptors or ports ran out);
-``relay_head`` and ``relay_body`` write that response to the client, and ``relay_body`` ends it
-(``close_upstream``, which the caller calls itself only when something fails before). The answer is never
+``relay`` writes that response to the client and ends it (``close_upstream``, which the caller calls itself
+only when something fails before). The answer is never
 buffered whole on the way back (except a small one of known length): each chunk is written as it arrives, so
-SSE tokens keep their timing. On the way, ``relay_body`` counts the answer's output tokens as far as it can
+SSE tokens keep their timing. On the way, the relay counts the answer's output tokens as far as it can
 without parsing it (``OutputCount``), for the adaptive limit's request classes. Header rules:
 
 * RFC 9110 section 7.6.1: hop-by-hop fields (``Connection`` and every field it names, Keep-Alive,
@@ -59,7 +59,7 @@ FIRST_WRITE = 16 << 10  # bytes of a request body sent together with the request
 WRITE_PIECE = 256 << 10  # bytes of a request body written upstream at a time
 SMALL_ANSWER = 64 << 10  # bytes: answers up to this size with a Content-Length are sent in one write
 # Bytes of one answer read on from the upstream while its client is not reading, kept in the client's transport
-# buffer (``relay_body``): a streamed chat answer of a few thousand tokens, so that the backend finishes it and
+# buffer (``relay``): a streamed chat answer of a few thousand tokens, so that the backend finishes it and
 # the gate stops counting it. The gate's limit bounds how many answers are read ahead at once.
 READ_AHEAD = 1 << 20
 
@@ -254,7 +254,7 @@ async def open_upstream(
     response once its headers arrived. Raises ``UpstreamError``, or ``LOCAL_RESOURCES_EXHAUSTED`` when mmgate
     itself could not open the connection.
 
-    What it returns is ended by ``relay_body``; the caller must ``close_upstream`` it if anything fails
+    What it returns is ended by ``relay``; the caller must ``close_upstream`` it if anything fails
     before."""
     headers = upstream_headers(request, request_id)
     for name, value in own_headers.items():
@@ -278,13 +278,30 @@ async def open_upstream(
         raise _classify(exc, headers_received=False) from None
 
 
-async def relay_head(request: web.Request, upstream: aiohttp.ClientResponse,
-                     extra_headers: dict[str, str]) -> web.StreamResponse:
+async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_headers: dict[str, str], *,
+                started: Callable[[web.StreamResponse], None],
+                client_waits: Callable[[], bool] | None = None,
+                upstream_done: Callable[[int | None], None] | None = None) -> web.StreamResponse:
+    """Relay the upstream's answer to the client: its status and end-to-end headers plus ``extra_headers``
+    (``_start``), then its body chunk by chunk (``_copy_body``), ending the response and the upstream's
+    (``close_upstream``). Returns the client's response.
+
+    ``started`` is given the response once its headers went out: from then on a failure, the upstream's
+    (``UpstreamError``) or the request's deadline, can only end that response as the client's API allows, and
+    the caller must know it. The caller closes the upstream's answer if this raises."""
+    response = await _start(request, upstream, extra_headers)
+    started(response)
+    await _copy_body(upstream, response, client_waits, upstream_done)
+    return response
+
+
+async def _start(request: web.Request, upstream: aiohttp.ClientResponse,
+                 extra_headers: dict[str, str]) -> web.StreamResponse:
     """Start the client's response: the upstream's status and end-to-end headers plus ``extra_headers``,
     prepared (headers sent). Raises ``UpstreamError`` only while nothing went out yet.
 
     A small answer of known length (a typical non-streaming completion) is read whole first, so headers and
-    body leave in one write instead of two; ``relay_body`` then only finishes it."""
+    body leave in one write instead of two; ``_copy_body`` then only finishes it."""
     length = upstream.headers.get(hdrs.CONTENT_LENGTH)
     chunked = hdrs.TRANSFER_ENCODING in upstream.headers
     known_length = int(length) if length is not None and not chunked and length.isdigit() else None
@@ -312,7 +329,7 @@ async def relay_head(request: web.Request, upstream: aiohttp.ClientResponse,
 class OutputCount:
     """An answer's output tokens as the relay sees them, without parsing it.
 
-    A whole answer (one of known length, read by ``relay_head``): its ``completion_tokens`` in ``usage``, found by one
+    A whole answer (one of known length, read by ``_start``): its ``completion_tokens`` in ``usage``, found by one
     search of its bytes. An event stream (``text/event-stream``, the WHATWG HTML "Server-sent events" format):
     its events, one per line that starts with a ``data:`` field, less a closing ``data: [DONE]``; a model
     server's streamed completion sends one event per token or so, and a JSON string in an event cannot hold a
@@ -344,9 +361,9 @@ class OutputCount:
         return self._events - (self._end.rstrip().endswith(self._DONE))
 
 
-async def relay_body(upstream: aiohttp.ClientResponse, response: web.StreamResponse, *,
-                     client_waits: Callable[[], bool] | None = None,
-                     upstream_done: Callable[[int | None], None] | None = None) -> None:
+async def _copy_body(upstream: aiohttp.ClientResponse, response: web.StreamResponse,
+                     client_waits: Callable[[], bool] | None,
+                     upstream_done: Callable[[int | None], None] | None) -> None:
     """Copy the upstream's body to the client chunk by chunk, then end the response and the upstream's
     (``close_upstream``). A failure of the upstream now raises ``UpstreamError`` too, but the status already
     went out: the caller can only end the response as the client's API allows (and close the upstream's).
@@ -358,7 +375,7 @@ async def relay_body(upstream: aiohttp.ClientResponse, response: web.StreamRespo
     moment the backend is done with the request), with the answer's output tokens as far as the relay could
     count them (``OutputCount``), or None."""
     tokens: int | None = None
-    if isinstance(response, web.Response):  # a small answer was read whole by relay_head
+    if isinstance(response, web.Response):  # a small answer was read whole by _start
         tokens = OutputCount.of_whole(response.body) if isinstance(response.body, bytes) else None
     else:
         count = OutputCount() if upstream.content_type == "text/event-stream" else None

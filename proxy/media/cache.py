@@ -15,8 +15,16 @@ instead of inheriting a wrong answer. ``follow``, ``settle_decoded`` and ``give_
 request's keys at once (the media step's calls). All methods run on the event loop; hashing runs in
 ``hasher`` threads (hashlib releases the GIL on buffers over 2 KiB).
 
-With MMGATE_CACHE_MB=0 a ``NoCache`` takes the cache's place: the same interface, holding nothing, so the
-media step runs one way whether the cache is on or off.
+The key's digest is of the item's bytes as they arrived, from one of two places (``MediaItem.source``):
+**inline**, the item's base64 text, read from the request body through a weak reference to its owner
+(``buffers.MediaBuffer``), so a hash still running after the request let go stops with ``Cancelled`` instead
+of keeping the body alive; or **fetched** (``MMGATE_MEDIA_URLS=fetch``), the body read from the item's URL.
+``digests`` is the one digest function: the SHA-256 of the payload (a fixed domain prefix keeps base64 text and
+raw bytes apart). A payload that repeats an earlier one of the same request byte for byte reuses its digest:
+comparing costs a memcmp, about a ninth of hashing.
+
+With MMGATE_CACHE_MB=0 a ``NoCache`` takes the cache's place: the same interface, holding nothing and hashing
+nothing (each item gets a key of its own), so the media step runs one way whether the cache is on or off.
 """
 
 from __future__ import annotations
@@ -24,15 +32,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Literal
 
+from preprocessors.base import Cancelled
 from preprocessors.errors import MediaError
 from preprocessors.job import Refusal, Verdict
 from preprocessors.pool import lower_priority
-from proxy.media.keys import Encoding, digests, new_hasher
 from proxy.payload.item import BodyRef, MediaItem
 from proxy.settings import Settings, verdict_settings
+
+Encoding = Literal["base64", "raw"]
 
 DIGEST_BYTES = 32
 # Dict slot, key, Verdict object and its small fields, counted against the bound with the payload.
@@ -41,6 +52,103 @@ ENTRY_OVERHEAD = 320
 _FORMAT = 1
 # How often a request waits for other requests' leads of its keys before it decodes them itself.
 FOLLOW_ROUNDS = 3
+
+
+# Fixed-length prefixes: base64 text and raw bytes never share a key, even where one spells the other.
+_DOMAINS: dict[Encoding, bytes] = {"base64": b"mmgate-media/b64\x00", "raw": b"mmgate-media/raw\x00"}
+# Below this a thread hop costs more than hashing on the loop (SHA-256 runs at about 1-2 GB/s).
+HASH_INLINE_BYTES = 64 << 10
+HASH_CHUNK = 1 << 20
+
+
+def new_hasher(encoding: Encoding) -> hashlib._Hash:
+    """A SHA-256 already fed its domain prefix; feed it the media, in as many pieces as convenient."""
+    hasher = hashlib.sha256()
+    hasher.update(_DOMAINS[encoding])
+    return hasher
+
+
+async def digests(hasher: Executor, items: Sequence[MediaItem], body: BodyRef) -> list[bytes]:
+    """Every item's digest. Hashing runs in ``hasher``'s threads unless the payloads are small enough that a
+    thread hop costs more."""
+    if sum(item.weight for item in items) * 4 // 3 > HASH_INLINE_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(hasher, _digests, body, items)
+    return _digests(body, items)
+
+
+def _data(body: BodyRef) -> bytes:
+    media = body()
+    if media is None:
+        raise Cancelled()
+    return media.data
+
+
+def _digests(body: BodyRef, items: Sequence[MediaItem]) -> list[bytes]:
+    """Each item's digest; a payload equal to an earlier one reuses that one's."""
+    digests: list[bytes] = []
+    for n, item in enumerate(items):
+        for earlier in range(n):
+            if _same_payload(body, items[earlier], item):
+                digests.append(digests[earlier])
+                break
+        else:
+            digests.append(_digest(body, item))
+    return digests
+
+
+def _payload_range(item: MediaItem) -> tuple[int, int] | None:
+    """Where an unescaped inline item's base64 lies in the body; None for anything else."""
+    span = item.span
+    if item.fetched is not None or span is None or span.escaped:
+        return None
+    return span.start + 1 + item.payload_offset, span.end - 1
+
+
+def _chunks(body: BodyRef, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+    """``(body bytes, low, high)`` for each ``HASH_CHUNK`` of ``body[start:end]``, the body looked up anew
+    for each (``Cancelled`` once the request let go of it), so a long pass never keeps it alive."""
+    for low in range(start, end, HASH_CHUNK):
+        yield _data(body), low, min(low + HASH_CHUNK, end)
+
+
+def _same_payload(body: BodyRef, first: MediaItem, second: MediaItem) -> bool:
+    """Whether two items' payloads are the same bytes from the same source, compared a piece at a time
+    (each comparison holds the GIL for a memcmp only)."""
+    if first.fetched is not None and second.fetched is not None:
+        a_data, b_data = first.fetched, second.fetched
+        if len(a_data) != len(b_data):
+            return False
+        with memoryview(a_data) as a_view:
+            return all(b_data.startswith(a_view[low : low + HASH_CHUNK], low)
+                       for low in range(0, len(a_data), HASH_CHUNK))
+    a, b = _payload_range(first), _payload_range(second)
+    if a is None or b is None or a[1] - a[0] != b[1] - b[0]:
+        return False
+    for data, low, high in _chunks(body, *a):
+        with memoryview(data) as view:
+            if not data.startswith(view[low:high], low - a[0] + b[0]):
+                return False
+        del data
+    return True
+
+
+def _digest(body: BodyRef, item: MediaItem) -> bytes:
+    """SHA-256 of the item's payload. Inline base64 is read from the body a piece at a time; an escaped
+    string is unescaped whole first (rare: base64 needs no escape)."""
+    if item.fetched is not None:
+        hasher = new_hasher("raw")
+        hasher.update(item.fetched)
+        return hasher.digest()
+    hasher = new_hasher("base64")
+    where = _payload_range(item)
+    if where is None:
+        hasher.update(item.payload(body))
+        return hasher.digest()
+    for data, low, high in _chunks(body, *where):
+        with memoryview(data) as view:
+            del data
+            hasher.update(view[low:high])
+    return hasher.digest()
 
 
 def media_digest(data: bytes | memoryview, encoding: Encoding) -> bytes:

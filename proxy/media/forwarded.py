@@ -131,8 +131,9 @@ class ForwardEstimate:
         if item.span is not None:
             self.token_bytes[item.index] = item.span.end - item.span.start
 
-    def of(self, item: MediaItem) -> int:
-        return self.replaced.get(item.index, 0)
+    def of(self, index: int) -> int:
+        """The base64 bytes forwarded in place of the item at plan index ``index`` (0: it goes as it came)."""
+        return self.replaced.get(index, 0)
 
     @property
     def body_bytes(self) -> int:

@@ -1,5 +1,5 @@
 """The media step: every item of a plan decoded, checked and maybe rewritten once, behind the gate, on the
-decode pool (threads or worker processes), and turned into replacements for ``rawjson.splice``.
+decode pool (threads or worker processes), and turned into replacements for ``buffers.MediaBuffer.splice``.
 
 ``MediaStep`` is built once per app with what the step uses (the cache, the pool, the gate, the fetcher, the
 metrics, the policies and limits, the served model); ``MediaStep.run`` takes one request's plan and body and
@@ -262,12 +262,12 @@ class MediaStep:
             return
         self._count_items(plan.items, "rejected")
         # The body as received is within the limit (``body.read_body``): only rewritten items take it past.
-        rewritten = [item for item in plan.items if forward.of(item)]
-        largest = max(rewritten, key=forward.of)
+        rewritten = [item for item in plan.items if forward.of(item.index)]
+        largest = max(rewritten, key=lambda item: forward.of(item.index))
         raise BODY_TOO_LARGE.error(
             f"the request would be forwarded as up to {bound} bytes ({bound / 2**20:.1f} MiB) once its "
             f"{len(rewritten)} rewritten item(s) are resized and re-encoded for the backend (judged from their "
-            f"headers; the largest is {forward.of(largest)} bytes of base64), over the limit of "
+            f"headers; the largest is {forward.of(largest.index)} bytes of base64), over the limit of "
             f"{self.max_body_bytes} bytes ({self.max_body_bytes / 2**20:g} MiB, MMGATE_MAX_BODY_MB); send fewer "
             "or smaller images", param=largest.path)
 
@@ -389,7 +389,7 @@ def _weight(items: Sequence[MediaItem], misses: list[bytes], verdicts: dict[byte
     for item in items:
         verdict = verdicts.get(item.key)
         if verdict is None:
-            forwarded += forward.of(item)
+            forwarded += forward.of(item.index)
         elif verdict.encoded is not None:
             forwarded += len(verdict.encoded)
     return sum(item.weight for item in _first_of_each(items, misses)) + forwarded

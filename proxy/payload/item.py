@@ -11,7 +11,7 @@ The item is one object all the way, filled in as the request moves on; ``state``
 - ``fetched``: a URL item's body was read (``fetch.fetcher``).
 - ``keyed``: the media step gave it its cache key (``media.keys``).
 - ``rewritten`` or ``unchanged``: its verdict was applied (``apply``): the sizes in and out, and the
-  ``replacements`` it makes in the body for ``rawjson.splice``.
+  ``replacements`` it makes in the body for ``buffers.MediaBuffer.splice``.
 """
 
 from __future__ import annotations

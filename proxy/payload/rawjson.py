@@ -1,4 +1,4 @@
-"""Raw-body surgery on JSON bytes: string-token spans, a skeleton with placeholders, one splice.
+"""Reading JSON bytes without parsing them whole: string-token spans and a skeleton with placeholders.
 
 A multimodal body is mostly a few huge base64 strings. Parsing it whole and re-serialising it would cost
 GIL time and change bytes the client sent (big integers, ``1e2``, duplicate keys, ``\\/``). Instead:
@@ -10,7 +10,8 @@ GIL time and change bytes the client sent (big integers, ``1e2``, duplicate keys
    event loop.
 2. A walker (``proxy/payload/dialects.py``) reads that small document; a placeholder names the byte ``Span`` of
    its token.
-3. ``splice`` builds the outgoing body in one join: original bytes, with only the chosen tokens replaced.
+3. The body's owner builds the outgoing body in one join (``proxy/edge/buffers.py``'s ``splice``): original
+   bytes, with only the chosen tokens' spans replaced.
 
 This module knows JSON, not APIs nor HTTP: what is not JSON raises ``InvalidJson``, and so does JSON nested more
 than ``MAX_NESTING`` (1024, orjson's bound) deep, on the stdlib fallback too, whatever the Python.
@@ -23,7 +24,7 @@ import json
 import re
 import secrets
 import sys
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -441,23 +442,3 @@ def _frames() -> list[Any]:
         frames.append(frame)
         frame = frame.f_back
     return frames
-
-
-def splice(body: bytes, replacements: Iterable[tuple[Span, bytes]]) -> bytes:
-    """``body`` with each span's whole token replaced by the given bytes (a complete JSON string
-    token, quotes included); every other byte identical. One new bytes object, built in one join."""
-    ordered = sorted(replacements, key=lambda item: item[0].start)
-    view = memoryview(body)
-    parts: list[bytes | memoryview] = []
-    pos = 0
-    for span, token in ordered:
-        if span.start < pos or span.end > len(body) or span.end < span.start:
-            raise ValueError(f"overlapping or out-of-range span {span}")
-        parts.append(view[pos : span.start])
-        parts.append(token)
-        pos = span.end
-    parts.append(view[pos:])
-    try:
-        return b"".join(parts)
-    finally:
-        del parts, view

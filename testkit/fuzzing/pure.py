@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from preprocessors.dataurl import decode_base64, parse_data_url
 from preprocessors.errors import MediaError, MmgateError
-from proxy.payload.rawjson import MAX_NESTING, Span, skeletonize, splice
+from proxy.edge.buffers import splice
+from proxy.payload.rawjson import MAX_NESTING, Span, skeletonize
 
 from .documents import mutated, scalars, texts
 from .faults import attempt, fail, stack_headroom

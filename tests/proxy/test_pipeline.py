@@ -41,12 +41,12 @@ from tests.conftest import StartProxy, Upstream
 ROOT = Path(__file__).resolve().parents[2]
 OURS = tuple(str(ROOT / package) + "/" for package in ("proxy", "preprocessors"))
 
-# Raised from 30 entries and 3 a module when the forwarded-size bound (media/forwarded.py) came, and to 39 when a
-# decode task came to carry the served model's answers: each read the image's header again. Down to 31 since the
-# media step reads each inline image's base64 at its ends once (dataurl.Base64Ends) and the header of an image it
-# may rewrite once (header.inline_header), and the cache looks an item up in one call (cache.MediaCache.look_up).
-MAX_ENTRIES = 31
-MAX_ENTRIES_PER_MODULE = 5
+# The bound (42): 25 entries, and no module but the handler's entered more than twice. Down from 39 since
+# the media step reads each inline image's base64 at its ends once (dataurl.Base64Ends, which sniffs its format
+# once), the body's owner joins and splices it (buffers), the upstream's answer is relayed in one call, and the
+# cache keys and looks an item up in one (cache.MediaCache.look_up).
+MAX_ENTRIES = 25
+MAX_ENTRIES_PER_MODULE = 2
 PIPELINE = "proxy.pipeline"  # the story itself: it calls every stage
 
 _RESUME = dis.opmap["RESUME"]

@@ -205,7 +205,7 @@ async def test_a_client_that_stops_reading_holds_its_slot_until_the_backend_is_d
         upstream: Upstream, start_proxy: StartProxy) -> None:
     """The backend still holds a request whose client stopped reading: its lease stays while the backend
     generates, and goes back when the backend has sent its answer's end, which mmgate reads ahead for it
-    (``relay_body``) while the client reads nothing. The client gets the whole answer when it reads after all,
+    (``upstream.relay``) while the client reads nothing. The client gets the whole answer when it reads after all,
     and the request is no sample: its time measured the client too."""
     proxy, recording = await _auto_proxy(upstream, start_proxy)
     backend = StallingBackend(proxy, after=16)  # 256 KiB after the stall: within READ_AHEAD

@@ -8,10 +8,11 @@ import orjson
 import pytest
 
 from preprocessors.errors import REGISTRY, ErrorCode, MmgateError
+from proxy.edge.buffers import splice
 from proxy.payload.dialects import Dialect, Route, route_for
 from proxy.payload.item import MediaItem
 from proxy.payload.locate import find_media, inline_value, locate
-from proxy.payload.rawjson import parse_plain, skeletonize, splice, string_value
+from proxy.payload.rawjson import parse_plain, skeletonize, string_value
 
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 URI = "data:image/png;base64," + PNG

@@ -9,9 +9,9 @@ from __future__ import annotations
 import orjson
 
 from preprocessors.job import Verdict
+from proxy.edge.buffers import splice
 from proxy.payload.item import MediaItem
 from proxy.payload.locate import Limits, plan_media
-from proxy.payload.rawjson import splice
 
 LIMITS = Limits(max_parts=8, max_item_bytes=1 << 20)
 PNG_B64 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGNgYGAAAAAEAAH2FzhVAAAAAElFTkSuQmCC"

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from preprocessors.errors import MmgateError
-from proxy.edge.body import JOIN_STEP, ONE_COPY_MAX
+from proxy.edge.buffers import JOIN_STEP, ONE_COPY_MAX
 from proxy.payload.dialects import Route
 from proxy.payload.locate import Limits, locate, plan_media
 from proxy.payload.rawjson import run_steps, skeleton_steps, skeletonize

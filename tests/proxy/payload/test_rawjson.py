@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from preprocessors.errors import MmgateError
+from proxy.edge.buffers import splice
 from proxy.payload.dialects import Route
 from proxy.payload.item import MediaItem
 from proxy.payload.locate import (
@@ -43,7 +44,6 @@ from proxy.payload.rawjson import (
     run_steps,
     skeleton_steps,
     skeletonize,
-    splice,
     string_value,
 )
 
