@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 from yarl import URL
@@ -224,10 +224,11 @@ def _brief(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-async def fetch_items(fetcher: Fetcher, items: list[MediaItem], max_bytes: int, read: list[int]) -> None:
-    """Fetch every one of the URL ``items`` at once, each into its ``fetched`` (then in state ``fetched``);
-    ``read[0]`` grows by the bytes read. The first refusal cancels the other fetches and is raised, with its
-    item's path."""
+async def fetch_items(fetcher: Fetcher, items: list[MediaItem], max_bytes: int,
+                      read: list[int]) -> list[MediaItem]:
+    """Fetch every one of the URL ``items`` at once: each item again, with its body in ``fetched``. ``read[0]``
+    grows by the bytes read, a refused fetch's included (the request's access log line counts them whatever
+    happens next). The first refusal cancels the other fetches and is raised, with its item's path."""
     tasks: list[asyncio.Task[Fetched]] = []
     try:
         async with asyncio.TaskGroup() as group:
@@ -239,6 +240,5 @@ async def fetch_items(fetcher: Fetcher, items: list[MediaItem], max_bytes: int, 
                 if isinstance(error, MmgateError):
                     raise error.at(item.path) from None
         raise failed.exceptions[0] from None
-    for item, task in zip(items, tasks, strict=True):
-        fetched = task.result()
-        item.fetched, item.fetched_mime, item.state = fetched.data, fetched.mime, "fetched"
+    bodies = [task.result() for task in tasks]
+    return [replace(item, fetched=body.data, fetched_mime=body.mime) for item, body in zip(items, bodies, strict=True)]

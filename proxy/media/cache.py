@@ -34,6 +34,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Literal
 
 from preprocessors.base import Cancelled
@@ -151,6 +152,17 @@ def _digest(body: BodyRef, item: MediaItem) -> bytes:
     return hasher.digest()
 
 
+@dataclass(frozen=True, slots=True)
+class LookedUp:
+    """What a look-up (``MediaCache.look_up``) found of some items: each item's key, in the items' order; the keys
+    still missing, each once, in that order; and those of them the request now leads, where no other request
+    does."""
+
+    keys: list[bytes]
+    misses: list[bytes]
+    leads: list[bytes]
+
+
 def media_digest(data: bytes | memoryview, encoding: Encoding) -> bytes:
     """The content address of ``data``: base64 text of inline media, or the raw bytes of fetched media."""
     hasher = new_hasher(encoding)
@@ -216,21 +228,18 @@ class MediaCache:
     def context(self, kind: str, audio_format: str | None, extra: str = "") -> bytes:
         return context_fingerprint(self.settings_print, kind, audio_format, extra)
 
-    async def key_items(self, items: Sequence[MediaItem], body: BodyRef) -> None:
-        """Set every item's key: its payload's digest joined with its context."""
-        for item, digest in zip(items, await digests(self.hasher, items, body), strict=True):
-            # A fetched body's declared type joins its key: it names an audio file's type when its bytes do not.
-            item.key = cache_key(digest, self.context(item.kind, item.audio_format, item.fetched_mime))
-            item.state = "keyed"
+    async def _keys(self, items: Sequence[MediaItem], body: BodyRef) -> list[bytes]:
+        """Every item's key: its payload's digest joined with its context."""
+        # A fetched body's declared type joins its key: it names an audio file's type when its bytes do not.
+        return [cache_key(digest, self.context(item.kind, item.audio_format, item.fetched_mime))
+                for item, digest in zip(items, await digests(self.hasher, items, body), strict=True)]
 
     async def look_up(self, items: Sequence[MediaItem], body: BodyRef, verdicts: dict[bytes, Verdict], *,
-                      may_wait: bool) -> tuple[list[bytes], list[bytes]]:
-        """Key ``items`` (``key_items``) and fill ``verdicts`` with what this cache holds of them, and with several
-        front processes what the other fronts' caches hold of the rest (``peers``). The keys still missing, each
-        once, in plan order, and those of them this request now leads, where no other request does. Waits for the
-        leaders of keys being decoded now only when ``may_wait`` (``follow``)."""
-        await self.key_items(items, body)
-        keys = [item.key for item in items]
+                      may_wait: bool) -> LookedUp:
+        """Key ``items`` and fill ``verdicts`` with what this cache holds of them, and with several front processes
+        what the other fronts' caches hold of the rest (``peers``). Waits for the leaders of keys being decoded
+        now only when ``may_wait`` (``follow``)."""
+        keys = await self._keys(items, body)
         peers = self.peers
         misses, leads = await self.follow(keys, verdicts, may_wait=may_wait, lead=peers is None)
         if misses and peers is not None:  # another front process may have decoded them
@@ -239,7 +248,7 @@ class MediaCache:
                 verdicts[key] = peer_verdict
             # Again: a lead may have started meanwhile.
             misses, leads = await self.follow(keys, verdicts, may_wait=may_wait, lead=True)
-        return misses, leads
+        return LookedUp(keys, misses, leads)
 
     def get(self, key: bytes) -> Verdict | None:
         verdict = self._entries.get(key)
@@ -343,13 +352,12 @@ class NoCache:
         self.settings_print = ""
 
     async def look_up(self, items: Sequence[MediaItem], body: BodyRef, verdicts: dict[bytes, Verdict], *,
-                      may_wait: bool) -> tuple[list[bytes], list[bytes]]:
+                      may_wait: bool) -> LookedUp:
         """Nothing is hashed: each item is keyed by itself, so no two items share a key; each is missing, and
         led by this request."""
-        for item in items:
-            item.key, item.state = item.own_key, "keyed"
-        missing = [item.key for item in items if item.key not in verdicts]
-        return missing, list(missing)
+        keys = [item.own_key for item in items]
+        missing = [key for key in keys if key not in verdicts]
+        return LookedUp(keys, missing, list(missing))
 
     def get(self, key: bytes) -> Verdict | None:
         return None

@@ -20,7 +20,7 @@ item's bytes come from (``MediaItem.source``: inline base64, or a fetched URL):
    header, the resize and the handoff format. A body that would be forwarded over MMGATE_MAX_BODY_MB is
    refused here, 413 ``body_too_large``, with nothing hashed, admitted or decoded: what mmgate sends upstream
    is bounded as what it receives is.
-3. **Key** every other inline item (``cache.MediaCache.key_items``: the payload's digest and the item's context).
+3. **Key** every other inline item (``cache.MediaCache.look_up``: the payload's digest and the item's context).
 4. **Look up.** A cached verdict is a hit. A key another request is deciding is waited for *before* this
    request leads anything, so two requests can never wait on each other. A leader that stopped for a reason not
    the media's settles its key with None and the waiter looks again (at most ``cache.FOLLOW_ROUNDS`` times, then
@@ -43,9 +43,12 @@ item's bytes come from (``MediaItem.source``: inline base64, or a fetched URL):
    the refusal included, even when another item failed or the deadline passed. If the batch fails, the lease
    is given back only once its work has really stopped: a slot freed earlier would let more decode work run
    than the gate allows.
-8. **Apply** each verdict to its item (``MediaItem.apply``) and count the items; the body's exact new size
-   is checked against MMGATE_MAX_BODY_MB before it is spliced (a lossy encoder can pass the header's bound on
-   noise).
+8. **Apply** each verdict to its item (``MediaItem.apply``: what it makes of the item) and count the items; the
+   body's exact new size is checked against MMGATE_MAX_BODY_MB before it is spliced (a lossy encoder can pass
+   the header's bound on noise).
+
+Items are values (``payload.item``): the step keeps what it decides in its own tables, each item's key by plan
+index and each key's verdict, and a URL item comes back from the fetch as a new item with its body.
 
 The request's body has one owner (``buffers.MediaBuffer``); hashes and jobs reach it through a weak reference
 only, so a request that ended stops them instead of being kept alive by them.
@@ -135,23 +138,23 @@ class MediaStep:
         items = plan.items
         urls = self._url_items(items)
         inline = [item for item in items if item.source == "inline"]
-        verdicts: dict[bytes, Verdict] = {}
+        keys: dict[int, bytes] = {}  # each item's key, by plan index: its cache key, or one of its own
+        verdicts: dict[bytes, Verdict] = {}  # by key: what the header judge, the cache or the decode decided
         leading: list[bytes] = []  # the keys this request leads: settled when it decodes them, given up otherwise
         try:
             started = time.perf_counter()
             # Each inline image's header is read once, here: its ends are let go before the first await.
             ends = {item.index: Base64Ends(item.payload(body)) for item in inline if item.kind == "image"}
-            judged_by_header = self._judge_heads(plan, inline, ends, verdicts)
-            inline = [item for item in inline if item.key not in verdicts]
+            judged_by_header = self._judge_heads(plan, inline, ends, keys, verdicts)
+            inline = [item for item in inline if item.index not in keys]
             # Read after the judge: an image it decided is forwarded as it came, and needs no more of its header.
             headers = {item.index: inline_header(ends[item.index]) for item in inline
                        if item.index in ends} if self.policies.image.resizes else {}
             del ends
             forward = estimate(inline, headers, len(media.data), self.policies.image)
-            tasks = {item.index: self._planned(item, headers.get(item.index)) for item in inline}
             self._bound_forward(plan, forward)
-            misses = await self._look_up(inline, body, verdicts, leading, may_wait=True)
-            self._refuse_cached(plan, inline, verdicts)
+            misses = await self._look_up(inline, body, keys, verdicts, leading, may_wait=True)
+            self._refuse_cached(plan, inline, keys, verdicts)
             watch.add("preprocess", time.perf_counter() - started)
 
             # From the last look (which leads the misses) to the gate nothing awaits: a leader is in line before
@@ -159,30 +162,33 @@ class MediaStep:
             started = time.perf_counter()
             judged_weight = sum(item.weight for item in judged_by_header)
             url_cost = sum(item.weight for item in urls.items) if urls is not None else 0
-            lease = await self.gate.acquire(judged_weight + _weight(inline, misses, verdicts, forward) + url_cost,
+            lease = await self.gate.acquire(judged_weight + _weight(inline, keys, misses, verdicts, forward) + url_cost,
                                             self.queue_timeout, place, image_tokens, flow)
             watch.add("queue", time.perf_counter() - started)
             try:
                 if urls is not None:
-                    await self._fetch(urls, watch, fetched)
+                    read = await self._fetch(urls, watch, fetched)
                     started = time.perf_counter()
-                    misses += await self._look_up(urls.items, body, verdicts, leading, may_wait=not leading)
-                    self._refuse_cached(plan, urls.items, verdicts)
-                    fetched_forward = estimate(urls.items, {}, 0, self.policies.image)
+                    by_index = {item.index: item for item in read}
+                    items = [by_index.get(item.index, item) for item in items]  # each URL item with its body
+                    misses += await self._look_up(read, body, keys, verdicts, leading, may_wait=not leading)
+                    self._refuse_cached(plan, read, keys, verdicts)
+                    fetched_forward = estimate(read, {}, 0, self.policies.image)
                     forward.replaced.update(fetched_forward.replaced)
                     forward.token_bytes.update(fetched_forward.token_bytes)
                     self._bound_forward(plan, forward)
-                    lease.lower(judged_weight + _weight(items, misses, verdicts, forward))
+                    lease.lower(judged_weight + _weight(items, keys, misses, verdicts, forward))
                     watch.add("preprocess", time.perf_counter() - started)
                 if misses:
                     started = time.perf_counter()
                     try:
-                        await self._decode(lease, plan, _first_of_each(items, misses), body, tasks, verdicts)
+                        await self._decode(lease, plan, _first_of_each(items, keys, misses), body, headers, keys,
+                                           verdicts)
                     finally:
                         watch.add("preprocess", time.perf_counter() - started)
                 for _hit in range(len(items) - len(misses) - len(judged_by_header)):  # every item the cache answered
                     self.cache.count_hit()
-                return self._result(plan, lease, items, verdicts, body, forward.received)
+                return self._result(plan, lease, items, keys, verdicts, body, forward.received)
             except BaseException:
                 lease.release()
                 raise
@@ -220,17 +226,16 @@ class MediaStep:
             return with_planned_targets(task, header_dimensions(item.fetched))
         return with_planned_targets(task, header.dimensions if header is not None else None)
 
-    def _job(self, item: MediaItem, body: BodyRef, tasks: dict[int, MediaTask]) -> MediaJob:
-        """The item as a job for either pool: its task (``_planned``), and its payload read on demand
-        (``MediaItem.payload``)."""
-        task = tasks.get(item.index) or self._planned(item, None)
-        return MediaJob(task, partial(item.payload, body))
+    def _job(self, item: MediaItem, body: BodyRef, header: Header | None) -> MediaJob:
+        """The item as a job for either pool: its task, planned from its ``header`` (``_planned``), and its payload
+        read on demand (``MediaItem.payload``)."""
+        return MediaJob(self._planned(item, header), partial(item.payload, body))
 
-    def _judge_heads(self, plan: Plan, inline: list[MediaItem], ends: dict[int, Base64Ends],
+    def _judge_heads(self, plan: Plan, inline: list[MediaItem], ends: dict[int, Base64Ends], keys: dict[int, bytes],
                      verdicts: dict[bytes, Verdict]) -> list[MediaItem]:
         """The inline images whose header alone decides them (``job.judge_head``), judged here on the loop from
-        the ``ends`` of their base64: nothing to hash, cache or decode. Each gets a key of its own and its
-        verdict; a refusal refuses the request."""
+        the ``ends`` of their base64: nothing to hash, cache or decode. Each gets a key of its own in ``keys``
+        and its verdict; a refusal refuses the request."""
         judged_by_header = []
         for item in inline:
             if item.index not in ends:
@@ -241,18 +246,19 @@ class MediaStep:
                 self._count_items(plan.items, "rejected")
                 raise
             if verdict is not None:
-                item.key, item.state = item.own_key, "keyed"
-                verdicts[item.key] = verdict
+                keys[item.index] = item.own_key
+                verdicts[item.own_key] = verdict
                 judged_by_header.append(item)
         return judged_by_header
 
-    async def _look_up(self, items: Sequence[MediaItem], body: BodyRef, verdicts: dict[bytes, Verdict],
-                       leading: list[bytes], *, may_wait: bool) -> list[bytes]:
-        """Key ``items`` and fill ``verdicts`` from the cache (``cache.MediaCache.look_up``); return the keys still
-        missing, and add those this request now leads to ``leading``."""
-        misses, leads = await self.cache.look_up(items, body, verdicts, may_wait=may_wait)
-        leading += leads
-        return misses
+    async def _look_up(self, items: Sequence[MediaItem], body: BodyRef, keys: dict[int, bytes],
+                       verdicts: dict[bytes, Verdict], leading: list[bytes], *, may_wait: bool) -> list[bytes]:
+        """Key ``items`` into ``keys`` and fill ``verdicts`` from the cache (``cache.MediaCache.look_up``); return the
+        keys still missing, and add those this request now leads to ``leading``."""
+        found = await self.cache.look_up(items, body, verdicts, may_wait=may_wait)
+        keys.update(zip((item.index for item in items), found.keys, strict=True))
+        leading += found.leads
+        return found.misses
 
     def _bound_forward(self, plan: Plan, forward: ForwardEstimate) -> None:
         """413 ``body_too_large`` for a body that would be forwarded over MMGATE_MAX_BODY_MB once its images
@@ -271,26 +277,29 @@ class MediaStep:
             f"{self.max_body_bytes} bytes ({self.max_body_bytes / 2**20:g} MiB, MMGATE_MAX_BODY_MB); send fewer "
             "or smaller images", param=largest.path)
 
-    def _refuse_cached(self, plan: Plan, items: Sequence[MediaItem], verdicts: dict[bytes, Verdict]) -> None:
+    def _refuse_cached(self, plan: Plan, items: Sequence[MediaItem], keys: dict[int, bytes],
+                       verdicts: dict[bytes, Verdict]) -> None:
         """A cached refusal refuses the request again, nothing decoded."""
         for item in items:
-            verdict = verdicts.get(item.key)
+            verdict = verdicts.get(keys[item.index])
             if verdict is not None and verdict.refusal is not None:
                 self.cache.count_hit()
                 self._count_items(plan.items, "rejected")
                 raise verdict.refusal.error().at(item.path)
 
-    async def _fetch(self, urls: _UrlItems, watch: Stopwatch, fetched: list[int]) -> None:
-        """Read every URL item's bytes (concurrently; the first refusal cancels the rest)."""
+    async def _fetch(self, urls: _UrlItems, watch: Stopwatch, fetched: list[int]) -> list[MediaItem]:
+        """Every URL item with its bytes read (concurrently; the first refusal cancels the rest)."""
         started = time.perf_counter()
         try:
-            await fetch_items(urls.fetcher, urls.items, self.policies.max_item_bytes, fetched)
+            return await fetch_items(urls.fetcher, urls.items, self.policies.max_item_bytes, fetched)
         finally:
             watch.add("fetch", time.perf_counter() - started)
 
     async def _decode(self, lease: GateLease, plan: Plan, missed: list[MediaItem], body: BodyRef,
-                      tasks: dict[int, MediaTask], verdicts: dict[bytes, Verdict]) -> None:
-        """Decode ``missed`` on the pool; settle each key as its item finishes (refusals too)."""
+                      headers: dict[int, Header | None], keys: dict[int, bytes],
+                      verdicts: dict[bytes, Verdict]) -> None:
+        """Decode ``missed`` on the pool, each planned from its header where one was read; settle each key as its
+        item finishes (refusals too)."""
         cache = self.cache
         batch = self.pool.batch()
         done: dict[bytes, Verdict] = {}  # filled in the decode threads: a dict store is atomic
@@ -301,11 +310,11 @@ class MediaStep:
             item = missed[index]
             error = future.exception()
             if error is None:
-                done[item.key] = future.result()
+                done[keys[item.index]] = future.result()
             elif isinstance(error, MediaError):  # the media's own fault: kept, so it is refused again undecoded
-                done[item.key] = refused(error, item.size)
+                done[keys[item.index]] = refused(error, item.size)
 
-        jobs = [self._job(item, body, tasks) for item in missed]
+        jobs = [self._job(item, body, headers.get(item.index)) for item in missed]
         try:
             await batch.run(jobs, self.preprocess_timeout, record)
         except (MediaError, TimeoutError) as exc:
@@ -336,26 +345,26 @@ class MediaStep:
         return PREPROCESS_TIMEOUT.error(f"media preprocessing did not finish within the {timeout:g} s deadline "
                                         "(MMGATE_PREPROCESS_TIMEOUT); the work was stopped and nothing was forwarded")
 
-    def _result(self, plan: Plan, lease: GateLease, items: list[MediaItem], verdicts: dict[bytes, Verdict],
-                body: BodyRef, received: int) -> MediaResult:
+    def _result(self, plan: Plan, lease: GateLease, items: list[MediaItem], keys: dict[int, bytes],
+                verdicts: dict[bytes, Verdict], body: BodyRef, received: int) -> MediaResult:
         """Each verdict applied to its item, the items counted, and what the pipeline needs of them; 413 for a
         body whose rewritten items make it, exactly, larger than MMGATE_MAX_BODY_MB."""
         metrics, model = self.metrics, self.model
         replacements: list[tuple[Span, bytes]] = []
         media_in = media_out = video_tokens = 0
         for item in items:
-            item.apply(verdicts[item.key], partial(_text, item, body))
-            media_in += item.size_in
-            media_out += item.size_out
-            if item.video is not None and model is not None and model.counts_video:
+            applied = item.apply(verdicts[keys[item.index]], partial(_text, item, body))
+            media_in += applied.size_in
+            media_out += applied.size_out
+            if applied.video is not None and model is not None and model.counts_video:
                 try:
-                    video_tokens += model.video_tokens(*item.video)
+                    video_tokens += model.video_tokens(*applied.video)
                 except MediaError as error:
                     raise error.at(item.path) from None
-            if item.true_mime:
+            if applied.true_mime:
                 metrics.media_type_corrected.labels(item.kind).inc()
-            metrics.media_items.labels(item.kind, item.state).inc()
-            replacements += item.replacements
+            metrics.media_items.labels(item.kind, applied.outcome).inc()
+            replacements += applied.replacements
         forwarded = received + sum(len(token) - (span.end - span.start) for span, token in replacements)
         if forwarded > self.max_body_bytes:
             self._count_items(plan.items, "rejected")
@@ -372,27 +381,29 @@ class MediaStep:
             self.metrics.media_items.labels(item.kind, outcome).inc()
 
 
-def _first_of_each(items: Sequence[MediaItem], keys: list[bytes]) -> list[MediaItem]:
-    """For each key, the first item that has it: the one decoded for all."""
+def _first_of_each(items: Sequence[MediaItem], keys: dict[int, bytes], wanted: list[bytes]) -> list[MediaItem]:
+    """For each of the ``wanted`` keys, the first item that has it: the one decoded for all."""
     first: dict[bytes, MediaItem] = {}
     for item in items:
-        first.setdefault(item.key, item)
-    return [first[key] for key in keys if key in first]
+        if item.index in keys:
+            first.setdefault(keys[item.index], item)
+    return [first[key] for key in wanted if key in first]
 
 
-def _weight(items: Sequence[MediaItem], misses: list[bytes], verdicts: dict[bytes, Verdict],
+def _weight(items: Sequence[MediaItem], keys: dict[int, bytes], misses: list[bytes], verdicts: dict[bytes, Verdict],
             forward: ForwardEstimate) -> int:
     """What the gate weighs: the decoded bytes of each missing key, once, and the base64 every item is
     forwarded as in place of its own (each occurrence: each is a token of its own in the spliced body): a
     miss's from its header, a hit's from its verdict."""
     forwarded = 0
     for item in items:
-        verdict = verdicts.get(item.key)
+        key = keys.get(item.index)
+        verdict = verdicts.get(key) if key is not None else None
         if verdict is None:
             forwarded += forward.of(item.index)
         elif verdict.encoded is not None:
             forwarded += len(verdict.encoded)
-    return sum(item.weight for item in _first_of_each(items, misses)) + forwarded
+    return sum(item.weight for item in _first_of_each(items, keys, misses)) + forwarded
 
 
 def _text(item: MediaItem, body: BodyRef) -> bytes:

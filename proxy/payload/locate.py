@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import hyperscan
 
@@ -269,26 +269,20 @@ def plan_steps(route: Route, body: bytes, limits: Limits) -> Steps[Plan]:
                         "inline as base64", param=item.path)
                 if limits.fetch_urls:
                     _check_fetchable(route, item)
-                    item.size = limits.max_item_bytes  # unknown until read: charged the per-item cap
-                    _add(plan, item)
+                    # Unknown until read: charged the per-item cap.
+                    plan.items.append(replace(item, index=len(plan.items), size=limits.max_item_bytes))
                     continue
                 plan.urls.append(item)
                 continue
-            _measure(body, item, limits.max_item_bytes)
-            _add(plan, item)
+            plan.items.append(_measured(body, item, len(plan.items), limits.max_item_bytes))
     except MmgateError as refusal:
         plan.refusals.append(refusal)
     return plan
 
 
-def _add(plan: Plan, item: MediaItem) -> None:
-    item.index, item.state = len(plan.items), "planned"
-    plan.items.append(item)
-
-
-def _measure(body: bytes, item: MediaItem, max_item: int) -> None:
-    """``item``'s decoded size from the base64 length alone (413 before any decode) and its declared type;
-    parses only a data URI's head."""
+def _measured(body: bytes, item: MediaItem, index: int, max_item: int) -> MediaItem:
+    """``item`` as the plan's item ``index``: its decoded size from the base64 length alone (413 before any
+    decode) and its declared type; parses only a data URI's head."""
     span = item.span
     if span is not None and not span.escaped:  # the common case: look at the head only, copy nothing
         head: bytes | memoryview = memoryview(body)[span.start + 1 : min(span.end - 1, span.start + 257)]
@@ -323,7 +317,8 @@ def _measure(body: bytes, item: MediaItem, max_item: int) -> None:
         raise MEDIA_TOO_LARGE.error(
             f"this {item.kind} decodes to about {size} bytes, over the per-item limit of {max_item} "
             "(MMGATE_MAX_MEDIA_ITEM_MB): send a smaller file", param=item.path)
-    item.payload_offset, item.size, item.declared_type, item.declared_span = offset, size, declared, declared_span
+    return replace(item, index=index, payload_offset=offset, size=size, declared_type=declared,
+                   declared_span=declared_span)
 
 
 # A URL's scheme as a backend's URL parser reads it: WHATWG and Python's urlsplit both drop leading C0 controls
