@@ -133,7 +133,9 @@ class MediaStep:
                   watch: Stopwatch, fetched: list[int]) -> MediaResult:
         """Admit ``plan`` weighing only its misses, fetch its URLs (``fetched[0]`` grows by the bytes read),
         decode the misses once, and return the lease and the replacements. The stages' times go to
-        ``watch``."""
+        ``watch``. Those two are the request's meters, not results: a refused request's access log line shows
+        the bytes it fetched and the time each stage took before the refusal, and a refusal returns no
+        ``MediaResult``."""
         body = weakref.ref(media)
         items = plan.items
         urls = self._url_items(items)
