@@ -86,15 +86,15 @@ def _data(body: BodyRef) -> bytes:
 
 def _digests(body: BodyRef, items: Sequence[MediaItem]) -> list[bytes]:
     """Each item's digest; a payload equal to an earlier one reuses that one's."""
-    digests: list[bytes] = []
+    found: list[bytes] = []
     for n, item in enumerate(items):
         for earlier in range(n):
             if _same_payload(body, items[earlier], item):
-                digests.append(digests[earlier])
+                found.append(found[earlier])
                 break
         else:
-            digests.append(_digest(body, item))
-    return digests
+            found.append(_digest(body, item))
+    return found
 
 
 def _payload_range(item: MediaItem) -> tuple[int, int] | None:

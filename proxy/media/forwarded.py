@@ -32,7 +32,7 @@ from preprocessors.dimensions import Dimensions
 from preprocessors.errors import MediaError
 from preprocessors.geometry import QwenVL, Square
 from preprocessors.handoff import handoff_target
-from preprocessors.header import Header, fetched_header
+from preprocessors.header import Header
 from preprocessors.image import fit_within
 from proxy.payload.item import MediaItem
 
@@ -145,9 +145,9 @@ class ForwardEstimate:
 
 def estimate(items: Sequence[MediaItem], headers: Mapping[int, Header | None], received: int,
              policy: ImagePolicy) -> ForwardEstimate:
-    """What ``items`` (inline, each image's ``headers`` by plan index, read where the policy resizes; and fetched
-    once read) will forward, from their headers. Only a rewritten image changes size: audio and video go as they
-    came, and a fetched body goes as its bytes in base64 at least."""
+    """What ``items`` (inline, and fetched once read; each image's ``headers`` by plan index, an inline one's
+    read where the policy resizes) will forward, from their headers. Only a rewritten image changes size: audio
+    and video go as they came, and a fetched body goes as its bytes in base64 at least."""
     forward = ForwardEstimate(received)
     for item in items:
         if item.span is None or (item.source == "fetched" and item.fetched is None):
@@ -155,7 +155,7 @@ def estimate(items: Sequence[MediaItem], headers: Mapping[int, Header | None], r
         if item.fetched is not None:
             file = len(item.fetched)
             if item.kind == "image":
-                file = max(file, forwarded_file_bytes(fetched_header(item.fetched), policy))
+                file = max(file, forwarded_file_bytes(headers.get(item.index), policy))
             forward.set(item, base64_length(file))
         elif item.kind == "image" and policy.resizes:  # else no inline image is re-encoded: no header to read
             file = forwarded_file_bytes(headers.get(item.index), policy)

@@ -65,9 +65,8 @@ from functools import partial
 
 from preprocessors.base import AudioPolicy, ImagePolicy, VideoPolicy
 from preprocessors.dataurl import Base64Ends
-from preprocessors.dimensions import header_dimensions
 from preprocessors.errors import BODY_TOO_LARGE, PREPROCESS_TIMEOUT, MediaError, MmgateError
-from preprocessors.header import Header, inline_header
+from preprocessors.header import Header, fetched_header, inline_header
 from preprocessors.job import MediaJob, MediaTask, Verdict, judge_head, with_planned_targets
 from preprocessors.pool import Batch, DecodePool
 from proxy.admission.client import GateClient, GateLease, GatePlace
@@ -175,7 +174,9 @@ class MediaStep:
                     items = [by_index.get(item.index, item) for item in items]  # each URL item with its body
                     misses += await self._look_up(read, body, keys, verdicts, leading, may_wait=not leading)
                     self._refuse_cached(plan, read, keys, verdicts)
-                    fetched_forward = estimate(read, {}, 0, self.policies.image)
+                    headers.update({item.index: fetched_header(item.fetched) for item in read
+                                    if item.kind == "image" and item.fetched is not None})
+                    fetched_forward = estimate(read, headers, 0, self.policies.image)
                     forward.replaced.update(fetched_forward.replaced)
                     forward.token_bytes.update(fetched_forward.token_bytes)
                     self._bound_forward(plan, forward)
@@ -219,13 +220,11 @@ class MediaStep:
         return _UrlItems(self.fetcher, urls) if urls else None
 
     def _planned(self, item: MediaItem, header: Header | None) -> MediaTask:
-        """The item's task, with the served model's answers for its image where its header says its size
-        (``job.with_planned_targets``): an inline image's ``header``, or a fetched body's."""
+        """The item's task, with the served model's answers for its image where its ``header`` (an inline
+        image's, or a fetched body's) says its size (``job.with_planned_targets``)."""
         task = self.task(item)
         if task.kind != "image" or task.image_policy.geometry is None:
             return task
-        if item.fetched is not None:
-            return with_planned_targets(task, header_dimensions(item.fetched))
         return with_planned_targets(task, header.dimensions if header is not None else None)
 
     def _job(self, item: MediaItem, body: BodyRef, header: Header | None) -> MediaJob:
@@ -387,8 +386,7 @@ def _first_of_each(items: Sequence[MediaItem], keys: dict[int, bytes], wanted: l
     """For each of the ``wanted`` keys, the first item that has it: the one decoded for all."""
     first: dict[bytes, MediaItem] = {}
     for item in items:
-        if item.index in keys:
-            first.setdefault(keys[item.index], item)
+        first.setdefault(keys[item.index], item)
     return [first[key] for key in wanted if key in first]
 
 
@@ -399,8 +397,7 @@ def _weight(items: Sequence[MediaItem], keys: dict[int, bytes], misses: list[byt
     miss's from its header, a hit's from its verdict."""
     forwarded = 0
     for item in items:
-        key = keys.get(item.index)
-        verdict = verdicts.get(key) if key is not None else None
+        verdict = verdicts.get(keys[item.index])
         if verdict is None:
             forwarded += forward.of(item.index)
         elif verdict.encoded is not None:
