@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 import orjson
 
@@ -45,25 +45,43 @@ GATE_SILENCE = 2 * PING_INTERVAL
 PEER_TIMEOUT = 0.5
 
 WireVerdict = list[Any]
+_Kind = TypeVar("_Kind", bound="Tagged")
+
+
+class Tagged:
+    """A message type: ``TAG`` names it on the wire."""
+
+    __slots__ = ()
+    TAG: ClassVar[str]
+
+
+@dataclass_transform(frozen_default=True)
+def message(tag: str) -> Callable[[type[_Kind]], type[_Kind]]:
+    """Declares a message type: a frozen dataclass with slots, named ``tag`` on the wire."""
+
+    def declare(kind: type[_Kind]) -> type[_Kind]:
+        made = dataclass(frozen=True, slots=True)(kind)
+        made.TAG = tag
+        return made
+
+    return declare
 
 
 # --- front -> gate ------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class Ready:
-    TAG: ClassVar[str] = "ready"
+@message("ready")
+class Ready(Tagged):
+    """The front listens: it is asked for reports and cache entries from now on."""
 
 
-@dataclass(frozen=True, slots=True)
-class TakePlace:
-    TAG: ClassVar[str] = "place"
+@message("place")
+class TakePlace(Tagged):
     rid: int
     flow: Flow
 
 
-@dataclass(frozen=True, slots=True)
-class Acquire:
-    TAG: ClassVar[str] = "acquire"
+@message("acquire")
+class Acquire(Tagged):
     rid: int
     cost: int
     timeout: float
@@ -72,132 +90,111 @@ class Acquire:
     flow: Flow
 
 
-@dataclass(frozen=True, slots=True)
-class Cancel:
-    TAG: ClassVar[str] = "cancel"
+@message("cancel")
+class Cancel(Tagged):
     rid: int
 
 
-@dataclass(frozen=True, slots=True)
-class Unplace:
-    TAG: ClassVar[str] = "unplace"
+@message("unplace")
+class Unplace(Tagged):
     place: int
 
 
-@dataclass(frozen=True, slots=True)
-class Release:
-    TAG: ClassVar[str] = "release"
+@message("release")
+class Release(Tagged):
     lease: int
 
 
-@dataclass(frozen=True, slots=True)
-class HandedOff:
-    TAG: ClassVar[str] = "handed_off"
+@message("handed_off")
+class HandedOff(Tagged):
     lease: int
 
 
-@dataclass(frozen=True, slots=True)
-class Lower:
+@message("lower")
+class Lower(Tagged):
     """``Lease.lower``: the lease weighs ``cost`` bytes from now on."""
-
-    TAG: ClassVar[str] = "lower"
     lease: int
     cost: int
 
 
-@dataclass(frozen=True, slots=True)
-class Observe:
+@message("observe")
+class Observe(Tagged):
     """``Gate.observe``: the lease's request completed normally; sent before its ``Release``."""
-
-    TAG: ClassVar[str] = "observe"
     lease: int
     sample: Sample
 
 
-@dataclass(frozen=True, slots=True)
-class Collect:
-    TAG: ClassVar[str] = "collect"
+@message("collect")
+class Collect(Tagged):
     rid: int
 
 
-@dataclass(frozen=True, slots=True)
-class AskCounters:
-    TAG: ClassVar[str] = "counters"
+@message("counters")
+class AskCounters(Tagged):
     rid: int
 
 
-@dataclass(frozen=True, slots=True)
-class Peek:
-    TAG: ClassVar[str] = "peek"
+@message("peek")
+class Peek(Tagged):
     rid: int
     keys: list[str]  # cache keys, in hex
 
 
-@dataclass(frozen=True, slots=True)
-class Report:
-    TAG: ClassVar[str] = "report"
+@message("report")
+class Report(Tagged):
     qid: int
     report: dict[str, Any]  # ``merged_metrics.report_of``
 
 
-@dataclass(frozen=True, slots=True)
-class Found:
-    TAG: ClassVar[str] = "found"
+@message("found")
+class Found(Tagged):
     qid: int
     held: dict[str, WireVerdict]  # hex key -> the verdict this front's cache holds
 
 
-@dataclass(frozen=True, slots=True)
-class Pong:
-    TAG: ClassVar[str] = "pong"
+@message("pong")
+class Pong(Tagged):
     qid: int
 
 
 # --- gate -> front ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
-class Answer:
+class Answer(Tagged):
     """The gate's answer to the front's question ``rid``, with the gate's counters after it."""
 
-    TAG: ClassVar[str]
     rid: int
     counters: GateCounters
 
 
-@dataclass(frozen=True, slots=True)
+@message("placed")
 class Placed(Answer):
-    TAG: ClassVar[str] = "placed"
     place: int
 
 
-@dataclass(frozen=True, slots=True)
+@message("admitted")
 class Admitted(Answer):
-    TAG: ClassVar[str] = "admitted"
     lease: int
 
 
-@dataclass(frozen=True, slots=True)
+@message("counted")
 class Counted(Answer):
-    TAG: ClassVar[str] = "counted"
+    """The answer to ``AskCounters``: the counters alone."""
 
 
-@dataclass(frozen=True, slots=True)
+@message("collected")
 class Collected(Answer):
-    TAG: ClassVar[str] = "collected"
     merged: dict[str, Any]  # ``merged_metrics.merge_reports``
 
 
-@dataclass(frozen=True, slots=True)
+@message("peeked")
 class Peeked(Answer):
-    TAG: ClassVar[str] = "peeked"
     found: dict[str, WireVerdict]
 
 
-@dataclass(frozen=True, slots=True)
+@message("refused")
 class Refused(Answer):
     """The gate's refusal, as the registry knows it (a pair it does not know is no message)."""
-
-    TAG: ClassVar[str] = "refused"
     status: int
     code: str
     message: str
@@ -215,27 +212,24 @@ class Refused(Answer):
         return rebuild(self.status, self.code, self.message, headers=self.headers)
 
 
-@dataclass(frozen=True, slots=True)
+@message("cancelled")
 class WaitCancelled(Answer):
-    TAG: ClassVar[str] = "cancelled"
+    """A wait the front called off, or that ended with the front: no refusal, nobody to tell."""
 
 
-@dataclass(frozen=True, slots=True)
-class AskReport:
-    TAG: ClassVar[str] = "ask_report"
+@message("ask_report")
+class AskReport(Tagged):
     qid: int
 
 
-@dataclass(frozen=True, slots=True)
-class Lookup:
-    TAG: ClassVar[str] = "lookup"
+@message("lookup")
+class Lookup(Tagged):
     qid: int
     keys: list[str]
 
 
-@dataclass(frozen=True, slots=True)
-class Ping:
-    TAG: ClassVar[str] = "ping"
+@message("ping")
+class Ping(Tagged):
     qid: int
 
 
