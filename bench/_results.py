@@ -11,8 +11,9 @@ by ``bench/report.py``, so every result file must carry the same few fields, com
   ``MIN_ROUNDS`` rounds and their spread (min–max), so one lucky or unlucky round cannot carry a claim.
   A goal without a target is a reported figure (``met`` is ``None``).
 
-A script builds its goals from its JSON data with a function of its own (so ``--render`` can rebuild them
-from a committed file without measuring again), prints ``goal_lines`` and writes with ``write``.
+A bench module builds its goals from its JSON data with a function of its own (so ``--render`` can rebuild them
+from a committed file without measuring again); the runner (``bench.harness``) prints them with ``print_goals``
+and writes with ``write``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from bench import staleness
@@ -36,6 +38,7 @@ MIN_ROUNDS = 3
 STAMP_KEYS = ("script", "what", "measures", "commit", "dirty", "date", "machine")
 
 Goal = dict[str, Any]
+Knobs = SimpleNamespace  # one run's knobs (``bench.harness.Scenario.knobs_for``), with ``rounds`` and ``quick``
 
 
 def git(*args: str) -> str | None:
@@ -90,17 +93,6 @@ def stamp(script: str, what: str) -> dict[str, Any]:
         "machine": {"platform": platform.platform(), "cpu": cpu_model(), "usable_cores": usable_cores(),
                     "python": platform.python_version()},
     }
-
-
-def kept_stamp(data: dict[str, Any], script: str, what: str, date: str | None = None) -> dict[str, Any]:
-    """The stamp of a committed result being re-rendered: what it recorded, never the current commit.
-
-    Files written before stamps existed get ``commit: None`` (the report says "commit unknown") and the
-    date and cores they recorded elsewhere, if any.
-    """
-    old = {k: data[k] for k in STAMP_KEYS if k in data}
-    return {"script": script, "what": what, "measures": measured_paths(script), "commit": None, "dirty": None,
-            "date": date, "machine": None} | {k: v for k, v in old.items() if k not in ("script", "what", "measures")}
 
 
 def summary(values: Iterable[float | None]) -> dict[str, Any]:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Processed-media cache: a 10-turn chat replay with one 12 MP photo, cache on vs off, side by side.
 
 Why: chats resend their images every turn, and without a cache mmgate decodes and resizes each copy again.
@@ -23,13 +22,13 @@ throughput.
 Goals: turns 2–10 of the one-photo chat each cost at most 10 % of turn 1's media CPU (cache on); a miss
 (the all-new conversation) costs at most 3 % more CPU per request with the cache on than off.
 
-Usage: python -m bench.cache [--rounds 3] [--turns 10] [--no-write]; smoke: --rounds 1 --turns 3 --small
+    python -m bench run cache [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list cache   # the knobs and their defaults
 Writes bench/results/cache.md and .json.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import io
@@ -74,33 +73,6 @@ def cpu_ns(pid: int) -> int:
             continue
         total += sum(cpu_ns(int(child)) for child in children)
     return total
-
-
-def serve_sink(port: int) -> None:
-    """The upstream: reads any request's body whole and answers a small chat completion."""
-    from aiohttp import web
-
-    answer = {"id": "c", "object": "chat.completion", "model": "stub-vlm",
-              "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}
-
-    async def any_request(request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response(answer)
-
-    app = web.Application(client_max_size=1 << 30)
-    app.router.add_route("*", "/{tail:.*}", any_request)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
-
-
-def start_sink() -> tuple[Any, str]:
-    import subprocess
-
-    port = L.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.cache", "sink", "--port", str(port)], cwd=L.REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    L.wait_http(url + "/health", proc)
-    return proc, url
 
 
 async def replay(url: str, pid: int, bodies: list[bytes], path: str) -> list[dict[str, float]]:
@@ -216,7 +188,8 @@ def per_round(rounds: list[dict[str, Any]]) -> dict[str, list[float]]:
     return out
 
 
-def goals(figures: dict[str, list[float]]) -> list[R.Goal]:
+def goals(data: dict[str, Any]) -> list[R.Goal]:
+    figures = data["figures"]
     return [
         R.goal("one photo, cache on: the costliest of turns 2–10, media CPU ÷ turn 1's",
                figures.get("on/one_photo/later_turn_share_max", []), f"≤ {GOAL_REPEAT_SHARE:g}",
@@ -263,12 +236,13 @@ def turn_table(rounds: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def render(meta: dict[str, Any], rounds: list[dict[str, Any]], figures: dict[str, list[float]]) -> str:
+def report(data: dict[str, Any]) -> str:
+    meta, rounds, figures = data["meta"], data["rounds"], data["figures"]
     h = meta["hash"]
     return "\n".join([
         "# Processed-media cache: chat replay, cache on vs off",
         "",
-        f"`python -m bench.cache` -- {meta['date']}, Python {meta['python']}, {meta['usable_cpus']} usable CPUs, "
+        f"`python -m bench run cache` -- {meta['date']}, Python {meta['python']}, {meta['usable_cpus']} usable CPUs, "
         f"{meta['rounds']} rounds of {meta['turns']} turns, {meta['wall_s']} s in all. Photo: {meta['photo']}. "
         f"mmgate flags: `{' '.join(FLAGS)}`, cache off = `--cache-mb 0`, on = the default; "
         "decode mode: the default for this machine's CPUs.",
@@ -295,36 +269,23 @@ def render(meta: dict[str, Any], rounds: list[dict[str, Any]], figures: dict[str
     ])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd")
-    sink = sub.add_parser("sink")
-    sink.add_argument("--port", type=int, required=True)
-    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
-    ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--small", action="store_true", help="a 1 MP photo instead of 12 MP (smoke runs)")
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    if args.cmd == "sink":
-        serve_sink(args.port)
-        return
-
+def measure(knobs: R.Knobs) -> dict[str, Any]:
     started = time.monotonic()
     stamp = R.stamp("cache.py", WHAT)
     up_start = L.uptime()
-    if args.small:
+    if knobs.small:
         buffer = io.BytesIO()
         photo_sized(1200, 900, 7).save(buffer, "JPEG", quality=PHOTO_QUALITY)
         photo, described = buffer.getvalue(), "1200x900 JPEG (smoke)"
     else:
         photo = photo_jpeg()
         described = f"{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]} JPEG q{PHOTO_QUALITY}, {len(photo) / 1e6:.2f} MB"
-    sink_proc, sink_url = start_sink()
+    sink_proc, sink_url = L.start_sink()
     rounds: list[dict[str, Any]] = []
     try:
-        for rnd in range(args.rounds):
+        for rnd in range(knobs.rounds):
             order = list(MODES) if rnd % 2 == 0 else list(reversed(MODES))  # drift hits both modes alike
-            result = {mode: asyncio.run(one_mode(mode, sink_url, photo, f"r{rnd}", args.turns)) for mode in order}
+            result = {mode: asyncio.run(one_mode(mode, sink_url, photo, f"r{rnd}", knobs.turns)) for mode in order}
             rounds.append(result)
             for mode in MODES:
                 one = result[mode]["one_photo"]["turns"]
@@ -334,20 +295,8 @@ def main() -> None:
                       flush=True)
     finally:
         L.stop(sink_proc)
-    hashing = hash_cost(3.5)
-    figures = per_round(rounds)
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "python": platform.python_version(), "usable_cpus": R.usable_cores(), "rounds": args.rounds,
-            "turns": args.turns, "photo": described, "hash": hashing, "uptime_start": up_start,
+            "python": platform.python_version(), "usable_cpus": R.usable_cores(), "rounds": knobs.rounds,
+            "turns": knobs.turns, "photo": described, "hash": hash_cost(3.5), "uptime_start": up_start,
             "uptime_end": L.uptime(), "wall_s": round(time.monotonic() - started, 1)}
-    data = stamp | {"goals": goals(figures), "meta": meta, "figures": figures, "rounds": rounds}
-    md = render(meta, rounds, figures)
-    print()
-    print(md)
-    R.print_goals(data["goals"])
-    if not args.no_write:
-        R.write("cache", data, md)
-
-
-if __name__ == "__main__":
-    main()
+    return stamp | {"meta": meta, "figures": per_round(rounds), "rounds": rounds}

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The model mode with real checkpoints' own configurations against the stub: req/s ÷ direct, and the bytes sent on.
 
 Issue 40's goal: with each real checkpoint's own processor configuration (``testkit.models.REAL_CHECKPOINTS``,
@@ -25,15 +24,14 @@ each image before the first round. Within a round the modes (direct, then each c
 turning round by round; each ratio is a checkpoint's req/s ÷ direct's in the same round; every figure is the
 median of ``--rounds`` (≥ 3) with its spread.
 
-    python -m bench.checkpoints [--checkpoints Qwen2.5-VL,Qwen3-VL,Idefics3,Gemma 3] [--images photo,camera]
-                                [--clients 4] [--requests 160] [--rounds 3] [--quick] [--out PATH]
+    python -m bench run checkpoints [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list checkpoints   # the knobs and their defaults
 
 Writes bench/results/checkpoints.md/.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import tempfile
@@ -93,10 +91,13 @@ def run_cell(stub_url: str, target: str, body: bytes, clients: int, requests: in
             "bytes_ratio": seen["request_body_bytes"] / max(1, seen["requests"]) / len(body)}
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
+def measure(args: R.Knobs) -> dict[str, Any]:
     names = [n for n in args.checkpoints.split(",") if n]
     images = [n for n in args.images.split(",") if n]
+    unknown = set(names) - set(REAL_CHECKPOINTS) | (set(images) - set(IMAGES))
+    if unknown:
+        raise SystemExit(f"unknown checkpoint or image set: {', '.join(sorted(unknown))}")
+    data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
     data["settings"] = {"rounds": args.rounds, "clients": args.clients, "requests": args.requests,
                         "checkpoints": names, "output_tokens": OUTPUT_TOKENS}
     bodies = {name: chat_body(camera_jpeg(IMAGES[name][2]()), stream=True, max_tokens=OUTPUT_TOKENS) for name in images}
@@ -167,7 +168,8 @@ def report(data: dict[str, Any]) -> str:
     lines = [
         "# Real checkpoints' configurations: the model mode against the stub, ÷ direct",
         "",
-        f"`python -m bench.checkpoints`: {s['clients']} clients (`testkit.load.run_load`), {s['requests']} streaming "
+        f"`python -m bench run checkpoints`: {s['clients']} clients (`testkit.load.run_load`), {s['requests']} "
+        "streaming "
         f"chat requests a cell, one image and {s['output_tokens']} output tokens each, against `demo.backend`; "
         f"{s['rounds']} rounds, the modes taking turns. Request bodies: {sizes}. mmgate: `--model` the checkpoint's "
         "own processor configuration (`testkit.models.REAL_CHECKPOINTS`), the cache off. Bytes forwarded: the "
@@ -190,35 +192,3 @@ def report(data: dict[str, Any]) -> str:
                          f"{text(by_round(data, n, images, 'rps').values())} | {text(rps_ratios(data, n, images))} | "
                          f"{text(by_round(data, n, images, 'bytes_ratio').values())} |")
     return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoints", default=DEFAULT_CHECKPOINTS, help=f"of {', '.join(REAL_CHECKPOINTS)}")
-    ap.add_argument("--images", default=",".join(IMAGES))
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=160, help="requests a cell (a multiple of --clients)")
-    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
-    ap.add_argument("--quick", action="store_true", help="one round of 8 requests a cell: proves the bench runs")
-    ap.add_argument("--render", action="store_true", help="rebuild the .md from the committed .json")
-    ap.add_argument("--out", default=None, help="results path without extension [bench/results/checkpoints]")
-    args = ap.parse_args()
-    unknown = {n for n in args.checkpoints.split(",") if n} - set(REAL_CHECKPOINTS) | (
-        {n for n in args.images.split(",") if n} - set(IMAGES))
-    if unknown:
-        raise SystemExit(f"unknown checkpoint or image set: {', '.join(sorted(unknown))}")
-    if args.quick:
-        args.rounds, args.requests = 1, 8
-    if args.render:
-        data = json.loads((R.RESULTS / "checkpoints.json").read_text())
-    else:
-        data = measure(args)
-        data["goals"] = goals(data)
-    R.print_goals(data["goals"])
-    md = report(data)
-    print(md)
-    R.write("checkpoints", data, md, out=Path(args.out) if args.out else None)
-
-
-if __name__ == "__main__":
-    main()

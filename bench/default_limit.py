@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The default ``MMGATE_MAX_MM_CONCURRENCY`` against the other limits, where the limit matters most.
 
 Issue 40: the default limit follows the machine (the decode workers, never under 4: ``proxy.settings.cpus``),
@@ -18,16 +17,15 @@ client count. ``auto`` (issue 43's adaptive limit) runs as one more cell, its mm
 others do, so its limit is what it learnt by then; its req/s ÷ the best fixed limit's is recorded, the figure that
 decides whether it could be the default. Every figure is the median of ``--rounds`` (≥ 3) with its spread.
 
-    python -m bench.default_limit [--limits 2,4,8,16,auto] [--clients 8,32] [--requests 128] [--rounds 3] [--quick]
+    python -m bench run default_limit [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list default_limit   # the knobs and their defaults
 
 Writes bench/results/default_limit.md/.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -58,7 +56,7 @@ AUTO = "auto"
 Limit = int | str  # a fixed limit, or AUTO
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: R.Knobs) -> dict[str, Any]:
     data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
     given = [n for n in args.limits.split(",") if n]
     limits: list[Limit] = sorted({int(n) for n in given if n != AUTO} | {usable_mm_concurrency()})
@@ -136,7 +134,8 @@ def report(data: dict[str, Any]) -> str:
     lines = [
         "# The default media concurrency limit against the others",
         "",
-        f"`python -m bench.default_limit`: mmgate's model mode (`--model` {s['checkpoint']}'s own configuration) in "
+        f"`python -m bench run default_limit`: mmgate's model mode (`--model` {s['checkpoint']}'s own configuration) "
+        "in "
         "front of `demo.backend --profile frontend` (one decode thread, processor CPU per megapixel, a short "
         f"prefill), 12 MP camera JPEGs ({data['body_bytes'] / 1e6:.2f} MB request bodies), {s['output_tokens']} "
         f"output tokens, streaming; closed-loop clients (`testkit.load.run_load`), at least {s['requests']} requests "
@@ -154,30 +153,3 @@ def report(data: dict[str, Any]) -> str:
             lines.append(f"| {n} | {limit}{mark} | {text(figure(data, limit, n, 'rps').values())} | "
                          f"{text(of_best(data, limit, n))} | {text(figure(data, limit, n, 'p50_s').values())} |")
     return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--limits", default="2,4,8,16,auto", help="the default is always added")
-    ap.add_argument("--clients", default="8,32")
-    ap.add_argument("--requests", type=int, default=128, help="requests a cell, at least (2 a client at least)")
-    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
-    ap.add_argument("--quick", action="store_true", help="one round of 8 clients, 8 requests: proves the bench runs")
-    ap.add_argument("--render", action="store_true", help="rebuild the .md from the committed .json")
-    ap.add_argument("--out", default=None, help="results path without extension [bench/results/default_limit]")
-    args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.requests, args.clients, args.limits = 1, 8, "8", "2,auto"
-    if args.render:
-        data = json.loads((R.RESULTS / "default_limit.json").read_text())
-    else:
-        data = measure(args)
-        data["goals"] = goals(data)
-    R.print_goals(data["goals"])
-    md = report(data)
-    print(md)
-    R.write("default_limit", data, md, out=Path(args.out) if args.out else None)
-
-
-if __name__ == "__main__":
-    main()

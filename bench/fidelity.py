@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Fidelity with ``MMGATE_MODEL``: what reaches the backend against the backend's own resize of the original.
 
 The model is Idefics3 (a processor folder built by ``testkit.models``; no weights, no downloads): its processor
@@ -30,12 +29,12 @@ Without a model (the generic rule, ``MMGATE_RESIZE_MAX_PIXELS`` at the same pixe
 Goal: every image ≥ 40 dB with the encoding mmgate uses with a model (``MMGATE_IMAGE_FORMAT=auto``: BMP).
 Timings are the median of ``--rounds`` (≥ 3) with their spread; PSNR and bytes are deterministic.
 
-    python -m bench.fidelity [--rounds N] [--quick] [--out PATH]
+    python -m bench run fidelity [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list fidelity   # the knobs and their defaults
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import tempfile
 import time
@@ -161,7 +160,7 @@ def summary(values: list[float]) -> dict[str, Any]:
     return R.summary(round(v, 2) for v in values)
 
 
-def measure(photo: Photo, folder: Path, policy: ImagePolicy, rounds: int) -> dict[str, Any]:
+def measure_photo(photo: Photo, folder: Path, policy: ImagePolicy, rounds: int) -> dict[str, Any]:
     from preprocessors.image import _MODEL_REDUCING_GAP
 
     geometry = policy.geometry
@@ -263,7 +262,7 @@ def report(data: dict[str, Any]) -> str:
     lines = [
         "# Fidelity with a model: PSNR against the backend's own resize, bytes and CPU per encoding",
         "",
-        f"`python -m bench.fidelity`: Idefics3 (LANCZOS, {SIZE[0]}x{SIZE[1]} → its 1456x1092), "
+        f"`python -m bench run fidelity`: Idefics3 (LANCZOS, {SIZE[0]}x{SIZE[1]} → its 1456x1092), "
         f"{data['rounds']} rounds per timing (median, min–max), thread CPU. Reference: the processor's own resize "
         "of the fully decoded original. PSNR over RGB, 8 bits. The chosen encoding is what mmgate sends with a "
         f"model and `MMGATE_IMAGE_FORMAT=auto`: {CHOSEN}. Handoff CPU: mmgate's encode and base64, plus the "
@@ -322,33 +321,20 @@ def report(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per timing (median, spread)")
-    parser.add_argument("--quick", action="store_true", help="two photos, 3 rounds (a smoke test)")
-    parser.add_argument("--out", type=Path, default=None, help="result path without suffix")
-    args = parser.parse_args()
+def measure(knobs: R.Knobs) -> dict[str, Any]:
     stamp = R.stamp(SCRIPT, WHAT)
     from proxy.media.model_folder import load_model
 
-    photos = [PHOTOS[i] for i in QUICK_PHOTOS] if args.quick else list(PHOTOS)
-    rounds = max(args.rounds, R.MIN_ROUNDS)
+    photos = [PHOTOS[i] for i in QUICK_PHOTOS] if knobs.quick else list(PHOTOS)
+    rounds = max(knobs.rounds, R.MIN_ROUNDS)
     with tempfile.TemporaryDirectory(prefix="mmgate-fidelity-") as tmp:
         folder = idefics3_folder(Path(tmp))
         model = load_model(str(folder))
-        assert model.geometry is not None
+        if model.geometry is None:
+            raise SystemExit("the Idefics3 folder gave no geometry")
         policy = ImagePolicy(geometry=model.geometry)
         results = []
         for photo in photos:
             print(f"  {photo.name}...", flush=True)
-            results.append(measure(photo, folder, policy, rounds))
-    data: dict[str, Any] = stamp | {"rounds": rounds, "bound_db": BOUND_DB, "photos": results}
-    data["goals"] = goals(data)
-    markdown = report(data)
-    print(markdown)
-    R.print_goals(data["goals"])
-    R.write("fidelity", data, markdown, args.out)
-
-
-if __name__ == "__main__":
-    main()
+            results.append(measure_photo(photo, folder, policy, rounds))
+    return stamp | {"rounds": rounds, "bound_db": BOUND_DB, "photos": results}

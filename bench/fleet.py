@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """mmgate in a fleet: the adaptive limit against fixed ones from a cold start and across capacity steps, under
 attack, against a client that reads nothing, and fair waiting.
 
@@ -58,14 +57,13 @@ is forwarded (slots), and ``small``'s wait (Server-Timing ``queue``), fair again
 Everything runs in this process on one event loop (clients, mmgate from ``build_app``, the model backends);
 the backends sleep rather than burn CPU, so the figures depend little on the shared machine.
 
-Usage: python -m bench.fleet [--rounds 3] [--quick (1 round: one cold start and one step, two fixed limits each;
-       attacks shortened; the slow-reader cells as they are)] [--out PATH]
+    python -m bench run fleet [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list fleet   # the knobs and their defaults
 Writes bench/results/fleet.md and .json (or PATH.md / PATH.json).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -73,7 +71,6 @@ import re
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -104,7 +101,7 @@ BASE_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
-class Scenario:
+class Case:
     """One of issue 43's backends (``testkit.adaptive_sim``): ``curve`` the cell's, ``after`` the backend after a
     capacity step (None: a cold start), and the fixed limits the cell's ``auto`` is held against."""
 
@@ -121,10 +118,10 @@ def near_best(curve: Curve, duration: float, count: int) -> tuple[int, ...]:
     return tuple(sorted(sorted(rates, key=lambda limit: -rates[limit])[:count]))
 
 
-def scenarios(quick: bool) -> list[Scenario]:
+def cases(quick: bool) -> list[Case]:
     count = 2 if quick else 3
-    return ([Scenario(name, curve, None, near_best(curve, CELL, count)) for name, curve in COLD_START.items()]
-            + [Scenario(name, curve, after, near_best(after, STEP_CELL - STEP_AT, count))
+    return ([Case(name, curve, None, near_best(curve, CELL, count)) for name, curve in COLD_START.items()]
+            + [Case(name, curve, after, near_best(after, STEP_CELL - STEP_AT, count))
                for name, (curve, after) in STEPS.items()])
 
 
@@ -312,16 +309,16 @@ def time_to_reach(done: list[float], target: float, since: float, end: float) ->
     return None
 
 
-async def scenario_cells(scenario: Scenario, quick: bool) -> dict[str, Any]:
+async def case_cells(case: Case, quick: bool) -> dict[str, Any]:
     """The fixed limits (on the backend after the step, for a step), then ``auto``; its ratios and times."""
-    step = scenario.after is not None
-    fixed_curve = scenario.after if scenario.after is not None else scenario.curve
+    step = case.after is not None
+    fixed_curve = case.after if case.after is not None else case.curve
     auto_seconds = STEP_CELL if step else CELL
-    limits = list(scenario.fixed) + ([TOO_HIGH[1]] if scenario.name == TOO_HIGH[0] and not quick else [])
-    cells = [await load_cell(scenario.name, fixed_curve, str(limit), (STEP_CELL - STEP_AT) if step else CELL)
+    limits = list(case.fixed) + ([TOO_HIGH[1]] if case.name == TOO_HIGH[0] and not quick else [])
+    cells = [await load_cell(case.name, fixed_curve, str(limit), (STEP_CELL - STEP_AT) if step else CELL)
              for limit in limits]
-    auto = await load_cell(scenario.name, scenario.curve, "auto", auto_seconds)
-    best = max(cells[: len(scenario.fixed)], key=lambda c: c["throughput"])
+    auto = await load_cell(case.name, case.curve, "auto", auto_seconds)
+    best = max(cells[: len(case.fixed)], key=lambda c: c["throughput"])
     done = auto["done"]
     since = STEP_AT if step else 0.0
     auto |= {"ratio": rate_between(done, STEP_AT + SETTLED if step else 0.0, auto_seconds) / best["throughput"],
@@ -532,18 +529,18 @@ async def fairness_cell(fair: bool) -> dict[str, Any]:
             "big_wait": statistics.mean(waits[f"big{i}"] for i in range(BIG)), "order": backend.order}
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: R.Knobs) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     for number in range(args.rounds):
         models = {}
-        for scenario in scenarios(args.quick)[:: 4 if args.quick else 1]:  # quick: one cold start, one step
-            result = await scenario_cells(scenario, args.quick)
+        for case in cases(args.quick)[:: 4 if args.quick else 1]:  # quick: one cold start, one step
+            result = await case_cells(case, args.quick)
             for cell in result["cells"]:
                 extra = (f", ratio {cell['ratio']:.3f}, 0.9× after {cell['reach_s']} s, cruise in the second half "
                          f"{cell['cruise_second_half']}") if cell["limit"] == "auto" else ""
-                print(f"  round {number + 1} {scenario.name} limit {cell['limit']:>4}: {cell['throughput']:6.2f} "
+                print(f"  round {number + 1} {case.name} limit {cell['limit']:>4}: {cell['throughput']:6.2f} "
                       f"answers/s (statuses {cell['statuses']}){extra}", flush=True)
-            models[scenario.name] = result
+            models[case.name] = result
         attacks = []
         for kind in ATTACKS:
             cell = await attack_cell(kind, *args.attack)
@@ -626,12 +623,12 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
     ]
 
 
-def render(data: dict[str, Any]) -> str:
+def report(data: dict[str, Any]) -> str:
     s = data["settings"]
     rounds = data["rounds"]
     lines = ["# fleet: the adaptive limit on a thrashing and a batching backend, under attack, against a slow "
              "reader; fair waiting", "",
-             f"`python -m bench.fleet --rounds {s['rounds']}`: {s['clients']} closed-loop clients; throughput in "
+             f"`python -m bench run fleet --rounds {s['rounds']}`: {s['clients']} closed-loop clients; throughput in "
              "answers/s, median (min–max) of the rounds; `auto` starts cold in every cell."]
     for name, first in rounds[0]["models"].items():
         step = first["step"]
@@ -689,28 +686,14 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true",
-                        help="1 round: one cold start and one step, two fixed limits each; attacks 10 + 3 + 12 s")
-    parser.add_argument("--out", type=Path, help="write PATH.json and PATH.md instead of bench/results/fleet")
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds = 1
-    args.attack = (10.0, ATTACK_SECONDS, 12.0) if args.quick else (ATTACK_WARMUP, ATTACK_SECONDS, ATTACK_AFTER)
+def measure(knobs: R.Knobs) -> dict[str, Any]:
+    attack = (10.0, ATTACK_SECONDS, 12.0) if knobs.quick else (ATTACK_WARMUP, ATTACK_SECONDS, ATTACK_AFTER)
     stamp = R.stamp("fleet.py", "adaptive concurrency limit vs fixed limits on thrashing and batching backends, "
                                 "under attack, against a slow reader; fair waiting")
-    data = stamp | asyncio.run(run(args))
-    data["settings"] = {"rounds": args.rounds, "quick": args.quick, "clients": CLIENTS, "cell": CELL,
+    data = stamp | asyncio.run(run(R.Knobs(**vars(knobs), attack=attack)))
+    data["settings"] = {"rounds": knobs.rounds, "quick": knobs.quick, "clients": CLIENTS, "cell": CELL,
                         "step_at": STEP_AT, "step_cell": STEP_CELL, "settled": SETTLED,
-                        "attack": list(args.attack), "base_seconds": BASE_SECONDS,
+                        "attack": list(attack), "base_seconds": BASE_SECONDS,
                         "slow_reader": {"write_deadline": WRITE_DEADLINE, "queue_timeout": SLOW_QUEUE_TIMEOUT,
                                         "rcvbuf": READER_RCVBUF, "stream_bytes": SLOW_EVENTS * len(SLOW_EVENT)}}
-    data["goals"] = goals(data)
-    R.print_goals(data["goals"])
-    R.write("fleet", data, render(data), args.out)
-
-
-if __name__ == "__main__":
-    main()
+    return data

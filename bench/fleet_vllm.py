@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """A real vLLM behind mmgate, driven by vLLM's own benchmark client: ``MMGATE_MAX_MM_CONCURRENCY=auto``
 against fixed limits.
 
@@ -18,14 +17,13 @@ A cell must outlast a few probe cycles for ``auto`` to settle: 256 prompts at ~5
 
 Everything shares the machine's cores: client, mmgate and vLLM compete for CPU. Read ratios, not absolutes.
 
-Usage: python -m bench.fleet_vllm [--rounds 3] [--limits 1,2,4,8,12] [--prompts 256] [--concurrency 16] [--quick]
-       [--out PATH] [--vllm-url URL]
+    python -m bench run fleet_vllm [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list fleet_vllm   # the knobs and their defaults
 Writes bench/results/fleet_vllm.md and .json (or PATH.md / PATH.json).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -102,7 +100,7 @@ class LimitTrace(threading.Thread):
                                  for t, limit, cruise in self.points if t >= half)
 
 
-def run_cell(vllm: h.Server, limit: str, args: argparse.Namespace, seed: int, workdir: Path) -> dict[str, Any]:
+def run_cell(vllm: h.Server, limit: str, args: R.Knobs, seed: int, workdir: Path) -> dict[str, Any]:
     gate = h.start_mmgate(vllm.url, "--access-log", "off", "--max-mm-concurrency", limit, "--release-at", "complete",
                           "--max-queue", "1000", "--queue-timeout", "600", "--min-mm-concurrency", "1",
                           "--max-mm-concurrency-auto", "64", "--cache-mb", "0")
@@ -148,11 +146,12 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
     ]
 
 
-def render(data: dict[str, Any]) -> str:
+def report(data: dict[str, Any]) -> str:
     s = data["settings"]
     lines = ["# fleet_vllm: a real vLLM behind mmgate, `auto` against fixed limits (vllm bench serve)", "",
-             f"`python -m bench.fleet_vllm --rounds {s['rounds']} --limits {','.join(s['limits'])} --prompts "
-             f"{s['prompts']} --concurrency {s['concurrency']}`: vLLM's `random-mm` dataset, one 1024×1024 image, "
+             f"`python -m bench run fleet_vllm --rounds {s['rounds']} --set limits={','.join(s['limits'])} "
+             f"--set prompts={s['prompts']} --set concurrency={s['concurrency']}`: vLLM's `random-mm` dataset, one "
+             "1024×1024 image, "
              "64 prompt and 16 output tokens per request. Median (min–max) of the rounds."
              + (f" {s['prompts']} prompts a cell: a cold start of `auto`, shorter than its probe cycles."
                 if s["prompts"] <= COLD_START_PROMPTS else ""), "",
@@ -171,22 +170,11 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--limits", default="1,2,4,8,12", help="fixed limits to compare with auto")
-    parser.add_argument("--prompts", type=int, default=256, help="requests per cell")
-    parser.add_argument("--concurrency", type=int, default=16, help="vllm bench serve --max-concurrency")
-    parser.add_argument("--quick", action="store_true", help="1 round, limits 2 and auto, 8 requests")
-    parser.add_argument("--out", type=Path, help="write PATH.json and PATH.md instead of bench/results/fleet_vllm")
-    parser.add_argument("--vllm-url", help="use a running vLLM (tiny-vlm, single tile) instead of starting one")
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.limits, args.prompts = 1, "2", 8
-    limits = args.limits.split(",")
+def measure(knobs: R.Knobs) -> dict[str, Any]:
+    limits = knobs.limits.split(",")
     stamp = R.stamp("fleet_vllm.py", "real vLLM behind mmgate: auto vs fixed limits, vLLM's own bench client")
-    if args.vllm_url:
-        vllm = h.Server("vllm", args.vllm_url.rstrip("/"), None, None)
+    if knobs.vllm_url:
+        vllm = h.Server("vllm", knobs.vllm_url.rstrip("/"), None, None)
     else:
         print(f"setup: {h.run_setup():.1f} s", flush=True)
         vllm = h.start_vllm(extra_args=SINGLE_TILE)
@@ -194,10 +182,10 @@ def main() -> None:
     rounds = []
     try:
         with tempfile.TemporaryDirectory() as workdir:
-            for number in range(args.rounds):
+            for number in range(knobs.rounds):
                 cells = []
                 for limit in [*limits, "auto"]:
-                    cell = run_cell(vllm, limit, args, seed=number, workdir=Path(workdir))
+                    cell = run_cell(vllm, limit, knobs, seed=number, workdir=Path(workdir))
                     print(f"  round {number + 1} limit {limit:>4}: {cell['request_throughput']:.2f} req/s, "
                           f"median e2e {cell['median_e2el_ms']:.0f} ms, failed {cell['failed']}, "
                           f"final limit {cell['final_limit']}, settled {cell['settled_limit']}", flush=True)
@@ -205,12 +193,5 @@ def main() -> None:
                 rounds.append(cells)
     finally:
         vllm.stop()
-    data = stamp | {"rounds": rounds, "settings": {"rounds": args.rounds, "limits": limits, "prompts": args.prompts,
-                                                   "concurrency": args.concurrency}}
-    data["goals"] = goals(data)
-    R.print_goals(data["goals"])
-    R.write("fleet_vllm", data, render(data), args.out)
-
-
-if __name__ == "__main__":
-    main()
+    return stamp | {"rounds": rounds, "settings": {"rounds": knobs.rounds, "limits": limits, "prompts": knobs.prompts,
+                                                    "concurrency": knobs.concurrency}}

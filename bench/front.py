@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Front processes (MMGATE_PROCESSES): what 1, 2, 4 (and 8 on a big machine) processes on one port give.
 
 One event loop is a ceiling for what does not decode: SSE events relayed, small requests, text bodies. With
@@ -31,16 +30,17 @@ Cells take turns in each round; a figure is the median over rounds with its min�
 Goals: CPU per SSE event and per 1 KB request with N processes ≤ 1.1 × one process's (each N measured);
 cache hit rate with N processes ≥ 0.9 × one process's; with 8 processes on ≥ 16 usable cores, SSE
 events/s ≥ 6 × one process's and health p99 ≤ 10 ms (marked "not measured" where the machine has fewer
-cores or 8 is not among --processes; the same command measures them there: ``python -m bench.front
---processes 1,8``).
+cores or 8 is not among its processes; ``front_16cores`` measures them there).
 
-Usage: python -m bench.front [--processes 1,2,4] [--rounds 3] [--seconds 4] [--quick] [--out PATH]
+    python -m bench run front [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench run front_16cores [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list front front_16cores   # the knobs and their defaults
+
 Writes bench/results/front.md and .json.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import json
@@ -65,54 +65,7 @@ GOAL_CPU_RATIO, GOAL_HIT_RATIO, GOAL_SCALE, GOAL_HEALTH_P99_MS = 1.1, 0.9, 6.0, 
 SSE_TOKENS = 100
 
 
-# --- load generators (own processes: this module with --role) -------------------------------------------
-
-
-def run_http_client(url: str, body_file: str, conns: int, warmup: float, duration: float, rate: float) -> None:
-    """``conns`` keep-alive connections each posting the body again and again (``rate`` > 0: at ``rate``
-    requests/s in all, on a fixed schedule); prints START when the window opens, then one JSON line (requests
-    answered 200, errors, seconds) when it closes."""
-    import aiohttp
-
-    body = Path(body_file).read_bytes()
-    state = {"requests": 0, "errors": 0, "measuring": False}
-
-    async def one(session: aiohttp.ClientSession, index: int) -> None:
-        loop = asyncio.get_running_loop()
-        period = conns / rate if rate > 0 else 0.0
-        due = loop.time() + period * index / conns
-        while True:
-            if period:
-                await asyncio.sleep(max(0.0, due - loop.time()))
-                due += period
-            try:
-                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
-                    await r.read()
-                    if r.status == 200:
-                        state["requests"] += state["measuring"]
-                    else:
-                        state["errors"] += state["measuring"]
-            except aiohttp.ClientError:
-                state["errors"] += state["measuring"]
-
-    async def main() -> None:
-        sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) for _ in range(conns)]
-        tasks = [asyncio.create_task(one(s, i)) for i, s in enumerate(sessions)]
-        await asyncio.sleep(warmup)
-        state["measuring"] = True
-        t0 = time.perf_counter()
-        print("START", flush=True)
-        await asyncio.sleep(duration)
-        state["measuring"] = False
-        print(json.dumps({"requests": state["requests"], "errors": state["errors"],
-                          "seconds": time.perf_counter() - t0}), flush=True)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for s in sessions:
-            await s.close()
-
-    asyncio.run(main())
+# --- load generators (own processes: testkit.text_load's roles) -----------------------------------------
 
 
 def start_clients(argv_of: list[list[str]]) -> list[subprocess.Popen[bytes]]:
@@ -148,7 +101,7 @@ class Window:
         return (cpu_ticks(self.pids) - self.t0) / CLK_TCK
 
 
-def measure_sse(url: str, pid: int, args: argparse.Namespace, streams: int) -> dict[str, Any]:
+def measure_sse(url: str, pid: int, args: R.Knobs, streams: int) -> dict[str, Any]:
     argv = [[*ROLE, "sse-client", "--url", url + "/v1/chat/completions", "--streams", str(streams),
              "--warmup", str(args.warmup), "--duration", str(args.seconds), "--period", "0.5"]
             for _ in range(args.clients)]
@@ -166,14 +119,13 @@ def measure_sse(url: str, pid: int, args: argparse.Namespace, streams: int) -> d
             "health_probes": len(probes["latencies"])}
 
 
-def measure_http(url: str, pid: int, body: bytes, conns: int, args: argparse.Namespace,
+def measure_http(url: str, pid: int, body: bytes, conns: int, args: R.Knobs,
                  path: str = "/v1/chat/completions", rate: float = 0.0) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(prefix="front-body-", suffix=".json", delete=False) as f:
         f.write(body)
     per_client = max(1, conns // args.clients)
-    argv = [[sys.executable, "-m", "bench.front", "--role", "http-client", "--url", url + path, "--body-file", f.name,
-             "--conns", str(per_client), "--warmup", str(args.warmup), "--seconds", str(args.seconds),
-             "--rate", str(rate / args.clients)]
+    argv = [[*ROLE, "http-client", "--url", url + path, "--body-file", f.name, "--conns", str(per_client),
+             "--warmup", str(args.warmup), "--seconds", str(args.seconds), "--rate", str(rate / args.clients)]
             for _ in range(args.clients)]
     try:
         clients = start_clients(argv)
@@ -239,7 +191,7 @@ def small_photo() -> bytes:
     return out.getvalue()
 
 
-def one_cell(processes: int, upstream: str, args: argparse.Namespace, round_no: int,
+def one_cell(processes: int, upstream: str, args: R.Knobs, round_no: int,
              photo: bytes) -> dict[str, Any]:
     L.wait_quiet(10)
     # --validate full: the media requests are decoded once and then cached (a header-judged image never is)
@@ -308,7 +260,13 @@ def figures(rounds: list[dict[int, dict[str, Any]]], processes: list[int]) -> di
     return out
 
 
-def goals(figs: dict[str, list[float]], processes: list[int], cores: int) -> list[R.Goal]:
+def _figures(data: dict[str, Any]) -> dict[str, list[float]]:
+    """Each figure's values over the rounds, from the rounds the result keeps."""
+    return figures([{int(k): v for k, v in cells.items()} for cells in data["rounds"]], data["processes"])
+
+
+def goals(data: dict[str, Any]) -> list[R.Goal]:
+    figs, processes, cores = _figures(data), data["processes"], data["machine"]["usable_cores"]
     out: list[R.Goal] = []
     for n in processes:
         if n == 1:
@@ -358,7 +316,8 @@ def table(figs: dict[str, list[float]], processes: list[int]) -> str:
     return "\n".join(lines)
 
 
-def render(meta: dict[str, Any], figs: dict[str, list[float]], processes: list[int]) -> str:
+def report(data: dict[str, Any]) -> str:
+    meta, figs, processes = data["settings"], _figures(data), data["processes"]
     return "\n".join([
         "# Front processes (MMGATE_PROCESSES): one port, one gate, N event loops",
         "",
@@ -376,47 +335,19 @@ def render(meta: dict[str, Any], figs: dict[str, list[float]], processes: list[i
         "",
         table(figs, processes),
         "",
-        f"The {BIG_PROCESSES}-process goals need ≥ {BIG_CORES} usable cores: `python -m bench.front --processes "
-        f"1,{BIG_PROCESSES}` measures them there. On a machine shared with other jobs, throughput figures are "
+        f"The {BIG_PROCESSES}-process goals need ≥ {BIG_CORES} usable cores: `python -m bench run front_16cores` "
+        "measures them there. On a machine shared with other jobs, throughput figures are "
         "bounded by the load generators and the other jobs as much as by mmgate; CPU per event and per request "
         "are what the goals judge here.",
     ]) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--processes", default="1,2,4")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=4.0)
-    ap.add_argument("--warmup", type=float, default=1.0)
-    ap.add_argument("--clients", type=int, default=0, help="load-generator processes [usable cores / 2, 1..8]")
-    ap.add_argument("--streams", type=int, default=256, help="SSE streams per client process [256]")
-    ap.add_argument("--sse-delay", type=float, default=0.01, help="seconds between a stream's events [0.01]")
-    ap.add_argument("--paced-streams", type=int, default=24,
-                    help="SSE streams per client process for the CPU-per-event load [24]")
-    ap.add_argument("--paced-rate", type=float, default=200.0,
-                    help="1 KB requests/s in all for the CPU-per-request load [200]")
-    ap.add_argument("--conns", type=int, default=32, help="connections for the request loads [32]")
-    ap.add_argument("--upstreams", type=int, default=0, help="upstream processes [usable cores / 8, at least 1]")
-    ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--quick", action="store_true", help="smoke: 1 round, 1 s windows, 1,2 processes, 3 turns")
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--no-write", action="store_true")
-    # a role of this script's own subprocesses
-    ap.add_argument("--role", choices=("bench", "http-client"), default="bench")
-    ap.add_argument("--url")
-    ap.add_argument("--body-file")
-    ap.add_argument("--rate", type=float, default=0.0)
-    args = ap.parse_args()
-    if args.role == "http-client":
-        return run_http_client(args.url, args.body_file, args.conns, args.warmup, args.seconds, args.rate)
-    if args.quick:
-        args.rounds, args.seconds, args.warmup, args.processes, args.turns = 1, 1.0, 0.5, "1,2", 3
-    processes = [int(n) for n in args.processes.split(",")]
+def measure(knobs: R.Knobs) -> dict[str, Any]:
+    processes = [int(n) for n in knobs.processes.split(",")]
     cores = R.usable_cores()
-    args.clients = args.clients or max(1, min(8, cores // 2))
-    args.upstreams = args.upstreams or max(1, cores // 8)
-    args.decode_workers = max(max(processes), cores)
+    args = R.Knobs(**vars(knobs) | {"clients": knobs.clients or max(1, min(8, cores // 2)),
+                                    "upstreams": knobs.upstreams or max(1, cores // 8),
+                                    "decode_workers": max(max(processes), cores)})
     stamp = R.stamp("front.py", WHAT)
     port = L.free_port()
     upstreams = [subprocess.Popen([*ROLE, "upstream", "--port", str(port), "--sse-tokens", str(SSE_TOKENS),
@@ -440,20 +371,9 @@ def main() -> None:
         for p in upstreams:
             p.terminate()
             p.wait(10)
-    figs = figures(rounds, processes)
-    goal_list = goals(figs, processes, cores)
-    R.print_goals(goal_list)
     meta = {"rounds": args.rounds, "seconds": args.seconds, "clients": args.clients, "streams": args.streams,
             "paced_streams": args.paced_streams, "paced_rate": args.paced_rate, "sse_delay": args.sse_delay,
             "conns": args.conns, "decode_workers": args.decode_workers, "upstreams": args.upstreams}
-    if args.no_write:
-        return None
-    data = stamp | {"goals": goal_list, "settings": meta, "processes": processes,
-                                               "figures": {k: R.summary(v) for k, v in figs.items()},
-                                               "rounds": [{str(k): v for k, v in c.items()} for c in rounds]}
-    R.write("front", data, render(meta, figs, processes), args.out)
-    return None
-
-
-if __name__ == "__main__":
-    main()
+    return stamp | {"settings": meta, "processes": processes,
+                    "figures": {k: R.summary(v) for k, v in figures(rounds, processes).items()},
+                    "rounds": [{str(k): v for k, v in c.items()} for c in rounds]}

@@ -9,7 +9,9 @@ shrunk by hypothesis and its minimal input written to the corpus (``--no-save`` 
 Prints per property: inputs run (examples and shrink steps), distinct failures (new / known), time; writes
 ``bench/results/fuzz.md`` and ``fuzz.json`` with the commit, the machine and the corpus size.
 
-    python -m bench.fuzz [--examples 5000] [--minutes 10] [--properties http_paths,pure_base64] [--seed N]
+    python -m bench run fuzz [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list fuzz   # the knobs and their defaults
+    python -m bench list fuzz   # the knobs and their defaults
 
 Run it from the repository root (``-m``: ``testkit.fuzzing`` is imported as a package, no ``sys.path`` edits).
 Traffic goes only to 127.0.0.1: the proxy and the scripted upstream it starts itself.
@@ -17,7 +19,6 @@ Traffic goes only to 127.0.0.1: the proxy and the scripted upstream it starts it
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -144,57 +145,14 @@ def machine() -> dict[str, Any]:
 WHAT = "hypothesis over every dialect, data URLs, base64, splice and paths, with a large budget"
 
 
-def write_results(outcomes: list[Outcome], args: argparse.Namespace, seed_used: int,
-                  stamp: dict[str, Any]) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    corpus = len(corpus_files())
-    report = stamp | {
-        "goals": [R.goal("new faults found", [len(o.new) for o in outcomes], "= 0", lambda v: v == 0,
-                         over="properties", met_on="every"),
-                  R.goal("inputs run", [o.inputs for o in outcomes], over="properties")],
-        "host": machine(), "budget": {"examples": args.examples, "minutes": args.minutes}, "seed": seed_used,
-        "corpus_size": corpus,
-        "properties": [{"name": o.name, "inputs": o.inputs, "rounds": o.rounds, "seconds": round(o.seconds, 1),
-                        "failures": len(o.new) + len(o.known_hits), "new_failures": o.new,
-                        "known_failures_hit": o.known_hits, "saved": o.saved} for o in outcomes],
-    }
-    lines = [
-        "# Fuzzing (bench/fuzz.py)", "",
-        f"Budget {args.examples} inputs per property"
-        + (f" or {args.minutes} min in all" if args.minutes else "") + f"; seed {seed_used}.", "",
-        ("Inputs run include hypothesis' shrink steps. A failure is one distinct fault signature; *known* ones "
-         "were already in `tests/fuzz_corpus/` (or found earlier in the run) and are only counted."), "",
-        "| property | inputs run | failures (new / known) | time (s) | what it checks |",
-        "| --- | ---: | ---: | ---: | --- |",
-    ]
-    for o in outcomes:
-        lines.append(f"| {o.name} | {o.inputs} | {len(o.new)} / {len(o.known_hits)} | {o.seconds:.1f} | "
-                     f"{PROPERTIES[o.name].summary} |")
-    lines += ["", f"Corpus after the run: {corpus} files.", ""]
-    for o in outcomes:
-        for signature, note in o.new.items():
-            lines.append(f"- **new** `{o.name}` `{signature}`: {note[:300]}")
-        for signature, hits in o.known_hits.items():
-            lines.append(f"- known `{o.name}` `{signature}`: hit by {hits} inputs")
-    R.print_goals(report["goals"])
-    R.write("fuzz", report, "\n".join(lines) + "\n")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--examples", type=int, default=5000, help="inputs per property (default 5000)")
-    parser.add_argument("--minutes", type=float, default=0, help="wall-clock budget for all properties (0 = none)")
-    parser.add_argument("--properties", default=",".join(PROPERTIES), help="comma-separated subset")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the round seeds (default: random)")
-    parser.add_argument("--no-save", action="store_true", help="do not write new failures to tests/fuzz_corpus/")
-    args = parser.parse_args()
-    names = [n.strip() for n in args.properties.split(",") if n.strip()]
+def measure(knobs: R.Knobs) -> dict[str, Any]:
+    names = [n.strip() for n in knobs.properties.split(",") if n.strip()] or list(PROPERTIES)
     unknown = [n for n in names if n not in PROPERTIES]
     if unknown:
-        parser.error(f"unknown properties {unknown}; known: {', '.join(PROPERTIES)}")
-    seed_used = args.seed if args.seed is not None else random.SystemRandom().getrandbits(32)
+        raise SystemExit(f"unknown properties {unknown}; known: {', '.join(PROPERTIES)}")
+    seed_used = knobs.seed if knobs.seed >= 0 else random.SystemRandom().getrandbits(32)
     rng = random.Random(seed_used)
-    deadline = time.perf_counter() + args.minutes * 60 if args.minutes else None
+    deadline = time.perf_counter() + knobs.minutes * 60 if knobs.minutes else None
     logging.getLogger().addHandler(logging.NullHandler())  # no tracebacks on stderr; the fault log still sees them
     outcomes = []
     stamp = R.stamp("fuzz.py", WHAT)
@@ -202,15 +160,46 @@ def main() -> None:
     for i, name in enumerate(names):
         # An equal share of what is left: time a fast property did not need goes to the ones after it.
         share = None if deadline is None else max(0.0, deadline - time.perf_counter()) / (len(names) - i)
-        outcome = run_property(name, args.examples, share, rng, not args.no_save)
+        outcome = run_property(name, knobs.examples, share, rng, knobs.save)
         outcomes.append(outcome)
         print(f"{name:<15} {outcome.inputs:>8} {len(outcome.new):>4} {len(outcome.known_hits):>6} "
               f"{outcome.seconds:>8.1f}", flush=True)
         for signature, note in outcome.new.items():
             print(f"    new: {signature}: {note[:200]}")
-    write_results(outcomes, args, seed_used, stamp)
-    print(f"corpus: {len(corpus_files())} files; results in {RESULTS / 'fuzz.md'}")
+    return stamp | {
+        "host": machine(), "budget": {"examples": knobs.examples, "minutes": knobs.minutes}, "seed": seed_used,
+        "corpus_size": len(corpus_files()),
+        "properties": [{"name": o.name, "inputs": o.inputs, "rounds": o.rounds, "seconds": round(o.seconds, 1),
+                        "failures": len(o.new) + len(o.known_hits), "new_failures": o.new,
+                        "known_failures_hit": o.known_hits, "saved": o.saved} for o in outcomes],
+    }
 
 
-if __name__ == "__main__":
-    main()
+def goals(data: dict[str, Any]) -> list[R.Goal]:
+    properties = data["properties"]
+    return [R.goal("new faults found", [len(p["new_failures"]) for p in properties], "= 0", lambda v: v == 0,
+                   over="properties", met_on="every"),
+            R.goal("inputs run", [p["inputs"] for p in properties], over="properties")]
+
+
+def report(data: dict[str, Any]) -> str:
+    budget = data["budget"]
+    lines = [
+        "# Fuzzing (bench/fuzz.py)", "",
+        f"Budget {budget['examples']} inputs per property"
+        + (f" or {budget['minutes']} min in all" if budget["minutes"] else "") + f"; seed {data['seed']}.", "",
+        ("Inputs run include hypothesis' shrink steps. A failure is one distinct fault signature; *known* ones "
+         "were already in `tests/fuzz_corpus/` (or found earlier in the run) and are only counted."), "",
+        "| property | inputs run | failures (new / known) | time (s) | what it checks |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for p in data["properties"]:
+        lines.append(f"| {p['name']} | {p['inputs']} | {len(p['new_failures'])} / {len(p['known_failures_hit'])} | "
+                     f"{p['seconds']:.1f} | {PROPERTIES[p['name']].summary} |")
+    lines += ["", f"Corpus after the run: {data['corpus_size']} files.", ""]
+    for p in data["properties"]:
+        for signature, note in p["new_failures"].items():
+            lines.append(f"- **new** `{p['name']}` `{signature}`: {note[:300]}")
+        for signature, hits in p["known_failures_hit"].items():
+            lines.append(f"- known `{p['name']}` `{signature}`: hit by {hits} inputs")
+    return "\n".join(lines) + "\n"

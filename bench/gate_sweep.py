@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Gate sweep: what the admission gate does to a VLM backend's memory and to throughput.
 
 The lmdeploy seed (#4687) limited how many requests' images the server processes at once and cut peak RSS
@@ -27,7 +26,9 @@ by the gate. An extra cell, gate=2 with --release-at auto (= headers here), show
 Everything (clients, mmgate, stub) shares the machine's 2 cores, and the machine is shared with other jobs:
 `uptime` is recorded at start and end; read ratios, not absolute numbers.
 
-Usage: python -m bench.gate_sweep [--per-client 3] [--clients 64] [--gates off,1,2,4,8] [--no-extra]
+    python -m bench run gate_sweep [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench run peak_rss [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list gate_sweep peak_rss   # the knobs and their defaults
 Writes bench/results/gate_sweep.md and .json.
 
 --memory-model (buffer lifetime) checks mmgate's own memory against a model instead: first the working
@@ -40,10 +41,8 @@ Writes bench/results/peak_rss.md, .json and .png (``--memory-model --render`` re
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
-import json
 import math
 import os
 import platform
@@ -52,6 +51,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from bench import _results as R
 from testkit import load as L
@@ -78,7 +78,7 @@ def mmgate_flags(limit: int, queue: int, release_at: str, preprocess_timeout: fl
             "600", "--preprocess-timeout", str(preprocess_timeout), "--release-at", release_at, *extra)
 
 
-async def run_cell(gate: str, release_at: str, body: bytes, args: argparse.Namespace, *, queue: int = OFF,
+async def run_cell(gate: str, release_at: str, body: bytes, args: R.Knobs, *, queue: int = OFF,
                    extra_flags: tuple[str, ...] = (), env: dict[str, str] | None = None,
                    memory_trace: bool = False) -> dict:
     """One cell in fresh processes. ``memory_trace`` (--memory-model): VmHWM is reset after the warm-up, so
@@ -222,7 +222,7 @@ async def trace_memory(proxy: subprocess.Popen[bytes], stub: subprocess.Popen[by
     return rows
 
 
-async def one_request_working_set(body: bytes, label: str, flags: tuple[str, ...], args: argparse.Namespace) -> dict:
+async def one_request_working_set(body: bytes, label: str, flags: tuple[str, ...], args: R.Knobs) -> dict:
     """Fresh stub + mmgate; two requests, one at a time. For each: idle RSS before it, VmHWM during it (reset
     just before), so peak − idle is what one request alone costs. The first request is `cold` (nothing
     allocated yet: every buffer is new memory); the second is `warm` (it may reuse what the first left in
@@ -310,7 +310,7 @@ def static_bound_mib(flags: list[str]) -> dict[str, float]:
     return {k: round(v / MIB, 1) for k, v in bound.items()}
 
 
-async def run_memory_model(body: bytes, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+async def run_memory_model(body: bytes, args: R.Knobs) -> tuple[list[dict], list[dict]]:
     base = mmgate_flags(2, OFF, args.release_at, args.preprocess_timeout, MEMORY_FLAGS)
     variants = (("validate full", base), ("validate header", (*base, "--validate", "header")),
                 ("validate full + resize to 1 MP", (*base, *RESIZE_FLAGS)))
@@ -339,8 +339,8 @@ async def run_memory_model(body: bytes, args: argparse.Namespace) -> tuple[list[
     return singles, rows
 
 
-def memory_main(args: argparse.Namespace) -> None:
-    """--memory-model: one-request working sets, then the cells; writes bench/results/peak_rss.{md,json,png}."""
+def measure_memory(args: R.Knobs) -> dict[str, Any]:
+    """The peak_rss scenario: one-request working sets, then the cells; beside the result, peak_rss.png."""
     from proxy.settings import usable_cpus
 
     stamp = R.stamp("gate_sweep.py", MEMORY_WHAT)
@@ -363,24 +363,20 @@ def memory_main(args: argparse.Namespace) -> None:
     meta = _meta(args, image, body, up_start, up_end, started) | {
         "memory_flags": list(MEMORY_FLAGS), "resize_flags": list(RESIZE_FLAGS), "one_repeats": args.one_repeats,
         "repeats": args.repeats, "trace_columns": list(TRACE_COLUMNS)}
-    data = stamp | {"meta": meta, "model": model, "singles": singles, "rows": rows}
-    data["goals"] = memory_goals(rows)
     for row in rows:
         row["trace"] = R.downsample(row["trace"], column=1)
-    md = render_memory(data)
-    print()
-    print(md)
-    R.print_goals(data["goals"])
-    if not args.no_write:
-        R.write("peak_rss", data, md)
+    data = stamp | {"meta": meta, "model": model, "singles": singles, "rows": rows}
+    if not args.quick:
         plot_memory(data, L.RESULTS / "peak_rss.png")
+    return data
 
 
 MEMORY_WHAT = ("128 clients × one 12 MP photo at once: mmgate's peak RSS vs baseline + bodies × body + "
                "decoding × decode")
 
 
-def memory_goals(rows: list[dict]) -> list[R.Goal]:
+def memory_goals(data: dict[str, Any]) -> list[R.Goal]:
+    rows = data["rows"]
     """Measured ÷ predicted proxy peak per cell over its repeats (the model holds within ±20 %), and the
     backend's peak beside it."""
     out = []
@@ -428,7 +424,7 @@ def render_memory(data: dict) -> str:
     return "\n".join([
         "# Peak RSS vs the memory model: gate off vs gate 2 (buffer lifetime)",
         "",
-        f"`python -m bench.gate_sweep --memory-model` -- {meta['date']}, Python {meta['python']}, aiohttp "
+        f"`python -m bench run peak_rss` -- {meta['date']}, Python {meta['python']}, aiohttp "
         f"{meta['aiohttp']}, Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['wall_s']} s in all.",
         f"Start: `{meta['uptime_start']}`  ",
         f"End: `{meta['uptime_end']}`",
@@ -598,7 +594,7 @@ def plot_memory(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _meta(args: argparse.Namespace, image: bytes, body: bytes, up_start: str, up_end: str, started: float) -> dict:
+def _meta(args: R.Knobs, image: bytes, body: bytes, up_start: str, up_end: str, started: float) -> dict:
     import aiohttp
     import PIL
 
@@ -623,48 +619,7 @@ def _meta(args: argparse.Namespace, image: bytes, body: bytes, up_start: str, up
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--clients", type=int, default=None, help="default 64; 128 with --memory-model")
-    ap.add_argument("--per-client", type=int, default=None, help="default 2; 1 with --memory-model")
-    ap.add_argument("--gates", default="off,1,2,4,8")
-    ap.add_argument("--release-at", default="complete")
-    ap.add_argument("--preprocess-timeout", type=float, default=600.0,
-                    help="MMGATE_PREPROCESS_TIMEOUT for every cell (default 30 would cut gate-off requests whose "
-                         "items wait long in the decode pool's queue)")
-    ap.add_argument("--no-extra", action="store_true",
-                    help="skip the extra cells: gate=2 --release-at auto, and direct (clients → backend, no mmgate)")
-    ap.add_argument("--quiet-wait", type=float, default=10.0,
-                    help="before each cell, wait up to this many s for the shared machine to be <15%% busy")
-    ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS, help="the sweep's cells, this many times over")
-    ap.add_argument("--render", action="store_true", help="only rebuild the .md and goals from the .json")
-    ap.add_argument("--memory-model", action="store_true",
-                    help="instead of the sweep: one-request working sets, then gate off / gate 2 / gate 2 with a "
-                         "short queue, peak RSS measured vs predicted; writes bench/results/peak_rss.*")
-    ap.add_argument("--one-repeats", type=int, default=2,
-                    help="--memory-model: fresh processes per one-request variant")
-    ap.add_argument("--repeats", type=int, default=R.MIN_ROUNDS, help="--memory-model: runs of each load cell")
-    args = ap.parse_args()
-    args.clients = args.clients or (128 if args.memory_model else 64)
-    args.per_client = args.per_client or (1 if args.memory_model else 2)
-    if args.render and args.memory_model:
-        data = json.loads((L.RESULTS / "peak_rss.json").read_text())
-        data |= R.kept_stamp(data, "gate_sweep.py", MEMORY_WHAT, data["meta"]["date"])
-        data["machine"] = data["machine"] or {"usable_cores": data["meta"]["usable_cpus"]}
-        data["goals"] = memory_goals(data["rows"])
-        for row in data["rows"]:
-            row["trace"] = R.downsample(row["trace"], column=1)
-        R.write("peak_rss", data, render_memory(data))
-        plot_memory(data, L.RESULTS / "peak_rss.png")
-        return
-    if args.render:
-        rerender()
-        return
-    if args.memory_model:
-        memory_main(args)
-        return
-
+def measure(args: R.Knobs) -> dict[str, Any]:
     started = time.monotonic()
     stamp = R.stamp("gate_sweep.py", WHAT)
     up_start = L.uptime()
@@ -688,24 +643,19 @@ def main() -> None:
               flush=True)
     up_end = L.uptime()
     print(f"end: {up_end}", flush=True)
-
-    meta = _meta(args, image, body, up_start, up_end, started) | {"rounds": args.rounds}
-    md, verdict = render(meta, rows)
-    data = stamp | {"goals": goals(meta, rows), "meta": meta, "rows": rows}
-    print()
     print(table(rows))
-    print(verdict)
-    R.print_goals(data["goals"])
-    if not args.no_write:
-        R.write("gate_sweep", data, md)
+    meta = _meta(args, image, body, up_start, up_end, started) | {"rounds": args.rounds}
+    return stamp | {"meta": meta, "rows": rows}
 
 
 WHAT = "64 clients × 12 MP through mmgate to a VLM-like stub, gate off / 1 / 2 / 4 / 8: backend peak RSS, throughput"
 GOAL_CUT = 0.70
 
 
-def goals(meta: dict, rows: list[dict]) -> list[R.Goal]:
+def goals(data: dict[str, Any]) -> list[R.Goal]:
     """Gate 2 against gate off, round by round (cells of one round ran back to back, under the same load)."""
+    meta, rows = data["meta"], data["rows"]
+
     def per_round(gate: str, release_at: str) -> dict[int, dict]:
         return {r.get("round", 0): r for r in rows if r["gate"] == gate and r["release_at"] == release_at}
 
@@ -719,8 +669,9 @@ def goals(meta: dict, rows: list[dict]) -> list[R.Goal]:
     ]
 
 
-def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
-    """The Markdown report (and its one-line verdict) from the measured rows."""
+def report(data: dict[str, Any]) -> str:
+    """The Markdown report, its one-line verdict first, from the measured rows."""
+    meta, rows = data["meta"], data["rows"]
     off = next((r for r in rows if r["gate"] == "off"), None)
     two = next((r for r in rows if r["gate"] == "2" and r["release_at"] == meta["release_at"]), None)
     verdict = ""
@@ -737,7 +688,7 @@ def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
     md = "\n".join([
         "# Gate sweep: backend memory and throughput vs MMGATE_MAX_MM_CONCURRENCY",
         "",
-        f"`python -m bench.gate_sweep` -- {meta['date']}, Python {meta['python']}, aiohttp {meta['aiohttp']}, "
+        f"`python -m bench run gate_sweep` -- {meta['date']}, Python {meta['python']}, aiohttp {meta['aiohttp']}, "
         f"Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['wall_s']} s in all.",
         f"Start: `{meta['uptime_start']}`  ",
         f"End: `{meta['uptime_end']}`",
@@ -767,20 +718,4 @@ def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
         "released while the backend still holds the pixels for the rest of the generation.",
         "",
     ])
-    return md, verdict
-
-
-def rerender() -> None:
-    """--render: rebuild gate_sweep.md from gate_sweep.json (no measurement)."""
-    data = json.loads((L.RESULTS / "gate_sweep.json").read_text())
-    meta = data["meta"]
-    data |= R.kept_stamp(data, "gate_sweep.py", WHAT, meta["date"])
-    data["machine"] = data["machine"] or {"usable_cores": meta["usable_cpus"]}
-    data["goals"] = goals(meta, data["rows"])
-    md, _verdict = render(meta, data["rows"])
-    R.write("gate_sweep", data, md)
-    print(md)
-
-
-if __name__ == "__main__":
-    main()
+    return md

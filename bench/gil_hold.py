@@ -25,13 +25,13 @@ probe's p99 lateness is at most idle p99 + 1 ms (each mode); 2 workers make at l
 applied here and in the worker processes as ``mmgate serve`` does. Default run: about 3 minutes on 2 cores;
 ``--smoke`` proves the bench works in seconds (its figures mean nothing, and nothing is written).
 
-    python -m bench.gil_hold [--seconds S] [--rounds N] [--malloc-tuning on|off]
-    python -m bench.gil_hold --smoke
+    python -m bench run gil_hold [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list gil_hold   # the knobs and their defaults
+    python -m bench list gil_hold   # the knobs and their defaults
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import os
@@ -298,7 +298,7 @@ def summarise(rounds: list[dict[str, float]], keys: tuple[str, ...]) -> dict[str
     return {k: R.summary(r[k] for r in rounds) for k in keys}
 
 
-def measure(seconds: float, rounds: int, sequential: int) -> dict[str, Any]:
+def measure_modes(seconds: float, rounds: int, sequential: int) -> dict[str, Any]:
     jpeg = photo_jpeg()
     encoded = pybase64.b64encode(jpeg)
     task = MediaTask("image", "bench", 64 << 20, POLICY, AudioPolicy())
@@ -427,31 +427,12 @@ def report(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=3.0, help="seconds per scenario and round [3]")
-    parser.add_argument("--rounds", type=int, default=R.MIN_ROUNDS, help=f"rounds [{R.MIN_ROUNDS}]")
-    parser.add_argument("--sequential", type=int, default=20, help="jobs timed one at a time per mode [20]")
-    parser.add_argument("--smoke", action="store_true", help="tiny run that proves the bench works; writes nothing")
-    parser.add_argument("--malloc-tuning", choices=("on", "off"), default="on",
-                        help="the allocator tuning of MMGATE_MALLOC_TUNING, here and in worker processes [on]")
-    args = parser.parse_args()
-    memory_first = args.malloc_tuning == "on"
+def measure(knobs: R.Knobs) -> dict[str, Any]:
+    if knobs.malloc_tuning not in ("on", "off"):
+        raise SystemExit("malloc_tuning is on or off")
+    memory_first = knobs.malloc_tuning == "on"
     tuned = tune_process(os.environ, memory_first=memory_first, decode_threads=2)  # the most any pool here has
     WORKER_ENVIRONMENT.update(worker_environment(os.environ, memory_first=memory_first))
-    if args.smoke:
-        args.seconds, args.rounds, args.sequential = 0.3, 1, 3
-    stamp = R.stamp("gil_hold.py", WHAT)
-    data = stamp | measure(args.seconds, args.rounds, args.sequential)
+    data = R.stamp("gil_hold.py", WHAT) | measure_modes(knobs.seconds, knobs.rounds, knobs.sequential)
     data["env"]["malloc_tuning"] = tuned
-    data["goals"] = goals(data)
-    markdown = report(data)
-    print()
-    print(markdown)
-    R.print_goals(data["goals"])
-    if not args.smoke:
-        R.write("gil_hold", data, markdown)
-
-
-if __name__ == "__main__":
-    main()
+    return data

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The cost coefficients of ``preprocessors/handoff.py``: what each step of an image's path costs in CPU.
 
 With a model, mmgate either forwards a client's image as it came (the backend decodes it and resizes it to the

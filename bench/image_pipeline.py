@@ -24,14 +24,13 @@ times are the steadier column. Runs in about 2-3 minutes on 2 cores.
 Goal: a 12 MP JPEG to <= 1 MP in <= 60 ms with mmgate on one thread, with and without a model, the model
 path at >= 40 dB (median of the runs, min–max spread).
 
-    python -m bench.image_pipeline [--repeat N] [--quick]
-    python -m bench.image_pipeline --render   # rebuild the .md and the goals from the committed .json
+    python -m bench run image_pipeline [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list image_pipeline   # the knobs and their defaults
+    python -m bench list image_pipeline   # the knobs and their defaults
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import platform
@@ -43,6 +42,7 @@ from datetime import UTC, datetime
 from functools import partial
 from io import BytesIO
 from pathlib import Path
+from typing import Any
 
 from PIL import Image, features
 
@@ -296,12 +296,8 @@ def table(rows: list[dict[str, object]], columns: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def report(
-    env: dict[str, object],
-    rows: list[dict[str, object]],
-    resample: list[dict[str, object]],
-    blocks: list[dict[str, object]],
-) -> str:
+def report(data: dict[str, Any]) -> str:
+    env, rows, resample, blocks = data["env"], data["pipelines"], data["resampling"], data["blocks_max"]
     main_table = table(rows, [
         ("input", "input"), ("input_mb", "MB"), ("mmgate_output", "mmgate output"),
         ("naive_ms", "naive ms"), ("mmgate_ms", "mmgate ms"), ("speedup", "ratio"),
@@ -324,7 +320,7 @@ def report(
     ])
     return (
         "# Image pipeline: naive Pillow vs mmgate process_image (to <= 1 MP, JPEG q90)\n\n"
-        f"`python -m bench.image_pipeline` -- {env['date']}, Python {env['python']}, "
+        f"`python -m bench run image_pipeline` -- {env['date']}, Python {env['python']}, "
         f"Pillow {env['pillow']}, libjpeg-turbo {env['libjpeg_turbo']}, {env['usable_cpus']} usable CPUs, "
         f"blocks_max {env['blocks_max']}, median of {env['repeat']} runs, {env['seconds']} s in all.\n"
         f"Load average before {env['load_avg_before']}, after {env['load_avg_after']}: the machine is "
@@ -348,11 +344,12 @@ WHAT = "ms per image, naive Pillow vs mmgate without and with a model, 1–24 MP
 GOAL_MS = 60.0
 
 
-def goals(env: dict[str, object], rows: list[dict[str, object]]) -> list[R.Goal]:
+def goals(data: dict[str, Any]) -> list[R.Goal]:
     """12 MP JPEG: mmgate against the 60 ms goal, naive Pillow beside it (older files have no spread).
 
     The goal is on one thread, so it is judged on that thread's CPU time where the file has it: on a shared
     machine wall time also counts the time the thread waited for a core."""
+    env, rows = data["env"], data["pipelines"]
     out: list[dict] = []
     twelve = next((r for r in rows if r["input"] == "JPEG 12 MP"), None)
     if twelve is None:
@@ -371,32 +368,18 @@ def goals(env: dict[str, object], rows: list[dict[str, object]]) -> list[R.Goal]
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeat", type=int, default=5, help="single-thread runs per cell (median)")
-    parser.add_argument("--quick", action="store_true", help="1 and 4 MP only, 3 runs (a smoke test)")
-    parser.add_argument("--render", action="store_true", help="only rebuild .md and goals from the .json")
-    args = parser.parse_args()
-    if args.render:
-        data = json.loads((RESULTS / "image_pipeline.json").read_text())
-        env = data["env"]
-        data |= R.kept_stamp(data, "image_pipeline.py", WHAT, env["date"])
-        data["machine"] = data["machine"] or {"usable_cores": env["usable_cpus"]}
-        data["goals"] = goals(env, data["pipelines"])
-        R.write("image_pipeline", data, report(env, data["pipelines"], data["resampling"], data["blocks_max"]))
-        return
+def measure(knobs: R.Knobs) -> dict[str, Any]:
     stamp = R.stamp("image_pipeline.py", WHAT)
-    sizes = [1.0, 4.0] if args.quick else [1.0, 4.0, 12.0, 24.0]
-    repeat = 3 if args.quick else args.repeat
+    sizes = [1.0, 4.0] if knobs.quick else [1.0, 4.0, 12.0, 24.0]
     load_before = os.getloadavg()
     started = time.perf_counter()
 
     print("pipelines...", flush=True)
-    rows = pipeline_rows(sizes, repeat)
+    rows = pipeline_rows(sizes, knobs.repeat)
     print("resampling filters...", flush=True)
-    resample = resample_rows(repeat)
+    resample = resample_rows(knobs.repeat)
     print("blocks_max...", flush=True)
-    blocks = blocks_rows(repeat)
+    blocks = blocks_rows(knobs.repeat)
 
     env = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -407,18 +390,7 @@ def main() -> None:
         "blocks_max": Image.core.get_blocks_max(),
         "load_avg_before": [round(v, 2) for v in load_before],
         "load_avg_after": [round(v, 2) for v in os.getloadavg()],
-        "repeat": repeat,
+        "repeat": knobs.repeat,
         "seconds": round(time.perf_counter() - started, 1),
     }
-    markdown = report(env, rows, resample, blocks)
-    print()
-    print(markdown)
-    data = stamp | {"goals": goals(env, rows), "env": env, "pipelines": rows, "resampling": resample,
-                    "blocks_max": blocks}
-    R.print_goals(data["goals"])
-    if not args.quick:
-        R.write("image_pipeline", data, markdown)
-
-
-if __name__ == "__main__":
-    main()
+    return stamp | {"env": env, "pipelines": rows, "resampling": resample, "blocks_max": blocks}

@@ -15,13 +15,13 @@ memchr pass (``bytes.find`` of an absent byte) over it. Median, min–p90 and ma
 runs, single thread: wall time here is GIL time. Goal: ``find_media`` (what the proxy runs) on the 20 MB
 body within the design's 2 ms.
 
-    python -m bench.locate [--runs N]
-    python -m bench.locate --render   # rebuild the .md and the goals from the committed .json
+    python -m bench run locate [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list locate   # the knobs and their defaults
+    python -m bench list locate   # the knobs and their defaults
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -100,7 +100,7 @@ def timed(fn: Callable[[], object], runs: int) -> dict[str, float]:
     }
 
 
-def measure(name: str, body: bytes, runs: int) -> dict[str, Any]:
+def measure_body(name: str, body: bytes, runs: int) -> dict[str, Any]:
     def three_steps() -> object:
         if not may_contain_media(body):
             return []
@@ -153,12 +153,12 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
     return out
 
 
-def markdown(data: dict[str, Any]) -> str:
+def report(data: dict[str, Any]) -> str:
     results = data["results"]
     lines = [
         "# locate: GIL time to find the media in a body",
         "",
-        f"`python -m bench.locate --runs {data['runs']}` on {data.get('implementation', 'CPython')} "
+        f"`python -m bench run locate --set runs={data['runs']}` on {data.get('implementation', 'CPython')} "
         f"{data['python']}" + (f", orjson {data['orjson']}" if "orjson" in data else "") + ". "
         "Wall time of one call, single thread (= GIL time), in ms: median (min–p90). "
         + (f"Load average while running: {data['loadavg']:.1f}." if "loadavg" in data else ""),
@@ -184,31 +184,13 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=31)
-    parser.add_argument("--render", action="store_true", help="only rebuild .md and goals from the .json")
-    args = parser.parse_args()
-    if args.render:
-        data = json.loads((R.RESULTS / "locate.json").read_text())
-        data |= R.kept_stamp(data, "locate.py", WHAT, data.get("date"))
-    else:
-        data = R.stamp("locate.py", WHAT)
-        bodies = [
-            ("media-20MB", media_body(10_000_000, 2)),
-            ("text-1MB", text_body(1_000_000)),
-            ("mixed-3MB", mixed_body(1_000_000, 2_000_000)),
-        ]
-        data |= {"runs": args.runs, "python": platform.python_version(),
-                 "implementation": platform.python_implementation(), "orjson": orjson.__version__,
-                 "results": [measure(name, body, args.runs) for name, body in bodies],
-                 "loadavg": os.getloadavg()[0]}
-    data["goals"] = goals(data)
-    md = markdown(data)
-    print(md)
-    R.print_goals(data["goals"])
-    R.write("locate", data, md)
-
-
-if __name__ == "__main__":
-    main()
+def measure(knobs: R.Knobs) -> dict[str, Any]:
+    bodies = [
+        ("media-20MB", media_body(10_000_000, 2)),
+        ("text-1MB", text_body(1_000_000)),
+        ("mixed-3MB", mixed_body(1_000_000, 2_000_000)),
+    ]
+    return R.stamp("locate.py", WHAT) | {
+        "runs": knobs.runs, "python": platform.python_version(),
+        "implementation": platform.python_implementation(), "orjson": orjson.__version__,
+        "results": [measure_body(name, body, knobs.runs) for name, body in bodies], "loadavg": os.getloadavg()[0]}

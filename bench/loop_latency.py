@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Event-loop responsiveness under multimodal load: /mmgate/health latency while 16 clients send 12 MP photos.
 
 Why: vLLM #34789 reported /health P99 18.9 ms under multimodal load, because media decoding ran on
@@ -28,16 +27,15 @@ own process) is probed at the same time, so each round shows what the machine's 
 Goal (default settings, 16 clients): with the pool, mmgate's health p99 within 5 ms of the control's p99
 probed in the same window (each round's difference; the median of the rounds is judged).
 
-Usage: python -m bench.loop_latency [--seconds 10] [--clients 16] [--only NAME,...]
+    python -m bench run loop_latency [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list loop_latency   # the knobs and their defaults
 Writes bench/results/loop_latency.md and .json.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
-import json
 import math
 import os
 import platform
@@ -46,6 +44,7 @@ import subprocess
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from bench import _results as R
 from testkit import load as L
@@ -59,7 +58,7 @@ GOAL_P99_MS = 5.0
 
 
 @dataclass(frozen=True)
-class Scenario:
+class Case:
     name: str
     label: str
     loaded: bool
@@ -69,24 +68,24 @@ class Scenario:
     pinned: bool = False  # mmgate alone on CPU 0; stub, clients, probers and control on CPU 1
 
 
-SCENARIOS = [
-    Scenario("idle", "idle (pool, no load)", False),
-    Scenario("pool", "loaded, pool (default: decode mode for this machine's CPUs, nice 10)", True),
-    Scenario("pool_thread", "loaded, pool, thread mode (nice 10)", True, THREADS),
-    Scenario("pool_nice0", "loaded, pool, threads at nice 0", True, variant="nice0"),
-    Scenario("inline", "loaded, inline decode on the loop", True, variant="loop"),
-    Scenario("resize_pool", "loaded + resize 1 MP, pool (default mode, nice 10)", True, RESIZE),
-    Scenario("resize_pool_thread", "loaded + resize 1 MP, pool, thread mode (nice 10)", True, RESIZE + THREADS),
-    Scenario("resize_pool_nice0", "loaded + resize 1 MP, pool, threads at nice 0", True, RESIZE, variant="nice0"),
-    Scenario("resize_inline", "loaded + resize 1 MP, inline decode", True, RESIZE, variant="loop"),
-    Scenario("pinned_pool", "pinned: mmgate alone on 1 core, pool (nice 10)", True, pinned=True),
-    Scenario("pinned_pool_nice0", "pinned: mmgate alone on 1 core, pool, workers nice 0", True,
+CASES = [
+    Case("idle", "idle (pool, no load)", False),
+    Case("pool", "loaded, pool (default: decode mode for this machine's CPUs, nice 10)", True),
+    Case("pool_thread", "loaded, pool, thread mode (nice 10)", True, THREADS),
+    Case("pool_nice0", "loaded, pool, threads at nice 0", True, variant="nice0"),
+    Case("inline", "loaded, inline decode on the loop", True, variant="loop"),
+    Case("resize_pool", "loaded + resize 1 MP, pool (default mode, nice 10)", True, RESIZE),
+    Case("resize_pool_thread", "loaded + resize 1 MP, pool, thread mode (nice 10)", True, RESIZE + THREADS),
+    Case("resize_pool_nice0", "loaded + resize 1 MP, pool, threads at nice 0", True, RESIZE, variant="nice0"),
+    Case("resize_inline", "loaded + resize 1 MP, inline decode", True, RESIZE, variant="loop"),
+    Case("pinned_pool", "pinned: mmgate alone on 1 core, pool (nice 10)", True, pinned=True),
+    Case("pinned_pool_nice0", "pinned: mmgate alone on 1 core, pool, workers nice 0", True,
              variant="nice0", pinned=True),
 ]
 GATE_CPUS, REST_CPUS = {0}, {1}
 
 
-async def run_scenario(sc: Scenario, body: bytes, args: argparse.Namespace, control: subprocess.Popen[bytes],
+async def run_case(sc: Case, body: bytes, args: R.Knobs, control: subprocess.Popen[bytes],
                        control_url: str) -> dict:
     stub = gate = None
     quiet = await asyncio.to_thread(L.wait_quiet, args.quiet_wait)
@@ -227,40 +226,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=10.0, help="probe window per scenario and round")
-    ap.add_argument("--interval", type=float, default=0.01, help="seconds between probes")
-    ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--ramp", type=float, default=1.5, help="seconds of load before the probe window")
-    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS, help="interleaved rounds over all scenarios")
-    ap.add_argument("--quiet-wait", type=float, default=3.0,
-                    help="before each scenario, wait up to this many s for the shared machine to be <15%% busy")
-    ap.add_argument("--only", default="", help="comma-separated scenario names")
-    ap.add_argument("--pinned", action="store_true",
-                    help="also run the pinned scenarios (mmgate alone on CPU 0, everything else on CPU 1): "
-                         "meaningful only when no other job uses the machine, since other jobs then share "
-                         "mmgate's single core")
-    ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--render", action="store_true", help="only rebuild the .md from the .json")
-    args = ap.parse_args()
-    if args.render:
-        rerender()
-        return
+WHAT = "/mmgate/health p99 while 16 clients send 12 MP photos: decode pool vs decode on the loop"
 
+
+def measure(args: R.Knobs) -> dict[str, Any]:
     started = time.monotonic()
     stamp = R.stamp("loop_latency.py", WHAT)
     up_start = L.uptime()
     print(f"start: {up_start}", flush=True)
     image = photo_jpeg()
     body = chat_body(image)
-    chosen = [s for s in SCENARIOS if (s.name in args.only.split(",") if args.only else (args.pinned or not s.pinned))]
+    chosen = [s for s in CASES if (s.name in args.only.split(",") if args.only else (args.pinned or not s.pinned))]
     runs: dict[str, list[dict]] = {sc.name: [] for sc in chosen}
     control, control_url = L.start_control()
     try:
         for rnd in range(args.rounds):
             for sc in chosen:
-                row = asyncio.run(run_scenario(sc, body, args, control, control_url))
+                row = asyncio.run(run_case(sc, body, args, control, control_url))
                 runs[sc.name].append(row)
                 h, c, m = row["health"], row["control"], row["cpu_during_window"]
                 print(f"r{rnd} {sc.name:18s} p50 {h['p50']:7.2f} p99 {h['p99']:7.2f} max {h['max']:8.2f} ms "
@@ -298,20 +280,12 @@ def main() -> None:
                   "--max-queue 64; decode workers default = usable CPUs",
         "wall_s": round(time.monotonic() - started, 1),
     }
-    md, verdict = render(meta, rows)
-    data = stamp | {"goals": goals(rows), "meta": meta, "rows": rows}
-    print()
     print(table(rows))
-    print(verdict)
-    R.print_goals(data["goals"])
-    if not args.no_write:
-        R.write("loop_latency", data, md)
+    return stamp | {"meta": meta, "rows": rows}
 
 
-WHAT = "/mmgate/health p99 while 16 clients send 12 MP photos: decode pool vs decode on the loop"
-
-
-def goals(rows: list[dict]) -> list[R.Goal]:
+def goals(data: dict[str, Any]) -> list[R.Goal]:
+    rows = data["rows"]
     """Per-round health p99 of the loaded scenarios: the pool's, over the control's, against the goal; the rest
     reported beside it.
 
@@ -336,8 +310,9 @@ def goals(rows: list[dict]) -> list[R.Goal]:
     return out
 
 
-def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
-    """The Markdown report (and its verdict line) from the measured rows."""
+def report(data: dict[str, Any]) -> str:
+    """The Markdown report, its verdict line first, from the measured rows."""
+    meta, rows = data["meta"], data["rows"]
     pool = next((r for r in rows if r["name"] == "pool"), None)
     verdict = ""
     if pool:
@@ -352,7 +327,8 @@ def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
     md = "\n".join([
         "# Event-loop latency under multimodal load (/mmgate/health)",
         "",
-        f"`python -m bench.loop_latency{' --pinned' if pinned else ''}` -- {meta['date']}, Python {meta['python']}, "
+        f"`python -m bench run loop_latency{' --set pinned=on' if pinned else ''}` -- {meta['date']}, "
+        f"Python {meta['python']}, "
         f"aiohttp {meta['aiohttp']}, Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['rounds']} "
         f"interleaved rounds, {meta['wall_s']} s in all.",
         f"Start: `{meta['uptime_start']}`  ",
@@ -393,20 +369,4 @@ def render(meta: dict, rows: list[dict]) -> tuple[str, str]:
             "",
         ] if pinned else []),
     ])
-    return md, verdict
-
-
-def rerender() -> None:
-    """--render: rebuild loop_latency.md from loop_latency.json (no measurement)."""
-    data = json.loads((L.RESULTS / "loop_latency.json").read_text())
-    meta = data["meta"]
-    data |= R.kept_stamp(data, "loop_latency.py", WHAT, meta["date"])
-    data["machine"] = data["machine"] or {"usable_cores": meta["usable_cpus"]}
-    data["goals"] = goals(data["rows"])
-    md, _verdict = render(meta, data["rows"])
-    R.write("loop_latency", data, md)
-    print(md)
-
-
-if __name__ == "__main__":
-    main()
+    return md

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Does one hostile body hold the event loop? /mmgate/health latency while mmgate handles each body, before
 (a baseline tree, by default ``a573611``: the last main before the loop was bounded) and after (this tree),
 side by side in one run.
@@ -25,14 +24,12 @@ window is the machine's share (other jobs on the shared cores). The baseline tre
 virtual environment. Goal: after, the worst body of each size within 100 ms (median over rounds of each
 round's worst).
 
-    python -m bench.loop_stall [--rounds 3] [--baseline-ref a573611] [--sizes 8,35,50]
-    python -m bench.loop_stall --quick        # 1 round, 2 and 8 MB, nothing written
-    python -m bench.loop_stall --render       # rebuild the .md and the goals from the committed .json
+    python -m bench run loop_stall [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list loop_stall   # the knobs and their defaults
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -102,41 +99,6 @@ def body_for(kind: str, size: int) -> bytes:
     raise ValueError(kind)
 
 
-# --- the prober (its own process) ---------------------------------------------------------------------------
-
-def probe_until(host: str, port: int, path: str, interval: float, stop: Path, out: Path, limit: float) -> None:
-    """GET ``path`` every ``interval`` s over one keep-alive connection until ``stop`` exists; writes
-    ``[[sent, answered], ...]`` (time.monotonic) to ``out``."""
-    sock = socket.create_connection((host, port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    request = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
-    times: list[tuple[float, float]] = []
-    buf = b""
-    start = time.monotonic()
-    while not stop.exists() and time.monotonic() - start < limit:
-        t0 = time.monotonic()
-        sock.sendall(request)
-        while True:
-            head, sep, rest = buf.partition(b"\r\n\r\n")
-            if sep:
-                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                if len(rest) >= length:
-                    buf = rest[length:]
-                    break
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("mmgate closed the probe connection")
-            buf += chunk
-        t1 = time.monotonic()
-        times.append((t0, t1))
-        pause = interval - (t1 - t0)
-        if pause > 0:
-            time.sleep(pause)
-    sock.close()
-    out.write_text(json.dumps(times))
-
-
 # --- one tree, one round ------------------------------------------------------------------------------------
 
 def start_mmgate(tree: Path, upstream: str, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -189,7 +151,7 @@ def run_tree(tree: Path, bodies: dict[tuple[str, int], bytes], interval: float,
     port = int(url.rsplit(":", 1)[1])
     scratch = Path(tempfile.mkdtemp(prefix="mmgate-stall-"))
     stop = scratch / "stop"
-    probers = {name: (subprocess.Popen([sys.executable, "-m", "bench.loop_stall", "--probe", str(at), path,
+    probers = {name: (subprocess.Popen([sys.executable, "-m", "testkit.load", "probe-until", str(at), path,
                                         str(interval), str(stop), str(scratch / f"{name}.json")], cwd=R.REPO),
                       scratch / f"{name}.json")
                for name, at, path in (("mmgate", port, "/mmgate/health"), ("control", control_port, "/health"))}
@@ -253,7 +215,7 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
     return out
 
 
-def render(data: dict[str, Any]) -> str:
+def report(data: dict[str, Any]) -> str:
     def cell(tree: str, name: str) -> str:
         s = R.summary(r[name]["worst_ms"] for r in data["rounds"][tree])
         answers = sorted({f"{r[name]['status']}{' ' + r[name]['code'] if r[name]['code'] else ''}"
@@ -266,7 +228,8 @@ def render(data: dict[str, Any]) -> str:
     lines = [
         "# One body and the event loop (/mmgate/health while a hostile body is handled)",
         "",
-        f"`python -m bench.loop_stall` — baseline `{data['baseline_ref']}` at `{(data['baseline_commit'] or '')[:10]}`"
+        f"`python -m bench run loop_stall` — baseline `{data['baseline_ref']}` at "
+        f"`{(data['baseline_commit'] or '')[:10]}`"
         f" against this tree; {len(data['rounds']['after'])} rounds; probes every {data['interval'] * 1000:g} ms.",
         "",
         "Worst health latency: the longest /mmgate/health answer among the probes that overlapped the body's "
@@ -288,30 +251,7 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--probe":
-        port, path, interval, stop, out = sys.argv[2:7]
-        probe_until("127.0.0.1", int(port), path, float(interval), Path(stop), Path(out), limit=3600)
-        return
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
-    ap.add_argument("--sizes", default="8,35,50", help="body sizes in MB (10^6 bytes), comma-separated")
-    ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--interval", type=float, default=0.002, help="seconds between health probes")
-    ap.add_argument("--baseline-ref", default=BASELINE, help="the git ref measured as 'before'")
-    ap.add_argument("--quick", action="store_true", help="1 round, 2 and 8 MB, nothing written")
-    ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--render", action="store_true", help="only rebuild the .md from the .json")
-    args = ap.parse_args()
-    if args.render:
-        kept: dict[str, Any] = json.loads((R.RESULTS / "loop_stall.json").read_text())
-        kept |= R.kept_stamp(kept, "loop_stall.py", WHAT, kept.get("date"))
-        kept["goals"] = goals(kept)
-        R.write("loop_stall", kept, render(kept))
-        return
-    if args.quick:
-        args.rounds, args.sizes, args.no_write = 1, "2,8", True
-
+def measure(args: R.Knobs) -> dict[str, Any]:
     stamp = R.stamp("loop_stall.py", WHAT)
     sizes = [int(s) for s in args.sizes.split(",")]
     kinds = args.kinds.split(",")
@@ -337,13 +277,4 @@ def main() -> None:
         L.stop(control)
         subprocess.run(["rm", "-rf", str(base)], check=False)
     data["uptime_end"] = L.uptime()
-    data["goals"] = goals(data)
-    md = render(data)
-    print(md)
-    R.print_goals(data["goals"])
-    if not args.no_write:
-        R.write("loop_stall", data, md)
-
-
-if __name__ == "__main__":
-    main()
+    return data

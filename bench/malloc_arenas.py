@@ -36,19 +36,18 @@ Goal: the settings MMGATE_MALLOC_TUNING applies (``mmap1m+blocks0``, and ``shipp
 itself) leave a lower idle RSS than glibc's defaults, run for run (each against the default run of the same
 command and worker count).
 
-    python -m bench.malloc_arenas [--requests 200] [--workers 2,4] [--variants default,arena2,...]
-    python -m bench.malloc_arenas --render   # rebuild the .md and the goals from the committed .json
+    python -m bench run malloc_arenas [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list malloc_arenas   # the knobs and their defaults
+    python -m bench list malloc_arenas   # the knobs and their defaults
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -155,11 +154,11 @@ def one(name: str, env: dict[str, str], workers: int, stub_url: str, body: bytes
     }
 
 
-def markdown(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def markdown(runs: list[dict[str, Any]], args: R.Knobs) -> str:
     lines = [
         "# glibc malloc arenas vs mmgate RSS after a burst of big images",
         "",
-        f"Generated on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC (commands above each table). "
+        f"Generated on {args.date or '?'} (commands above each table). "
         "Each row: a fresh mmgate process "
         f"(`--resize-max-pixels 1000000 --max-mm-concurrency 8`), {args.requests} × 12 MP JPEG (4000x3000) OpenAI "
         f"chat requests from {args.clients} clients (non-streaming), then {args.idle:g} s idle. Peak = VmHWM; "
@@ -171,7 +170,7 @@ def markdown(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     ]
     for command in dict.fromkeys(r.get("command", "") for r in runs):
         group = [r for r in runs if r.get("command", "") == command]
-        lines += ["", f"## `python -m bench.malloc_arenas {command}`", "",
+        lines += ["", f"## `python -m bench run malloc_arenas {command}`", "",
                   "| workers | variant | env | start MiB | peak MiB | after burst MiB | idle MiB | req/s "
                   "| CPU ms/req | "
                   "peak × | idle × | req/s × | CPU/req × | statuses |",
@@ -195,27 +194,8 @@ def markdown(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--workers", default="2,4", help="decode-worker counts, comma-separated")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
-    p.add_argument("--idle", type=float, default=5.0)
-    p.add_argument("--out", default="malloc_arenas")
-    p.add_argument("--append", action="store_true", help="keep the runs already in the JSON; add a table for these")
-    p.add_argument("--render", action="store_true", help="only rebuild .md and goals from the .json")
-    args = p.parse_args()
-    if args.render:
-        data = json.loads((RESULTS / f"{args.out}.json").read_text())
-        for r in data["runs"]:
-            r["samples"] = R.downsample(r["samples"], column=1, points=60)
-        data |= R.kept_stamp(data, "malloc_arenas.py", WHAT, data.get("date"))
-        data["goals"] = goals(data["runs"])
-        R.write(args.out, data, markdown(data["runs"], argparse.Namespace(**data["args"])))
-        return
+def measure(args: R.Knobs) -> dict[str, Any]:
     stamp = R.stamp("malloc_arenas.py", WHAT)
-
     body = chat_body(photo_jpeg())
     stub, stub_url = start_stub("--workers", "2")
     runs = []
@@ -234,14 +214,14 @@ def main() -> None:
                 runs.append(r)
     finally:
         stop(stub)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    previous = RESULTS / f"{args.out}.json"
+    previous = RESULTS / f"{args.name}.json"
     if args.append and previous.exists():
         runs = json.loads(previous.read_text())["runs"] + runs
-    data = stamp | {"goals": goals(runs), "args": vars(args), "runs": runs}
-    R.print_goals(data["goals"])
-    R.write(args.out, data, markdown(runs, args))
-    print(f"wrote {RESULTS / args.out}.md/.json")
+    return stamp | {"args": {k: v for k, v in vars(args).items() if k != "quick"}, "runs": runs}
+
+
+def report(data: dict[str, Any]) -> str:
+    return markdown(data["runs"], R.Knobs(**data["args"] | {"date": data.get("date")}))
 
 
 WHAT = "RSS after bursts of 12 MP images under glibc/Pillow allocator settings"
@@ -249,8 +229,9 @@ TUNED = "mmap1m+blocks0"  # what MMGATE_MALLOC_TUNING applies, set by hand
 SHIPPED = "shipped"  # the same, applied by mmgate itself
 
 
-def goals(runs: list[dict[str, Any]]) -> list[R.Goal]:
+def goals(data: dict[str, Any]) -> list[R.Goal]:
     """Idle (and peak) RSS of each tuned run ÷ the default run it was paired with (same command, workers)."""
+    runs = data["runs"]
     out = []
     for tuned in (TUNED, SHIPPED):
         if any(r["variant"] == tuned for r in runs):
@@ -272,7 +253,3 @@ def _goals_of(runs: list[dict[str, Any]], tuned: str) -> list[R.Goal]:
         R.goal(f"peak RSS, {tuned} ÷ default", [t["peak_rss_mib"] / d["peak_rss_mib"] for d, t in pairs], unit="×",
                over="paired runs"),
     ]
-
-
-if __name__ == "__main__":
-    main()

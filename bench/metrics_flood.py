@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Does a /metrics flood slow mmgate's other answers? /mmgate/health and a small text chat completion, idle and
 while 8 clients loop on ``GET /metrics`` with ``MMGATE_BACKEND_METRICS=merge`` (issue 39).
 
@@ -14,24 +13,19 @@ backend's /health and GET /health of a control server (a bare aiohttp app in its
 else: what the shared machine's scheduling alone costs a loop that does no work). Goals: under the flood, health
 and text p50 within their idle p50 + 5 ms (the difference per round, median over rounds); p99 reported beside.
 
-    python -m bench.metrics_flood [--rounds 3] [--sizes-kb 300,4000] [--seconds 5] [--clients 8]
-    python -m bench.metrics_flood --quick       # 1 round, 1 s windows, 300 KB only, nothing written
-    python -m bench.metrics_flood --render      # rebuild the .md and the goals from the committed .json
+    python -m bench run metrics_flood [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list metrics_flood   # the knobs and their defaults
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from bench import _results as R
 from testkit import load as L
@@ -43,46 +37,6 @@ TEXT_BODY = json.dumps({"model": "stub-vlm", "max_tokens": 16,
 PROBES = ("health", "text", "bare", "control")
 WINDOWS = ("idle", "flood", "floor")
 Probes = dict[str, tuple[str, str, bytes | None]]  # name: url, path, body to POST (None: GET)
-
-
-# --- the backend (its own process) --------------------------------------------------------------------------
-
-def exposition(size: int) -> bytes:
-    """A vLLM-shaped Prometheus text exposition of about ``size`` bytes: histogram buckets of many label sets,
-    with the queue gauge mmgate merges near the top, as vLLM writes it."""
-    head = (b"# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
-            b"# TYPE vllm:num_requests_waiting gauge\n"
-            b'vllm:num_requests_waiting{engine="0",model_name="stub-vlm"} 2.0\n'
-            b"# HELP vllm:e2e_request_latency_seconds Histogram of end to end request latency in seconds.\n"
-            b"# TYPE vllm:e2e_request_latency_seconds histogram\n")
-    rows = (f'vllm:e2e_request_latency_seconds_bucket{{engine="0",model_name="stub-vlm",lora="a{i // 20}",'
-            f'le="{0.01 * (1 + i % 20):.2f}"}} {i * 3}.0\n'.encode() for i in range(max(1, (size - len(head)) // 105)))
-    return head + b"".join(rows)
-
-
-async def serve_backend(size: int) -> None:
-    """The scriptable upstream with ``/metrics`` answering ``exposition(size)``; its port on stdout."""
-    from testkit.servers import start_upstream
-
-    body = exposition(size)
-
-    async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(body=body, content_type="text/plain", charset="utf-8")
-
-    upstream = await start_upstream()
-    upstream.keep_bodies = False
-    upstream.route("/metrics", metrics)
-    print(upstream.url.rsplit(":", 1)[1], flush=True)
-    await asyncio.Event().wait()
-
-
-def start_backend(size: int) -> tuple[subprocess.Popen[bytes], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "bench.metrics_flood", "--backend", str(size)], cwd=R.REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
-    L.wait_http(url + "/health", proc)
-    return proc, url
 
 
 # --- the flood ----------------------------------------------------------------------------------------------
@@ -98,7 +52,7 @@ async def window(probes: Probes, seconds: float, interval: float, pid: int) -> d
         "mmgate": {"cpu_pct": cpu_pct}}
 
 
-async def flooded(url: str, probes: Probes, args: argparse.Namespace, pid: int) -> dict[str, Any]:
+async def flooded(url: str, probes: Probes, args: R.Knobs, pid: int) -> dict[str, Any]:
     """One window while ``args.clients`` clients, one keep-alive connection each, GET ``url``/metrics back to
     back, each answer read whole."""
     stop, statuses, sizes = asyncio.Event(), dict[str, int](), set[int]()
@@ -120,8 +74,8 @@ async def flooded(url: str, probes: Probes, args: argparse.Namespace, pid: int) 
                             "answers_per_s": round(sum(statuses.values()) / (time.perf_counter() - started), 1)}}
 
 
-async def run_size(size: int, args: argparse.Namespace, control_url: str) -> dict[str, Any]:
-    backend, backend_url = start_backend(size)
+async def run_size(size: int, args: R.Knobs, control_url: str) -> dict[str, Any]:
+    backend, backend_url = L.start_metrics_backend(size)
     proc = None
     try:
         proc, url = L.start_mmgate(backend_url, env={"MMGATE_BACKEND_METRICS": "merge"})
@@ -163,7 +117,7 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
     return out
 
 
-def render(data: dict[str, Any]) -> str:
+def report(data: dict[str, Any]) -> str:
     def cell(size: int, phase: str, probe: str, figure: str) -> str:
         s = R.summary(r[str(size)][phase].get(probe, {}).get(figure) for r in data["rounds"])
         return "–" if s["median"] is None else \
@@ -172,7 +126,7 @@ def render(data: dict[str, Any]) -> str:
     lines = [
         "# A /metrics flood and mmgate's other answers (MMGATE_BACKEND_METRICS=merge)",
         "",
-        f"`python -m bench.metrics_flood` — {len(data['rounds'])} rounds, windows of {data['seconds']:g} s, probes "
+        f"`python -m bench run metrics_flood` — {len(data['rounds'])} rounds, windows of {data['seconds']:g} s, probes "
         f"every {data['interval'] * 1000:g} ms, {data['clients']} flood clients (one process, this bench's).",
         "",
         "Each cell: median over rounds (min–max), ms. Health: GET /mmgate/health; text: a "
@@ -197,7 +151,16 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def measure(args: argparse.Namespace, data: dict[str, Any]) -> None:
+def measure(knobs: R.Knobs) -> dict[str, Any]:
+    data: dict[str, Any] = R.stamp("metrics_flood.py", WHAT) | {
+        "sizes_kb": [int(s) for s in knobs.sizes_kb.split(",")], "seconds": knobs.seconds,
+        "interval": knobs.interval, "clients": knobs.clients, "uptime_start": L.uptime(), "rounds": []}
+    asyncio.run(_flood_rounds(knobs, data))
+    data["uptime_end"] = L.uptime()
+    return data
+
+
+async def _flood_rounds(args: R.Knobs, data: dict[str, Any]) -> None:
     control, control_url = L.start_control()
     try:
         for rnd in range(args.rounds):
@@ -209,42 +172,3 @@ async def measure(args: argparse.Namespace, data: dict[str, Any]) -> None:
             data["rounds"].append(rows)
     finally:
         L.stop(control)
-
-
-def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--backend":
-        asyncio.run(serve_backend(int(sys.argv[2])))
-        return
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
-    ap.add_argument("--sizes-kb", default="300,4000", help="exposition sizes in KB (1000 bytes), comma-separated")
-    ap.add_argument("--seconds", type=float, default=5.0, help="each window's length")
-    ap.add_argument("--interval", type=float, default=0.01, help="seconds between probes")
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--quick", action="store_true", help="1 round, 1 s windows, 300 KB only, nothing written")
-    ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--render", action="store_true", help="only rebuild the .md from the .json")
-    args = ap.parse_args()
-    if args.render:
-        kept: dict[str, Any] = json.loads((R.RESULTS / "metrics_flood.json").read_text())
-        kept |= R.kept_stamp(kept, "metrics_flood.py", WHAT, kept.get("date"))
-        kept["goals"] = goals(kept)
-        R.write("metrics_flood", kept, render(kept))
-        return
-    if args.quick:
-        args.rounds, args.seconds, args.sizes_kb, args.no_write = 1, 1.0, "300", True
-    data: dict[str, Any] = R.stamp("metrics_flood.py", WHAT) | {
-        "sizes_kb": [int(s) for s in args.sizes_kb.split(",")], "seconds": args.seconds,
-        "interval": args.interval, "clients": args.clients, "uptime_start": L.uptime(), "rounds": []}
-    asyncio.run(measure(args, data))
-    data["uptime_end"] = L.uptime()
-    data["goals"] = goals(data)
-    md = render(data)
-    print(md)
-    R.print_goals(data["goals"])
-    if not args.no_write:
-        R.write("metrics_flood", data, md)
-
-
-if __name__ == "__main__":
-    main()

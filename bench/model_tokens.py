@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """MMGATE_MODEL: what the image-token estimate costs, what a model's geometry costs mmgate, and, against a real
 vLLM, that the geometry is right (identical prompt_tokens) and what it saves.
 
@@ -18,13 +17,13 @@ Three parts:
 Each figure is the median of ``--rounds`` (≥ 3) rounds with its spread. Processor folders for the estimate and
 cpu parts are built locally (``testkit.models``); nothing is downloaded.
 
-Usage: python -m bench.model_tokens [--quick] [--vllm | --vllm-url URL] [--out PATH]
+    python -m bench run model_tokens [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list model_tokens   # the knobs and their defaults
 Writes bench/results/model_tokens.md and .json.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import io
@@ -236,34 +235,17 @@ def report(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny counts: proves the bench runs, measures nothing")
-    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
-    ap.add_argument("--vllm", action="store_true", help="start the tests/e2e vLLM and run the real-vLLM part")
-    ap.add_argument("--vllm-url", help="use a running vLLM serving the tiny model as tiny-vlm")
-    ap.add_argument("--requests", type=int, default=8, help="requests per size, mode and round (vLLM part)")
-    ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--out", default=None, help="results path without extension [bench/results/model_tokens]")
-    args = ap.parse_args()
+def measure(knobs: R.Knobs) -> dict[str, Any]:
     data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
-    data |= local_parts(args.rounds, args.quick)
-    if args.vllm or args.vllm_url:
-        vllm = h.Server("vllm", args.vllm_url.rstrip("/"), None, None) if args.vllm_url else h.start_vllm()
+    data |= local_parts(knobs.rounds, knobs.quick)
+    if knobs.vllm or knobs.vllm_url:
+        vllm = h.Server("vllm", knobs.vllm_url.rstrip("/"), None, None) if knobs.vllm_url else h.start_vllm()
         gate = h.start_mmgate(vllm.url, "--model", str(h.DEFAULT_DIR / "tiny-idefics3"))
         try:
-            data["vllm"] = asyncio.run(vllm_part(vllm, gate, args.rounds, 2 if args.quick else args.requests,
-                                                 args.concurrency))
+            data["vllm"] = asyncio.run(vllm_part(vllm, gate, knobs.rounds, 2 if knobs.quick else knobs.requests,
+                                                 knobs.concurrency))
         finally:
             gate.stop()
-            if not args.vllm_url:
+            if not knobs.vllm_url:
                 vllm.stop()
-    data["goals"] = goals(data)
-    R.print_goals(data["goals"])
-    md = report(data)
-    print(md)
-    R.write("model_tokens", data, md, out=Path(args.out) if args.out else None)
-
-
-if __name__ == "__main__":
-    main()
+    return data

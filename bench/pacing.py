@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Pacing: small text requests and /mmgate/health while 16 clients resend one 12 MP photo (cache hits).
 
 Why: with the processed-media cache on (the default), a resent photo is a cache hit, and its work is moving
@@ -27,13 +26,13 @@ requests answered per second in the window, CPU per media request (the proxy pro
 /proc, over the window). Goals (each judged on the median of the rounds, spread min–max):
 loaded text p99 ≤ idle text p99 + 15 ms; health p99 ≤ control p99 + 5 ms; media req/s ≥ 0.6 × minimal's.
 
-Usage: python -m bench.pacing [--seconds 8] [--rounds 3] [--clients 16] [--no-write]; smoke: --quick
+    python -m bench run pacing [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list pacing   # the knobs and their defaults
 Writes bench/results/pacing.md and .json.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import json
@@ -56,7 +55,7 @@ CACHE_ON = ("--cache-mb", str(setting_default('cache_mb')))  # the default, whic
 GOAL_TEXT_MS = 15.0
 GOAL_HEALTH_MS = 5.0
 GOAL_THROUGHPUT = 0.6
-SCENARIOS = ("idle", "mmgate", "mmgate_unpaced", "mmgate_uvloop", "minimal")
+CASES = ("idle", "mmgate", "mmgate_unpaced", "mmgate_uvloop", "minimal")
 LABELS = {"idle": "mmgate idle", "mmgate": "mmgate (default settings)",
           "mmgate_unpaced": "mmgate, pacing off (MMGATE_LOOP_LAG_TARGET=0)",
           "mmgate_uvloop": "mmgate on uvloop (MMGATE_LOOP=uvloop)", "minimal": "minimal aiohttp proxy"}
@@ -81,7 +80,7 @@ def start_role(role: str, *args: str) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError(f"{role} did not answer within 30 s")
 
 
-async def run_scenario(name: str, body: bytes, upstream: str, control_url: str, args: argparse.Namespace) -> dict:
+async def run_case(name: str, body: bytes, upstream: str, control_url: str, args: R.Knobs) -> dict:
     quiet = await asyncio.to_thread(L.wait_quiet, args.quiet_wait)
     if name == "minimal":
         proc, url = start_role("minimal-proxy", "--upstream", upstream)
@@ -173,7 +172,8 @@ def figures(rounds: list[dict[str, dict]]) -> dict[str, list[float]]:
     return out
 
 
-def goals(f: dict[str, list[float]]) -> list[R.Goal]:
+def goals(data: dict[str, Any]) -> list[R.Goal]:
+    f = data["figures"]
     return [
         R.goal("loaded text p99 over idle text p99, mmgate (default settings)",
                f.get("mmgate/text_p99_over_idle_ms", []), f"≤ {GOAL_TEXT_MS:g}", lambda v: v <= GOAL_TEXT_MS,
@@ -222,11 +222,12 @@ def table(f: dict[str, list[float]], names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def render(meta: dict[str, Any], f: dict[str, list[float]], names: list[str]) -> str:
+def report(data: dict[str, Any]) -> str:
+    meta, f, names = data["meta"], data["figures"], list(data["rounds"][0])
     return "\n".join([
         "# Pacing: small requests and health while the loop moves cache-hit photos",
         "",
-        f"`python -m bench.pacing` -- {meta['date']}, Python {meta['python']}, {meta['usable_cpus']} usable CPUs, "
+        f"`python -m bench run pacing` -- {meta['date']}, Python {meta['python']}, {meta['usable_cpus']} usable CPUs, "
         f"{meta['rounds']} rounds of {meta['seconds']:g} s per scenario, {meta['wall_s']} s in all.",
         f"Start: `{meta['uptime_start']}`  ",
         f"End: `{meta['uptime_end']}`",
@@ -247,21 +248,8 @@ def render(meta: dict[str, Any], f: dict[str, list[float]], names: list[str]) ->
     ])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=8.0, help="probe window per scenario and round")
-    ap.add_argument("--interval", type=float, default=0.01)
-    ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--ramp", type=float, default=1.5)
-    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
-    ap.add_argument("--quiet-wait", type=float, default=3.0)
-    ap.add_argument("--only", default="", help="comma-separated scenarios (idle is always run)")
-    ap.add_argument("--quick", action="store_true", help="1 round of 2 s (a smoke run; writes nothing)")
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    if args.quick:
-        args.seconds, args.rounds, args.no_write = 2.0, 1, True
-    names = [n for n in SCENARIOS if n == "idle" or not args.only or n in args.only.split(",")]
+def measure(args: R.Knobs) -> dict[str, Any]:
+    names = [n for n in CASES if n == "idle" or not args.only or n in args.only.split(",")]
     started = time.monotonic()
     stamp = R.stamp("pacing.py", WHAT)
     up_start = L.uptime()
@@ -274,7 +262,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             result = {}
             for name in names:
-                row = asyncio.run(run_scenario(name, body, upstream_url, control_url, args))
+                row = asyncio.run(run_case(name, body, upstream_url, control_url, args))
                 result[name] = row
                 p = row["probes"]
                 print(f"r{rnd} {name:15s} text p50 {p['text']['p50']:6.2f} p99 {p['text']['p99']:6.2f}"
@@ -293,14 +281,4 @@ def main() -> None:
             "photo": f"{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]} JPEG q{PHOTO_QUALITY} ({len(photo) / 1e6:.2f} MB)",
             "body_mb": len(body) / 1e6, "uptime_start": up_start, "uptime_end": L.uptime(),
             "wall_s": round(time.monotonic() - started, 1)}
-    data = stamp | {"goals": goals(f), "meta": meta, "figures": f, "rounds": rounds}
-    md = render(meta, f, names)
-    print()
-    print(md)
-    R.print_goals(data["goals"])
-    if not args.no_write:
-        R.write("pacing", data, md)
-
-
-if __name__ == "__main__":
-    main()
+    return stamp | {"meta": meta, "figures": f, "rounds": rounds}

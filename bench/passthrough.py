@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Text passthrough cost: direct vs nginx vs a minimal aiohttp proxy vs mmgate on both event loops, and SSE streams.
 
 What a text-only request pays for going through mmgate (README "How a request flows", step 3: no media marker ->
@@ -34,7 +33,8 @@ response, OpenAI chunk format) and an asyncio/aiohttp client process holding 64 
 streams (staggered, each starting a new request when one ends). tokens/s and the inter-token gap p99 seen by
 the client, direct vs mmgate (and the minimal proxy and nginx for reference), plus proxy CPU per token.
 
-Usage: python -m bench.passthrough [--duration 9] [--rounds 3] [--quick] [--no-profile]   (~5 min)
+    python -m bench run passthrough [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list passthrough   # the knobs and their defaults
 Writes bench/results/passthrough.md and .json; with profiling (default) also runs py-spy on mmgate under
 1 KB and 4 MB loads at 32 connections: bench/results/passthrough_profile.svg (1 KB) and self-time summaries
 in the .md.
@@ -43,7 +43,6 @@ Needs wrk and nginx (installed with apt-get when missing) and py-spy (pip) for t
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -418,30 +417,6 @@ def environment(load_before: tuple[float, ...]) -> dict[str, Any]:
             "kernel": platform.release(), "load_avg_before": [round(x, 2) for x in load_before]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=9.0, help="measured seconds per cell and target [9]")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds the HTTP duration is split into [3]")
-    parser.add_argument("--sse-rounds", type=int, default=3, help="rounds the SSE duration is split into [3]")
-    parser.add_argument("--quick", action="store_true", help="short cells, no profile (a smoke run)")
-    parser.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
-    parser.add_argument("--quiet-budget", type=float, default=40.0,
-                        help="seconds in all the bench may wait for other jobs to quiet down before runs [40]")
-    parser.add_argument("--sse-streams", type=int, default=64)
-    parser.add_argument("--sse-tokens", type=int, default=100, help="events per streamed response [100]")
-    parser.add_argument("--sse-delay", type=float, default=0.01, help="seconds between events [0.01]")
-    parser.add_argument("--out", default=str(RESULTS / "passthrough"), help="output path without suffix")
-    parser.add_argument("--render", action="store_true", help="only rebuild .md, medians and goals from the .json")
-    parser.add_argument("--baseline", metavar="REV",
-                        help="also run mmgate as of git revision REV (a temporary worktree): before/after in one run")
-    args = parser.parse_args()
-    if args.render:
-        return rerender(Path(args.out))
-    if args.quick:
-        args.duration, args.rounds, args.sse_rounds, args.no_profile = 2.0, 2, 1, True
-    bench(args)
-
-
 def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Every numeric figure as its median over the rounds (not the best round: that flatters whoever got the
     quietest moment on a shared machine); the rounds themselves are kept."""
@@ -458,8 +433,9 @@ WHAT = ("text-only requests with wrk: direct vs nginx vs a minimal aiohttp proxy
 GOAL_X_NGINX, GOAL_SSE_X_DIRECT, GOAL_TEXT_X_MINIMAL, GOAL_UVLOOP_CPU = 0.6, 0.95, 1.2, 0.92
 
 
-def goals(cells: list[dict[str, Any]], sse: list[dict[str, Any]]) -> list[R.Goal]:
+def goals(data: dict[str, Any]) -> list[R.Goal]:
     """Per-round ratios (targets took turns within a round, so a round's ratio compares like with like)."""
+    cells, sse = data["http"], data["sse"]
     by = {(c["body"], c["conns"], c["target"]): c for c in cells}
     out = []
     mm, ng = by.get(("1 KB", 32, "mmgate")), by.get(("1 KB", 32, "nginx"))
@@ -502,23 +478,7 @@ def sse_ratios(sse: list[dict[str, Any]]) -> None:
         row["mean_x_direct"] = row["mean_tokens_per_s"] / direct["mean_tokens_per_s"]
 
 
-def rerender(out: Path) -> None:
-    """--render: medians (not best rounds) and goals recomputed from the rounds in the JSON; no measurement."""
-    data = json.loads(out.with_suffix(".json").read_text())
-    cells = [{"body": c["body"], "conns": c["conns"], "target": c["target"], **median_of_rounds(c["rounds"])}
-             for c in data["http"]]
-    add_ratios(cells)
-    sse = [{"target": r["target"], **median_of_rounds(r["rounds"])} for r in data["sse"]]
-    sse_ratios(sse)
-    data |= {"http": cells, "sse": sse}
-    env = data["environment"]
-    data |= R.kept_stamp(data, "passthrough.py", WHAT, data.get("date"))
-    data["machine"] = data["machine"] or {"cpu": env["cpu"], "usable_cores": env["cpus"]}
-    data["goals"] = goals(cells, sse)
-    R.write(out.name, data, render(env, data["settings"], cells, sse, data.get("profile")), out=out)
-
-
-def bench(args: argparse.Namespace) -> None:
+def measure(args: R.Knobs) -> dict[str, Any]:
     began = time.monotonic()
     stamp = R.stamp("passthrough.py", WHAT)
     ensure_tools(need_pyspy=not args.no_profile)
@@ -652,13 +612,7 @@ def bench(args: argparse.Namespace) -> None:
                 "sse_round_s": sse_round_s, "sse_streams": args.sse_streams, "sse_tokens": args.sse_tokens,
                 "sse_delay_s": args.sse_delay, "proxy_cpu": PROXY_CPU, "load_cpu": LOAD_CPU,
                 "baseline": args.baseline}
-    markdown = render(env, settings, cells, sse, profile)
-    print(markdown)
-    data = stamp | {"goals": goals(cells, sse), "environment": env, "settings": settings, "http": cells, "sse": sse,
-                    "profile": profile}
-    R.print_goals(data["goals"])
-    out = Path(args.out)
-    R.write(out.name, data, markdown, out=out)
+    return stamp | {"environment": env, "settings": settings, "http": cells, "sse": sse, "profile": profile}
 
 
 def add_ratios(cells: list[dict[str, Any]]) -> None:
@@ -682,12 +636,14 @@ ROOT_FRAMES = {"run", "<module>", "main", "_run_module_as_main", "_run_code", "R
                "BaseEventLoop.run_until_complete", "BaseEventLoop._run_once"}
 
 
-def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, Any]], sse: list[dict[str, Any]],
-           profile: dict[str, Any] | None) -> str:
+def report(data: dict[str, Any]) -> str:
+    env, settings, cells, sse, profile = (data["environment"], data["settings"], data["http"], data["sse"],
+                                          data.get("profile"))
     lines = [
         "# passthrough: text-only requests and SSE streams, direct vs nginx vs minimal aiohttp vs mmgate",
         "",
-        f"`python -m bench.passthrough` ({settings['rounds']} rounds x {settings['round_s']} s per cell and target, "
+        f"`python -m bench run passthrough` ({settings['rounds']} rounds x {settings['round_s']} s per cell and "
+        "target, "
         f"4 MB: {settings['rounds_4mb']} x {settings['round_s_4mb']} s, "
         f"SSE {settings['sse_rounds']} x {settings['sse_round_s']:g} s; {env['seconds']} s in all) -- Python "
         f"{env['python']}, aiohttp {env['aiohttp']}, nginx {env['nginx']}, wrk {env['wrk']}, {env['cpus']} CPUs "
@@ -816,7 +772,3 @@ def render(env: dict[str, Any], settings: dict[str, Any], cells: list[dict[str, 
         below_loop = [row for row in prof["inclusive"] if row["function"].split(" (")[0] not in ROOT_FRAMES]
         lines += [f"| `{row['function']}` | {row['percent']} |" for row in below_loop[:22]]
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    main()

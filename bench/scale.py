@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """How one mmgate process scales with its decode workers: throughput, cores used, and a responsive loop.
 
 One mmgate process (``python -m proxy``, a subprocess) in front of a trivial upstream (``testkit.text_load``'s
@@ -36,8 +35,9 @@ processor folder of ``testkit.models``: the photo is decoded and resized to the 
 the figure is the first's latency over the median of the warm ones. Goal: ≤ 1.5 in every case (decode threads
 and worker processes warm up, with the model's geometry, as mmgate starts).
 
-    python -m bench.scale [--seconds 6] [--rounds 3] [--workers 1,2] [--modes thread,process]
-                          [--resize on,off] [--load-procs N] [--first on|off|only]
+    python -m bench run scale [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench run scale_16cores [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list scale scale_16cores   # the knobs and their defaults
     (2 cores, defaults: about 6 minutes; 16 cores: about 11)
 
 Writes bench/results/scale.md and .json.
@@ -45,7 +45,6 @@ Writes bench/results/scale.md and .json.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import multiprocessing
 import os
@@ -144,7 +143,7 @@ def process_mode_available() -> bool:
     return out.returncode == 0 and MODE_VARIABLE not in out.stderr
 
 
-def measure(mode: str, resize: bool, workers: int, args: argparse.Namespace, mode_env: bool) -> dict[str, Any]:
+def measure_cell(mode: str, resize: bool, workers: int, args: R.Knobs, mode_env: bool) -> dict[str, Any]:
     from testkit.media import chat_body, photo_jpeg
 
     clients = 2 * workers + 2
@@ -259,22 +258,12 @@ def worker_counts(cores: int) -> list[int]:
     return sorted({w for w in (1, 2, 4, 8, cores - 2) if 1 <= w <= cores})
 
 
-def main() -> None:
+def measure(knobs: R.Knobs) -> dict[str, Any]:
     cores = R.usable_cores()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=6.0, help="measured window per cell and round [6]")
-    parser.add_argument("--ramp", type=float, default=1.5, help="load before the window opens [1.5]")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--workers", default=",".join(map(str, worker_counts(cores))),
-                        help="decode worker counts [1, 2, 4, 8, cores - 2: those within the usable cores]")
-    parser.add_argument("--modes", default="thread,process")
-    parser.add_argument("--resize", default="on,off")
-    parser.add_argument("--load-procs", type=int, default=max(1, cores // 8),
-                        help="load-generator processes [usable cores / 8, at least 1]")
-    parser.add_argument("--first", choices=("on", "off", "only"), default="on",
-                        help="also (or only) the first request after a start against warm ones [on]")
-    parser.add_argument("--out", default=str(R.RESULTS / "scale"), help="output path without suffix")
-    args = parser.parse_args()
+    if knobs.first not in ("on", "off", "only"):
+        raise SystemExit("first is on, off or only")
+    args = R.Knobs(**vars(knobs) | {"workers": knobs.workers or ",".join(map(str, worker_counts(cores))),
+                                    "load_procs": knobs.load_procs or max(1, cores // 8)})
     stamp = R.stamp("scale.py", "req/s, cores, CPU per request, health latency and peak RSS against decode workers")
     workers = sorted({int(w) for w in args.workers.split(",")})
     if 1 not in workers:
@@ -303,7 +292,7 @@ def main() -> None:
             mode, resize, count = cell
             if mode == "process" and not has_process:
                 continue
-            row = measure(mode, resize, count, args, mode_env=has_process)
+            row = measure_cell(mode, resize, count, args, mode_env=has_process)
             rounds[cell].append(row)
             busy = max(row["load_cores"])
             print(f"  round {n + 1} {mode:7} resize {'on ' if resize else 'off'} {count:3} workers: "
@@ -320,12 +309,7 @@ def main() -> None:
                                  "probe_interval_s": PROBE_INTERVAL, "process_mode": has_process,
                                  "elapsed_s": round(time.monotonic() - began)},
                     "rows": rows, "first_request": firsts}
-    data["goals"] = goals(rows, cores, has_process, modes) + cost_goals(rounds, firsts, workers)
-    markdown = render(data)
-    print(markdown)
-    R.print_goals(data["goals"])
-    out = Path(args.out)
-    R.write(out.name, data, markdown, out=out)
+    return data
 
 
 def summarise(rounds: dict[tuple[str, bool, int], list[dict[str, Any]]], has_process: bool) -> list[dict[str, Any]]:
@@ -348,7 +332,14 @@ def summarise(rounds: dict[tuple[str, bool, int], list[dict[str, Any]]], has_pro
     return rows
 
 
-def goals(rows: list[dict[str, Any]], cores: int, has_process: bool, modes: list[str]) -> list[R.Goal]:
+def goals(data: dict[str, Any]) -> list[R.Goal]:
+    settings, rows = data["settings"], data["rows"]
+    rounds = {(r["mode"], r["resize"], r["workers"]): r["rounds"] for r in rows}
+    return (_goals(rows, settings["cores"], settings["process_mode"], list(dict.fromkeys(r["mode"] for r in rows)))
+            + cost_goals(rounds, data.get("first_request") or {}, settings["workers"]))
+
+
+def _goals(rows: list[dict[str, Any]], cores: int, has_process: bool, modes: list[str]) -> list[R.Goal]:
     def row(mode: str, count: int) -> dict[str, Any] | None:
         return next((r for r in rows if r["mode"] == mode and r["resize"] and r["workers"] == count
                      and "rps" in r), None)
@@ -396,12 +387,12 @@ def cost_goals(rounds: dict[tuple[str, bool, int], list[dict[str, Any]]], firsts
     return out
 
 
-def render(data: dict[str, Any]) -> str:
+def report(data: dict[str, Any]) -> str:
     s = data["settings"]
     lines = [
         "# scale: one mmgate process against its decode workers, thread and process mode, 12 MP JPEG",
         "",
-        f"`python -m bench.scale`: {s['rounds']} rounds × {s['seconds']:g} s per cell (after a {s['ramp_s']:g} s "
+        f"`python -m bench run scale`: {s['rounds']} rounds × {s['seconds']:g} s per cell (after a {s['ramp_s']:g} s "
         f"ramp), {s['cores']} usable cores, {s['load_procs']} load-generator process(es), clients = 2 × workers + 2, "
         f"gate = 2 × workers, a prober every {s['probe_interval_s'] * 1000:g} ms; {s['elapsed_s']} s in all. "
         "Each figure: median (min–max) of the rounds. `cores` and `CPU ms/req`: mmgate and every process below it. "
@@ -443,7 +434,3 @@ def render(data: dict[str, Any]) -> str:
         lines += ["", f"{MANY_CORES} cores, {MANY_WORKERS} workers: not yet measured (this machine has {s['cores']} "
                   "usable cores); the same command measures that row on a machine that has them."]
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    main()

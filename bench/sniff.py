@@ -17,12 +17,13 @@ media" for the previous markers (any ``\\u``) and paid a whole JSON parse: the `
 what the previous sniff answered. Each figure is the median of --rounds rounds (each the best of 3 runs)
 with its spread.
 
-    python -m bench.sniff [--rounds 5]      (~10 s)
+    python -m bench run sniff [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list sniff   # the knobs and their defaults
+    python -m bench list sniff   # the knobs and their defaults
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
@@ -83,10 +84,7 @@ def ms_per_mib(fn: Callable[[bytes], bool], body: bytes) -> float:
     return best * 1000 / (len(body) / MiB)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+def measure(knobs: R.Knobs) -> dict[str, Any]:
     stamp = R.stamp("sniff.py", "CPU per MB of the sniff's ways on text bodies without a marker")
     ways = candidates()
     rows: list[dict[str, Any]] = []
@@ -94,7 +92,7 @@ def main() -> None:
         answers = {way: fn(body) for way, fn in ways.items() if not way.startswith("memchr")}
         assert not any(answers.values()), (name, answers)  # every way agrees: no marker
         rounds: dict[str, list[float]] = {way: [] for way in ways}
-        for _ in range(args.rounds):
+        for _ in range(knobs.rounds):
             for way, fn in ways.items():  # the ways take turns, round after round
                 rounds[way].append(ms_per_mib(fn, body))
         old = any(marker in body for marker in OLD_MARKERS)
@@ -103,12 +101,11 @@ def main() -> None:
             rows.append({"body": name, "size": len(body), "way": way, "old_markers_maybe": old, **s})
             print(f"  {name:28} {way:20} {s['median']:8.3f} ms/MiB  ({R.number(s['spread'][0])}–"
                   f"{R.number(s['spread'][1])})", flush=True)
-    data = stamp | {"goals": goals(rows), "rows": rows, "settings": {"rounds": args.rounds}}
-    R.print_goals(data["goals"])
-    R.write("sniff", data, render(data))
+    return stamp | {"rows": rows, "settings": {"rounds": knobs.rounds}}
 
 
-def goals(rows: list[dict[str, Any]]) -> list[R.Goal]:
+def goals(data: dict[str, Any]) -> list[R.Goal]:
+    rows = data["rows"]
     out = []
     for body in dict.fromkeys(r["body"] for r in rows):
         by = {r["way"]: r for r in rows if r["body"] == body}
@@ -122,10 +119,10 @@ def goals(rows: list[dict[str, Any]]) -> list[R.Goal]:
     return out
 
 
-def render(data: dict[str, Any]) -> str:
+def report(data: dict[str, Any]) -> str:
     lines = ["# sniff: CPU per MiB to find no media marker, hyperscan vs the stdlib's ways", "",
-             f"`python -m bench.sniff --rounds {data['settings']['rounds']}`; single thread, each figure the median "
-             "(min–max) of the rounds, each round the best of 3 scans. `old markers` = what the previous sniff "
+             f"`python -m bench run sniff --rounds {data['settings']['rounds']}`; single thread, each figure the "
+             "median (min–max) of the rounds, each round the best of 3 scans. `old markers` = what the previous sniff "
              "(any `\\u` escape counted) answered for the body: `maybe` sent it through a whole JSON parse.", "",
              "| body | way | ms/MiB | spread | × hyperscan | old markers |", "|---|---|---:|---|---:|---|"]
     rows = data["rows"]
@@ -135,7 +132,3 @@ def render(data: dict[str, Any]) -> str:
                      f"{R.number(r['spread'][1])} | {r['median'] / ours['median']:.2f} | "
                      f"{'maybe' if r['old_markers_maybe'] else 'no'} |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Start-up time and RSS of mmgate with and without a model, and of the round's base commit without one.
 
 Each start is ``python -m proxy`` in a fresh process in front of the stub backend (``demo.backend``). The time is
@@ -25,14 +24,14 @@ project's machines) measures the compiler, about a second of it on 2 cores, and 
 The model folder is a real checkpoint's processor configuration (``testkit.models.REAL_CHECKPOINTS``, Idefics3's
 by default), built offline. Every variant starts ``--rounds`` times (≥ 5); ratios to ``base`` are round by round.
 
-    python -m bench.startup [--rounds 5] [--baseline-ref ed6881d] [--checkpoint Idefics3] [--quick] [--out PATH]
+    python -m bench run startup [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list startup   # the knobs and their defaults
 
 Writes bench/results/startup.md/.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -130,7 +129,9 @@ def baseline_tree(ref: str) -> Path:
     return where
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: R.Knobs) -> dict[str, Any]:
+    if args.checkpoint not in REAL_CHECKPOINTS:
+        raise SystemExit(f"no checkpoint {args.checkpoint!r}; of {', '.join(sorted(REAL_CHECKPOINTS))}")
     data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
     data["settings"] = {"rounds": args.rounds, "baseline_ref": args.baseline_ref, "checkpoint": args.checkpoint,
                         "baseline_commit": R.git("rev-parse", args.baseline_ref), "poll_s": POLL_S,
@@ -210,7 +211,7 @@ def report(data: dict[str, Any]) -> str:
     lines = [
         "# Start-up: seconds to ready and RSS, with and without a model",
         "",
-        f"`python -m bench.startup`: `python -m proxy` in front of the stub backend, {s['rounds']} rounds, the "
+        f"`python -m bench run startup`: `python -m proxy` in front of the stub backend, {s['rounds']} rounds, the "
         f"variants taking turns; base = `{s['baseline_ref']}` (`{(s.get('baseline_commit') or '')[:10]}`). Ready: "
         f"the first `/mmgate/health` answering 200 with `draining: false` (polled every {s['poll_s'] * 1000:.0f} "
         f"ms), timed from just before the process starts"
@@ -231,31 +232,3 @@ def report(data: dict[str, Any]) -> str:
         lines.append(f"| {variant} | {cell(variant, 'ready_s')} | {cell(variant, 'model_s')} | "
                      f"{cell(variant, 'rss_mb')} ({cell(variant, 'tree_rss_mb')}) | {cell(variant, 'model_rss_mb')} |")
     return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--baseline-ref", default=BASELINE, help="the commit whose start-up is 'today's'")
-    ap.add_argument("--checkpoint", default="Idefics3", choices=sorted(REAL_CHECKPOINTS))
-    ap.add_argument("--quick", action="store_true", help="one round, nothing written: proves the bench runs")
-    ap.add_argument("--render", action="store_true", help="rebuild the .md from the committed .json")
-    ap.add_argument("--out", default=None, help="results path without extension [bench/results/startup]")
-    args = ap.parse_args()
-    if args.quick:
-        args.rounds = 1
-    if args.render:
-        data = json.loads((R.RESULTS / "startup.json").read_text())
-    else:
-        data = measure(args)
-        data["goals"] = goals(data)
-    R.print_goals(data["goals"])
-    md = report(data)
-    print(md)
-    if args.quick and not args.out:
-        return
-    R.write("startup", data, md, out=Path(args.out) if args.out else None)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The video probe: what PyAV costs to carry (installed size, import time) and what one probe costs.
 
 Two parts:
@@ -15,13 +14,13 @@ Two parts:
 
 Each figure is the median of ``--rounds`` (≥ 3) rounds with its spread.
 
-Usage: python -m bench.video_probe [--quick] [--rounds N] [--out PATH]
+    python -m bench run video_probe [--set KNOB=VALUE] [--rounds N] [--quick]
+    python -m bench list video_probe   # the knobs and their defaults
 Writes bench/results/video_probe.md and .json.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import re
 import statistics
@@ -77,7 +76,7 @@ def probe_ms(data: bytes, policy: VideoPolicy, count: int) -> float:
     return (time.thread_time() - started) / count * 1000
 
 
-def measure(rounds: int, quick: bool) -> dict[str, Any]:
+def _measure(rounds: int, quick: bool) -> dict[str, Any]:
     frames = 30 if quick else 300
     clips = {
         "64x48 MP4, 3 frames": video_clip(64, 48, 3),
@@ -130,20 +129,5 @@ def report(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny counts: proves the bench runs, measures nothing")
-    ap.add_argument("--rounds", type=int, default=R.MIN_ROUNDS)
-    ap.add_argument("--out", default=None, help="results path without extension [bench/results/video_probe]")
-    args = ap.parse_args()
-    data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
-    data |= measure(args.rounds, args.quick)
-    data["goals"] = goals(data)
-    R.print_goals(data["goals"])
-    md = report(data)
-    print(md)
-    R.write("video_probe", data, md, out=Path(args.out) if args.out else None)
-
-
-if __name__ == "__main__":
-    main()
+def measure(knobs: R.Knobs) -> dict[str, Any]:
+    return R.stamp(SCRIPT, WHAT) | _measure(knobs.rounds, knobs.quick)

@@ -497,6 +497,106 @@ def start_control() -> tuple[subprocess.Popen[bytes], str]:
     return proc, url
 
 
+def serve_sink(port: int) -> None:
+    """An upstream that reads any request's body whole and answers a small chat completion (``bench/cache.py``)."""
+    from aiohttp import web
+
+    answer = {"id": "c", "object": "chat.completion", "model": "stub-vlm",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}
+
+    async def any_request(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(answer)
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_route("*", "/{tail:.*}", any_request)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def start_sink() -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "testkit.load", "sink", "--port", str(port)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", proc)
+    return proc, url
+
+
+def exposition(size: int) -> bytes:
+    """A vLLM-shaped Prometheus text exposition of about ``size`` bytes: histogram buckets of many label sets,
+    with the queue gauge mmgate merges near the top, as vLLM writes it."""
+    head = (b"# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            b"# TYPE vllm:num_requests_waiting gauge\n"
+            b'vllm:num_requests_waiting{engine="0",model_name="stub-vlm"} 2.0\n'
+            b"# HELP vllm:e2e_request_latency_seconds Histogram of end to end request latency in seconds.\n"
+            b"# TYPE vllm:e2e_request_latency_seconds histogram\n")
+    rows = (f'vllm:e2e_request_latency_seconds_bucket{{engine="0",model_name="stub-vlm",lora="a{i // 20}",'
+            f'le="{0.01 * (1 + i % 20):.2f}"}} {i * 3}.0\n'.encode() for i in range(max(1, (size - len(head)) // 105)))
+    return head + b"".join(rows)
+
+
+async def serve_metrics_backend(size: int) -> None:
+    """The scriptable upstream with ``/metrics`` answering ``exposition(size)``; its port on stdout."""
+    from testkit.servers import start_upstream
+
+    body = exposition(size)
+
+    from aiohttp import web
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    upstream = await start_upstream()
+    upstream.keep_bodies = False
+    upstream.route("/metrics", metrics)
+    print(upstream.url.rsplit(":", 1)[1], flush=True)
+    await asyncio.Event().wait()
+
+
+def start_metrics_backend(size: int) -> tuple[subprocess.Popen[bytes], str]:
+    """``serve_metrics_backend`` in a process of its own (``bench/metrics_flood.py``'s upstream)."""
+    proc = subprocess.Popen([sys.executable, "-m", "testkit.load", "metrics-backend", "--size", str(size)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    if proc.stdout is None:
+        raise RuntimeError("no pipe to the metrics backend")
+    url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
+    wait_http(url + "/health", proc)
+    return proc, url
+
+
+def probe_until(host: str, port: int, path: str, interval: float, stop: Path, out: Path, limit: float) -> None:
+    """GET ``path`` every ``interval`` s over one keep-alive connection until ``stop`` exists; writes
+    ``[[sent, answered], ...]`` (time.monotonic) to ``out``."""
+    sock = socket.create_connection((host, port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    request = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    times: list[tuple[float, float]] = []
+    buf = b""
+    start = time.monotonic()
+    while not stop.exists() and time.monotonic() - start < limit:
+        t0 = time.monotonic()
+        sock.sendall(request)
+        while True:
+            head, sep, rest = buf.partition(b"\r\n\r\n")
+            if sep:
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                if len(rest) >= length:
+                    buf = rest[length:]
+                    break
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("mmgate closed the probe connection")
+            buf += chunk
+        t1 = time.monotonic()
+        times.append((t0, t1))
+        pause = interval - (t1 - t0)
+        if pause > 0:
+            time.sleep(pause)
+    sock.close()
+    out.write_text(json.dumps(times))
+
+
 def _main() -> None:
     p = argparse.ArgumentParser(description="bench helpers")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -509,11 +609,22 @@ def _main() -> None:
     pr.add_argument("--out", required=True)
     pr.add_argument("--body", default=None, help="POST this (JSON text) instead of a GET")
     sub.add_parser("photo")
-    cs = sub.add_parser("control-server")
-    cs.add_argument("--port", type=int, required=True)
+    for name in ("control-server", "sink"):
+        sub.add_parser(name).add_argument("--port", type=int, required=True)
+    until = sub.add_parser("probe-until", help="GET a path until a file exists; the times to a file")
+    for name in ("port", "path", "interval", "stop", "out"):
+        until.add_argument(name)
+    sub.add_parser("metrics-backend").add_argument("--size", type=int, required=True, help="exposition bytes")
     args = p.parse_args()
     if args.cmd == "control-server":
         serve_control(args.port)
+    elif args.cmd == "sink":
+        serve_sink(args.port)
+    elif args.cmd == "probe-until":
+        probe_until("127.0.0.1", int(args.port), args.path, float(args.interval), Path(args.stop), Path(args.out),
+                    limit=3600)
+    elif args.cmd == "metrics-backend":
+        asyncio.run(serve_metrics_backend(args.size))
     elif args.cmd == "probe":
         Path(args.out).write_text(json.dumps(probe(args.host, args.port, args.path, args.seconds, args.interval,
                                                   None if args.body is None else args.body.encode())))

@@ -1,6 +1,6 @@
 """The text-only load of the passthrough, front, pacing and scale benchmarks: request bodies, a fixed-answer
 upstream, a minimal proxy and an SSE client, each a process of its own (``ROLE``: ``python -m testkit.text_load
-upstream|minimal-proxy|sse-client ...``).
+upstream|minimal-proxy|http-client|sse-client ...``).
 
 - ``text_body(size)``: a text-only chat request of exactly ``size`` bytes, ASCII, with no media marker.
 - ``upstream``: a raw asyncio HTTP/1.1 keep-alive server that reads the whole request body (counted, not kept)
@@ -8,6 +8,7 @@ upstream|minimal-proxy|sse-client ...``).
   request carrying ``X-Bench-Stream`` gets SSE events instead, one every ``--sse-delay`` s on an absolute
   schedule. Several may share a port (``SO_REUSEPORT``) where one would be the limit.
 - ``minimal-proxy``: ``run_minimal_proxy``, the anchor of what passing text through costs.
+- ``http-client``: ``run_http_client``, keep-alive connections posting one body, optionally at a fixed rate.
 - ``sse-client``: ``--streams`` concurrent SSE requests, each restarting when it ends; prints START when the
   measured window opens, then one JSON line (tokens/s, inter-token gaps, TTFT, its own CPU share) when it closes.
 """
@@ -269,6 +270,54 @@ def run_minimal_proxy(upstream: str, port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
+def run_http_client(url: str, body_file: str, conns: int, warmup: float, duration: float, rate: float) -> None:
+    """``conns`` keep-alive connections each posting the body again and again (``rate`` > 0: at ``rate``
+    requests/s in all, on a fixed schedule); prints START when the window opens, then one JSON line (requests
+    answered 200, errors, seconds) when it closes."""
+    import aiohttp
+
+    with open(body_file, "rb") as f:
+        body = f.read()
+    state = {"requests": 0, "errors": 0, "measuring": False}
+
+    async def one(session: aiohttp.ClientSession, index: int) -> None:
+        loop = asyncio.get_running_loop()
+        period = conns / rate if rate > 0 else 0.0
+        due = loop.time() + period * index / conns
+        while True:
+            if period:
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                due += period
+            try:
+                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    if r.status == 200:
+                        state["requests"] += state["measuring"]
+                    else:
+                        state["errors"] += state["measuring"]
+            except aiohttp.ClientError:
+                state["errors"] += state["measuring"]
+
+    async def main() -> None:
+        sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) for _ in range(conns)]
+        tasks = [asyncio.create_task(one(s, i)) for i, s in enumerate(sessions)]
+        await asyncio.sleep(warmup)
+        state["measuring"] = True
+        t0 = time.perf_counter()
+        print("START", flush=True)
+        await asyncio.sleep(duration)
+        state["measuring"] = False
+        print(json.dumps({"requests": state["requests"], "errors": state["errors"],
+                          "seconds": time.perf_counter() - t0}), flush=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in sessions:
+            await s.close()
+
+    asyncio.run(main())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     roles = parser.add_subparsers(dest="role", required=True)
@@ -285,8 +334,17 @@ def main() -> None:
     client.add_argument("--warmup", type=float, required=True, help="seconds before the measured window")
     client.add_argument("--duration", type=float, required=True, help="seconds of the measured window")
     client.add_argument("--period", type=float, required=True, help="seconds over which the streams start")
+    http = roles.add_parser("http-client", help="keep-alive connections posting one body again and again")
+    http.add_argument("--url", required=True)
+    http.add_argument("--body-file", required=True)
+    http.add_argument("--conns", type=int, required=True)
+    http.add_argument("--warmup", type=float, required=True, help="seconds before the measured window")
+    http.add_argument("--seconds", type=float, required=True, help="seconds of the measured window")
+    http.add_argument("--rate", type=float, default=0.0, help="requests/s in all (0: as fast as answered)")
     args = parser.parse_args()
-    if args.role == "upstream":
+    if args.role == "http-client":
+        run_http_client(args.url, args.body_file, args.conns, args.warmup, args.seconds, args.rate)
+    elif args.role == "upstream":
         run_upstream(args.port, args.sse_tokens, args.sse_delay)
     elif args.role == "minimal-proxy":
         run_minimal_proxy(args.upstream, args.port)

@@ -75,7 +75,7 @@ def may_contain_media(body: bytes | bytearray | memoryview) -> bool:
 
     One pass over the body for all markers at once (hyperscan: SIMD literal matching, several GB/s, with
     the GIL released), stopping at the first: a media body names its media in its first bytes. A stdlib
-    ``bytes.find`` costs a pass per marker at a fraction of that speed (``python -m bench.sniff``).
+    ``bytes.find`` costs a pass per marker at a fraction of that speed (``python -m bench run sniff``).
     """
     scratch = getattr(_scratch, "space", None)
     if scratch is None:

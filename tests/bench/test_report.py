@@ -27,7 +27,7 @@ def test_generated_files_match_the_results() -> None:
     wanted = report.expected()
     assert report.PAGE in wanted
     for path, text in wanted.items():
-        assert path.read_text() == text, f"{path} disagrees with bench/results/*.json: run python -m bench.report"
+        assert path.read_text() == text, f"{path} disagrees with bench/results/*.json: run python -m bench report"
 
 
 def test_the_headline_block_is_written_between_the_markers_and_checked(tmp_path: Path,
