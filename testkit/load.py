@@ -488,13 +488,18 @@ def serve_control(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-def start_control() -> tuple[subprocess.Popen[bytes], str]:
+def start_server(role: str) -> tuple[subprocess.Popen[bytes], str]:
+    """One of this module's servers (``control-server``, ``sink``) in a process of its own, once it answers."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "testkit.load", "control-server", "--port", str(port)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "testkit.load", role, "--port", str(port)], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", proc)
     return proc, url
+
+
+def start_control() -> tuple[subprocess.Popen[bytes], str]:
+    return start_server("control-server")
 
 
 def serve_sink(port: int) -> None:
@@ -514,12 +519,7 @@ def serve_sink(port: int) -> None:
 
 
 def start_sink() -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "testkit.load", "sink", "--port", str(port)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", proc)
-    return proc, url
+    return start_server("sink")
 
 
 def exposition(size: int) -> bytes:
