@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -142,8 +143,6 @@ def _each(scenarios: Sequence[Scenario], quick: bool, vllm: bool) -> int:
             argv += ["--quick", "--out", str(Path(scratch) / scenario.name)] if quick else []
             print(f"== {' '.join(argv[1:])}", flush=True)
             started = time.monotonic()
-            import subprocess
-
             code = subprocess.run(argv, cwd=R.REPO, check=False).returncode
             print(f"== {scenario.name}: exit {code} after {time.monotonic() - started:.0f} s", flush=True)
             if code:
