@@ -27,7 +27,8 @@ at least *a* delivers at most ``limit × worth / a`` (``_ceiling_rate``; *worth*
 reference: their classes are not known until they complete). A step up that cannot beat what it must, a probe
 down that cannot keep what it must, a cruise whose requests are older than the tolerance allows, end at the next
 ``tick`` without waiting for answers that may not come. A step is judged on its own requests (the last phase's
-were admitted under the last limit), a cruise and a probe down on all the backend holds.
+were admitted under the last limit), a cruise and a probe down on all the backend holds (a probe down counts the
+ages of the requests the last phase left from its own start: they are slower because there were more of them).
 
 What it borrows, and from whom:
 
@@ -41,8 +42,10 @@ What it borrows, and from whom:
   cycles through eight phases, one up (×1.25), one down, six cruising, from a random phase (``bbr_cycle_rand``) so
   that replicas do not probe in step. A probe up is kept if the rate grew 10 % (a real server's phases differ by
   several per cent alone: on a plateau, a smaller gain is noise that would walk the limit up), and the climb goes on;
-  a probe down if the rate held 95 % of the best lately (so that steps down cannot add up). So a batching server,
-  whose latency grows with its batch while its rate still does, is climbed, and a thrashing one held at its knee. Two
+  a probe down if the rate held 95 % of the best lately (so that steps down cannot add up) by one standard error of
+  its rate (``spread_of``: on a plateau, a probe down that kept the rate by luck would walk the limit down). So a
+  batching server, whose latency grows with its batch while its rate still does, is climbed, and a thrashing one held
+  at its knee. Two
   probes up in a row that raise the rate in proportion to the slots start doubling again. A phase is judged on
   requests admitted in it and handed off once the backend holds its load (BBR's round), each a rate sample. A
   probe down that kept the rate is followed by the next at once, as a climb is; with nothing tried below the limit
@@ -146,6 +149,7 @@ MAX_LATENCIES = 100_000  # latencies a phase keeps at most (a flood of tiny answ
 SMOOTHING = 0.5  # the cruise latency: the average of the last phases, each weighing half
 TINY = 1e-6  # seconds: a sample's smallest worth (a zero would weigh nothing and divide by zero)
 MAX_TIMED = 1024  # a phase's completions whose seconds are kept for ``_Phase.median_at_least``, at most
+CONFIDENCE = 1.0  # standard errors by which a probe down's rate must clear what it keeps, to be kept
 MOVES_KEPT = 64  # the last changes of the limit ``explain`` tells
 TICK_S = 0.1  # how often the gate asks ``tick`` to look at the requests still in flight
 
@@ -189,6 +193,8 @@ class _Phase:
     longest: float = 0.0  # its longest request, in seconds
     lower: bool = False  # its limit is below the last phase's
     timed: list[float] = field(default_factory=list)  # the seconds of its first completions (``MAX_TIMED``)
+    rated: list[tuple[SampleClass, float, float]] = field(default_factory=list)  # (class, held, seconds) of its
+    # first rate samples (``MAX_TIMED``): the spread of its rate
     in_flight: list[float] = field(default_factory=list)  # when each of its requests at the backend now went
 
     def mix(self) -> Mix:
@@ -271,6 +277,19 @@ class AdaptiveLimit:
     def rate_of(self, mix: Mix) -> float:
         """The work per second of ``mix``: each class's completions per second times its reference."""
         return sum(per_second * self.references.value(cls) for cls, per_second in mix.items())
+
+    def spread_of(self, phase: _Phase) -> float:
+        """The standard error of ``phase``'s rate as a share of it (a ratio estimator's: its samples' work held over
+        their seconds); infinite with fewer than two samples."""
+        pairs = [(held * self.references.value(cls), seconds) for cls, held, seconds in phase.rated]
+        count = len(pairs)
+        work = sum(y for y, _x in pairs)
+        seconds = sum(x for _y, x in pairs)
+        if count < 2 or work <= 0 or seconds <= 0:
+            return math.inf
+        ratio = work / seconds
+        residuals = sum((y - ratio * x) ** 2 for y, x in pairs) / (count - 1)
+        return math.sqrt(residuals / count) / (seconds / count) / ratio
 
     @property
     def rate(self) -> float | None:
@@ -386,6 +405,8 @@ class AdaptiveLimit:
         held = max(1.0, self._occupancy.mean(now - sample.seconds, now))
         current.held[sample.cls] = current.held.get(sample.cls, 0.0) + held
         current.held_seconds += sample.seconds
+        if len(current.rated) < MAX_TIMED:
+            current.rated.append((sample.cls, held, sample.seconds))
         current.weight += work
         current.weight_squared += work * work
         if timely and (current.effective() >= self._need() or (
@@ -440,7 +461,10 @@ class AdaptiveLimit:
         that a flood of fast answers, which lowers the former, does not make honest answers after it look late)."""
         if self.mix is None or self.latency is None:
             return None
-        at_least = self._now.median_at_least([now - started for started in reversed(self._at_backend)])
+        # A phase below the last one holds the last one's requests, slower because there were more of them: their
+        # time counts from its start.
+        since = self._now.started_at if self._now.lower else 0.0
+        at_least = self._now.median_at_least([now - max(started, since) for started in reversed(self._at_backend)])
         if at_least is None:
             return None
         worth = max(self.references.value(cls) for cls in self.mix)
@@ -707,7 +731,8 @@ class AdaptiveLimit:
             self._why = "probe up did not pay"
             self._ups = 0
         elif kind == "down":
-            if cruise is not None and rate >= KEEP_DOWN * self._to_keep():
+            surely = rate * (1 - CONFIDENCE * self.spread_of(self._now))
+            if cruise is not None and surely >= KEEP_DOWN * self._to_keep():
                 self.cruise_limit, self.mix, self.latency = self.limit, mix, latency
                 self._why = "probe down kept the rate"
                 if self.cruise_limit > self.floor:
