@@ -166,14 +166,15 @@ class Move:
     kind: Kind  # the phase that begins
     why: str  # what decided it, in words
     samples: float  # the ended phase's effective number of rate samples
-    rate: float | None  # its work per second, with the references of the moment
+    rate: float | None  # its work per second, with the references of the moment ...
+    spread: float | None  # ... and that rate's standard error, as a share of it (None under two samples)
     latency: float | None  # its median normalised latency
     at_least: float | None  # the floor under its median seconds at the backend (a phase ended on ages)
 
     def as_dict(self) -> dict[str, object]:
         return {"at": self.at, "limit": self.limit, "before": self.before, "cruise_limit": self.cruise_limit,
                 "mode": self.mode, "kind": self.kind, "why": self.why, "samples": round(self.samples, 1),
-                "rate": self.rate, "latency": self.latency, "at_least": self.at_least}
+                "rate": self.rate, "spread": self.spread, "latency": self.latency, "at_least": self.at_least}
 
 
 @dataclass
@@ -255,7 +256,8 @@ class AdaptiveLimit:
         self._in_use = self._waiting = 0
         self.moves: deque[Move] = deque(maxlen=MOVES_KEPT)  # the last changes of the limit, and why
         self._why = "the start, before any sample"
-        self._evidence: tuple[float, float | None, float | None, float | None] = (0.0, None, None, None)
+        self._evidence: tuple[float, float | None, float | None, float | None, float | None] = (
+            0.0, None, None, None, None)
         now = clock()
         self._occupancy = Occupancy(now)
         self._last_at = now
@@ -476,7 +478,7 @@ class AdaptiveLimit:
         before = self.limit
         slower = self._stuck(now)
         ages = self._at_backend if slower is not None else self._now.in_flight
-        self._evidence = (self._now.effective(), None, None,
+        self._evidence = (self._now.effective(), None, None, None,
                           self._now.median_at_least([now - started for started in reversed(ages)]))
         if self.kind == "startup":
             self._why = f"startup: its requests at the backend are too old for {self.limit} to beat the best rate"
@@ -561,8 +563,9 @@ class AdaptiveLimit:
     def _end(self, now: float) -> bool:
         before = self.limit
         measured = self._measured(now)
+        spread = self.spread_of(self._now)
         self._evidence = (self._now.effective(), self.rate_of(self._now.mix()) if self._now.weight else None,
-                          weighted_median(self._now.latencies), None)
+                          spread if math.isfinite(spread) else None, weighted_median(self._now.latencies), None)
         for cls, seconds in self._now.seconds.items():
             # Learnt at the cruise limit, one value a phase (Gradient2 takes one a window): probes and startup's
             # doublings are measured against it, and a flood of answers in one phase is one value.

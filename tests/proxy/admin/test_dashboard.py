@@ -499,6 +499,8 @@ async def test_dashboard_draws_the_adaptive_limit_as_it_moves(page: Any) -> None
                                      f".textContent === {moved!r}", timeout=PAGE_TIMEOUT_MS)
         shown = await page.text_content('[data-testid="gate-controller"]')
         assert last["why"] in shown and "samples" in shown
+        if last["rate"] is not None and last["spread"] is not None:  # a phase that ended on its answers: how noisy
+            assert " ± " in shown and " %" in shown
         assert await page.evaluate("window.mmgateDashboard.failures") == 0
 
 

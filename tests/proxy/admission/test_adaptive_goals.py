@@ -202,6 +202,9 @@ def test_it_says_why_the_limit_last_moved_and_what_it_had_measured() -> None:
     gave_way = [move for move in moves if move["at"] >= STEP_AT and "giving way" in move["why"]]
     assert gave_way and gave_way[0]["limit"] < gave_way[0]["before"]
     assert gave_way[0]["at_least"] is not None or gave_way[0]["latency"] is not None  # what it saw
+    measured = [move for move in moves if move["rate"] is not None]  # phases that ended on their answers ...
+    assert measured and all(0 <= move["spread"] < 0.5 for move in measured if move["spread"] is not None)
+    assert sum(move["spread"] is not None for move in measured) >= len(measured) - 1  # ... say how noisy they were
     orjson.dumps(explained)  # as /mmgate/stats would serve it
 
 
