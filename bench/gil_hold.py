@@ -1,45 +1,31 @@
-"""How long media work holds the GIL: a thread that sleeps 1 ms, and how late it wakes, beside media work.
+"""How long media work holds the GIL: how late a thread that sleeps 1 ms wakes, beside media work.
 
-A thread that holds the GIL delays every other thread of the process, the event loop included, by as long as
-it holds it; on a many-core server that is what caps mmgate's scaling and its health-check latency. The probe
-is a thread that sleeps 1 ms in a loop and records how late it wakes (``time.sleep`` releases the GIL; waking
-needs it back). Beside:
+A thread holding the GIL delays every other thread, the event loop included, as long as it holds it: that caps
+mmgate's scaling and its health-check latency. The probe sleeps 1 ms in a loop (``time.sleep`` releases the GIL,
+waking needs it back) and records how late it wakes: idle (the baseline), beside each step of a media job in a
+loop (``steps()``, on a 12 MP photo-like JPEG bound for 1 MP; the maximum bounds the step's longest hold), and
+beside pools of 1 and 2 saturated workers, thread and process mode, driven from an asyncio loop as mmgate drives
+them (with their jobs/s). Also: the calls that never release the GIL, timed one by one, and process mode's cost
+per job (one at a time on one worker, process vs thread: the IPC) with the bytes it copies and pickles.
 
-* **idle**: nothing else runs (the baseline: timer slack and the scheduler);
-* **each step** of a media job, alone in a loop in one thread, on a 12 MP photo-like JPEG bound for 1 MP:
-  base64 decode, open (header), decode (draft + load + close), orientation, resize, transpose, convert,
-  encode into a BytesIO (Pillow holds the GIL for the whole compression) and into a memfd (what
-  ``preprocessors/image.py`` does: Pillow's ``encode_to_file`` releases it), base64 encode, and the whole job.
-  The step's late-wake maximum bounds its longest single GIL hold;
-* **saturated pools**: ``--workers`` clients keep a pool of 1 and of 2 workers busy with whole jobs
-  (12 MP JPEG → 1 MP), in thread mode (``DecodePool``) and process mode (``ProcessPool``), driven from an
-  asyncio loop in this process as mmgate drives them: jobs/s and the probe's lateness.
-
-And process mode's cost per job: one job at a time on one worker, thread vs process (the difference is the
-IPC: pickled task and reply, memfd writes and reads, socket round trip, waking a thread), with the bytes each
-job copies and pickles.
-
-Every figure is the median of ``--rounds`` rounds (min–max spread). Goals: beside 2 saturated workers the
-probe's p99 lateness is at most idle p99 + 1 ms (each mode); 2 workers make at least 1.9× the jobs/s of 1
-(each mode, on a machine with 2 free cores). The allocator tuning is mmgate's default (``--malloc-tuning``),
-applied here and in the worker processes as ``mmgate serve`` does. Default run: about 3 minutes on 2 cores;
-``--smoke`` proves the bench works in seconds (its figures mean nothing, and nothing is written).
-
-    python -m bench run gil_hold [--set KNOB=VALUE] [--rounds N] [--quick]
-    python -m bench list gil_hold   # the knobs and their defaults
-    python -m bench list gil_hold   # the knobs and their defaults
+Every figure is the median of ``--rounds`` rounds (min–max). Goals, each mode: beside 2 saturated workers the
+probe's p99 is at most idle p99 + 1 ms; 2 workers make at least 1.9× the jobs/s of 1 (with 2 free cores). And
+the calls that never release the GIL hold it at most 200 µs per job. The allocator tuning (knob
+``malloc_tuning``) applies here and in the worker processes, as in ``mmgate serve``. About 3 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import math
 import os
 import pickle
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -55,6 +41,7 @@ from preprocessors.worker_handle import read_all as _read_all
 from preprocessors.worker_process import write_all as _write_all
 from preprocessors.workers import ProcessPool
 from proxy.runtime.memory import tune_process, worker_environment
+from testkit.load import percentile
 from testkit.media import photo_jpeg
 
 WHAT = "GIL held by media work: a 1 ms sleeper's late wake-ups beside each step and beside saturated pools"
@@ -62,90 +49,69 @@ TARGET = 1_000_000
 POLICY = ImagePolicy(resize_max_pixels=TARGET)
 PNG = ImagePolicy(resize_max_pixels=TARGET, output_format="png")
 WEBP = ImagePolicy(resize_max_pixels=TARGET, output_format="webp")
+SMALL = (round(4000 * (TARGET / 12e6) ** 0.5), round(3000 * (TARGET / 12e6) ** 0.5))  # the 12 MP photo at 1 MP
+TASK = MediaTask("image", "bench", 64 << 20, POLICY, AudioPolicy())
 SLEEP = 0.001
+MODES = ("thread", "process")
+LATENESS = ("p50", "p99", "max")
 GOAL_EXTRA_P99_MS = 1.0
 GOAL_SCALING = 1.9
+WORKER_ENVIRONMENT: dict[str, str] = {}  # set by measure(): the worker processes' allocator tuning
 
 
-# ----- the probe -----
+@contextmanager
+def probe() -> Iterator[dict[str, float]]:
+    """A thread that sleeps 1 ms in a loop while the block runs; after it, how late it woke (ms): p50, p99, max."""
+    late: list[float] = []
+    lateness: dict[str, float] = {}
+    stop = threading.Event()
 
-
-class Probe:
-    """A thread that sleeps 1 ms in a loop and records how late each wake-up is (ms)."""
-
-    def __init__(self) -> None:
-        self.late: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="probe", daemon=True)
-
-    def _run(self) -> None:
-        clock, late = time.perf_counter, self.late
-        while not self._stop.is_set():
+    def run() -> None:
+        clock = time.perf_counter
+        while not stop.is_set():
             t0 = clock()
             time.sleep(SLEEP)
             late.append((clock() - t0 - SLEEP) * 1e3)
 
-    def __enter__(self) -> Probe:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def percentiles(late: list[float]) -> dict[str, float]:
-    if not late:
-        return {"p50": float("nan"), "p99": float("nan"), "max": float("nan"), "n": 0}
-    ordered = sorted(late)
-    return {"p50": ordered[len(ordered) // 2], "p99": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
-            "max": ordered[-1], "n": len(ordered)}
+    thread = threading.Thread(target=run, name="probe", daemon=True)
+    thread.start()
+    try:
+        yield lateness
+    finally:
+        stop.set()
+        thread.join()
+    lateness |= {"p50": percentile(late, 50), "p99": percentile(late, 99), "max": percentile(late, 100)}
 
 
-# ----- the steps -----
-
-
-def steps(jpeg: bytes) -> dict[str, Callable[[], object]]:
+def steps(jpeg: bytes, encoded: bytes) -> dict[str, Callable[[], object]]:
     """Each step of a media job as a call that does exactly that step once, on prepared inputs."""
-    encoded = pybase64.b64encode(jpeg)
     with Image.open(io.BytesIO(jpeg)) as img:
         draft = img.draft(None, (TARGET // 866, 866))
         img.load()
         decoded = img.copy()
     box = draft[1] if draft else None
-    size = (round(4000 * (TARGET / 12e6) ** 0.5), round(3000 * (TARGET / 12e6) ** 0.5))
-    small = decoded.resize(size, Image.Resampling.BICUBIC, box=box)
+    small = decoded.resize(SMALL, Image.Resampling.BICUBIC, box=box)
     small_rgba = small.convert("RGBA")
     small_rgba.putpixel((0, 0), (0, 0, 0, 0))  # not fully opaque: encoded with its alpha, as PNG
     out, _ = _encode(small, POLICY)
 
-    def open_header() -> object:
-        with Image.open(io.BytesIO(jpeg), formats=("JPEG",)) as im:
-            return im.size
-
-    def decode() -> object:
+    def decode() -> None:
         im = Image.open(io.BytesIO(jpeg), formats=("JPEG",))
-        im.draft(None, size)
+        im.draft(None, SMALL)
         im.load()
         im.close()
-        return None
 
-    def orientation() -> object:
-        with Image.open(io.BytesIO(jpeg), formats=("JPEG",)) as im:
-            return _orientation(im)
-
-    def encode_bytesio() -> object:
+    def encode_bytesio() -> bytes:
         buf = io.BytesIO()
         small.save(buf, "JPEG", quality=POLICY.jpeg_quality or GENERIC_JPEG_QUALITY)
         return buf.getvalue()
 
-    task = MediaTask("image", "bench", 64 << 20, POLICY, AudioPolicy())
     return {
         "base64 decode (12 MP JPEG)": lambda: pybase64.b64decode(encoded, validate=True),
-        "open (header only)": open_header,
+        "open (header only)": lambda: Image.open(io.BytesIO(jpeg), formats=("JPEG",)).size,
         "decode (draft + load + close)": decode,
-        "orientation (EXIF)": orientation,
-        "resize → 1 MP": lambda: decoded.resize(size, Image.Resampling.BICUBIC, box=box),
+        "orientation (EXIF)": lambda: _orientation(Image.open(io.BytesIO(jpeg), formats=("JPEG",))),
+        "resize → 1 MP": lambda: decoded.resize(SMALL, Image.Resampling.BICUBIC, box=box),
         "transpose 1 MP": lambda: small.transpose(Image.Transpose.ROTATE_270),
         "convert 1 MP RGBA → RGB": lambda: small_rgba.convert("RGB"),
         "encode JPEG into BytesIO (Pillow default)": encode_bytesio,
@@ -153,125 +119,90 @@ def steps(jpeg: bytes) -> dict[str, Callable[[], object]]:
         "encode PNG into memfd (alpha output)": lambda: _encode(small_rgba, PNG),
         "encode WEBP into memfd": lambda: _encode(small, WEBP),
         "base64 encode (1 MP JPEG)": lambda: pybase64.b64encode(out),
-        "whole job (process_image + base64)": lambda: run_task(task, lambda: encoded, no_checkpoint),
+        "whole job (process_image + base64)": lambda: run_task(TASK, lambda: encoded, no_checkpoint),
     }
 
 
-def held_us(jpeg: bytes, count: int) -> dict[str, float]:
+def beside(call: Callable[[], object], seconds: float) -> dict[str, float]:
+    """The probe's lateness while this thread runs ``call`` in a loop for ``seconds``, and its rate."""
+    calls = 0
+    with probe() as lateness:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            call()
+            calls += 1
+    return lateness | {"calls_per_s": calls / seconds}
+
+
+def held_us(encoded: bytes, jpeg: bytes, count: int) -> dict[str, float]:
     """Median µs of the calls of a job that hold the GIL throughout (pure Python, or a free under the GIL),
     timed one by one on this thread: their wall time is their hold."""
     times: dict[str, list[float]] = {"open (header)": [], "orientation": [], "close a decoded 3 MP image": [],
                                      "free a resized 1 MP image": [], "free the decoded JPEG bytes": []}
-    size = (1155, 866)
-    encoded = pybase64.b64encode(jpeg)
     for _ in range(count):
         data = pybase64.b64decode(encoded, validate=True)
-        t_free = time.perf_counter()
-        del data
-        freed = time.perf_counter() - t_free
         t0 = time.perf_counter()
-        im = Image.open(io.BytesIO(jpeg), formats=("JPEG",))
+        del data
         t1 = time.perf_counter()
-        _orientation(im)
+        im = Image.open(io.BytesIO(jpeg), formats=("JPEG",))
         t2 = time.perf_counter()
-        im.draft(None, size)
-        im.load()
-        small = im.resize(size, Image.Resampling.BICUBIC)
+        _orientation(im)
         t3 = time.perf_counter()
-        im.close()
+        im.draft(None, SMALL)
+        im.load()
+        small = im.resize(SMALL, Image.Resampling.BICUBIC)
         t4 = time.perf_counter()
-        del small
+        im.close()
         t5 = time.perf_counter()
-        for name, took in zip(times, (t1 - t0, t2 - t1, t4 - t3, t5 - t4, freed), strict=True):
+        del small
+        t6 = time.perf_counter()
+        for name, took in zip(times, (t2 - t1, t3 - t2, t5 - t4, t6 - t5, t1 - t0), strict=True):
             times[name].append(took * 1e6)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def step_round(call: Callable[[], object], seconds: float) -> dict[str, float]:
-    """``call`` in a loop in one thread for ``seconds`` beside the probe."""
-    stop = threading.Event()
-    calls = [0]
-
-    def loop() -> None:
-        while not stop.is_set():
-            call()
-            calls[0] += 1
-
-    worker = threading.Thread(target=loop, daemon=True)
-    with Probe() as probe:
-        worker.start()
-        time.sleep(seconds)
-        stop.set()
-        worker.join()
-    return percentiles(probe.late) | {"calls_per_s": calls[0] / seconds}
-
-
-def idle_round(seconds: float) -> dict[str, float]:
-    with Probe() as probe:
-        time.sleep(seconds)
-    return percentiles(probe.late)
-
-
-# ----- saturated pools -----
-
-
-WORKER_ENVIRONMENT: dict[str, str] = {}  # set by main(): the worker processes' allocator tuning
-
-
-def make_pool(mode: str, workers: int) -> DecodePool:
-    return ProcessPool(workers, environment=WORKER_ENVIRONMENT) if mode == "process" else DecodePool(workers)
-
-
-async def saturate(pool: DecodePool, job: MediaJob, clients: int, seconds: float) -> tuple[int, float]:
-    """``clients`` loops each running one job at a time on ``pool`` for ``seconds``: (jobs done, wall s)."""
-    done = [0]
-    end = time.perf_counter() + seconds
-
-    async def client() -> None:
-        while time.perf_counter() < end:
-            await pool.batch().run([job], 60)
-            done[0] += 1
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return done[0], time.perf_counter() - started
-
-
-def pool_round(mode: str, workers: int, job: MediaJob, seconds: float) -> dict[str, float]:
-    pool = make_pool(mode, workers)
-
-    async def run() -> tuple[int, float]:
-        await asyncio.gather(*(pool.batch().run([job], 60) for _ in range(workers)))  # workers started, warm
-        with Probe() as probe:
-            result = await saturate(pool, job, workers, seconds)
-        stats.update(percentiles(probe.late))
-        return result
-
-    stats: dict[str, float] = {}
+def on_pool(mode: str, workers: int, work: Callable[[DecodePool], Coroutine[Any, Any, Any]]) -> Any:
+    """``work`` on a fresh pool of ``mode`` in an asyncio loop of its own, as mmgate drives a pool."""
+    pool = ProcessPool(workers, environment=WORKER_ENVIRONMENT) if mode == "process" else DecodePool(workers)
     try:
-        jobs, wall = asyncio.run(run())
+        return asyncio.run(work(pool))
     finally:
         pool.shutdown()
-    return stats | {"jobs_per_s": jobs / wall}
+
+
+async def one_at_a_time(pool: DecodePool, job: MediaJob, count: float, end: float = math.inf) -> list[float]:
+    """``job`` on ``pool``, one at a time, ``count`` times or until ``end`` (``perf_counter``): each one's wall ms."""
+    times: list[float] = []
+    while len(times) < count and time.perf_counter() < end:
+        t0 = time.perf_counter()
+        await pool.batch().run([job], 60)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def saturated(mode: str, workers: int, job: MediaJob, seconds: float) -> dict[str, float]:
+    """One client per worker, each running one job at a time for ``seconds``: the probe's lateness and jobs/s."""
+
+    async def saturate(pool: DecodePool) -> dict[str, float]:
+        await asyncio.gather(*(pool.batch().run([job], 60) for _ in range(workers)))  # workers started, warm
+        with probe() as lateness:
+            started = time.perf_counter()
+            clients = [one_at_a_time(pool, job, math.inf, started + seconds) for _ in range(workers)]
+            done = sum(len(times) for times in await asyncio.gather(*clients))
+            wall = time.perf_counter() - started
+        return lateness | {"jobs_per_s": done / wall}
+
+    return on_pool(mode, workers, saturate)
 
 
 def sequential_ms(mode: str, job: MediaJob, count: int) -> float:
-    """Median wall ms of one job at a time on a one-worker pool of ``mode``."""
-    pool = make_pool(mode, 1)
+    """Median wall ms of one job at a time on a one-worker pool of ``mode``, after one to start it."""
 
-    async def run() -> list[float]:
+    async def after_one(pool: DecodePool) -> float:
         await pool.batch().run([job], 60)
-        times = []
-        for _ in range(count):
-            t0 = time.perf_counter()
-            await pool.batch().run([job], 60)
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times
+        return statistics.median(await one_at_a_time(pool, job, count))
 
-    try:
-        return statistics.median(asyncio.run(run()))
-    finally:
-        pool.shutdown()
+    return on_pool(mode, 1, after_one)
 
 
 def copies_us(payload: bytes, token: bytes, count: int) -> float:
@@ -291,92 +222,81 @@ def copies_us(payload: bytes, token: bytes, count: int) -> float:
         os.close(fd)
 
 
-# ----- the run -----
+def summarise(rounds: list[Any]) -> Any:
+    """Each figure of the rounds as its ``R.summary`` over them, in the rounds' shape."""
+    if isinstance(rounds[0], dict):
+        return {key: summarise([r[key] for r in rounds]) for key in rounds[0]}
+    return R.summary(rounds)
 
 
-def summarise(rounds: list[dict[str, float]], keys: tuple[str, ...]) -> dict[str, Any]:
-    return {k: R.summary(r[k] for r in rounds) for k in keys}
-
-
-def measure_modes(seconds: float, rounds: int, sequential: int) -> dict[str, Any]:
+def measure(knobs: R.Knobs) -> dict[str, Any]:
+    if knobs.malloc_tuning not in ("on", "off"):
+        raise SystemExit("malloc_tuning is on or off")
+    memory_first = knobs.malloc_tuning == "on"
+    tuned = tune_process(os.environ, memory_first=memory_first, decode_threads=2)  # the most any pool here has
+    WORKER_ENVIRONMENT.update(worker_environment(os.environ, memory_first=memory_first))
+    data = R.stamp("gil_hold.py", WHAT)
+    seconds, sequential = knobs.seconds, knobs.sequential
     jpeg = photo_jpeg()
     encoded = pybase64.b64encode(jpeg)
-    task = MediaTask("image", "bench", 64 << 20, POLICY, AudioPolicy())
-    job = MediaJob(task, lambda: encoded)
-    calls = steps(jpeg)
-    lateness = ("p50", "p99", "max")
-    idle_rounds: list[dict[str, float]] = []
-    step_rounds: dict[str, list[dict[str, float]]] = {name: [] for name in calls}
-    pool_rounds: dict[str, list[dict[str, float]]] = {f"{m} × {w}": [] for m in ("thread", "process") for w in (1, 2)}
-    seq: dict[str, list[float]] = {"thread": [], "process": []}
+    job = MediaJob(TASK, lambda: encoded)
     tiny = pybase64.b64encode(b"ID3" + bytes(7))  # an MP3 tag head: audio checked by its signature alone
-    null_job = MediaJob(MediaTask("audio", "bench", 64 << 20, POLICY, AudioPolicy()), lambda: tiny)
-    null: dict[str, list[float]] = {"thread": [], "process": []}
-    copies: list[float] = []
-    held: list[dict[str, float]] = []
-    token = run_task(task, lambda: encoded, no_checkpoint).encoded or b""
-    for r in range(rounds):
-        print(f"round {r + 1}/{rounds}", flush=True)
-        idle_rounds.append(idle_round(seconds))
-        for name, call in calls.items():
-            step_rounds[name].append(step_round(call, seconds))
-        for key in pool_rounds:
-            mode, workers = key.split(" × ")
-            pool_rounds[key].append(pool_round(mode, int(workers), job, seconds))
-        for mode in seq:
-            seq[mode].append(sequential_ms(mode, job, sequential))
-            null[mode].append(sequential_ms(mode, null_job, sequential * 10) * 1e3)
-        copies.append(copies_us(encoded, token, sequential))
-        held.append(held_us(jpeg, sequential))
-    outcome = replace(run_task(task, lambda: encoded, no_checkpoint), encoded=None)
-    return {
-        "env": {"seconds": seconds, "rounds": rounds, "sequential_jobs": sequential, "jpeg_bytes": len(jpeg),
-                "payload_bytes": len(encoded), "token_bytes": len(token), "pillow": Image.__version__,
-                "load_avg": [round(v, 2) for v in os.getloadavg()]},
-        "idle": summarise(idle_rounds, lateness),
-        "steps": {name: summarise(rs, (*lateness, "calls_per_s")) for name, rs in step_rounds.items()},
-        "held_us": summarise(held, tuple(held[0])),
-        "pools": {key: summarise(rs, (*lateness, "jobs_per_s")) for key, rs in pool_rounds.items()},
-        "process_cost": {
-            "thread_ms": R.summary(seq["thread"]), "process_ms": R.summary(seq["process"]),
-            "extra_ms": R.summary(p - t for p, t in zip(seq["process"], seq["thread"], strict=True)),
-            "null_job_us": {mode: R.summary(values) for mode, values in null.items()},
-            "ipc_us": R.summary(p - t for p, t in zip(null["process"], null["thread"], strict=True)),
-            "copies_us": R.summary(copies),
-            # parent pwrite of the payload; worker pwrite and parent pread of the answer (the worker maps
-            # the payload: no copy there)
-            "bytes_copied": len(encoded) + 2 * len(token),
-            "bytes_pickled": len(pickle.dumps((task, len(encoded)))) + len(pickle.dumps(("done", outcome, len(token)))),
-        },
+    null_job = MediaJob(replace(TASK, kind="audio"), lambda: tiny)
+    calls = steps(jpeg, encoded)
+    token = run_task(TASK, lambda: encoded, no_checkpoint).encoded or b""
+    rounds = []
+    for r in range(knobs.rounds):
+        print(f"round {r + 1}/{knobs.rounds}", flush=True)
+        with probe() as idle:
+            time.sleep(seconds)
+        by_step = {name: beside(call, seconds) for name, call in calls.items()}
+        pools = {f"{mode} × {n}": saturated(mode, n, job, seconds) for mode in MODES for n in (1, 2)}
+        cost: dict[str, Any] = {}
+        null_us: dict[str, float] = {}
+        for mode in MODES:
+            cost[f"{mode}_ms"] = sequential_ms(mode, job, sequential)
+            null_us[mode] = sequential_ms(mode, null_job, sequential * 10) * 1e3
+        cost |= {"extra_ms": cost["process_ms"] - cost["thread_ms"], "null_job_us": null_us,
+                 "ipc_us": null_us["process"] - null_us["thread"], "copies_us": copies_us(encoded, token, sequential)}
+        rounds.append({"idle": idle, "steps": by_step, "held_us": held_us(encoded, jpeg, sequential),
+                       "pools": pools, "process_cost": cost})
+    outcome = replace(run_task(TASK, lambda: encoded, no_checkpoint), encoded=None)
+    figures = summarise(rounds)
+    figures["process_cost"] |= {
+        # parent pwrite of the payload; worker pwrite and parent pread of the answer (the worker maps the
+        # payload: no copy there)
+        "bytes_copied": len(encoded) + 2 * len(token),
+        "bytes_pickled": len(pickle.dumps((TASK, len(encoded)))) + len(pickle.dumps(("done", outcome, len(token)))),
     }
+    env = {"seconds": seconds, "rounds": knobs.rounds, "sequential_jobs": sequential, "jpeg_bytes": len(jpeg),
+           "payload_bytes": len(encoded), "token_bytes": len(token), "pillow": Image.__version__,
+           "load_avg": [round(v, 2) for v in os.getloadavg()], "malloc_tuning": tuned}
+    return data | {"env": env} | figures
 
 
 def goals(data: dict[str, Any]) -> list[R.Goal]:
-    out = []
-    idle_p99 = data["idle"]["p99"]["median"]
-    for mode in ("thread", "process"):
-        p99 = data["pools"][f"{mode} × 2"]["p99"]
-        extra = {"median": p99["median"] - idle_p99, "n": p99["n"],
-                 "spread": [p99["spread"][0] - idle_p99, p99["spread"][1] - idle_p99]}
-        out.append(R.record(f"{mode} mode, 2 saturated workers: probe p99 lateness over idle", extra,
-                            f"≤ {GOAL_EXTRA_P99_MS:g}", lambda v: v <= GOAL_EXTRA_P99_MS, unit="ms"))
-    for mode in ("thread", "process"):
-        one, two = data["pools"][f"{mode} × 1"]["jobs_per_s"], data["pools"][f"{mode} × 2"]["jobs_per_s"]
+    pools, idle_p99 = data["pools"], data["idle"]["p99"]["median"]
+    lateness, scaling = [], []
+    for mode in MODES:
+        p99, one, two = pools[f"{mode} × 2"]["p99"], *(pools[f"{mode} × {n}"]["jobs_per_s"] for n in (1, 2))
+        extra = {"median": p99["median"] - idle_p99, "n": p99["n"], "spread": [v - idle_p99 for v in p99["spread"]]}
+        lateness.append(R.record(f"{mode} mode, 2 saturated workers: probe p99 lateness over idle", extra,
+                                 f"≤ {GOAL_EXTRA_P99_MS:g}", lambda v: v <= GOAL_EXTRA_P99_MS, unit="ms"))
         ratio = {"median": two["median"] / one["median"], "n": min(one["n"], two["n"]),
                  "spread": [two["spread"][0] / one["spread"][1], two["spread"][1] / one["spread"][0]]}
-        out.append(R.record(f"{mode} mode: jobs/s with 2 workers × 1 worker", ratio, f"≥ {GOAL_SCALING:g}",
-                            lambda v: v >= GOAL_SCALING, unit="×"))
+        scaling.append(R.record(f"{mode} mode: jobs/s with 2 workers × 1 worker", ratio, f"≥ {GOAL_SCALING:g}",
+                                lambda v: v >= GOAL_SCALING, unit="×"))
+    held = data["held_us"].values()
+    total = {"median": sum(s["median"] for s in held), "n": min(s["n"] for s in held),
+             "spread": [sum(s["spread"][end] for s in held) for end in (0, 1)]}
     cost = data["process_cost"]
-    held = data["held_us"]
-    total = {"median": sum(s["median"] for s in held.values()), "n": min(s["n"] for s in held.values()),
-             "spread": [sum(s["spread"][0] for s in held.values()), sum(s["spread"][1] for s in held.values())]}
-    out.append(R.record("thread mode: GIL held per 12 MP job by calls that never release it", total, "≤ 200",
-                        lambda v: v <= 200, unit="µs"))
-    out.append(R.record("process mode: extra wall time per job (one at a time)", cost["extra_ms"], unit="ms"))
-    out.append(R.record("process mode: IPC per job (an empty job, process − thread)", cost["ipc_us"], unit="µs"))
-    out.append(R.record("process mode: parent's copies per 12 MP job (payload in, answer out)", cost["copies_us"],
-                        unit="µs"))
-    return out
+    return [*lateness, *scaling,
+            R.record("thread mode: GIL held per 12 MP job by calls that never release it", total, "≤ 200",
+                     lambda v: v <= 200, unit="µs"),
+            R.record("process mode: extra wall time per job (one at a time)", cost["extra_ms"], unit="ms"),
+            R.record("process mode: IPC per job (an empty job, process − thread)", cost["ipc_us"], unit="µs"),
+            R.record("process mode: parent's copies per 12 MP job (payload in, answer out)", cost["copies_us"],
+                     unit="µs")]
 
 
 def _cell(s: dict[str, Any]) -> str:
@@ -386,8 +306,14 @@ def _cell(s: dict[str, Any]) -> str:
     return f"{R.number(s['median'])} ({R.number(lo)}–{R.number(hi)})"
 
 
+def _row(name: str, s: dict[str, Any], rate: str = "", per_call: str = "") -> str:
+    """A row of the lateness table: p50, p99 and max, then the rate and µs per call where there are some."""
+    cells = [name, *(_cell(s[key]) for key in LATENESS), rate, per_call]
+    return "|" + "".join(f" {cell} |" if cell else " |" for cell in cells)
+
+
 def report(data: dict[str, Any]) -> str:
-    env = data["env"]
+    env, cost = data["env"], data["process_cost"]
     lines = [
         "# GIL held by media work (bench/gil_hold.py)",
         "",
@@ -396,19 +322,14 @@ def report(data: dict[str, Any]) -> str:
         "",
         "| beside | p50 | p99 | max | rate | µs per call |",
         "| --- | --- | --- | --- | --- | --- |",
-        f"| idle | {_cell(data['idle']['p50'])} | {_cell(data['idle']['p99'])} | {_cell(data['idle']['max'])} | | |",
-    ]
-    for name, s in data["steps"].items():
-        lines.append(f"| {name} | {_cell(s['p50'])} | {_cell(s['p99'])} | {_cell(s['max'])} | "
-                     f"{_cell(s['calls_per_s'])} /s | {R.number(1e6 / s['calls_per_s']['median'])} |")
-    for name, s in data["pools"].items():
-        lines.append(f"| {name} saturated | {_cell(s['p50'])} | {_cell(s['p99'])} | {_cell(s['max'])} | "
-                     f"{_cell(s['jobs_per_s'])} jobs/s | |")
-    lines += ["", "Calls that hold the GIL throughout, timed one by one (µs, their wall time is their hold): "
-              + ", ".join(f"{name} {_cell(s)}" for name, s in data["held_us"].items())
-              + f". Allocator tuning: {', '.join(env.get('malloc_tuning') or ['none'])}."]
-    cost = data["process_cost"]
-    lines += [
+        _row("idle", data["idle"]),
+        *(_row(name, s, f"{_cell(s['calls_per_s'])} /s", R.number(1e6 / s["calls_per_s"]["median"]))
+          for name, s in data["steps"].items()),
+        *(_row(f"{name} saturated", s, f"{_cell(s['jobs_per_s'])} jobs/s") for name, s in data["pools"].items()),
+        "",
+        "Calls that hold the GIL throughout, timed one by one (µs, their wall time is their hold): "
+        + ", ".join(f"{name} {_cell(s)}" for name, s in data["held_us"].items())
+        + f". Allocator tuning: {', '.join(env.get('malloc_tuning') or ['none'])}.",
         "",
         "A step whose p50 stays near idle releases the GIL while it works; one whose p50 jumps to the switch "
         "interval (5 ms) holds it, and in a loop it then holds it for whole intervals: its own hold per image is "
@@ -425,14 +346,3 @@ def report(data: dict[str, Any]) -> str:
         f"released): {_cell(cost['copies_us'])} µs.",
     ]
     return "\n".join(lines) + "\n"
-
-
-def measure(knobs: R.Knobs) -> dict[str, Any]:
-    if knobs.malloc_tuning not in ("on", "off"):
-        raise SystemExit("malloc_tuning is on or off")
-    memory_first = knobs.malloc_tuning == "on"
-    tuned = tune_process(os.environ, memory_first=memory_first, decode_threads=2)  # the most any pool here has
-    WORKER_ENVIRONMENT.update(worker_environment(os.environ, memory_first=memory_first))
-    data = R.stamp("gil_hold.py", WHAT) | measure_modes(knobs.seconds, knobs.rounds, knobs.sequential)
-    data["env"]["malloc_tuning"] = tuned
-    return data
