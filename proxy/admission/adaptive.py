@@ -247,6 +247,7 @@ class AdaptiveLimit:
         self._narrowed = 0
         self._narrow_steps = COLD_NARROW_STEPS
         self._opening = False  # the cycle opened on a probe down, and goes on from a random phase after it
+        self._provisional = False  # the cruise latency is startup's, not yet a cruise phase's
         self._validated: tuple[int, float] | None = None  # a limit lowered for want of demand, and when
         self._no_growth = 0
         self._index = 0  # the phase's place in CYCLE
@@ -453,7 +454,7 @@ class AdaptiveLimit:
         if self.kind == "startup":
             return None
         slower = self._slower(now)
-        if slower is None or slower <= (TOLERANCE if self.kind == "cruise" else STUCK):
+        if slower is None or slower <= (TOLERANCE if self.kind == "cruise" and not self._provisional else STUCK):
             return None
         return slower
 
@@ -680,6 +681,9 @@ class AdaptiveLimit:
             self._why += f"; startup over: the smallest limit with {NEAR_BEST:.0%} of the best rate"
             self._top = max((mix for mix, _latency in self._table.values()), key=self.rate_of)
             self._cruise_on(*self._table[self.cruise_limit])
+            # Startup's phases are no cruise: its first began on an idle backend, whose first batch is quicker than
+            # a steady one. Until a cruise phase has measured the usual, only a far slower backend gives way.
+            self._provisional = True
         self._table, self._lost, self._last_step = {}, set(), None
         self._narrowing, self._narrowed, self._no_growth = False, 0, 0
         self.mode = "probe"
@@ -746,13 +750,15 @@ class AdaptiveLimit:
             if self._opening:  # the cycle goes on from a random phase, so that replicas do not probe in step
                 self._opening = False
                 self._index = 1 + self._rng.randrange(CYCLE_RAND)
-        elif self.latency is not None and latency > TOLERANCE * max(1.0, self.latency):
+        elif self.latency is not None and latency > (STUCK if self._provisional else TOLERANCE) * max(
+                1.0, self.latency):
             # The backend slowed down under the same limit: give way. Slower than the last phases and than the
             # classes' long averages both, so that a burst of fast answers, which lowers the former, does not
             # make the honest latency after it look like a slowdown (Gradient2's comparison is the latter).
             self._why = f"cruise: latency {latency / max(1.0, self.latency):.2f}× the usual; giving way"
             return self._give_way(self.latency / latency)
-        elif cruise is not None and rate < FELL * cruise and latency > GREW * max(1.0, self.latency or 0.0):
+        elif (not self._provisional and cruise is not None and rate < FELL * cruise
+              and latency > GREW * max(1.0, self.latency or 0.0)):
             # The rate fell under the same limit, and its latency grew, if less than the tolerance: the backend
             # changed (its knee moved below the limit, its work got dearer). Search again from a share as much
             # lower. (A rate that fell at the usual latency is demand, or a flood of fast answers, ending.)
@@ -760,8 +766,9 @@ class AdaptiveLimit:
             return self._give_way(rate / cruise)
         else:  # the rate is the last phase's (a backend that got faster must not be judged by an old one)
             self._why = "cruise"
-            self._cruise_on(mix, latency if self.latency is None else self.latency + SMOOTHING * (
+            self._cruise_on(mix, latency if self.latency is None or self._provisional else self.latency + SMOOTHING * (
                 latency - self.latency))
+            self._provisional = False
         self._floor_phases = self._floor_phases + 1 if self.cruise_limit == self.floor else 0
         if self._floor_phases >= FLOOR_PHASES:
             self._floor_phases, self._index = 0, 0

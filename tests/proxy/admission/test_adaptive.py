@@ -224,6 +224,21 @@ def test_a_backend_slowing_down_is_given_way_and_taken_back(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_a_quick_first_batch_is_not_the_usual_latency(seed: int) -> None:
+    """A backend whose first answers, on an idle server, come twice as fast as steady ones (the real vLLM's first
+    batch: its requests start together and nothing else is prefilled beside them): startup's phases measured
+    that, and the first cruise phase learns the usual instead of giving way to it."""
+    def curve(concurrency: int, now: float) -> float:
+        return VLLM_PLATEAU(concurrency, now) * (0.5 if now < 1.0 else 1.0)
+
+    simulation = Simulation([Group("clients", 16, curve)], adaptive=auto(seed), seed=seed)
+    simulation.run(30)
+    assert simulation.adaptive is not None
+    gave_way = [(move.at, move.why) for move in simulation.adaptive.moves if "giving way" in move.why]
+    assert not gave_way
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_a_collapsed_limit_comes_back_within_10_s(seed: int) -> None:
     """For 30 s the backend thrashes past one request: the limit sits at the floor (where it starts here: from
     ``START`` it takes longer to come down, ``test_a_backend_whose_best_is_under_the_start_is_found``). Then it
