@@ -16,8 +16,26 @@ from proxy.settings import ConfigError
 # the other side grows to the aspect-ratio limit it refuses past (200): 200 tokens, whatever max_pixels says.
 STRIP_TOKENS = 200
 
-__all__ = ["PROCESSOR_FILES", "STRIP_TOKENS", "Family", "Found", "Model", "checked", "load_processor",
-           "needs_processor", "no_video_tokens", "read_json"]
+__all__ = ["PROCESSOR_FILES", "Family", "Found", "Model", "checked", "load_processor", "merged_patches",
+           "needs_processor", "no_video_tokens", "pixel_range_tokens", "read_json"]
+
+def merged_patches(processor: Any, merge_size: int) -> Callable[[int, int], int]:
+    """The image tokens of a patch-merging family (Qwen's, GLM's, PaddleOCR-VL's ``_get_num_multimodal_tokens``):
+    the image processor's patches // ``merge_size`` ** 2. The processor itself is not loaded (their video
+    processors need torch); tests check this against the processors' own output."""
+    per_token = merge_size ** 2
+
+    def count(width: int, height: int) -> int:
+        return int(processor.get_number_of_image_patches(height, width, {})) // per_token
+
+    return count
+
+
+def pixel_range_tokens(max_pixels: int, token_pixels: int) -> int:
+    """The most image tokens a ``smart_resize`` to at most ``max_pixels`` leaves, a token being ``token_pixels``:
+    the range's top in tokens, or a strip's ``STRIP_TOKENS`` where a small range makes that more."""
+    return max(max_pixels // token_pixels, STRIP_TOKENS)
+
 
 def checked(geometry: Geometry, count: Callable[[int, int], int]) -> Callable[[int, int], int]:
     """``count`` of an image the processor takes; else the refusal of ``preprocessors.geometry.model_size``."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from preprocessors.geometry import Glm4v
 
-from .base import STRIP_TOKENS, Family, Found, Model, checked
+from .base import Family, Found, Model, checked, merged_patches, pixel_range_tokens
 
 _MODULES = {"Glm4vImageProcessor": "transformers.models.glm4v.image_processing_pil_glm4v",
             "Glm46VImageProcessor": "transformers.models.glm46v.image_processing_pil_glm46v"}
@@ -24,17 +24,10 @@ class Glm4vFamily(Family):
         size = processor.size
         geometry = Glm4v(family, _MODULES[found.image_type], int(processor.patch_size), int(processor.merge_size),
                          int(processor.temporal_patch_size), int(size.shortest_edge), int(size.longest_edge))
-        per_token = geometry.merge_size ** 2
-
-        def count(width: int, height: int) -> int:
-            # Glm4vProcessor._get_num_multimodal_tokens: patches // merge_size ** 2 (its video processor needs
-            # torch, so the processor itself is not loaded).
-            return int(processor.get_number_of_image_patches(height, width, {})) // per_token
-
-        # An image counts as temporal_patch_size frames against max_pixels; a token is (patch × merge)² pixels.
-        token_pixels = (geometry.patch_size * geometry.merge_size) ** 2
-        # A strip kept one token wide can pass max_pixels, up to the aspect-ratio limit of 200.
-        ceiling = max(geometry.max_pixels // geometry.temporal_patch_size // token_pixels, STRIP_TOKENS)
+        count = merged_patches(processor, geometry.merge_size)
+        # An image counts as temporal_patch_size frames against max_pixels.
+        ceiling = pixel_range_tokens(geometry.max_pixels // geometry.temporal_patch_size,
+                                     (geometry.patch_size * geometry.merge_size) ** 2)
         return Model(found.spec, family, geometry, checked(geometry, count), ceiling)
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from preprocessors.geometry import SmartResize
 
-from .base import STRIP_TOKENS, Family, Found, Model, checked
+from .base import Family, Found, Model, checked, merged_patches, pixel_range_tokens
 
 _MODULE = "transformers.models.paddleocr_vl.image_processing_pil_paddleocr_vl"
 
@@ -20,13 +20,8 @@ class PaddleOCRVL(Family):
         patch, merge = int(processor.patch_size), int(processor.merge_size)
         geometry = SmartResize("paddleocr-vl", _MODULE, patch * merge, int(processor.size["shortest_edge"]),
                                int(processor.size["longest_edge"]))
-
-        def count(width: int, height: int) -> int:
-            # PaddleOCRVLProcessor.replace_image_token: image_grid_thw.prod() // merge_size ** 2.
-            return int(processor.get_number_of_image_patches(height, width, {})) // merge ** 2
-
-        # max_pixels in tokens; a strip kept one token wide can pass it, up to the aspect-ratio limit of 200.
-        ceiling = max(geometry.max_pixels // geometry.factor ** 2, STRIP_TOKENS)
+        count = merged_patches(processor, merge)  # its replace_image_token: image_grid_thw.prod() // merge ** 2
+        ceiling = pixel_range_tokens(geometry.max_pixels, geometry.factor ** 2)
         return Model(found.spec, "paddleocr-vl", geometry, checked(geometry, count), ceiling)
 
 

@@ -8,7 +8,17 @@ from typing import Any
 
 from preprocessors.geometry import QwenVL
 
-from .base import PROCESSOR_FILES, Family, Found, Model, checked, no_video_tokens, read_json
+from .base import (
+    PROCESSOR_FILES,
+    Family,
+    Found,
+    Model,
+    checked,
+    merged_patches,
+    no_video_tokens,
+    pixel_range_tokens,
+    read_json,
+)
 
 _MODEL_TYPES = {"qwen2_vl": "qwen2-vl", "qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl"}
 
@@ -23,15 +33,8 @@ class Qwen(Family):
         size = processor.size
         geometry = QwenVL(family, int(processor.patch_size), int(processor.merge_size),
                           int(size.shortest_edge), int(size.longest_edge))
-        per_token = int(processor.merge_size) ** 2
-
-        def count(width: int, height: int) -> int:
-            # Qwen2VLProcessor._get_num_multimodal_tokens: patches // merge_size ** 2 (its video processor needs
-            # torch, so the processor itself is not loaded; tests check this against the processor's own output).
-            return int(processor.get_number_of_image_patches(height, width, {})) // per_token
-
-        # smart_resize keeps height x width within max_pixels, and a token is (patch_size x merge_size)^2 pixels.
-        ceiling = geometry.max_pixels // (geometry.patch_size * geometry.merge_size) ** 2
+        count = merged_patches(processor, geometry.merge_size)
+        ceiling = pixel_range_tokens(geometry.max_pixels, (geometry.patch_size * geometry.merge_size) ** 2)
         # Qwen3-VL's video prompt adds a timestamp in text to every frame pair: its video tokens are not counted.
         video_count = (qwen_video_count(found, processor) if family in ("qwen2-vl", "qwen2.5-vl")
                        else no_video_tokens)

@@ -369,3 +369,12 @@ async def test_the_upstream_gets_the_family_size_and_its_count(
         assert forwarded == sent
     else:
         assert decode_uri(forwarded)[1].size == target == model.geometry.backend_size(*size)
+
+
+def test_a_strip_under_a_small_pixel_range_stays_within_the_most_tokens(tmp_path: Path) -> None:
+    """``smart_resize`` keeps a strip one token wide whatever ``max_pixels`` says, so a checkpoint whose range is
+    under a strip's tokens must still bound what a strip makes."""
+    model = load_model(str(models.qwen_folder(tmp_path / "qwen", max_pixels=28 * 28 * 64)))
+    strip = (28, 28 * 150)
+    assert model.image_tokens(*strip) > 64
+    assert model.image_tokens(*strip) <= model.most_tokens
