@@ -373,12 +373,13 @@ def _big_upload(request: web.Request, connections: ConnectionGuard) -> GuardedCo
     return connections.connection_for(request.protocol)
 
 
-async def _take_place_for_media(state: AppState, exchange: Exchange, head: bytes) -> None:
+async def _take_place_for_media(state: AppState, exchange: Exchange, head: bytes) -> bool:
     """``read_body``'s look at the first bytes of a big body: if they name media, hold a place in line
-    before reading the rest (or refuse now, with the rest unread)."""
+    before reading the rest (or refuse now, with the rest unread), and have the rest gathered into one buffer."""
     exchange.sniffed_media = may_contain_media(head)
     if exchange.sniffed_media:
         exchange.place = await state.gate.take_place(exchange.flow)
+    return exchange.sniffed_media
 
 
 async def expect_continue(request: web.Request) -> None:

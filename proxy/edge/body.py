@@ -1,6 +1,6 @@
-"""Reading a request body whole, as the chunks it arrived in, within MMGATE_MAX_BODY_MB and
-MMGATE_BODY_READ_TIMEOUT (``read_body``); a body that may hold media is joined into one buffer by its owner
-(``buffers.BufferLedger.hold``).
+"""Reading a request body whole within MMGATE_MAX_BODY_MB and MMGATE_BODY_READ_TIMEOUT (``read_body``): as the
+chunks it arrived in, or, once its first bytes name media, gathered into one buffer as it arrives (its owner,
+``buffers.BufferLedger.hold``, then takes that buffer as it is).
 
 A Content-Length over the limit is refused before a byte is read, a chunked body as soon as it crosses
 the limit, and a body that trickles is cut at the deadline (aiohttp has no body-read deadline of its own).
@@ -20,14 +20,17 @@ SMALL_PIECE = 16 << 10  # parser chunks smaller than this are gathered before th
 
 
 async def read_body(request: web.Request, limit: int, timeout: float,
-                    on_head: Callable[[bytes], Awaitable[None]] | None = None) -> list[bytes]:
+                    on_head: Callable[[bytes], Awaitable[bool]] | None = None) -> list[bytes]:
     """The whole body, as the chunks the HTTP parser delivered, refusing more than ``limit`` bytes (413 up
     front from Content-Length, or as soon as a chunked body crosses it) and more than ``timeout`` seconds (408:
-    aiohttp has no body-read timeout). Only a caller that needs one buffer joins them
-    (``buffers.BufferLedger.hold``): a text body is forwarded as it came, never copied.
+    aiohttp has no body-read timeout). A text body is forwarded as it came, never copied.
 
     ``on_head`` is called once with the first ``HEAD_BYTES`` of a body bigger than that which has not fully
-    arrived yet; it may raise to refuse the request before the rest is read."""
+    arrived yet; it may raise to refuse the request before the rest is read. When it returns True (the head
+    names media, so the body will be wanted in one buffer), the rest is appended to one growing buffer as it
+    arrives, and the list holds that buffer alone. Joining the chunks at the end instead would hold the body
+    twice at the join, and fault both copies into fresh pages (the chunks grow the heap, which
+    ``runtime.memory``'s trim threshold hands back, and the joined buffer is a mapping of its own)."""
     if request.content_length is not None and request.content_length > limit:
         raise BODY_TOO_LARGE.error(
             f"the body is {request.content_length} bytes, over the limit of {limit} (MMGATE_MAX_BODY_MB)")
@@ -48,6 +51,7 @@ async def read_body(request: web.Request, limit: int, timeout: float,
     # least SMALL_PIECE, so the list costs a bounded fraction of the body whatever the client's pace.
     chunks: list[bytes] = []
     small = bytearray()
+    whole: bytearray | None = None  # the body gathered into one buffer, once ``on_head`` asked for it
     size = 0
     try:
         async with asyncio.timeout(timeout):
@@ -56,6 +60,11 @@ async def read_body(request: web.Request, limit: int, timeout: float,
                 size += len(chunk)
                 if size > limit:
                     raise BODY_TOO_LARGE.error(f"the body is over the limit of {limit} bytes (MMGATE_MAX_BODY_MB)")
+                if whole is not None:
+                    # Grown in place (glibc remaps a buffer this big without copying it); the parser's chunk is
+                    # freed at once, so the next one reuses its memory.
+                    whole += chunk
+                    continue
                 if len(chunk) < SMALL_PIECE:
                     small += chunk
                     if len(small) >= SMALL_PIECE:
@@ -67,11 +76,17 @@ async def read_body(request: web.Request, limit: int, timeout: float,
                         small.clear()
                     chunks.append(chunk)
                 if on_head is not None and size >= HEAD_BYTES:
-                    await on_head(_head(chunks, small))
+                    gather = await on_head(_head(chunks, small))
                     on_head = None
+                    if gather:
+                        whole = bytearray().join((*chunks, small))
+                        chunks.clear()
+                        small.clear()
     except TimeoutError:
         raise BODY_READ_TIMEOUT.error(f"the request body did not arrive within {timeout:g} s") from None
-    if small:
+    if whole is not None:
+        chunks.append(whole)  # a bytes-like buffer: everything downstream reads it through find, slices and views
+    elif small:
         chunks.append(bytes(small))
     if expected is not None and size != expected:  # pragma: no cover - aiohttp raises on a short body first
         raise INCOMPLETE_BODY.error(f"the body ended after {size} of {expected} bytes")

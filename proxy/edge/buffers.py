@@ -40,8 +40,9 @@ class BufferLedger:
         self.owners_total = 0  # ever made: lets a test show an owner existed before asserting it is gone
 
     async def hold(self, chunks: list[bytes]) -> MediaBuffer:
-        """The chunks a body arrived in, joined into one owned buffer; the list is emptied, so the owner is the
-        only holder of the bytes. Up to ``ONE_COPY_MAX`` bytes in one copy (``b"".join``); a bigger body is
+        """The chunks a body arrived in, joined into one owned buffer (one chunk, such as the buffer ``read_body``
+        gathered a media body into, is taken as it is); the list is emptied, so the owner is the only holder of
+        the bytes. Up to ``ONE_COPY_MAX`` bytes in one copy (``b"".join``); a bigger body is
         appended to one growing ``bytearray`` ``JOIN_STEP`` bytes at a time, letting the loop serve others
         between two steps, and each chunk is let go once copied: a body that big is never held twice, a
         chunk's worth at most. Growing costs no copy: glibc maps a buffer this big on its own
