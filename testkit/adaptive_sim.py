@@ -139,7 +139,8 @@ def _at(trace: list[tuple[float, int]], t: float) -> int:
 class _Request:
     group: Group
     phase: int = 0
-    started_at: float = 0.0  # the controller's time of its hand-off
+    granted_at: float = 0.0  # the controller's time of its admission ...
+    started_at: float = 0.0  # ... and of its hand-off (the same: a simulated request needs no preparing)
 
 
 class Simulation:
@@ -223,6 +224,7 @@ class Simulation:
         self._load()
         request.phase = self.adaptive.phase if self.adaptive is not None else 0
         if self.adaptive is not None:
+            request.granted_at = self.adaptive.granted()
             request.started_at = self.adaptive.started(request.phase)
         self.in_backend += 1
         group = request.group
@@ -245,10 +247,12 @@ class Simulation:
             self.result.samples.append(self.now)
             self.result.completions[group.name].append(self.now)
             if self.adaptive is not None:
-                self._follow(self.adaptive.observe(Sample(self.now - started, group.cls), request.phase))
+                self._follow(self.adaptive.observe(Sample(self.now - started, group.cls), request.phase,
+                                                   request.granted_at))
         self.in_use -= 1
         if self.adaptive is not None:
             self.adaptive.ended(request.phase, request.started_at)
+            self.adaptive.given_back(request.granted_at)
         self._load()
         self._wake()
         self._at(self.now + max(0.0, back_in), lambda: self._send(group))

@@ -7,9 +7,11 @@ class (route, streamed or not, output-token and image buckets). Each class has i
 at the cruise limit, its *reference* (``class_reference``). A completion is worth its class's reference in *work*
 (seconds of typical service); its latency is read *normalised*, as its seconds over that reference. The limit
 moves in phases of a few rounds of requests. For each the controller takes the *rate*: completions per second
-per class by Little's law (``occupancy``: the requests the backend held while each was there, over their seconds),
-valued in work; the work-weighted median normalised latency; and whether demand kept the limit full (*busy*: at
-least half the time every slot was taken or someone waited). Rates of two phases are compared at one instant,
+per class by Little's law (``occupancy``: the leases held while each request held its own, over their seconds:
+the limit bounds leases, and a slot is held while mmgate prepares the request too, a gap the backend's own count
+would not see and that costs a small limit the most), valued in work; the work-weighted median normalised
+latency; and whether demand kept the limit full (*busy*: at least half the time every slot was taken or someone
+waited). Rates of two phases are compared at one instant,
 valued with the same references.
 
 What it cannot see. Failed work (errors, refusals, timeouts, aborted and stalled answers) is no sample: an
@@ -71,7 +73,8 @@ What it borrows, and from whom:
   Startup that has measured nothing yet (a lone warm-up request) waits for demand instead of ending.
 
 The controller is arithmetic on the event loop, with an injected clock and random generator. ``Gate`` calls
-``load`` on every change of its counters, ``started`` and ``ended`` around each request's time at the backend,
+``load`` on every change of its counters, ``granted`` and ``given_back`` around each lease, ``started`` and
+``ended`` around each request's time at the backend,
 ``tick`` every ``TICK_S`` and ``observe`` once per normal completion; ``load``, ``tick`` and ``observe`` return
 whether ``limit`` changed. ``explain`` says where it stands and why the limit last moved: each of the last
 ``MOVES_KEPT`` changes with its reason and what the phase before it had measured (``Move``).
@@ -254,13 +257,14 @@ class AdaptiveLimit:
         self._ups = 0  # probes up in a row that raised the rate in proportion
         self._floor_phases = 0
         self._at_backend: list[float] = []  # when each request at the backend now was handed off (ascending)
+        self._held: list[float] = []  # when each lease held now was granted (ascending)
         self._in_use = self._waiting = 0
         self.moves: deque[Move] = deque(maxlen=MOVES_KEPT)  # the last changes of the limit, and why
         self._why = "the start, before any sample"
         self._evidence: tuple[float, float | None, float | None, float | None, float | None] = (
             0.0, None, None, None, None)
         now = clock()
-        self._occupancy = Occupancy(now)
+        self._leases = Occupancy(now)  # the leases held: what the limit bounds
         self._last_at = now
         self._last_busy = False
         self._longest_before = 0.0  # the last phase's longest request
@@ -358,11 +362,23 @@ class AdaptiveLimit:
         phase = self._now
         return now - phase.started_at >= max(PHASE_MAX_S, PHASE_MAX_ROUNDS * max(phase.longest, self._longest_before))
 
+    def granted(self) -> float:
+        """A lease was granted: returns when (pass it to ``observe`` and ``given_back``)."""
+        now = self._clock()
+        self._held.append(now)  # the clock does not go back: still ascending
+        self._leases.change(now, len(self._held), self._held[0])
+        return now
+
+    def given_back(self, granted_at: float) -> None:
+        """The lease ``granted`` returned ``granted_at`` for was given back, however its request ended."""
+        _forget(self._held, granted_at)
+        now = self._clock()
+        self._leases.change(now, len(self._held), self._held[0] if self._held else now)
+
     def started(self, phase: int) -> float:
         """A request admitted in ``phase`` was handed to the backend: returns when (pass it to ``ended``)."""
         now = self._clock()
         self._at_backend.append(now)  # the clock does not go back: still ascending
-        self._occupancy.change(now, len(self._at_backend), self._at_backend[0])
         if phase == self.phase:
             self._now.in_flight.append(now)
         return now
@@ -370,14 +386,12 @@ class AdaptiveLimit:
     def ended(self, phase: int, started_at: float) -> None:
         """The request ``started`` returned ``started_at`` for left the backend, however it ended."""
         _forget(self._at_backend, started_at)
-        now = self._clock()
-        self._occupancy.change(now, len(self._at_backend), self._at_backend[0] if self._at_backend else now)
         if phase == self.phase:
             _forget(self._now.in_flight, started_at)
 
-    def observe(self, sample: Sample, phase: int) -> bool:
-        """One normal completion; ``phase`` is ``self.phase`` when its request was admitted. Returns whether
-        ``limit`` changed."""
+    def observe(self, sample: Sample, phase: int, granted_at: float) -> bool:
+        """One normal completion; ``phase`` is ``self.phase`` when its request was admitted, ``granted_at`` what
+        ``granted`` returned for its lease. Returns whether ``limit`` changed."""
         now = self._clock()
         self.samples += 1
         if phase != self.phase:  # Envoy's rule: admitted under another limit, it says nothing about this one
@@ -403,13 +417,15 @@ class AdaptiveLimit:
             # In flight while the phase's first requests were: the backend still held the last phase's
             # requests. Its latency counts, its rate does not (BBR judges a gain after a round at it).
             return False
-        # At least itself: the backend held it all along, whenever the gate heard of its hand-off (a front
-        # process's message comes a little after it).
-        held = max(1.0, self._occupancy.mean(now - sample.seconds, now))
+        # Its lease's time, not only the backend's: a slot is also held while mmgate prepares the request, and a
+        # rate read at the backend alone would not see those gaps, which cost a small limit the most. At least
+        # itself: its lease was held all along.
+        seconds = max(sample.seconds, now - granted_at)
+        held = max(1.0, self._leases.mean(now - seconds, now))
         current.held[sample.cls] = current.held.get(sample.cls, 0.0) + held
-        current.held_seconds += sample.seconds
+        current.held_seconds += seconds
         if len(current.rated) < MAX_TIMED:
-            current.rated.append((sample.cls, held, sample.seconds))
+            current.rated.append((sample.cls, held, seconds))
         current.weight += work
         current.weight_squared += work * work
         if timely and (current.effective() >= self._need() or (

@@ -69,7 +69,8 @@ class _Waiter:
     future: asyncio.Future[None]
     tokens: int = 0
     flow: Flow = DEFAULT_FLOW
-    phase: int = 0  # the adaptive limit's phase when it was granted
+    phase: int = 0  # the adaptive limit's phase when it was granted ...
+    held_since: float = 0.0  # ... and when, on its clock
 
 
 @dataclass(eq=False)
@@ -246,7 +247,7 @@ class Gate:
         except BaseException as exc:
             if waiter.future.done() and not waiter.future.cancelled():
                 # Granted in the same instant we timed out or were cancelled: hand the slot back.
-                self._give_back(self._lease(cost, tokens, waiter.phase))
+                self._give_back(self._lease(cost, tokens, waiter.phase, waiter.held_since))
             else:
                 waiter.future.cancel()
                 self._dequeue(waiter)
@@ -257,7 +258,7 @@ class Gate:
                                                   f"allowed (MMGATE_QUEUE_TIMEOUT={timeout:g}), behind "
                                                   f"{self.in_use} running; retry later", flow) from None
             raise
-        return self._lease(cost, tokens, waiter.phase)
+        return self._lease(cost, tokens, waiter.phase, waiter.held_since)
 
     def _enqueue(self, waiter: _Waiter) -> None:
         flows = self._bands.get(waiter.flow.band)
@@ -293,7 +294,7 @@ class Gate:
         request that reached the backend, and still held its slot, says anything about it: one never forwarded,
         or given back already (its client stalled), is ignored."""
         if (self.adaptive is not None and lease.forwarded and not lease.released
-                and self.adaptive.observe(sample, lease.phase)):
+                and self.adaptive.observe(sample, lease.phase, lease.held_since)):
             self.limit = self.adaptive.limit
             self._wake()
             self._on_change(self)
@@ -305,23 +306,24 @@ class Gate:
         self.limit = self.adaptive.limit
         return True
 
-    def _lease(self, cost: int, tokens: int, phase: int) -> Lease:
-        return Lease(self, cost, tokens, granted_at=self.clock(), phase=phase)
+    def _lease(self, cost: int, tokens: int, phase: int, held_since: float) -> Lease:
+        return Lease(self, cost, tokens, granted_at=self.clock(), phase=phase, held_since=held_since)
 
     def _grant(self, cost: int, tokens: int) -> Lease:
-        phase = self._take(cost, tokens)
+        phase, held_since = self._take(cost, tokens)
         self._on_change(self)
-        return self._lease(cost, tokens, phase)
+        return self._lease(cost, tokens, phase, held_since)
 
-    def _take(self, cost: int, tokens: int) -> int:
-        """Take a slot, ``cost`` bytes and ``tokens``; the adaptive limit's phase they were granted in."""
+    def _take(self, cost: int, tokens: int) -> tuple[int, float]:
+        """Take a slot, ``cost`` bytes and ``tokens``; the adaptive limit's phase they were granted in, and when
+        on its clock."""
         self.in_use += 1
         self.preparing += 1
         self.bytes_in_use += cost
         self.tokens_in_use += tokens
-        phase = self.adaptive.phase if self.adaptive is not None else 0
+        phase, held_since = (self.adaptive.phase, self.adaptive.granted()) if self.adaptive is not None else (0, 0.0)
         self._load()  # a limit that grows here lets ``_wake`` go on granting
-        return phase
+        return phase, held_since
 
     def _tick(self, adaptive: AdaptiveLimit) -> None:
         """The adaptive limit looks at the requests still at the backend every ``TICK_S`` while any is held or
@@ -336,8 +338,10 @@ class Gate:
             self._on_change(self)
 
     def _give_back(self, lease: Lease) -> None:
-        if lease.forwarded and self.adaptive is not None:
-            self.adaptive.ended(lease.phase, lease.at_backend_since)
+        if self.adaptive is not None:
+            if lease.forwarded:
+                self.adaptive.ended(lease.phase, lease.at_backend_since)
+            self.adaptive.given_back(lease.held_since)
         self.in_use -= 1
         if not lease.forwarded:
             self.preparing -= 1
@@ -375,7 +379,7 @@ class Gate:
                 flows[key] = queue  # to the back of the band's turn
             elif not flows:
                 del self._bands[head.flow.band]
-            head.phase = self._take(head.cost, head.tokens)
+            head.phase, head.held_since = self._take(head.cost, head.tokens)
             head.future.set_result(None)
 
 

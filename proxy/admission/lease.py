@@ -37,6 +37,7 @@ class Lease:
     released: bool = False
     deferred: bool = False  # the release waits for work that has not stopped yet
     phase: int = 0  # the adaptive limit's phase at admission: its sample judges that phase only
+    held_since: float = 0.0  # the adaptive limit's clock at admission
     forwarded: bool = False  # the request went on to the backend: no longer waiting in mmgate
     at_backend_since: float = 0.0  # the adaptive limit's clock at the hand-off
 

@@ -1,9 +1,11 @@
-"""How many requests the backend held, over time: by Little's law, the rate at which it completes them.
+"""How many leases were held, over time: by Little's law, the rate at which they complete requests.
 
-A backend that held ``L`` requests on average while its answers took ``W`` seconds on average completes ``L / W``
-a second. Each normal completion brings the mean number the backend held over its own time there (``mean``) and
-those seconds; a phase's rate of a class is the sum of its completions' means over the sum of every completion's
-seconds (``adaptive._Phase.mix``), which is exact for any mix of classes once a phase spans a round.
+A limit under which ``L`` leases were held on average while each was held ``W`` seconds on average completes
+``L / W`` requests a second. Each normal completion brings the mean number held over its own lease's time
+(``mean``) and those seconds; a phase's rate of a class is the sum of its completions' means over the sum of
+every completion's seconds (``adaptive._Phase.mix``), which is exact for any mix of classes once a phase spans a
+round. Counted at the backend instead (from the hand-off), the gaps in which a lease is held while mmgate prepares
+its request would not count: the rate of a small limit, which loses the most to them, would read too high.
 
 Why not count completions. A delivery-rate sample (TCP BBR's, ``net/ipv4/tcp_rate.c``: the completions while a
 request was in flight, over its time in flight) is biased low when answers come in bunches, as they do from a
@@ -21,7 +23,7 @@ MAX_KEPT = 100_000  # changes remembered at most (a flood of requests that never
 
 
 class Occupancy:
-    """The number of requests at the backend at every change since the oldest of those still there went."""
+    """The number of leases held at every change since the oldest of those still held was granted."""
 
     def __init__(self, now: float) -> None:
         self._times: list[float] = [now]
@@ -30,8 +32,8 @@ class Occupancy:
         self._head = 0  # changes before it are forgotten
 
     def change(self, now: float, held: int, oldest: float) -> None:
-        """The backend holds ``held`` requests from ``now`` on; the oldest went at ``oldest`` (``now`` when it
-        holds none): no request still to complete asks about anything before it."""
+        """``held`` leases are held from ``now`` on; the oldest was granted at ``oldest`` (``now`` when none is
+        held): no request still to complete asks about anything before it."""
         last = len(self._times) - 1
         self._areas.append(self._areas[last] + self._counts[last] * (now - self._times[last]))
         self._times.append(now)
@@ -43,7 +45,7 @@ class Occupancy:
         return len(self._times) - self._head
 
     def mean(self, start: float, now: float) -> float:
-        """The mean number of requests held over (``start``, ``now``]."""
+        """The mean number of leases held over (``start``, ``now``]."""
         if now <= start:
             return float(self._counts[-1])
         return (self._area(now) - self._area(start)) / (now - start)

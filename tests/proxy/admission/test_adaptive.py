@@ -263,17 +263,50 @@ def test_answers_that_come_in_bunches_read_the_rate_the_backend_gave() -> None:
         for request in range(4):
             now[0] += 1e-4
             limit.load(request + 1, 20)
-            handed.append((limit.phase, limit.started(limit.phase)))
-        now[0] = handed[0][1] + 0.25
-        for phase, started_at in handed:
+            granted_at = limit.granted()
+            handed.append((limit.phase, granted_at, limit.started(limit.phase)))
+        now[0] = handed[0][2] + 0.25
+        for phase, granted_at, started_at in handed:
             now[0] += 1e-5
-            limit.observe(Sample(0.25, HONEST), phase)
+            limit.observe(Sample(0.25, HONEST), phase, granted_at)
             limit.ended(phase, started_at)
+            limit.given_back(granted_at)
         limit.load(0, 20)
         now[0] += 0.002  # the clients' next requests reach the gate
     first = limit.moves[1]
     assert first.before == 4 and first.rate is not None
     assert abs(first.rate - 4.0) < 0.1
+
+
+def test_a_slot_held_while_mmgate_prepares_the_request_counts_against_the_rate() -> None:
+    """Two slots, each held 0.1 s while mmgate prepares its request, then 0.2 s at the backend: the limit delivers
+    2 / 0.3 completions a second, worth 0.2 s of service each. Read at the backend alone (the requests it held
+    over each one's 0.2 s there: 1.5) the rate would be 7.5 a second, and a small limit, which loses the most to
+    such gaps, would look as good as a larger one."""
+    now = [0.0]
+    limit = AdaptiveLimit(1, 64, initial=2, clock=lambda: now[0], rng=random.Random(0))
+    events: list[tuple[float, int, str, tuple[int, float, float]]] = [(0.0, 0, "grant", (0, 0.0, 0.0)),
+                                                                     (0.15, 1, "grant", (0, 0.0, 0.0))]
+    held = 0
+    while len(limit.moves) < 2:
+        events.sort()
+        now[0], slot, what, (phase, granted_at, started_at) = events.pop(0)
+        if what == "grant":
+            held += 1
+            limit.load(held, 20)
+            events.append((now[0] + 0.1, slot, "hand off", (limit.phase, limit.granted(), 0.0)))
+        elif what == "hand off":
+            events.append((now[0] + 0.2, slot, "answered", (phase, granted_at, limit.started(phase))))
+        else:
+            limit.observe(Sample(0.2, HONEST), phase, granted_at)
+            limit.ended(phase, started_at)
+            limit.given_back(granted_at)
+            held -= 1
+            limit.load(held, 20)
+            events.append((now[0], slot, "grant", (0, 0.0, 0.0)))
+    first = limit.moves[1]
+    assert first.before == 2 and first.rate is not None
+    assert abs(first.rate - 2 / 0.3 * 0.2) < 0.02
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -353,7 +386,7 @@ def test_samples_of_requests_admitted_in_an_earlier_phase_judge_nothing() -> Non
     stale = limit.phase - 1
     for _ in range(200):
         now[0] += 0.1
-        assert not limit.observe(Sample(0.1, HONEST), stale)
+        assert not limit.observe(Sample(0.1, HONEST), stale, now[0] - 0.1)
     assert limit.limit == 1 and limit.phase == stale + 1 and limit.samples == 200
 
 
@@ -380,7 +413,8 @@ def test_the_limit_stays_within_its_bounds(events: list[tuple[str, float, int, i
         if what == "load":
             limit.load(in_use, waiting)
         else:
-            limit.observe(Sample(step * in_use / 10, cls), limit.phase if what == "sample" else limit.phase - 1)
+            limit.observe(Sample(step * in_use / 10, cls), limit.phase if what == "sample" else limit.phase - 1,
+                          now[0] - step)
         assert floor <= limit.limit <= ceiling and floor <= limit.cruise_limit <= ceiling
 
 

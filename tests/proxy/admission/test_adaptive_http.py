@@ -36,9 +36,9 @@ class Recording(AdaptiveLimit):
         super().__init__(floor, ceiling)
         self.seen: list[Sample] = []
 
-    def observe(self, sample: Sample, phase: int) -> bool:
+    def observe(self, sample: Sample, phase: int, granted_at: float) -> bool:
         self.seen.append(sample)
-        return super().observe(sample, phase)
+        return super().observe(sample, phase, granted_at)
 
 
 async def _auto_proxy(upstream: Upstream, start_proxy: StartProxy) -> tuple[Proxy, Recording]:
