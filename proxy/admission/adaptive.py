@@ -470,9 +470,14 @@ class AdaptiveLimit:
         if self.kind == "startup":
             return None
         slower = self._slower(now)
-        if slower is None or slower <= (TOLERANCE if self.kind == "cruise" and not self._provisional else STUCK):
+        if slower is None or slower <= self._tolerance():
             return None
         return slower
+
+    def _tolerance(self) -> float:
+        """How many times their usual latency this phase's requests may take before the limit gives way: the
+        tolerance in a cruise; far past it (``STUCK``) in a probe, and while the usual latency is startup's."""
+        return TOLERANCE if self.kind == "cruise" and not self._provisional else STUCK
 
     def _slower(self, now: float) -> float | None:
         """How many times its usual latency the floor under the cruise phase's median latency is: the usual is
@@ -587,7 +592,7 @@ class AdaptiveLimit:
             # Learnt at the cruise limit, one value a phase (Gradient2 takes one a window): probes and startup's
             # doublings are measured against it, and a flood of answers in one phase is one value.
             self.references.get(cls).add(statistics.median(seconds))
-        kind = self._after_startup(measured) if self.mode == "startup" else self._after_probe(measured)
+        kind = self._after_startup(measured) if self.mode == "startup" else self._after_probe(measured, spread)
         self._begin(now, kind)
         return self.limit != before
 
@@ -713,7 +718,8 @@ class AdaptiveLimit:
         self._index = (self._index + 1) % len(CYCLE)
         return CYCLE[self._index]
 
-    def _after_probe(self, measured: Measured | None) -> Kind:
+    def _after_probe(self, measured: Measured | None, spread: float) -> Kind:
+        """The phase's verdict: ``measured``, and ``spread``, its rate's standard error as a share of it."""
         kind, limit = self.kind, self.cruise_limit
         if measured is None:
             return self._next_in_cycle()
@@ -754,7 +760,7 @@ class AdaptiveLimit:
             self._why = "probe up did not pay"
             self._ups = 0
         elif kind == "down":
-            surely = rate * (1 - CONFIDENCE * self.spread_of(self._now))
+            surely = rate * (1 - CONFIDENCE * spread)
             if cruise is not None and surely >= KEEP_DOWN * self._to_keep():
                 self.cruise_limit, self.mix, self.latency = self.limit, mix, latency
                 self._why = "probe down kept the rate"
@@ -766,8 +772,7 @@ class AdaptiveLimit:
             if self._opening:  # the cycle goes on from a random phase, so that replicas do not probe in step
                 self._opening = False
                 self._index = 1 + self._rng.randrange(CYCLE_RAND)
-        elif self.latency is not None and latency > (STUCK if self._provisional else TOLERANCE) * max(
-                1.0, self.latency):
+        elif self.latency is not None and latency > self._tolerance() * max(1.0, self.latency):
             # The backend slowed down under the same limit: give way. Slower than the last phases and than the
             # classes' long averages both, so that a burst of fast answers, which lowers the former, does not
             # make the honest latency after it look like a slowdown (Gradient2's comparison is the latter).

@@ -19,6 +19,7 @@ STRIP_TOKENS = 200
 __all__ = ["PROCESSOR_FILES", "Family", "Found", "Model", "checked", "load_processor", "merged_patches",
            "needs_processor", "no_video_tokens", "pixel_range_tokens", "read_json"]
 
+
 def merged_patches(processor: Any, merge_size: int) -> Callable[[int, int], int]:
     """The image tokens of a patch-merging family (Qwen's, GLM's, PaddleOCR-VL's ``_get_num_multimodal_tokens``):
     the image processor's patches // ``merge_size`` ** 2. The processor itself is not loaded (their video
