@@ -190,8 +190,8 @@ class _Phase:
     settled_at: float | None = None  # when its first request completed: the backend holds its load from here
     weight: float = 0.0  # the work of its rate samples ...
     weight_squared: float = 0.0  # ... and its square (for Kish's effective number of samples)
-    held: dict[SampleClass, float] = field(default_factory=dict)  # per class, its rate samples' mean requests held
-    held_seconds: float = 0.0  # the seconds of every rate sample
+    held: dict[SampleClass, float] = field(default_factory=dict)  # per class, its rate samples' mean leases held
+    held_seconds: float = 0.0  # the seconds of every rate sample's lease
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (normalised latency, work)
     seconds: dict[SampleClass, list[float]] = field(default_factory=dict)  # cruise: each class's seconds
     longest: float = 0.0  # its longest request, in seconds
@@ -202,8 +202,8 @@ class _Phase:
     in_flight: list[float] = field(default_factory=list)  # when each of its requests at the backend now went
 
     def mix(self) -> Mix:
-        """Completions per second per class, by Little's law (``occupancy``): the mean requests held while each
-        of the class's rate samples was at the backend, summed, over the seconds of every sample."""
+        """Completions per second per class, by Little's law (``occupancy``): the mean leases held while each of
+        the class's rate samples held its own, summed, over the seconds of every sample's lease."""
         return {cls: held / self.held_seconds for cls, held in self.held.items()} if self.held_seconds else {}
 
     def median_at_least(self, ages: list[float]) -> float | None:

@@ -45,9 +45,10 @@ async def read_body(request: web.Request, limit: int, timeout: float,
     expected = request.content_length
     if expected is not None and expected <= HEAD_BYTES:
         on_head = None
-    # The chunks aiohttp's parser hands over are kept as they are: a buffer of the declared size filled chunk by
-    # chunk would cost a zeroing pass and a Python-level copy per chunk, and would commit the declared size in
-    # full before the client sent it. Small pieces (a client that trickles) are gathered into pieces of at
+    # A text body's chunks are kept as aiohttp's parser hands them over: it is forwarded as it came, so a copy
+    # would be waste. A media body, wanted in one buffer, grows one as it arrives rather than taking a buffer of
+    # the declared size, which would cost a zeroing pass and commit that size in full before the client sent
+    # it. Small pieces (a client that trickles) are gathered into pieces of at
     # least SMALL_PIECE, so the list costs a bounded fraction of the body whatever the client's pace.
     chunks: list[bytes] = []
     small = bytearray()
