@@ -141,6 +141,19 @@ def number(value: float | None) -> str:
     return f"{value:.3g}"
 
 
+def summary_text(s: dict[str, Any], unit: str = "") -> str:
+    """A summary as a table cell: ``median (min–max)``, – without any value."""
+    if s["median"] is None:
+        return "–"
+    lo, hi = s["spread"]
+    return f"{number(s['median'])}{unit} ({number(lo)}–{number(hi)})"
+
+
+def spread_cell(values: Iterable[float | None], unit: str = "") -> str:
+    """The rounds' values as a table cell: ``median (min–max)``, – without any."""
+    return summary_text(summary(values), unit)
+
+
 def spread_text(g: Goal) -> str:
     """``lo–hi``, or why there is none (older files recorded only the median)."""
     if not g["spread"]:

@@ -205,11 +205,7 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 def table(figures: dict[str, list[float]]) -> str:
     def cell(key: str) -> str:
-        s = R.summary(figures.get(key, []))
-        if s["median"] is None:
-            return "–"
-        lo, hi = s["spread"]
-        return f"{R.number(s['median'])} ({R.number(lo)}–{R.number(hi)})"
+        return R.spread_cell(figures.get(key, []))
 
     lines = ["| conversation | cache | mmgate CPU ms / request | media CPU ms / request | latency p50 ms | "
              "latency p99 ms | peak RSS MB |", "| --- | --- | --- | --- | --- | --- | --- |"]

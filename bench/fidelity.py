@@ -251,12 +251,6 @@ def chosen_psnr_text(chosen: dict[str, Any]) -> str:
     return "exact (the original, byte for byte)" if chosen.get("exact") else f"{chosen['psnr_db']} dB"
 
 
-def cell(s: dict[str, Any]) -> str:
-    if s["median"] is None:
-        return "–"
-    lo, hi = s["spread"]
-    return f"{R.number(s['median'])} ({R.number(lo)}–{R.number(hi)})"
-
 
 def report(data: dict[str, Any]) -> str:
     lines = [
@@ -299,16 +293,18 @@ def report(data: dict[str, Any]) -> str:
             f"## {photo['photo']}: {photo['source']}, {photo['source_bytes'] / 1e6:.2f} MB → {photo['model_size']}",
             "",
             f"Resize alone (draft decode + the processor's filter): {photo['resize_psnr_db']} dB, "
-            f"{cell(photo['resize_cpu_ms'])} ms CPU. Through `process_image` with the model: "
+            f"{R.summary_text(photo['resize_cpu_ms'])} ms CPU. Through `process_image` with the model: "
             f"{chosen_psnr_text(photo['chosen'])}, "
             f"{photo['chosen']['bytes'] / 1e6:.2f} MB {photo['chosen']['mime']}, "
-            f"{cell(photo['chosen']['mmgate_cpu_ms'])} ms CPU. Without a model ({photo['generic']['encoding']}, "
+            f"{R.summary_text(photo['chosen']['mmgate_cpu_ms'])} ms CPU. "
+            f"Without a model ({photo['generic']['encoding']}, "
             f"{photo['generic']['size']}): {photo['generic']['psnr_db']} dB against Pillow's BICUBIC of the original "
             f"({photo['generic']['psnr_vs_model_reference_db']} dB against the model's reference), "
             f"{photo['generic']['bytes'] / 1e6:.2f} MB ({photo['generic']['saved']:.0%} saved), "
-            f"{cell(photo['generic']['mmgate_cpu_ms'])} ms CPU. Forwarded as it is, the backend decodes it in "
-            f"{cell(photo['original']['backend_decode_cpu_ms'])} ms and resizes it in "
-            f"{cell(photo['original']['backend_resize_cpu_ms'])} ms.",
+            f"{R.summary_text(photo['generic']['mmgate_cpu_ms'])} ms CPU. "
+            "Forwarded as it is, the backend decodes it in "
+            f"{R.summary_text(photo['original']['backend_decode_cpu_ms'])} ms and resizes it in "
+            f"{R.summary_text(photo['original']['backend_resize_cpu_ms'])} ms.",
             "",
             "| encoding | PSNR dB | encode-only PSNR dB | bytes | mmgate CPU ms | backend decode CPU ms | "
             "handoff CPU ms |",
@@ -316,8 +312,8 @@ def report(data: dict[str, Any]) -> str:
         ]
         for r in photo["encodings"]:
             lines.append(f"| {r['encoding']} | {r['psnr_db']} | {r['encode_only_psnr_db']} | "
-                         f"{r['bytes'] / 1e6:.2f} MB | {cell(r['mmgate_cpu_ms'])} | "
-                         f"{cell(r['backend_decode_cpu_ms'])} | {cell(r['handoff_cpu_ms'])} |")
+                         f"{r['bytes'] / 1e6:.2f} MB | {R.summary_text(r['mmgate_cpu_ms'])} | "
+                         f"{R.summary_text(r['backend_decode_cpu_ms'])} | {R.summary_text(r['handoff_cpu_ms'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -290,10 +290,7 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 def table(figs: dict[str, list[float]], processes: list[int]) -> str:
     def cell(key: str) -> str:
-        s = R.summary(figs.get(key, []))
-        if s["median"] is None:
-            return "–"
-        return f"{R.number(s['median'])} ({R.number(s['spread'][0])}–{R.number(s['spread'][1])})"
+        return R.spread_cell(figs.get(key, []))
 
     rows = [
         ("SSE events/s", "events_per_s"), ("× one process", "events_ratio"),

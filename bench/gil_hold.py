@@ -299,16 +299,10 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
                      unit="µs")]
 
 
-def _cell(s: dict[str, Any]) -> str:
-    if s["median"] is None:
-        return "–"
-    lo, hi = s["spread"]
-    return f"{R.number(s['median'])} ({R.number(lo)}–{R.number(hi)})"
-
 
 def _row(name: str, s: dict[str, Any], rate: str = "", per_call: str = "") -> str:
     """A row of the lateness table: p50, p99 and max, then the rate and µs per call where there are some."""
-    cells = [name, *(_cell(s[key]) for key in LATENESS), rate, per_call]
+    cells = [name, *(R.summary_text(s[key]) for key in LATENESS), rate, per_call]
     return "|" + "".join(f" {cell} |" if cell else " |" for cell in cells)
 
 
@@ -323,26 +317,29 @@ def report(data: dict[str, Any]) -> str:
         "| beside | p50 | p99 | max | rate | µs per call |",
         "| --- | --- | --- | --- | --- | --- |",
         _row("idle", data["idle"]),
-        *(_row(name, s, f"{_cell(s['calls_per_s'])} /s", R.number(1e6 / s["calls_per_s"]["median"]))
+        *(_row(name, s, f"{R.summary_text(s['calls_per_s'])} /s", R.number(1e6 / s["calls_per_s"]["median"]))
           for name, s in data["steps"].items()),
-        *(_row(f"{name} saturated", s, f"{_cell(s['jobs_per_s'])} jobs/s") for name, s in data["pools"].items()),
+        *(_row(f"{name} saturated", s, f"{R.summary_text(s['jobs_per_s'])} jobs/s")
+          for name, s in data["pools"].items()),
         "",
         "Calls that hold the GIL throughout, timed one by one (µs, their wall time is their hold): "
-        + ", ".join(f"{name} {_cell(s)}" for name, s in data["held_us"].items())
+        + ", ".join(f"{name} {R.summary_text(s)}" for name, s in data["held_us"].items())
         + f". Allocator tuning: {', '.join(env.get('malloc_tuning') or ['none'])}.",
         "",
         "A step whose p50 stays near idle releases the GIL while it works; one whose p50 jumps to the switch "
         "interval (5 ms) holds it, and in a loop it then holds it for whole intervals: its own hold per image is "
         "at most its µs per call.",
         "",
-        f"Process mode's cost per job, one job at a time on one worker: thread {_cell(cost['thread_ms'])} ms, "
-        f"process {_cell(cost['process_ms'])} ms, extra {_cell(cost['extra_ms'])} ms; "
+        f"Process mode's cost per job, one job at a time on one worker: thread {R.summary_text(cost['thread_ms'])} ms, "
+        f"process {R.summary_text(cost['process_ms'])} ms, extra {R.summary_text(cost['extra_ms'])} ms; "
         f"{cost['bytes_copied']:,} bytes copied (payload {env['payload_bytes']:,} once, answer "
         f"{env['token_bytes']:,} twice), {cost['bytes_pickled']:,} bytes pickled.",
         "",
-        f"An empty job (a few bytes of audio: no image work) takes {_cell(cost['null_job_us']['thread'])} µs on a "
-        f"thread and {_cell(cost['null_job_us']['process'])} µs on a process: IPC {_cell(cost['ipc_us'])} µs per "
-        f"job. The parent's copies of a 12 MP job's bytes (pwrite of the payload, pread of the answer, GIL "
-        f"released): {_cell(cost['copies_us'])} µs.",
+        "An empty job (a few bytes of audio: no image work) takes "
+        f"{R.summary_text(cost['null_job_us']['thread'])} µs on a thread and "
+        f"{R.summary_text(cost['null_job_us']['process'])} µs on a process: IPC "
+        f"{R.summary_text(cost['ipc_us'])} µs per job. The parent's copies of a 12 MP job's bytes (pwrite of the "
+        "payload, pread of the answer, GIL "
+        f"released): {R.summary_text(cost['copies_us'])} µs.",
     ]
     return "\n".join(lines) + "\n"

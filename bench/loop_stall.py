@@ -217,13 +217,12 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 def report(data: dict[str, Any]) -> str:
     def cell(tree: str, name: str) -> str:
-        s = R.summary(r[name]["worst_ms"] for r in data["rounds"][tree])
         answers = sorted({f"{r[name]['status']}{' ' + r[name]['code'] if r[name]['code'] else ''}"
                           for r in data["rounds"][tree]})
         handled = R.summary(r[name]["handled_ms"] for r in data["rounds"][tree])
         control = R.summary(r[name]["control_worst_ms"] for r in data["rounds"][tree])
-        return (f"{R.number(s['median'])} ({R.number(s['spread'][0])}–{R.number(s['spread'][1])}) | "
-                f"{R.number(control['median'])} | {R.number(handled['median'])} | {', '.join(answers)}")
+        worst = R.spread_cell(r[name]["worst_ms"] for r in data["rounds"][tree])
+        return (f"{worst} | {R.number(control['median'])} | {R.number(handled['median'])} | {', '.join(answers)}")
 
     lines = [
         "# One body and the event loop (/mmgate/health while a hostile body is handled)",

@@ -119,9 +119,7 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 def report(data: dict[str, Any]) -> str:
     def cell(size: int, phase: str, probe: str, figure: str) -> str:
-        s = R.summary(r[str(size)][phase].get(probe, {}).get(figure) for r in data["rounds"])
-        return "–" if s["median"] is None else \
-            f"{R.number(s['median'])} ({R.number(s['spread'][0])}–{R.number(s['spread'][1])})"
+        return R.spread_cell(r[str(size)][phase].get(probe, {}).get(figure) for r in data["rounds"])
 
     lines = [
         "# A /metrics flood and mmgate's other answers (MMGATE_BACKEND_METRICS=merge)",

@@ -205,11 +205,7 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 def table(f: dict[str, list[float]], names: list[str]) -> str:
     def cell(key: str) -> str:
-        s = R.summary(f.get(key, []))
-        if s["median"] is None:
-            return "–"
-        lo, hi = s["spread"]
-        return f"{R.number(s['median'])} ({R.number(lo)}–{R.number(hi)})"
+        return R.spread_cell(f.get(key, []))
 
     lines = ["| scenario | text p50 ms | text p99 ms | health p99 ms | control p99 ms | media req/s "
              "| CPU ms / media req | minor faults / media req | CPU % |",

@@ -489,10 +489,7 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 def _cell_text(modes: dict[str, dict[int, dict[str, Any]]], mode: str, key: str, scale: float = 1.0) -> str:
     values = [c.get(key) for c in modes.get(mode, {}).values()]
-    s = R.summary(None if v is None else v * scale for v in values)
-    if s["median"] is None:
-        return "–"
-    return f"{R.number(s['median'])} ({R.number(s['spread'][0])}–{R.number(s['spread'][1])})"
+    return R.spread_cell(None if v is None else v * scale for v in values)
 
 
 def report(data: dict[str, Any]) -> str:

@@ -224,9 +224,7 @@ def report(data: dict[str, Any]) -> str:
     ]
 
     def cell(variant: str, key: str) -> str:
-        m = R.summary(values(data, variant, key).values())
-        return "–" if m["median"] is None else \
-            f"{R.number(m['median'])} ({R.number(m['spread'][0])}–{R.number(m['spread'][1])})"
+        return R.spread_cell(values(data, variant, key).values())
 
     for variant in VARIANTS:
         lines.append(f"| {variant} | {cell(variant, 'ready_s')} | {cell(variant, 'model_s')} | "
