@@ -200,17 +200,21 @@ def with_goals(md: str, data: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def write(name: str, data: dict[str, Any], md: str, out: Path | None = None) -> None:
-    """Write ``<name>.json`` and ``<name>.md`` under bench/results (or ``out`` without suffix).
-
-    The JSON starts with the stamp and the goals so a reader (or the report) finds them first.
-    """
-    path = out or RESULTS / name
-    path.parent.mkdir(parents=True, exist_ok=True)
+def texts(data: dict[str, Any], md: str) -> tuple[str, str]:
+    """A result's ``.json`` and ``.md`` as written: the JSON starts with the stamp and the goals so a reader (or
+    the report) finds them first; the page is ``with_goals``."""
     first = {k: data[k] for k in (*STAMP_KEYS, "goals") if k in data}
     rest = {k: v for k, v in data.items() if k not in first}
-    path.with_suffix(".json").write_text(json.dumps(first | rest, indent=1, default=str) + "\n")
-    path.with_suffix(".md").write_text(with_goals(md, data))
+    return json.dumps(first | rest, indent=1, default=str) + "\n", with_goals(md, data)
+
+
+def write(name: str, data: dict[str, Any], md: str, out: Path | None = None) -> None:
+    """Write ``<name>.json`` and ``<name>.md`` (``texts``) under bench/results (or ``out`` without suffix)."""
+    path = out or RESULTS / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    json_text, page = texts(data, md)
+    path.with_suffix(".json").write_text(json_text)
+    path.with_suffix(".md").write_text(page)
 
 
 def print_goals(goals: Sequence[Goal]) -> None:

@@ -7,7 +7,8 @@
     python -m bench run checkpoints --render       # rebuild the .md (and the goals) from the committed .json
     python -m bench stale                          # run every scenario whose result is stale, then the report
     python -m bench quick                          # smoke-run every scenario, write nothing
-    python -m bench report                         # docs/benchmarks.md and the README's figures, from the results
+    python -m bench report                         # every result's page and goals (as --render), docs/benchmarks.md
+                                                   # and the README's figures, from the results
 
 A scenario names its result file, the bench module that measures it and that module's **knobs** with their
 defaults (the type of the default is the knob's type); ``--set knob=value`` changes one, ``--rounds`` is the knob
@@ -95,16 +96,22 @@ def _parsed(text: str, default: Any) -> Any:
 
 def run(scenario: Scenario, knobs: Knobs, *, out: Path | None, render: bool) -> None:
     """Measure (or, with ``render``, read the committed result), then print and write as the docstring says."""
-    measure, goals, report = scenario.parts()
+    measure, _goals, _report = scenario.parts()
     # Through JSON first, as it is written: the page a fresh run prints is the one a --render rebuilds.
-    data = json.loads((R.RESULTS / f"{scenario.name}.json").read_text() if render
-                      else json.dumps(measure(knobs), default=str))
-    data["goals"] = goals(data)
+    data, md = rendered(scenario, json.loads((R.RESULTS / f"{scenario.name}.json").read_text() if render
+                                             else json.dumps(measure(knobs), default=str)))
     R.print_goals(data["goals"])
-    md = report(data)
     print(md)
     if out is not None or not knobs.quick:
         R.write(scenario.name, data, md, out=out)
+
+
+def rendered(scenario: Scenario, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """A result's data with its goals, and its page, as the scenario's ``goals`` and ``report`` make them of
+    the data now."""
+    _measure, goals, report = scenario.parts()
+    data = data | {"goals": goals(data)}
+    return data, report(data)
 
 
 def is_stale(scenario: Scenario) -> bool:

@@ -1,6 +1,9 @@
 """Write docs/benchmarks.md and the README's headline figures from ``bench/results/*.json``, so no figure in
 either is typed by hand.
 
+Every result's goals and page are rebuilt first from its data by its scenario's ``goals`` and ``report``
+(``rendered_results``), so a page and its verdicts always follow the code that makes them.
+
 docs/benchmarks.md has one row per result file: the script that wrote it, what it measures, its goals and
 reported figures (median over rounds, min–max spread, how many rounds) and whether each goal was met, all read
 from the file; and when it was measured; then the scaling and peer-client tables. A result is **stale** when the
@@ -57,9 +60,11 @@ tree on 127.0.0.1. This page, and the headline figures in the README, are genera
 `python -m bench report` (`tests/bench/test_report.py` fails when they disagree), so no figure in them is typed by
 hand.
 
-A row is **stale** when the code it measures changed after the commit it ran on. A result measures its script
-and the modules of `proxy/` and `preprocessors/` the script imports, directly or through other modules; one
-that starts mmgate (as a process, or through `testkit`'s servers and load client) measures both folders whole.
+A row is **stale** when the code it measures changed after the commit it ran on. A result measures what its
+script's measurement runs and the modules of `proxy/` and `preprocessors/` the script imports, directly or through
+other modules; one that starts mmgate (as a process, or through `testkit`'s servers and load client) measures both
+folders whole. A script's `goals` and `report` are no measurement: `python -m bench report` rebuilds every
+result's verdicts and page from its data with them, so a change to them rewrites pages, not figures.
 A change to docstrings or comments only does not count; any other change to a Python file, a change to any
 other file and a file added, removed or moved do (`bench/staleness.py`). A result that ran on uncommitted
 changes, or recorded no commit, is stale too. Run the bench again on a clean tree and commit its results to
@@ -141,7 +146,23 @@ def row(name: str, data: dict[str, Any]) -> str:
 
 
 def load_results(results: Path = R.RESULTS) -> dict[str, dict[str, Any]]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
+    """Every result's data, with its goals as its scenario's ``goals`` make them of the data now."""
+    return {name: data for name, (data, _page) in rendered_results(results).items()}
+
+
+def rendered_results(results: Path = R.RESULTS) -> dict[str, tuple[dict[str, Any], str]]:
+    """Each result's data with its goals, and its page, as its scenario's ``goals`` and ``report`` make them of its
+    data now (``python -m bench run NAME --render``); a result no scenario names, as it is, without a page. So a
+    change to those functions rewrites the pages and verdicts here, and measures nothing anew (``staleness``)."""
+    from bench.harness import rendered
+    from bench.scenarios import SCENARIOS
+
+    scenarios = {scenario.name: scenario for scenario in SCENARIOS}
+    out: dict[str, tuple[dict[str, Any], str]] = {}
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text())
+        out[path.stem] = rendered(scenarios[path.stem], data) if path.stem in scenarios else (data, "")
+    return out
 
 
 def _median(cell: dict[str, Any], digits: str = ".3g") -> str:
@@ -245,9 +266,9 @@ def benchmark_tables(files: dict[str, dict[str, Any]]) -> list[str]:
     ]
 
 
-def render_page(results: Path = R.RESULTS) -> str:
-    """docs/benchmarks.md, whole."""
-    lines = ["# Benchmarks", "", GENERATED, "", INTRO, "", *benchmark_tables(load_results(results))]
+def render_page(results: Path = R.RESULTS, files: dict[str, dict[str, Any]] | None = None) -> str:
+    """docs/benchmarks.md, whole (of ``files``, else of ``load_results``)."""
+    lines = ["# Benchmarks", "", GENERATED, "", INTRO, "", *benchmark_tables(files or load_results(results))]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -259,9 +280,10 @@ def headline_goal(files: dict[str, dict[str, Any]], result: str, name: str) -> R
     return goal
 
 
-def render_headline(results: Path = R.RESULTS) -> str:
-    """The README's headline block, markers included: each goal of ``HEADLINES`` with its figure and verdict."""
-    files = load_results(results)
+def render_headline(results: Path = R.RESULTS, files: dict[str, dict[str, Any]] | None = None) -> str:
+    """The README's headline block, markers included: each goal of ``HEADLINES`` with its figure and verdict (of
+    ``files``, else of ``load_results``)."""
+    files = files or load_results(results)
     rows = []
     for result, name in HEADLINES:
         data, goal = files.get(result, {}), headline_goal(files, result, name)
@@ -294,12 +316,19 @@ def headline_span(readme: str) -> tuple[int, int] | None:
 
 
 def expected(results: Path = R.RESULTS, page: Path = PAGE, readme: Path = README) -> dict[Path, str]:
-    """What the generated files should hold: the page, and the README where it has the headline markers."""
-    out = {page: render_page(results)}
+    """What the generated files should hold: each result's JSON and page (``rendered_results``), the page, and the
+    README where it has the headline markers."""
+    out: dict[Path, str] = {}
+    rendered = rendered_results(results)
+    for name, (data, md) in rendered.items():
+        if md:
+            out[results / f"{name}.json"], out[results / f"{name}.md"] = R.texts(data, md)
+    files = {name: data for name, (data, _md) in rendered.items()}
+    out[page] = render_page(files=files)
     text = readme.read_text() if readme.exists() else ""
     span = headline_span(text)
     if span is not None:
-        out[readme] = text[:span[0]] + render_headline(results) + text[span[1]:]
+        out[readme] = text[:span[0]] + render_headline(files=files) + text[span[1]:]
     return out
 
 

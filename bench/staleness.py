@@ -13,8 +13,10 @@ mmgate: importing a helper function from it runs no process.
 
 Code changed when a measured file differs between the two commits in anything but docstrings and comments:
 a ``.py`` file counts only if its syntax tree without docstrings differs, any other file counts as changed,
-and a file added, removed or moved counts. Every file is read from git (``git cat-file``), never from the
-working tree, so the verdict is the committed code's.
+and a file added, removed or moved counts. Of the script itself, only what its measurement runs counts
+(``measuring_code``): its ``goals`` and ``report`` turn the result's data into verdicts and a page, and
+``python -m bench report`` rebuilds both from the data whenever they change. Every file is read from git
+(``git cat-file``), never from the working tree, so the verdict is the committed code's.
 """
 
 from __future__ import annotations
@@ -193,15 +195,40 @@ def measured_paths(script: str, repo: Path = REPO, rev: str = "HEAD") -> tuple[s
     return (*rooms_of(script, repo, rev), f"bench/{script}")
 
 
-def code_of(source: bytes | None) -> str | None:
-    """A module's syntax tree without its docstrings, as text; None when there is no such file or it does not
-    parse (never equal to another: such a file always counts as changed)."""
+MEASURES = "measure"  # a bench script's functions whose names start so measure (``Scenario.functions``' first)
+
+
+def measuring_code(tree: ast.Module) -> ast.Module:
+    """A bench script as far as its measurement runs: its module-level statements, its ``measure…`` functions
+    and every function and class they reach by name, directly or in turn; not what only its verdicts and its page
+    use (``goals``, ``report`` and their helpers), which are rebuilt from the result's data."""
+    defined = {node.name: node for node in tree.body
+               if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+    roots = [node for node in tree.body if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+             or node.name.startswith(MEASURES)]
+    reached: set[str] = set()
+    todo = [*roots]
+    while todo:
+        for node in ast.walk(todo.pop()):
+            if isinstance(node, ast.Name) and node.id in defined and node.id not in reached:
+                reached.add(node.id)
+                todo.append(defined[node.id])
+    tree.body = [node for node in tree.body if node in roots or getattr(node, "name", None) in reached]
+    return tree
+
+
+def code_of(source: bytes | None, measuring: bool = False) -> str | None:
+    """A module's syntax tree without its docstrings, as text (with ``measuring``, a bench script's
+    ``measuring_code``); None when there is no such file or it does not parse (never equal to another: such a
+    file always counts as changed)."""
     if source is None:
         return None
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return None
+    if measuring:
+        tree = measuring_code(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
             first = node.body[0]
@@ -225,7 +252,8 @@ def code_changes(repo: Path, since: str, until: str, paths: tuple[str, ...]) -> 
         if not path.endswith(".py"):
             changed.append(path)
             continue
-        old, new = code_of(before[path]), code_of(after[path])
+        script = path.startswith("bench/")  # the only bench module a result measures is its script
+        old, new = code_of(before[path], script), code_of(after[path], script)
         if old is None or new is None or old != new:
             changed.append(path)
     return tuple(changed)

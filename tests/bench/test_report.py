@@ -181,3 +181,35 @@ def test_a_moved_module_makes_a_result_stale(repo: Repo) -> None:
     measured = repo.git("rev-parse", "HEAD")
     repo.move("proxy/limits.py", "proxy/limits/__init__.py")  # the same code and the same import, moved
     assert report.freshness(_measured_at(measured), repo.root)[0]
+
+
+SCRIPT_WITH_A_PAGE = '''\
+from proxy.limits import CAP
+
+
+def sample():
+    return CAP
+
+
+def measure(knobs):
+    return {"value": sample()}
+
+
+def cell(value):
+    return f"{value:.2f}"
+
+
+def report(data):
+    return cell(data["value"])
+'''
+
+
+def test_a_change_to_what_only_the_page_uses_leaves_its_result_fresh(repo: Repo) -> None:
+    """``goals`` and ``report`` are rebuilt from the data (``python -m bench report``): changing them, or a helper
+    only they call, measures nothing anew; changing what ``measure`` reaches does."""
+    measured = repo.commit({"bench/y.py": SCRIPT_WITH_A_PAGE})
+    repo.commit({"bench/y.py": SCRIPT_WITH_A_PAGE.replace(":.2f", ":.3f").replace(
+        'return cell(data["value"])', 'return "| " + cell(data["value"]) + " |"')})
+    assert not report.freshness(_measured_at(measured, "y.py"), repo.root)[0]
+    repo.commit({"bench/y.py": SCRIPT_WITH_A_PAGE.replace("return CAP", "return CAP + 1")})
+    assert report.freshness(_measured_at(measured, "y.py"), repo.root)[0]
