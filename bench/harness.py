@@ -98,8 +98,12 @@ def run(scenario: Scenario, knobs: Knobs, *, out: Path | None, render: bool) -> 
     """Measure (or, with ``render``, read the committed result), then print and write as the docstring says."""
     measure, _goals, _report = scenario.parts()
     # Through JSON first, as it is written: the page a fresh run prints is the one a --render rebuilds.
-    data, md = rendered(scenario, json.loads((R.RESULTS / f"{scenario.name}.json").read_text() if render
-                                             else json.dumps(measure(knobs), default=str)))
+    if render:
+        measured = json.loads((R.RESULTS / f"{scenario.name}.json").read_text())
+    else:
+        knobs_run = {name: value for name, value in vars(knobs).items() if name not in ("quick", "name")}
+        measured = json.loads(json.dumps(measure(knobs) | {"knobs": knobs_run}, default=str))
+    data, md = rendered(scenario, measured)
     R.print_goals(data["goals"])
     print(md)
     if out is not None or not knobs.quick:
@@ -111,7 +115,8 @@ def rendered(scenario: Scenario, data: dict[str, Any]) -> tuple[dict[str, Any], 
     the data now."""
     _measure, goals, report = scenario.parts()
     data = data | {"goals": goals(data)}
-    return data, report(data)
+    doc = importlib.import_module(f"bench.{scenario.module}").__doc__ or scenario.name
+    return data, R.page(doc, data, report(data))
 
 
 def is_stale(scenario: Scenario) -> bool:

@@ -10,6 +10,15 @@ request of the proxy and of the upstream (/proc). SSE: a client process holds 64
 gaps, proxy CPU per token. Targets take turns round after round, each run once the shared machine is near idle;
 figures are medians over the rounds. py-spy profiles mmgate at 32 connections unless no_profile.
 
+Upstream: testkit/text_load.py's raw asyncio server: it reads the whole body, then answers a fixed 330-byte chat
+completion (nginx's own ``return 200`` answers before reading a body, and wrk then stalls on 4 MB ones). nginx: one
+worker, ``proxy_http_version 1.1``, upstream keep-alive, the body buffered in memory as mmgate does. mmgate:
+``python -m proxy --access-log off``, defaults otherwise. Proxy CPU: utime + stime of the proxy's processes (nginx:
+master and worker) per request. SSE: when a request carries ``X-Bench-Stream`` the upstream streams OpenAI chunk
+events (~190 B) on an absolute schedule; the client (aiohttp, its own process, on the other CPU) staggers its
+streams over one response's length, each restarting when it ends; a gap is the time between two events of one
+stream as the client sees them. The schedule bounds tokens/s: a proxy lowers it through TTFT or by lagging.
+
 Goals, on the median of the per-round ratios: 1 KB, 32 conns: mmgate >= 0.6x nginx's req/s, mmgate-uvloop's CPU
 per request <= 0.92x mmgate's on asyncio's loop; 4 MB: mmgate's CPU per MB <= 1.2x the minimal proxy's; SSE:
 mmgate >= 0.95x direct tokens/s. Needs wrk and nginx (apt-get installs them when missing), py-spy to profile.
@@ -39,8 +48,8 @@ import aiohttp
 
 from bench import _results as R
 from proxy.payload.locate import may_contain_media
-from testkit import pyspy
-from testkit.load import free_port, loadavg, machine_jiffies, stop, uptime, wait_http, wait_quiet
+from testkit import peers, pyspy
+from testkit.load import Turns, free_port, loadavg, machine_jiffies, stop, uptime, wait_http
 from testkit.procfs import CLK_TCK, cpu_ticks, descendants
 from testkit.text_load import ANSWER, ROLE, text_body
 
@@ -51,59 +60,12 @@ SSE_TARGETS = ("direct", "mmgate", "mmgate-uvloop", "minimal", "nginx")  # the o
 # The event loop each mmgate target runs on (`--loop`); "mmgate" is asyncio's own, whatever is installed.
 LOOP_OF = {"mmgate": "asyncio", "mmgate-uvloop": "uvloop"}
 PROFILE_S = 8
-NGINX = shutil.which("nginx") or "/usr/sbin/nginx"  # where apt-get puts it: off a plain user's PATH
 WHAT = ("text-only requests with wrk: direct vs nginx vs a minimal aiohttp proxy vs mmgate on asyncio's loop and "
         "on uvloop (1 KB and 4 MB, 1 and 32 conns); 64 SSE streams")
 GOAL_X_NGINX, GOAL_SSE_X_DIRECT, GOAL_TEXT_X_MINIMAL, GOAL_UVLOOP_CPU = 0.6, 0.95, 1.2, 0.92
 # The upstream's CPU per request the anchor's numbers imply (CPU-bound, proxy and upstream sharing one core)
 ANCHOR_UPSTREAM_US = 85
 Row = dict[str, Any]
-
-
-def ensure_tools(need_pyspy: bool) -> None:
-    if shutil.which("wrk") is None or not Path(NGINX).exists():
-        print("installing nginx and wrk with apt-get ...", flush=True)
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True)
-        subprocess.run(["apt-get", "install", "-y", "nginx", "wrk"], env=env, check=True, capture_output=True)
-    if need_pyspy and not pyspy.pyspy_path():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"], check=True)
-    if importlib.util.find_spec("uvloop") is None:  # mmgate's uvloop extra, for the mmgate-uvloop target
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "uvloop>=0.19"], check=True)
-
-
-# A plain reverse proxy: HTTP/1.1 to a keep-alive upstream, the body buffered in memory as mmgate does; files: prefix
-NGINX_CONF = """
-worker_processes 1;
-daemon off;
-pid {prefix}/nginx.pid;
-error_log {prefix}/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  client_body_temp_path {prefix}/client_body;
-  proxy_temp_path {prefix}/proxy;
-  fastcgi_temp_path {prefix}/fastcgi;
-  uwsgi_temp_path {prefix}/uwsgi;
-  scgi_temp_path {prefix}/scgi;
-  keepalive_requests 1000000;
-  client_max_body_size 0;
-  upstream backend {{
-    server 127.0.0.1:{upstream};
-    keepalive 128;
-    keepalive_requests 1000000;
-  }}
-  server {{
-    listen 127.0.0.1:{port};
-    client_body_buffer_size 16m;
-    location / {{
-      proxy_pass http://backend;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-    }}
-  }}
-}}
-"""
 
 
 def start(stack: ExitStack, argv: list[str], cpu: str, **popen: Any) -> subprocess.Popen[bytes]:
@@ -119,12 +81,10 @@ def start_targets(stack: ExitStack, targets: Sequence[str], workdir: Path,
     CPU is the target's (direct: none; nginx: master and worker; and "upstream": the upstream's)."""
     ports = {target: free_port() for target in targets}
     upstream = f"http://127.0.0.1:{ports['direct']}"
-    conf = workdir / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(prefix=workdir, port=ports["nginx"], upstream=ports["direct"]))
     mmgate = [sys.executable, "-m", "proxy", "--upstream", upstream, "--host", "127.0.0.1", "--access-log", "off"]
     argv = {"direct": [*ROLE, "upstream", "--port", str(ports["direct"]), "--sse-tokens", str(args.sse_tokens),
                        "--sse-delay", str(args.sse_delay)],
-            "nginx": [NGINX, "-p", str(workdir), "-e", str(workdir / "error.log"), "-c", str(conf)],
+            "nginx": peers.nginx_argv(workdir, ports["nginx"], ports["direct"]),
             "minimal": [*ROLE, "minimal-proxy", "--port", str(ports["minimal"]), "--upstream", upstream],
             **{target: [*mmgate, "--port", str(ports[target]), "--loop", loop] for target, loop in LOOP_OF.items()}}
     cwd = dict.fromkeys(argv, REPO)
@@ -153,36 +113,6 @@ def check_answer(url: str, body: bytes) -> None:
         raise RuntimeError(f"{url}: unexpected answer {r.status} {got[:200]!r}")
 
 
-WRK_LUA = """
-wrk.method = "POST"
-wrk.path = "/v1/chat/completions"
-wrk.headers["Content-Type"] = "application/json"
-local f = assert(io.open("{body}", "rb"))
-wrk.body = f:read("*a")
-f:close()
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format('WRKJSON {{"requests":%d,"duration_us":%d,"bytes":%d,"p50_us":%d,"p90_us":%d,' ..
-    '"p99_us":%d,"max_us":%d,"mean_us":%.1f,"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d}}\\n',
-    summary.requests, summary.duration, summary.bytes, latency:percentile(50), latency:percentile(90),
-    latency:percentile(99), latency.max, latency.mean, e.connect, e.read, e.write, e.status, e.timeout))
-end
-"""
-
-
-def wrk_argv(url: str, script: Path, conns: int, seconds: float) -> list[str]:
-    return ["taskset", "-c", LOAD_CPU, "wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--latency",
-            "--timeout", "20s", "-s", str(script), url]
-
-
-def run_wrk(url: str, script: Path, conns: int, seconds: float) -> dict[str, Any]:
-    out = subprocess.run(wrk_argv(url, script, conns, seconds), capture_output=True, text=True, timeout=seconds + 60)
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("WRKJSON ")), None)
-    if line is None:
-        raise RuntimeError(f"wrk failed: {out.stdout}\n{out.stderr}")
-    return json.loads(line[len("WRKJSON "):])
-
-
 def cpu_meter(pids: Mapping[str, list[int]], target: str) -> Callable[[], list[float]]:
     """The CPU seconds spent from now by the target's proxy, the upstream, the whole machine (every process and the
     kernel, steal included) and this process's reaped children (wrk, once it has exited)."""
@@ -200,7 +130,7 @@ def measure_http(url: str, script: Path, conns: int, seconds: int, pids: Mapping
     """One wrk run. ``other_load`` = CPU (in cores) used on the machine by anything but proxy, upstream and wrk:
     other jobs, plus kernel network work not charged to a process (so it is never quite 0 here)."""
     spent = cpu_meter(pids, target)
-    w = run_wrk(url, script, conns, seconds)
+    w = peers.run_wrk(url, script, conns, seconds, LOAD_CPU)
     proxy_s, upstream_s, machine_s, wrk_s = spent()
     requests, wall, has_proxy = max(w["requests"], 1), w["duration_us"] / 1e6, bool(pids[target])
     return {"requests": w["requests"], "rps": w["requests"] / wall,
@@ -234,48 +164,16 @@ def measure_sse(stack: ExitStack, url: str, args: R.Knobs, seconds: float, pids:
                      "other_load": max(0.0, (machine_s - proxy_s - upstream_s) / wall - result["client_cpu_share"])}
 
 
-class Turns:
-    """Targets take turns, round after round, so a burst of other work on the shared machine hits all of them; each
-    run starts once the machine is near idle (under 0.3 cores busy over 0.3 s), after at most 5 s of waiting and
-    ``budget`` s in all."""
-
-    def __init__(self, budget: float) -> None:
-        self.budget, self.waited, self.gave_up = budget, 0.0, 0
-
-    def take(self, runs: Mapping[str, Callable[[], Row]], rounds: int) -> dict[str, Row]:
-        """Each target's figures as their medians over its rounds (not the best round: that flatters whoever got
-        the quietest moment), with the rounds."""
-        seen: dict[str, list[Row]] = {target: [] for target in runs}
-        busy_below = 0.3 / (os.cpu_count() or 1)  # wait_quiet reads a share of the whole machine
-        for _ in range(rounds):
-            for target, run in runs.items():
-                quiet = wait_quiet(min(5.0, max(0.0, self.budget - self.waited)), busy_below, sample=0.3)
-                self.waited += quiet["waited_s"]
-                self.gave_up += quiet["busy_before_pct"] >= busy_below * 100
-                seen[target].append(run())
-        medians: dict[str, Row] = {}
-        for target, values in seen.items():
-            medians[target] = {}
-            for key in values[0]:
-                column = [r[key] for r in values]
-                numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in column)
-                medians[target][key] = statistics.median(column) if numeric else column[0]
-            medians[target]["rounds"] = values
-        return medians
-
-
-def environment() -> dict[str, Any]:
-    nginx = subprocess.run([NGINX, "-v"], capture_output=True, text=True).stderr.strip()
-    wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split()
-    return {"python": platform.python_version(), "aiohttp": aiohttp.__version__, "nginx": nginx.split("/")[-1],
-            "wrk": wrk[1] if len(wrk) > 1 else "?", "cpu": R.cpu_model(), "cpus": os.cpu_count(),
-            "kernel": platform.release(), "load_avg_before": loadavg(), "uptime_before": uptime()}
-
-
 def measure(args: R.Knobs) -> dict[str, Any]:
     began, stamp = time.monotonic(), R.stamp("passthrough.py", WHAT)
-    ensure_tools(need_pyspy=not args.no_profile)
-    env = environment()
+    peers.install()
+    if not args.no_profile and not pyspy.pyspy_path():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"], check=True)
+    if importlib.util.find_spec("uvloop") is None:  # mmgate's uvloop extra, for the mmgate-uvloop target
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "uvloop>=0.19"], check=True)
+    env: dict[str, Any] = {"python": platform.python_version(), "aiohttp": aiohttp.__version__, **peers.versions(),
+           "cpu": R.cpu_model(), "cpus": os.cpu_count(), "kernel": platform.release(), "load_avg_before": loadavg(),
+           "uptime_before": uptime()}
     print(f"# passthrough bench: {env['uptime_before']}", flush=True)
 
     targets = [*TARGETS, *([f"mmgate@{args.baseline}"] if args.baseline else [])]
@@ -291,9 +189,7 @@ def measure(args: R.Knobs) -> dict[str, Any]:
         bodies, scripts = {"1 KB": text_body(1024), "4 MB": text_body(4 << 20)}, dict[str, Path]()
         for name, raw in bodies.items():
             assert not may_contain_media(raw), f"the {name} body would leave mmgate's text fast path"
-            (workdir / f"body-{len(raw)}.json").write_bytes(raw)
-            scripts[name] = workdir / f"post-{len(raw)}.lua"
-            scripts[name].write_text(WRK_LUA.format(body=workdir / f"body-{len(raw)}.json"))
+            scripts[name] = peers.wrk_script(workdir, raw)
         urls, pids = start_targets(stack, targets, workdir, args)
         for url in urls.values():
             for raw in bodies.values():
@@ -301,7 +197,7 @@ def measure(args: R.Knobs) -> dict[str, Any]:
 
         for body, conns in ((body, conns) for body in bodies for conns in (1, 32)):
             for target in targets:
-                run_wrk(urls[target], scripts[body], conns, 1)  # warm-up: connections, pools, caches
+                peers.run_wrk(urls[target], scripts[body], conns, 1, LOAD_CPU)  # warm-up: connections, pools, caches
             seconds = round_s if body == "1 KB" else round_s_4mb
             runs = {target: partial(measure_http, urls[target], scripts[body], conns, seconds, pids, target)
                     for target in targets}
@@ -333,7 +229,8 @@ def measure(args: R.Knobs) -> dict[str, Any]:
             for body, svg in (("1 KB", R.RESULTS / "passthrough_profile.svg"), ("4 MB", None)):
                 print(f"  profiling mmgate (py-spy, {body}, 32 connections) ...", flush=True)
                 busy_s = (2 if svg else 1) * (PROFILE_S + 2) + 2  # wrk outlasts the py-spy runs (svg: one more)
-                with subprocess.Popen(wrk_argv(urls["mmgate"], scripts[body], 32, busy_s), stdout=subprocess.DEVNULL):
+                wrk = peers.wrk_argv(urls["mmgate"], scripts[body], 32, busy_s, LOAD_CPU)
+                with subprocess.Popen(wrk, stdout=subprocess.DEVNULL):
                     time.sleep(1)
                     profile[body] = pyspy.record(pids["mmgate"][0], PROFILE_S, svg, cpu=LOAD_CPU)
 
@@ -414,29 +311,15 @@ SSE_COLUMNS = (("target", "target", "s"), ("tokens/s", "tokens_per_s", ".0f"), (
 
 def report(data: dict[str, Any]) -> str:
     env, settings, cells, sse = data["environment"], data["settings"], data["http"], data["sse"]
+    st, e = settings, env
     lines = [
-        "# passthrough: text-only requests and SSE streams, direct vs nginx vs minimal aiohttp vs mmgate",
-        "",
-        f"`python -m bench run passthrough` ({settings['rounds']} rounds x {settings['round_s']} s per cell and "
-        f"target, 4 MB: {settings['rounds_4mb']} x {settings['round_s_4mb']} s, "
-        f"SSE {settings['sse_rounds']} x {settings['sse_round_s']:g} s; {env['seconds']} s in all) -- Python "
-        f"{env['python']}, aiohttp {env['aiohttp']}, nginx {env['nginx']}, wrk {env['wrk']}, {env['cpus']} CPUs "
-        f"({env['cpu']}), kernel {env['kernel']}.",
-        "",
-        f"Machine: 2 cores, shared. Proxy and upstream on CPU {settings['proxy_cpu']}, the load generator (wrk -t1, "
-        f"or the SSE client) on CPU {settings['load_cpu']}. Load average {env['load_avg_before']} at start, "
-        f"{env['load_avg_after']} at end (`uptime`: `{env['uptime_before']}`; `{env['uptime_after']}`). Each run "
-        f"waited for the machine to be near idle ({env['quiet_wait_s']} s in all; {env['quiet_gave_up']} run(s) "
-        "started anyway after 5 s); targets take turns round after round, each figure is the median over the "
-        "target's rounds (every round is in the JSON). `other load` = cores the rest of the machine used during the "
-        "run (other jobs, kernel network work not charged to a process): read a row with a high value with care.",
-        "",
-        "Upstream: testkit/text_load.py's raw asyncio server: it reads the whole body, then answers a fixed 330-byte "
-        "chat completion (~25 us CPU per 1 KB request; nginx `return 200`, ~15 us, answers before reading the body, "
-        "and wrk then stalls on 4 MB bodies: 0.7 req/s direct). nginx: 1 worker, `proxy_http_version 1.1`, upstream "
-        "keepalive, the body buffered in memory as mmgate does (`client_body_buffer_size 16m`). minimal: the "
-        "anchor's ~30-line aiohttp proxy. mmgate: `python -m proxy --access-log off`, defaults otherwise. Proxy CPU "
-        "= utime+stime of the proxy process(es) (nginx: master + worker) / requests.",
+        f"{st['rounds']} rounds × {st['round_s']} s a cell and target (4 MB: {st['rounds_4mb']} × "
+        f"{st['round_s_4mb']} s; SSE: {st['sse_rounds']} × {st['sse_round_s']:g} s), {e['seconds']} s in all; "
+        f"Python {e['python']}, aiohttp {e['aiohttp']}, nginx {e['nginx']}, wrk {e['wrk']}, kernel {e['kernel']}. "
+        f"Proxies and upstream on CPU {st['proxy_cpu']}, the load generator on CPU {st['load_cpu']}; load average "
+        f"{e['load_avg_before']} at the start, {e['load_avg_after']} at the end; {e['quiet_wait_s']} s waited for a "
+        f"quiet machine ({e['quiet_gave_up']} run(s) started anyway). Each figure: the median of the target's rounds "
+        "(every round is in the JSON); `other load`: the cores the rest of the machine used during the run.",
         "",
     ]
     by = {(c["body"], c["conns"], c["target"]): c for c in cells}
@@ -485,12 +368,6 @@ def report(data: dict[str, Any]) -> str:
             "",
             f"## SSE: {settings['sse_streams']} concurrent streams, {settings['sse_tokens']} events per response, one "
             f"every {settings['sse_delay_s'] * 1000:g} ms",
-            "",
-            "The upstream streams OpenAI chunk events (~190 B, chunked) on an absolute schedule when the request "
-            "carries `X-Bench-Stream`; the client (aiohttp, its own process, on the other CPU) staggers its "
-            f"{settings['sse_streams']} streams over one response's length, each restarting when it ends. Gap = time "
-            "between consecutive events of one stream as the client sees them (events arriving in one read count 0 "
-            "after the first). The upstream's schedule bounds tokens/s: a proxy lowers it through TTFT or by lagging.",
             "",
             *table(SSE_COLUMNS, sse),
         ]

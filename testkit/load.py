@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,6 +206,36 @@ def wait_quiet(max_wait: float, busy_below: float = 0.15, sample: float = 1.0) -
         waited += sample
         if busy < busy_below or waited >= max_wait:
             return {"busy_before_pct": round(busy * 100, 1), "waited_s": round(waited, 1)}
+
+
+class Turns:
+    """Targets take turns, round after round, so a burst of other work on the shared machine hits all of them; each
+    run starts once the machine is near idle (under 0.3 cores busy over 0.3 s, ``wait_quiet``), after at most 5 s
+    of waiting and ``budget`` s in all (``waited``; ``gave_up``: the runs that started busy)."""
+
+    def __init__(self, budget: float) -> None:
+        self.budget, self.waited, self.gave_up = budget, 0.0, 0
+
+    def take(self, runs: Mapping[str, Callable[[], dict[str, Any]]], rounds: int) -> dict[str, dict[str, Any]]:
+        """Each target's figures as their medians over its rounds (not the best round: that flatters whoever got
+        the quietest moment; a figure that is no number: the first round's), with the rounds (``rounds``)."""
+        seen: dict[str, list[dict[str, Any]]] = {target: [] for target in runs}
+        busy_below = 0.3 / (os.cpu_count() or 1)  # wait_quiet reads a share of the whole machine
+        for _ in range(rounds):
+            for target, run in runs.items():
+                quiet = wait_quiet(min(5.0, max(0.0, self.budget - self.waited)), busy_below, sample=0.3)
+                self.waited += quiet["waited_s"]
+                self.gave_up += quiet["busy_before_pct"] >= busy_below * 100
+                seen[target].append(run())
+        medians: dict[str, dict[str, Any]] = {}
+        for target, values in seen.items():
+            medians[target] = {}
+            for key in values[0]:
+                column = [r[key] for r in values]
+                numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in column)
+                medians[target][key] = statistics.median(column) if numeric else column[0]
+            medians[target]["rounds"] = values
+        return medians
 
 
 def loadavg() -> list[float]:
