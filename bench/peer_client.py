@@ -1,6 +1,6 @@
 """What a user's first benchmark sees: a peer's load client, directly against the backend and through mmgate.
 
-The client is vLLM's own ``vllm bench serve`` (``bench/peer_driver.py`` runs it cell after cell in the real
+The client is vLLM's own ``vllm bench serve`` (``testkit/peer_driver.py`` runs it cell after cell in the real
 vLLM's venv), not mmgate's: streaming chat requests of one image and 8 output tokens (``--ignore-eos``), with
 ``--max-concurrency`` clients and no rate limit. It reports req/s and mean TTFT; this script adds the CPU the
 backend and mmgate spent per request (``/proc`` of their process trees) and, with a model, checks that the
@@ -52,13 +52,11 @@ Needs ``bash tests/e2e/setup_vllm.sh`` (the client lives in that venv). Writes b
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 import urllib.request
@@ -76,6 +74,7 @@ from bench.report import ratios, rows_of
 from testkit import vllm as h
 from testkit.load import proc_jiffies, start_stub, stop
 from testkit.media import detailed_photo
+from testkit.models import hub_snapshot
 
 SCRIPT = "peer_client.py"
 WHAT = "req/s and TTFT seen by vllm bench serve, directly and through mmgate, with the backend's CPU per request"
@@ -83,7 +82,6 @@ MODES = ("direct", "defaults", "full", "model")
 HUB_MODES = ("direct", "model")  # vllm-hf: the discovery through the Hugging Face cache, against direct
 HUB_IMAGES = ("camera",)
 HUB_ID = "mmgate-bench/tiny-idefics3"
-HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
 MODEL_FAMILY = "idefics3"  # the tiny model's family: what the model cells must find
 DISCOVERY_TIMEOUT = 120.0  # s: mmgate asks the upstream in the background, after it answers its health check
 # A model found by auto is not warmed into the decode pool as one named at start-up is: each worker's first image
@@ -159,40 +157,6 @@ def client_argv(url: str, image_set: ImageSet, dataset: Path | None, clients: in
             "--custom-output-len", str(OUTPUT_TOKENS), "--disable-shuffle"]
 
 
-class Client:
-    """The peer client: ``bench/peer_driver.py`` in the vLLM venv, one cell per call."""
-
-    def __init__(self, log: Path) -> None:
-        python = h.DEFAULT_DIR / "venv" / "bin" / "python"
-        if not python.exists():
-            raise SystemExit("the peer client needs the real vLLM's venv: "
-                             f"bash tests/e2e/setup_vllm.sh {h.DEFAULT_DIR}")
-        self._read, write = os.pipe()
-        self._log = log.open("ab")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMGATE_"))}
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([str(python), str(R.BENCH / "peer_driver.py"), str(write)], pass_fds=(write,),
-                                     stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        os.close(write)
-        self._answers = os.fdopen(self._read)
-
-    def run(self, argv: list[str], scratch: Path) -> dict[str, Any]:
-        out = scratch / "cell.json"
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"argv": argv, "out": str(out)}) + "\n").encode())
-        self.proc.stdin.flush()
-        if self._answers.readline() != "done\n":
-            raise SystemExit(f"the peer client ended; its log: {self._log.name}")
-        return dict(json.loads(out.read_text()))
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-        self._log.close()
-
-
 def tree_jiffies(pid: int | None) -> int:
     return 0 if pid is None else sum(proc_jiffies(p) for p in h.process_tree(pid))
 
@@ -205,36 +169,6 @@ class Backend:
     pid: int
     model_dirs: tuple[str, ...]  # MMGATE_MODEL_DIRS of the model mode (none: the Hugging Face cache)
     model_folder: Path  # the folder mmgate must report it found, resolved
-
-
-def hub_cache(hf_home: Path, model: Path) -> Path:
-    """``model``'s files laid out under ``hf_home`` as huggingface_hub caches ``HUB_ID``: content-named blobs,
-    a snapshot of links to them and ``refs/main``. Returns the snapshot."""
-    repo = hf_home / "hub" / ("models--" + HUB_ID.replace("/", "--"))
-    snapshot = repo / "snapshots" / HUB_REVISION
-    (repo / "blobs").mkdir(parents=True)
-    snapshot.mkdir(parents=True)
-    for file in sorted(model.iterdir()):
-        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
-        shutil.copyfile(file, blob)
-        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(HUB_REVISION)
-    return snapshot
-
-
-@contextmanager
-def hf_home(folder: Path) -> Iterator[None]:
-    """``HF_HOME`` = ``folder`` for the servers started inside (vLLM and mmgate copy this process's environment),
-    with the variables that would take precedence over it removed."""
-    names = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")
-    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
-    os.environ["HF_HOME"] = str(folder)
-    try:
-        yield
-    finally:
-        os.environ.pop("HF_HOME", None)
-        os.environ.update(saved)
 
 
 @contextmanager
@@ -262,8 +196,8 @@ def backend(name: str, scratch: Path) -> Iterator[Backend]:
             server.stop()
         return
     home = scratch / "hf-home"
-    snapshot = hub_cache(home, model)
-    with hf_home(home):
+    snapshot = hub_snapshot(home / "hub", HUB_ID, model)
+    with h.hf_home(home):
         # start_vllm names the folder with --model; a second --model replaces it (argparse keeps the last), so
         # vLLM loads the Hub id from the cache and its /v1/models root is that id, not a path.
         server = h.start_vllm(extra_args=(*SINGLE_TILE, "--model", HUB_ID))
@@ -345,7 +279,7 @@ def warm_up(gate: h.Server, body: bytes) -> dict[str, Any]:
             "mmgate_cpu_ms": (tree_jiffies(gate.pid) - before) / TICK * 1000}
 
 
-def run_cell(client: Client, served: Backend, mode: str, argv: list[str], scratch: Path, requests: int,
+def run_cell(client: h.BenchClient, served: Backend, mode: str, argv: list[str], scratch: Path, requests: int,
              warm_body: bytes) -> dict[str, Any]:
     gate = h.start_mmgate(served.url, *mmgate_flags(mode, served), log_dir=scratch) if mode != "direct" else None
     warmed: dict[str, Any] | None = None
@@ -401,7 +335,7 @@ def measure(args: R.Knobs) -> dict[str, Any]:
                 image_bytes[name] = statistics.median(len(line) for line in lines) * 3 / 4
         data["image_bytes"] = image_bytes
         warm_body = warm_up_body()
-        client = Client(scratch / "client.log")
+        client = h.BenchClient(scratch / "client.log")
         try:
             for backend_name in args.backends.split(","):
                 images = [name for name in args.images.split(",")

@@ -3,7 +3,9 @@ tokenizers only (no weights, no downloads), made with the same transformers clas
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -277,3 +279,23 @@ REAL_CHECKPOINTS: dict[str, Any] = {
     "LLaVA-OneVision": lambda path: llava_onevision_folder(path),
     "GLM-4.1V": lambda path: glm4v_folder(path),
 }
+
+
+HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_snapshot(hub: Path, name: str, folder: Path, revision: str = HUB_REVISION) -> Path:
+    """``folder``'s files laid out in the Hugging Face cache ``hub`` (``HF_HUB_CACHE``, or ``HF_HOME``/hub) as
+    huggingface_hub keeps the model ``name``: content-named blobs, a snapshot of links to them and ``refs/main``.
+    Returns the snapshot."""
+    repo = hub / ("models--" + name.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in sorted(folder.iterdir()):
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, blob)
+        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot

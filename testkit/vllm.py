@@ -8,6 +8,7 @@ and tear them down by process group so no vLLM engine core survives a crashed ru
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
@@ -17,8 +18,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -297,3 +301,53 @@ def start_mmgate(upstream: str, *flags: str, log_dir: Path = DEFAULT_DIR / "logs
         stop_group(proc)
         raise
     return Server("mmgate", url, proc, log, took, {"flags": " ".join(flags)})
+
+
+class BenchClient:
+    """``vllm bench serve`` as a peer's client: ``testkit/peer_driver.py`` in the real vLLM's venv, one cell per
+    ``run`` (``argv``: what follows ``vllm bench serve`` on a command line), its result as vLLM writes it."""
+
+    def __init__(self, log: Path) -> None:
+        python = DEFAULT_DIR / "venv" / "bin" / "python"
+        if not python.exists():
+            raise SystemExit(f"the peer client needs the real vLLM's venv: bash {SETUP_SCRIPT} {DEFAULT_DIR}")
+        self._read, write = os.pipe()
+        self._log = log.open("ab")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMGATE_"))}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
+        # -P: the driver's folder is not on its path, or testkit/vllm.py would hide vLLM's own package
+        driver = Path(__file__).with_name("peer_driver.py")
+        self.proc = subprocess.Popen([str(python), "-P", str(driver), str(write)], pass_fds=(write,),
+                                     stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        os.close(write)
+        self._answers = os.fdopen(self._read)
+
+    def run(self, argv: list[str], scratch: Path) -> dict[str, Any]:
+        out = scratch / "cell.json"
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"argv": argv, "out": str(out)}) + "\n").encode())
+        self.proc.stdin.flush()
+        if self._answers.readline() != "done\n":
+            raise SystemExit(f"the peer client ended; its log: {self._log.name}")
+        return dict(json.loads(out.read_text()))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@contextmanager
+def hf_home(folder: Path) -> Iterator[None]:
+    """``HF_HOME`` = ``folder`` for the servers started inside (vLLM and mmgate copy this process's environment),
+    with the variables that would take precedence over it removed."""
+    names = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    os.environ["HF_HOME"] = str(folder)
+    try:
+        yield
+    finally:
+        os.environ.pop("HF_HOME", None)
+        os.environ.update(saved)

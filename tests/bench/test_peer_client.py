@@ -14,7 +14,7 @@ import pytest
 from bench import peer_client as pc
 from testkit import vllm as h
 from testkit.load import start_stub, stop
-from testkit.models import idefics3_folder
+from testkit.models import hub_snapshot, idefics3_folder
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def hub_backend(tmp_path: Path) -> Iterator[tuple[pc.Backend, Path]]:
     """A stub serving ``HUB_ID``, whose files lie in a Hugging Face cache laid out by the bench; and that cache's
     HF_HOME."""
     home = tmp_path / "hf-home"
-    snapshot = pc.hub_cache(home, idefics3_folder(tmp_path / "built"))
+    snapshot = hub_snapshot(home / "hub", pc.HUB_ID, idefics3_folder(tmp_path / "built"))
     proc, url = start_stub("--model", pc.HUB_ID)
     try:
         yield pc.Backend(url, proc.pid, (), snapshot.resolve()), home
@@ -32,7 +32,7 @@ def hub_backend(tmp_path: Path) -> Iterator[tuple[pc.Backend, Path]]:
 
 def test_the_hub_cache_is_laid_out_as_huggingface_hub_keeps_it(tmp_path: Path) -> None:
     model = idefics3_folder(tmp_path / "built")
-    snapshot = pc.hub_cache(tmp_path / "home", model)
+    snapshot = hub_snapshot(tmp_path / "home" / "hub", pc.HUB_ID, model)
     repo = tmp_path / "home" / "hub" / ("models--" + pc.HUB_ID.replace("/", "--"))
     assert (repo / "refs" / "main").read_text() == snapshot.name
     assert sorted(p.name for p in snapshot.iterdir()) == sorted(p.name for p in model.iterdir())
@@ -44,7 +44,7 @@ def test_the_hub_cache_is_laid_out_as_huggingface_hub_keeps_it(tmp_path: Path) -
 def test_the_model_cell_finds_the_model_through_hf_home(hub_backend: tuple[pc.Backend, Path],
                                                         tmp_path: Path) -> None:
     served, home = hub_backend
-    with pc.hf_home(home):
+    with h.hf_home(home):
         gate = h.start_mmgate(served.url, *pc.mmgate_flags("model", served), log_dir=tmp_path)
     try:
         found = pc.check_model(gate, "model", served, wait=True)
@@ -57,7 +57,7 @@ def test_the_model_cell_finds_the_model_through_hf_home(hub_backend: tuple[pc.Ba
 def test_a_cell_whose_mmgate_has_another_model_in_force_stops_the_bench(hub_backend: tuple[pc.Backend, Path],
                                                                         tmp_path: Path) -> None:
     served, home = hub_backend
-    with pc.hf_home(home):
+    with h.hf_home(home):
         gate = h.start_mmgate(served.url, log_dir=tmp_path)
     try:
         pc.check_model(gate, "model", served, wait=True)  # found: the stats name the model from here on
@@ -73,7 +73,7 @@ def test_a_cell_whose_mmgate_has_another_model_in_force_stops_the_bench(hub_back
 def test_a_model_cell_whose_mmgate_has_no_model_in_force_stops_the_bench(hub_backend: tuple[pc.Backend, Path],
                                                                  tmp_path: Path) -> None:
     served, _ = hub_backend
-    with pc.hf_home(tmp_path / "empty-hf-home"):
+    with h.hf_home(tmp_path / "empty-hf-home"):
         gate = h.start_mmgate(served.url, *pc.mmgate_flags("model", served), log_dir=tmp_path)
     try:
         pc.check_model(gate, "defaults", served, wait=False)  # nothing in force: what the defaults measure

@@ -9,7 +9,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import socket
 import sys
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from tests.conftest import StartProxy, Upstream
 
 pytest.importorskip("transformers", reason="the model extra: pip install -e '.[model]'")
 
-from testkit.models import idefics3_folder, qwen_folder
+from testkit.models import hub_snapshot, idefics3_folder, qwen_folder
 
 WIDE = (2000, 1000)  # a photo every model here shrinks
 
@@ -101,24 +100,6 @@ async def _found(app: web.Application, done: Callable[[ServedModel], bool]) -> S
     return watcher.current
 
 
-def _hub_cache(cache: Path, name: str, build: Callable[[Path], Path]) -> Path:
-    """``name`` laid out as huggingface_hub keeps it: blobs, a snapshot of links to them, refs/main."""
-    repo = cache / ("models--" + name.replace("/", "--"))
-    built = build(repo / "built")
-    revision = "0123456789abcdef0123456789abcdef01234567"
-    snapshot = repo / "snapshots" / revision
-    (repo / "blobs").mkdir(parents=True)
-    snapshot.mkdir(parents=True)
-    for index, file in enumerate(sorted(built.iterdir())):
-        blob = repo / "blobs" / f"blob{index}"
-        shutil.move(str(file), blob)
-        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
-    built.rmdir()
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(revision)
-    return snapshot
-
-
 @pytest.fixture
 def places(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     """A model folder (MMGATE_MODEL_DIRS), an empty Hugging Face cache (HF_HUB_CACHE) and a folder outside both."""
@@ -153,7 +134,7 @@ async def test_auto_finds_a_model_folder_the_server_loaded_and_works_to_its_geom
 
 async def test_auto_finds_a_hub_id_in_the_hugging_face_cache(
         upstream: Upstream, start_proxy: StartProxy, places: dict[str, Path]) -> None:
-    snapshot = _hub_cache(places["cache"], "org/tiny-idefics3", idefics3_folder)
+    snapshot = hub_snapshot(places["cache"], "org/tiny-idefics3", idefics3_folder(places["cache"].parent / "built"))
     upstream.route("/v1/models", _answering(_vllm_models("org/tiny-idefics3", "org/tiny-idefics3")))
     proxy = await start_proxy(upstream.url)
     found = await _found(proxy.app, lambda now: now.model is not None)

@@ -1,4 +1,4 @@
-"""``vllm bench serve``, run cell after cell in one process: the peer client of ``bench/peer_client.py``.
+"""``vllm bench serve``, run cell after cell in one process: the peer client (``testkit.vllm.BenchClient``).
 
 Runs in the real vLLM's own venv (``tests/e2e/setup_vllm.sh``), never in mmgate's. Each line on stdin is one
 cell: ``{"argv": [...], "out": PATH}``, where ``argv`` is exactly what follows ``vllm bench serve`` on a
@@ -7,7 +7,7 @@ command line. The arguments are parsed by vLLM's own parser and run by vLLM's ow
 per cell, saves about 15 s of start-up per cell on 2 cores. The result is written to ``out`` as JSON, then
 ``done`` goes to the file descriptor given as the first argument. vLLM prints to stdout and stderr.
 
-    python bench/peer_driver.py RESULT_FD < cells.jsonl
+    python -P testkit/peer_driver.py RESULT_FD < cells.jsonl   # -P: testkit/vllm.py is not vLLM
 """
 
 from __future__ import annotations
