@@ -42,6 +42,7 @@ from typing import Any
 from bench import _results as R
 from proxy.settings import setting_default
 from testkit import load as L
+from testkit import procfs
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, conversation, photo_jpeg, photo_sized, tagged, turns
 
 WHAT = "10-turn chat replay with one 12 MP photo (and with new photos): mmgate CPU, latency, RSS, cache on vs off"
@@ -102,9 +103,9 @@ async def one_mode(mode: str, sink_url: str, photo: bytes, tag: str, count: int)
         out: dict[str, Any] = {}
         for name in CONVERSATIONS:
             bodies = turns(name, photo, f"{tag}/{mode}", count)
-            L.reset_hwm(proc.pid)
+            procfs.reset_peak(proc.pid)
             media = await replay(url, proc.pid, bodies, "/v1/chat/completions")
-            peak = L.proc_status(proc.pid)["VmHWM"]
+            peak = procfs.memory(proc.pid)["VmHWM"]
             plain = await replay(url, proc.pid, bodies, "/v1/bench-no-media-route")
             for m, p in zip(media, plain, strict=True):
                 m["media_cpu_ms"] = m["cpu_ms"] - p["cpu_ms"]  # may come out below 0: the noise, shown as it is

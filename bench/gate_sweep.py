@@ -42,6 +42,7 @@ import proxy
 from bench import _results as R
 from proxy.settings import Settings, usable_cpus
 from testkit import load as L
+from testkit import procfs
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
 
 STUB_FLAGS = ("--hold-pixels", "--cpu-ms-per-mp", "20", "--workers", "8", "--tokens", "8", "--token-delay", "0.01")
@@ -89,7 +90,7 @@ def mmgate_flags(limit: int, queue: int, release_at: str, preprocess_timeout: fl
 
 def memory_of(proc: subprocess.Popen[bytes] | None) -> Mapping[str, float]:
     """VmHWM and VmRSS of ``proc``; NaN for the mmgate a ``direct`` cell does not start."""
-    return L.proc_status(proc.pid) if proc else {"VmHWM": math.nan, "VmRSS": math.nan}
+    return procfs.memory(proc.pid) if proc else {"VmHWM": math.nan, "VmRSS": math.nan}
 
 
 async def one_request(url: str, body: bytes, what: str) -> L.LoadRun:
@@ -116,7 +117,7 @@ async def run_cell(gate: str, release_at: str, body: bytes, args: R.Knobs, *, qu
         await one_request(url, body, f"gate {gate}: warm-up")
         await L.get_json(stub_url, "/stub/reset", "POST")  # the peak of held pixels counts from here
         base_proxy, base_stub = memory_of(mmgate), memory_of(stub)
-        hwm_reset = memory_trace and all(L.reset_hwm(pid) for pid in pids)
+        hwm_reset = memory_trace and all(procfs.reset_peak(pid) for pid in pids)
         load0, watch = L.loadavg(), L.CpuWatch([*pids, os.getpid()])
         stop_trace = asyncio.Event()
         tracer = asyncio.create_task(trace_memory(mmgate, stub, url, stop_trace)) if memory_trace and mmgate else None
@@ -200,7 +201,7 @@ async def trace_memory(mmgate: subprocess.Popen[bytes], stub: subprocess.Popen[b
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
         while not stop.is_set():
             try:
-                rss = [L.proc_status(p.pid)["VmRSS"] for p in (mmgate, stub)]
+                rss = [procfs.memory(p.pid)["VmRSS"] for p in (mmgate, stub)]
             except OSError:
                 break
             try:
@@ -230,12 +231,12 @@ async def one_request_working_set(body: bytes, label: str, flags: tuple[str, ...
         procs = {"proxy": mmgate, "backend": stub}
 
         def read(key: str) -> dict[str, int]:
-            return {who: L.proc_status(p.pid)[key] for who, p in procs.items()}
+            return {who: procfs.memory(p.pid)[key] for who, p in procs.items()}
 
         await asyncio.sleep(IDLE_SETTLE_S)
         for name in ("cold", "warm"):
             idle = read("VmRSS")
-            reset = all(L.reset_hwm(p.pid) for p in procs.values())
+            reset = all(procfs.reset_peak(p.pid) for p in procs.values())
             run = await one_request(url, body, f"{label}: one request")
             peak = read("VmHWM")
             await asyncio.sleep(IDLE_SETTLE_S)

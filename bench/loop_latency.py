@@ -48,6 +48,7 @@ from typing import Any
 
 from bench import _results as R
 from testkit import load as L
+from testkit import procfs
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
 from testkit.procfs import descendants, tree_cpu_seconds, tree_minor_faults
 
@@ -127,7 +128,7 @@ async def run_case(sc: Case, body: bytes, args: R.Knobs, control: subprocess.Pop
         lag = L.histogram_diff(L.histogram(after_prom, "mmgate_event_loop_lag_seconds"), before)
         stop_load.set()
         run = await load_task if load_task else None
-        status = L.proc_status(gate.pid)
+        status = procfs.memory(gate.pid)
     finally:
         log_tail = L.stop(gate)
         L.stop(stub)

@@ -29,6 +29,7 @@ import aiohttp
 
 from bench import _results as R
 from testkit import load as L
+from testkit import procfs
 
 WHAT = "health and text chat latency, idle and while 8 clients loop on GET /metrics (merge on; 300 KB, 4 MB)"
 GOAL_OVER_IDLE_MS = 5.0
@@ -44,10 +45,10 @@ Probes = dict[str, tuple[str, str, bytes | None]]  # name: url, path, body to PO
 async def window(probes: Probes, seconds: float, interval: float, pid: int) -> dict[str, Any]:
     """One prober per probe (own processes) over one window; mmgate's CPU share over it."""
     hz = os.sysconf("SC_CLK_TCK")
-    cpu0, t0 = L.proc_jiffies(pid), time.perf_counter()
+    cpu0, t0 = procfs.cpu_ticks([pid]), time.perf_counter()
     probers = {name: L.start_prober(url, seconds, interval, path, body) for name, (url, path, body) in probes.items()}
     answers = {k: await asyncio.to_thread(L.prober_result, *v) for k, v in probers.items()}
-    cpu_pct = round(100 * (L.proc_jiffies(pid) - cpu0) / hz / (time.perf_counter() - t0), 1)
+    cpu_pct = round(100 * (procfs.cpu_ticks([pid]) - cpu0) / hz / (time.perf_counter() - t0), 1)
     return {k: L.summarize_ms(v["latencies"]) | {"statuses": v["statuses"]} for k, v in answers.items()} | {
         "mmgate": {"cpu_pct": cpu_pct}}
 

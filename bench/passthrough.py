@@ -49,8 +49,8 @@ import aiohttp
 from bench import _results as R
 from proxy.payload.locate import may_contain_media
 from testkit import peers, pyspy
-from testkit.load import Turns, free_port, loadavg, machine_jiffies, stop, uptime, wait_http
-from testkit.procfs import CLK_TCK, cpu_ticks, descendants
+from testkit.load import Turns, free_port, loadavg, stop, uptime, wait_http
+from testkit.procfs import CLK_TCK, cpu_ticks, descendants, machine_jiffies
 from testkit.text_load import ANSWER, ROLE, text_body
 
 REPO = Path(__file__).resolve().parent.parent

@@ -71,8 +71,9 @@ from PIL import Image
 
 from bench import _results as R
 from bench.report import ratios, rows_of
+from testkit import procfs
 from testkit import vllm as h
-from testkit.load import proc_jiffies, start_stub, stop
+from testkit.load import start_stub, stop
 from testkit.media import detailed_photo
 from testkit.models import hub_snapshot
 
@@ -158,7 +159,7 @@ def client_argv(url: str, image_set: ImageSet, dataset: Path | None, clients: in
 
 
 def tree_jiffies(pid: int | None) -> int:
-    return 0 if pid is None else sum(proc_jiffies(p) for p in h.process_tree(pid))
+    return 0 if pid is None else procfs.cpu_ticks(procfs.tree(pid))
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from typing import Any
 import aiohttp
 
 from bench import _results as R
+from testkit import procfs
 from testkit import vllm as h
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,22 +116,13 @@ def build_body(img: bytes, fmt: str) -> bytes:
     }).encode()
 
 
-def reset_hwm(pids: list[int]) -> None:
-    """Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0), so each cell has its own peak."""
-    for p in pids:
-        try:
-            Path(f"/proc/{p}/clear_refs").write_text("5")
-        except OSError:
-            pass
-
-
 def vllm_memory(pids: list[int]) -> tuple[float, float]:
     hwm = rss = 0
     for p in pids:
-        m = h.rss_kib(p)
+        m = procfs.memory(p)
         hwm += m.get("VmHWM", 0)
         rss += m.get("VmRSS", 0)
-    return hwm / 1024, rss / 1024
+    return hwm / 2**20, rss / 2**20
 
 
 async def run_cell(session: aiohttp.ClientSession, url: str, body: bytes, cell: Cell, count: int) -> None:
@@ -188,7 +180,7 @@ def gate_media(gate: h.Server | None) -> tuple[float, float]:
 
 async def bench(vllm: h.Server, vllm_pid: int | None, gates: dict[str, h.Server | None],
                 requests: dict[int, int], sizes: list[str], formats: list[str]) -> list[Cell]:
-    pids = h.process_tree(vllm_pid) if vllm_pid else []
+    pids = procfs.tree(vllm_pid) if vllm_pid else []
     cells: list[Cell] = []
     images = {(name, fmt): h.encode(h.photo_like(*SIZES[name], seed=SIZES[name][0]), fmt) for name in sizes
               for fmt in formats}
@@ -211,7 +203,8 @@ async def bench(vllm: h.Server, vllm_pid: int | None, gates: dict[str, h.Server 
                         gate, cell = gates[mode], row[mode]
                         url = gate.url if gate else vllm.url
                         b0, (gi0, go0) = vllm_bytes_received(vllm), gate_media(gate)
-                        reset_hwm(pids)
+                        for pid in pids:
+                            procfs.reset_peak(pid)
                         await run_cell(session, url, body, cell, count)
                         hwm, rss = vllm_memory(pids)
                         cell.vllm_hwm_mib, cell.vllm_rss_mib = max(cell.vllm_hwm_mib, hwm), rss

@@ -57,8 +57,8 @@ from typing import Any
 
 from bench import _results as R
 from testkit import load as L
+from testkit import procfs
 from testkit.models import idefics3_folder
-from testkit.procfs import CLK_TCK, CSTIME, CUTIME, STIME, UTIME, cpu_ticks, descendants, stat_sum
 from testkit.text_load import ROLE
 
 RESIZE_FLAGS = ("--resize-max-pixels", "1000000")
@@ -80,32 +80,10 @@ MODE_VARIABLE = "MMGATE_" + "decode_mode".upper()
 # the process tree's CPU and memory, from /proc
 
 
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds of ``root`` and its live descendants, children they reaped included (cutime, cstime): a
-    worker that was recycled during the window still counts, through its parent."""
-    return stat_sum([root, *descendants(root)], UTIME, STIME, CUTIME, CSTIME) / CLK_TCK
-
-
-def cpu_s(pid: int) -> float:
-    return cpu_ticks([pid]) / CLK_TCK
-
-
-def reset_peaks(root: int) -> None:
-    for pid in (root, *descendants(root)):
-        try:
-            L.reset_hwm(pid)
-        except OSError:
-            pass  # a worker that just left
-
-
 def peaks(root: int) -> tuple[int, int]:
     """(VmHWM of mmgate, sum of its descendants' VmHWM), bytes."""
-    def hwm(pid: int) -> int:
-        try:
-            return L.proc_status(pid).get("VmHWM", 0)
-        except OSError:
-            return 0
-    return hwm(root), sum(hwm(pid) for pid in descendants(root))
+    return (procfs.memory(root).get("VmHWM", 0),
+            sum(procfs.memory(pid).get("VmHWM", 0) for pid in procfs.descendants(root)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -179,13 +157,17 @@ def measure_cell(mode: str, resize: bool, workers: int, args: R.Knobs, mode_env:
         time.sleep(max(0.0, window_start - PROBER_START_S - time.monotonic()))
         prober, out = L.start_prober(url, args.seconds, PROBE_INTERVAL)
         time.sleep(max(0.0, window_start - time.monotonic()))
-        reset_peaks(gate.pid)
-        cpu0, load0 = tree_cpu_s(gate.pid), [cpu_s(p.pid) for p, _ in generators]
+        for pid in procfs.tree(gate.pid):
+            procfs.reset_peak(pid)
+        load_pids = [[p.pid] for p, _ in generators]
+        cpu0 = procfs.tree_cpu_seconds(gate.pid, reaped=True)
+        load0 = [procfs.cpu_ticks(pids) / procfs.CLK_TCK for pids in load_pids]
         t0 = time.monotonic()
         probe = L.prober_result(prober, out)
         time.sleep(max(0.0, window_end - time.monotonic()))
         wall = time.monotonic() - t0
-        cpu1, load1 = tree_cpu_s(gate.pid), [cpu_s(p.pid) for p, _ in generators]
+        cpu1 = procfs.tree_cpu_seconds(gate.pid, reaped=True)
+        load1 = [procfs.cpu_ticks(pids) / procfs.CLK_TCK for pids in load_pids]
         rss_gate, rss_workers = peaks(gate.pid)
         answers: list[tuple[float, int]] = []
         for proc, receive in generators:

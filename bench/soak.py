@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import _results as R
-from testkit.load import RESULTS, loadavg, proc_status, scrape, start_mmgate, start_stub, stop, uptime
+from testkit import procfs
+from testkit.load import RESULTS, loadavg, scrape, start_mmgate, start_stub, stop, uptime
 from testkit.mix import MIX, Media, Work, disconnecting_request, media_set, workload
 
 MIB = 1 << 20
@@ -63,7 +64,7 @@ def change_pct(value: float, reference: float) -> float:
 
 
 def vm_rss(pid: int) -> int:
-    return proc_status(pid)["VmRSS"]
+    return procfs.memory(pid)["VmRSS"]
 
 
 def gauges(prom: dict) -> dict[str, float]:
@@ -220,7 +221,7 @@ def run_variant(name: str, knobs: R.Knobs, stub_url: str, media: Media) -> dict[
         wall = time.monotonic() - t_start
         soak.stopped.set()
         sampler.join()
-        peak = proc_status(proc.pid)["VmHWM"]
+        peak = procfs.memory(proc.pid)["VmHWM"]
         prom = asyncio.run(scrape(url))
     finally:
         soak.stopped.set()

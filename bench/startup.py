@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import _results as R
+from testkit import procfs
 from testkit.load import free_port, start_stub, stop
 from testkit.models import REAL_CHECKPOINTS
-from testkit.vllm import process_tree, rss_kib
 
 SCRIPT = "startup.py"
 WHAT = "seconds from process start to /mmgate/health ready, and RSS then, with and without a model and at the base"
@@ -72,8 +72,8 @@ def get(port: int, path: str) -> tuple[int, Any]:
 
 def rss_mb(pid: int) -> tuple[float, float]:
     """(mmgate's own RSS, its process tree's summed RSS) in MB."""
-    own = rss_kib(pid).get("VmRSS", 0) / 1024
-    return own, sum(rss_kib(p).get("VmRSS", 0) for p in process_tree(pid)) / 1024
+    own = procfs.memory(pid).get("VmRSS", 0) / 2**20
+    return own, sum(procfs.memory(p).get("VmRSS", 0) for p in procfs.tree(pid)) / 2**20
 
 
 def wait_until(proc: subprocess.Popen[bytes], started: float, ok: Any, port: int, path: str) -> float:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from testkit.environment import mmgate_env
-from testkit.procfs import cpu_ticks
+from testkit.procfs import cpu_ticks, machine_jiffies
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -123,29 +123,6 @@ def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0, keep_log: 
     return tail
 
 
-def proc_status(pid: int) -> dict[str, int]:
-    """VmHWM / VmRSS in bytes from /proc/PID/status."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
-def reset_hwm(pid: int) -> bool:
-    """Reset VmHWM of ``pid`` to its current RSS (writing 5 to /proc/PID/clear_refs, Linux ≥ 4.0), so the next
-    VmHWM reading is the peak of what happened since, not of the process's whole life. False if refused."""
-    try:
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    status = proc_status(pid)
-    return status["VmHWM"] <= status["VmRSS"] + 64 * 1024  # a few pages may be touched between the reads
-
-
 def thread_niceness(pid: int) -> dict[str, list[int]]:
     """Niceness of every thread of ``pid``, by thread name (comm), from /proc/PID/task/*/stat."""
     out: dict[str, list[int]] = {}
@@ -160,32 +137,19 @@ def thread_niceness(pid: int) -> dict[str, list[int]]:
     return out
 
 
-def machine_jiffies() -> tuple[int, int]:
-    """(busy, total) CPU jiffies of the whole machine since boot, from /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    total = sum(fields[:8])  # guest time is already counted in user
-    return total - idle, total
-
-
-def proc_jiffies(pid: int) -> int:
-    """utime + stime of one process (all its threads), jiffies; 0 once it is gone."""
-    return cpu_ticks([pid])
-
-
 class CpuWatch:
     """Machine-wide CPU use over a window, split into ours (``pids``) and everybody else's."""
 
     def __init__(self, pids: list[int]) -> None:
         self.pids = pids
         self.busy0, self.total0 = machine_jiffies()
-        self.ours0 = sum(proc_jiffies(p) for p in pids)
+        self.ours0 = sum(cpu_ticks([p]) for p in pids)
         self.t0 = time.monotonic()
 
     def stop(self, extra_cpu_s: float = 0.0) -> dict[str, float]:
         """``extra_cpu_s``: CPU seconds of our processes that already exited (the probers report theirs)."""
         busy, _total = machine_jiffies()
-        ours = sum(proc_jiffies(p) for p in self.pids)
+        ours = sum(cpu_ticks([p]) for p in self.pids)
         hz = os.sysconf("SC_CLK_TCK")
         wall = time.monotonic() - self.t0
         machine = (busy - self.busy0) / hz / wall * 100

@@ -1,6 +1,7 @@
 """What the benchmarks read of the processes they start, from ``/proc``: CPU time in clock ticks, minor page
-faults, and the processes below one (mmgate's front processes, its decode worker processes), summed over the
-tree. A process gone meanwhile counts nothing: a bench reads a tree that changes while it runs."""
+faults, resident memory and its peak, and the processes below one (mmgate's front processes, its decode worker
+processes; vLLM's engine core), summed over the tree; and the whole machine's busy time. A process gone meanwhile
+counts nothing: a bench reads a tree that changes while it runs."""
 
 from __future__ import annotations
 
@@ -37,6 +38,40 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def tree(root: int) -> list[int]:
+    """``root`` and every live process below it."""
+    return [root, *descendants(root)]
+
+
+def memory(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (its peak) of ``pid``, bytes; empty once the process is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return {key: int(rest.split()[0]) * 1024 for key, _, rest in (line.partition(":") for line in lines)
+            if key in ("VmHWM", "VmRSS")}
+
+
+def reset_peak(pid: int) -> bool:
+    """Reset VmHWM of ``pid`` to its current RSS (writing 5 to /proc/PID/clear_refs, Linux ≥ 4.0), so the next
+    VmHWM reading is the peak of what happened since, not of the process's whole life. False if refused."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    status = memory(pid)
+    return bool(status) and status["VmHWM"] <= status["VmRSS"] + 64 * 1024  # a few pages may be touched meanwhile
+
+
+def machine_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU jiffies of the whole machine since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
 def stat_sum(pids: list[int], *indices: int) -> int:
     """``indices`` of /proc/PID/stat summed over ``pids``."""
     total = 0
@@ -52,9 +87,10 @@ def cpu_ticks(pids: list[int]) -> int:
     return stat_sum(pids, UTIME, STIME)
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """utime + stime of ``root`` and the live processes below it, seconds."""
-    return cpu_ticks([root, *descendants(root)]) / CLK_TCK
+def tree_cpu_seconds(root: int, reaped: bool = False) -> float:
+    """utime + stime of ``root`` and the live processes below it, seconds; with ``reaped``, also of the children
+    they reaped (cutime, cstime: a worker recycled meanwhile still counts, through its parent)."""
+    return stat_sum(tree(root), UTIME, STIME, *((CUTIME, CSTIME) if reaped else ())) / CLK_TCK
 
 
 def tree_minor_faults(root: int) -> int:

@@ -135,38 +135,6 @@ def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
-def rss_kib(pid: int) -> dict[str, int]:
-    """VmRSS / VmHWM (KiB) of ``pid`` from /proc; empty when the process is gone."""
-    out: dict[str, int] = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                k, v = line.split(":", 1)
-                out[k] = int(v.split()[0])
-    except OSError:
-        pass
-    return out
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants (vLLM's API server forks the engine core, which holds the model)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(d.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
 # ----------------------------------------------------------------------------------------------- images
 
 
