@@ -188,14 +188,6 @@ def run_tree(tree: Path, bodies: dict[tuple[str, int], bytes], interval: float,
 BASELINE = "a573611"
 
 
-def baseline_tree(ref: str) -> Path:
-    """``ref``'s files (``git archive``) in a temporary folder: nothing in any worktree is touched."""
-    where = Path(tempfile.mkdtemp(prefix="mmgate-baseline-"))
-    archive = subprocess.run(["git", "-C", str(R.REPO), "archive", ref], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
-    return where
-
-
 # --- results ------------------------------------------------------------------------------------------------
 
 def goals(data: dict[str, Any]) -> list[R.Goal]:
@@ -255,7 +247,7 @@ def measure(args: R.Knobs) -> dict[str, Any]:
     sizes = [int(s) for s in args.sizes.split(",")]
     kinds = args.kinds.split(",")
     bodies = {(kind, size): body_for(kind, size * 1_000_000) for size in sizes for kind in kinds}
-    base = baseline_tree(args.baseline_ref)
+    base = L.revision_tree(args.baseline_ref)
     trees = {"before": base, "after": R.REPO}
     data: dict[str, Any] = stamp | {
         "baseline_ref": args.baseline_ref, "baseline_commit": R.git("rev-parse", args.baseline_ref),

@@ -44,7 +44,7 @@ from typing import Any
 
 from bench import _results as R
 from testkit import procfs
-from testkit.load import free_port, start_stub, stop
+from testkit.load import free_port, revision_tree, start_stub, stop
 from testkit.models import REAL_CHECKPOINTS
 
 SCRIPT = "startup.py"
@@ -121,14 +121,6 @@ def byte_compiled(tree: Path) -> Path:
     return tree
 
 
-def baseline_tree(ref: str) -> Path:
-    """``ref``'s files (``git archive``) in a temporary folder: nothing in any worktree is touched."""
-    where = Path(tempfile.mkdtemp(prefix="mmgate-startup-base-"))
-    archive = subprocess.run(["git", "-C", str(R.REPO), "archive", ref], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
-    return where
-
-
 def measure(args: R.Knobs) -> dict[str, Any]:
     if args.checkpoint not in REAL_CHECKPOINTS:
         raise SystemExit(f"no checkpoint {args.checkpoint!r}; of {', '.join(sorted(REAL_CHECKPOINTS))}")
@@ -144,7 +136,7 @@ def measure(args: R.Knobs) -> dict[str, Any]:
         models = scratch / "models"
         folder = REAL_CHECKPOINTS[args.checkpoint](models / "checkpoint")
         (scratch / "hf").mkdir()
-        base = byte_compiled(baseline_tree(args.baseline_ref))
+        base = byte_compiled(revision_tree(args.baseline_ref))
         byte_compiled(R.REPO)
         plain, plain_url = start_stub()  # serves "stub-vlm", found nowhere
         serving, serving_url = start_stub("--model", str(folder))  # serves the folder's path, as vLLM's root

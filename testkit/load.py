@@ -102,6 +102,15 @@ def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
     return proc, url
 
 
+def revision_tree(ref: str) -> Path:
+    """The files of revision ``ref`` (``git archive``) in a temporary folder, to run it beside this tree; nothing in
+    any worktree is touched."""
+    where = Path(tempfile.mkdtemp(prefix="mmgate-revision-"))
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where
+
+
 def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0, keep_log: bool = False) -> str:
     """SIGTERM the one process we started, then SIGKILL it if it does not leave in time. Returns the tail of
     its stderr log (and deletes the log unless ``keep_log``)."""
