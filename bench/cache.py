@@ -237,20 +237,10 @@ def report(data: dict[str, Any]) -> str:
     meta, rounds, figures = data["meta"], data["rounds"], data["figures"]
     h = meta["hash"]
     return "\n".join([
-        "# Processed-media cache: chat replay, cache on vs off",
-        "",
-        f"`python -m bench run cache` -- {meta['date']}, Python {meta['python']}, {meta['usable_cpus']} usable CPUs, "
-        f"{meta['rounds']} rounds of {meta['turns']} turns, {meta['wall_s']} s in all. Photo: {meta['photo']}. "
-        f"mmgate flags: `{' '.join(FLAGS)}`, cache off = `--cache-mb 0`, on = the default; "
-        "decode mode: the default for this machine's CPUs.",
-        f"Start: `{meta['uptime_start']}`  ",
-        f"End: `{meta['uptime_end']}`",
-        "",
-        "Each cell: median over rounds (min–max). Per request: mmgate's CPU (all threads and decode worker "
-        "processes, schedstat) while that request was in flight, requests one at a time; media CPU subtracts "
-        "the same body sent to a non-media "
-        "path (so a hit's media CPU is its parse and hash, and can come out below 0 where that is under the noise). "
-        "Peak RSS: mmgate's VmHWM over one conversation.",
+        f"{meta['rounds']} rounds of {meta['turns']} turns, {meta['wall_s']} s in all; photo: {meta['photo']}; mmgate "
+        f"flags: `{' '.join(FLAGS)}`. Load average at the start: `{meta['uptime_start']}`; at the end: "
+        f"`{meta['uptime_end']}`. Each cell: median over rounds (min–max); a hit's media CPU can come out below 0 "
+        "where it is under the noise; peak RSS: mmgate's VmHWM over one conversation.",
         "",
         table(figures),
         "",

@@ -166,23 +166,13 @@ def report(data: dict[str, Any]) -> str:
     s = data["settings"]
     sizes = ", ".join(f"{name} {IMAGES[name][0]} {b / 1e6:.2f} MB" for name, b in data["image_bytes"].items())
     lines = [
-        "# Real checkpoints' configurations: the model mode against the stub, ÷ direct",
-        "",
-        f"`python -m bench run checkpoints`: {s['clients']} clients (`testkit.load.run_load`), {s['requests']} "
-        "streaming "
-        f"chat requests a cell, one image and {s['output_tokens']} output tokens each, against `demo.backend`; "
-        f"{s['rounds']} rounds, the modes taking turns. Request bodies: {sizes}. mmgate: `--model` the checkpoint's "
-        "own processor configuration (`testkit.models.REAL_CHECKPOINTS`), the cache off. Bytes forwarded: the "
-        "stub's request body bytes per request ÷ the client's. Median (min–max) of the rounds.",
+        f"{s['clients']} clients, {s['requests']} requests a cell, {s['rounds']} rounds; request bodies: {sizes}. "
+        "Median (min–max) of the rounds.",
         "",
         "| checkpoint | images | kept nearly whole | req/s | req/s ÷ direct | bytes forwarded ÷ sent |",
         "| --- | --- | --- | ---: | ---: | ---: |",
     ]
-
-    def text(values: Any) -> str:
-        m = R.summary(values)
-        return "–" if m["median"] is None else \
-            f"{R.number(m['median'])} ({R.number(m['spread'][0])}–{R.number(m['spread'][1])})"
+    text = R.spread_cell
 
     for images in data["image_bytes"]:
         lines.append(f"| direct | {images} | – | {text(by_round(data, 'direct', images, 'rps').values())} | 1 | "

@@ -125,24 +125,10 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 def report(data: dict[str, Any]) -> str:
     s = data["settings"]
-
-    def text(values: Any, unit: str = "") -> str:
-        m = R.summary(values)
-        return "–" if m["median"] is None else \
-            f"{R.number(m['median'])}{unit} ({R.number(m['spread'][0])}–{R.number(m['spread'][1])})"
-
+    text = R.spread_cell
     lines = [
-        "# The default media concurrency limit against the others",
-        "",
-        f"`python -m bench run default_limit`: mmgate's model mode (`--model` {s['checkpoint']}'s own configuration) "
-        "in "
-        "front of `demo.backend --profile frontend` (one decode thread, processor CPU per megapixel, a short "
-        f"prefill), 12 MP camera JPEGs ({data['body_bytes'] / 1e6:.2f} MB request bodies), {s['output_tokens']} "
-        f"output tokens, streaming; closed-loop clients (`testkit.load.run_load`), at least {s['requests']} requests "
-        f"a cell; {s['rounds']} rounds, the limits taking turns. The default on this machine: "
-        f"**{s['default']}** (the decode workers, never under 4). Median (min–max) of the rounds; ÷ best: the "
-        "limit's req/s over the best fixed limit's (highest median) in the same round; `auto`: the adaptive limit "
-        "(`MMGATE_MAX_MM_CONCURRENCY=auto`), its mmgate alive the whole run.",
+        f"Request bodies {data['body_bytes'] / 1e6:.2f} MB; at least {s['requests']} requests a cell, {s['rounds']} "
+        f"rounds; the default on this machine: **{s['default']}**. Median (min–max) of the rounds.",
         "",
         "| clients | limit | req/s | ÷ best | p50 latency s |",
         "| ---: | ---: | ---: | ---: | ---: |",

@@ -123,19 +123,10 @@ def report(data: dict[str, Any]) -> str:
         return R.spread_cell(r[str(size)][phase].get(probe, {}).get(figure) for r in data["rounds"])
 
     lines = [
-        "# A /metrics flood and mmgate's other answers (MMGATE_BACKEND_METRICS=merge)",
-        "",
-        f"`python -m bench run metrics_flood` — {len(data['rounds'])} rounds, windows of {data['seconds']:g} s, probes "
-        f"every {data['interval'] * 1000:g} ms, {data['clients']} flood clients (one process, this bench's).",
-        "",
-        "Each cell: median over rounds (min–max), ms. Health: GET /mmgate/health; text: a "
-        f"{len(TEXT_BODY)}-byte text chat POSTed through mmgate to the backend; control: GET /health of a bare "
-        "aiohttp server in its own process (what the shared machine's scheduling alone costs a loop doing "
-        "nothing); bare: GET /health of the backend, a bare aiohttp server answering the same exposition, "
-        "prebuilt, on its /metrics. Windows: idle; flood (the clients loop on mmgate's /metrics); floor (the "
-        "same clients loop on the bare server's /metrics instead: what serving those bytes costs any aiohttp "
-        "loop). Answers/s: the clients' GET /metrics answers per second. CPU: mmgate's process over the window "
-        "(its socket sends' softirq time not counted).",
+        f"{len(data['rounds'])} rounds, windows of {data['seconds']:g} s, probes every {data['interval'] * 1000:g} ms, "
+        f"{data['clients']} flood clients. Each cell: median over rounds (min–max), ms; bare: the backend's /health; "
+        "answers/s: the clients' GET /metrics answers; CPU: mmgate's process over the window (its socket sends' "
+        "softirq time not counted).",
         "",
         "| exposition | window | health p50 | health p99 | text p50 | text p99 | bare p50 | bare p99 | control p50 "
         "| control p99 | /metrics answers/s | mmgate CPU % |",

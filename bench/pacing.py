@@ -23,7 +23,8 @@ Per round, fresh processes for each scenario (an idle control server runs throug
 
 Figures per round: text p99 (idle and loaded), health p99 and the control's in the same window, media
 requests answered per second in the window, CPU per media request (the proxy process and its children, from
-/proc, over the window). Goals (each judged on the median of the rounds, spread min–max):
+/proc, over the window) and its minor page faults (fresh memory, a 4 KiB page each); and, in this process, the CPU
+of a SHA-256 of the photo's base64 (a hit's cache key: mmgate hashes in its hasher threads). Goals (each judged on the median of the rounds, spread min–max):
 loaded text p99 ≤ idle text p99 + 15 ms; health p99 ≤ control p99 + 5 ms; media req/s ≥ 0.6 × minimal's.
 
     python -m bench run pacing [--set KNOB=VALUE] [--rounds N] [--quick]
@@ -221,23 +222,10 @@ def table(f: dict[str, list[float]], names: list[str]) -> str:
 def report(data: dict[str, Any]) -> str:
     meta, f, names = data["meta"], data["figures"], list(data["rounds"][0])
     return "\n".join([
-        "# Pacing: small requests and health while the loop moves cache-hit photos",
-        "",
-        f"`python -m bench run pacing` -- {meta['date']}, Python {meta['python']}, {meta['usable_cpus']} usable CPUs, "
-        f"{meta['rounds']} rounds of {meta['seconds']:g} s per scenario, {meta['wall_s']} s in all.",
-        f"Start: `{meta['uptime_start']}`  ",
-        f"End: `{meta['uptime_end']}`",
-        "",
-        f"Load: {meta['clients']} clients back to back, each resending one {meta['photo']} as an OpenAI chat "
-        f"({meta['body_mb']:.2f} MB body); with the cache on (mmgate's default) every request after the first "
-        "is a cache hit. Upstream: the raw asyncio upstream of testkit/text_load.py (reads each body whole, "
-        f"answers a fixed JSON). Probers (own processes, one keep-alive connection each, every "
-        f"{meta['interval'] * 1000:g} ms): a {len(TEXT_BODY)}-byte text chat POSTed through the proxy, "
-        "GET /mmgate/health, and GET /health of an idle control server (a bare aiohttp app). Each cell: the "
-        "median over rounds (min–max). CPU: the proxy process and its children over the probe window, per media "
-        "request answered in it; minor page faults likewise (fresh memory: a 4 KiB page each). "
-        "SHA-256: this process hashing the photo's base64 as the cache keys a hit (mmgate does it in its "
-        "hasher threads), CPU per payload. Everything shares the machine's cores with other jobs.",
+        f"{meta['rounds']} rounds of {meta['seconds']:g} s per scenario, {meta['wall_s']} s in all; {meta['clients']} "
+        f"clients resending one {meta['photo']} ({meta['body_mb']:.2f} MB body); probes every "
+        f"{meta['interval'] * 1000:g} ms. Load average at the start: `{meta['uptime_start']}`; at the end: "
+        f"`{meta['uptime_end']}`. Each cell: the median over rounds (min–max).",
         "",
         table(f, names),
         "",

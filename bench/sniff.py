@@ -120,10 +120,8 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 
 def report(data: dict[str, Any]) -> str:
-    lines = ["# sniff: CPU per MiB to find no media marker, hyperscan vs the stdlib's ways", "",
-             f"`python -m bench run sniff --rounds {data['settings']['rounds']}`; single thread, each figure the "
-             "median (min–max) of the rounds, each round the best of 3 scans. `old markers` = what the previous sniff "
-             "(any `\\u` escape counted) answered for the body: `maybe` sent it through a whole JSON parse.", "",
+    lines = [f"{data['settings']['rounds']} rounds. `old markers`: what the previous sniff answered for the body "
+             "(`maybe`: a whole JSON parse).", "",
              "| body | way | ms/MiB | spread | × hyperscan | old markers |", "|---|---|---:|---|---:|---|"]
     rows = data["rows"]
     for r in rows:
