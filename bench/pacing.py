@@ -24,8 +24,8 @@ Per round, fresh processes for each scenario (an idle control server runs throug
 Figures per round: text p99 (idle and loaded), health p99 and the control's in the same window, media
 requests answered per second in the window, CPU per media request (the proxy process and its children, from
 /proc, over the window) and its minor page faults (fresh memory, a 4 KiB page each); and, in this process, the CPU
-of a SHA-256 of the photo's base64 (a hit's cache key: mmgate hashes in its hasher threads). Goals (each judged on the median of the rounds, spread min–max):
-loaded text p99 ≤ idle text p99 + 15 ms; health p99 ≤ control p99 + 5 ms; media req/s ≥ 0.6 × minimal's.
+of a SHA-256 of the photo's base64 (a hit's cache key: mmgate hashes in its hasher threads). Goals (each judged
+on the median of the rounds, spread min–max): loaded text p99 ≤ idle text p99 + 15 ms; health p99 ≤ control p99 + 5 ms; media req/s ≥ 0.6 × minimal's.
 
     python -m bench run pacing [--set KNOB=VALUE] [--rounds N] [--quick]
     python -m bench list pacing   # the knobs and their defaults
