@@ -25,7 +25,8 @@ Figures per round: text p99 (idle and loaded), health p99 and the control's in t
 requests answered per second in the window, CPU per media request (the proxy process and its children, from
 /proc, over the window) and its minor page faults (fresh memory, a 4 KiB page each); and, in this process, the CPU
 of a SHA-256 of the photo's base64 (a hit's cache key: mmgate hashes in its hasher threads). Goals (each judged
-on the median of the rounds, spread min–max): loaded text p99 ≤ idle text p99 + 15 ms; health p99 ≤ control p99 + 5 ms; media req/s ≥ 0.6 × minimal's.
+on the median of the rounds, spread min–max): loaded text p99 ≤ idle text p99 + 15 ms; health p99 ≤ control p99
++ 5 ms; media req/s ≥ 0.6 × minimal's.
 
     python -m bench run pacing [--set KNOB=VALUE] [--rounds N] [--quick]
     python -m bench list pacing   # the knobs and their defaults

@@ -113,7 +113,8 @@ def test_a_smoke_run_measures_prints_its_goals_and_writes_nothing() -> None:
     before = {path: path.stat().st_mtime_ns for path in R.RESULTS.iterdir()}
     run = subprocess.run([sys.executable, "-m", "bench", "run", "sniff", "--quick"], cwd=R.REPO, capture_output=True,
                          text=True, check=True)
-    assert "goals:" in run.stdout and "hyperscan ms/MiB" in run.stdout and "# sniff:" in run.stdout
+    assert "goals:" in run.stdout and "hyperscan ms/MiB" in run.stdout
+    assert "# The sniff's ways side by side" in run.stdout  # the page, titled by the module's docstring
     assert {path: path.stat().st_mtime_ns for path in R.RESULTS.iterdir()} == before
 
 
