@@ -198,13 +198,13 @@ USAGE = "\n    python -m bench"  # where a bench module's docstring starts sayin
 
 def page(doc: str, data: dict[str, Any], body: str) -> str:
     """A result's page before its stamp and goals go in (``with_goals``): the bench module's docstring (``doc``)
-    gives its title (the first line) and what it measures (the rest, up to how to run it), then the knobs the run
+    gives its title (the first paragraph) and what it measures (the rest, up to how to run it), then the knobs the run
     had (``knobs`` in the data: the harness records them), then ``body``, the module's ``report``: its tables and
     what it computes of them. A ``body`` that is a page already (it starts with its ``# `` title) stays as it is."""
     if body.startswith("# "):
         return body
-    title, _, about = doc.strip().partition("\n")
-    lines = [f"# {title.rstrip('.')}", "", about.split(USAGE)[0].strip(), ""]
+    title, _, about = doc.strip().partition("\n\n")
+    lines = [f"# {' '.join(title.split()).rstrip('.')}", "", about.split(USAGE)[0].strip(), ""]
     if data.get("knobs"):
         lines += ["Knobs: " + ", ".join(f"`{name}={value}`" for name, value in data["knobs"].items()) + ".", ""]
     return "\n".join([*lines, body.strip("\n")]) + "\n"

@@ -148,11 +148,8 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 def report(data: dict[str, Any]) -> str:
     s = data["settings"]
-    lines = ["# fleet_vllm: a real vLLM behind mmgate, `auto` against fixed limits (vllm bench serve)", "",
-             f"`python -m bench run fleet_vllm --rounds {s['rounds']} --set limits={','.join(s['limits'])} "
-             f"--set prompts={s['prompts']} --set concurrency={s['concurrency']}`: vLLM's `random-mm` dataset, one "
-             "1024×1024 image, "
-             "64 prompt and 16 output tokens per request. Median (min–max) of the rounds."
+    lines = [f"{s['rounds']} rounds; limits {', '.join(s['limits'])}; {s['prompts']} prompts a cell, "
+             f"{s['concurrency']} clients. Median (min–max) of the rounds."
              + (f" {s['prompts']} prompts a cell: a cold start of `auto`, shorter than its probe cycles."
                 if s["prompts"] <= COLD_START_PROMPTS else ""), "",
              "| limit | requests/s | spread | median TTFT ms | median e2e ms | failed |",

@@ -316,8 +316,6 @@ def table(figs: dict[str, list[float]], processes: list[int]) -> str:
 def report(data: dict[str, Any]) -> str:
     meta, figs, processes = data["settings"], _figures(data), data["processes"]
     return "\n".join([
-        "# Front processes (MMGATE_PROCESSES): one port, one gate, N event loops",
-        "",
         f"{meta['rounds']} rounds × processes {', '.join(map(str, processes))}; windows of {meta['seconds']} s; "
         f"{meta['clients']} load-generator process(es), {meta['streams']} SSE streams each (an event every "
         f"{meta['sse_delay']} s per stream), {meta['conns']} connections for the request loads; decode workers "

@@ -185,7 +185,6 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 def report(data: dict[str, Any]) -> str:
     budget = data["budget"]
     lines = [
-        "# Fuzzing (bench/fuzz.py)", "",
         f"Budget {budget['examples']} inputs per property"
         + (f" or {budget['minutes']} min in all" if budget["minutes"] else "") + f"; seed {data['seed']}.", "",
         ("Inputs run include hypothesis' shrink steps. A failure is one distinct fault signature; *known* ones "

@@ -156,9 +156,7 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 def report(data: dict[str, Any]) -> str:
     results = data["results"]
     lines = [
-        "# locate: GIL time to find the media in a body",
-        "",
-        f"`python -m bench run locate --set runs={data['runs']}` on {data.get('implementation', 'CPython')} "
+        f"{data['runs']} runs on {data.get('implementation', 'CPython')} "
         f"{data['python']}" + (f", orjson {data['orjson']}" if "orjson" in data else "") + ". "
         "Wall time of one call, single thread (= GIL time), in ms: median (min–p90). "
         + (f"Load average while running: {data['loadavg']:.1f}." if "loadavg" in data else ""),

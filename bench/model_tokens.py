@@ -212,7 +212,7 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 
 def report(data: dict[str, Any]) -> str:
-    lines = [f"# {WHAT}", "", R.stamp_line(data), "", "## Token estimate per image (µs, median of rounds)", "",
+    lines = ["## Token estimate per image (µs, median of rounds)", "",
              "| family | " + " | ".join(next(iter(data["estimate_us"].values()))) + " |",
              "| --- |" + " --- |" * len(next(iter(data["estimate_us"].values())))]
     for family, by_image in data["estimate_us"].items():

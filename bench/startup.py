@@ -201,15 +201,9 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 def report(data: dict[str, Any]) -> str:
     s = data["settings"]
     lines = [
-        "# Start-up: seconds to ready and RSS, with and without a model",
-        "",
-        f"`python -m bench run startup`: `python -m proxy` in front of the stub backend, {s['rounds']} rounds, the "
-        f"variants taking turns; base = `{s['baseline_ref']}` (`{(s.get('baseline_commit') or '')[:10]}`). Ready: "
-        f"the first `/mmgate/health` answering 200 with `draining: false` (polled every {s['poll_s'] * 1000:.0f} "
-        f"ms), timed from just before the process starts"
-        + (", both trees byte-compiled first, as an install leaves them" if s.get("byte_compiled") else "")
-        + f". Model: {s['checkpoint']}'s own processor configuration. "
-        "RSS: mmgate's process at that moment (its process tree's sum beside it). Median (min–max) of the rounds.",
+        f"{s['rounds']} rounds; base = `{s['baseline_ref']}` (`{(s.get('baseline_commit') or '')[:10]}`); polled "
+        f"every {s['poll_s'] * 1000:.0f} ms" + ("; both trees byte-compiled first" if s.get("byte_compiled") else "")
+        + f"; model: {s['checkpoint']}'s own processor configuration. Median (min–max) of the rounds.",
         "",
         "| variant | s to ready | s to the model in force | RSS MB at ready (tree) | RSS MB with the model in force |",
         "| --- | ---: | ---: | ---: | ---: |",

@@ -112,7 +112,7 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 
 def report(data: dict[str, Any]) -> str:
-    lines = [f"# {WHAT}", "", R.stamp_line(data), "", "## Installed size (MiB, from each distribution's RECORD)", "",
+    lines = ["## Installed size (MiB, from each distribution's RECORD)", "",
              "| distribution | MiB |", "| --- | --- |"]
     for name, mib in data["installed_mib"].items():
         lines.append(f"| {name} | {R.number(mib)} |")
