@@ -254,9 +254,7 @@ def chosen_psnr_text(chosen: dict[str, Any]) -> str:
 
 def report(data: dict[str, Any]) -> str:
     lines = [
-        "# Fidelity with a model: PSNR against the backend's own resize, bytes and CPU per encoding",
-        "",
-        f"`python -m bench run fidelity`: Idefics3 (LANCZOS, {SIZE[0]}x{SIZE[1]} → its 1456x1092), "
+        f"Idefics3 (LANCZOS, {SIZE[0]}x{SIZE[1]} → its 1456x1092), "
         f"{data['rounds']} rounds per timing (median, min–max), thread CPU. Reference: the processor's own resize "
         "of the fully decoded original. PSNR over RGB, 8 bits. The chosen encoding is what mmgate sends with a "
         f"model and `MMGATE_IMAGE_FORMAT=auto`: {CHOSEN}. Handoff CPU: mmgate's encode and base64, plus the "

@@ -309,8 +309,6 @@ def _row(name: str, s: dict[str, Any], rate: str = "", per_call: str = "") -> st
 def report(data: dict[str, Any]) -> str:
     env, cost = data["env"], data["process_cost"]
     lines = [
-        "# GIL held by media work (bench/gil_hold.py)",
-        "",
         f"A thread sleeping 1 ms, late wake-ups in ms: median of {env['rounds']} rounds of {env['seconds']:g} s "
         f"(min–max). 12 MP JPEG ({env['jpeg_bytes'] / 1e6:.1f} MB) → 1 MP, Pillow {env['pillow']}.",
         "",

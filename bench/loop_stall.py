@@ -217,9 +217,7 @@ def report(data: dict[str, Any]) -> str:
         return (f"{worst} | {R.number(control['median'])} | {R.number(handled['median'])} | {', '.join(answers)}")
 
     lines = [
-        "# One body and the event loop (/mmgate/health while a hostile body is handled)",
-        "",
-        f"`python -m bench run loop_stall` — baseline `{data['baseline_ref']}` at "
+        f"Baseline `{data['baseline_ref']}` at "
         f"`{(data['baseline_commit'] or '')[:10]}`"
         f" against this tree; {len(data['rounds']['after'])} rounds; probes every {data['interval'] * 1000:g} ms.",
         "",

@@ -372,9 +372,7 @@ def cost_goals(rounds: dict[tuple[str, bool, int], list[dict[str, Any]]], firsts
 def report(data: dict[str, Any]) -> str:
     s = data["settings"]
     lines = [
-        "# scale: one mmgate process against its decode workers, thread and process mode, 12 MP JPEG",
-        "",
-        f"`python -m bench run scale`: {s['rounds']} rounds × {s['seconds']:g} s per cell (after a {s['ramp_s']:g} s "
+        f"{s['rounds']} rounds × {s['seconds']:g} s per cell (after a {s['ramp_s']:g} s "
         f"ramp), {s['cores']} usable cores, {s['load_procs']} load-generator process(es), clients = 2 × workers + 2, "
         f"gate = 2 × workers, a prober every {s['probe_interval_s'] * 1000:g} ms; {s['elapsed_s']} s in all. "
         "Each figure: median (min–max) of the rounds. `cores` and `CPU ms/req`: mmgate and every process below it. "
