@@ -626,10 +626,8 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 def report(data: dict[str, Any]) -> str:
     s = data["settings"]
     rounds = data["rounds"]
-    lines = ["# fleet: the adaptive limit on a thrashing and a batching backend, under attack, against a slow "
-             "reader; fair waiting", "",
-             f"`python -m bench run fleet --rounds {s['rounds']}`: {s['clients']} closed-loop clients; throughput in "
-             "answers/s, median (min–max) of the rounds; `auto` starts cold in every cell."]
+    lines = [f"{s['rounds']} rounds, {s['clients']} closed-loop clients; throughput in answers/s, median (min–max) of "
+             "the rounds; `auto` starts cold in every cell."]
     for name, first in rounds[0]["models"].items():
         step = first["step"]
         where = (f"from {STEP_AT:g} s of a {STEP_CELL:g} s cell; the fixed limits on the backend after the step, "

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import statistics
 import subprocess
 import sys
@@ -56,35 +55,13 @@ from bench import _results as R
 from testkit import load as L
 from testkit.media import conversation, tagged, turns
 from testkit.procfs import CLK_TCK, cpu_ticks, descendants
-from testkit.text_load import ROLE, text_body
+from testkit.text_load import ROLE, client_results, start_clients, text_body
 
 WHAT = ("MMGATE_PROCESSES 1/2/4: SSE events/s, 1 KB req/s, 4 MB MB/s, cache-hit media req/s, CPU per "
         "event/request, health p99, cache hit rate on a chat replay")
 BIG_CORES, BIG_PROCESSES = 16, 8
 GOAL_CPU_RATIO, GOAL_HIT_RATIO, GOAL_SCALE, GOAL_HEALTH_P99_MS = 1.1, 0.9, 6.0, 10.0
 SSE_TOKENS = 100
-
-
-# --- load generators (own processes: testkit.text_load's roles) -----------------------------------------
-
-
-def start_clients(argv_of: list[list[str]]) -> list[subprocess.Popen[bytes]]:
-    clients = [subprocess.Popen(argv, stdout=subprocess.PIPE, cwd=R.REPO) for argv in argv_of]
-    for client in clients:
-        assert client.stdout is not None
-        line = client.stdout.readline()
-        if line.strip() != b"START":
-            raise RuntimeError(f"load client did not start: {line!r}")
-    return clients
-
-
-def client_results(clients: list[subprocess.Popen[bytes]]) -> list[dict[str, Any]]:
-    out = []
-    for client in clients:
-        assert client.stdout is not None
-        out.append(json.loads(client.stdout.readline()))
-        client.wait(60)
-    return out
 
 
 # --- mmgate and its process tree ---------------------------------------------------------------------------

@@ -319,8 +319,6 @@ def report(data: dict[str, Any]) -> str:
         ("png_ms", "PNG ms"), ("png_cpu_ms", "PNG CPU ms"),
     ])
     return (
-        "# Image pipeline: naive Pillow vs mmgate process_image (to <= 1 MP, JPEG q90)\n\n"
-        f"`python -m bench run image_pipeline` -- {env['date']}, Python {env['python']}, "
         f"Pillow {env['pillow']}, libjpeg-turbo {env['libjpeg_turbo']}, {env['usable_cpus']} usable CPUs, "
         f"blocks_max {env['blocks_max']}, median of {env['repeat']} runs, {env['seconds']} s in all.\n"
         f"Load average before {env['load_avg_before']}, after {env['load_avg_after']}: the machine is "

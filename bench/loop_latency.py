@@ -326,33 +326,17 @@ def report(data: dict[str, Any]) -> str:
     w, h = img["size"]
     pinned = any(r.get("pinned") for r in rows)
     md = "\n".join([
-        "# Event-loop latency under multimodal load (/mmgate/health)",
-        "",
-        f"`python -m bench run loop_latency{' --set pinned=on' if pinned else ''}` -- {meta['date']}, "
-        f"Python {meta['python']}, "
-        f"aiohttp {meta['aiohttp']}, Pillow {meta['pillow']}, {meta['usable_cpus']} usable CPUs, {meta['rounds']} "
-        f"interleaved rounds, {meta['wall_s']} s in all.",
-        f"Start: `{meta['uptime_start']}`  ",
-        f"End: `{meta['uptime_end']}`",
+        f"{meta['rounds']} interleaved rounds, {meta['wall_s']} s in all; aiohttp {meta['aiohttp']}, Pillow "
+        f"{meta['pillow']}{'; pinned' if pinned else ''}. Load average at the start: `{meta['uptime_start']}`; at the "
+        f"end: `{meta['uptime_end']}`.",
         "",
         verdict,
         "",
-        f"Prober: own process, GET /mmgate/health every {meta['interval'] * 1000:g} ms (fixed schedule; slots that "
-        f"pass while a probe waits are skipped) over one keep-alive connection for {meta['seconds']:g} s per round; "
-        "latency = send → last byte; p50/p99/max pool the probes of all rounds. Control: a minimal aiohttp "
-        "server (own process, does nothing else) probed the same way at the same time: what the machine's CPU "
-        f"scheduling alone costs an idle loop. Load: {meta['clients']} clients back to back, each POSTing a "
-        f"{w}x{h} photo-like JPEG (q{img['quality']}, {img['bytes'] / 1e6:.2f} MB, body {img['body_bytes'] / 1e6:.2f} "
-        "MB) to /v1/chat/completions, non-streaming, through mmgate (gate defaults: 4 admitted, queue 64; "
-        "validate full) to the stub backend (1 decode thread, no simulated encoder CPU). Loop lag: mmgate's own "
-        "mmgate_event_loop_lag_seconds histogram (250 ms timer), diffed over the probe window; bucket upper "
-        "edges. mmgate CPU ms / req and minor faults / req: the whole mmgate process (loop and decode threads) "
-        "and its decode worker processes during the window, per media request answered in it. Fresh mmgate "
-        "and stub per scenario and round. "
-        "Clients, probers, mmgate and the stub share the same 2 cores; 'other jobs CPU' is the machine's busy "
-        "time during the window minus that of this benchmark's processes, probers included (percent of one "
-        "core; 200 = both cores): other people's jobs plus kernel time not charged to a process (loopback "
-        "networking softirqs), i.e. the noise.",
+        f"Probes every {meta['interval'] * 1000:g} ms for {meta['seconds']:g} s a round; p50/p99/max pool the probes "
+        f"of all rounds. Load: {meta['clients']} clients, each POSTing a {w}x{h} JPEG (q{img['quality']}, "
+        f"{img['bytes'] / 1e6:.2f} MB, body {img['body_bytes'] / 1e6:.2f} MB). Loop lag: bucket upper edges. "
+        "'Other jobs CPU': the machine's busy time in the window less this benchmark's processes' (percent of one "
+        "core): the noise.",
         "",
         table(rows),
         "",

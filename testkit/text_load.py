@@ -20,10 +20,14 @@ import asyncio
 import json
 import re
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 ROLE = (sys.executable, "-m", "testkit.text_load")  # a role of this module in a process of its own (cwd: the repo)
+REPO = Path(__file__).resolve().parents[1]
 
 ANSWER = (b'{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,"model":"bench",'
           b'"choices":[{"index":0,"message":{"role":"assistant","content":"Fixed answer from the bench upstream."},'
@@ -316,6 +320,28 @@ def run_http_client(url: str, body_file: str, conns: int, warmup: float, duratio
             await s.close()
 
     asyncio.run(main())
+
+
+def start_clients(argvs: list[list[str]]) -> list[subprocess.Popen[bytes]]:
+    """Client roles (``http-client``, ``sse-client``: ``[*ROLE, role, ...]``) in processes of their own, returned
+    once each has printed START: its measured window is open."""
+    clients = [subprocess.Popen(argv, stdout=subprocess.PIPE, cwd=REPO) for argv in argvs]
+    for client in clients:
+        assert client.stdout is not None
+        line = client.stdout.readline()
+        if line.strip() != b"START":
+            raise RuntimeError(f"load client did not start: {line!r}")
+    return clients
+
+
+def client_results(clients: list[subprocess.Popen[bytes]]) -> list[dict[str, Any]]:
+    """What each client of ``start_clients`` printed when its window closed (one JSON line), once it exits."""
+    out = []
+    for client in clients:
+        assert client.stdout is not None
+        out.append(json.loads(client.stdout.readline()))
+        client.wait(60)
+    return out
 
 
 def main() -> None:
