@@ -103,7 +103,7 @@ async def one_mode(mode: str, sink_url: str, photo: bytes, tag: str, count: int)
         out: dict[str, Any] = {}
         for name in CONVERSATIONS:
             bodies = turns(name, photo, f"{tag}/{mode}", count)
-            procfs.reset_peak(proc.pid)
+            procfs.reset_peaks([proc.pid])
             media = await replay(url, proc.pid, bodies, "/v1/chat/completions")
             peak = procfs.memory(proc.pid)["VmHWM"]
             plain = await replay(url, proc.pid, bodies, "/v1/bench-no-media-route")

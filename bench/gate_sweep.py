@@ -117,7 +117,7 @@ async def run_cell(gate: str, release_at: str, body: bytes, args: R.Knobs, *, qu
         await one_request(url, body, f"gate {gate}: warm-up")
         await L.get_json(stub_url, "/stub/reset", "POST")  # the peak of held pixels counts from here
         base_proxy, base_stub = memory_of(mmgate), memory_of(stub)
-        hwm_reset = memory_trace and all(procfs.reset_peak(pid) for pid in pids)
+        hwm_reset = memory_trace and procfs.reset_peaks(pids)
         load0, watch = L.loadavg(), L.CpuWatch([*pids, os.getpid()])
         stop_trace = asyncio.Event()
         tracer = asyncio.create_task(trace_memory(mmgate, stub, url, stop_trace)) if memory_trace and mmgate else None
@@ -236,7 +236,7 @@ async def one_request_working_set(body: bytes, label: str, flags: tuple[str, ...
         await asyncio.sleep(IDLE_SETTLE_S)
         for name in ("cold", "warm"):
             idle = read("VmRSS")
-            reset = all(procfs.reset_peak(p.pid) for p in procs.values())
+            reset = procfs.reset_peaks(p.pid for p in procs.values())
             run = await one_request(url, body, f"{label}: one request")
             peak = read("VmHWM")
             await asyncio.sleep(IDLE_SETTLE_S)

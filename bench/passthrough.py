@@ -88,17 +88,20 @@ def start_targets(stack: ExitStack, targets: Sequence[str], workdir: Path,
             "minimal": [*ROLE, "minimal-proxy", "--port", str(ports["minimal"]), "--upstream", upstream],
             **{target: [*mmgate, "--port", str(ports[target]), "--loop", loop] for target, loop in LOOP_OF.items()}}
     cwd = dict.fromkeys(argv, REPO)
-    if args.baseline:  # that revision in a worktree of its own, on its default loop (it may predate --loop)
+    env: dict[str, dict[str, str] | None] = dict.fromkeys(argv)  # None: this process's
+    if args.baseline:  # that revision in a worktree of its own, on the loop of the "mmgate" it is compared with
         baseline, worktree = targets[-1], workdir / "baseline"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--force", str(worktree), args.baseline],
                        check=True, capture_output=True)
         stack.callback(subprocess.run, ["git", "-C", str(REPO), "worktree", "remove", "--force", str(worktree)],
                        capture_output=True)
         argv[baseline], cwd[baseline] = [*mmgate, "--port", str(ports[baseline])], worktree
+        env[baseline] = {**os.environ, "MMGATE_LOOP": LOOP_OF["mmgate"]}  # a revision before the setting ignores it
     silent = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     for target in targets:  # one by one, the upstream first: mmgate asks it what it serves as it starts
-        procs[target] = start(stack, argv[target], PROXY_CPU, cwd=cwd[target], **({} if target == "direct" else silent))
+        procs[target] = start(stack, argv[target], PROXY_CPU, cwd=cwd[target], env=env[target],
+                              **({} if target == "direct" else silent))
         wait_http(f"http://127.0.0.1:{ports[target]}/{'mmgate/health' if 'mmgate' in target else ''}", procs[target])
     pids = {target: [proc.pid] for target, proc in procs.items()}
     pids |= {"direct": [], "upstream": pids["direct"], "nginx": [procs["nginx"].pid, *descendants(procs["nginx"].pid)]}

@@ -203,8 +203,7 @@ async def bench(vllm: h.Server, vllm_pid: int | None, gates: dict[str, h.Server 
                         gate, cell = gates[mode], row[mode]
                         url = gate.url if gate else vllm.url
                         b0, (gi0, go0) = vllm_bytes_received(vllm), gate_media(gate)
-                        for pid in pids:
-                            procfs.reset_peak(pid)
+                        procfs.reset_peaks(pids)
                         await run_cell(session, url, body, cell, count)
                         hwm, rss = vllm_memory(pids)
                         cell.vllm_hwm_mib, cell.vllm_rss_mib = max(cell.vllm_hwm_mib, hwm), rss

@@ -157,8 +157,7 @@ def measure_cell(mode: str, resize: bool, workers: int, args: R.Knobs, mode_env:
         time.sleep(max(0.0, window_start - PROBER_START_S - time.monotonic()))
         prober, out = L.start_prober(url, args.seconds, PROBE_INTERVAL)
         time.sleep(max(0.0, window_start - time.monotonic()))
-        for pid in procfs.tree(gate.pid):
-            procfs.reset_peak(pid)
+        procfs.reset_peaks(procfs.tree(gate.pid))
         load_pids = [[p.pid] for p, _ in generators]
         cpu0 = procfs.tree_cpu_seconds(gate.pid, reaped=True)
         load0 = [procfs.cpu_ticks(pids) / procfs.CLK_TCK for pids in load_pids]

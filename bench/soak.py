@@ -87,10 +87,10 @@ class Soak:
 
     def sample(self) -> None:
         while not self.stopped.is_set():
-            try:
-                self.samples.append((time.monotonic() - self.t0, self.done, vm_rss(self.pid), self.loading))
-            except OSError:
+            rss = procfs.memory(self.pid).get("VmRSS")
+            if rss is None:  # mmgate is gone
                 return
+            self.samples.append((time.monotonic() - self.t0, self.done, rss, self.loading))
             self.stopped.wait(0.5)
 
     async def run(self, work: Work) -> None:

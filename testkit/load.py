@@ -152,13 +152,13 @@ class CpuWatch:
     def __init__(self, pids: list[int]) -> None:
         self.pids = pids
         self.busy0, self.total0 = machine_jiffies()
-        self.ours0 = sum(cpu_ticks([p]) for p in pids)
+        self.ours0 = cpu_ticks(pids)
         self.t0 = time.monotonic()
 
     def stop(self, extra_cpu_s: float = 0.0) -> dict[str, float]:
         """``extra_cpu_s``: CPU seconds of our processes that already exited (the probers report theirs)."""
         busy, _total = machine_jiffies()
-        ours = sum(cpu_ticks([p]) for p in self.pids)
+        ours = cpu_ticks(self.pids)
         hz = os.sysconf("SC_CLK_TCK")
         wall = time.monotonic() - self.t0
         machine = (busy - self.busy0) / hz / wall * 100

@@ -6,6 +6,7 @@ counts nothing: a bench reads a tree that changes while it runs."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -53,9 +54,14 @@ def memory(pid: int) -> dict[str, int]:
             if key in ("VmHWM", "VmRSS")}
 
 
-def reset_peak(pid: int) -> bool:
-    """Reset VmHWM of ``pid`` to its current RSS (writing 5 to /proc/PID/clear_refs, Linux ≥ 4.0), so the next
-    VmHWM reading is the peak of what happened since, not of the process's whole life. False if refused."""
+def reset_peaks(pids: Iterable[int]) -> bool:
+    """Reset VmHWM of each of ``pids`` to its current RSS (writing 5 to /proc/PID/clear_refs, Linux ≥ 4.0), so
+    the next VmHWM reading is the peak of what happened since, not of the process's whole life. False if any
+    was refused."""
+    return all([_reset_peak(pid) for pid in pids])  # a list: every pid is reset, whatever one answers
+
+
+def _reset_peak(pid: int) -> bool:
     try:
         Path(f"/proc/{pid}/clear_refs").write_text("5")
     except OSError:
@@ -96,4 +102,4 @@ def tree_cpu_seconds(root: int, reaped: bool = False) -> float:
 def tree_minor_faults(root: int) -> int:
     """Minor page faults of ``root`` and the live processes below it so far (fresh memory costs ~3 µs per 4 KiB
     page on these VMs)."""
-    return stat_sum([root, *descendants(root)], MINFLT)
+    return stat_sum(tree(root), MINFLT)
