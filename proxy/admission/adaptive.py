@@ -25,8 +25,9 @@ minutes. More classes in turn than ``class_reference.MAX_CLASSES`` evict each ot
 
 What it sees of requests still at the backend: their ages (``started`` at the hand-off, ``ended`` when the lease
 goes back), a floor under their latency. By Little's law a step whose requests' median time at the backend is
-at least *a* delivers at most ``limit × worth / a`` (``_ceiling_rate``; *worth*, the costliest class's
-reference: their classes are not known until they complete). A step up that cannot beat what it must, a probe
+at least *a* delivers at most ``limit × worth / a`` (``_ceiling_rate``; *worth*, the costliest reference of the
+mix's classes and of those still completing, ``LIVE``: their classes are not known until they complete, and a
+phase may end on a flood of cheap answers alone). A step up that cannot beat what it must, a probe
 down that cannot keep what it must, a cruise whose requests are older than the tolerance allows, end at the next
 ``tick`` without waiting for answers that may not come. A step is judged on its own requests (the last phase's
 were admitted under the last limit), a cruise and a probe down on all the backend holds (a probe down counts the
@@ -154,6 +155,7 @@ TINY = 1e-6  # seconds: a sample's smallest worth (a zero would weigh nothing an
 MAX_TIMED = 1024  # a phase's completions whose seconds are kept for ``_Phase.median_at_least``, at most
 CONFIDENCE = 1.0  # standard errors by which a probe down's rate must clear what it keeps, to be kept
 MOVES_KEPT = 64  # the last changes of the limit ``explain`` tells
+LIVE = 2.0  # a class counts as still at the backend for this many times its reference after it last completed
 TICK_S = 0.1  # how often the gate asks ``tick`` to look at the requests still in flight
 
 
@@ -394,10 +396,11 @@ class AdaptiveLimit:
         ``granted`` returned for its lease. Returns whether ``limit`` changed."""
         now = self._clock()
         self.samples += 1
+        reference = self.references.get(sample.cls)
+        reference.completed_at = now
         if phase != self.phase:  # Envoy's rule: admitted under another limit, it says nothing about this one
             return False
         current = self._now
-        reference = self.references.get(sample.cls)
         if not reference.count:
             reference.add(sample.seconds)  # a new class's first sample seeds it, whatever the phase
         work = max(TINY, reference.value)
@@ -445,8 +448,7 @@ class AdaptiveLimit:
         at_least = self._now.median_at_least([now - started for started in reversed(since)])
         if at_least is None or at_least <= 0 or not compared or not self._filled(now):
             return None
-        worth = max(self.references.value(cls) for cls in compared)
-        return self.limit * worth / at_least
+        return self.limit * self._worth(now, compared) / at_least
 
     def _overdue(self, now: float) -> bool:
         """Whether the requests at the backend already show that the phase cannot do what it is for: a step of
@@ -491,8 +493,14 @@ class AdaptiveLimit:
         at_least = self._now.median_at_least([now - max(started, since) for started in reversed(self._at_backend)])
         if at_least is None:
             return None
-        worth = max(self.references.value(cls) for cls in self.mix)
-        return at_least / max(TINY, worth) / max(1.0, self.latency)
+        return at_least / max(TINY, self._worth(now, self.mix)) / max(1.0, self.latency)
+
+    def _worth(self, now: float, mix: Mix) -> float:
+        """The most a request at the backend may be worth: the costliest class of ``mix``, or of the classes
+        still completing (``LIVE``). A phase may end on a flood of cheap answers alone, before any request of
+        an honest class admitted in it could complete; weighed at the cheap class, the honest requests still
+        at the backend would look hundreds of times late."""
+        return max(max(self.references.value(cls) for cls in mix), self.references.costliest_live(now, LIVE))
 
     def _cut_short(self, now: float) -> bool:
         """End an overdue phase without waiting for its answers: startup is past the knee, the probe up lost, or

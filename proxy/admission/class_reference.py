@@ -18,6 +18,7 @@ The table holds the classes used most recently, ``MAX_CLASSES`` of them (least r
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 from proxy.admission.sample import SampleClass
@@ -28,13 +29,14 @@ MAX_CLASSES = 64
 
 
 class Reference:
-    """One class's long average of seconds."""
+    """One class's long average of seconds, and when the class last completed."""
 
-    __slots__ = ("count", "value")
+    __slots__ = ("completed_at", "count", "value")
 
     def __init__(self) -> None:
         self.value = 0.0
         self.count = 0
+        self.completed_at = -math.inf
 
     @property
     def warm(self) -> bool:
@@ -63,6 +65,13 @@ class References:
         """``cls``'s reference seconds, 0 if it has none (it is not made one)."""
         reference = self._table.get(cls)
         return reference.value if reference is not None else 0.0
+
+    def costliest_live(self, now: float, lively: float) -> float:
+        """The largest reference of the classes that completed within ``lively`` times their reference before
+        ``now``: what a request still at the backend may be worth (its class is known once it completes). 0 if
+        none did."""
+        return max((reference.value for reference in self._table.values()
+                    if now - reference.completed_at <= lively * reference.value), default=0.0)
 
     def get(self, cls: SampleClass) -> Reference:
         """``cls``'s reference, a new one if it has none (forgetting the least recently used class when full)."""

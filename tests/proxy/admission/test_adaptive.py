@@ -56,15 +56,15 @@ def honest() -> Group:
 
 def attacked(attacker: Group, seed: int = 0) -> tuple[Run, Simulation]:
     simulation = Simulation([honest(), attacker], adaptive=auto(seed), seed=seed)
-    return simulation.run(SETTLE + ATTACK + AFTER + 5), simulation
+    return simulation.run(attacker.start + ATTACK + AFTER + 5), simulation
 
 
-def assert_unmoved(run: Run) -> None:
-    end = SETTLE + ATTACK
-    before = run.rate("honest", SETTLE - 20, SETTLE)
-    assert run.rate("honest", SETTLE, end) >= 0.8 * before
+def assert_unmoved(run: Run, start: float = SETTLE) -> None:
+    end = start + ATTACK
+    before = run.rate("honest", start - 20, start)
+    assert run.rate("honest", start, end) >= 0.8 * before
     assert run.rate("honest", end, end + AFTER) >= 0.8 * before
-    pre = run.cruise_at(SETTLE)
+    pre = run.cruise_at(start)
     assert pre == 8  # as many as the honest clients: the backend has room for all
     assert abs(run.cruise_at(end + AFTER) - pre) <= 0.1 * pre
 
@@ -78,6 +78,15 @@ def test_fast_answers_of_another_class_move_nothing(seed: int) -> None:
     run, _ = attacked(Group("attacker", 2, flat(0.001), cls=CHEAP, start=SETTLE, stop=SETTLE + ATTACK), seed)
     assert run.rate("attacker", SETTLE, SETTLE + ATTACK) > 10  # they did get through, dozens of them
     assert_unmoved(run)
+
+
+# Starts found by sweeping the attack's start in 0.1 s steps (seed 0): each landed on the end of a phase that the
+# attack's cheap answers filled alone, before an honest request admitted in it could complete.
+@pytest.mark.parametrize("after_settling", [0.2, 8.6, 12.5, 23.9, 26.7, 27.0, 27.1, 27.3, 28.4])
+def test_fast_answers_that_begin_as_a_phase_ends_move_nothing(after_settling: float) -> None:
+    start = SETTLE + after_settling
+    run, _ = attacked(Group("attacker", 2, flat(0.001), cls=CHEAP, start=start, stop=start + ATTACK))
+    assert_unmoved(run, start)
 
 
 @pytest.mark.parametrize("seed", range(3))
