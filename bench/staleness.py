@@ -154,6 +154,12 @@ def imports_of(name: str, known: dict[str, tuple[str, ast.Module | None]]) -> se
     return imports_in(tree, name, path.endswith("/__init__.py"), known, code_in_strings=True)
 
 
+@functools.lru_cache(maxsize=4096)
+def _imports_at(repo: Path, commit: str, name: str) -> frozenset[str]:
+    """``imports_of`` module ``name`` at ``commit``, once: every script's import closure passes through testkit's."""
+    return frozenset(imports_of(name, modules_at(repo, commit)))
+
+
 def runs_mmgate(tree: ast.Module | None) -> bool:
     """Whether an argument list in ``tree`` runs ``python -m proxy`` (or a module of ``proxy``)."""
     for node in ast.walk(tree) if tree is not None else ():
@@ -182,9 +188,10 @@ def _rooms_at(script: str, repo: Path, commit: str) -> tuple[str, ...]:
     while todo:
         name = todo.pop()
         lends_its_start = name == start or name.split(".")[0] == HELPERS
-        if lends_its_start and (runs_mmgate(known[name][1]) or STARTS_THE_APP in imports_of(name, known)):
+        imported = _imports_at(repo, commit, name)
+        if lends_its_start and (runs_mmgate(known[name][1]) or STARTS_THE_APP in imported):
             return ROOMS
-        for target in imports_of(name, known) - seen:
+        for target in imported - seen:
             seen.add(target)
             todo.append(target)
     return tuple(sorted(known[n][0] for n in seen if n.split(".")[0] in ROOMS))
@@ -217,10 +224,11 @@ def measuring_code(tree: ast.Module) -> ast.Module:
     return tree
 
 
+@functools.lru_cache(maxsize=4096)
 def code_of(source: bytes | None, measuring: bool = False) -> str | None:
     """A module's syntax tree without its docstrings, as text (with ``measuring``, a bench script's
     ``measuring_code``); None when there is no such file or it does not parse (never equal to another: such a
-    file always counts as changed)."""
+    file always counts as changed). Cached by content: the results' commits share most of their files' versions."""
     if source is None:
         return None
     try:

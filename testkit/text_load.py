@@ -43,10 +43,11 @@ def text_body(size: int) -> bytes:
     """A text-only chat request of exactly ``size`` bytes, ASCII, no media marker."""
     messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
     doc = {"model": "bench", "max_tokens": 16, "messages": messages}
-    i = 0
-    while len(json.dumps(doc)) < size - 2100:
+    i, length = 0, len(json.dumps(doc))
+    while length < size - 2100:  # counted as it grows: dumping the whole document each time is quadratic
         words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(280))
         messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": words})
+        length += len(json.dumps(messages[-1])) + 2  # ", " before it
         i += 1
     messages.append({"role": "user", "content": ""})
     pad = size - len(json.dumps(doc))
