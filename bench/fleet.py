@@ -70,6 +70,7 @@ import logging
 import re
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +96,7 @@ from testkit.adaptive_sim import (
     fixed_rates,
 )
 from testkit.media import chat_with_image, data_uri, image_bytes
-from testkit.servers import READER_RCVBUF, reader_of_nothing, start_proxy_server
+from testkit.servers import READER_RCVBUF, Proxy, reader_of_nothing, start_proxy_server
 
 BASE_SECONDS = 0.1
 
@@ -241,6 +242,27 @@ def _body(tag: str, image: str, **extra: Any) -> bytes:
     return orjson.dumps(chat_with_image(image, text=tag) | extra)
 
 
+@contextlib.asynccontextmanager
+async def behind_mmgate(curve: Curve, **env: str) -> AsyncIterator[tuple[ModelBackend, Proxy]]:
+    """A ``ModelBackend`` of ``curve`` and mmgate in front of it (``env``: its settings), both stopped after."""
+    backend = ModelBackend(curve)
+    proxy, stop = await start_proxy_server(await backend.start(), **env)
+    try:
+        yield backend, proxy
+    finally:
+        await stop()
+        assert backend.server is not None
+        await backend.server.close()
+
+
+async def post(session: aiohttp.ClientSession, proxy: Proxy, body: bytes, **headers: str) -> int:
+    """One chat request through ``proxy``, its answer read whole; its status."""
+    async with session.post(proxy.url + "/v1/chat/completions", data=body,
+                            headers={"Content-Type": "application/json", **headers}) as response:
+        await response.read()
+        return response.status
+
+
 AUTO_ENV = {"MMGATE_RELEASE_AT": "complete", "MMGATE_MAX_QUEUE": "256", "MMGATE_QUEUE_TIMEOUT": "600",
             "MMGATE_MIN_MM_CONCURRENCY": "1", "MMGATE_MAX_MM_CONCURRENCY_AUTO": "64"}
 
@@ -248,43 +270,33 @@ AUTO_ENV = {"MMGATE_RELEASE_AT": "complete", "MMGATE_MAX_QUEUE": "256", "MMGATE_
 async def load_cell(name: str, curve: Curve, limit: str, duration: float) -> dict[str, Any]:
     """``CLIENTS`` closed-loop clients for ``duration`` s through mmgate with ``limit`` in front of ``curve``;
     with ``auto``, the seconds each answer came at and the limits every 50 ms (the gate's, and between probes)."""
-    backend = ModelBackend(curve)
-    proxy, stop = await start_proxy_server(await backend.start(), MMGATE_MAX_MM_CONCURRENCY=limit, **AUTO_ENV)
     body = _body(name, data_uri(image_bytes()))
-    gate = proxy.state.gate
     done: list[float] = []
     statuses: dict[int, int] = {}
     trace: list[tuple[float, int, int]] = []
-    started = time.perf_counter()
-    end = started + duration
+    async with behind_mmgate(curve, MMGATE_MAX_MM_CONCURRENCY=limit, **AUTO_ENV) as (_backend, proxy):
+        gate = proxy.state.gate
+        started = time.perf_counter()
+        end = started + duration
 
-    async def client(session: aiohttp.ClientSession) -> None:
-        while time.perf_counter() < end:
-            async with session.post(proxy.url + "/v1/chat/completions", data=body,
-                                    headers={"Content-Type": "application/json"}) as response:
-                await response.read()
-                statuses[response.status] = statuses.get(response.status, 0) + 1
-                if response.status == 200:
+        async def client(session: aiohttp.ClientSession) -> None:
+            while time.perf_counter() < end:
+                status = await post(session, proxy, body)
+                statuses[status] = statuses.get(status, 0) + 1
+                if status == 200:
                     done.append(time.perf_counter() - started)
 
-    async def watch() -> None:
-        while time.perf_counter() < end:
-            trace.append((time.perf_counter() - started, gate.counters().limit, cruise_limit(proxy.state)))
-            await asyncio.sleep(0.05)
+        async def watch() -> None:
+            while time.perf_counter() < end:
+                trace.append((time.perf_counter() - started, gate.counters().limit, cruise_limit(proxy.state)))
+                await asyncio.sleep(0.05)
 
-    try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CLIENTS)) as session:
             clients = [asyncio.create_task(client(session)) for _ in range(CLIENTS)]
-            watcher = asyncio.create_task(watch())
-            await asyncio.sleep(duration)
-            await watcher
+            await asyncio.create_task(watch())  # it ends with the cell
             for task in clients:
                 task.cancel()
             await asyncio.gather(*clients, return_exceptions=True)
-    finally:
-        await stop()
-        assert backend.server is not None
-        await backend.server.close()
     done = [t for t in done if t <= duration]
     cell: dict[str, Any] = {"limit": limit, "throughput": len(done) / duration, "completed": len(done),
                             "statuses": statuses, "final_limit": gate.counters().limit}
@@ -337,71 +349,56 @@ def cruise_limit(state: AppState) -> int:
 
 async def attack_cell(kind: str, warmup: float, length: float, after: float) -> dict[str, Any]:
     """8 honest loops; 2 attacker loops from ``warmup`` s for ``length`` s; ``after`` s more."""
-    backend = ModelBackend(lambda concurrency, now: HONEST_SECONDS)
-    proxy, stop = await start_proxy_server(await backend.start(), MMGATE_MAX_MM_CONCURRENCY="auto", **AUTO_ENV)
     image = data_uri(image_bytes())
     honest_body = _body("honest", image)
     attack_body = {"fast answers": _body("fast", image, max_tokens=1), "refusals": _body("refuse", image),
                    "aborts": _body("abort", image)}[kind]
-    headers = {"Content-Type": "application/json"}
     honest: list[float] = []
     attacks: dict[str, int] = {}
     trace: list[tuple[float, int, int]] = []  # (t, gate limit, cruise limit)
-    started = time.perf_counter()
     total = warmup + length + after
+    async with behind_mmgate(lambda concurrency, now: HONEST_SECONDS, MMGATE_MAX_MM_CONCURRENCY="auto",
+                             **AUTO_ENV) as (_backend, proxy):
+        started = time.perf_counter()
 
-    def now() -> float:
-        return time.perf_counter() - started
+        def now() -> float:
+            return time.perf_counter() - started
 
-    async def honest_loop(session: aiohttp.ClientSession) -> None:
-        while now() < total:
-            async with session.post(proxy.url + "/v1/chat/completions", data=honest_body, headers=headers) as response:
-                await response.read()
-                if response.status == 200:
+        async def honest_loop(session: aiohttp.ClientSession) -> None:
+            while now() < total:
+                if await post(session, proxy, honest_body) == 200:
                     honest.append(now())
 
-    async def attacker(session: aiohttp.ClientSession) -> None:
-        await asyncio.sleep(warmup)
-        while now() < warmup + length:
-            outcome = "gave up"
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(GIVE_UP_AFTER if kind == "aborts" else None):
-                    async with session.post(proxy.url + "/v1/chat/completions", data=attack_body,
-                                            headers=headers) as response:
-                        await response.read()
-                        outcome = str(response.status)
-            attacks[outcome] = attacks.get(outcome, 0) + 1
+        async def attacker(session: aiohttp.ClientSession) -> None:
+            await asyncio.sleep(warmup)
+            while now() < warmup + length:
+                outcome = "gave up"
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(GIVE_UP_AFTER if kind == "aborts" else None):
+                        outcome = str(await post(session, proxy, attack_body))
+                attacks[outcome] = attacks.get(outcome, 0) + 1
 
-    async def watch() -> None:
-        while now() < total:
-            trace.append((round(now(), 2), proxy.state.gate.counters().limit, cruise_limit(proxy.state)))
-            await asyncio.sleep(0.1)
+        async def watch() -> None:
+            while now() < total:
+                trace.append((round(now(), 2), proxy.state.gate.counters().limit, cruise_limit(proxy.state)))
+                await asyncio.sleep(0.1)
 
-    try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             tasks = [asyncio.create_task(honest_loop(session)) for _ in range(HONEST_LOOPS)]
             tasks += [asyncio.create_task(attacker(session)) for _ in range(ATTACKERS)]
-            tasks.append(asyncio.create_task(watch()))
-            await asyncio.sleep(total)
+            await asyncio.create_task(watch())  # it ends with the cell
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    finally:
-        await stop()
-        assert backend.server is not None
-        await backend.server.close()
-
-    def rate(start: float, end: float) -> float:
-        return sum(start <= t < end for t in honest) / (end - start)
 
     def cruise_at(t: float) -> int:
         return next((c for when, _limit, c in reversed(trace) if when <= t), trace[0][2])
 
     end = warmup + length
-    before = rate(warmup - 10, warmup)
+    before = rate_between(honest, warmup - 10, warmup)
     pre, later = cruise_at(warmup), cruise_at(end + 10)
-    return {"kind": kind, "honest_before": before, "during": rate(warmup, end) / before,
-            "after": rate(end, end + 10) / before, "pre_limit": pre, "limit_10s_after": later,
+    return {"kind": kind, "honest_before": before, "during": rate_between(honest, warmup, end) / before,
+            "after": rate_between(honest, end, end + 10) / before, "pre_limit": pre, "limit_10s_after": later,
             "limit_back": abs(later - pre) <= 0.1 * pre, "attacks": attacks,
             "trace": R.downsample([[t, float(limit), float(c)] for t, limit, c in trace], 1)}
 
@@ -441,10 +438,8 @@ class AccessLogEnd(logging.Handler):
 async def slow_reader_cell(limit: str) -> dict[str, Any]:
     """A client that reads nothing of its streamed answer; once its lease is granted, ``HONEST_LOOPS`` honest
     loops for ``WRITE_DEADLINE + SLOW_AFTER`` s."""
-    backend = ModelBackend(lambda concurrency, now: BASE_SECONDS)
     env = AUTO_ENV | {"MMGATE_CLIENT_WRITE_TIMEOUT": f"{WRITE_DEADLINE:g}",
                       "MMGATE_QUEUE_TIMEOUT": f"{SLOW_QUEUE_TIMEOUT:g}", "MMGATE_ACCESS_LOG": "on"}
-    proxy, stop = await start_proxy_server(await backend.start(), MMGATE_MAX_MM_CONCURRENCY=limit, **env)
     image = data_uri(image_bytes())
     honest_body = _body("honest", image)
     statuses: dict[str, int] = {}
@@ -453,78 +448,69 @@ async def slow_reader_cell(limit: str) -> dict[str, Any]:
     level = access_log.level
     access_log.setLevel(logging.INFO)
     access_log.addHandler(ended)
-    granted = first_lease(proxy.state)
     sock = None
     try:
-        sock = await reader_of_nothing(proxy.server.port, _body("slow", image, stream=True), SLOW_ID)
-        lease = await asyncio.wait_for(granted, HANG_BOUND)
-        started = time.perf_counter()
-        end = started + WRITE_DEADLINE + SLOW_AFTER
+        async with behind_mmgate(lambda concurrency, now: BASE_SECONDS, MMGATE_MAX_MM_CONCURRENCY=limit,
+                                 **env) as (_backend, proxy):
+            granted = first_lease(proxy.state)
+            sock = await reader_of_nothing(proxy.server.port, _body("slow", image, stream=True), SLOW_ID)
+            lease = await asyncio.wait_for(granted, HANG_BOUND)
+            started = time.perf_counter()
+            end = started + WRITE_DEADLINE + SLOW_AFTER
 
-        async def honest_loop(session: aiohttp.ClientSession) -> None:
-            while time.perf_counter() < end:
-                async with session.post(proxy.url + "/v1/chat/completions", data=honest_body,
-                                        headers={"Content-Type": "application/json"}) as response:
-                    await response.read()
-                    statuses[str(response.status)] = statuses.get(str(response.status), 0) + 1
+            async def honest_loop(session: aiohttp.ClientSession) -> None:
+                while time.perf_counter() < end:
+                    status = str(await post(session, proxy, honest_body))
+                    statuses[status] = statuses.get(status, 0) + 1
 
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            tasks = [asyncio.create_task(honest_loop(session)) for _ in range(HONEST_LOOPS)]
-            # polled: a lease has no event for its release
-            while not lease.released and time.perf_counter() < end:  # noqa: ASYNC110
-                await asyncio.sleep(0.005)
-            released_at, released = time.perf_counter(), lease.released
-            await asyncio.sleep(end - time.perf_counter())
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+                tasks = [asyncio.create_task(honest_loop(session)) for _ in range(HONEST_LOOPS)]
+                # polled: a lease has no event for its release
+                while not lease.released and time.perf_counter() < end:  # noqa: ASYNC110
+                    await asyncio.sleep(0.005)
+                released_at, released = time.perf_counter(), lease.released
+                await asyncio.sleep(end - time.perf_counter())
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         if sock is not None:
             sock.close()
         access_log.removeHandler(ended)
         access_log.setLevel(level)
-        await stop()
-        assert backend.server is not None
-        await backend.server.close()
     # a lease not given back within the cell counts as held for the whole cell: a lower bound, still over the goal
     return {"limit": limit, "held_s": released_at - started, "released": released,
             "ended_s": None if ended.at is None else ended.at - started, "code": ended.code, "honest": statuses}
 
 
 async def fairness_cell(fair: bool) -> dict[str, Any]:
-    backend = ModelBackend(lambda concurrency, now: FAIR_SERVICE)
-    proxy, stop = await start_proxy_server(await backend.start(), MMGATE_MAX_MM_CONCURRENCY=str(FAIR_LIMIT),
-                                           MMGATE_RELEASE_AT="complete", MMGATE_MAX_QUEUE="64",
-                                           MMGATE_TRUST_FLOW_HEADERS_FROM="127.0.0.1/32")
     image = data_uri(image_bytes())
-    gate = proxy.state.gate
     waits: dict[str, float] = {}
+    async with behind_mmgate(lambda concurrency, now: FAIR_SERVICE, MMGATE_MAX_MM_CONCURRENCY=str(FAIR_LIMIT),
+                             MMGATE_RELEASE_AT="complete", MMGATE_MAX_QUEUE="64",
+                             MMGATE_TRUST_FLOW_HEADERS_FROM="127.0.0.1/32") as (backend, proxy):
+        gate = proxy.state.gate
 
-    async def post(session: aiohttp.ClientSession, flow: str, tag: str) -> None:
-        headers = {"Content-Type": "application/json", **({FAIRNESS_HEADER: flow} if fair else {})}
-        async with session.post(proxy.url + "/v1/chat/completions", data=_body(tag, image),
-                                headers=headers) as response:
-            await response.read()
-            assert response.status == 200, response.status
-            match = re.search(r"queue;dur=([0-9.]+)", response.headers.get("Server-Timing", ""))
-            waits[tag] = float(match.group(1)) / 1000 if match else 0.0
+        async def send(session: aiohttp.ClientSession, flow: str, tag: str) -> None:
+            async with session.post(proxy.url + "/v1/chat/completions", data=_body(tag, image),
+                                    headers={"Content-Type": "application/json",
+                                             **({FAIRNESS_HEADER: flow} if fair else {})}) as response:
+                await response.read()
+                assert response.status == 200, response.status
+                match = re.search(r"queue;dur=([0-9.]+)", response.headers.get("Server-Timing", ""))
+                waits[tag] = float(match.group(1)) / 1000 if match else 0.0
 
-    try:
         async with aiohttp.ClientSession() as session:
-            tasks = [asyncio.create_task(post(session, "big", f"big{i}")) for i in range(BIG)]
+            tasks = [asyncio.create_task(send(session, "big", f"big{i}")) for i in range(BIG)]
             # every big request is in: the first ones at the backend, the rest queued
             # polled: there is no event for "n queued"
             while gate.counters().waiting < BIG - FAIR_LIMIT or len(backend.order) < FAIR_LIMIT:  # noqa: ASYNC110
                 await asyncio.sleep(0.001)
             forwarded_before = len(backend.order)
-            tasks += [asyncio.create_task(post(session, "small", f"small{i}")) for i in range(SMALL)]
+            tasks += [asyncio.create_task(send(session, "small", f"small{i}")) for i in range(SMALL)]
             await asyncio.gather(*tasks)
-    finally:
-        await stop()
-        assert backend.server is not None
-        await backend.server.close()
     after = backend.order[forwarded_before:]
-    slots = [after.index(f"small{i}") + 1 for i in range(SMALL)]  # 1 = the very next forward
+    slots = [after.index(f"small{i}") + 1 for i in range(SMALL)]  # 1 = the next forward
     return {"fair": fair, "slots": slots, "small_wait": statistics.mean(waits[f"small{i}"] for i in range(SMALL)),
             "big_wait": statistics.mean(waits[f"big{i}"] for i in range(BIG)), "order": backend.order}
 
