@@ -251,11 +251,13 @@ def start_vllm(dir_: Path = DEFAULT_DIR, port: int | None = None, log: Path | No
 
 def start_mmgate(upstream: str, *flags: str, log_dir: Path = DEFAULT_DIR / "logs", timeout: float = 60.0) -> Server:
     """Start ``python -m proxy`` (this interpreter, the project's) on a free loopback port in front of ``upstream``,
-    on asyncio's own event loop, what ``pip install mmgate`` gives (``flags`` may name another: ``--loop``)."""
+    on asyncio's own event loop, what ``pip install mmgate`` gives (``flags`` may name another: ``--loop``). It
+    leaves at once when stopped (``MMGATE_DRAIN_GRACE=0``: no load balancer is there to see it unready; the
+    5 s default cost every test session and bench 5 s a gate)."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"mmgate-{port}.log"
-    env = mmgate_env(keep=(), PYTHONUNBUFFERED="1", MMGATE_LOOP="asyncio")
+    env = mmgate_env(keep=(), PYTHONUNBUFFERED="1", MMGATE_LOOP="asyncio", MMGATE_DRAIN_GRACE="0")
     cmd = [sys.executable, "-m", "proxy", "--upstream", upstream, "--host", "127.0.0.1", "--port", str(port), *flags]
     with open(log, "ab") as f:
         f.write(("$ " + " ".join(cmd) + "\n").encode())
