@@ -24,7 +24,7 @@ import os
 import platform
 import statistics
 import subprocess
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -174,6 +174,15 @@ def goal_text(g: Goal) -> str:
     if g["n"] < MIN_ROUNDS and g["over"] == "rounds":
         text += f" [only {g['n']} rounds, < {MIN_ROUNDS}]"
     return text
+
+
+def table(columns: Sequence[tuple[str, str, str]], rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    """A Markdown table of ``rows``: ``columns`` are (title, key, format spec); text ("s") is left-aligned,
+    figures right-aligned, and a missing figure (None) is –."""
+    return ["| " + " | ".join(title for title, _, _ in columns) + " |",
+            "|" + "|".join("---" if spec == "s" else "---:" for _, _, spec in columns) + "|",
+            *("| " + " | ".join("–" if row[key] is None else format(row[key], spec) for _, key, spec in columns) + " |"
+              for row in rows)]
 
 
 def goal_lines(goals: Sequence[Goal]) -> list[str]:

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -284,15 +284,6 @@ def fmt(value: float | None, digits: int = 0) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
-def table(columns: Sequence[tuple[str, str, str]], rows: Iterable[Row]) -> list[str]:
-    """A Markdown table of ``rows``: ``columns`` are (title, key, format spec); text ("s") is left-aligned,
-    figures right-aligned, and a missing figure (None) is –."""
-    return ["| " + " | ".join(title for title, _, _ in columns) + " |",
-            "|" + "|".join("---" if spec == "s" else "---:" for _, _, spec in columns) + "|",
-            *("| " + " | ".join("–" if row[key] is None else format(row[key], spec) for _, key, spec in columns) + " |"
-              for row in rows)]
-
-
 HTTP_COLUMNS = (("body", "body", "s"), ("conns", "conns", ""), ("target", "target", "s"), ("req/s", "rps", ".0f"),
                 ("x direct", "rps_x_direct", ".2f"), ("x nginx", "rps_x_nginx", ".2f"), ("p50 ms", "p50_ms", ".2f"),
                 ("p99 ms", "p99_ms", ".2f"), ("proxy CPU us/req", "proxy_cpu_us_per_req", ".0f"),
@@ -353,7 +344,7 @@ def report(data: dict[str, Any]) -> str:
         lines.append(f"SSE, {settings['sse_streams']} streams (medians): mmgate {m['tokens_per_s']:.0f} tokens/s = "
                      f"{m['x_direct']:.3f}x direct; inter-token p99 {m['gap_p99_ms']:.2f} ms vs direct "
                      f"{sse[0]['gap_p99_ms']:.2f} ms.")
-    lines += ["", *table(HTTP_COLUMNS, cells)]
+    lines += ["", *R.table(HTTP_COLUMNS, cells)]
     if settings.get("baseline"):
         before, rows = f"mmgate@{settings['baseline']}", []
         for c in (c for c in cells if c["target"] == "mmgate"):
@@ -362,7 +353,7 @@ def report(data: dict[str, Any]) -> str:
             rows.append(c | {"rps_before": b["rps"], "rps_ratio": c["rps"] / b["rps"], "cpu_before": cpu_before,
                              "cpu_ratio": cpu / cpu_before if cpu and cpu_before else None})
         lines += ["", f"Before/after in this run: mmgate (working tree) vs {before}, medians over the rounds.", "",
-                  *table(BEFORE_AFTER_COLUMNS, rows)]
+                  *R.table(BEFORE_AFTER_COLUMNS, rows)]
     if four := [c for c in cells if c["body"] == "4 MB" and c["proxy_cpu_us_per_req"]]:
         lines += ["", "Proxy CPU per MB (4 MB bodies, 1 / 32 conns): " + ", ".join(
             f"{c['target']} c={c['conns']} {c['proxy_cpu_us_per_req'] / 4 / 1000:.2f} ms" for c in four) + "."]
@@ -372,7 +363,7 @@ def report(data: dict[str, Any]) -> str:
             f"## SSE: {settings['sse_streams']} concurrent streams, {settings['sse_tokens']} events per response, one "
             f"every {settings['sse_delay_s'] * 1000:g} ms",
             "",
-            *table(SSE_COLUMNS, sse),
+            *R.table(SSE_COLUMNS, sse),
         ]
     for body, prof in (data.get("profile") or {}).items():
         lines += ["", f"## Where mmgate's time goes (py-spy, {body}, 32 connections)", "",
