@@ -396,10 +396,11 @@ class AdaptiveLimit:
         ``granted`` returned for its lease. Returns whether ``limit`` changed."""
         now = self._clock()
         self.samples += 1
+        if phase != self.phase:  # Envoy's rule: admitted under another limit, it says nothing about this one
+            self.references.completed(sample.cls, now)  # but its class is still at the backend
+            return False
         reference = self.references.get(sample.cls)
         reference.completed_at = now
-        if phase != self.phase:  # Envoy's rule: admitted under another limit, it says nothing about this one
-            return False
         current = self._now
         if not reference.count:
             reference.add(sample.seconds)  # a new class's first sample seeds it, whatever the phase

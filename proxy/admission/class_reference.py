@@ -73,6 +73,14 @@ class References:
         return max((reference.value for reference in self._table.values()
                     if now - reference.completed_at <= lively * reference.value), default=0.0)
 
+    def completed(self, cls: SampleClass, now: float) -> None:
+        """``cls`` completed a request at ``now``: recorded if it has a reference (a late answer of a class never
+        measured makes none, so it cannot push a measured class out of the table)."""
+        reference = self._table.get(cls)
+        if reference is not None:
+            reference.completed_at = now
+            self._table.move_to_end(cls)
+
     def get(self, cls: SampleClass) -> Reference:
         """``cls``'s reference, a new one if it has none (forgetting the least recently used class when full)."""
         reference = self._table.get(cls)

@@ -37,3 +37,16 @@ def test_the_least_recently_used_class_is_forgotten_first() -> None:
     assert len(references) == MAX_CLASSES
     assert references.value(("first",)) == 1.0 and references.value(("other", 0)) == 0.0
     assert references.value(("never seen",)) == 0.0 and len(references) == MAX_CLASSES
+
+
+def test_a_completion_of_a_class_never_measured_makes_no_reference() -> None:
+    references = References()
+    for index in range(MAX_CLASSES):
+        references.get(("measured", index)).add(1.0)
+    references.completed(("measured", 0), now=5.0)  # the oldest, used again: ("measured", 1) is now the oldest
+    for index in range(MAX_CLASSES):
+        references.completed(("late", index), now=6.0)  # answers of requests admitted under another limit
+    assert len(references) == MAX_CLASSES and references.value(("late", 0)) == 0.0
+    assert references.costliest_live(now=6.0, lively=2.0) == 1.0  # ("measured", 0), 1 s ago, within 2 × 1 s
+    references.get(("new",)).add(2.0)
+    assert references.value(("measured", 0)) == 1.0 and references.value(("measured", 1)) == 0.0
