@@ -270,6 +270,9 @@ FIXED = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24)  # the fixed limits a best one 
 BATCHING = by_throughput({1: 3.5, 2: 6.4, 4: 10.7, 8: 16, 16: 5.3})  # the issue's: best at 8, 16 collapses
 KNEE = batching(0.2, 8)
 BATCHING_AT_4 = by_throughput({1: 3.5, 2: 6.4, 4: 10.7, 8: 5.3, 16: 2.0})
+# The real vLLM of bench/fleet_vllm (2 cores, 16 clients; its result at 881433e): the rate flattens from 2 on, 4
+# to 12 within 4 % of each other; a limit past 4 only holds requests at the backend longer.
+PLATEAU = by_throughput({1: 6.95, 2: 9.31, 4: 9.84, 8: 9.5, 12: 9.75, 16: 9.7})
 COLD_START: dict[str, Curve] = {"batching": BATCHING, "thrashing": thrashing(0.25, 6), "knee": KNEE}
 STEPS: dict[str, tuple[Curve, Curve]] = {  # (the cell's backend, the backend after the step)
     "2x slower": (slowed(KNEE, 2.0, STEP_AT, math.inf), slowed(KNEE, 2.0, 0, math.inf)),

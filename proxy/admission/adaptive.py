@@ -41,7 +41,12 @@ What it borrows, and from whom:
   collapses past it is overshot by a little, not by double), while the rate still grows (BBR's startup and its
   full-bandwidth test, three steps without growth; here a step that loses a twentieth of the best rate ends it at
   once). Past the knee it tries a middle between the best limit and its neighbours (the steps on the way were
-  measured), and settles on the smallest limit that gave 95 % of the best rate. Then it
+  measured), and settles on the limit that gave the most rate per request at the backend, weighed as Kleinrock's
+  power is, but by a fifth: rate × limit^-``CROWD_COST`` at the lower bound of one standard error (a doubling must
+  add 15 % of rate to be worth twice the requests; on a plateau, where more requests only wait longer, the smallest
+  limit on it wins, whatever the noise, where "the smallest limit with 95 % of the best rate" chose among the
+  plateau's limits by which read highest). When it settles below the limit in force, it cruises there first: the
+  backend drains the requests the higher limit left before a probe down is judged. Then it
   cycles through eight phases, one up (×1.25), one down, six cruising, from a random phase (``bbr_cycle_rand``) so
   that replicas do not probe in step. A probe up is kept if the rate grew 10 % (a real server's phases differ by
   several per cent alone: on a plateau, a smaller gain is noise that would walk the limit up), and the climb goes on;
@@ -118,6 +123,15 @@ class AppLimited(NamedTuple):
 
 Measured = Busy | AppLimited
 
+
+class Tried(NamedTuple):
+    """What startup measured at one limit: a busy phase's mix and median normalised latency, and its rate's
+    standard error as a share of it."""
+
+    mix: Mix
+    latency: float
+    spread: float
+
 FULL_GROWTH = 1.25  # BBR bbr_full_bw_thresh: a doubling that adds less (a smaller step: by its log) is no growth ...
 FULL_COUNT = 3  # ... and this many of them end startup (BBR bbr_full_bw_cnt)
 # Startup: middles tried between the best limit and its neighbours at most, from a cold start (the steps to the
@@ -126,7 +140,8 @@ FULL_COUNT = 3  # ... and this many of them end startup (BBR bbr_full_bw_cnt)
 COLD_NARROW_STEPS, NARROW_STEPS = 1, 3
 BELOW = 0.75  # ... or this share of a best limit with none tried below it
 FALLEN = 0.95  # startup: a step whose rate is under this share of the best is past the knee
-NEAR_BEST = 0.95  # startup settles on the smallest limit that gave this share of the best rate
+CROWD_COST = 0.2  # startup settles on the most rate × limit^-CROWD_COST: a doubling must add 15 % to be worth it ...
+MAX_SPREAD = 0.5  # ... each at its rate less one standard error, this share at most (a phase of one sample: this)
 DOUBLING_GROWTH = 1.6  # startup doubles while a doubling grows the rate this much ...
 STARTUP_GAIN = 1.33  # ... else it steps by what a doubling grew it, at least this (a third: the knee is near)
 START = 4  # where a cold start begins: the smallest fixed default, so the climb from the floor is two steps shorter
@@ -197,7 +212,8 @@ class _Phase:
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (normalised latency, work)
     seconds: dict[SampleClass, list[float]] = field(default_factory=dict)  # cruise: each class's seconds
     longest: float = 0.0  # its longest request, in seconds
-    lower: bool = False  # its limit is below the last phase's
+    lower: bool = False  # its limit is below the last phase's ...
+    crowd: int = 0  # ... and the requests the backend held when it began
     timed: list[float] = field(default_factory=list)  # the seconds of its first completions (``MAX_TIMED``)
     rated: list[tuple[SampleClass, float, float]] = field(default_factory=list)  # (class, held, seconds) of its
     # first rate samples (``MAX_TIMED``): the spread of its rate
@@ -245,7 +261,7 @@ class AdaptiveLimit:
         self._top: Mix | None = None  # the best mix lately at or above the cruise limit: what a probe down keeps
         self.latency: float | None = None  # the cruise limit's median normalised latency
         self.samples = 0  # normal completions observed
-        self._table: dict[int, tuple[Mix, float]] = {}  # startup: limit -> (mix, latency)
+        self._table: dict[int, Tried] = {}  # startup: what each limit measured
         self._last_step: tuple[int, float] | None = None  # startup: the last limit that grew, and its rate
         self._lost: set[int] = set()  # startup: limits cut short, their rate plainly below the best
         self._narrowing = False  # startup: past the knee, narrowing it down
@@ -458,7 +474,7 @@ class AdaptiveLimit:
         if self._stuck(now) is not None:
             return True
         if self.kind == "startup":
-            compared = max((mix for mix, _latency in self._table.values()), key=self.rate_of, default=None)
+            compared = max((tried.mix for tried in self._table.values()), key=self.rate_of, default=None)
             ceiling = self._ceiling_rate(now, compared)
             return ceiling is not None and compared is not None and ceiling < FALLEN * self.rate_of(compared)
         if self.kind == "up" and self.mix is not None:
@@ -489,12 +505,14 @@ class AdaptiveLimit:
         if self.mix is None or self.latency is None:
             return None
         # A phase below the last one holds the last one's requests, slower because there were more of them: their
-        # time counts from its start.
+        # time counts from its start, and while they drain each takes as much longer as the backend held more
+        # requests than this limit (Little's law: a phase that follows startup's climb to 13 down to 4 drains 13).
         since = self._now.started_at if self._now.lower else 0.0
         at_least = self._now.median_at_least([now - max(started, since) for started in reversed(self._at_backend)])
         if at_least is None:
             return None
-        return at_least / max(TINY, self._worth(now, self.mix)) / max(1.0, self.latency)
+        crowded = max(1.0, self._now.crowd / self.limit) if self._now.lower else 1.0
+        return at_least / crowded / max(TINY, self._worth(now, self.mix)) / max(1.0, self.latency)
 
     def _worth(self, now: float, mix: Mix) -> float:
         """The most a request at the backend may be worth: the costliest class of ``mix``, or of the classes
@@ -566,7 +584,7 @@ class AdaptiveLimit:
         limit, before = self.cruise_limit, self.limit
         self.limit = self._up(limit) if kind == "up" else self._down(limit) if kind == "down" else limit
         self._longest_before = self._now.longest
-        self._now = _Phase(now, self._in_use + self._waiting, lower=self.limit < before)
+        self._now = _Phase(now, self._in_use + self._waiting, lower=self.limit < before, crowd=len(self._at_backend))
         if self.limit != before or not self.moves:
             self.moves.append(Move(now, self.limit, before, self.cruise_limit, self.mode, kind, self._why,
                                    *self._evidence))
@@ -601,11 +619,11 @@ class AdaptiveLimit:
             # Learnt at the cruise limit, one value a phase (Gradient2 takes one a window): probes and startup's
             # doublings are measured against it, and a flood of answers in one phase is one value.
             self.references.get(cls).add(statistics.median(seconds))
-        kind = self._after_startup(measured) if self.mode == "startup" else self._after_probe(measured, spread)
+        kind = self._after_startup(measured, spread) if self.mode == "startup" else self._after_probe(measured, spread)
         self._begin(now, kind)
         return self.limit != before
 
-    def _after_startup(self, measured: Measured | None) -> Kind:
+    def _after_startup(self, measured: Measured | None, spread: float) -> Kind:
         """BBR's startup: grow while the rate grows; stop when it stops growing, when it falls, or when demand
         does not fill the limit (then demand, not the backend, is what caps the rate). The limit doubles while
         the rate grows in proportion; once it grows less, each step multiplies the limit by what a doubling
@@ -622,7 +640,7 @@ class AdaptiveLimit:
         mix, latency = measured
         limit = self.cruise_limit
         best = max(self._rates().values(), default=0.0)
-        self._table[limit] = (mix, latency)
+        self._table[limit] = Tried(mix, latency, spread)
         if self._narrowing:
             self._why = f"startup: {limit} measured"
             return self._narrow()
@@ -669,7 +687,7 @@ class AdaptiveLimit:
         return "startup"
 
     def _rates(self) -> dict[int, float]:
-        return {limit: self.rate_of(mix) for limit, (mix, _latency) in self._table.items()}
+        return {limit: self.rate_of(tried.mix) for limit, tried in self._table.items()}
 
     def _narrow(self) -> Kind:
         """Between the best limit startup tried and its tried neighbours, try the middle of the wider gap (a
@@ -700,17 +718,18 @@ class AdaptiveLimit:
         return "startup"
 
     def _finish(self) -> Kind:
-        """Startup is over: cruise at the smallest limit that gave nearly the best rate."""
+        """Startup is over: cruise at the limit whose rate, less its standard error, over ``limit ** CROWD_COST``
+        is the most (the module's docstring says why)."""
         self._opening = False
         if self._table:
             rates = self._rates()
-            best = max(rates.values())
-            self.cruise_limit = min(limit for limit, rate in rates.items() if rate >= NEAR_BEST * best)
+            self.cruise_limit = max(rates, key=lambda limit: (rates[limit] * (
+                1 - CONFIDENCE * min(MAX_SPREAD, self._table[limit].spread)) * limit ** -CROWD_COST, -limit))
             self._opening = self.cruise_limit > self.floor and all(
                 limit >= self.cruise_limit for limit in set(rates) | self._lost)
-            self._why += f"; startup over: the smallest limit with {NEAR_BEST:.0%} of the best rate"
-            self._top = max((mix for mix, _latency in self._table.values()), key=self.rate_of)
-            self._cruise_on(*self._table[self.cruise_limit])
+            self._why += "; startup over: the most rate per request at the backend"
+            self._top = max((tried.mix for tried in self._table.values()), key=self.rate_of)
+            self._cruise_on(self._table[self.cruise_limit].mix, self._table[self.cruise_limit].latency)
             # Startup's phases are no cruise: its first began on an idle backend, whose first batch is quicker than
             # a steady one. Until a cruise phase has measured the usual, only a far slower backend gives way.
             self._provisional = True
@@ -719,8 +738,12 @@ class AdaptiveLimit:
         self.mode = "probe"
         self._ups = self._floor_phases = 0
         # Nothing tried below the limit settled on (a backend whose best is under ``START``): the cycle opens on
-        # its probe down. Else it starts at a random phase.
-        self._index = 0 if self._opening else len(CYCLE) - 1 - self._rng.randrange(CYCLE_RAND)
+        # its probe down, after a cruise that drains what a higher limit left at the backend. Else it starts at a
+        # random phase.
+        if self._opening:
+            self._index = 0
+            return "cruise" if self.limit > self.cruise_limit else self._next_in_cycle()
+        self._index = len(CYCLE) - 1 - self._rng.randrange(CYCLE_RAND)
         return self._next_in_cycle()
 
     def _next_in_cycle(self) -> Kind:
@@ -763,7 +786,7 @@ class AdaptiveLimit:
                 self._ups = self._ups + 1 if in_proportion else 0
                 if self._ups >= 2:  # far below the knee (after a collapse, or demand grew): doubling again
                     self.mode, self._no_growth, self._last_step = "startup", 0, None
-                    return self._after_startup(measured)
+                    return self._after_startup(measured, spread)
                 self._index = 0
                 return "up"  # the climb goes on
             self._why = "probe up did not pay"
