@@ -176,11 +176,13 @@ def goal_text(g: Goal) -> str:
     return text
 
 
-def table(columns: Sequence[tuple[str, str, str]], rows: Iterable[Mapping[str, Any]]) -> list[str]:
+def table(columns: Sequence[tuple[str, str, str]], rows: Iterable[Mapping[str, Any]],
+          spaced: bool = False) -> list[str]:
     """A Markdown table of ``rows``: ``columns`` are (title, key, format spec); text ("s") is left-aligned,
-    figures right-aligned, and a missing figure (None) is –."""
+    figures right-aligned, and a missing figure (None) is –. ``spaced``: the separator row as ``| --- | ---: |``."""
+    aligns = ["---" if spec == "s" else "---:" for _, _, spec in columns]
     return ["| " + " | ".join(title for title, _, _ in columns) + " |",
-            "|" + "|".join("---" if spec == "s" else "---:" for _, _, spec in columns) + "|",
+            "| " + " | ".join(aligns) + " |" if spaced else "|" + "|".join(aligns) + "|",
             *("| " + " | ".join("–" if row[key] is None else format(row[key], spec) for _, key, spec in columns) + " |"
               for row in rows)]
 
@@ -264,4 +266,26 @@ def downsample(series: Sequence[Sequence[float]], column: int, points: int = 120
     for b in range(points):
         bucket = rows[int(b * size):int((b + 1) * size)] or rows[-1:]
         out.append(max(bucket, key=lambda r: (r[column] if r[column] == r[column] else float("-inf"))))
+    return out
+
+
+def rows_of(data: dict[str, Any]) -> dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]]:
+    """(backend, images, clients) → mode → round → cell."""
+    rows: dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]] = {}
+    for cell in data["cells"]:
+        rows.setdefault((cell["backend"], cell["images"], cell["clients"]), {}).setdefault(
+            cell["mode"], {})[cell["round"]] = cell
+    return rows
+
+
+def ratios(modes: dict[str, dict[int, dict[str, Any]]], mode: str, key: str) -> list[float | None]:
+    """Through mmgate ÷ direct for ``key``, round by round."""
+    out: list[float | None] = []
+    for round_, direct in modes.get("direct", {}).items():
+        cell = modes.get(mode, {}).get(round_)
+        if cell is None or not direct.get(key) or cell.get(key) is None or cell.get("completed") != direct.get(
+                "completed"):
+            out.append(None)
+        else:
+            out.append(cell[key] / direct[key])
     return out

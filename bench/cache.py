@@ -24,74 +24,32 @@ Goals: turns 2–10 of the one-photo chat each cost at most 10 % of turn 1's med
 
     python -m bench run cache [--set KNOB=VALUE] [--rounds N] [--quick]
     python -m bench list cache   # the knobs and their defaults
-Writes bench/results/cache.md and .json.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
-import io
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
+from datetime import UTC, datetime
 from typing import Any
 
 from bench import _results as R
 from proxy.settings import setting_default
 from testkit import load as L
-from testkit import procfs
-from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, conversation, photo_jpeg, photo_sized, tagged, turns
+from testkit.cache_hashing import hash_cost
+from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, conversation, encoded, photo_jpeg, photo_sized, tagged, turns
+from testkit.serial_replay import media_cost, replay
 
 WHAT = "10-turn chat replay with one 12 MP photo (and with new photos): mmgate CPU, latency, RSS, cache on vs off"
 FLAGS = ("--resize-max-pixels", "1000000", "--max-body-mb", "256", "--max-inflight-media-mb", "4096",
          "--max-media-per-request", "64")
 MODES = {"off": ("--cache-mb", "0"), "on": ("--cache-mb", str(setting_default('cache_mb')))}
 CONVERSATIONS = ("one_photo", "new_photo_each_turn", "all_new")
+CHAT, NO_MEDIA_ROUTE = "/v1/chat/completions", "/v1/bench-no-media-route"
 GOAL_REPEAT_SHARE = 0.10
 GOAL_MISS_RATIO = 1.03
-
-
-# --- bodies ----------------------------------------------------------------------------------------------
-
-# --- processes and measurements --------------------------------------------------------------------------
-
-def cpu_ns(pid: int) -> int:
-    """CPU time of every thread of ``pid`` and of the processes below it (decode worker processes) so far, in
-    ns (schedstat: finer than the 10 ms of /proc/PID/stat)."""
-    total = 0
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:  # the process is gone
-        return 0
-    for task in tasks:
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-            children = (task / "children").read_text().split()
-        except (OSError, ValueError, IndexError):
-            continue
-        total += sum(cpu_ns(int(child)) for child in children)
-    return total
-
-
-async def replay(url: str, pid: int, bodies: list[bytes], path: str) -> list[dict[str, float]]:
-    """Each body once, in order, one at a time: status, latency and mmgate CPU of each."""
-    import aiohttp
-
-    out = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
-        for body in bodies:
-            cpu0, t0 = cpu_ns(pid), time.perf_counter()
-            async with client.post(url + path, data=body, headers={"Content-Type": "application/json"}) as r:
-                await r.read()
-                status = r.status
-            t1, cpu1 = time.perf_counter(), cpu_ns(pid)
-            if status != 200:
-                raise RuntimeError(f"{path}: HTTP {status}")
-            out.append({"cpu_ms": (cpu1 - cpu0) / 1e6, "latency_ms": (t1 - t0) * 1e3, "body_mb": len(body) / 1e6})
-    return out
 
 
 async def one_mode(mode: str, sink_url: str, photo: bytes, tag: str, count: int) -> dict[str, Any]:
@@ -99,18 +57,9 @@ async def one_mode(mode: str, sink_url: str, photo: bytes, tag: str, count: int)
     proc, url = L.start_mmgate(sink_url, *FLAGS, *MODES[mode])
     try:
         warm = conversation([tagged(photo, f"{tag}/warm")])
-        await replay(url, proc.pid, [warm, warm], "/v1/chat/completions")  # pool threads, imports, connections
-        out: dict[str, Any] = {}
-        for name in CONVERSATIONS:
-            bodies = turns(name, photo, f"{tag}/{mode}", count)
-            procfs.reset_peaks([proc.pid])
-            media = await replay(url, proc.pid, bodies, "/v1/chat/completions")
-            peak = procfs.memory(proc.pid)["VmHWM"]
-            plain = await replay(url, proc.pid, bodies, "/v1/bench-no-media-route")
-            for m, p in zip(media, plain, strict=True):
-                m["media_cpu_ms"] = m["cpu_ms"] - p["cpu_ms"]  # may come out below 0: the noise, shown as it is
-                m["plain_cpu_ms"] = p["cpu_ms"]
-            out[name] = {"turns": media, "peak_rss_mb": peak / 1e6}
+        await replay(url, proc.pid, [warm, warm], CHAT)  # pool threads, imports, connections
+        out: dict[str, Any] = {name: await media_cost(url, proc.pid, turns(name, photo, f"{tag}/{mode}", count),
+                                                      CHAT, NO_MEDIA_ROUTE) for name in CONVERSATIONS}
         prom = await L.scrape(url)
         out["cache_metrics"] = {k[0]: v for k, v in prom.items() if k[0].startswith("mmgate_cache_")}
         return out
@@ -120,40 +69,37 @@ async def one_mode(mode: str, sink_url: str, photo: bytes, tag: str, count: int)
             print(log, file=sys.stderr)
 
 
-def hash_cost(payload_mb: float, repeats: int = 5) -> dict[str, float]:
-    """Loop-thread CPU per MB to hash a payload through the cache's hasher threads, against on the loop."""
-    import pybase64
-
-    from proxy.media.cache import MediaCache, media_digest
-
-    photo = photo_jpeg()
-    data = pybase64.b64encode(photo * max(1, round(payload_mb * 1e6 / (len(photo) * 4 / 3))))
-    mb = len(data) / 1e6
-    cache = MediaCache(1 << 20, "")
-
-    async def run() -> dict[str, float]:
-        loop = asyncio.get_running_loop()
-        off_loop, inline, thread = [], [], []
-        for _ in range(repeats):
-            c0, w0 = time.thread_time(), time.perf_counter()
-            await loop.run_in_executor(cache.hasher, media_digest, data, "base64")
-            off_loop.append((time.thread_time() - c0) * 1e6)
-            thread.append((time.perf_counter() - w0) / mb * 1e6)
-            c0 = time.thread_time()
-            media_digest(data, "base64")
-            inline.append((time.thread_time() - c0) / mb * 1e6)
-        per_call = statistics.median(off_loop)
-        return {"payload_mb": round(mb, 2), "loop_us_per_call_handed_off": per_call,
-                "loop_us_per_mb_handed_off": per_call / mb,
-                "loop_us_per_mb_inline": statistics.median(inline), "hasher_wall_us_per_mb": statistics.median(thread)}
-
+def measure(knobs: R.Knobs) -> dict[str, Any]:
+    started = time.monotonic()
+    stamp = R.stamp("cache.py", WHAT)
+    up_start = L.uptime()
+    if knobs.small:
+        photo = encoded(photo_sized(1200, 900, 7), "JPEG", quality=PHOTO_QUALITY)
+        described = "1200x900 JPEG (smoke)"
+    else:
+        photo = photo_jpeg()
+        described = f"{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]} JPEG q{PHOTO_QUALITY}, {len(photo) / 1e6:.2f} MB"
+    sink_proc, sink_url = L.start_sink()
+    rounds: list[dict[str, Any]] = []
     try:
-        return asyncio.run(run())
+        for rnd in range(knobs.rounds):
+            order = list(MODES) if rnd % 2 == 0 else list(reversed(MODES))  # drift hits both modes alike
+            result = {mode: asyncio.run(one_mode(mode, sink_url, photo, f"r{rnd}", knobs.turns)) for mode in order}
+            rounds.append(result)
+            for mode in MODES:
+                one = result[mode]["one_photo"]["turns"]
+                new = statistics.fmean(t["cpu_ms"] for t in result[mode]["all_new"]["turns"])
+                print(f"r{rnd} {mode:3s} one photo media CPU ms per turn: "
+                      + " ".join(f"{t['media_cpu_ms']:.1f}" for t in one) + f" | all new CPU ms/req {new:.1f}",
+                      flush=True)
     finally:
-        cache.close()
+        L.stop(sink_proc)
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "python": stamp["machine"]["python"],
+            "usable_cpus": R.usable_cores(), "rounds": knobs.rounds, "turns": knobs.turns, "photo": described,
+            "hash": hash_cost(3.5),
+            "uptime_start": up_start, "uptime_end": L.uptime(), "wall_s": round(time.monotonic() - started, 1)}
+    return stamp | {"meta": meta, "figures": per_round(rounds), "rounds": rounds}
 
-
-# --- aggregation and report ------------------------------------------------------------------------------
 
 def per_round(rounds: list[dict[str, Any]]) -> dict[str, list[float]]:
     """The figures each round gives, for the goals and the table."""
@@ -166,9 +112,9 @@ def per_round(rounds: list[dict[str, Any]]) -> dict[str, list[float]]:
         for mode in MODES:
             for name in CONVERSATIONS:
                 ts = rnd[mode][name]["turns"]
+                lat = [t["latency_ms"] for t in ts]
                 add(f"{mode}/{name}/cpu_ms_per_request", statistics.fmean(t["cpu_ms"] for t in ts))
                 add(f"{mode}/{name}/media_cpu_ms_per_request", statistics.fmean(t["media_cpu_ms"] for t in ts))
-                lat = [t["latency_ms"] for t in ts]
                 add(f"{mode}/{name}/latency_p50_ms", L.percentile(lat, 50))
                 add(f"{mode}/{name}/latency_p99_ms", L.percentile(lat, 99))
                 add(f"{mode}/{name}/peak_rss_mb", rnd[mode][name]["peak_rss_mb"])
@@ -176,11 +122,10 @@ def per_round(rounds: list[dict[str, Any]]) -> dict[str, list[float]]:
             first = ts[0]["media_cpu_ms"]
             if len(ts) > 1 and first > 0:
                 add(f"{mode}/one_photo/later_turn_share_max", max(t["media_cpu_ms"] for t in ts[1:]) / first)
-                later = statistics.fmean(t["media_cpu_ms"] for t in ts[1:])
-                add(f"{mode}/one_photo/later_turn_share_mean", later / first)
+                add(f"{mode}/one_photo/later_turn_share_mean", statistics.fmean(t["media_cpu_ms"] for t in ts[1:])
+                    / first)
             add(f"{mode}/one_photo/last_turn_media_cpu_ms", ts[-1]["media_cpu_ms"])
-        off = rnd["off"]["all_new"]["turns"]
-        on = rnd["on"]["all_new"]["turns"]
+        off, on = rnd["off"]["all_new"]["turns"], rnd["on"]["all_new"]["turns"]
         # The median request: one slow request (a page fault storm, a neighbour's burst) must not decide it.
         add("miss_cpu_ratio", statistics.median(t["cpu_ms"] for t in on) / statistics.median(t["cpu_ms"] for t in off))
         for name in ("one_photo", "new_photo_each_turn"):
@@ -204,49 +149,35 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
     ]
 
 
-def table(figures: dict[str, list[float]]) -> str:
-    def cell(key: str) -> str:
-        return R.spread_cell(figures.get(key, []))
-
-    lines = ["| conversation | cache | mmgate CPU ms / request | media CPU ms / request | latency p50 ms | "
-             "latency p99 ms | peak RSS MB |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name in CONVERSATIONS:
-        for mode in MODES:
-            p = f"{mode}/{name}/"
-            lines.append(f"| {name} | {mode} | {cell(p + 'cpu_ms_per_request')} "
-                         f"| {cell(p + 'media_cpu_ms_per_request')} | {cell(p + 'latency_p50_ms')} "
-                         f"| {cell(p + 'latency_p99_ms')} | {cell(p + 'peak_rss_mb')} |")
-    return "\n".join(lines)
-
-
-def turn_table(rounds: list[dict[str, Any]]) -> str:
-    """Media CPU per turn of the one-photo chat, median over rounds, off and on."""
-    count = len(rounds[0]["off"]["one_photo"]["turns"])
-    lines = ["| turn | copies of the photo | media CPU ms, off | media CPU ms, on | on ÷ turn 1 on |",
-             "| --- | --- | --- | --- | --- |"]
-    med = {mode: [statistics.median(r[mode]["one_photo"]["turns"][t]["media_cpu_ms"] for r in rounds)
-                  for t in range(count)] for mode in MODES}
-    for t in range(count):
-        share = med["on"][t] / med["on"][0] if med["on"][0] else float("nan")
-        lines.append(f"| {t + 1} | {t + 1} | {R.number(med['off'][t])} | {R.number(med['on'][t])} "
-                     f"| {R.number(share)} |")
-    return "\n".join(lines)
+def row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def report(data: dict[str, Any]) -> str:
-    meta, rounds, figures = data["meta"], data["rounds"], data["figures"]
-    h = meta["hash"]
+    meta, rounds, figures, h = data["meta"], data["rounds"], data["figures"], data["meta"]["hash"]
+    columns = ("cpu_ms_per_request", "media_cpu_ms_per_request", "latency_p50_ms", "latency_p99_ms", "peak_rss_mb")
+    count = len(rounds[0]["off"]["one_photo"]["turns"])
+    per_turn = {mode: [statistics.median(r[mode]["one_photo"]["turns"][t]["media_cpu_ms"] for r in rounds)
+                       for t in range(count)] for mode in MODES}  # median over rounds
     return "\n".join([
         f"{meta['rounds']} rounds of {meta['turns']} turns, {meta['wall_s']} s in all; photo: {meta['photo']}; mmgate "
         f"flags: `{' '.join(FLAGS)}`. Load average at the start: `{meta['uptime_start']}`; at the end: "
         f"`{meta['uptime_end']}`. Each cell: median over rounds (min–max); a hit's media CPU can come out below 0 "
         "where it is under the noise; peak RSS: mmgate's VmHWM over one conversation.",
         "",
-        table(figures),
+        row(["conversation", "cache", "mmgate CPU ms / request", "media CPU ms / request", "latency p50 ms",
+             "latency p99 ms", "peak RSS MB"]),
+        row(["---"] * 7),
+        *(row([name, mode, *(R.spread_cell(figures.get(f"{mode}/{name}/{key}", [])) for key in columns)])
+          for name in CONVERSATIONS for mode in MODES),
         "",
         "One photo, turn by turn (turn N carries the photo N times):",
         "",
-        turn_table(rounds),
+        row(["turn", "copies of the photo", "media CPU ms, off", "media CPU ms, on", "on ÷ turn 1 on"]),
+        row(["---"] * 5),
+        *(row([str(t + 1), str(t + 1), R.number(per_turn["off"][t]), R.number(per_turn["on"][t]),
+               R.number(per_turn["on"][t] / per_turn["on"][0] if per_turn["on"][0] else float("nan"))])
+          for t in range(count)),
         "",
         f"Hashing ({h['payload_mb']} MB of base64, median of 5): handed to the hasher threads the loop spends "
         f"{R.number(h['loop_us_per_call_handed_off'])} µs of CPU per payload, "
@@ -254,36 +185,3 @@ def report(data: dict[str, Any]) -> str:
         f"{R.number(h['loop_us_per_mb_inline'])} µs per MB; the hasher takes {R.number(h['hasher_wall_us_per_mb'])} "
         "µs per MB (wall, SHA-256).",
     ])
-
-
-def measure(knobs: R.Knobs) -> dict[str, Any]:
-    started = time.monotonic()
-    stamp = R.stamp("cache.py", WHAT)
-    up_start = L.uptime()
-    if knobs.small:
-        buffer = io.BytesIO()
-        photo_sized(1200, 900, 7).save(buffer, "JPEG", quality=PHOTO_QUALITY)
-        photo, described = buffer.getvalue(), "1200x900 JPEG (smoke)"
-    else:
-        photo = photo_jpeg()
-        described = f"{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]} JPEG q{PHOTO_QUALITY}, {len(photo) / 1e6:.2f} MB"
-    sink_proc, sink_url = L.start_sink()
-    rounds: list[dict[str, Any]] = []
-    try:
-        for rnd in range(knobs.rounds):
-            order = list(MODES) if rnd % 2 == 0 else list(reversed(MODES))  # drift hits both modes alike
-            result = {mode: asyncio.run(one_mode(mode, sink_url, photo, f"r{rnd}", knobs.turns)) for mode in order}
-            rounds.append(result)
-            for mode in MODES:
-                one = result[mode]["one_photo"]["turns"]
-                new = statistics.fmean(t["cpu_ms"] for t in result[mode]["all_new"]["turns"])
-                print(f"r{rnd} {mode:3s} one photo media CPU ms per turn: "
-                      + " ".join(f"{t['media_cpu_ms']:.1f}" for t in one) + f" | all new CPU ms/req {new:.1f}",
-                      flush=True)
-    finally:
-        L.stop(sink_proc)
-    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "python": platform.python_version(), "usable_cpus": R.usable_cores(), "rounds": knobs.rounds,
-            "turns": knobs.turns, "photo": described, "hash": hash_cost(3.5), "uptime_start": up_start,
-            "uptime_end": L.uptime(), "wall_s": round(time.monotonic() - started, 1)}
-    return stamp | {"meta": meta, "figures": per_round(rounds), "rounds": rounds}

@@ -32,11 +32,8 @@ Writes bench/results/checkpoints.md/.json.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,14 +43,12 @@ from PIL import Image
 from bench import _results as R
 from preprocessors.geometry import resize_target
 from proxy.media.model_folder import load_model
-from testkit.load import run_load, start_mmgate, start_stub, stop
+from testkit.load import closed_loop_cell, stub_and_gates, stub_stats, turn
 from testkit.media import camera_jpeg, camera_photo, chat_body, detailed_photo
 from testkit.models import REAL_CHECKPOINTS
 
-SCRIPT = "checkpoints.py"
 WHAT = ("req/s through mmgate's model mode ÷ direct, real checkpoints' configurations, stub backend; bytes forwarded "
         "per image ÷ sent")
-DEFAULT_CHECKPOINTS = "Qwen2.5-VL,Qwen3-VL,Idefics3,Gemma 3"
 OUTPUT_TOKENS = 8
 KEPT = 0.9  # the share of each side the model's size keeps, at least, for an image it keeps "nearly whole"
 # name -> (words, size, the photo): peer_client's photo and camera sets.
@@ -74,21 +69,12 @@ def kept_whole(folder: Path, size: tuple[int, int]) -> bool:
     return target is None or min(target[0] / size[0], target[1] / size[1]) >= KEPT
 
 
-def stub_stats(url: str, reset: bool = False) -> dict[str, int]:
-    request = urllib.request.Request(url + ("/stub/reset" if reset else "/stats"), method="POST" if reset else "GET")
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        return dict(json.loads(answer.read()))
-
-
 def run_cell(stub_url: str, target: str, body: bytes, clients: int, requests: int) -> dict[str, Any]:
     """One cell: ``requests`` requests from ``clients`` clients at ``target``; req/s and bytes forwarded."""
     stub_stats(stub_url, reset=True)
-    run = asyncio.run(run_load(target, body, clients, requests_per_client=max(1, requests // clients)))
+    cell, _ = closed_loop_cell(target, body, clients, requests)
     seen = stub_stats(stub_url)
-    ok = run.ok()
-    return {"rps": len(ok) / (run.ended - run.started), "sent": len(run.results), "ok": len(ok),
-            "statuses": run.statuses(),
-            "bytes_ratio": seen["request_body_bytes"] / max(1, seen["requests"]) / len(body)}
+    return cell | {"bytes_ratio": seen["request_body_bytes"] / max(1, seen["requests"]) / len(body)}
 
 
 def measure(args: R.Knobs) -> dict[str, Any]:
@@ -97,7 +83,7 @@ def measure(args: R.Knobs) -> dict[str, Any]:
     unknown = set(names) - set(REAL_CHECKPOINTS) | (set(images) - set(IMAGES))
     if unknown:
         raise SystemExit(f"unknown checkpoint or image set: {', '.join(sorted(unknown))}")
-    data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
+    data: dict[str, Any] = R.stamp("checkpoints.py", WHAT)
     data["settings"] = {"rounds": args.rounds, "clients": args.clients, "requests": args.requests,
                         "checkpoints": names, "output_tokens": OUTPUT_TOKENS}
     bodies = {name: chat_body(camera_jpeg(IMAGES[name][2]()), stream=True, max_tokens=OUTPUT_TOKENS) for name in images}
@@ -106,29 +92,21 @@ def measure(args: R.Knobs) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="mmgate-checkpoints-") as tmp:
         folders = {n: REAL_CHECKPOINTS[n](Path(tmp) / n.replace(" ", "_")) for n in names}
         data["kept_whole"] = {n: {i: kept_whole(folders[n], IMAGES[i][1]) for i in images} for n in names}
-        stub, stub_url = start_stub("--tokens", str(OUTPUT_TOKENS))
-        gates: dict[str, Any] = {}
-        try:
-            for n in names:
-                gates[n] = start_mmgate(stub_url, "--model", str(folders[n]))
-            targets = {"direct": stub_url} | {n: url for n, (_, url) in gates.items()}
+        gates = {n: ("--model", str(folders[n])) for n in names}
+        with stub_and_gates(("--tokens", str(OUTPUT_TOKENS)), gates) as (stub_url, urls):
+            targets = {"direct": stub_url} | urls
             for name in images:  # warm-up, not measured: first requests load what each process loads lazily
                 for target in targets.values():
                     run_cell(stub_url, target, bodies[name], 1, 1)
-            modes = list(targets)
             started = time.monotonic()
             for round_ in range(args.rounds):
                 for name in images:
-                    for mode in modes[round_ % len(modes):] + modes[: round_ % len(modes)]:
+                    for mode in turn(list(targets), round_):
                         cell = run_cell(stub_url, targets[mode], bodies[name], args.clients, args.requests)
                         cells.append({"mode": mode, "images": name, "round": round_, **cell})
                         print(f"r={round_} {name:6} {mode:11} {cell['rps']:6.2f} req/s, bytes forwarded "
                               f"{cell['bytes_ratio']:.2f}× sent, {cell['statuses']}", flush=True)
             data["measured_s"] = time.monotonic() - started
-        finally:
-            for proc, _ in gates.values():
-                stop(proc)
-            stop(stub)
     data["cells"] = cells
     return data
 
@@ -173,7 +151,6 @@ def report(data: dict[str, Any]) -> str:
         "| --- | --- | --- | ---: | ---: | ---: |",
     ]
     text = R.spread_cell
-
     for images in data["image_bytes"]:
         lines.append(f"| direct | {images} | – | {text(by_round(data, 'direct', images, 'rps').values())} | 1 | "
                      f"{text(by_round(data, 'direct', images, 'bytes_ratio').values())} |")

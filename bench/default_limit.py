@@ -25,7 +25,6 @@ Writes bench/results/default_limit.md/.json.
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import tempfile
 import time
@@ -34,30 +33,26 @@ from typing import Any
 
 from bench import _results as R
 from proxy.settings.cpus import usable_mm_concurrency
-from testkit.load import run_load, start_mmgate, start_stub, stop
+from testkit.load import closed_loop_cell, stub_and_gates, turn
 from testkit.media import camera_jpeg, camera_photo, chat_body
 from testkit.models import REAL_CHECKPOINTS
 
-SCRIPT = "default_limit.py"
 WHAT = "req/s of mmgate's model mode at each MMGATE_MAX_MM_CONCURRENCY, frontend-like stub, 12 MP camera JPEGs"
 CHECKPOINT = "Idefics3"
 OUTPUT_TOKENS = 8
 TARGET = 0.95  # the default's req/s ÷ the best limit's, at least
-
-
-def run_cell(url: str, body: bytes, clients: int, requests: int) -> dict[str, Any]:
-    run = asyncio.run(run_load(url, body, clients, requests_per_client=max(1, requests // clients)))
-    ok = run.ok()
-    return {"rps": len(ok) / (run.ended - run.started), "sent": len(run.results), "ok": len(ok),
-            "statuses": run.statuses(), "p50_s": statistics.median(r.latency for r in ok) if ok else None}
-
-
 AUTO = "auto"
 Limit = int | str  # a fixed limit, or AUTO
 
 
+def run_cell(url: str, body: bytes, clients: int, requests: int) -> dict[str, Any]:
+    cell, run = closed_loop_cell(url, body, clients, requests)
+    ok = run.ok()
+    return cell | {"p50_s": statistics.median(r.latency for r in ok) if ok else None}
+
+
 def measure(args: R.Knobs) -> dict[str, Any]:
-    data: dict[str, Any] = R.stamp(SCRIPT, WHAT)
+    data: dict[str, Any] = R.stamp("default_limit.py", WHAT)
     given = [n for n in args.limits.split(",") if n]
     limits: list[Limit] = sorted({int(n) for n in given if n != AUTO} | {usable_mm_concurrency()})
     limits += [AUTO] if AUTO in given else []
@@ -69,26 +64,20 @@ def measure(args: R.Knobs) -> dict[str, Any]:
     cells: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="mmgate-default-limit-") as tmp:
         folder = REAL_CHECKPOINTS[CHECKPOINT](Path(tmp) / "model")
-        stub, stub_url = start_stub("--profile", "frontend", "--tokens", str(OUTPUT_TOKENS))
-        gates: dict[Limit, Any] = {}
-        try:
-            for limit in limits:
-                gates[limit] = start_mmgate(stub_url, "--model", str(folder), "--max-mm-concurrency", str(limit),
-                                            "--max-queue", "10000")
-                run_cell(gates[limit][1], body, 1, 1)  # warm-up, not measured
+        gates = {limit: ("--model", str(folder), "--max-mm-concurrency", str(limit), "--max-queue", "10000")
+                 for limit in limits}
+        with stub_and_gates(("--profile", "frontend", "--tokens", str(OUTPUT_TOKENS)), gates) as (_, urls):
+            for url in urls.values():
+                run_cell(url, body, 1, 1)  # warm-up, not measured
             started = time.monotonic()
             for round_ in range(args.rounds):
                 for n in clients:
-                    for limit in limits[round_ % len(limits):] + limits[: round_ % len(limits)]:
-                        cell = run_cell(gates[limit][1], body, n, max(args.requests, 2 * n))
+                    for limit in turn(limits, round_):
+                        cell = run_cell(urls[limit], body, n, max(args.requests, 2 * n))
                         cells.append({"limit": limit, "clients": n, "round": round_, **cell})
                         print(f"r={round_} {n:3} clients, limit {limit!s:>4}: {cell['rps']:6.2f} req/s, p50 "
                               f"{cell['p50_s'] or 0:.2f} s, {cell['statuses']}", flush=True)
             data["measured_s"] = time.monotonic() - started
-        finally:
-            for proc, _ in gates.values():
-                stop(proc)
-            stop(stub)
     data["cells"] = cells
     return data
 

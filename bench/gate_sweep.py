@@ -2,8 +2,8 @@
 
 The lmdeploy seed (#4687) limited how many requests' images the server processes at once and cut peak RSS
 222.5 → 68.1 GiB (−69 %) with gate=1 at equal throughput. Here mmgate does it as a sidecar before an unchanged
-backend: the stub configured like a VLM server (``STUB_FLAGS``: it holds every decoded image until its answer
-ends), fresh processes per cell so that VmHWM is the cell's own.
+backend: the stub configured like a VLM server (``testkit.memory_cell``: it holds every decoded image until its
+answer ends), fresh processes per cell so that VmHWM is the cell's own.
 
 gate_sweep: 64 clients × ``per_client`` streaming requests with one 12 MP photo each, gate off and 1, 2, 4, 8 (queue
 10000: clients wait, no 429s), plus gate 2 with --release-at auto and ``direct`` (no mmgate) unless ``no_extra``.
@@ -18,43 +18,27 @@ Clients, mmgate and the stub share the machine with each other and with other jo
 recorded): read ratios, not absolute numbers.
 """
 
+
 from __future__ import annotations
 
 import asyncio
-import datetime
 import math
-import os
-import platform
-import re
-import statistics
-import subprocess
-import time
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from operator import itemgetter
-from pathlib import Path
 from typing import Any
 
-import aiohttp
-import PIL
-
-import proxy
 from bench import _results as R
-from proxy.settings import Settings, usable_cpus
 from testkit import load as L
-from testkit import procfs
-from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
+from testkit import memory_cell as cell
+from testkit import memory_model, memory_plots
+from testkit.allocators import UNTUNED
+from testkit.memory_cell import MIB, OFF
 
-STUB_FLAGS = ("--hold-pixels", "--cpu-ms-per-mp", "20", "--workers", "8", "--tokens", "8", "--token-delay", "0.01")
-OFF = 10000  # a gate or queue limit no cell reaches
-MIB = 2**20
 ANCHOR = "lmdeploy #4687: gate=1 cut peak RSS 222.5 → 68.1 GiB (−69 %) at equal throughput"
 WHAT = "64 clients × 12 MP through mmgate to a VLM-like stub, gate off / 1 / 2 / 4 / 8: backend peak RSS, throughput"
 MEMORY_WHAT = ("128 clients × one 12 MP photo at once: mmgate's peak RSS vs baseline + bodies × body + "
                "decoding × decode")
 GOAL_CUT = 0.70
-QUEUE_TIMING = re.compile(r"\bqueue;dur=([0-9.]+)")  # mmgate's Server-Timing queue stage, ms
-LOG_PROBLEMS = ("ERROR", "WARNING", "Traceback", "Error")
 
 # Tight but sufficient limits (the body is 3.3 MiB, the photo exactly 12 MP), as docs/tuning.md advises for a
 # sidecar: they change nothing for these requests but make worst_case_memory_bytes() a bound worth reading.
@@ -64,99 +48,13 @@ RESIZE_FLAGS = ("--resize-max-pixels", "1000000")
 MEMORY_CELLS = (("gate off", "off", OFF), ("gate 2, queue 10000", "2", OFF), ("gate 2, queue 16", "2", 16))
 # mmgate tunes the allocators by default (MMGATE_MALLOC_TUNING: every buffer >= 1 MiB in its own mmap, no
 # Pillow block cache); the extra cells run with glibc's and Pillow's defaults to show what that changes.
-MALLOC_ENV = {"MMGATE_MALLOC_TUNING": "off"}
 MALLOC_LABEL = " + glibc defaults"
 BURST_S = 2.0  # all 128 bodies are in within ~1.5 s here; a peak after that is not the read burst
-IDLE_SETTLE_S = 1.0  # after a request, before reading idle RSS: let the response and its buffers go
-TRACE_INTERVAL_S = 0.1
-TRACE_GAUGES = ("mmgate_media_bytes_live", "mmgate_gate_in_use", "mmgate_gate_waiting", "mmgate_pool_queue_depth")
-TRACE_COLUMNS = ("t_s", "proxy_rss_mib", "backend_rss_mib", "media_live_mib", "gate_in_use", "gate_waiting",
-                 "pool_queue")
-FORMULA = """predicted proxy peak = baseline + bodies × body + decoding × decode
-  bodies   = requests read but not yet handed upstream = min(clients, K + Q)   (queued or admitted alike)
-  decoding = min(admitted, decode workers), admitted = min(clients, K)"""
-
-
-def mib(n: float) -> float:
-    return round(n / MIB, 1)
-
-
-def mmgate_flags(limit: int, queue: int, release_at: str, preprocess_timeout: float,
-                 extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    # validate full: every image decoded (what the memory model weighs); ``extra`` may say header instead
-    return ("--validate", "full", "--max-mm-concurrency", str(limit), "--max-queue", str(queue), "--queue-timeout",
-            "600", "--preprocess-timeout", str(preprocess_timeout), "--release-at", release_at, *extra)
-
-
-def memory_of(proc: subprocess.Popen[bytes] | None) -> Mapping[str, float]:
-    """VmHWM and VmRSS of ``proc``; NaN for the mmgate a ``direct`` cell does not start."""
-    return procfs.memory(proc.pid) if proc else {"VmHWM": math.nan, "VmRSS": math.nan}
-
-
-async def one_request(url: str, body: bytes, what: str) -> L.LoadRun:
-    run = await L.run_load(url, body, 1, requests_per_client=1)
-    if run.statuses() != {"200": 1}:
-        raise RuntimeError(f"{what} answered {run.statuses()}")
-    return run
-
-
-async def run_cell(gate: str, release_at: str, body: bytes, args: R.Knobs, *, queue: int = OFF,
-                   extra_flags: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                   memory_trace: bool = False) -> dict[str, Any]:
-    """One cell in fresh processes. ``memory_trace`` (peak_rss): VmHWM is reset after the warm-up, so the peaks
-    are the load's own, and RSS plus mmgate's gauges are sampled during the load (``trace``)."""
-    direct = gate == "direct"  # reference: the clients talk to the backend itself, no mmgate
-    limit = OFF if gate in ("off", "direct") else int(gate)
-    flags = () if direct else mmgate_flags(limit, queue, release_at, args.preprocess_timeout, extra_flags)
-    stub = mmgate = None
-    quiet = await asyncio.to_thread(L.wait_quiet, args.quiet_wait)
-    try:
-        stub, stub_url = L.start_stub(*STUB_FLAGS)
-        mmgate, url = (None, stub_url) if direct else L.start_mmgate(stub_url, *flags, env=env)
-        pids = [p.pid for p in (mmgate, stub) if p]
-        await one_request(url, body, f"gate {gate}: warm-up")
-        await L.get_json(stub_url, "/stub/reset", "POST")  # the peak of held pixels counts from here
-        base_proxy, base_stub = memory_of(mmgate), memory_of(stub)
-        hwm_reset = memory_trace and procfs.reset_peaks(pids)
-        load0, watch = L.loadavg(), L.CpuWatch([*pids, os.getpid()])
-        stop_trace = asyncio.Event()
-        tracer = asyncio.create_task(trace_memory(mmgate, stub, url, stop_trace)) if memory_trace and mmgate else None
-        run = await L.run_load(url, body, args.clients, requests_per_client=args.per_client)
-        stop_trace.set()
-        trace = await tracer if tracer else []
-        machine, load1 = watch.stop(), L.loadavg()
-        hwm_proxy, hwm_stub = memory_of(mmgate), memory_of(stub)
-        stats = await L.get_json(stub_url, "/stats")
-        prom = await L.scrape(url) if mmgate else {}
-    finally:
-        log_tail = L.stop(mmgate)
-        L.stop(stub)
-    ok = run.ok()
-    wall = run.ended - run.started
-    queue_ms = [float(m.group(1)) for r in ok if (m := QUEUE_TIMING.search(r.server_timing or ""))]
-    return {
-        "gate": gate, "limit": None if direct else limit, "max_queue": None if direct else queue,
-        "release_at": "-" if direct else release_at, "flags": list(flags),
-        "requests": len(run.results), "ok": len(ok), "statuses": run.statuses(),
-        "n429": sum(1 for r in run.results if r.status == 429),
-        "rejected": {dict(k[1])["reason"]: v for k, v in prom.items() if k[0] == "mmgate_rejected_total"},
-        "wall_s": round(wall, 2), "req_per_s": round(len(ok) / wall, 3) if wall else math.nan,
-        "latency_ms": L.summarize_ms([r.latency for r in ok]),
-        "queue_ms": L.summarize_ms([q / 1000 for q in queue_ms]) if queue_ms else {},
-        "proxy_hwm_mib": mib(hwm_proxy["VmHWM"]), "proxy_base_rss_mib": mib(base_proxy["VmRSS"]),
-        "backend_hwm_mib": mib(hwm_stub["VmHWM"]), "backend_base_rss_mib": mib(base_stub["VmRSS"]),
-        "backend_peak_held_mib": mib(stats["peak_held_pixel_bytes"]),
-        "backend_images_decoded": stats["images_decoded"], "backend_requests": stats["requests"],
-        "loadavg": [load0, load1], "quiet_wait": quiet, "cpu_during_run": machine,
-        **({"hwm_reset_after_warmup": hwm_reset, "trace": trace} if memory_trace else {}),
-        "mmgate_log_problems": [line for line in log_tail.splitlines() if any(w in line for w in LOG_PROBLEMS)][-20:],
-    }
-
-
-def progress(name: str, row: dict[str, Any]) -> None:
-    print(f"{name}: {row['statuses']} {row['req_per_s']:.2f} req/s, p50 {row['latency_ms']['p50'] / 1000:.2f} s, "
-          f"HWM backend {row['backend_hwm_mib']} proxy {row['proxy_hwm_mib']} MiB, wall {row['wall_s']} s, "
-          f"other jobs {row['cpu_during_run']['other_jobs_cpu_pct']} % CPU", flush=True)
+SWEEP_COLUMNS = ("gate", "release", "ok / sent", "429", "req/s (×off)", "p50 s (×off)", "p99 s (×off)", "queue p50 s",
+                 "backend peak RSS MiB (×off)", "backend peak held pixels MiB (×off)", "proxy peak RSS MiB (×off)",
+                 "other jobs CPU %")
+ONE_COLUMNS = ("settings", "request", "proxy idle RSS MiB", "proxy peak MiB", "proxy working set MiB",
+               "backend working set MiB")
 
 
 def fmt(x: float, nd: int = 2) -> str:
@@ -167,172 +65,25 @@ def ratio(a: float, b: float) -> str:
     return fmt(a / b) if b else "-"
 
 
+def text_table(titles: tuple[str, ...], rows: Sequence[Sequence[str]]) -> str:
+    """``R.table`` of text cells, one per title."""
+    return "\n".join(R.table([(title, title, "s") for title in titles], [dict(zip(titles, row, strict=True))
+                                                                          for row in rows]))
+
+
 def table(rows: list[dict]) -> str:
     ref = next((r for r in rows if r["gate"] == "off"), rows[0])
-    lines = [
-        "| gate | release | ok / sent | 429 | req/s (×off) | p50 s (×off) | p99 s (×off) | queue p50 s "
-        "| backend peak RSS MiB (×off) | backend peak held pixels MiB (×off) | proxy peak RSS MiB (×off) "
-        "| other jobs CPU % |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        def vs_off(get: Callable[[dict], float], nd: int = 2, scale: float = 1, row: dict = r) -> str:
-            return f"{fmt(get(row) / scale, nd)} ({ratio(get(row), get(ref))})"
 
-        queue_s = r["queue_ms"].get("p50", math.nan) / 1000 if r["queue_ms"] else math.nan
-        lines.append(
-            f"| {'direct (no mmgate)' if r['gate'] == 'direct' else r['gate']} | {r['release_at']} "
-            f"| {r['ok']} / {r['requests']} | {r['n429']} | {vs_off(itemgetter('req_per_s'))} "
-            f"| {vs_off(lambda x: x['latency_ms']['p50'], scale=1000)} "
-            f"| {vs_off(lambda x: x['latency_ms']['p99'], scale=1000)} | {fmt(queue_s)} "
-            f"| {vs_off(itemgetter('backend_hwm_mib'), 0)} | {vs_off(itemgetter('backend_peak_held_mib'), 0)} "
-            f"| {vs_off(itemgetter('proxy_hwm_mib'), 0)} | {fmt(r['cpu_during_run']['other_jobs_cpu_pct'], 0)} |")
-    return "\n".join(lines)
+    def vs_off(row: dict, get: Callable[[dict], float], nd: int = 2, scale: float = 1) -> str:
+        return f"{fmt(get(row) / scale, nd)} ({ratio(get(row), get(ref))})"
 
-
-# --- memory model (peak_rss: buffer lifetime) --------------------------------------------------------------
-
-async def trace_memory(mmgate: subprocess.Popen[bytes], stub: subprocess.Popen[bytes], url: str,
-                       stop: asyncio.Event) -> list[list[float]]:
-    """RSS of both processes and mmgate's own gauges (``TRACE_COLUMNS``) until ``stop``: VmHWM gives the peak,
-    this says what the proxy was holding around it (bodies live, requests admitted / waiting)."""
-    rows: list[list[float]] = []
-    t0 = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-        while not stop.is_set():
-            try:
-                rss = [procfs.memory(p.pid)["VmRSS"] for p in (mmgate, stub)]
-            except OSError:
-                break
-            try:
-                async with session.get(url + "/mmgate/metrics") as r:
-                    prom = L.parse_prom(await r.text())
-            except (aiohttp.ClientError, TimeoutError):
-                prom = {}
-            live, *gauges = (prom.get((name, ()), math.nan) for name in TRACE_GAUGES)
-            rows.append([round(time.perf_counter() - t0, 2), mib(rss[0]), mib(rss[1]), mib(live), *gauges])
-            try:
-                await asyncio.wait_for(stop.wait(), TRACE_INTERVAL_S)
-            except TimeoutError:
-                pass
-    return rows
-
-
-async def one_request_working_set(body: bytes, label: str, flags: tuple[str, ...], args: R.Knobs) -> dict:
-    """Fresh stub + mmgate; two requests, one at a time. For each: idle RSS before it, VmHWM during it (reset
-    just before), so peak − idle is what one request alone costs. The first request is `cold` (every buffer is
-    new memory); the second `warm` (it may reuse what the first left in the allocators)."""
-    quiet = await asyncio.to_thread(L.wait_quiet, args.quiet_wait)
-    stub = mmgate = None
-    runs = []
-    try:
-        stub, stub_url = L.start_stub(*STUB_FLAGS)
-        mmgate, url = L.start_mmgate(stub_url, *flags)
-        procs = {"proxy": mmgate, "backend": stub}
-
-        def read(key: str) -> dict[str, int]:
-            return {who: procfs.memory(p.pid)[key] for who, p in procs.items()}
-
-        await asyncio.sleep(IDLE_SETTLE_S)
-        for name in ("cold", "warm"):
-            idle = read("VmRSS")
-            reset = procfs.reset_peaks(p.pid for p in procs.values())
-            run = await one_request(url, body, f"{label}: one request")
-            peak = read("VmHWM")
-            await asyncio.sleep(IDLE_SETTLE_S)
-            after = read("VmRSS")
-            runs.append({"request": name, "hwm_reset": reset, "latency_s": round(run.results[0].latency, 3),
-                         **{f"{who}_{k}_mib": mib(v[who]) for who in procs
-                            for k, v in (("idle", idle), ("peak", peak), ("idle_after", after))},
-                         **{f"{who}_ws_mib": mib(peak[who] - idle[who]) for who in procs}})
-    finally:
-        L.stop(mmgate)
-        L.stop(stub)
-    return {"label": label, "flags": list(flags), "quiet_wait": quiet, "runs": runs}
-
-
-def _median_of(singles: list[dict], label: str, request: str, key: str) -> float:
-    return statistics.median(r[key] for s in singles if s["label"] == label
-                             for r in s["runs"] if r["request"] == request)
-
-
-def memory_model(singles: list[dict], body_bytes: int, decode_workers: int) -> dict[str, float]:
-    """The terms of ``FORMULA``, from the one-request working sets (medians over the repeats; render_memory says
-    what each holds). The baseline is the cold one: the warm one already holds one decode's buffers that the
-    allocators kept, which a concurrent peak reuses for one decode only."""
-    full, header = "validate full", "validate header"
-    ws_full = _median_of(singles, full, "cold", "proxy_ws_mib")
-    ws_header = _median_of(singles, header, "cold", "proxy_ws_mib")
-    return {"baseline_cold_mib": _median_of(singles, full, "cold", "proxy_idle_mib"),
-            "baseline_warm_mib": _median_of(singles, full, "warm", "proxy_idle_mib"),
-            "body_mib": round(body_bytes / MIB, 2), "ws_full_cold_mib": ws_full, "ws_header_cold_mib": ws_header,
-            "ws_full_warm_mib": _median_of(singles, full, "warm", "proxy_ws_mib"),
-            "decode_mib": round(ws_full - ws_header, 1),
-            "per_request_other_mib": round(ws_header - body_bytes / MIB, 1),
-            "decode_workers": decode_workers}
-
-
-def predict(model: dict[str, float], clients: int, limit: int, queue: int) -> dict[str, float]:
-    """``FORMULA`` for ``clients`` sent at once (K = ``limit``, Q = ``queue``): the requests beyond K + Q get 429s,
-    and an admitted request holds pixel buffers only while a decode thread works on it."""
-    admitted = min(clients, limit)
-    bodies = min(clients, limit + queue)
-    decoding = min(admitted, int(model["decode_workers"]))
-    base, body, decode = model["baseline_cold_mib"], model["body_mib"], model["decode_mib"]
-    return {"bodies": bodies, "decoding": decoding, "admitted": admitted, "queued": bodies - admitted,
-            "predicted_mib": round(base + bodies * body + decoding * decode, 1),
-            # Revised after the short-queue cell missed: mmgate reads a body whole before the queue limit is
-            # checked, so with every client sending at once all their bodies are in memory together.
-            "predicted_reading_mib": round(base + clients * body + decoding * decode, 1)}
-
-
-def static_bound_mib(flags: list[str]) -> dict[str, float]:
-    """Settings.worst_case_memory_bytes() for the cell's own flags (payload only: add the baseline)."""
-    overrides = {flags[i].removeprefix("--").replace("-", "_"): flags[i + 1] for i in range(0, len(flags), 2)}
-    bound = Settings.from_env({}, upstream="http://127.0.0.1:1", **overrides).worst_case_memory_bytes()
-    return {k: round(v / MIB, 1) for k, v in bound.items()}
-
-
-async def run_memory_model(body: bytes, args: R.Knobs) -> dict[str, Any]:
-    base = mmgate_flags(2, OFF, args.release_at, args.preprocess_timeout, MEMORY_FLAGS)
-    variants = (("validate full", base), ("validate header", (*base, "--validate", "header")),
-                ("validate full + resize to 1 MP", (*base, *RESIZE_FLAGS)))
-    singles = []
-    for _ in range(args.one_repeats):
-        for label, flags in variants:
-            singles.append(single := await one_request_working_set(body, label, flags, args))
-            print(f"one request, {label}: " + "; ".join(
-                f"{r['request']} proxy {r['proxy_idle_mib']} → {r['proxy_peak_mib']} MiB (+{r['proxy_ws_mib']}), "
-                f"backend +{r['backend_ws_mib']}" for r in single["runs"]), flush=True)
-    model = memory_model(singles, len(body), usable_cpus())
-    cells: list[tuple[str, str, int, dict[str, str] | None]] = [
-        (label, gate, queue, None) for _ in range(args.repeats) for label, gate, queue in MEMORY_CELLS]
-    if not args.no_extra:
-        cells += [(label + MALLOC_LABEL, gate, queue, MALLOC_ENV) for label, gate, queue in MEMORY_CELLS]
-    rows = []
-    for label, gate, queue, env in cells:
-        row = await run_cell(gate, args.release_at, body, args, queue=queue, extra_flags=MEMORY_FLAGS, env=env,
-                             memory_trace=True)
-        trace = row["trace"]
-        top = max((t[1] for t in trace), default=math.nan)
-        row |= {"label": label, "env": env or {}, **predict(model, args.clients, row["limit"], row["max_queue"]),
-                "static_bound_mib": static_bound_mib(row["flags"]),
-                "trace_peak": next((t for t in trace if t[1] >= 0.99 * top), []),  # when RSS first got there
-                "trace_max_media_live_mib": max((t[3] for t in trace if not math.isnan(t[3])), default=math.nan),
-                "trace": R.downsample(trace, column=1)}  # after the peak is found in the whole trace
-        rows.append(row)
-        progress(label, row)
-    return {"model": model, "singles": singles, "rows": rows}
-
-
-def run_labels(rows: list[dict]) -> list[str]:
-    """Cell labels, with " #n" added where a cell ran more than once."""
-    runs, counted = Counter(r["label"] for r in rows), Counter[str]()
-    out = []
-    for r in rows:
-        counted[r["label"]] += 1
-        out.append(r["label"] + (f" #{counted[r['label']]}" if runs[r["label"]] > 1 else ""))
-    return out
+    return text_table(SWEEP_COLUMNS, [(
+        "direct (no mmgate)" if r["gate"] == "direct" else r["gate"], r["release_at"], f"{r['ok']} / {r['requests']}",
+        str(r["n429"]), vs_off(r, itemgetter("req_per_s")), vs_off(r, lambda x: x["latency_ms"]["p50"], scale=1000),
+        vs_off(r, lambda x: x["latency_ms"]["p99"], scale=1000),
+        fmt(r["queue_ms"].get("p50", math.nan) / 1000 if r["queue_ms"] else math.nan),
+        vs_off(r, itemgetter("backend_hwm_mib"), 0), vs_off(r, itemgetter("backend_peak_held_mib"), 0),
+        vs_off(r, itemgetter("proxy_hwm_mib"), 0), fmt(r["cpu_during_run"]["other_jobs_cpu_pct"], 0)) for r in rows])
 
 
 def memory_findings(data: dict) -> list[str]:
@@ -351,7 +102,7 @@ def memory_findings(data: dict) -> list[str]:
     peak_times = [r["trace_peak"][0] for r in rows if r["trace_peak"]]
     late = "".join(f"; in `{label}` ({r['cpu_during_run']['other_jobs_cpu_pct']:.0f} % other jobs' CPU) only at "
                    f"{r['trace_peak'][0]:.0f} s, creeping up after the burst"
-                   for label, r in zip(run_labels(rows), rows, strict=True)
+                   for label, r in zip(memory_model.run_labels(rows), rows, strict=True)
                    if r["trace_peak"] and r["trace_peak"][0] > BURST_S)
     misses = [r["proxy_hwm_mib"] - r["predicted_mib"] for r in rows if r["label"] in (off, two)]
     short_rows = [r for r in rows if r["label"] == short]
@@ -392,66 +143,7 @@ def memory_findings(data: dict) -> list[str]:
     ]
 
 
-def plot_memory(data: dict, path: Path) -> None:
-    """Bars: predicted and measured proxy peak, and backend peak, per cell."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = data["rows"]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(12, 5))
-    series = (("proxy predicted (bodies = min(clients, K + Q))", "predicted_mib", "#c6dbef"),
-              ("proxy predicted (every body read counted)", "predicted_reading_mib", "#9ecae1"),
-              ("proxy measured (VmHWM)", "proxy_hwm_mib", "#3182bd"),
-              ("backend measured (VmHWM)", "backend_hwm_mib", "#fd8d3c"))
-    width = 0.2
-    for k, (name, key, color) in enumerate(series):
-        bars = ax.bar([i + (k - 1.5) * width for i in x], [r[key] for r in rows], width, label=name, color=color)
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.axhline(data["model"]["baseline_cold_mib"], color="grey", lw=0.8, ls="--", label="proxy baseline (idle)")
-    ax.set_xticks(list(x), [label.replace(", ", ",\n").replace(" + ", "\n+ ") for label in run_labels(rows)],
-                  fontsize=8)
-    ax.set_ylabel("peak RSS, MiB")
-    ax.set_title(f"{data['meta']['clients']} clients × one 12 MP photo at once: peak RSS")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # --- the scenarios: gate_sweep (measure, goals, report) and peak_rss (measure_memory, memory_goals, render_memory)
-
-def _measured(args: R.Knobs, what: str, cells: Callable[[bytes], Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
-    """The stamp, the run's meta and what ``cells(body)`` measured, with ``uptime`` printed before and after."""
-    started = time.monotonic()
-    stamp = R.stamp("gate_sweep.py", what)
-    up_start = L.uptime()
-    print(f"start: {up_start}", flush=True)
-    image = photo_jpeg()
-    body = chat_body(image, stream=True)
-    found = cells(body)
-    up_end = L.uptime()
-    print(f"end: {up_end}", flush=True)
-    meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(), "aiohttp": aiohttp.__version__, "pillow": PIL.__version__,
-        "usable_cpus": usable_cpus(), "uptime_start": up_start, "uptime_end": up_end,
-        "proxy_source": str(Path(proxy.__file__).resolve().parent),
-        "clients": args.clients, "per_client": args.per_client, "release_at": args.release_at,
-        "preprocess_timeout": args.preprocess_timeout,
-        "image": {"format": "JPEG", "size": list(PHOTO_SIZE), "quality": PHOTO_QUALITY, "bytes": len(image),
-                  "body_bytes": len(body), "decoded_rgb_bytes": PHOTO_SIZE[0] * PHOTO_SIZE[1] * 3},
-        "stub_flags": list(STUB_FLAGS),
-        "stub": "python -m demo.backend " + " ".join(STUB_FLAGS),
-        "mmgate": "python -m proxy --access-log off --max-mm-concurrency K --max-queue 10000 --queue-timeout 600 "
-                  f"--preprocess-timeout {args.preprocess_timeout:g} --release-at R (decode workers default = "
-                  "usable CPUs, validate full, no resize)",
-        "wall_s": round(time.monotonic() - started, 1),
-    }
-    return stamp, meta, found
-
 
 def measure(args: R.Knobs) -> dict[str, Any]:
     cells = [(g, args.release_at) for g in args.gates.split(",")]
@@ -462,11 +154,12 @@ def measure(args: R.Knobs) -> dict[str, Any]:
         rows = []
         for rnd in range(args.rounds):
             for gate, release_at in cells:
-                rows.append(asyncio.run(run_cell(gate, release_at, body, args)) | {"round": rnd})
-                progress(f"gate {gate:>3} {release_at:8s}", rows[-1])
+                rows.append(asyncio.run(cell.run_cell(gate, release_at, body, args)) | {"round": rnd})
+                cell.progress(f"gate {gate:>3} {release_at:8s}", rows[-1])
         return rows
 
-    stamp, meta, rows = _measured(args, WHAT, sweep)
+    stamp = R.stamp("gate_sweep.py", WHAT)
+    meta, rows = cell.photo_run(args, sweep)
     print(table(rows))
     return stamp | {"meta": meta | {"rounds": args.rounds}, "rows": rows}
 
@@ -540,12 +233,20 @@ def report(data: dict[str, Any]) -> str:
 
 def measure_memory(args: R.Knobs) -> dict[str, Any]:
     """The peak_rss scenario: one-request working sets, then the cells; beside the result, peak_rss.png."""
-    stamp, meta, found = _measured(args, MEMORY_WHAT, lambda body: asyncio.run(run_memory_model(body, args)))
+    stamp = R.stamp("gate_sweep.py", MEMORY_WHAT)
+    cells: list[memory_model.Cell] = [(label, gate, queue, None) for _ in range(args.repeats)
+                                      for label, gate, queue in MEMORY_CELLS]
+    if not args.no_extra:
+        cells += [(label + MALLOC_LABEL, gate, queue, UNTUNED) for label, gate, queue in MEMORY_CELLS]
+    meta, found = cell.photo_run(args, lambda body: asyncio.run(
+        memory_model.run_model(body, args, cells, MEMORY_FLAGS, RESIZE_FLAGS)))
+    for row in found["rows"]:
+        row["trace"] = R.downsample(row["trace"], column=1)  # after the peak was found in the whole trace
     meta |= {"memory_flags": list(MEMORY_FLAGS), "resize_flags": list(RESIZE_FLAGS),
-             "one_repeats": args.one_repeats, "repeats": args.repeats, "trace_columns": list(TRACE_COLUMNS)}
+             "one_repeats": args.one_repeats, "repeats": args.repeats, "trace_columns": list(cell.TRACE_COLUMNS)}
     data = stamp | {"meta": meta, **found}
     if not args.quick:
-        plot_memory(data, L.RESULTS / "peak_rss.png")
+        memory_plots.peak_rss(data, memory_model.run_labels(data["rows"]), L.RESULTS / "peak_rss.png")
     return data
 
 
@@ -554,10 +255,10 @@ def memory_goals(data: dict[str, Any]) -> list[R.Goal]:
     backend's peak beside it."""
     cells = {label: [r for r in data["rows"] if r["label"] == label]
              for label in dict.fromkeys(r["label"] for r in data["rows"]) if MALLOC_LABEL not in label}
-    return [*(R.goal(f"{label}: mmgate peak ÷ predicted", [r["proxy_hwm_mib"] / r["predicted_mib"] for r in cell],
-                     "0.8–1.2", lambda v: 0.8 <= v <= 1.2, unit="×") for label, cell in cells.items()),
-            *(R.goal(f"{label}: backend peak RSS", [r["backend_hwm_mib"] for r in cell], unit="MiB")
-              for label, cell in cells.items())]
+    return [*(R.goal(f"{label}: mmgate peak ÷ predicted", [r["proxy_hwm_mib"] / r["predicted_mib"] for r in runs],
+                     "0.8–1.2", lambda v: 0.8 <= v <= 1.2, unit="×") for label, runs in cells.items()),
+            *(R.goal(f"{label}: backend peak RSS", [r["backend_hwm_mib"] for r in runs], unit="MiB")
+              for label, runs in cells.items())]
 
 
 def render_memory(data: dict) -> str:
@@ -568,13 +269,13 @@ def render_memory(data: dict) -> str:
             runs = [r for s in singles if s["label"] == label for r in s["runs"] if r["request"] == request]
             idle, peak, ws, backend = (" / ".join(str(r[key]) for r in runs) for key in
                                        ("proxy_idle_mib", "proxy_peak_mib", "proxy_ws_mib", "backend_ws_mib"))
-            one.append(f"| {label} | {request} | {idle} | {peak} | **{ws}** | {backend} |")
+            one.append((label, request, idle, peak, f"**{ws}**", backend))
 
     def within(ratio_: float) -> str:
         return f"{ratio_:.2f} {'yes' if abs(ratio_ - 1) <= 0.20 else '**no**'}"
 
     cells = []
-    for label, r in zip(run_labels(rows), rows, strict=True):
+    for label, r in zip(memory_model.run_labels(rows), rows, strict=True):
         measured, bound, peak = r["proxy_hwm_mib"], r["static_bound_mib"]["total"], r["trace_peak"]
         payload = measured - model["baseline_cold_mib"]
         cells.append(
@@ -598,10 +299,7 @@ def render_memory(data: dict) -> str:
         f"Fresh mmgate per line ({meta['one_repeats']} repeats, shown a / b); `cold` = its first request, `warm` = "
         "its second; working set = VmHWM during the request − idle RSS just before it.",
         "",
-        "| settings | request | proxy idle RSS MiB | proxy peak MiB | proxy working set MiB "
-        "| backend working set MiB |",
-        "|---|---|---|---|---|---|",
-        *one,
+        text_table(ONE_COLUMNS, one),
         "",
         f"Terms (medians): body = {model['body_mib']} MiB; decode = ws(full) − ws(header) = "
         f"{model['ws_full_cold_mib']} − {model['ws_header_cold_mib']} = **{model['decode_mib']} MiB**; rest of one "
@@ -611,7 +309,7 @@ def render_memory(data: dict) -> str:
         "",
         "## The formula",
         "",
-        f"```\n{FORMULA}\n```",
+        f"```\n{memory_model.FORMULA}\n```",
         "",
         f"With the gate off all {meta['clients']} are admitted, but only the pool's threads decode; with gate 2 the "
         f"other {meta['clients'] - 2} wait in the queue, each holding its body: the gate moves bodies from 'admitted' "

@@ -16,16 +16,9 @@ the calls that never release the GIL hold it at most 200 µs per job. The alloca
 
 from __future__ import annotations
 
-import asyncio
-import io
-import math
 import os
 import pickle
-import statistics
-import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -34,192 +27,18 @@ from PIL import Image
 
 from bench import _results as R
 from preprocessors.base import AudioPolicy, ImagePolicy, no_checkpoint
-from preprocessors.image import GENERIC_JPEG_QUALITY, _encode, _orientation
 from preprocessors.job import MediaJob, MediaTask, run_task
-from preprocessors.pool import DecodePool
-from preprocessors.worker_handle import read_all as _read_all
-from preprocessors.worker_process import write_all as _write_all
-from preprocessors.workers import ProcessPool
 from proxy.runtime.memory import tune_process, worker_environment
-from testkit.load import percentile
+from testkit.decode_pools import process_cost, saturated
+from testkit.gil_probe import beside, held_us, job_steps, probe
 from testkit.media import photo_jpeg
 
 WHAT = "GIL held by media work: a 1 ms sleeper's late wake-ups beside each step and beside saturated pools"
-TARGET = 1_000_000
-POLICY = ImagePolicy(resize_max_pixels=TARGET)
-PNG = ImagePolicy(resize_max_pixels=TARGET, output_format="png")
-WEBP = ImagePolicy(resize_max_pixels=TARGET, output_format="webp")
-SMALL = (round(4000 * (TARGET / 12e6) ** 0.5), round(3000 * (TARGET / 12e6) ** 0.5))  # the 12 MP photo at 1 MP
-TASK = MediaTask("image", "bench", 64 << 20, POLICY, AudioPolicy())
-SLEEP = 0.001
+TASK = MediaTask("image", "bench", 64 << 20, ImagePolicy(resize_max_pixels=1_000_000), AudioPolicy())
 MODES = ("thread", "process")
 LATENESS = ("p50", "p99", "max")
 GOAL_EXTRA_P99_MS = 1.0
 GOAL_SCALING = 1.9
-WORKER_ENVIRONMENT: dict[str, str] = {}  # set by measure(): the worker processes' allocator tuning
-
-
-@contextmanager
-def probe() -> Iterator[dict[str, float]]:
-    """A thread that sleeps 1 ms in a loop while the block runs; after it, how late it woke (ms): p50, p99, max."""
-    late: list[float] = []
-    lateness: dict[str, float] = {}
-    stop = threading.Event()
-
-    def run() -> None:
-        clock = time.perf_counter
-        while not stop.is_set():
-            t0 = clock()
-            time.sleep(SLEEP)
-            late.append((clock() - t0 - SLEEP) * 1e3)
-
-    thread = threading.Thread(target=run, name="probe", daemon=True)
-    thread.start()
-    try:
-        yield lateness
-    finally:
-        stop.set()
-        thread.join()
-    lateness |= {"p50": percentile(late, 50), "p99": percentile(late, 99), "max": percentile(late, 100)}
-
-
-def steps(jpeg: bytes, encoded: bytes) -> dict[str, Callable[[], object]]:
-    """Each step of a media job as a call that does exactly that step once, on prepared inputs."""
-    with Image.open(io.BytesIO(jpeg)) as img:
-        draft = img.draft(None, (TARGET // 866, 866))
-        img.load()
-        decoded = img.copy()
-    box = draft[1] if draft else None
-    small = decoded.resize(SMALL, Image.Resampling.BICUBIC, box=box)
-    small_rgba = small.convert("RGBA")
-    small_rgba.putpixel((0, 0), (0, 0, 0, 0))  # not fully opaque: encoded with its alpha, as PNG
-    out, _ = _encode(small, POLICY)
-
-    def decode() -> None:
-        im = Image.open(io.BytesIO(jpeg), formats=("JPEG",))
-        im.draft(None, SMALL)
-        im.load()
-        im.close()
-
-    def encode_bytesio() -> bytes:
-        buf = io.BytesIO()
-        small.save(buf, "JPEG", quality=POLICY.jpeg_quality or GENERIC_JPEG_QUALITY)
-        return buf.getvalue()
-
-    return {
-        "base64 decode (12 MP JPEG)": lambda: pybase64.b64decode(encoded, validate=True),
-        "open (header only)": lambda: Image.open(io.BytesIO(jpeg), formats=("JPEG",)).size,
-        "decode (draft + load + close)": decode,
-        "orientation (EXIF)": lambda: _orientation(Image.open(io.BytesIO(jpeg), formats=("JPEG",))),
-        "resize → 1 MP": lambda: decoded.resize(SMALL, Image.Resampling.BICUBIC, box=box),
-        "transpose 1 MP": lambda: small.transpose(Image.Transpose.ROTATE_270),
-        "convert 1 MP RGBA → RGB": lambda: small_rgba.convert("RGB"),
-        "encode JPEG into BytesIO (Pillow default)": encode_bytesio,
-        "encode JPEG into memfd (mmgate)": lambda: _encode(small, POLICY),
-        "encode PNG into memfd (alpha output)": lambda: _encode(small_rgba, PNG),
-        "encode WEBP into memfd": lambda: _encode(small, WEBP),
-        "base64 encode (1 MP JPEG)": lambda: pybase64.b64encode(out),
-        "whole job (process_image + base64)": lambda: run_task(TASK, lambda: encoded, no_checkpoint),
-    }
-
-
-def beside(call: Callable[[], object], seconds: float) -> dict[str, float]:
-    """The probe's lateness while this thread runs ``call`` in a loop for ``seconds``, and its rate."""
-    calls = 0
-    with probe() as lateness:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            call()
-            calls += 1
-    return lateness | {"calls_per_s": calls / seconds}
-
-
-def held_us(encoded: bytes, jpeg: bytes, count: int) -> dict[str, float]:
-    """Median µs of the calls of a job that hold the GIL throughout (pure Python, or a free under the GIL),
-    timed one by one on this thread: their wall time is their hold."""
-    times: dict[str, list[float]] = {"open (header)": [], "orientation": [], "close a decoded 3 MP image": [],
-                                     "free a resized 1 MP image": [], "free the decoded JPEG bytes": []}
-    for _ in range(count):
-        data = pybase64.b64decode(encoded, validate=True)
-        t0 = time.perf_counter()
-        del data
-        t1 = time.perf_counter()
-        im = Image.open(io.BytesIO(jpeg), formats=("JPEG",))
-        t2 = time.perf_counter()
-        _orientation(im)
-        t3 = time.perf_counter()
-        im.draft(None, SMALL)
-        im.load()
-        small = im.resize(SMALL, Image.Resampling.BICUBIC)
-        t4 = time.perf_counter()
-        im.close()
-        t5 = time.perf_counter()
-        del small
-        t6 = time.perf_counter()
-        for name, took in zip(times, (t2 - t1, t3 - t2, t5 - t4, t6 - t5, t1 - t0), strict=True):
-            times[name].append(took * 1e6)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-def on_pool(mode: str, workers: int, work: Callable[[DecodePool], Coroutine[Any, Any, Any]]) -> Any:
-    """``work`` on a fresh pool of ``mode`` in an asyncio loop of its own, as mmgate drives a pool."""
-    pool = ProcessPool(workers, environment=WORKER_ENVIRONMENT) if mode == "process" else DecodePool(workers)
-    try:
-        return asyncio.run(work(pool))
-    finally:
-        pool.shutdown()
-
-
-async def one_at_a_time(pool: DecodePool, job: MediaJob, count: float, end: float = math.inf) -> list[float]:
-    """``job`` on ``pool``, one at a time, ``count`` times or until ``end`` (``perf_counter``): each one's wall ms."""
-    times: list[float] = []
-    while len(times) < count and time.perf_counter() < end:
-        t0 = time.perf_counter()
-        await pool.batch().run([job], 60)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def saturated(mode: str, workers: int, job: MediaJob, seconds: float) -> dict[str, float]:
-    """One client per worker, each running one job at a time for ``seconds``: the probe's lateness and jobs/s."""
-
-    async def saturate(pool: DecodePool) -> dict[str, float]:
-        await asyncio.gather(*(pool.batch().run([job], 60) for _ in range(workers)))  # workers started, warm
-        with probe() as lateness:
-            started = time.perf_counter()
-            clients = [one_at_a_time(pool, job, math.inf, started + seconds) for _ in range(workers)]
-            done = sum(len(times) for times in await asyncio.gather(*clients))
-            wall = time.perf_counter() - started
-        return lateness | {"jobs_per_s": done / wall}
-
-    return on_pool(mode, workers, saturate)
-
-
-def sequential_ms(mode: str, job: MediaJob, count: int) -> float:
-    """Median wall ms of one job at a time on a one-worker pool of ``mode``, after one to start it."""
-
-    async def after_one(pool: DecodePool) -> float:
-        await pool.batch().run([job], 60)
-        return statistics.median(await one_at_a_time(pool, job, count))
-
-    return on_pool(mode, 1, after_one)
-
-
-def copies_us(payload: bytes, token: bytes, count: int) -> float:
-    """Median µs the parent spends copying one job's bytes: the payload into a memfd, the answer out."""
-    fd = os.memfd_create("bench", os.MFD_CLOEXEC)
-    try:
-        times = []
-        for _ in range(count):
-            os.pwrite(fd, token, 0)  # the worker's answer, not timed: the worker writes it
-            t0 = time.perf_counter()
-            _write_all(fd, payload)
-            _read_all(fd, len(token))
-            times.append((time.perf_counter() - t0) * 1e6)
-            os.ftruncate(fd, 0)
-        return statistics.median(times)
-    finally:
-        os.close(fd)
 
 
 def summarise(rounds: list[Any]) -> Any:
@@ -234,7 +53,7 @@ def measure(knobs: R.Knobs) -> dict[str, Any]:
         raise SystemExit("malloc_tuning is on or off")
     memory_first = knobs.malloc_tuning == "on"
     tuned = tune_process(os.environ, memory_first=memory_first, decode_threads=2)  # the most any pool here has
-    WORKER_ENVIRONMENT.update(worker_environment(os.environ, memory_first=memory_first))
+    workers_env = worker_environment(os.environ, memory_first=memory_first)  # the worker processes' tuning
     data = R.stamp("gil_hold.py", WHAT)
     seconds, sequential = knobs.seconds, knobs.sequential
     jpeg = photo_jpeg()
@@ -242,7 +61,7 @@ def measure(knobs: R.Knobs) -> dict[str, Any]:
     job = MediaJob(TASK, lambda: encoded)
     tiny = pybase64.b64encode(b"ID3" + bytes(7))  # an MP3 tag head: audio checked by its signature alone
     null_job = MediaJob(replace(TASK, kind="audio"), lambda: tiny)
-    calls = steps(jpeg, encoded)
+    calls = job_steps(jpeg, encoded, TASK)
     token = run_task(TASK, lambda: encoded, no_checkpoint).encoded or b""
     rounds = []
     for r in range(knobs.rounds):
@@ -250,14 +69,8 @@ def measure(knobs: R.Knobs) -> dict[str, Any]:
         with probe() as idle:
             time.sleep(seconds)
         by_step = {name: beside(call, seconds) for name, call in calls.items()}
-        pools = {f"{mode} × {n}": saturated(mode, n, job, seconds) for mode in MODES for n in (1, 2)}
-        cost: dict[str, Any] = {}
-        null_us: dict[str, float] = {}
-        for mode in MODES:
-            cost[f"{mode}_ms"] = sequential_ms(mode, job, sequential)
-            null_us[mode] = sequential_ms(mode, null_job, sequential * 10) * 1e3
-        cost |= {"extra_ms": cost["process_ms"] - cost["thread_ms"], "null_job_us": null_us,
-                 "ipc_us": null_us["process"] - null_us["thread"], "copies_us": copies_us(encoded, token, sequential)}
+        pools = {f"{mode} × {n}": saturated(mode, n, job, seconds, workers_env) for mode in MODES for n in (1, 2)}
+        cost = process_cost(job, null_job, sequential, workers_env, encoded, token)
         rounds.append({"idle": idle, "steps": by_step, "held_us": held_us(encoded, jpeg, sequential),
                        "pools": pools, "process_cost": cost})
     outcome = replace(run_task(TASK, lambda: encoded, no_checkpoint), encoded=None)
@@ -297,7 +110,6 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
             R.record("process mode: IPC per job (an empty job, process − thread)", cost["ipc_us"], unit="µs"),
             R.record("process mode: parent's copies per 12 MP job (payload in, answer out)", cost["copies_us"],
                      unit="µs")]
-
 
 
 def _row(name: str, s: dict[str, Any], rate: str = "", per_call: str = "") -> str:

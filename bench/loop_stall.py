@@ -30,196 +30,46 @@ round's worst).
 
 from __future__ import annotations
 
-import io
-import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
+import shutil
 from typing import Any
 
 from bench import _results as R
 from testkit import load as L
+from testkit.hostile_bodies import body_for
+from testkit.stall_probe import stalls
 
 GOAL_MS = 100.0
-KINDS = ("image_flood", "text_flood", "deep", "invalid", "big_image")
 WHAT = "/mmgate/health latency while one hostile body (8, 35, 50 MB) is handled: before and after the stepped walk"
 
 
-# --- bodies -------------------------------------------------------------------------------------------------
-
-def _tiny_png_uri() -> bytes:
-    import base64
-
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", (1, 1), "red").save(out, "PNG")
-    return b"data:image/png;base64," + base64.b64encode(out.getvalue())
-
-
-def _parts_body(part: bytes, size: int) -> bytes:
-    head, tail = b'{"model":"m","messages":[{"role":"user","content":[', b"]}]}"
-    n = max(1, (size - len(head) - len(tail)) // (len(part) + 1))
-    return head + b",".join([part] * n) + tail
-
-
-def big_png_uri(size: int) -> bytes:
-    """A data URI of about ``size`` bytes: a PNG of random pixels (incompressible, so its size is its pixels)."""
-    import base64
-
-    import numpy as np
-    from PIL import Image
-
-    side = int((size * 3 / 4 / 3) ** 0.5)
-    pixels = np.random.default_rng(7).integers(0, 256, (side, side, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG", compress_level=0)
-    return b"data:image/png;base64," + base64.b64encode(out.getvalue())
-
-
-def body_for(kind: str, size: int) -> bytes:
-    if kind == "image_flood":
-        return _parts_body(b'{"type":"image_url","image_url":{"url":"' + _tiny_png_uri() + b'"}}', size)
-    if kind in ("text_flood", "invalid"):
-        body = _parts_body(b'{"type":"text","text":"an image of a cat"}', size)
-        return body[:-1] if kind == "invalid" else body
-    if kind == "deep":
-        head = b'{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":'
-        tail = b"}]}]}"
-        depth = (size - len(head) - len(tail)) // 2
-        return head + b"[" * depth + b"]" * depth + tail
-    if kind == "big_image":
-        head = b'{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"what is this?"},' \
-               b'{"type":"image_url","image_url":{"url":"'
-        return head + big_png_uri(size - len(head) - 8) + b'"}}]}]}'
-    raise ValueError(kind)
-
-
-# --- one tree, one round ------------------------------------------------------------------------------------
-
-def start_mmgate(tree: Path, upstream: str, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = L.free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMGATE_")}
-    env["PYTHONPATH"] = str(tree)
-    cmd = [sys.executable, "-m", "proxy", "--upstream", upstream, "--port", str(port), "--host", "127.0.0.1",
-           "--access-log", "off", "--drain-grace", "0", "--drain-timeout", "2", "--cache-mb", "0", *flags]
-    with tempfile.NamedTemporaryFile(prefix="mmgate-stall-", suffix=".log", delete=False) as log:
-        proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log)
-    proc.log_path = log.name  # type: ignore[attr-defined]
-    url = f"http://127.0.0.1:{port}"
-    L.wait_http(url + "/mmgate/health", proc)
-    return proc, url
-
-
-def send(port: int, body: bytes) -> tuple[float, float, int, str]:
-    """POST ``body`` over a fresh connection; (first byte sent, answer read, status, error code)."""
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-        t0 = time.monotonic()
-        sock.sendall(head)
-        sock.sendall(body)
-        chunks = []
-        while chunk := sock.recv(1 << 16):
-            chunks.append(chunk)
-        t1 = time.monotonic()
-    answer = b"".join(chunks)
-    status = int(answer.split(b" ", 2)[1]) if answer else 0
-    code = ""
-    if status != 200:
-        try:
-            code = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"]
-        except (ValueError, KeyError, TypeError):
-            code = "?"
-    return t0, t1, status, code
-
-
-def _worst_ms(probes: list[list[float]], t0: float, t1: float) -> tuple[float, int]:
-    """The longest latency among the probes that overlapped [t0, t1], in ms, and how many did."""
-    overlapping = [b - a for a, b in probes if b >= t0 and a <= t1]
-    return round(max(overlapping, default=float("nan")) * 1000, 2), len(overlapping)
-
-
-def run_tree(tree: Path, bodies: dict[tuple[str, int], bytes], interval: float,
-             control_port: int) -> dict[str, dict[str, Any]]:
-    stub, stub_url = L.start_stub()
-    proc, url = start_mmgate(tree, stub_url, "--max-media-item-mb", "64")
-    port = int(url.rsplit(":", 1)[1])
-    scratch = Path(tempfile.mkdtemp(prefix="mmgate-stall-"))
-    stop = scratch / "stop"
-    probers = {name: (subprocess.Popen([sys.executable, "-m", "testkit.load", "probe-until", str(at), path,
-                                        str(interval), str(stop), str(scratch / f"{name}.json")], cwd=R.REPO),
-                      scratch / f"{name}.json")
-               for name, at, path in (("mmgate", port, "/mmgate/health"), ("control", control_port, "/health"))}
-    rows: dict[str, dict[str, Any]] = {}
-    try:
-        time.sleep(0.5)
-        windows = {}
-        for (kind, size), body in bodies.items():
-            t0, t1, status, code = send(port, body)
-            windows[f"{kind}/{size}"] = (t0, t1, status, code)
-            time.sleep(0.3)
-        stop.touch()
-        probes = {}
-        for name, (prober, out) in probers.items():
-            prober.wait(60)
-            probes[name] = json.loads(out.read_text())
-    finally:
-        for prober, _out in probers.values():
-            if prober.poll() is None:
-                prober.kill()
-        log = L.stop(proc)
-        L.stop(stub)
-    for name, (t0, t1, status, code) in windows.items():
-        worst, n = _worst_ms(probes["mmgate"], t0, t1)
-        control, _ = _worst_ms(probes["control"], t0, t1)
-        rows[name] = {"worst_ms": worst, "probes": n, "control_worst_ms": control,
-                      "handled_ms": round((t1 - t0) * 1000, 1), "status": status, "code": code}
-    if "Traceback" in log:
-        rows["_log"] = {"tail": log[-1500:]}
-    return rows
-
-
-# The last main before a single body was kept from holding the loop: "before" for every later run.
-BASELINE = "a573611"
-
-
-# --- results ------------------------------------------------------------------------------------------------
-
 def goals(data: dict[str, Any]) -> list[R.Goal]:
+    def worst(tree: str, size: int, key: str) -> list[float]:
+        """Each round's worst body of ``size``."""
+        return [max(r[f"{k}/{size}"][key] for k in data["kinds"]) for r in data["rounds"][tree]]
+
     out = []
     for size in data["sizes"]:
-        for tree, words in (("after", "after"), ("before", "before (baseline)")):
-            worst = [max(r[f"{k}/{size}"]["worst_ms"] for k in data["kinds"]) for r in data["rounds"][tree]]
-            if tree == "after":
-                out.append(R.goal(f"worst health latency, {size} MB bodies, {words}", worst, f"≤ {GOAL_MS:g}",
-                                  lambda v: v <= GOAL_MS, unit="ms"))
-                control = [max(r[f"{k}/{size}"]["control_worst_ms"] for k in data["kinds"])
-                           for r in data["rounds"][tree]]
-                out.append(R.goal(f"control server's worst in the same windows, {size} MB bodies (the machine's "
-                                  "share)", control, unit="ms"))
-            else:
-                out.append(R.goal(f"worst health latency, {size} MB bodies, {words}", worst, unit="ms"))
+        out += [R.goal(f"worst health latency, {size} MB bodies, after", worst("after", size, "worst_ms"),
+                       f"≤ {GOAL_MS:g}", lambda v: v <= GOAL_MS, unit="ms"),
+                R.goal(f"control server's worst in the same windows, {size} MB bodies (the machine's share)",
+                       worst("after", size, "control_worst_ms"), unit="ms"),
+                R.goal(f"worst health latency, {size} MB bodies, before (baseline)",
+                       worst("before", size, "worst_ms"), unit="ms")]
     return out
 
 
 def report(data: dict[str, Any]) -> str:
-    def cell(tree: str, name: str) -> str:
-        answers = sorted({f"{r[name]['status']}{' ' + r[name]['code'] if r[name]['code'] else ''}"
-                          for r in data["rounds"][tree]})
-        handled = R.summary(r[name]["handled_ms"] for r in data["rounds"][tree])
-        control = R.summary(r[name]["control_worst_ms"] for r in data["rounds"][tree])
-        worst = R.spread_cell(r[name]["worst_ms"] for r in data["rounds"][tree])
-        return (f"{worst} | {R.number(control['median'])} | {R.number(handled['median'])} | {', '.join(answers)}")
+    def cells(tree: str, name: str) -> str:
+        rows = [r[name] for r in data["rounds"][tree]]
+        answers = sorted({f"{r['status']}{' ' + r['code'] if r['code'] else ''}" for r in rows})
+        control = R.summary(r["control_worst_ms"] for r in rows)["median"]
+        handled = R.summary(r["handled_ms"] for r in rows)["median"]
+        return (f"{R.spread_cell(r['worst_ms'] for r in rows)} | {R.number(control)} | {R.number(handled)} "
+                f"| {', '.join(answers)}")
 
     lines = [
-        f"Baseline `{data['baseline_ref']}` at "
-        f"`{(data['baseline_commit'] or '')[:10]}`"
-        f" against this tree; {len(data['rounds']['after'])} rounds; probes every {data['interval'] * 1000:g} ms.",
+        f"Baseline `{data['baseline_ref']}` at `{(data['baseline_commit'] or '')[:10]}` against this tree; "
+        f"{len(data['rounds']['after'])} rounds; probes every {data['interval'] * 1000:g} ms.",
         "",
         "Worst health latency: the longest /mmgate/health answer among the probes that overlapped the body's "
         "handling (first byte sent to answer read), median over rounds (min–max). Handled: how long that body "
@@ -231,12 +81,10 @@ def report(data: dict[str, Any]) -> str:
         "| body | MB | before: worst ms (spread) | control | before: handled ms | before: answer "
         "| after: worst ms (spread) | control | after: handled ms | after: answer |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *(f"| {kind} | {size} | {cells('before', f'{kind}/{size}')} | {cells('after', f'{kind}/{size}')} |"
+          for size in data["sizes"] for kind in data["kinds"]),
+        "", f"Start: `{data['uptime_start']}`  ", f"End: `{data['uptime_end']}`", "",
     ]
-    for size in data["sizes"]:
-        for kind in data["kinds"]:
-            name = f"{kind}/{size}"
-            lines.append(f"| {kind} | {size} | {cell('before', name)} | {cell('after', name)} |")
-    lines += ["", f"Start: `{data['uptime_start']}`  ", f"End: `{data['uptime_end']}`", ""]
     return "\n".join(lines)
 
 
@@ -246,7 +94,6 @@ def measure(args: R.Knobs) -> dict[str, Any]:
     kinds = args.kinds.split(",")
     bodies = {(kind, size): body_for(kind, size * 1_000_000) for size in sizes for kind in kinds}
     base = L.revision_tree(args.baseline_ref)
-    trees = {"before": base, "after": R.REPO}
     data: dict[str, Any] = stamp | {
         "baseline_ref": args.baseline_ref, "baseline_commit": R.git("rev-parse", args.baseline_ref),
         "sizes": sizes, "kinds": kinds, "interval": args.interval, "uptime_start": L.uptime(),
@@ -254,16 +101,15 @@ def measure(args: R.Knobs) -> dict[str, Any]:
         "rounds": {"before": [], "after": []},
     }
     control, control_url = L.start_control()
-    control_port = int(control_url.rsplit(":", 1)[1])
     try:
         for rnd in range(args.rounds):
-            for tree, where in trees.items():  # interleaved: both trees see the same machine in each round
-                rows = run_tree(where, bodies, args.interval, control_port)
+            for tree, where in {"before": base, "after": R.REPO}.items():  # interleaved: both see the same machine
+                rows = stalls(where, bodies, args.interval, int(control_url.rsplit(":", 1)[1]))
                 data["rounds"][tree].append(rows)
                 for name, row in rows.items():
                     print(f"r{rnd} {tree:6s} {name:18s} {row}", flush=True)
     finally:
         L.stop(control)
-        subprocess.run(["rm", "-rf", str(base)], check=False)
+        shutil.rmtree(base, ignore_errors=True)
     data["uptime_end"] = L.uptime()
     return data

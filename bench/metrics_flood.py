@@ -21,82 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import time
 from typing import Any
-
-import aiohttp
 
 from bench import _results as R
 from testkit import load as L
-from testkit import procfs
+from testkit.metrics_flood import Windows, run_size
 
 WHAT = "health and text chat latency, idle and while 8 clients loop on GET /metrics (merge on; 300 KB, 4 MB)"
 GOAL_OVER_IDLE_MS = 5.0
-TEXT_BODY = json.dumps({"model": "stub-vlm", "max_tokens": 16,
-                        "messages": [{"role": "user", "content": "Say hello in one short sentence."}]}).encode()
 PROBES = ("health", "text", "bare", "control")
 WINDOWS = ("idle", "flood", "floor")
-Probes = dict[str, tuple[str, str, bytes | None]]  # name: url, path, body to POST (None: GET)
 
-
-# --- the flood ----------------------------------------------------------------------------------------------
-
-async def window(probes: Probes, seconds: float, interval: float, pid: int) -> dict[str, Any]:
-    """One prober per probe (own processes) over one window; mmgate's CPU share over it."""
-    hz = os.sysconf("SC_CLK_TCK")
-    cpu0, t0 = procfs.cpu_ticks([pid]), time.perf_counter()
-    probers = {name: L.start_prober(url, seconds, interval, path, body) for name, (url, path, body) in probes.items()}
-    answers = {k: await asyncio.to_thread(L.prober_result, *v) for k, v in probers.items()}
-    cpu_pct = round(100 * (procfs.cpu_ticks([pid]) - cpu0) / hz / (time.perf_counter() - t0), 1)
-    return {k: L.summarize_ms(v["latencies"]) | {"statuses": v["statuses"]} for k, v in answers.items()} | {
-        "mmgate": {"cpu_pct": cpu_pct}}
-
-
-async def flooded(url: str, probes: Probes, args: R.Knobs, pid: int) -> dict[str, Any]:
-    """One window while ``args.clients`` clients, one keep-alive connection each, GET ``url``/metrics back to
-    back, each answer read whole."""
-    stop, statuses, sizes = asyncio.Event(), dict[str, int](), set[int]()
-
-    async def client() -> None:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
-            while not stop.is_set():
-                async with session.get(url + "/metrics") as response:
-                    sizes.add(len(await response.read()))
-                statuses[str(response.status)] = statuses.get(str(response.status), 0) + 1
-
-    started = time.perf_counter()
-    flooding = asyncio.gather(*(client() for _ in range(args.clients)))
-    await asyncio.sleep(0.5)  # every client past its first answer
-    row = await window(probes, args.seconds, args.interval, pid)
-    stop.set()
-    await flooding
-    return row | {"flood": {"statuses": statuses, "body_bytes": sorted(sizes),
-                            "answers_per_s": round(sum(statuses.values()) / (time.perf_counter() - started), 1)}}
-
-
-async def run_size(size: int, args: R.Knobs, control_url: str) -> dict[str, Any]:
-    backend, backend_url = L.start_metrics_backend(size)
-    proc = None
-    try:
-        proc, url = L.start_mmgate(backend_url, env={"MMGATE_BACKEND_METRICS": "merge"})
-        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
-            merged = await response.read()
-        if response.status != 200 or b"mmgate_" not in merged:
-            raise RuntimeError(f"GET /metrics answered {response.status} without mmgate's families")
-        mmgate: Probes = {"health": (url, "/mmgate/health", None), "text": (url, "/v1/chat/completions", TEXT_BODY)}
-        bare: Probes = {"bare": (backend_url, "/health", None), "control": (control_url, "/health", None)}
-        idle = await window(mmgate | bare, args.seconds, args.interval, proc.pid)
-        loaded = await flooded(url, mmgate | {"control": bare["control"]}, args, proc.pid)
-        floor = await flooded(backend_url, bare, args, proc.pid)
-    finally:
-        log = L.stop(proc)
-        L.stop(backend)
-    problems = [line for line in log.splitlines() if any(w in line for w in ("ERROR", "Traceback"))][-10:]
-    return {"idle": idle, "flood": loaded, "floor": floor, "merged_bytes": len(merged), "log_problems": problems}
-
-
-# --- results ------------------------------------------------------------------------------------------------
 
 def over_idle(data: dict[str, Any], size: int, probe: str, q: str, loaded: str = "flood") -> list[float]:
     """Per round: the probe's ``q`` in the ``loaded`` window minus its ``q`` idle, ms."""
@@ -151,12 +86,13 @@ def measure(knobs: R.Knobs) -> dict[str, Any]:
 
 
 async def _flood_rounds(args: R.Knobs, data: dict[str, Any]) -> None:
+    windows = Windows(args.seconds, args.interval, args.clients)
     control, control_url = L.start_control()
     try:
         for rnd in range(args.rounds):
             rows = {}
             for size in data["sizes_kb"]:
-                rows[str(size)] = row = await run_size(size * 1000, args, control_url)
+                rows[str(size)] = row = await run_size(size * 1000, windows, control_url)
                 p50s = {ph: {p: row[ph][p]["p50"] for p in PROBES if p in row[ph]} for ph in WINDOWS}
                 print(f"r{rnd} {size} KB p50 ms {json.dumps(p50s)}", flush=True)
             data["rounds"].append(rows)

@@ -39,7 +39,6 @@ import asyncio
 import datetime
 import json
 import platform
-import subprocess
 import time
 from typing import Any
 
@@ -47,8 +46,8 @@ from bench import _results as R
 from proxy.settings import setting_default
 from testkit import load as L
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
-from testkit.procfs import tree_cpu_seconds, tree_minor_faults
-from testkit.text_load import ROLE
+from testkit.probed_load import MediaLoad, TreeUsage, log_problems, probe_all, warm_up
+from testkit.text_load import start_role
 
 WHAT = "small text request and /mmgate/health latency while 16 clients resend one 12 MP photo (cache hits)"
 TEXT_BODY = json.dumps({"model": "stub-vlm", "max_tokens": 16,
@@ -64,64 +63,39 @@ LABELS = {"idle": "mmgate idle", "mmgate": "mmgate (default settings)",
 SCENARIO_ENV = {"mmgate_unpaced": {"MMGATE_LOOP_LAG_TARGET": "0"}, "mmgate_uvloop": {"MMGATE_LOOP": "uvloop"}}
 
 
-def start_role(role: str, *args: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A role of testkit/text_load.py in its own process (the upstream, the minimal proxy)."""
-    port = L.free_port()
-    proc = subprocess.Popen([*ROLE, role, "--port", str(port), *args],
-                            cwd=L.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # the upstream answers any path; the minimal proxy forwards to it
-        try:
-            import urllib.request
-
-            with urllib.request.urlopen(urllib.request.Request(url + "/v1/ping", data=b"{}"), timeout=1):
-                return proc, url
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{role} did not answer within 30 s")
-
-
-async def run_case(name: str, body: bytes, upstream: str, control_url: str, args: R.Knobs) -> dict:
+async def run_case(name: str, body: bytes, upstream: str, control_url: str, args: R.Knobs) -> dict[str, Any]:
+    """One round of one case: a fresh proxy, the probe window, and its row."""
     quiet = await asyncio.to_thread(L.wait_quiet, args.quiet_wait)
     if name == "minimal":
         proc, url = start_role("minimal-proxy", "--upstream", upstream)
     else:
         proc, url = L.start_mmgate(upstream, *CACHE_ON, env=SCENARIO_ENV.get(name, {}))
     try:
-        warm = await L.run_load(url, body, 2, requests_per_client=2)  # the first fills the cache
-        if warm.statuses() != {"200": 4}:
-            raise RuntimeError(f"{name}: warm-up answered {warm.statuses()}")
-        stop_load = asyncio.Event()
-        load_task = None
+        await warm_up(url, body, 2, 2, name)  # the first fills the cache
+        load = MediaLoad(url, body, 0 if name == "idle" else args.clients)
         if name != "idle":
-            load_task = asyncio.create_task(L.run_load(url, body, args.clients, stop_event=stop_load))
             await asyncio.sleep(args.ramp)
-        cpu0, t0 = tree_cpu_seconds(proc.pid), time.perf_counter()  # with its decode worker processes
-        faults0 = tree_minor_faults(proc.pid)
-        probers = {"text": L.start_prober(url, args.seconds, args.interval, "/v1/chat/completions", TEXT_BODY),
-                   "control": L.start_prober(control_url, args.seconds, args.interval, "/health")}
+        usage = TreeUsage(proc.pid)  # with its decode worker processes
+        probers = {"text": (url, "/v1/chat/completions", TEXT_BODY), "control": (control_url, "/health", None)}
         if name != "minimal":
-            probers["health"] = L.start_prober(url, args.seconds, args.interval)
-        probes = {k: await asyncio.to_thread(L.prober_result, *v) for k, v in probers.items()}
-        t1, cpu1, faults1 = time.perf_counter(), tree_cpu_seconds(proc.pid), tree_minor_faults(proc.pid)
-        stop_load.set()
-        run = await load_task if load_task else None
+            probers["health"] = (url, "/mmgate/health", None)
+        probes = await probe_all(probers, args.seconds, args.interval)
+        window = usage.close()
+        run = await load.stop()
     finally:
         log = L.stop(proc)
-    media = [r for r in run.ok() if t0 <= r.ended <= t1] if run else []
+    media = window.answered(run)
     hashed = {"hash_cpu_ms": hash_cpu_ms(body)} if name == "idle" else {}
-    row: dict[str, Any] = {
-        "name": name, "quiet_wait": quiet, "window_s": round(t1 - t0, 2),
+    return {
+        "name": name, "quiet_wait": quiet, "window_s": round(window.seconds, 2),
         "probes": {k: L.summarize_ms(v["latencies"]) | {"statuses": v["statuses"]} for k, v in probes.items()},
-        "media_req_per_s": round(len(media) / (t1 - t0), 2) if run else None,
+        "media_req_per_s": round(len(media) / window.seconds, 2) if run else None,
         "load_statuses": run.statuses() if run else {},
-        "cpu_ms_per_media_req": round(1000 * (cpu1 - cpu0) / len(media), 2) if media else None,
-        "cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
-        "minor_faults_per_media_req": round((faults1 - faults0) / len(media)) if media else None,
-        "log_problems": [line for line in log.splitlines() if any(w in line for w in ("ERROR", "Traceback"))][-10:],
+        "cpu_ms_per_media_req": round(1000 * window.cpu_s / len(media), 2) if media else None,
+        "cpu_pct": round(100 * window.cpu_s / window.seconds, 1),
+        "minor_faults_per_media_req": round(window.minor_faults / len(media)) if media else None,
+        "log_problems": log_problems(log, ("ERROR", "Traceback"), 10),
     } | hashed
-    return row
 
 
 def hash_cpu_ms(body: bytes, repeats: int = 5) -> float:
@@ -174,6 +148,23 @@ def figures(rounds: list[dict[str, dict]]) -> dict[str, list[float]]:
     return out
 
 
+# Figures reported beside the goals: (name, figure, unit)
+REPORTED = (
+    ("CPU per media request, mmgate ÷ minimal aiohttp proxy", "mmgate/cpu_per_req_over_minimal", ""),
+    ("SHA-256 of the photo's base64 (the cache key of a hit), CPU ms, in this process", "sha256_cpu_ms_per_payload",
+     "ms"),
+    ("minor page faults per media request, mmgate", "mmgate/minor_faults_per_media_req", ""),
+    ("minor page faults per media request, minimal proxy", "minimal/minor_faults_per_media_req", ""),
+    ("pacing off: loaded text p99 over idle text p99", "mmgate_unpaced/text_p99_over_idle_ms", "ms"),
+    ("pacing off: health p99 over the control's", "mmgate_unpaced/health_p99_over_control_ms", "ms"),
+    ("pacing off: media req/s ÷ minimal's", "mmgate_unpaced/throughput_over_minimal", ""),
+    ("uvloop: loaded text p99 over idle text p99", "mmgate_uvloop/text_p99_over_idle_ms", "ms"),
+    ("uvloop: health p99 over the control's", "mmgate_uvloop/health_p99_over_control_ms", "ms"),
+    ("uvloop: media req/s ÷ minimal's", "mmgate_uvloop/throughput_over_minimal", ""),
+    ("minimal proxy: loaded text p99 over mmgate's idle text p99", "minimal/text_p99_over_idle_ms", "ms"),
+)
+
+
 def goals(data: dict[str, Any]) -> list[R.Goal]:
     f = data["figures"]
     return [
@@ -185,39 +176,12 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
             unit="ms"),
         R.goal("media req/s, mmgate ÷ minimal aiohttp proxy", f.get("mmgate/throughput_over_minimal", []),
                f"≥ {GOAL_THROUGHPUT:g}", lambda v: v >= GOAL_THROUGHPUT),
-        R.goal("CPU per media request, mmgate ÷ minimal aiohttp proxy", f.get("mmgate/cpu_per_req_over_minimal", [])),
-        R.goal("SHA-256 of the photo's base64 (the cache key of a hit), CPU ms, in this process",
-               f.get("sha256_cpu_ms_per_payload", []), unit="ms"),
-        R.goal("minor page faults per media request, mmgate", f.get("mmgate/minor_faults_per_media_req", [])),
-        R.goal("minor page faults per media request, minimal proxy", f.get("minimal/minor_faults_per_media_req", [])),
-        R.goal("pacing off: loaded text p99 over idle text p99", f.get("mmgate_unpaced/text_p99_over_idle_ms", []),
-               unit="ms"),
-        R.goal("pacing off: health p99 over the control's", f.get("mmgate_unpaced/health_p99_over_control_ms", []),
-               unit="ms"),
-        R.goal("pacing off: media req/s ÷ minimal's", f.get("mmgate_unpaced/throughput_over_minimal", [])),
-        R.goal("uvloop: loaded text p99 over idle text p99", f.get("mmgate_uvloop/text_p99_over_idle_ms", []),
-               unit="ms"),
-        R.goal("uvloop: health p99 over the control's", f.get("mmgate_uvloop/health_p99_over_control_ms", []),
-               unit="ms"),
-        R.goal("uvloop: media req/s ÷ minimal's", f.get("mmgate_uvloop/throughput_over_minimal", [])),
-        R.goal("minimal proxy: loaded text p99 over mmgate's idle text p99",
-               f.get("minimal/text_p99_over_idle_ms", []), unit="ms"),
+        *(R.goal(name, f.get(key, []), unit=unit) for name, key, unit in REPORTED),
     ]
 
 
-def table(f: dict[str, list[float]], names: list[str]) -> str:
-    def cell(key: str) -> str:
-        return R.spread_cell(f.get(key, []))
-
-    lines = ["| scenario | text p50 ms | text p99 ms | health p99 ms | control p99 ms | media req/s "
-             "| CPU ms / media req | minor faults / media req | CPU % |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name in names:
-        lines.append(f"| {LABELS[name]} | {cell(name + '/text_p50_ms')} | {cell(name + '/text_p99_ms')} "
-                     f"| {cell(name + '/health_p99_ms')} | {cell(name + '/control_p99_ms')} "
-                     f"| {cell(name + '/media_req_per_s')} | {cell(name + '/cpu_ms_per_media_req')} "
-                     f"| {cell(name + '/minor_faults_per_media_req')} | {cell(name + '/cpu_pct')} |")
-    return "\n".join(lines)
+TABLE_FIGURES = ("text_p50_ms", "text_p99_ms", "health_p99_ms", "control_p99_ms", "media_req_per_s",
+                 "cpu_ms_per_media_req", "minor_faults_per_media_req", "cpu_pct")
 
 
 def report(data: dict[str, Any]) -> str:
@@ -228,7 +192,11 @@ def report(data: dict[str, Any]) -> str:
         f"{meta['interval'] * 1000:g} ms. Load average at the start: `{meta['uptime_start']}`; at the end: "
         f"`{meta['uptime_end']}`. Each cell: the median over rounds (min–max).",
         "",
-        table(f, names),
+        "| scenario | text p50 ms | text p99 ms | health p99 ms | control p99 ms | media req/s "
+        "| CPU ms / media req | minor faults / media req | CPU % |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *(f"| {LABELS[name]} | " + " | ".join(R.spread_cell(f.get(f"{name}/{key}", [])) for key in TABLE_FIGURES)
+          + " |" for name in names),
         "",
     ])
 
@@ -259,11 +227,10 @@ def measure(args: R.Knobs) -> dict[str, Any]:
     finally:
         L.stop(control)
         L.stop(upstream)
-    f = figures(rounds)
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "python": platform.python_version(), "usable_cpus": R.usable_cores(), "rounds": args.rounds,
             "seconds": args.seconds, "interval": args.interval, "clients": args.clients,
             "photo": f"{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]} JPEG q{PHOTO_QUALITY} ({len(photo) / 1e6:.2f} MB)",
             "body_mb": len(body) / 1e6, "uptime_start": up_start, "uptime_end": L.uptime(),
             "wall_s": round(time.monotonic() - started, 1)}
-    return stamp | {"meta": meta, "figures": f, "rounds": rounds}
+    return stamp | {"meta": meta, "figures": figures(rounds), "rounds": rounds}

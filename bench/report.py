@@ -203,28 +203,6 @@ def scaling_table(data: dict[str, Any], result: str, many_cores_measured: bool) 
     return lines
 
 
-def rows_of(data: dict[str, Any]) -> dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]]:
-    """(backend, images, clients) → mode → round → cell."""
-    rows: dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]] = {}
-    for cell in data["cells"]:
-        rows.setdefault((cell["backend"], cell["images"], cell["clients"]), {}).setdefault(
-            cell["mode"], {})[cell["round"]] = cell
-    return rows
-
-
-def ratios(modes: dict[str, dict[int, dict[str, Any]]], mode: str, key: str) -> list[float | None]:
-    """Through mmgate ÷ direct for ``key``, round by round."""
-    out: list[float | None] = []
-    for round_, direct in modes.get("direct", {}).items():
-        cell = modes.get(mode, {}).get(round_)
-        if cell is None or not direct.get(key) or cell.get(key) is None or cell.get("completed") != direct.get(
-                "completed"):
-            out.append(None)
-        else:
-            out.append(cell[key] / direct[key])
-    return out
-
-
 def peer_table(data: dict[str, Any]) -> list[str]:
     """What each mode costs and gains with a peer's client (``peer_client.json``), for the page."""
     _, when = freshness(data)
@@ -237,11 +215,11 @@ def peer_table(data: dict[str, Any]) -> list[str]:
         "| `MMGATE_MODEL` ÷ direct |",
         "| --- | --- | ---: | --- | ---: | ---: | ---: |",
     ]
-    for (backend, images, clients), modes in sorted(rows_of(data).items()):
+    for (backend, images, clients), modes in sorted(R.rows_of(data).items()):
         key, words = ("request_throughput", "req/s") if clients > 1 else ("mean_ttft_ms", "mean TTFT")
         cells = []
         for mode in ("defaults", "full", "model"):
-            s = R.summary(ratios(modes, mode, key))
+            s = R.summary(R.ratios(modes, mode, key))
             cells.append("–" if s["median"] is None else _median(s))
         lines.append(f"| {backend} | {images} | {clients} | {words} | {' | '.join(cells)} |")
     return lines

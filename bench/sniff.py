@@ -19,13 +19,10 @@ with its spread.
 
     python -m bench run sniff [--set KNOB=VALUE] [--rounds N] [--quick]
     python -m bench list sniff   # the knobs and their defaults
-    python -m bench list sniff   # the knobs and their defaults
 """
 
 from __future__ import annotations
 
-import json
-import random
 import re
 import time
 from collections.abc import Callable
@@ -33,49 +30,32 @@ from typing import Any
 
 from bench import _results as R
 from proxy.payload.locate import MARKERS, may_contain_media
+from testkit.chat_bodies import words_chat
 from testkit.text_load import text_body
 
 MiB = 1 << 20
 OLD_MARKERS = (b"image", b"audio", b"video", b"\\u")
-
-
-def chat_of(words: list[str], size: int, seed: int) -> bytes:
-    """A chat body of about ``size`` bytes as Python's json writes it (``ensure_ascii``)."""
-    rng = random.Random(seed)
-    messages: list[dict[str, str]] = []
-    total = 0
-    while total < size:
-        text = " ".join(rng.choice(words) for _ in range(300))
-        messages.append({"role": "user" if len(messages) % 2 == 0 else "assistant", "content": text})
-        total += len(json.dumps(text)) + 30
-    return json.dumps({"model": "bench", "messages": messages}).encode()
+OURS = "hyperscan (mmgate)"
+ENGLISH = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "café", "naïve", "thinking", "about",
+           "language", "models", "serving", "requests", "with", "latency", "budget", "résumé"]
+CHINESE = ["中文", "模型", "服务", "请求", "延迟", "你好", "世界", "文本"]
 
 
 def bodies() -> dict[str, bytes]:
-    english = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "café", "naïve", "thinking",
-               "about", "language", "models", "serving", "requests", "with", "latency", "budget", "résumé"]
-    chinese = ["中文", "模型", "服务", "请求", "延迟", "你好", "世界", "文本"]
-    return {"text 4 MiB (passthrough's)": text_body(4 * MiB), "English, json-escaped": chat_of(english, 4 * MiB, 1),
-            "Chinese, json-escaped": chat_of(chinese, 4 * MiB, 2)}
+    return {"text 4 MiB (passthrough's)": text_body(4 * MiB), "English, json-escaped": words_chat(ENGLISH, 4 * MiB, 1),
+            "Chinese, json-escaped": words_chat(CHINESE, 4 * MiB, 2)}
 
 
 def candidates() -> dict[str, Callable[[bytes], bool]]:
     alternation = re.compile(b"|".join(re.escape(m) for m in MARKERS))
-
-    def finds(body: bytes) -> bool:
-        return any(body.find(marker) >= 0 for marker in MARKERS)
-
-    def regex(body: bytes) -> bool:
-        return alternation.search(body) is not None
-
-    def memchr(body: bytes) -> bool:
-        return body.find(b"\x00") >= 0
-
-    return {"hyperscan (mmgate)": may_contain_media, f"bytes.find x{len(MARKERS)}": finds,
-            "re alternation": regex, "memchr (yardstick)": memchr}
+    return {OURS: may_contain_media,
+            f"bytes.find x{len(MARKERS)}": lambda body: any(body.find(marker) >= 0 for marker in MARKERS),
+            "re alternation": lambda body: alternation.search(body) is not None,
+            "memchr (yardstick)": lambda body: body.find(b"\x00") >= 0}
 
 
 def ms_per_mib(fn: Callable[[bytes], bool], body: bytes) -> float:
+    """The best of 3 runs' wall time (single thread: its CPU time), per MiB of ``body``."""
     best = float("inf")
     for _ in range(3):
         started = time.perf_counter()
@@ -109,7 +89,7 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
     out = []
     for body in dict.fromkeys(r["body"] for r in rows):
         by = {r["way"]: r for r in rows if r["body"] == body}
-        ours = by["hyperscan (mmgate)"]
+        ours = by[OURS]
         finds = next(r for way, r in by.items() if way.startswith("bytes.find"))
         out.append(R.record(f"{body}: hyperscan ms/MiB", {"median": ours["median"], "spread": ours["spread"],
                                                            "n": ours["n"]}, unit="ms/MiB"))
@@ -120,13 +100,12 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
 
 
 def report(data: dict[str, Any]) -> str:
-    lines = [f"{data['settings']['rounds']} rounds. `old markers`: what the previous sniff answered for the body "
-             "(`maybe`: a whole JSON parse).", "",
-             "| body | way | ms/MiB | spread | × hyperscan | old markers |", "|---|---|---:|---|---:|---|"]
     rows = data["rows"]
-    for r in rows:
-        ours = next(o for o in rows if o["body"] == r["body"] and o["way"] == "hyperscan (mmgate)")
-        lines.append(f"| {r['body']} | {r['way']} | {r['median']:.3f} | {R.number(r['spread'][0])}–"
-                     f"{R.number(r['spread'][1])} | {r['median'] / ours['median']:.2f} | "
-                     f"{'maybe' if r['old_markers_maybe'] else 'no'} |")
-    return "\n".join(lines) + "\n"
+    ours = {r["body"]: r["median"] for r in rows if r["way"] == OURS}
+    table = R.table([("body", "body", "s"), ("way", "way", "s"), ("ms/MiB", "median", ".3f"),
+                     ("spread", "spread", "s"), ("× hyperscan", "times", ".2f"), ("old markers", "old", "s")],
+                    (r | {"spread": f"{R.number(r['spread'][0])}–{R.number(r['spread'][1])}",
+                          "times": r["median"] / ours[r["body"]], "old": "maybe" if r["old_markers_maybe"] else "no"}
+                     for r in rows))
+    return "\n".join([f"{data['settings']['rounds']} rounds. `old markers`: what the previous sniff answered for the "
+                      "body (`maybe`: a whole JSON parse).", "", *table]) + "\n"

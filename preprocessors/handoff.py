@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from .geometry import Geometry, resize_target
 
-# Milliseconds of one CPU per megapixel, measured by ``python -m bench.handoff_costs`` (thread CPU time, medians;
-# 3000x2000 and 4000x3000 photo-like images, 2 shared cores, Pillow 11 with libjpeg-turbo). Only their ratios
+# Milliseconds of one CPU per megapixel, measured by ``python -m testkit.handoff_calibration`` (thread CPU time,
+# medians; 3000x2000 and 4000x3000 photo-like images, 2 shared cores, Pillow 11 with libjpeg-turbo). Only their ratios
 # matter: the rule compares two sums of them.
 DECODE_MS_PER_MP = {"JPEG": 3.7, "PNG": 27.0, "WEBP": 19.5, "BMP": 1.2, "GIF": 5.7}
 # A JPEG decoded at a draft scale still reads every coefficient: per megapixel of the file, not of the output.

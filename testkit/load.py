@@ -1,7 +1,8 @@
-"""Load generation for the benchmarks (loop_latency, gate_sweep, malloc_arenas, soak).
+"""Load generation for the benchmarks (loop_latency, gate_sweep, malloc_arenas, soak, default_limit, checkpoints...).
 
 What is here: starting/stopping the stub backend and mmgate as separate processes (optionally with a
-baseline decode pool from ``testkit.variants``: workers at niceness 0, or decoding on the loop), /proc readings
+baseline decode pool from ``testkit.variants``: workers at niceness 0, or decoding on the loop; ``stub_and_gates``:
+the stub with several mmgates in front), targets taking turns round by round (``turn``, ``Turns``), /proc readings
 (VmHWM, RSS, per-thread niceness), Prometheus text parsing, an aiohttp load client, and a tiny blocking HTTP prober. The
 photo and the request bodies they send are built by ``testkit.media``.
 
@@ -25,16 +26,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from testkit.environment import mmgate_env
 from testkit.procfs import cpu_ticks, machine_jiffies
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
+K = TypeVar("K")
+T = TypeVar("T")
 
 
 # --- processes -----------------------------------------------------------------------------------------
@@ -100,6 +104,31 @@ def start_mmgate(upstream: str, *flags: str, env: dict[str, str] | None = None,
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/mmgate/health", proc)
     return proc, url
+
+
+@contextmanager
+def stub_and_gates(stub_flags: Sequence[str], gates: Mapping[K, Sequence[str]]) -> Iterator[tuple[str, dict[K, str]]]:
+    """The stub backend (``stub_flags``) and one mmgate in front of it for each of ``gates`` (name → its flags),
+    all stopped after; yields the stub's URL and each mmgate's by name."""
+    stub, stub_url = start_stub(*stub_flags)
+    started: dict[K, tuple[subprocess.Popen[bytes], str]] = {}
+    try:
+        for name, flags in gates.items():
+            started[name] = start_mmgate(stub_url, *flags)
+        yield stub_url, {name: url for name, (_, url) in started.items()}
+    finally:
+        for proc, _ in started.values():
+            stop(proc)
+        stop(stub)
+
+
+def stub_stats(url: str, reset: bool = False) -> dict[str, int]:
+    """The stub's counters (``/stats``: requests, request body bytes...), or with ``reset`` zero them first."""
+    import urllib.request
+
+    request = urllib.request.Request(url + ("/stub/reset" if reset else "/stats"), method="POST" if reset else "GET")
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return dict(json.loads(answer.read()))
 
 
 def revision_tree(ref: str) -> Path:
@@ -179,6 +208,13 @@ def wait_quiet(max_wait: float, busy_below: float = 0.15, sample: float = 1.0) -
         waited += sample
         if busy < busy_below or waited >= max_wait:
             return {"busy_before_pct": round(busy * 100, 1), "waited_s": round(waited, 1)}
+
+
+def turn(targets: Sequence[T], round_: int) -> list[T]:
+    """``targets`` in round ``round_``'s order: they take turns within a round, the order turning round by round,
+    so none is always first (or always right after the same one) on a machine that warms up and is shared."""
+    k = round_ % len(targets)
+    return [*targets[k:], *targets[:k]]
 
 
 class Turns:
@@ -375,6 +411,15 @@ async def run_load(url: str, body: bytes, clients: int, *, requests_per_client: 
         for s in sessions:
             await s.close()
     return run
+
+
+def closed_loop_cell(url: str, body: bytes, clients: int, requests: int) -> tuple[dict[str, Any], LoadRun]:
+    """About ``requests`` requests of ``body`` from ``clients`` closed-loop clients (``run_load``): req/s of the
+    answered ones, how many were sent and answered, the statuses; and the run itself."""
+    run = asyncio.run(run_load(url, body, clients, requests_per_client=max(1, requests // clients)))
+    ok = run.ok()
+    return {"rps": len(ok) / (run.ended - run.started), "sent": len(run.results), "ok": len(ok),
+            "statuses": run.statuses()}, run
 
 
 # --- prober (own process) ------------------------------------------------------------------------------

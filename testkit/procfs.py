@@ -1,13 +1,17 @@
 """What the benchmarks read of the processes they start, from ``/proc``: CPU time in clock ticks, minor page
 faults, resident memory and its peak, and the processes below one (mmgate's front processes, its decode worker
-processes; vLLM's engine core), summed over the tree; and the whole machine's busy time. A process gone meanwhile
-counts nothing: a bench reads a tree that changes while it runs."""
+processes; vLLM's engine core), summed over the tree; the whole machine's busy time; and ``RssSampler``, one
+process's RSS read every so often while a load runs (soak, malloc_arenas). A process gone meanwhile counts
+nothing: a bench reads a tree that changes while it runs."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import TracebackType
+from typing import Any
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # Fields of /proc/PID/stat after the command's closing parenthesis, counted from 0 (proc(5) numbers them from 1
@@ -44,14 +48,44 @@ def tree(root: int) -> list[int]:
     return [root, *descendants(root)]
 
 
-def memory(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (its peak) of ``pid``, bytes; empty once the process is gone."""
+def memory(pid: int, keys: tuple[str, ...] = ("VmHWM", "VmRSS")) -> dict[str, int]:
+    """VmRSS and VmHWM (its peak) of ``pid``, or the other ``keys`` of /proc/PID/status (``RssAnon``...), bytes;
+    empty once the process is gone."""
     try:
         lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     except OSError:
         return {}
     return {key: int(rest.split()[0]) * 1024 for key, _, rest in (line.partition(":") for line in lines)
-            if key in ("VmHWM", "VmRSS")}
+            if key in keys}
+
+
+class RssSampler:
+    """A thread that reads ``pid``'s VmRSS every ``interval`` s while its ``with`` block runs (or until the process
+    is gone) and keeps ``row(rss)`` of each reading in ``rows``. A thread, not a task: the load's event loop, busy
+    sending, would delay the readings."""
+
+    def __init__(self, pid: int, interval: float, row: Callable[[int], Any]) -> None:
+        self.pid, self.interval, self.row = pid, interval, row
+        self.rows: list[Any] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self.stopped.is_set():
+            rss = memory(self.pid).get("VmRSS")
+            if rss is None:
+                return
+            self.rows.append(self.row(rss))
+            self.stopped.wait(self.interval)
+
+    def __enter__(self) -> list[Any]:
+        self.thread.start()
+        return self.rows
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.stopped.set()
+        self.thread.join()
 
 
 def reset_peaks(pids: Iterable[int]) -> bool:

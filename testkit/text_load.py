@@ -11,6 +11,9 @@ upstream|minimal-proxy|http-client|sse-client ...``).
 - ``http-client``: ``run_http_client``, keep-alive connections posting one body, optionally at a fixed rate.
 - ``sse-client``: ``--streams`` concurrent SSE requests, each restarting when it ends; prints START when the
   measured window opens, then one JSON line (tokens/s, inter-token gaps, TTFT, its own CPU share) when it closes.
+
+``start_role`` starts a server role and waits until it answers; ``start_clients`` and ``client_results`` run client
+roles and read what each printed.
 """
 
 from __future__ import annotations
@@ -321,6 +324,19 @@ def run_http_client(url: str, body_file: str, conns: int, warmup: float, duratio
             await s.close()
 
     asyncio.run(main())
+
+
+def start_role(role: str, *args: str, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """A server role (``upstream``, ``minimal-proxy``) in a process of its own on ``port`` (a free one if None),
+    and its URL, once it answers (the upstream answers any path; the minimal proxy forwards to it)."""
+    from testkit.load import free_port, wait_http
+
+    port = port or free_port()
+    proc = subprocess.Popen([*ROLE, role, "--port", str(port), *args], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/", proc)
+    return proc, url
 
 
 def start_clients(argvs: list[list[str]]) -> list[subprocess.Popen[bytes]]:

@@ -1,4 +1,5 @@
-"""Process harness shared by the real-vLLM e2e tests (tests/e2e) and bench/real_vllm.py.
+"""Process harness shared by the real-vLLM e2e tests (tests/e2e) and the benches that run a real vLLM
+(bench/real_vllm.py, model_tokens.py, fleet_vllm.py, peer_client.py).
 
 Why a module of its own, in ``testkit``: the tests (tests/e2e/conftest.py) and the benchmark must start vLLM
 and mmgate the same way, wait for them by polling their readiness endpoints (never by sleeping a fixed time),
@@ -18,8 +19,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,23 @@ def encode(img: Image.Image, fmt: str) -> bytes:
     return buf.getvalue()
 
 
+def photo_file(width: int, height: int, fmt: str = "JPEG", orientation: int = 1) -> bytes:
+    """``photo_like`` (seeded by its size) as a JPEG q90 carrying an EXIF block (with ``orientation`` where it
+    is not 1), a PNG (compress_level 1), or another Pillow format at quality 90."""
+    exif = Image.Exif()
+    if orientation != 1:
+        exif[0x0112] = orientation
+    buf = io.BytesIO()
+    img = photo_like(width, height, seed=width + height)
+    if fmt == "JPEG":
+        img.save(buf, "JPEG", quality=90, exif=exif.tobytes())
+    elif fmt == "PNG":
+        img.save(buf, "PNG", compress_level=1)
+    else:
+        img.save(buf, fmt, quality=90)
+    return buf.getvalue()
+
+
 def data_uri(data: bytes, mime: str) -> str:
     import base64
 
@@ -271,6 +289,35 @@ def start_mmgate(upstream: str, *flags: str, log_dir: Path = DEFAULT_DIR / "logs
         stop_group(proc)
         raise
     return Server("mmgate", url, proc, log, took, {"flags": " ".join(flags)})
+
+
+@contextmanager
+def vllm_server(url: str = "", extra_args: tuple[str, ...] = (), setup: bool = False) -> Iterator[Server]:
+    """The vLLM at ``url`` (started by someone else: left running), else the tiny model started here with
+    ``extra_args`` (after ``run_setup`` with ``setup``) and stopped on the way out."""
+    if url:
+        yield Server("vllm", url.rstrip("/"), None, None)
+        return
+    if setup:
+        print(f"setup: {run_setup():.1f} s", flush=True)
+    server = start_vllm(extra_args=extra_args)
+    print(f"vLLM started in {server.start_seconds:.1f} s (pid {server.pid})", flush=True)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextmanager
+def gates(upstream: str, flags: Mapping[str, tuple[str, ...]]) -> Iterator[dict[str, Server]]:
+    """One mmgate per entry of ``flags`` (its name: its flags) in front of ``upstream``, started in order and
+    stopped in reverse on the way out."""
+    with ExitStack() as stack:
+        started: dict[str, Server] = {}
+        for name, its_flags in flags.items():
+            started[name] = start_mmgate(upstream, *its_flags)
+            stack.callback(started[name].stop)
+        yield started
 
 
 class BenchClient:

@@ -26,10 +26,10 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from bench import worst_case  # noqa: E402
 from proxy.edge.connections import PROBE_LINE  # noqa: E402
 from proxy.ops.metrics import Metrics  # noqa: E402
 from proxy.settings import SPEC, Settings, env_name  # noqa: E402
+from testkit import worst_case_docs as worst_case  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -522,12 +522,12 @@ def test_k8s_resources_fit_the_configured_limits(k8s: dict[str, Any]) -> None:
 
 
 def test_docs_worst_case_figures_are_generated_from_the_code() -> None:
-    """The docs' worst-case memory figures are what --print-config prints (``python -m bench.worst_case``)."""
+    """The docs' worst-case memory figures are what --print-config prints (``python -m testkit.worst_case_docs``)."""
     files = worst_case.rewritten()
     assert set(files) == {worst_case.DOCS / "tuning.md", worst_case.DOCS / "deploy.md"}
     for path, (text, generated) in files.items():
         assert generated == text, f"{path.name}'s worst-case memory figures disagree with the code: run python -m " \
-            "bench.worst_case"
+            "testkit.worst_case_docs"
     texts = worst_case.current((worst_case.DOCS / "tuning.md").read_text(), ("defaults",))
     defaults = worst_case.default_settings()
     total = f"{defaults.worst_case_memory_bytes()['total'] / 2**20:.0f} MiB"

@@ -14,4 +14,5 @@ Modules, by what they fuzz:
 - ``pure``: rawjson, ``parse_data_url`` and ``decode_base64`` against references.
 - ``faults``: failure signatures, the proxy's logged faults, the running harness.
 - ``properties``: the registry of every property; ``corpus``: the seed, the kept failing inputs, their replay.
+- ``search``: the bench's large-budget search, rounds of fresh seeds that count known failures and go on.
 """

@@ -19,7 +19,7 @@ from bench.scenarios import SCENARIOS
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 HARNESS = {"bench._results", "bench.report", "bench.staleness", "bench.harness", "bench.scenarios", "bench.__main__"}
-TOOLS = {"bench.worst_case", "bench.handoff_costs"}  # they write no result: not scenarios
+TOOLS: set[str] = set()  # modules that write no result (not scenarios): none, they live in testkit
 
 
 def imported_benches(path: Path) -> set[str]:

@@ -34,7 +34,7 @@ def test_print_config_groups_by_section_and_marks_what_differs_from_the_default(
     assert headers == ["# Backend", "# Listen", "# Gate", "# Timeouts", "# Limits", "# Decode", "# Fetch",
                        "# Memory", "# Drain", "# Logs"]
     assert lines.index("# Gate") < lines.index("MMGATE_MAX_QUEUE=5  # default: 64") < lines.index("# Timeouts")
-    assert lines[-1].startswith("# worst-case payload memory: ")  # the last line: bench/worst_case.py reads it
+    assert lines[-1].startswith("# worst-case payload memory: ")  # the last line: testkit/worst_case_docs.py reads it
 
 
 def test_print_config_of_no_upstream_says_it_is_required_to_serve() -> None:

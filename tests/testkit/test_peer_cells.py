@@ -1,7 +1,7 @@
-"""bench/peer_client.py's model cells measure the model mode only where mmgate found the served model by itself:
-the Hugging Face cache the bench lays out is one mmgate finds through ``HF_HOME``, and a cell whose mmgate has
-not the model it measures stops the bench instead of giving a figure. A real stub backend and a real mmgate
-answer on loopback; what mmgate says is in force is read from its /mmgate/stats."""
+"""bench/peer_client.py's model cells (``testkit.peer_cells``) measure the model mode only where mmgate found the
+served model by itself: the Hugging Face cache the bench lays out is one mmgate finds through ``HF_HOME``, and a
+cell whose mmgate has not the model it measures stops the bench instead of giving a figure. A real stub backend
+and a real mmgate answer on loopback; what mmgate says is in force is read from its /mmgate/stats."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import peer_client as pc
+from testkit import peer_cells as pc
 from testkit import vllm as h
 from testkit.load import start_stub, stop
 from testkit.models import hub_snapshot, idefics3_folder
