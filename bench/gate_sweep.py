@@ -49,7 +49,6 @@ MEMORY_CELLS = (("gate off", "off", OFF), ("gate 2, queue 10000", "2", OFF), ("g
 # mmgate tunes the allocators by default (MMGATE_MALLOC_TUNING: every buffer >= 1 MiB in its own mmap, no
 # Pillow block cache); the extra cells run with glibc's and Pillow's defaults to show what that changes.
 MALLOC_LABEL = " + glibc defaults"
-BURST_S = 2.0  # all 128 bodies are in within ~1.5 s here; a peak after that is not the read burst
 SWEEP_COLUMNS = ("gate", "release", "ok / sent", "429", "req/s (×off)", "p50 s (×off)", "p99 s (×off)", "queue p50 s",
                  "backend peak RSS MiB (×off)", "backend peak held pixels MiB (×off)", "proxy peak RSS MiB (×off)",
                  "other jobs CPU %")
@@ -84,63 +83,6 @@ def table(rows: list[dict]) -> str:
         fmt(r["queue_ms"].get("p50", math.nan) / 1000 if r["queue_ms"] else math.nan),
         vs_off(r, itemgetter("backend_hwm_mib"), 0), vs_off(r, itemgetter("backend_peak_held_mib"), 0),
         vs_off(r, itemgetter("proxy_hwm_mib"), 0), fmt(r["cpu_during_run"]["other_jobs_cpu_pct"], 0)) for r in rows])
-
-
-def memory_findings(data: dict) -> list[str]:
-    """What the cells say about the model, with this run's numbers."""
-    rows, model = data["rows"], data["model"]
-
-    def span(label: str, value: Callable[[dict], float], nd: int = 2) -> str:
-        values = [value(r) for r in rows if r["label"] == label]
-        return f"{min(values):.{nd}f}" + (f"-{max(values):.{nd}f}" if len(values) > 1 else "")
-
-    def over_predicted(label: str) -> str:
-        return span(label, lambda r: r["proxy_hwm_mib"] / r["predicted_mib"])
-
-    off, two, short = (label for label, _gate, _queue in MEMORY_CELLS)
-    proxy_peak, backend_peak = itemgetter("proxy_hwm_mib"), itemgetter("backend_hwm_mib")
-    peak_times = [r["trace_peak"][0] for r in rows if r["trace_peak"]]
-    late = "".join(f"; in `{label}` ({r['cpu_during_run']['other_jobs_cpu_pct']:.0f} % other jobs' CPU) only at "
-                   f"{r['trace_peak'][0]:.0f} s, creeping up after the burst"
-                   for label, r in zip(memory_model.run_labels(rows), rows, strict=True)
-                   if r["trace_peak"] and r["trace_peak"][0] > BURST_S)
-    misses = [r["proxy_hwm_mib"] - r["predicted_mib"] for r in rows if r["label"] in (off, two)]
-    short_rows = [r for r in rows if r["label"] == short]
-    payload = [r["proxy_hwm_mib"] - model["baseline_cold_mib"] for r in short_rows]
-    per_refused = [(r["proxy_hwm_mib"] - r["predicted_mib"]) / 110 for r in short_rows]  # 110 refused, see 3.
-    return [
-        "## What the numbers say",
-        "",
-        f"1. **Gate off and gate 2 with a long queue fit the formula within ±20 %, but always above it**: measured / "
-        f"predicted {over_predicted(off)} (gate off) and {over_predicted(two)} (gate 2). RSS peaked within "
-        f"{BURST_S:g} s, at the end of the send burst with nearly every body in media_bytes_live, in "
-        f"{sum(t <= BURST_S for t in peak_times)} of {len(peak_times)} runs{late}. The {min(misses):.0f}-"
-        f"{max(misses):.0f} MiB the formula misses (≈ {min(misses) / model['body_mib']:.0f}-"
-        f"{max(misses) / model['body_mib']:.0f} bodies) are most likely that burst's per-request transients, not "
-        f"bodies held longer: one request alone holds {model['per_request_other_mib']} MiB beyond its body at its "
-        "peak (the base64-decoded file, the forward's send buffer; no allocation tracing under load). With glibc's "
-        f"and Pillow's defaults (`{MALLOC_LABEL.strip()}`) the peak is {over_predicted(off + MALLOC_LABEL)} and "
-        f"{over_predicted(two + MALLOC_LABEL)} of the prediction.",
-        f"2. **The gate does not lower mmgate's own peak here** ({span(off, proxy_peak, 0)} vs "
-        f"{span(two, proxy_peak, 0)} MiB): with a queue of 10000 the 126 requests that wait hold their bodies as "
-        f"admitted ones would. It lowers the backend's: {span(off, backend_peak, 0)} → {span(two, backend_peak, 0)} "
-        "MiB.",
-        f"3. **A short queue bounds the peak** (measured / predicted {over_predicted(short)}; before big bodies took "
-        "a place in line, commit 50d4b71: 2.61-2.68 with 512-526 MiB). A body whose first 64 KiB name media takes a "
-        "place in line before the rest is read: the 110 requests that find slots and queue taken get 429 queue_full, "
-        "the rest of their body unread, and media_bytes_live never exceeds "
-        f"{max(r['trace_max_media_live_mib'] for r in short_rows):.0f} MiB (16 queued + 2 admitted). What remains "
-        "above the model is per connection (a refused one's first 64 KiB and aiohttp's read buffer, up to 128 KiB), "
-        f"about {min(per_refused):.2f}-{max(per_refused):.2f} MiB each; so the payload ({min(payload):.0f}-"
-        f"{max(payload):.0f} MiB) can pass worst_case_memory_bytes() "
-        f"({short_rows[0]['static_bound_mib']['total']:.0f} MiB), which has no term for connections: no setting "
-        "limits them (docs/tuning.md).",
-        f"4. Warm vs cold: after the first 12 MP decode idle RSS is "
-        f"{model['baseline_warm_mib'] - model['baseline_cold_mib']:+.0f} MiB from the cold baseline (Pillow's default "
-        f"block cache kept ~46 MiB), and a second request alone costs {model['ws_full_warm_mib']} MiB; the formula "
-        "counts from the cold baseline with the cold decode term.",
-        "",
-    ]
 
 
 # --- the scenarios: gate_sweep (measure, goals, report) and peak_rss (measure_memory, memory_goals, render_memory)
@@ -321,7 +263,7 @@ def render_memory(data: dict) -> str:
         "measured / predicted, within ±20 % | predicted, every body read counted MiB | measured / that "
         "| payload (peak − baseline) ≤ worst_case_memory_bytes() MiB | max media_bytes_live MiB "
         "| RSS first at peak: time, media_bytes_live | backend peak MiB | other jobs CPU % |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *cells,
         "",
         "media_bytes_live: mmgate's gauge of request bodies it holds (after the parse, before the handoff), "
@@ -329,5 +271,5 @@ def render_memory(data: dict) -> str:
         "",
         "![measured vs predicted](peak_rss.png)",
         "",
-        *memory_findings(data),
+        *memory_model.findings(data, [label for label, _gate, _queue in MEMORY_CELLS], MALLOC_LABEL),
     ])

@@ -147,7 +147,7 @@ TITLES = ("scenario", "health p50 ms", "p99 ms", "max ms", "p99 per round", "con
 
 
 def cells(r: dict[str, Any]) -> dict[str, str]:
-    """A case's row of the page's table, by column title (a missing CPU or fault figure: -)."""
+    """A case's row of the page's table, by column title (a CPU or fault figure that is missing or 0: -)."""
     h, c = r["health"], r["control"]
 
     def per_round(key: str, digits: int) -> str:

@@ -35,9 +35,6 @@ The stub backend (2 workers) is one separate process shared by all runs. The mac
 Goal: the settings MMGATE_MALLOC_TUNING applies (``mmap1m+blocks0``, and ``shipped``, mmgate applying them
 itself) leave a lower idle RSS than glibc's defaults, run for run (each against the default run of the same
 command and worker count).
-
-    python -m bench run malloc_arenas [--set KNOB=VALUE] [--rounds N] [--quick]
-    python -m bench list malloc_arenas   # the knobs and their defaults
 """
 
 from __future__ import annotations

@@ -35,24 +35,19 @@ Writes bench/results/pacing.md and .json.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
-import json
 import platform
 import time
 from typing import Any
 
 from bench import _results as R
-from proxy.settings import setting_default
 from testkit import load as L
+from testkit.cache_hit_load import figures, progress, run_case
 from testkit.media import PHOTO_QUALITY, PHOTO_SIZE, chat_body, photo_jpeg
-from testkit.probed_load import MediaLoad, TreeUsage, log_problems, probe_all, warm_up
+from testkit.probed_load import in_turns
 from testkit.text_load import start_role
 
 WHAT = "small text request and /mmgate/health latency while 16 clients resend one 12 MP photo (cache hits)"
-TEXT_BODY = json.dumps({"model": "stub-vlm", "max_tokens": 16,
-                        "messages": [{"role": "user", "content": "Say hello in one short sentence."}]}).encode()
-CACHE_ON = ("--cache-mb", str(setting_default('cache_mb')))  # the default, which L turns off
 GOAL_TEXT_MS = 15.0
 GOAL_HEALTH_MS = 5.0
 GOAL_THROUGHPUT = 0.6
@@ -60,92 +55,30 @@ CASES = ("idle", "mmgate", "mmgate_unpaced", "mmgate_uvloop", "minimal")
 LABELS = {"idle": "mmgate idle", "mmgate": "mmgate (default settings)",
           "mmgate_unpaced": "mmgate, pacing off (MMGATE_LOOP_LAG_TARGET=0)",
           "mmgate_uvloop": "mmgate on uvloop (MMGATE_LOOP=uvloop)", "minimal": "minimal aiohttp proxy"}
-SCENARIO_ENV = {"mmgate_unpaced": {"MMGATE_LOOP_LAG_TARGET": "0"}, "mmgate_uvloop": {"MMGATE_LOOP": "uvloop"}}
 
 
-async def run_case(name: str, body: bytes, upstream: str, control_url: str, args: R.Knobs) -> dict[str, Any]:
-    """One round of one case: a fresh proxy, the probe window, and its row."""
-    quiet = await asyncio.to_thread(L.wait_quiet, args.quiet_wait)
-    if name == "minimal":
-        proc, url = start_role("minimal-proxy", "--upstream", upstream)
-    else:
-        proc, url = L.start_mmgate(upstream, *CACHE_ON, env=SCENARIO_ENV.get(name, {}))
+def measure(args: R.Knobs) -> dict[str, Any]:
+    names = [n for n in CASES if n == "idle" or not args.only or n in args.only.split(",")]
+    started = time.monotonic()
+    stamp = R.stamp("pacing.py", WHAT)
+    up_start = L.uptime()
+    photo = photo_jpeg()
+    body = chat_body(photo)
+    upstream, upstream_url = start_role("upstream")
+    control, control_url = L.start_control()
     try:
-        await warm_up(url, body, 2, 2, name)  # the first fills the cache
-        load = MediaLoad(url, body, 0 if name == "idle" else args.clients)
-        if name != "idle":
-            await asyncio.sleep(args.ramp)
-        usage = TreeUsage(proc.pid)  # with its decode worker processes
-        probers = {"text": (url, "/v1/chat/completions", TEXT_BODY), "control": (control_url, "/health", None)}
-        if name != "minimal":
-            probers["health"] = (url, "/mmgate/health", None)
-        probes = await probe_all(probers, args.seconds, args.interval)
-        window = usage.close()
-        run = await load.stop()
+        rounds = in_turns(names, args.rounds, lambda name: run_case(name, body, upstream_url, control_url, args),
+                          progress, 15)
     finally:
-        log = L.stop(proc)
-    media = window.answered(run)
-    hashed = {"hash_cpu_ms": hash_cpu_ms(body)} if name == "idle" else {}
-    return {
-        "name": name, "quiet_wait": quiet, "window_s": round(window.seconds, 2),
-        "probes": {k: L.summarize_ms(v["latencies"]) | {"statuses": v["statuses"]} for k, v in probes.items()},
-        "media_req_per_s": round(len(media) / window.seconds, 2) if run else None,
-        "load_statuses": run.statuses() if run else {},
-        "cpu_ms_per_media_req": round(1000 * window.cpu_s / len(media), 2) if media else None,
-        "cpu_pct": round(100 * window.cpu_s / window.seconds, 1),
-        "minor_faults_per_media_req": round(window.minor_faults / len(media)) if media else None,
-        "log_problems": log_problems(log, ("ERROR", "Traceback"), 10),
-    } | hashed
-
-
-def hash_cpu_ms(body: bytes, repeats: int = 5) -> float:
-    """CPU (this thread) to SHA-256 the body's base64 payload as the cache keys it, median of ``repeats``."""
-    from proxy.media.cache import media_digest
-
-    start = body.index(b"base64,") + len(b"base64,")
-    payload = body[start:body.index(b'"', start)]
-    spent = []
-    for _ in range(repeats):
-        c0 = time.thread_time()
-        media_digest(payload, "base64")
-        spent.append((time.thread_time() - c0) * 1000)
-    return round(sorted(spent)[repeats // 2], 3)
-
-
-def figures(rounds: list[dict[str, dict]]) -> dict[str, list[float]]:
-    """Per-round figures the goals and the table are built from."""
-    out: dict[str, list[float]] = {}
-
-    def add(key: str, value: float | None) -> None:
-        if value is not None:
-            out.setdefault(key, []).append(value)
-
-    for rnd in rounds:
-        idle_text = rnd["idle"]["probes"]["text"]["p99"]
-        for name, row in rnd.items():
-            for probe, summary in row["probes"].items():
-                add(f"{name}/{probe}_p50_ms", summary["p50"])
-                add(f"{name}/{probe}_p99_ms", summary["p99"])
-            add(f"{name}/media_req_per_s", row["media_req_per_s"])
-            add(f"{name}/cpu_ms_per_media_req", row["cpu_ms_per_media_req"])
-            add(f"{name}/cpu_pct", row["cpu_pct"])
-            add(f"{name}/minor_faults_per_media_req", row.get("minor_faults_per_media_req"))
-        for name in ("mmgate", "mmgate_unpaced", "mmgate_uvloop"):
-            if name not in rnd:
-                continue
-            row = rnd[name]
-            add(f"{name}/text_p99_over_idle_ms", row["probes"]["text"]["p99"] - idle_text)
-            add(f"{name}/health_p99_over_control_ms", row["probes"]["health"]["p99"] - row["probes"]["control"]["p99"])
-            if "minimal" in rnd and rnd["minimal"]["media_req_per_s"]:
-                add(f"{name}/throughput_over_minimal", row["media_req_per_s"] / rnd["minimal"]["media_req_per_s"])
-                if row["cpu_ms_per_media_req"] and rnd["minimal"]["cpu_ms_per_media_req"]:
-                    add(f"{name}/cpu_per_req_over_minimal",
-                        row["cpu_ms_per_media_req"] / rnd["minimal"]["cpu_ms_per_media_req"])
-        if "hash_cpu_ms" in rnd.get("idle", {}):
-            add("sha256_cpu_ms_per_payload", rnd["idle"]["hash_cpu_ms"])
-        if "minimal" in rnd:
-            add("minimal/text_p99_over_idle_ms", rnd["minimal"]["probes"]["text"]["p99"] - idle_text)
-    return out
+        L.stop(control)
+        L.stop(upstream)
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "python": platform.python_version(), "usable_cpus": R.usable_cores(), "rounds": args.rounds,
+            "seconds": args.seconds, "interval": args.interval, "clients": args.clients,
+            "photo": f"{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]} JPEG q{PHOTO_QUALITY} ({len(photo) / 1e6:.2f} MB)",
+            "body_mb": len(body) / 1e6, "uptime_start": up_start, "uptime_end": L.uptime(),
+            "wall_s": round(time.monotonic() - started, 1)}
+    return stamp | {"meta": meta, "figures": figures(rounds), "rounds": rounds}
 
 
 # Figures reported beside the goals: (name, figure, unit)
@@ -180,57 +113,23 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
     ]
 
 
-TABLE_FIGURES = ("text_p50_ms", "text_p99_ms", "health_p99_ms", "control_p99_ms", "media_req_per_s",
-                 "cpu_ms_per_media_req", "minor_faults_per_media_req", "cpu_pct")
+# The page's table: (title, figure) after the scenario; each cell the figure's median over rounds (min–max)
+TABLE = (("text p50 ms", "text_p50_ms"), ("text p99 ms", "text_p99_ms"), ("health p99 ms", "health_p99_ms"),
+         ("control p99 ms", "control_p99_ms"), ("media req/s", "media_req_per_s"),
+         ("CPU ms / media req", "cpu_ms_per_media_req"), ("minor faults / media req", "minor_faults_per_media_req"),
+         ("CPU %", "cpu_pct"))
 
 
 def report(data: dict[str, Any]) -> str:
     meta, f, names = data["meta"], data["figures"], list(data["rounds"][0])
+    rows = [{"scenario": LABELS[name]} | {key: R.spread_cell(f.get(f"{name}/{key}", [])) for _, key in TABLE}
+            for name in names]
     return "\n".join([
         f"{meta['rounds']} rounds of {meta['seconds']:g} s per scenario, {meta['wall_s']} s in all; {meta['clients']} "
         f"clients resending one {meta['photo']} ({meta['body_mb']:.2f} MB body); probes every "
         f"{meta['interval'] * 1000:g} ms. Load average at the start: `{meta['uptime_start']}`; at the end: "
         f"`{meta['uptime_end']}`. Each cell: the median over rounds (min–max).",
         "",
-        "| scenario | text p50 ms | text p99 ms | health p99 ms | control p99 ms | media req/s "
-        "| CPU ms / media req | minor faults / media req | CPU % |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        *(f"| {LABELS[name]} | " + " | ".join(R.spread_cell(f.get(f"{name}/{key}", [])) for key in TABLE_FIGURES)
-          + " |" for name in names),
+        *R.table([("scenario", "scenario", "s"), *((title, key, "s") for title, key in TABLE)], rows, spaced=True),
         "",
     ])
-
-
-def measure(args: R.Knobs) -> dict[str, Any]:
-    names = [n for n in CASES if n == "idle" or not args.only or n in args.only.split(",")]
-    started = time.monotonic()
-    stamp = R.stamp("pacing.py", WHAT)
-    up_start = L.uptime()
-    photo = photo_jpeg()
-    body = chat_body(photo)
-    upstream, upstream_url = start_role("upstream")
-    control, control_url = L.start_control()
-    rounds: list[dict[str, dict]] = []
-    try:
-        for rnd in range(args.rounds):
-            result = {}
-            for name in names:
-                row = asyncio.run(run_case(name, body, upstream_url, control_url, args))
-                result[name] = row
-                p = row["probes"]
-                print(f"r{rnd} {name:15s} text p50 {p['text']['p50']:6.2f} p99 {p['text']['p99']:6.2f}"
-                      + (f" health p99 {p['health']['p99']:6.2f}" if "health" in p else " " * 18)
-                      + f" control p99 {p['control']['p99']:6.2f}  media {row['media_req_per_s']} req/s "
-                      f"cpu {row['cpu_ms_per_media_req']} ms/req {row['cpu_pct']}%  {row['load_statuses']}"
-                      + (f"  LOG {row['log_problems']}" if row["log_problems"] else ""), flush=True)
-            rounds.append(result)
-    finally:
-        L.stop(control)
-        L.stop(upstream)
-    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "python": platform.python_version(), "usable_cpus": R.usable_cores(), "rounds": args.rounds,
-            "seconds": args.seconds, "interval": args.interval, "clients": args.clients,
-            "photo": f"{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]} JPEG q{PHOTO_QUALITY} ({len(photo) / 1e6:.2f} MB)",
-            "body_mb": len(body) / 1e6, "uptime_start": up_start, "uptime_end": L.uptime(),
-            "wall_s": round(time.monotonic() - started, 1)}
-    return stamp | {"meta": meta, "figures": figures(rounds), "rounds": rounds}

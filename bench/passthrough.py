@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import time
 from contextlib import ExitStack
-from functools import partial
 from typing import Any
 
 import aiohttp
@@ -39,7 +37,7 @@ import aiohttp
 from bench import _results as R
 from testkit import peers, pyspy, text_targets
 from testkit.load import Turns, loadavg, uptime
-from testkit.text_targets import LOAD_CPU, PROXY_CPU, TARGETS, Row
+from testkit.text_targets import LOAD_CPU, PROXY_CPU, TARGETS, dash, per_round
 
 SSE_TARGETS = ("direct", "mmgate", "mmgate-uvloop", "minimal", "nginx")  # the order of the page's SSE table
 PROFILE_S = 8
@@ -62,46 +60,15 @@ def measure(args: R.Knobs) -> dict[str, Any]:
     round_s = max(1, round(args.duration / args.rounds))
     round_s_4mb = max(round_s, 5)  # 32 concurrent 4 MB requests take ~2 s through a Python proxy: longer runs
     sse_round_s = max(2.0, args.duration / args.sse_rounds)
-    turns, cells = Turns(args.quiet_budget), list[Row]()
-    profile: dict[str, Any] = {}  # by body; None in the JSON when not profiled
+    period = args.sse_tokens * args.sse_delay  # one response's length: the SSE streams start staggered over it
+    turns = Turns(args.quiet_budget)
     with ExitStack() as stack:
         run = text_targets.started(stack, targets, args.sse_tokens, args.sse_delay, args.baseline)
-        urls, pids, scripts = run.urls, run.pids, run.scripts
-        for body, conns in ((body, conns) for body in scripts for conns in (1, 32)):
-            for target in targets:
-                peers.run_wrk(urls[target], scripts[body], conns, 1, LOAD_CPU)  # warm-up: connections, pools, caches
-            seconds = round_s if body == "1 KB" else round_s_4mb
-            medians = turns.take({target: partial(text_targets.measure_http, urls[target], scripts[body], conns,
-                                                  seconds, pids, target) for target in targets}, args.rounds)
-            direct, nginx = medians["direct"], medians["nginx"]
-            for target, row in medians.items():
-                cells.append({"body": body, "conns": conns, "target": target, **row,
-                              "rps_x_direct": row["rps"] / direct["rps"], "rps_x_nginx": row["rps"] / nginx["rps"],
-                              "cpu_x_nginx": row["proxy_cpu_us_per_req"] / nginx["proxy_cpu_us_per_req"]
-                              if row["proxy_cpu_us_per_req"] is not None and nginx["proxy_cpu_us_per_req"] else None})
-                print(f"  {body:5} c={conns:<3} {target:8} {row['rps']:9.0f} req/s  p50 {row['p50_ms']:.2f} ms  p99 "
-                      f"{row['p99_ms']:.2f} ms  proxy CPU {fmt(row['proxy_cpu_us_per_req'])} us/req  other load "
-                      f"{row['other_load']:.2f}", flush=True)
-
-        # SSE through the same processes (the upstream streams when asked to by X-Bench-Stream)
-        period = args.sse_tokens * args.sse_delay  # one response's length: the streams start staggered over it
-        medians = turns.take({target: partial(text_targets.measure_sse, stack, urls[target], args.sse_streams, period,
-                                              sse_round_s, pids, target)
-                              for target in (*SSE_TARGETS, *targets[len(TARGETS):])}, args.sse_rounds)
-        direct_mean = statistics.fmean(r["tokens_per_s"] for r in medians["direct"]["rounds"])
-        sse = [{"target": target, **row, "x_direct": row["tokens_per_s"] / medians["direct"]["tokens_per_s"],
-                "mean_tokens_per_s": (mean := statistics.fmean(r["tokens_per_s"] for r in row["rounds"])),
-                "mean_x_direct": mean / direct_mean} for target, row in medians.items()]
-        for row in sse:
-            print(f"  SSE {row['target']:8} {row['tokens_per_s']:8.0f} tok/s  gap p50 {row['gap_p50_ms']:.2f} ms  p99 "
-                  f"{row['gap_p99_ms']:.2f} ms  proxy CPU {fmt(row['proxy_cpu_us_per_token'])} us/token  other load "
-                  f"{row['other_load']:.2f}", flush=True)
-
-        if not args.no_profile:
-            for body, svg in (("1 KB", R.RESULTS / "passthrough_profile.svg"), ("4 MB", None)):
-                print(f"  profiling mmgate (py-spy, {body}, 32 connections) ...", flush=True)
-                profile[body] = text_targets.profile_under_wrk(urls["mmgate"], scripts[body], pids["mmgate"][0],
-                                                               PROFILE_S, svg)
+        cells = text_targets.http_cells(turns, run, targets, {"1 KB": round_s, "4 MB": round_s_4mb}, args.rounds)
+        sse = text_targets.sse_rows(turns, stack, run, (*SSE_TARGETS, *targets[len(TARGETS):]), args.sse_streams,
+                                    period, sse_round_s, args.sse_rounds)
+        profile = None if args.no_profile else text_targets.profiles(run, PROFILE_S,
+                                                                     R.RESULTS / "passthrough_profile.svg")
 
     env |= {"load_avg_after": loadavg(), "uptime_after": uptime(), "seconds": round(time.monotonic() - began, 1),
             "quiet_wait_s": round(turns.waited, 1), "quiet_gave_up": turns.gave_up}
@@ -109,16 +76,7 @@ def measure(args: R.Knobs) -> dict[str, Any]:
                 "round_s_4mb": round_s_4mb, "sse_rounds": args.sse_rounds, "sse_round_s": sse_round_s,
                 "sse_streams": args.sse_streams, "sse_tokens": args.sse_tokens, "sse_delay_s": args.sse_delay,
                 "proxy_cpu": PROXY_CPU, "load_cpu": LOAD_CPU, "baseline": args.baseline}
-    return stamp | {"environment": env, "settings": settings, "http": cells, "sse": sse, "profile": profile or None}
-
-
-def per_round(numerator: Row, denominator: Row, key: str) -> list[float]:
-    """``key``'s ratio round by round: targets took turns within a round, so a round's ratio compares like with
-    like. A CPU reading can be missing or zero: that round has no CPU ratio."""
-    pairs = zip(numerator["rounds"], denominator["rounds"], strict=False)
-    if key.startswith("proxy_cpu"):
-        return [n[key] / d[key] for n, d in pairs if n[key] and d[key]]
-    return [n[key] / d[key] for n, d in pairs]
+    return stamp | {"environment": env, "settings": settings, "http": cells, "sse": sse, "profile": profile}
 
 
 def goals(data: dict[str, Any]) -> list[R.Goal]:
@@ -144,10 +102,6 @@ def goals(data: dict[str, Any]) -> list[R.Goal]:
                           per_round(sse["mmgate"], sse["direct"], "tokens_per_s"), f"≥ {GOAL_SSE_X_DIRECT:g}",
                           lambda v: v >= GOAL_SSE_X_DIRECT, unit="×"))
     return out
-
-
-def fmt(value: float | None, digits: int = 0) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
 
 
 HTTP_COLUMNS = (("body", "body", "s"), ("conns", "conns", ""), ("target", "target", "s"), ("req/s", "rps", ".0f"),
@@ -188,8 +142,8 @@ def report(data: dict[str, Any]) -> str:
         mm_cpu, ng_cpu, mini_cpu = (c["proxy_cpu_us_per_req"] for c in (mm, ng, mini))
         up_cpu = ng["upstream_cpu_us_per_req"]
         lines.append(f"1 KB, 32 conns (medians): mmgate {mm['rps']:.0f} req/s = {mm['rps_x_nginx']:.2f}x nginx; "
-                     f"mmgate CPU {fmt(mm_cpu)} us/request vs nginx {fmt(ng_cpu)} and minimal aiohttp {fmt(mini_cpu)}; "
-                     f"minimal reaches {mini['rps_x_nginx']:.2f}x nginx.")
+                     f"mmgate CPU {dash(mm_cpu)} us/request vs nginx {dash(ng_cpu)} and minimal aiohttp "
+                     f"{dash(mini_cpu)}; minimal reaches {mini['rps_x_nginx']:.2f}x nginx.")
         anchor = ANCHOR_UPSTREAM_US
         lines.append(
             f"The req/s ratio depends on the upstream's own CPU (it shares the core): with CPU alone deciding, "
@@ -202,7 +156,7 @@ def report(data: dict[str, Any]) -> str:
             "anchor's upstream).")
         uv = by.get(("1 KB", 32, "mmgate-uvloop"))
         if uv is not None and uv["proxy_cpu_us_per_req"] and mm_cpu:
-            lines.append(f"On uvloop (mmgate-uvloop): {fmt(uv['proxy_cpu_us_per_req'])} us/request, "
+            lines.append(f"On uvloop (mmgate-uvloop): {dash(uv['proxy_cpu_us_per_req'])} us/request, "
                          f"{uv['proxy_cpu_us_per_req'] / mm_cpu:.2f}x mmgate on asyncio's loop, {uv['rps']:.0f} req/s.")
         lines.append("")
     if sse:

@@ -19,7 +19,7 @@ from typing import Any
 from bench import _results as R
 from testkit import allocators as A
 from testkit import memory_plots
-from testkit.idle_checkpoints import GAUGES, MUST_BE_ZERO, soak_run, tenth_rss
+from testkit.idle_checkpoints import GAUGES, MUST_BE_ZERO, idle_rss_at, soak_run, tenth_rss
 from testkit.load import RESULTS, start_stub, stop, uptime
 from testkit.mix import MIX, media_set
 
@@ -55,13 +55,6 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
     return run | run["criterion"] | run["under_load"] | highest | {
         "env_md": A.env_text(run["env"]), "trim_md": "on" if run["trim"] else "off", "leaks": leaks,
         "goal_md": {True: "met", False: "**not met**", None: "-"}[run["criterion"]["met"]]}
-
-
-def idle_cell(run: dict[str, Any], done: int) -> str:
-    """Idle RSS at the checkpoint after ``done`` requests, with its deviation from the reference."""
-    c = next((c for c in run["checkpoints"] if c["requests_done"] == done), None)
-    dev = run["criterion"].get("deviations_pct", {}).get(str(done))
-    return "-" if c is None else f"{c['rss_idle_mib']}" + (f" ({dev:+} %)" if dev is not None else "")
 
 
 def run_lines(run: dict[str, Any]) -> list[str]:
@@ -104,8 +97,8 @@ def report(data: dict[str, Any]) -> str:
                           "max deviation": "{max_deviation_pct:+} %", "largest increase": "{max_increase_pct:+} %",
                           "goal": "{goal_md}"}, text=("variant", "env", "trim", "goal")),
         "", "Idle RSS (MiB) per checkpoint, deviation from the reference in brackets:", "",
-        *table(["requests done", *(r["variant"] for r in runs)], [[d, *(idle_cell(r, d) for r in runs)] for d in done],
-               text=()),
+        *table(["requests done", *(r["variant"] for r in runs)],
+               [[d, *(idle_rss_at(r, d) for r in runs)] for d in done], text=()),
         "", "Per checkpoint: RSS when the clients stopped, when mmgate was idle, and after the trim (or the settle "
         "time); seconds until idle; trims so far; 1-min load average.", "",
         *(line for r in runs for line in run_lines(r)),

@@ -21,11 +21,11 @@ TEXT_BODY = json.dumps({"model": "stub-vlm", "max_tokens": 16,
                         "messages": [{"role": "user", "content": "Say hello in one short sentence."}]}).encode()
 CACHE_ON = ("--cache-mb", str(setting_default('cache_mb')))  # the default, which L turns off
 CASE_ENV = {"mmgate_unpaced": {"MMGATE_LOOP_LAG_TARGET": "0"}, "mmgate_uvloop": {"MMGATE_LOOP": "uvloop"}}
-MMGATE_LOADED = ("mmgate", "mmgate_unpaced", "mmgate_uvloop")  # the cases compared with idle and minimal
+LOADED_CASES = ("mmgate", "mmgate_unpaced", "mmgate_uvloop")  # the cases compared with idle and minimal
 
 
 async def run_case(name: str, body: bytes, upstream: str, control_url: str, knobs: SimpleNamespace) -> Row:
-    """One round of one case ("idle", "minimal" or an mmgate of ``MMGATE_LOADED``): a fresh proxy, the probe
+    """One round of one case ("idle", "minimal" or an mmgate of ``LOADED_CASES``): a fresh proxy, the probe
     window, and its row. ``knobs``: seconds, interval, clients, ramp and quiet_wait (``bench/scenarios.py``)."""
     quiet = await asyncio.to_thread(L.wait_quiet, knobs.quiet_wait)
     if name == "minimal":
@@ -101,7 +101,7 @@ def figures(rounds: list[dict[str, Row]]) -> dict[str, list[float]]:
             for key in ("media_req_per_s", "cpu_ms_per_media_req", "cpu_pct", "minor_faults_per_media_req"):
                 add(f"{name}/{key}", row.get(key))
         minimal = rnd.get("minimal")
-        for name in (n for n in MMGATE_LOADED if n in rnd):
+        for name in (n for n in LOADED_CASES if n in rnd):
             row = rnd[name]
             add(f"{name}/text_p99_over_idle_ms", row["probes"]["text"]["p99"] - idle_text)
             add(f"{name}/health_p99_over_control_ms", row["probes"]["health"]["p99"] - row["probes"]["control"]["p99"])

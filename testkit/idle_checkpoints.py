@@ -6,7 +6,8 @@ RSS under load measures which big images happen to be in flight; a leak is what 
 each block every client waits at a barrier until mmgate is idle (``IDLE_WHEN_ZERO`` gauges all 0) and has trimmed
 (or, trim off, for ``settle`` s), then VmRSS and the ``GAUGES`` are read (``checkpoint``). ``criterion`` compares
 the idle RSS at the checkpoints after warm-up; ``under_load`` sums up the RSS samples taken while the clients were
-sending (``procfs.RssSampler`` rows of ``CheckpointedLoad.sample``).
+sending (``procfs.RssSampler`` rows of ``CheckpointedLoad.sample``); ``idle_rss_at`` and ``tenth_rss`` are a run's
+figures per checkpoint and per tenth of its requests.
 """
 
 from __future__ import annotations
@@ -221,3 +222,10 @@ def tenth_rss(run: dict[str, Any], q: int) -> str:
     n = run["requests"]
     rss = [s[2] / MIB for s in run["samples"] if s[3] and n * q / 10 <= s[1] < n * (q + 1) / 10] or [float("nan")]
     return f"{statistics.median(rss):.0f} / {max(rss):.0f}"
+
+
+def idle_rss_at(run: dict[str, Any], done: int) -> str:
+    """``run``'s idle RSS (MiB) at the checkpoint after ``done`` requests, with its deviation from the reference."""
+    c = next((c for c in run["checkpoints"] if c["requests_done"] == done), None)
+    dev = run["criterion"].get("deviations_pct", {}).get(str(done))
+    return "-" if c is None else f"{c['rss_idle_mib']}" + (f" ({dev:+} %)" if dev is not None else "")

@@ -1,8 +1,9 @@
 """The targets of the text passthrough bench (``bench/passthrough.py``) and their measurement: the upstream
 ("direct"), nginx, the minimal aiohttp proxy and mmgate on each event loop (and a baseline revision of mmgate),
 each pinned to ``PROXY_CPU``; one wrk run or one window of the SSE client (pinned to ``LOAD_CPU``) against a
-target, with the CPU the target, the upstream, the load generator and the rest of the machine spent; and a
-py-spy profile of mmgate under wrk.
+target, with the CPU the target, the upstream, the load generator and the rest of the machine spent; the targets
+taking turns over those runs (``http_cells``, ``sse_rows``: medians over rounds, with ratios to direct and nginx);
+and py-spy profiles of mmgate under wrk.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,12 +22,13 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from proxy.payload.locate import may_contain_media
 from testkit import peers, pyspy
-from testkit.load import free_port, stop, wait_http
+from testkit.load import Turns, free_port, stop, wait_http
 from testkit.procfs import CLK_TCK, cpu_ticks, descendants, machine_jiffies
 from testkit.text_load import ANSWER, REPO, ROLE, text_body
 
@@ -180,3 +183,68 @@ def profile_under_wrk(url: str, script: Path, pid: int, seconds: int, svg: Path 
     with subprocess.Popen(peers.wrk_argv(url, script, 32, busy_s, LOAD_CPU), stdout=subprocess.DEVNULL):
         time.sleep(1)
         return pyspy.record(pid, seconds, svg, cpu=LOAD_CPU)
+
+
+def http_cells(turns: Turns, run: Started, targets: Sequence[str], seconds: Mapping[str, int],
+               rounds: int) -> list[Row]:
+    """Each body over 1 and 32 connections: every target warmed up by a 1 s wrk run (connections, pools, caches),
+    then the targets taking turns for ``rounds`` wrk runs of ``seconds[body]``; a cell per target, its medians
+    (``Turns.take``) with its req/s over direct's and nginx's and its proxy CPU over nginx's, printed as they come."""
+    cells: list[Row] = []
+    for body, conns in ((body, conns) for body in run.scripts for conns in (1, 32)):
+        for target in targets:
+            peers.run_wrk(run.urls[target], run.scripts[body], conns, 1, LOAD_CPU)
+        medians = turns.take({target: partial(measure_http, run.urls[target], run.scripts[body], conns, seconds[body],
+                                              run.pids, target) for target in targets}, rounds)
+        direct, nginx = medians["direct"], medians["nginx"]
+        for target, row in medians.items():
+            cells.append({"body": body, "conns": conns, "target": target, **row,
+                          "rps_x_direct": row["rps"] / direct["rps"], "rps_x_nginx": row["rps"] / nginx["rps"],
+                          "cpu_x_nginx": row["proxy_cpu_us_per_req"] / nginx["proxy_cpu_us_per_req"]
+                          if row["proxy_cpu_us_per_req"] is not None and nginx["proxy_cpu_us_per_req"] else None})
+            print(f"  {body:5} c={conns:<3} {target:8} {row['rps']:9.0f} req/s  p50 {row['p50_ms']:.2f} ms  p99 "
+                  f"{row['p99_ms']:.2f} ms  proxy CPU {dash(row['proxy_cpu_us_per_req'])} us/req  other load "
+                  f"{row['other_load']:.2f}", flush=True)
+    return cells
+
+
+def sse_rows(turns: Turns, stack: ExitStack, run: Started, targets: Sequence[str], streams: int, period: float,
+             seconds: float, rounds: int) -> list[Row]:
+    """The SSE client against each target (the upstream streams when asked to by X-Bench-Stream), the targets
+    taking turns for ``rounds`` windows of ``seconds``; a row per target, its medians with its tokens/s over
+    direct's (the medians' ratio, and the ratio of the means over rounds), printed as they come."""
+    medians = turns.take({target: partial(measure_sse, stack, run.urls[target], streams, period, seconds, run.pids,
+                                          target) for target in targets}, rounds)
+    direct_mean = statistics.fmean(r["tokens_per_s"] for r in medians["direct"]["rounds"])
+    rows = [{"target": target, **row, "x_direct": row["tokens_per_s"] / medians["direct"]["tokens_per_s"],
+             "mean_tokens_per_s": (mean := statistics.fmean(r["tokens_per_s"] for r in row["rounds"])),
+             "mean_x_direct": mean / direct_mean} for target, row in medians.items()]
+    for row in rows:
+        print(f"  SSE {row['target']:8} {row['tokens_per_s']:8.0f} tok/s  gap p50 {row['gap_p50_ms']:.2f} ms  p99 "
+              f"{row['gap_p99_ms']:.2f} ms  proxy CPU {dash(row['proxy_cpu_us_per_token'])} us/token  other load "
+              f"{row['other_load']:.2f}", flush=True)
+    return rows
+
+
+def profiles(run: Started, seconds: int, svg: Path) -> dict[str, Any]:
+    """``profile_under_wrk`` of mmgate with each body at 32 connections, by body; the 1 KB one's flame graph to
+    ``svg``."""
+    out = {}
+    for body, to in (("1 KB", svg), ("4 MB", None)):
+        print(f"  profiling mmgate (py-spy, {body}, 32 connections) ...", flush=True)
+        out[body] = profile_under_wrk(run.urls["mmgate"], run.scripts[body], run.pids["mmgate"][0], seconds, to)
+    return out
+
+
+def per_round(numerator: Row, denominator: Row, key: str) -> list[float]:
+    """``key``'s ratio round by round: targets took turns within a round, so a round's ratio compares like with
+    like. A CPU reading can be missing or zero: that round has no CPU ratio."""
+    pairs = zip(numerator["rounds"], denominator["rounds"], strict=False)
+    if key.startswith("proxy_cpu"):
+        return [n[key] / d[key] for n, d in pairs if n[key] and d[key]]
+    return [n[key] / d[key] for n, d in pairs]
+
+
+def dash(value: float | None, digits: int = 0) -> str:
+    """A figure, or – when there is none (direct has no proxy CPU)."""
+    return "–" if value is None else f"{value:.{digits}f}"
