@@ -186,12 +186,7 @@ def arg_value(args: list[str], flag: str) -> str | None:
     return None
 
 
-def quantity_bytes(q: str) -> int:
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-    for suffix, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if q.endswith(suffix):
-            return int(float(q[: -len(suffix)]) * factor)
-    return int(q)
+quantity_bytes = worst_case.quantity_bytes  # a Kubernetes memory quantity in bytes
 
 
 def quantity_cpus(q: str) -> float:
