@@ -95,6 +95,7 @@ class Group:
     clients: int
     service: Curve
     cls: SampleClass = HONEST
+    other_cls: SampleClass | None = None  # half its requests, drawn at random, are of this class (the same work)
     outcome: Outcome = "ok"
     after: float = 0.0  # abort / stall: seconds after admission
     stall_for: float = 30.0  # stall: seconds until the client is cut and comes back
@@ -138,6 +139,7 @@ def _at(trace: list[tuple[float, int]], t: float) -> int:
 @dataclass(eq=False)
 class _Request:
     group: Group
+    cls: SampleClass
     phase: int = 0
     granted_at: float = 0.0  # the controller's time of its admission ...
     started_at: float = 0.0  # ... and of its hand-off (the same: a simulated request needs no preparing)
@@ -211,7 +213,8 @@ class Simulation:
     def _send(self, group: Group) -> None:
         if self.now >= group.stop:
             return
-        request = _Request(group)
+        other = group.other_cls is not None and self._rng.random() < 0.5
+        request = _Request(group, group.other_cls if other and group.other_cls is not None else group.cls)
         if not self._line and self.in_use < self.limit:
             self._admit(request)
         else:
@@ -247,7 +250,7 @@ class Simulation:
             self.result.samples.append(self.now)
             self.result.completions[group.name].append(self.now)
             if self.adaptive is not None:
-                self._follow(self.adaptive.observe(Sample(self.now - started, group.cls), request.phase,
+                self._follow(self.adaptive.observe(Sample(self.now - started, request.cls), request.phase,
                                                    request.granted_at))
         self.in_use -= 1
         if self.adaptive is not None:

@@ -4,9 +4,11 @@ backend completes the most work per second, and gives way when the backend slows
 What it measures. Only normal completions are measured (``sample.Sample``: a 2xx answer relayed to its last
 byte to a client that kept reading): the backend's seconds from the hand-off to the last byte, and the request's
 class (route, streamed or not, output-token and image buckets). Each class has its own long average of seconds
-at the cruise limit, its *reference* (``class_reference``). A completion is worth its class's reference in *work*
-(seconds of typical service); its latency is read *normalised*, as its seconds over that reference. The limit
-moves in phases of a few rounds of requests. For each the controller takes the *rate*: completions per second
+at the cruise limit, its *reference* (``class_reference``), seeded by the class's first answer at the others'
+scale (its seconds over how many times their reference the last answers of known classes took). A completion is
+worth its class's reference in *work* (seconds of typical service); its latency is read *normalised*, as its
+seconds over that reference. The limit moves in phases of a few rounds of requests. For each the controller
+takes the *rate*: completions per second
 per class by Little's law (``occupancy``: the leases held while each request held its own, over their seconds:
 the limit bounds leases, and a slot is held while mmgate prepares the request too, a gap the backend's own count
 would not see and that costs a small limit the most), valued in work; the work-weighted median normalised
@@ -172,6 +174,7 @@ CONFIDENCE = 1.0  # standard errors by which a probe down's rate must clear what
 MOVES_KEPT = 64  # the last changes of the limit ``explain`` tells
 LIVE = 2.0  # a class counts as still at the backend for this many times its reference after it last completed
 TICK_S = 0.1  # how often the gate asks ``tick`` to look at the requests still in flight
+RECENT = 8  # the completions of known classes a new class's first seconds are read against
 
 
 @dataclass(frozen=True)
@@ -274,6 +277,7 @@ class AdaptiveLimit:
         self._index = 0  # the phase's place in CYCLE
         self._ups = 0  # probes up in a row that raised the rate in proportion
         self._floor_phases = 0
+        self._recent: deque[tuple[float, float]] = deque(maxlen=RECENT)  # known classes' last (normalised, work)
         self._at_backend: list[float] = []  # when each request at the backend now was handed off (ascending)
         self._held: list[float] = []  # when each lease held now was granted (ascending)
         self._in_use = self._waiting = 0
@@ -412,14 +416,21 @@ class AdaptiveLimit:
         ``granted`` returned for its lease. Returns whether ``limit`` changed."""
         now = self._clock()
         self.samples += 1
+        known = self.references.value(sample.cls)
+        if known:
+            self._recent.append((sample.seconds / known, known))
         if phase != self.phase:  # Envoy's rule: admitted under another limit, it says nothing about this one
             self.references.completed(sample.cls, now)  # but its class is still at the backend
             return False
+        self.references.completed(sample.cls, now)
         reference = self.references.get(sample.cls)
-        reference.completed_at = now
         current = self._now
         if not reference.count:
-            reference.add(sample.seconds)  # a new class's first sample seeds it, whatever the phase
+            # A new class's first sample seeds it, whatever the phase, at the scale of the others: its seconds over
+            # how many times their reference the known classes take now. Seeded as it came, a class first seen at
+            # a higher limit would be worth more than one seen at a lower, for no more work, and that phase's rate
+            # would read higher by as much (the real vLLM's answers of 15 and 16 tokens are two classes).
+            reference.add(sample.seconds / self._load_now())
         work = max(TINY, reference.value)
         if len(current.latencies) < MAX_LATENCIES:
             current.latencies.append((sample.seconds / work, work))
@@ -454,6 +465,11 @@ class AdaptiveLimit:
         return False
 
     # --- phases ------------------------------------------------------------------------------------------------
+
+    def _load_now(self) -> float:
+        """How many times their reference the last completions of known classes took (``RECENT`` of them, the
+        work-weighted median: a flood of cheap answers barely weighs); 1 before any."""
+        return max(TINY, weighted_median(list(self._recent)) or 1.0)
 
     def _ceiling_rate(self, now: float, compared: Mix | None) -> float | None:
         """The most work per second the phase can still show, by Little's law: ``limit`` requests at once, none

@@ -318,6 +318,25 @@ def test_a_slot_held_while_mmgate_prepares_the_request_counts_against_the_rate()
     assert abs(first.rate - 2 / 0.3 * 0.2) < 0.02
 
 
+def test_a_class_first_seen_under_more_load_is_worth_what_the_others_are() -> None:
+    """The known class's answers take twice their reference now (the backend holds more than when it was learnt):
+    a new class's first answer, as long as theirs, is seeded at their reference, not at twice it (which would make
+    every answer of it count double in the rates startup compares)."""
+    other: SampleClass = ("chat", False, 6, 1)
+    now = [0.0]
+    limit = AdaptiveLimit(1, 64, initial=4, clock=lambda: now[0], rng=random.Random(0))
+    limit.load(4, 20)
+    granted_at = limit.granted()
+    limit.observe(Sample(1.0, HONEST), limit.phase, granted_at)
+    for _ in range(8):
+        now[0] += 0.1
+        limit.observe(Sample(2.0, HONEST), limit.phase - 1, granted_at)  # admitted earlier: no rate, a load
+    now[0] += 0.1
+    limit.observe(Sample(2.0, other), limit.phase, granted_at)
+    assert limit.references.value(HONEST) == 1.0
+    assert limit.references.value(other) == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_backend_whose_best_is_under_the_start_is_found(seed: int) -> None:
     """A backend that thrashes past 2 requests: the cold start at 4 is too high, nothing below it was tried, so the
