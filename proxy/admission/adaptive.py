@@ -1,20 +1,18 @@
 """The adaptive concurrency limit (``MMGATE_MAX_MM_CONCURRENCY=auto``): it probes for the limit at which the
 backend completes the most work per second, and gives way when the backend slows down under the same limit.
 
-What it measures. Only normal completions are measured (``sample.Sample``: a 2xx answer relayed to its last
-byte to a client that kept reading): the backend's seconds from the hand-off to the last byte, and the request's
-class (route, streamed or not, output-token and image buckets). Each class has its own long average of seconds
-at the cruise limit, its *reference* (``class_reference``), seeded by the class's first answer at the others'
-scale (its seconds over how many times their reference the last answers of known classes took). A completion is
-worth its class's reference in *work* (seconds of typical service); its latency is read *normalised*, as its
-seconds over that reference. The limit moves in phases of a few rounds of requests. For each the controller
-takes the *rate*: completions per second
-per class by Little's law (``occupancy``: the leases held while each request held its own, over their seconds:
-the limit bounds leases, and a slot is held while mmgate prepares the request too, a gap the backend's own count
-would not see and that costs a small limit the most), valued in work; the work-weighted median normalised
-latency; and whether demand kept the limit full (*busy*: at least half the time every slot was taken or someone
-waited). Rates of two phases are compared at one instant,
-valued with the same references.
+What it measures. Only normal completions are measured (``sample.Sample``: a 2xx answer relayed to its last byte to
+a client that kept reading): the backend's seconds from the hand-off to the last byte, and the request's class
+(route, streamed or not, output-token and image buckets). Each class has its own long average of seconds at the
+cruise limit, its *reference* (``class_reference``), seeded by the class's first answer at the others' scale (its
+seconds over how many times their reference the last answers of known classes took). A completion is worth its
+class's reference in *work* (seconds of typical service); its latency is read *normalised*, as its seconds over that
+reference. The limit moves in phases of a few rounds of requests. For each the controller takes the *rate*:
+completions per second per class by Little's law (``occupancy``: the leases held while each request held its own,
+over their seconds: the limit bounds leases, and a slot is held while mmgate prepares the request too, a gap the
+backend's own count would not see and that costs a small limit the most), valued in work; the work-weighted median
+normalised latency; and whether demand kept the limit full (*busy*: at least half the time every slot was taken or
+someone waited). Rates of two phases are compared at one instant, valued with the same references.
 
 What it cannot see. Failed work (errors, refusals, timeouts, aborted and stalled answers) is no sample: an
 overload that ends in errors shows only as a lower rate. Requests of one class that cost the backend more or
