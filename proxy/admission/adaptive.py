@@ -37,30 +37,31 @@ What it borrows, and from whom:
 
 - TCP BBR (``net/ipv4/tcp_bbr.c``, ``net/ipv4/tcp_rate.c``): rate probing. From ``START`` (4: the smallest fixed
   default; a climb from 1 spent seconds on two doublings) the limit doubles each phase while a doubling grows the
-  rate by 60 %, then steps by what a doubling grew it (×4/3 at least: the knee is near, and a backend that
-  collapses past it is overshot by a little, not by double), while the rate still grows (BBR's startup and its
-  full-bandwidth test, three steps without growth; here a step that loses a twentieth of the best rate ends it at
-  once). Past the knee it tries a middle between the best limit and its neighbours (the steps on the way were
-  measured), and settles on the limit that gave the most rate per request at the backend, weighed as Kleinrock's
-  power is, but by a fifth: rate × limit^-``CROWD_COST`` at the lower bound of one standard error (a doubling must
-  add 15 % of rate to be worth twice the requests; on a plateau, where more requests only wait longer, the smallest
-  limit on it wins, whatever the noise, where "the smallest limit with 95 % of the best rate" chose among the
-  plateau's limits by which read highest). When it settles below the limit in force, it cruises there first: the
-  backend drains the requests the higher limit left before a probe down is judged. Then it
-  cycles through eight phases, one up (×1.25), one down, six cruising, from a random phase (``bbr_cycle_rand``) so
-  that replicas do not probe in step. A probe up is kept if the rate grew 10 % (a real server's phases differ by
-  several per cent alone: on a plateau, a smaller gain is noise that would walk the limit up), and the climb goes on;
-  a probe down if the rate held 95 % of the best lately (so that steps down cannot add up) by one standard error of
-  its rate (``spread_of``: on a plateau, a probe down that kept the rate by luck would walk the limit down). So a
-  batching server, whose latency grows with its batch while its rate still does, is climbed, and a thrashing one held
-  at its knee. Two
-  probes up in a row that raise the rate in proportion to the slots start doubling again. A phase is judged on
-  requests admitted in it and handed off once the backend holds its load (BBR's round), each a rate sample. A
-  probe down that kept the rate is followed by the next at once, as a climb is; with nothing tried below the limit
-  startup settled on (a backend whose best is under ``START``), the cycle opens on its probe down. Not taken:
-  BBR's delivery-rate samples (``occupancy`` says why); its limit of rate × minimum latency, which under-shoots a
-  batching server, whose rate grows with its batch; its probe of the minimum latency; its drain gain of 3/4 (here
-  7/8: a probe down that loses costs a round).
+  rate by 60 %, then steps by what a doubling grew it (×4/3 at least: the knee is near, and a backend that collapses
+  past it is overshot by a little, not by double), while the rate still grows (BBR's startup and its full-bandwidth
+  test, three steps without growth; here a step that loses a twentieth of the best rate ends it at once). Past the
+  knee it tries a middle between the best limit and its neighbours (the steps on the way were measured; best as it
+  settles, below), measures ``START`` again where its first phase, begun on an idle gate, may be why it loses (the
+  clients' first burst can slow everything at once: ``IDLE_SHORTFALL``), and settles on the limit that gave the most
+  rate per request at the backend, weighed as Kleinrock's power is, but by a fifth: rate × limit^-``CROWD_COST`` at
+  the lower bound of one standard error (a doubling must add 15 % of rate to be worth twice the requests; on a
+  plateau, where more requests only wait longer, the smallest limit on it wins, whatever the noise, where "the
+  smallest limit with 95 % of the best rate" chose among the plateau's limits by which read highest). When it
+  settles below the limit in force, it cruises there first: the backend drains the requests the higher limit left
+  before a probe down is judged. Then it cycles through eight phases, one up (×1.25), one down, six cruising, from a
+  random phase (``bbr_cycle_rand``) so that replicas do not probe in step. A probe up is kept if the rate grew 10 %
+  by one standard error of its rate (a real server's phases differ by several per cent alone: on a plateau, a
+  smaller gain, or one read on few answers, is noise that would walk the limit up), and the climb goes on; a probe
+  down if the rate held 95 % of the best lately (so that steps down cannot add up) by one standard error of its rate
+  (``spread_of``: on a plateau, a probe down that kept the rate by luck would walk the limit down). So a batching
+  server, whose latency grows with its batch while its rate still does, is climbed, and a thrashing one held at its
+  knee. Two probes up in a row that raise the rate in proportion to the slots start doubling again. A phase is
+  judged on requests admitted in it and handed off once the backend holds its load (BBR's round), each a rate
+  sample. A probe down that kept the rate is followed by the next at once, as a climb is; with nothing tried below
+  the limit startup settled on (a backend whose best is under ``START``), the cycle opens on its probe down. Not
+  taken: BBR's delivery-rate samples (``occupancy`` says why); its limit of rate × minimum latency, which
+  under-shoots a batching server, whose rate grows with its batch; its probe of the minimum latency; its drain gain
+  of 3/4 (here 7/8: a probe down that loses costs a round).
 - Envoy's adaptive concurrency filter (gradient controller): the median of a phase's latencies; samples of
   requests admitted under another limit judge nothing (Envoy drops those started before its minRTT window);
   five busy phases at the floor force a probe up (Envoy re-measures after five windows at its minimum); no cut
@@ -125,12 +126,13 @@ Measured = Busy | AppLimited
 
 
 class Tried(NamedTuple):
-    """What startup measured at one limit: a busy phase's mix and median normalised latency, and its rate's
-    standard error as a share of it."""
+    """What startup measured at one limit: a busy phase's mix and median normalised latency, its rate's standard
+    error as a share of it, and whether the phase began on an idle gate."""
 
     mix: Mix
     latency: float
     spread: float
+    from_idle: bool
 
 FULL_GROWTH = 1.25  # BBR bbr_full_bw_thresh: a doubling that adds less (a smaller step: by its log) is no growth ...
 FULL_COUNT = 3  # ... and this many of them end startup (BBR bbr_full_bw_cnt)
@@ -140,6 +142,7 @@ FULL_COUNT = 3  # ... and this many of them end startup (BBR bbr_full_bw_cnt)
 COLD_NARROW_STEPS, NARROW_STEPS = 1, 3
 BELOW = 0.75  # ... or this share of a best limit with none tried below it
 FALLEN = 0.95  # startup: a step whose rate is under this share of the best is past the knee
+IDLE_SHORTFALL = 0.3  # a phase begun on an idle gate may read this share under its limit's rate (see ``_finish``)
 CROWD_COST = 0.2  # startup settles on the most rate × limit^-CROWD_COST: a doubling must add 15 % to be worth it ...
 MAX_SPREAD = 0.5  # ... each at its rate less one standard error, this share at most (a phase of one sample: this)
 DOUBLING_GROWTH = 1.6  # startup doubles while a doubling grows the rate this much ...
@@ -213,6 +216,7 @@ class _Phase:
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (normalised latency, work)
     seconds: dict[SampleClass, list[float]] = field(default_factory=dict)  # cruise: each class's seconds
     longest: float = 0.0  # its longest request, in seconds
+    from_idle: bool = False  # its first demand found the gate idle (at start, after a lull)
     lower: bool = False  # its limit is below the last phase's ...
     crowd: int = 0  # ... and the requests the backend held when it began
     timed: list[float] = field(default_factory=list)  # the seconds of its first completions (``MAX_TIMED``)
@@ -343,7 +347,7 @@ class AdaptiveLimit:
         if not phase.peak and in_use + waiting:
             # Its first demand: a phase begun on an idle gate (at start, after a lull) is measured from here, so
             # the wait for traffic does not read as demand that left the limit unfilled.
-            phase.started_at, phase.busy_seconds = now, 0.0
+            phase.started_at, phase.busy_seconds, phase.from_idle = now, 0.0, True
         phase.peak = max(phase.peak, in_use + waiting)
         self._settle_down(now)
         validated = self._validated
@@ -488,9 +492,14 @@ class AdaptiveLimit:
         if self._stuck(now) is not None:
             return True
         if self.kind == "startup":
-            compared = max((tried.mix for tried in self._table.values()), key=self.rate_of, default=None)
-            ceiling = self._ceiling_rate(now, compared)
-            return ceiling is not None and compared is not None and ceiling < FALLEN * self.rate_of(compared)
+            rates = self._rates()
+            if not rates:
+                return False
+            best = max(rates, key=lambda limit: rates[limit])
+            ceiling = self._ceiling_rate(now, self._table[best].mix)
+            # Below the best limit it need only beat it per request at the backend, as startup settles.
+            fewer = (best / self.limit) ** CROWD_COST if self.limit < best else 1.0
+            return ceiling is not None and ceiling * fewer < FALLEN * rates[best]
         if self.kind == "up" and self.mix is not None:
             ceiling = self._ceiling_rate(now, self.mix)
             return ceiling is not None and ceiling < (1 + GROW_MIN) * self.rate_of(self.mix)
@@ -654,7 +663,7 @@ class AdaptiveLimit:
         mix, latency = measured
         limit = self.cruise_limit
         best = max(self._rates().values(), default=0.0)
-        self._table[limit] = Tried(mix, latency, spread)
+        self._table[limit] = Tried(mix, latency, spread, self._now.from_idle)
         if self._narrowing:
             self._why = f"startup: {limit} measured"
             return self._narrow()
@@ -703,6 +712,10 @@ class AdaptiveLimit:
     def _rates(self) -> dict[int, float]:
         return {limit: self.rate_of(tried.mix) for limit, tried in self._table.items()}
 
+    def _worth_settling(self, limit: int, rate: float) -> float:
+        """What startup settles by: ``limit``'s ``rate`` less its standard error, over ``limit ** CROWD_COST``."""
+        return rate * (1 - CONFIDENCE * min(MAX_SPREAD, self._table[limit].spread)) * limit ** -CROWD_COST
+
     def _narrow(self) -> Kind:
         """Between the best limit startup tried and its tried neighbours, try the middle of the wider gap (a
         search in halves), up to ``NARROW_STEPS`` times: a thrashing knee at 6 between 4 and 8 is found in two
@@ -712,7 +725,7 @@ class AdaptiveLimit:
         rates = self._rates()
         if not rates or self._narrowed >= self._narrow_steps:
             return self._finish()
-        best = max(rates, key=lambda limit: (rates[limit], -limit))
+        best = max(rates, key=lambda limit: (self._worth_settling(limit, rates[limit]), -limit))
         tried = set(rates) | self._lost
         below = max((limit for limit in tried if limit < best), default=None)
         above = min((limit for limit in tried if limit > best), default=None)
@@ -737,8 +750,20 @@ class AdaptiveLimit:
         self._opening = False
         if self._table:
             rates = self._rates()
-            self.cruise_limit = max(rates, key=lambda limit: (rates[limit] * (
-                1 - CONFIDENCE * min(MAX_SPREAD, self._table[limit].spread)) * limit ** -CROWD_COST, -limit))
+            best = max(rates, key=lambda limit: (self._worth_settling(limit, rates[limit]), -limit))
+            worth = self._worth_settling(best, rates[best])
+            again = [limit for limit, tried in self._table.items()
+                     if tried.from_idle and limit < best and limit not in self._lost
+                     and self._worth_settling(limit, rates[limit]) >= (1 - IDLE_SHORTFALL) * worth]
+            if again:
+                # The first answers after an idle gate come from a burst: every client at once, whose requests
+                # the clients build and mmgate prepares together, on cores the backend may share. On the real
+                # vLLM that phase read up to 27 % under the rate its limit keeps, and the climb's next step
+                # looked better for it. Measured again where that could be why it loses to a higher limit.
+                self.cruise_limit, self._narrowing = again[0], True
+                self._why += f"; {again[0]} measured again (its phase began on an idle gate)"
+                return "startup"
+            self.cruise_limit = best
             self._opening = self.cruise_limit > self.floor and all(
                 limit >= self.cruise_limit for limit in set(rates) | self._lost)
             self._why += "; startup over: the most rate per request at the backend"
@@ -792,7 +817,7 @@ class AdaptiveLimit:
         mix, latency = measured
         rate, cruise = self.rate_of(mix), self.rate
         if kind == "up":
-            if cruise is not None and rate >= (1 + GROW_MIN) * cruise:
+            if cruise is not None and rate * (1 - CONFIDENCE * spread) >= (1 + GROW_MIN) * cruise:
                 self._why = f"probe up paid: the rate grew ×{rate / cruise:.2f}" if cruise else "probe up paid"
                 in_proportion = rate >= cruise * (1 + PROPORTIONAL * (self.limit / limit - 1))
                 self.cruise_limit = self.limit

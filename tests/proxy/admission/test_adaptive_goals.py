@@ -41,6 +41,7 @@ from testkit.adaptive_sim import (
     Simulation,
     fixed_rates,
     flat,
+    slowed,
     switched,
 )
 from testkit.media import eventually
@@ -80,7 +81,7 @@ def after_step(name: str) -> list[float]:
 
 @pytest.mark.parametrize("name", COLD_START)
 def test_from_a_cold_start_auto_is_near_the_best_fixed_limit_within_5_s(name: str) -> None:
-    """From 5 s to the end of the cell. Measured: batching 1.02, thrashing 0.99, knee 1.00 (medians). Last round:
+    """From 5 s to the end of the cell. Measured: batching 1.00, thrashing 0.99, knee 0.99 (medians). Last round:
     0.38, 0.59, 0.26 (startup doubled 8 to 16 and waited for 16 answers of 3 s there)."""
     _whole, settled = cold_start(name)
     assert statistics.median(settled) >= 0.9
@@ -99,7 +100,7 @@ def test_once_found_the_limit_holds_within_one_step_of_its_probe(name: str, seed
 
 @pytest.mark.parametrize("name", COLD_START)
 def test_from_a_cold_start_auto_over_the_whole_cell_is_09_of_the_best_fixed_limit(name: str) -> None:
-    """Measured: batching 0.93 (0.91-0.95), thrashing 0.91 (0.89-0.96), knee 0.94 (0.91-0.94). Before the start
+    """Measured: batching 0.92 (0.91-0.92), thrashing 0.91 (0.90-0.91), knee 0.94 (0.91-0.94). Before the start
     at 4, a startup step of at least a third (not a half) and one middle tried past the knee: 0.82, 0.80, 0.85
     (the climb from 1 and the search past the knee cost most of the gap)."""
     whole, _settled = cold_start(name)
@@ -115,8 +116,8 @@ NOISY, NOISY_SEEDS = 0.3, range(7)  # service times ±30 %, seven seeds
 def test_from_a_cold_start_on_a_noisy_backend_every_run_finds_the_knee(name: str) -> None:
     """The same cold start with service times ±30 % instead of ±5 %: bench/fleet's runs over HTTP on the thrashing
     backend (0.784, 0.943, 0.799 of the best fixed limit) look like these, not like the quiet simulator's. Goal:
-    median ≥ 0.9 and no run under 0.8. Measured, 7 seeds: thrashing 0.921 (0.90-0.93), knee 0.902 (0.89-0.95);
-    batching 0.877 (0.68-0.95): its 8 read as a doubling's worth over 4 in the low runs, the climb went on to 16,
+    median ≥ 0.9 and no run under 0.8. Measured, 7 seeds: thrashing 0.921 (0.89-0.93), knee 0.902 (0.87-0.95);
+    batching 0.804 (0.71-0.94): its 8 read as a doubling's worth over 4 in the low runs, the climb went on to 16,
     where answers take 3 s, and the search back to 8 cost most of the cell. With a rate counted from completions
     instead of Little's law (``occupancy``): thrashing 0.884 (0.70-0.92), knee 0.916 (0.73-0.95), batching 0.906
     (0.72-0.94)."""
@@ -136,8 +137,8 @@ def test_from_a_cold_start_auto_over_the_whole_cell_is_far_above_last_round(name
 
 @pytest.mark.parametrize("name", STEPS)
 def test_a_capacity_step_is_followed_within_5_s(name: str) -> None:
-    """Measured: 2x slower 0.99 (0.91-1.01), 2x faster 0.93 (0.92-0.94), knee 8 to 4 0.98 (0.97-1.02), batching
-    best 8 to 4 1.01 (0.98-1.03). Last round: 0.32 (the limit gave way and stayed down), 0.94, 0.00 and 0.22 (the
+    """Measured: 2x slower 0.97 (0.97-1.01), 2x faster 0.94 (0.92-0.98), knee 8 to 4 0.95 (0.81-1.02), batching
+    best 8 to 4 0.98 (0.97-1.01). Last round: 0.32 (the limit gave way and stayed down), 0.94, 0.00 and 0.22 (the
     limit stayed past the new knee, and nothing completed)."""
     assert statistics.median(after_step(name)) >= 0.9
 
@@ -161,10 +162,10 @@ def plateau_runs() -> list[Simulation]:
 
 
 def test_on_a_plateau_every_cold_start_settles_at_its_lower_end() -> None:
-    """The median cruise limit from 20 s to 40 s, per seed. Measured: 4 (3-6), 13 seeds of 20 at 4 (with ±50 %:
-    5 (2-11), 6 seeds past 6). When startup settled on the smallest limit with 95 % of the best rate: 4 (2-13), 7
-    seeds past 6 (±50 %: 5.5 (2-15), 8), as the real vLLM's rounds settled at 6, 13 and 15: the plateau's limits
-    read within noise of each other, and the highest reading chose among them."""
+    """The median cruise limit from 20 s to 40 s, per seed. Measured: 4 (3-5), 17 seeds of 20 at 4. When startup
+    settled on the smallest limit with 95 % of the best rate: 4 (2-13), 7 seeds past 6 (±50 %: 5.5 (2-15), 8), as
+    the real vLLM's rounds settled at 6, 13 and 15: the plateau's limits read within noise of each other, and the
+    highest reading chose among them."""
     settled = [statistics.median_low(simulation.result.cruise_at(20 + tenth / 10) for tenth in range(200))
                for simulation in plateau_runs()]
     assert statistics.median(settled) == 4 and max(settled) <= 6, settled
@@ -174,7 +175,7 @@ def test_on_a_plateau_two_classes_of_the_same_work_settle_as_one() -> None:
     """Half the requests, at random, are of another class (the real vLLM's answers of 15 and 16 tokens fall in two
     output buckets): a class first seen in a phase at a higher limit, its first answer slower for the load, was
     seeded that much dearer, and that phase's rate read higher by its share. Measured, 20 seeds, the median cruise
-    limit from 20 s to 40 s: 4 (2-6); seeded as its first answer came, 4 (2-15), 6 seeds past 6."""
+    limit from 20 s to 40 s: 4 (2-6), 16 seeds at 4; seeded as its first answer came, 4 (2-15), 6 seeds past 6."""
     settled = []
     for seed in PLATEAU_SEEDS:
         simulation = Simulation([Group("clients", 16, PLATEAU, other_cls=("chat", False, 6, 1))],
@@ -182,6 +183,20 @@ def test_on_a_plateau_two_classes_of_the_same_work_settle_as_one() -> None:
         simulation.run(40)
         settled.append(statistics.median_low(simulation.result.cruise_at(20 + tenth / 10) for tenth in range(200)))
     assert statistics.median(settled) == 4 and max(settled) <= 6, settled
+
+
+def test_on_a_plateau_a_first_phase_slowed_by_the_start_s_burst_is_measured_again() -> None:
+    """Every answer 1.3 times slower for the first second (the clients' first requests, built and prepared all at
+    once on the backend's cores: on the real vLLM the first phase read up to 27 % under the rate its limit keeps):
+    4's first phase reads low, 8 looked like growth. Measured, 20 seeds, the median cruise limit from 20 s to 40 s:
+    4 (3-4); judged on the first phase, 8 (4-15), 16 seeds past 6."""
+    settled = []
+    for seed in PLATEAU_SEEDS:
+        simulation = Simulation([Group("clients", 16, slowed(PLATEAU, 1.3, 0, 1.0))], adaptive=auto(seed), seed=seed,
+                                jitter=NOISY)
+        simulation.run(40)
+        settled.append(statistics.median_low(simulation.result.cruise_at(20 + tenth / 10) for tenth in range(200)))
+    assert statistics.median(settled) == 4 and max(settled) <= 5, settled
 
 
 def test_settling_below_the_limit_in_force_is_not_read_as_a_slowdown() -> None:
