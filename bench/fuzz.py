@@ -1,10 +1,10 @@
 """The fuzzing properties of ``tests/proxy/test_app_fuzz.py`` with a large budget, to find what CI's small one misses.
 
 Same strategies and properties (``testkit/fuzzing/``), run in rounds with fresh random seeds until each
-property has run ``--examples`` inputs or its share of ``--minutes`` is spent. Unlike CI, a failure whose
+property has run ``examples`` inputs or its share of ``minutes`` is spent (knobs). Unlike CI, a failure whose
 signature is already known (kept in ``tests/fuzz_corpus/`` or found earlier in this run) does not stop the
 search: it is counted and the round goes on, so the budget goes to finding *new* faults. A new fault is
-shrunk by hypothesis and its minimal input written to the corpus (``--no-save`` to keep the corpus as is).
+shrunk by hypothesis and its minimal input written to the corpus (``--set save=off`` to keep the corpus as is).
 
 Prints per property: inputs run (examples and shrink steps), distinct failures (new / known), time; writes
 ``bench/results/fuzz.md`` and ``fuzz.json`` with the commit, the machine and the corpus size.

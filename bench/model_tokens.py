@@ -10,7 +10,7 @@ Three parts:
   cpu       mmgate's CPU per image in a decode worker (``process_image``, thread CPU time) for a 12 MP JPEG:
             with a model's geometry (Idefics3 1456/364, Qwen2-VL) vs the generic rule (``--resize-max-side
             1456``) vs validation only (no resize).
-  vllm      (``--vllm`` or ``--vllm-url``) the tiny Idefics3 of tests/e2e, direct vs through mmgate
+  vllm      (the ``vllm`` knob, or ``vllm_url``) the tiny Idefics3 of tests/e2e, direct vs through mmgate
             ``--model``: prompt_tokens per image size (must be identical), bytes vLLM received, latency mean
             and p99, throughput, rounds interleaved.
 

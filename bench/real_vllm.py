@@ -19,7 +19,7 @@ cell through /proc/PID/clear_refs).
 The client sends prebuilt request bodies with aiohttp (no SDK JSON encoding of 40 MB bodies on the shared CPU).
 Everything shares 2 cores, so client, mmgate and vLLM compete for CPU: read ratios, not absolute numbers.
 
-Backend profiles (--profile):
+Backend profiles (the ``profile`` knob: the scenarios ``real_vllm`` and ``real_vllm_tiles``):
   single  (default) vLLM started with --mm-processor-kwargs '{"do_image_splitting": false}': one 364 px tile (169
           tokens) per image, so the model's own compute is small, as it is on a GPU, and what is left is the CPU
           work a big image costs the server (body parse, base64, decode, resize): the part mmgate can take away.
