@@ -746,29 +746,23 @@ class AdaptiveLimit:
 
     def _finish(self) -> Kind:
         """Startup is over: cruise at the limit whose rate, less its standard error, over ``limit ** CROWD_COST``
-        is the most (the module's docstring says why)."""
+        is the most (the module's docstring says why), unless a limit read on an idle gate is measured again
+        first (``_again``)."""
         self._opening = False
         if self._table:
             rates = self._rates()
             best = max(rates, key=lambda limit: (self._worth_settling(limit, rates[limit]), -limit))
-            worth = self._worth_settling(best, rates[best])
-            again = [limit for limit, tried in self._table.items()
-                     if tried.from_idle and limit < best and limit not in self._lost
-                     and self._worth_settling(limit, rates[limit]) >= (1 - IDLE_SHORTFALL) * worth]
-            if again:
-                # The first answers after an idle gate come from a burst: every client at once, whose requests
-                # the clients build and mmgate prepares together, on cores the backend may share. On the real
-                # vLLM that phase read up to 27 % under the rate its limit keeps, and the climb's next step
-                # looked better for it. Measured again where that could be why it loses to a higher limit.
-                self.cruise_limit, self._narrowing = again[0], True
-                self._why += f"; {again[0]} measured again (its phase began on an idle gate)"
+            again = self._again(rates, best)
+            if again is not None:
+                self.cruise_limit, self._narrowing = again, True
+                self._why += f"; {again} measured again (its phase began on an idle gate)"
                 return "startup"
             self.cruise_limit = best
-            self._opening = self.cruise_limit > self.floor and all(
-                limit >= self.cruise_limit for limit in set(rates) | self._lost)
+            self._opening = best > self.floor and all(limit >= best for limit in set(rates) | self._lost)
             self._why += "; startup over: the most rate per request at the backend"
             self._top = max((tried.mix for tried in self._table.values()), key=self.rate_of)
-            self._cruise_on(self._table[self.cruise_limit].mix, self._table[self.cruise_limit].latency)
+            settled = self._table[best]
+            self._cruise_on(settled.mix, settled.latency)
             # Startup's phases are no cruise: its first began on an idle backend, whose first batch is quicker than
             # a steady one. Until a cruise phase has measured the usual, only a far slower backend gives way.
             self._provisional = True
@@ -784,6 +778,17 @@ class AdaptiveLimit:
             return "cruise" if self.limit > self.cruise_limit else self._next_in_cycle()
         self._index = len(CYCLE) - 1 - self._rng.randrange(CYCLE_RAND)
         return self._next_in_cycle()
+
+    def _again(self, rates: dict[int, float], best: int) -> int | None:
+        """A limit below ``best`` to measure again before settling: one whose phase began on an idle gate, and
+        which would win had it read ``IDLE_SHORTFALL`` low. Its first answers came in a burst: every client at
+        once, their requests built by the clients and prepared by mmgate together, on cores the backend may share;
+        on the real vLLM on two cores that phase read 17-37 % under the rate its limit keeps, and the climb's next
+        step looked better for it."""
+        worth = (1 - IDLE_SHORTFALL) * self._worth_settling(best, rates[best])
+        return next((limit for limit, tried in self._table.items()
+                     if tried.from_idle and limit < best and limit not in self._lost
+                     and self._worth_settling(limit, rates[limit]) >= worth), None)
 
     def _next_in_cycle(self) -> Kind:
         self._index = (self._index + 1) % len(CYCLE)
